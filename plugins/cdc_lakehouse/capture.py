@@ -1,0 +1,350 @@
+"""One bounded capture run: committed transactions from an endpoint's slot -> landing files.
+
+The run's bound is a heartbeat transaction it writes at its start, touching every shard:
+every transaction that committed before the heartbeat is delivered by the slot before the
+heartbeat's COMMIT, so reading up to that COMMIT captures exactly "what was committed when
+the run started", and on quiet shards the heartbeat still moves the slot and measures
+freshness. A cap on events or bytes can end a run earlier, always at a transaction
+boundary (a transaction is never split across runs).
+
+Order of effects, which is what makes a crash at any point safe:
+  1. finish a previous run whose manifest exists but whose slot confirmation did not happen
+  2. stream and write the events to a staging area, then publish them durably
+  3. write the manifest (the run now exists for the ingest)
+  4. confirm the slot up to the run's last COMMIT
+A crash before 3 leaves unlisted files (ignored) and re-delivers everything next run; a
+crash between 3 and 4 re-confirms at the next run's step 1 (or a retry of this run_id).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import select
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any
+
+from . import source as src
+from .landing import TableWriter, list_manifests, manifest_path, run_dir
+from .pgoutput import UNCHANGED, Begin, Change, Commit, Relation, Truncate, TypeMsg, decode, parse_pg_array, pg_time
+
+log = logging.getLogger(__name__)
+PG_EPOCH_US = 946_684_800_000_000  # 2000-01-01 in Unix microseconds
+
+
+@dataclass(frozen=True)
+class CaptureLimits:
+    max_events: int = 2_000_000
+    max_bytes: int = 2 * 1024**3
+    idle_timeout_s: float = 300.0  # waiting this long for the heartbeat means something is wrong
+    batch_rows: int = 20_000
+    file_rows: int = 2_000_000
+
+
+def _crash_point(name: str) -> None:
+    """Failpoint for crash tests: CDC_TEST_CRASH_AT=<name> kills the process right here."""
+    if os.environ.get("CDC_TEST_CRASH_AT") == name:
+        os._exit(137)
+
+
+class _Rel:
+    """A relation as the slot describes it, with what the event builder needs precomputed."""
+
+    __slots__ = ("rel", "key", "names", "key_idx", "array_idx", "schema_json", "columns", "configured", "heartbeat")
+
+    def __init__(self, rel: Relation, type_lookup, configured: bool):
+        self.rel = rel
+        self.key = f"{rel.schema}.{rel.name}"
+        self.names = rel.names
+        self.configured = configured
+        self.heartbeat = rel.name == src.HEARTBEAT_TABLE
+        self.columns: list[dict[str, Any]] = []
+        self.array_idx: set[int] = set()
+        for i, c in enumerate(rel.columns):
+            fmt, typtype, base = type_lookup(c.type_oid, c.typmod)
+            lt = src.lake_type(base, "b") if typtype == "d" else src.lake_type(fmt, typtype)
+            if lt and lt.startswith("array<"):
+                self.array_idx.add(i)
+            self.columns.append({"name": c.name, "type": fmt, "lake_type": lt, "key": c.is_key})
+        self.key_idx = [i for i, c in enumerate(rel.columns) if c.is_key]
+        self.schema_json = src.schema_json(self.columns)
+
+
+def _row(rel: _Rel, values: list) -> tuple[list, list | None]:
+    """Values -> (after as (name, text) pairs, unavailable column names or None)."""
+    names = rel.names
+    if not rel.array_idx and UNCHANGED not in values:
+        return list(zip(names, values)), None
+    out, unavailable = [], []
+    for i, v in enumerate(values):
+        if v is UNCHANGED:
+            unavailable.append(names[i])
+            continue
+        if i in rel.array_idx and v is not None:
+            import json
+
+            try:
+                v = json.dumps(parse_pg_array(v), separators=(",", ":"))
+            except ValueError as exc:
+                # Keep the raw text; the ingest quarantines it with this reason.
+                v = "\x00unparseable-array:" + str(exc) + ":" + v
+        out.append((names[i], v))
+    return out, (unavailable or None)
+
+
+def _key_pairs(rel: _Rel, values: list, only_key: bool) -> list:
+    if only_key:
+        return [(rel.names[i], values[i]) for i in rel.key_idx]
+    return [(n, v) for n, v in zip(rel.names, values) if v is not UNCHANGED]
+
+
+def schema_diff(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> dict[str, list] | None:
+    before = {c["name"]: c["type"] for c in old}
+    after = {c["name"]: c["type"] for c in new}
+    added = [n for n in after if n not in before]
+    dropped = [n for n in before if n not in after]
+    retyped = [{"column": n, "from": before[n], "to": after[n]} for n in after if n in before and before[n] != after[n]]
+    if added or dropped or retyped:
+        return {"added": added, "dropped": dropped, "retyped": retyped}
+    return None
+
+
+def capture_run(ep: src.EndpointTables, dsn: str, store, run_id: str, *, host_label: str = "",
+                database: str = "", limits: CaptureLimits = CaptureLimits()) -> dict[str, Any]:
+    """Capture one run for an endpoint; returns its manifest (also when the run already existed)."""
+    import psycopg2
+
+    slot = src.slot_name(ep.endpoint_id)
+    mpath = manifest_path(ep.endpoint_id, run_id)
+    if store.exists(mpath):
+        manifest = store.read_json(mpath)
+        _confirm(dsn, slot, manifest["end_lsn"], None)
+        log.info("capture %s: run %s already captured; slot confirmed at %s", ep.endpoint_id, run_id, manifest["end_lsn"])
+        return {**manifest, "reused": True}
+
+    conn = psycopg2.connect(dsn, options=src.SESSION_OPTIONS, application_name="cdc_lakehouse capture")
+    try:
+        problems = src.preflight(conn, ep)
+        conn.commit()
+        if problems:
+            raise src.PreflightError(problems)
+        src.ensure_heartbeat_tables(conn, ep.schemas)
+        conn.commit()
+        problems = src.check_publication(conn, ep)
+        conn.commit()
+        if problems:
+            raise src.PreflightError(problems)
+        previous = list_manifests(store, ep.endpoint_id)
+        state = src.slot_state(conn, slot)
+        src.check_slot_usable(state, ep, captured_before=bool(previous))
+        if not state.exists:
+            src.create_slot(conn, slot)
+            state = src.slot_state(conn, slot)
+        if state.active_pid:
+            raise src.SourceError(
+                f"replication slot {slot} on {ep.conn_id} is in use by process {state.active_pid}: another "
+                "capture of this endpoint is running (captures of one endpoint share the pool "
+                f"cdc_capture__{ep.endpoint_id}; check for a run outside Airflow)"
+            )
+        if previous and previous[-1]["end_lsn"] > (state.confirmed_flush or 0):
+            # Step 1: a run that wrote its manifest but died before confirming.
+            _confirm(dsn, slot, previous[-1]["end_lsn"], None)
+            state = src.slot_state(conn, slot)
+        known_schemas = previous[-1].get("schemas", {}) if previous else {}
+        hb_xid = src.write_heartbeat(conn, ep.schemas, run_id)
+        type_lookup = src.column_type_cache(conn)
+        manifest = _stream(ep, dsn, store, run_id, slot, state, hb_xid, type_lookup, known_schemas,
+                           host_label, database, limits)
+        after = src.slot_state(conn, slot)
+        manifest["slot_after"] = after.to_json()
+        log.info(
+            "capture %s run %s: %d events in %d transactions, %d bytes decoded, slot %s retains %s WAL bytes, lag %s bytes%s",
+            ep.endpoint_id, run_id, manifest["events"], manifest["transactions"], manifest["bytes"], slot,
+            after.retained_bytes, after.lag_bytes, " (capped: more remains)" if manifest["capped"] else "",
+        )
+        return manifest
+    finally:
+        conn.close()
+
+
+def _stream(ep, dsn, store, run_id, slot, state, hb_xid, type_lookup, known_schemas, host_label, database,
+            limits: CaptureLimits) -> dict[str, Any]:
+    import psycopg2
+    from psycopg2.extras import LogicalReplicationConnection
+
+    started = datetime.now(timezone.utc)
+    ts_ms = int(started.timestamp() * 1000)
+    configured = set(ep.qualified_tables())
+    staging = store.staging_dir()
+    writers: dict[str, TableWriter] = {}
+    consts = {"connector": "postgresql", "endpoint": ep.endpoint_id, "host": host_label, "db": database,
+              "ts_ms": ts_ms, "run_id": run_id}
+    rels: dict[int, _Rel] = {}
+    schemas_seen: dict[str, list] = {}
+    schema_changes: list[dict[str, Any]] = []
+    heartbeats: dict[str, dict[str, Any]] = {}
+    events = nbytes = txs = ignored = 0
+    capped = False
+    last_commit: Commit | None = None
+    tx: Begin | None = None
+    tx_commit_us = 0
+    seq = 0
+    tx_heartbeat_schemas: list[str] = []
+
+    repl = psycopg2.connect(dsn, connection_factory=LogicalReplicationConnection, options=src.SESSION_OPTIONS,
+                            application_name="cdc_lakehouse capture stream")
+    cur = repl.cursor()
+    try:
+        cur.start_replication(slot_name=slot, decode=False, status_interval=10,
+                              options={"proto_version": "1", "publication_names": src.PUBLICATION})
+        last_activity = time.monotonic()
+        done = False
+        while not done:
+            msg = cur.read_message()
+            if msg is None:
+                if time.monotonic() - last_activity > limits.idle_timeout_s:
+                    raise src.SourceError(
+                        f"capture {ep.endpoint_id}: the run's heartbeat transaction (xid {hb_xid}) did not arrive "
+                        f"within {limits.idle_timeout_s:.0f}s; check that {src.HEARTBEAT_TABLE} is in publication "
+                        f"{src.PUBLICATION} and that the server is not overloaded"
+                    )
+                select.select([cur], [], [], 1.0)
+                continue
+            last_activity = time.monotonic()
+            payload = msg.payload
+            nbytes += len(payload)
+            m = decode(payload)
+            if isinstance(m, Change):
+                r = rels[m.relid]
+                if r.heartbeat:
+                    tx_heartbeat_schemas.append(r.rel.schema)
+                    continue
+                if not r.configured:
+                    ignored += 1
+                    continue
+                seq += 1
+                if m.kind == "I":
+                    op, before = "c", None
+                    after, unavailable = _row(r, m.new)
+                elif m.kind == "U":
+                    op = "u"
+                    before = _key_pairs(r, m.old, m.old_is_key) if m.old is not None else None
+                    after, unavailable = _row(r, m.new)
+                else:
+                    op, after, unavailable = "d", None, None
+                    before = _key_pairs(r, m.old, m.old_is_key)
+                w = writers.get(r.rel.name)
+                if w is None:
+                    d = staging / r.rel.name
+                    d.mkdir()
+                    w = writers[r.rel.name] = TableWriter(d, consts, limits.batch_rows, limits.file_rows)
+                w.add(op, before, after, unavailable, r.rel.schema, r.rel.name, tx.final_lsn, msg.data_start,
+                      tx.xid, seq, tx_commit_us, r.schema_json)
+                events += 1
+            elif isinstance(m, Begin):
+                tx, seq, tx_heartbeat_schemas = m, 0, []
+                tx_commit_us = m.commit_ts + PG_EPOCH_US
+            elif isinstance(m, Commit):
+                txs += 1
+                last_commit = m
+                for s in tx_heartbeat_schemas:
+                    heartbeats[s] = {"commit_lsn": m.commit_lsn, "end_lsn": m.end_lsn,
+                                     "commit_ts": pg_time(m.commit_ts).isoformat(), "xid": tx.xid}
+                if tx.xid == hb_xid:
+                    done = True  # the run's bound: everything committed before it is in
+                elif events >= limits.max_events or nbytes >= limits.max_bytes:
+                    capped = done = True
+                tx = None
+            elif isinstance(m, Relation):
+                configured_rel = (m.schema, m.name) in configured
+                r = _Rel(m, type_lookup, configured_rel)
+                rels[m.oid] = r
+                if configured_rel:
+                    prev = schemas_seen.get(r.key) or known_schemas.get(r.key)
+                    if prev is not None:
+                        diff = schema_diff(prev, r.columns)
+                        if diff:
+                            schema_changes.append({"table": r.key, "at_commit_lsn": tx.final_lsn if tx else None, **diff})
+                            log.warning("capture %s: schema change on %s: %s", ep.endpoint_id, r.key, diff)
+                    schemas_seen[r.key] = r.columns
+            elif isinstance(m, Truncate):
+                for relid in m.relids:
+                    r = rels.get(relid)
+                    if r is None or not r.configured:
+                        continue
+                    seq += 1
+                    w = writers.get(r.rel.name)
+                    if w is None:
+                        d = staging / r.rel.name
+                        d.mkdir()
+                        w = writers[r.rel.name] = TableWriter(d, consts, limits.batch_rows, limits.file_rows)
+                    w.add("t", None, None, None, r.rel.schema, r.rel.name, tx.final_lsn, msg.data_start, tx.xid, seq,
+                          tx_commit_us, r.schema_json)
+                    events += 1
+            elif isinstance(m, TypeMsg) or m is None:
+                pass
+
+        # Files first, durably; then the manifest; then the slot.
+        tables = []
+        for name, w in sorted(writers.items()):
+            files = w.close()
+            rel = run_dir(ep.endpoint_id, name, run_id)
+            store.publish_dir(staging / name, rel)
+            tables.append({"table": name, "dir": rel, "files": files, "events": w.rows,
+                           "min_commit_lsn": w.min_commit_lsn, "max_commit_lsn": w.max_commit_lsn,
+                           "shards": sorted(w.shards)})
+        store.discard(staging)
+        _crash_point("after_files")
+        assert last_commit is not None
+        manifest = {
+            "format": 1, "run_id": run_id, "endpoint": ep.endpoint_id, "conn_id": ep.conn_id, "slot": slot,
+            "publication": src.PUBLICATION, "started_at": started.isoformat(),
+            "finished_at": datetime.now(timezone.utc).isoformat(),
+            "start_lsn": state.confirmed_flush, "end_lsn": last_commit.end_lsn,
+            "last_commit_lsn": last_commit.commit_lsn, "last_commit_ts": pg_time(last_commit.commit_ts).isoformat(),
+            "capped": capped, "heartbeat_xid": hb_xid, "events": events, "bytes": nbytes, "transactions": txs,
+            "ignored_events": ignored, "tables": tables, "heartbeats": heartbeats,
+            "schemas": {**known_schemas, **schemas_seen}, "schema_changes": schema_changes,
+            "slot_before": state.to_json(),
+        }
+        store.write_json(manifest_path(ep.endpoint_id, run_id), manifest)
+        _crash_point("after_manifest")
+        _confirm(dsn, slot, last_commit.end_lsn, cur)
+        cur = None
+        return manifest
+    except BaseException:
+        store.discard(staging)
+        raise
+    finally:
+        try:
+            repl.close()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def _confirm(dsn: str, slot: str, lsn: int, cur) -> None:
+    """Move the slot's confirmed position to lsn and make sure the server took it."""
+    import psycopg2
+
+    if cur is not None:
+        cur.send_feedback(write_lsn=lsn, flush_lsn=lsn, apply_lsn=lsn, force=True)
+        cur.connection.close()
+    conn = psycopg2.connect(dsn, application_name="cdc_lakehouse confirm")
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            st = src.slot_state(conn, slot)
+            if not st.exists:
+                raise src.SlotLostError(f"replication slot {slot} disappeared while confirming position {lsn}")
+            if (st.confirmed_flush or 0) >= lsn:
+                return
+            if st.active_pid is None:
+                src.advance_slot(conn, slot, lsn)
+                return
+            if time.monotonic() > deadline:
+                raise src.SourceError(f"slot {slot} stayed active (pid {st.active_pid}); could not confirm {lsn}")
+            time.sleep(0.1)
+    finally:
+        conn.close()

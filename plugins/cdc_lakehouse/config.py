@@ -1,0 +1,383 @@
+"""Table configuration: one YAML file per replicated table, validated into typed objects.
+
+A bad file yields a ConfigError naming the file, the field and the fix; the other files
+still load, so one broken table never takes the other tables' DAGs down.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from .identifiers import IdentifierError, check_ident, check_lake_ident
+
+# Columns the pipeline adds to lake tables. Source columns may not use the prefix.
+META_PREFIX = "_cdc_"
+SHARD_COL = "_cdc_shard"
+LSN_COL = "_cdc_commit_lsn"
+SEQ_COL = "_cdc_seq"
+COMMIT_TS_COL = "_cdc_commit_ts"
+OP_COL = "_cdc_op"
+
+_CRON_FIELD = re.compile(r"^[0-9*/,\-A-Za-z?LW#]+$")
+_PRESETS = {"@hourly", "@daily", "@weekly", "@monthly", "@yearly", "@once", "@continuous"}
+_TRANSFORM = re.compile(
+    r"^(?:(?P<col>[A-Za-z_][A-Za-z0-9_]*)"
+    r"|(?P<fn>bucket|truncate)\((?P<n>\d+),\s*(?P<arg>[A-Za-z_][A-Za-z0-9_]*)\)"
+    r"|(?P<tfn>years|months|days|hours)\((?P<targ>[A-Za-z_][A-Za-z0-9_]*)\))$"
+)
+
+
+def _schedule(value: str | None) -> str | None:
+    if value is None or value in _PRESETS:
+        return value
+    parts = value.split()
+    if len(parts) != 5 or not all(_CRON_FIELD.match(p) for p in parts):
+        raise ValueError(f"{value!r} is not a 5-field cron expression or a preset like @hourly")
+    return value
+
+
+Schedule = Annotated[str, AfterValidator(_schedule)]
+
+
+class _Model(BaseModel):
+    # Unknown keys are errors: a typo must not silently fall back to a default.
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ShardGroup(_Model):
+    """Shards of one source endpoint: a PostgreSQL database reached through one connection."""
+
+    conn_id: str = Field(description="Airflow connection id of the source host")
+    database: str | None = Field(None, description="database; default: the connection's")
+    schemas: list[str] = Field(min_length=1, description="shard schemas holding the table")
+
+    @field_validator("conn_id")
+    @classmethod
+    def _conn(cls, v: str) -> str:
+        if not re.match(r"^[A-Za-z0-9_.\-]{1,200}$", v):
+            raise ValueError("connection ids use letters, digits, '_', '-' and '.'")
+        return v
+
+    @field_validator("database")
+    @classmethod
+    def _db(cls, v: str | None) -> str | None:
+        return None if v is None else check_ident(v, "database")
+
+    @field_validator("schemas")
+    @classmethod
+    def _schemas(cls, v: list[str]) -> list[str]:
+        for s in v:
+            check_ident(s, "shard schema")
+        if len(set(v)) != len(v):
+            raise ValueError("a shard schema is listed twice")
+        return v
+
+    @property
+    def endpoint_id(self) -> str:
+        """One replication slot and publication per endpoint (slots are per database)."""
+        base = re.sub(r"[^a-z0-9_]", "_", self.conn_id.lower())
+        return base if self.database is None else f"{base}__{self.database.lower()}"
+
+
+class SourceConfig(_Model):
+    table: str = Field(description="table name, the same in every shard")
+    shards: list[ShardGroup] = Field(min_length=1)
+
+    @field_validator("table")
+    @classmethod
+    def _table(cls, v: str) -> str:
+        return check_ident(v, "source table")
+
+    @model_validator(mode="after")
+    def _unique_shards(self) -> SourceConfig:
+        seen: set[str] = set()
+        for g in self.shards:
+            for s in g.schemas:
+                name = shard_name(g, s)
+                if name in seen:
+                    raise ValueError(f"shard {name!r} appears twice")
+                seen.add(name)
+        return self
+
+
+def shard_name(group: ShardGroup, schema: str) -> str:
+    """The shard's name in the lake: its schema, prefixed by the database when shards are databases."""
+    return schema if group.database is None else f"{group.database}.{schema}"
+
+
+class ErrorBudget(_Model):
+    max_quarantined: int = Field(1000, ge=0, description="quarantined events per run before it fails")
+    max_fraction: float = Field(0.01, ge=0, le=1, description="quarantined / read, per run")
+
+
+class LakeTableConfig(_Model):
+    namespace: str = "cdc"
+    name: str | None = Field(None, description="lake table name; default: the config's name")
+    partition_by: list[str] = Field(default_factory=lambda: [SHARD_COL])
+    sort_by: list[str] | None = Field(None, description="default: the primary key")
+    write_mode: Literal["merge-on-read", "copy-on-write"] = "merge-on-read"
+    format_version: Literal[2, 3] = 2
+    target_file_size_mb: int = Field(128, ge=1, le=4096)
+    properties: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("namespace", "name")
+    @classmethod
+    def _lake(cls, v: str | None) -> str | None:
+        return None if v is None else check_lake_ident(v, "lake namespace/name")
+
+    @field_validator("partition_by")
+    @classmethod
+    def _parts(cls, v: list[str]) -> list[str]:
+        for p in v:
+            if not _TRANSFORM.match(p.strip()):
+                raise ValueError(
+                    f"partition {p!r}: use a column, bucket(N, col), truncate(N, col) "
+                    "or years/months/days/hours(col)"
+                )
+        return [p.strip() for p in v]
+
+
+class SchemaChangePolicy(_Model):
+    mode: Literal["additive", "strict"] = Field(
+        "additive",
+        description="additive: add new columns and safe widenings automatically; strict: stop on any change",
+    )
+    dropped_columns: dict[str, Literal["keep_null", "drop"]] = Field(
+        default_factory=dict,
+        description="decision per column dropped at the source: keep it (NULL from now on) or drop it",
+    )
+
+
+class IngestConfig(_Model):
+    schedule: Schedule = "@hourly"
+    group: str | None = Field(None, description="tables of one group share one Spark application")
+    max_events_per_run: int = Field(2_000_000, ge=1)
+    max_bytes_per_run: int = Field(2 * 1024**3, ge=1024)
+    error_budget: ErrorBudget = ErrorBudget()
+    missing_landing_files: Literal["fail", "skip"] = "fail"
+
+    @field_validator("group")
+    @classmethod
+    def _group(cls, v: str | None) -> str | None:
+        return None if v is None else check_lake_ident(v, "ingest group")
+
+
+class AuditConfig(_Model):
+    schedule: Schedule = "30 * * * *"
+    freshness_sla_minutes: int = Field(120, ge=1)
+    consecutive_mismatches: int = Field(3, ge=1, description="audits a key must mismatch before failing")
+    mode: Literal["auto", "full", "checksum"] = "auto"
+    checksum_min_rows: int = Field(1_000_000, ge=0, description="auto mode: checksum-first at this size")
+    buckets: int = Field(256, ge=1, le=65536)
+    sample_keys: int = Field(10, ge=0, le=1000)
+    row_count_tolerance: float = Field(0.0, ge=0, le=1)
+    repair: bool = False
+    max_repair_keys: int = Field(100_000, ge=1)
+
+
+class MaintenanceConfig(_Model):
+    schedule: Schedule = "15 3 * * *"
+    snapshot_retention_hours: int = Field(168, ge=1)
+    min_snapshots_to_keep: int = Field(5, ge=1)
+    orphan_file_age_hours: int = Field(72, ge=24, description="never below a day: in-flight writes")
+    compaction: Literal["binpack", "sort"] = "sort"
+    min_input_files: int = Field(5, ge=2)
+    latest_view: Literal["table", "view", "none"] = "table"
+    landing_retention_hours: int = Field(168, ge=1)
+
+
+class BootstrapConfig(_Model):
+    max_connections_per_host: int = Field(2, ge=1, le=64)
+    partitions_per_shard: int = Field(4, ge=1, le=1024)
+    fetch_size: int = Field(10_000, ge=100)
+
+
+class SoftDeleteColumns(_Model):
+    flag: str = "is_deleted"
+    timestamp: str = "deleted_at"
+
+
+class TableConfig(_Model):
+    name: str = Field(description="the table's id: DAG ids, pools and lake names derive from it")
+    description: str = ""
+    owner: str = "data-platform"
+    tags: list[str] = Field(default_factory=list)
+    source: SourceConfig
+    primary_key: list[str] = Field(min_length=1)
+    column_types: dict[str, str] = Field(
+        default_factory=dict, description="lake type overrides, e.g. {amount: 'decimal(20,4)'}"
+    )
+    deletes: Literal["hard", "soft"] = "hard"
+    soft_delete_columns: SoftDeleteColumns = SoftDeleteColumns()
+    schema_changes: SchemaChangePolicy = SchemaChangePolicy()
+    lake: LakeTableConfig = LakeTableConfig()
+    ingest: IngestConfig = IngestConfig()
+    audit: AuditConfig = AuditConfig()
+    maintenance: MaintenanceConfig = MaintenanceConfig()
+    bootstrap: BootstrapConfig = BootstrapConfig()
+    retries: int = Field(2, ge=0, le=10)
+    alert_emails: list[str] = Field(default_factory=list)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        return check_lake_ident(v, "table name")
+
+    @field_validator("primary_key")
+    @classmethod
+    def _pk(cls, v: list[str]) -> list[str]:
+        for c in v:
+            check_ident(c, "primary key column")
+            if c.startswith(META_PREFIX):
+                raise ValueError(f"column {c!r} uses the reserved prefix {META_PREFIX!r}")
+        return v
+
+    @field_validator("column_types")
+    @classmethod
+    def _types(cls, v: dict[str, str]) -> dict[str, str]:
+        for col, typ in v.items():
+            check_ident(col, "column")
+            if not re.match(r"^[a-z]+(\(\d+(,\s*\d+)?\))?$", typ):
+                raise ValueError(f"column {col!r}: type {typ!r} is not a Spark type name like decimal(20,4)")
+        return v
+
+    @model_validator(mode="after")
+    def _cross(self) -> TableConfig:
+        for c in self.soft_delete_columns.flag, self.soft_delete_columns.timestamp:
+            check_ident(c, "soft delete column")
+        for c in self.sort_by_columns:
+            check_ident(c, "sort column")
+        return self
+
+    # --- derived names -------------------------------------------------------------
+    @property
+    def lake_name(self) -> str:
+        return self.lake.name or self.name
+
+    @property
+    def current_table(self) -> str:
+        return f"{self.lake.namespace}.{self.lake_name}"
+
+    @property
+    def changelog_table(self) -> str:
+        return f"{self.lake.namespace}.{self.lake_name}__changelog"
+
+    @property
+    def latest_view(self) -> str:
+        return f"{self.lake.namespace}.{self.lake_name}__latest"
+
+    @property
+    def lake_key(self) -> list[str]:
+        """Keys are unique per shard; the lake key includes the shard."""
+        return [SHARD_COL, *self.primary_key]
+
+    @property
+    def sort_by_columns(self) -> list[str]:
+        return list(self.lake.sort_by) if self.lake.sort_by else list(self.primary_key)
+
+    @property
+    def pool(self) -> str:
+        """One Airflow pool slot per table: writers of a table never overlap."""
+        return f"cdc_table__{self.name}"
+
+    def shards(self) -> list[tuple[ShardGroup, str, str]]:
+        """(group, schema, shard name) for every shard."""
+        return [(g, s, shard_name(g, s)) for g in self.source.shards for s in g.schemas]
+
+
+@dataclass(frozen=True)
+class ConfigError:
+    file: str
+    field: str
+    message: str
+    fix: str
+
+    def __str__(self) -> str:
+        return f"{self.file}: field '{self.field}': {self.message}. Fix: {self.fix}"
+
+
+@dataclass
+class ConfigSet:
+    tables: dict[str, TableConfig]
+    errors: list[ConfigError]
+    files: dict[str, str]  # table name -> file
+
+    def endpoints(self) -> dict[str, list[tuple[TableConfig, ShardGroup]]]:
+        """endpoint id -> the tables (and their shard group) captured through it."""
+        out: dict[str, list[tuple[TableConfig, ShardGroup]]] = {}
+        for t in self.tables.values():
+            for g in t.source.shards:
+                out.setdefault(g.endpoint_id, []).append((t, g))
+        return out
+
+
+def _fix_for(loc: str, err: dict[str, Any]) -> str:
+    kind = err.get("type", "")
+    if kind == "extra_forbidden":
+        return f"remove '{loc}' or check its spelling against the configuration reference in README.md"
+    if kind == "missing":
+        return f"add '{loc}'"
+    if kind == "literal_error":
+        return "use one of the values listed in the message"
+    return "correct the value as the message says (see the configuration reference in README.md)"
+
+
+def parse_table_config(data: Any, file: str) -> tuple[TableConfig | None, list[ConfigError]]:
+    if not isinstance(data, dict):
+        return None, [ConfigError(file, "<root>", "the file is not a YAML mapping", "write `name: ...` etc. at top level")]
+    try:
+        return TableConfig.model_validate(data), []
+    except ValidationError as exc:
+        errors = []
+        for err in exc.errors():
+            loc = ".".join(str(p) for p in err["loc"]) or "<root>"
+            msg = err["msg"].removeprefix("Value error, ")
+            if "input" in err and err.get("type") not in ("missing",) and not isinstance(err["input"], dict):
+                msg += f" (got {err['input']!r})"
+            errors.append(ConfigError(file, loc, msg, _fix_for(loc, err)))
+        return None, errors
+    except IdentifierError as exc:  # raised from model validators
+        return None, [ConfigError(file, "<identifier>", str(exc), "rename it")]
+
+
+def load_table_configs(directory: str | Path) -> ConfigSet:
+    """Every *.yaml under directory; errors are collected per file, never raised."""
+    directory = Path(directory)
+    tables: dict[str, TableConfig] = {}
+    files: dict[str, str] = {}
+    errors: list[ConfigError] = []
+    for path in sorted(directory.glob("*.y*ml")):
+        rel = str(path)
+        try:
+            data = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f"line {mark.line + 1}" if mark else "<yaml>"
+            errors.append(ConfigError(rel, where, f"not valid YAML: {getattr(exc, 'problem', exc)}", "fix the YAML syntax"))
+            continue
+        cfg, errs = parse_table_config(data, rel)
+        errors.extend(errs)
+        if cfg is None:
+            continue
+        if cfg.name in tables:
+            errors.append(ConfigError(rel, "name", f"table {cfg.name!r} is already defined in {files[cfg.name]}", "give each table a unique name"))
+            continue
+        tables[cfg.name] = cfg
+        files[cfg.name] = rel
+    return ConfigSet(tables, errors, files)
+
+
+def load_table_config(path: str | Path) -> TableConfig:
+    """One file; raises ValueError listing every problem (for CLIs and Spark jobs)."""
+    path = Path(path)
+    cfg, errors = parse_table_config(yaml.safe_load(path.read_text()), str(path))
+    if errors:
+        raise ValueError("\n".join(str(e) for e in errors))
+    assert cfg is not None
+    return cfg

@@ -1,0 +1,208 @@
+"""Landing events -> validated, typed change events (pure DataFrame -> DataFrame functions).
+
+Values arrive as PostgreSQL text. Each is cast to its lake type behind a format guard,
+because Spark's casts silently truncate ('1.5' -> 1), round (1.239 -> 1.24 for
+decimal(10,2)) or drop a ' BC' suffix from dates. A value that does not fit gives the event
+a reason, and events with reasons go to quarantine instead of the lake.
+
+Ordering: events are ordered by (commit LSN, sequence in the transaction). The lake's
+`_cdc_seq` is 2*seq, or 2*seq+1 for the second half of a primary-key change, which becomes a
+delete of the old key followed by an upsert of the new one.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING
+
+from .config import COMMIT_TS_COL, LSN_COL, OP_COL, SEQ_COL, SHARD_COL, TableConfig
+from .lake import LSN_EVENT_COL, RUN_COL, UNAVAILABLE_COL, XID_COL
+
+if TYPE_CHECKING:
+    from pyspark.sql import Column, DataFrame
+
+VALID_OPS = ("c", "u", "d", "r", "t")
+REASONS = "_reasons"
+RAW = "_raw"
+FILE = "_file"
+BKEY = "_bkey_"  # prefix of the before-image key columns (primary-key changes)
+PKCHANGE = "_pk_change"
+
+
+def landing_spark_schema():
+    from pyspark.sql.types import (
+        ArrayType, LongType, MapType, StringType, StructField, StructType, TimestampType,
+    )
+
+    kv = MapType(StringType(), StringType())
+    source = StructType([
+        StructField("connector", StringType()), StructField("endpoint", StringType()),
+        StructField("host", StringType()), StructField("db", StringType()),
+        StructField("schema", StringType()), StructField("table", StringType()),
+        StructField("commit_lsn", LongType()), StructField("lsn", LongType()),
+        StructField("xid", LongType()), StructField("seq", LongType()),
+        StructField("commit_ts", TimestampType()),
+    ])
+    return StructType([
+        StructField("op", StringType()), StructField("before", kv), StructField("after", kv),
+        StructField("unavailable", ArrayType(StringType())), StructField("source", source),
+        StructField("table_schema", StringType()), StructField("ts_ms", LongType()),
+        StructField("run_id", StringType()),
+    ])
+
+
+_DEC = re.compile(r"^decimal\((\d+),\s*(\d+)\)$")
+
+
+def cast_text(raw: Column, lake_type: str) -> Column:
+    """PostgreSQL text -> lake type; NULL when the text does not fit (callers check)."""
+    from pyspark.sql import functions as F
+
+    t = lake_type.replace(" ", "")
+    if t in ("bigint", "int", "smallint", "tinyint"):
+        return F.when(raw.rlike(r"^-?[0-9]+$"), raw.cast(t))
+    if t == "boolean":
+        return F.when(raw.isin("t", "true"), F.lit(True)).when(raw.isin("f", "false"), F.lit(False))
+    m = _DEC.match(t)
+    if m:
+        p, s = int(m.group(1)), int(m.group(2))
+        # Trailing zeros beyond the scale are harmless (unconstrained numeric prints them).
+        trimmed = F.regexp_replace(F.regexp_replace(raw, r"(\.[0-9]*?)0+$", "$1"), r"\.$", "")
+        int_digits = f"(0|[0-9]{{1,{p - s}}})" if p > s else "0"
+        frac = rf"(\.[0-9]{{1,{s}}})?" if s > 0 else ""
+        return F.when(trimmed.rlike(rf"^-?{int_digits}{frac}$"), trimmed.cast(t))
+    if t in ("float", "double"):
+        return F.when(raw.rlike(r"^(-?[0-9.]+([eE][-+]?[0-9]+)?|NaN|-?Infinity)$"), raw.cast(t))
+    if t == "string":
+        return raw
+    if t == "date":
+        return F.when(raw.rlike(r"^[0-9]{4}-[0-9]{2}-[0-9]{2}$"), F.to_date(raw))
+    if t == "timestamp":
+        return F.when(raw.rlike(r"^[0-9]{4}-[0-9]{2}-[0-9]{2}[ T][0-9]{2}:[0-9]{2}:[0-9]{2}(\.[0-9]+)?([+-][0-9]{2}(:?[0-9]{2}){0,2}|Z)?$"),
+                      raw.cast("timestamp"))
+    if t == "timestamp_ntz":
+        return F.when(raw.rlike(r"^[0-9]{4}-[0-9]{2}-[0-9]{2}[ T][0-9]{2}:[0-9]{2}:[0-9]{2}(\.[0-9]+)?$"),
+                      raw.cast("timestamp_ntz"))
+    if t == "binary":
+        return F.when(raw.rlike(r"^\\x([0-9a-fA-F]{2})*$"), F.unhex(F.substring(raw, 3, 1 << 30)))
+    if t.startswith("array<") and t.endswith(">"):
+        elem = t[6:-1]
+        arr = F.from_json(raw, "array<string>")
+        if elem == "string":
+            return arr
+        typed = F.transform(arr, lambda x: cast_text(x, elem))
+        ok = F.forall(F.arrays_zip(arr.alias("a"), typed.alias("b")),
+                      lambda z: z["a"].isNull() | z["b"].isNotNull())
+        return F.when(ok, typed)
+    raise ValueError(f"no cast for lake type {lake_type!r}")
+
+
+def shard_expr(shard_map: dict[tuple[str, str], str]) -> Column:
+    """(endpoint, schema) -> shard name, NULL for shards outside the table's config."""
+    from pyspark.sql import functions as F
+
+    pairs = []
+    for (endpoint, schema), shard in sorted(shard_map.items()):
+        pairs += [F.lit(f"{endpoint}/{schema}"), F.lit(shard)]
+    m = F.create_map(*pairs)
+    return m[F.concat_ws("/", F.col("source.endpoint"), F.col("source.schema"))]
+
+
+def typed_events(df: DataFrame, cfg: TableConfig, lake_columns: list[tuple[str, str]],
+                 shard_map: dict[tuple[str, str], str]) -> DataFrame:
+    """Landing rows -> one row per event: shard, typed source columns, metadata, reasons, raw.
+
+    `lake_columns` are the current table's source columns (name, Spark type). Columns an
+    event does not carry (added later, or dropped at the source under a keep_null policy)
+    are NULL; unchanged TOAST columns are NULL and listed in `_cdc_unavailable`.
+    """
+    from pyspark.sql import functions as F
+
+    pk = cfg.primary_key
+    op = F.col("op")
+    is_upsert = op.isin("c", "u", "r")
+    reasons = [
+        F.when(~op.isin(*VALID_OPS) | op.isNull(), F.concat(F.lit("unknown op '"), F.coalesce(op, F.lit("null")), F.lit("'"))),
+        F.when(F.col("source.commit_lsn").isNull() | F.col("source.seq").isNull(),
+               F.lit("missing source position (commit_lsn/seq)")),
+        F.when(is_upsert & F.col("after").isNull(), F.lit("missing after image")),
+        F.when((op == "d") & F.col("before").isNull(), F.lit("missing before image")),
+    ]
+    cols: dict[str, Column] = {}
+    types = dict(lake_columns)
+    for name, typ in lake_columns:
+        in_after = F.col("after")[name]
+        in_before = F.col("before")[name]
+        raw = F.when(is_upsert, in_after).when(op == "d", in_before)
+        typed = cast_text(raw, typ)
+        cols[name] = typed
+        reasons.append(F.when(raw.isNotNull() & typed.isNull(), F.concat(
+            F.lit(f"column {name}: value '"), F.substring(raw, 1, 80), F.lit(f"' does not fit {typ}"))))
+    for k in pk:
+        reasons.append(F.when((is_upsert & F.col("after")[k].isNull()) | ((op == "d") & F.col("before")[k].isNull()),
+                              F.lit(f"missing key column {k}")))
+        bk = cast_text(F.col("before")[k], types[k])
+        cols[BKEY + k] = F.when(op == "u", bk)
+        reasons.append(F.when((op == "u") & F.col("before")[k].isNotNull() & bk.isNull(),
+                              F.lit(f"before image key column {k} does not fit {types[k]}")))
+    shard = shard_expr(shard_map)
+    reason_arr = F.filter(F.array(*reasons), lambda x: x.isNotNull())
+    raw_json = F.to_json(F.struct("op", "before", "after", "unavailable", "source", "run_id"))
+    out = df.select(
+        shard.alias(SHARD_COL),
+        *[c.alias(n) for n, c in cols.items()],
+        F.when(op == "r", F.lit("c")).otherwise(op).alias(OP_COL),
+        F.col("source.commit_lsn").alias(LSN_COL),
+        F.col("source.seq").alias("_seq_raw"),
+        F.col("source.commit_ts").alias(COMMIT_TS_COL),
+        F.col("source.lsn").alias(LSN_EVENT_COL),
+        F.col("source.xid").alias(XID_COL),
+        F.when(F.size("unavailable") > 0, F.col("unavailable")).alias(UNAVAILABLE_COL),
+        F.col("run_id").alias(RUN_COL),
+        F.col("source.schema").alias("_source_schema"),
+        F.col("table_schema").alias("_table_schema"),
+        reason_arr.alias(REASONS),
+        raw_json.alias(RAW),
+        F.input_file_name().alias(FILE),
+    )
+    return out
+
+
+def split_pk_changes(events: DataFrame, cfg: TableConfig) -> DataFrame:
+    """Lake order `_cdc_seq` = 2*seq; a primary-key change becomes delete(old) at 2*seq and
+    upsert(new) at 2*seq+1. `_fill_key_*` says whose prior state fills unavailable columns."""
+    from pyspark.sql import functions as F
+
+    pk = cfg.primary_key
+    changed = F.lit(False)
+    for k in pk:
+        changed = changed | (F.col(BKEY + k).isNotNull() & ~F.col(BKEY + k).eqNullSafe(F.col(k)))
+    ev = events.withColumn(PKCHANGE, (F.col(OP_COL) == "u") & changed)
+    base = ev.withColumn(SEQ_COL, F.col("_seq_raw") * 2 + F.when(F.col(PKCHANGE), 1).otherwise(0))
+    for k in pk:
+        base = base.withColumn("_fill_key_" + k, F.when(F.col(PKCHANGE), F.col(BKEY + k)).otherwise(F.col(k)))
+    deletes = ev.filter(F.col(PKCHANGE))
+    source_cols = [c for c in events.columns if c not in _META_NON_SOURCE and not c.startswith(BKEY)]
+    for c in source_cols:
+        if c in pk:
+            deletes = deletes.withColumn(c, F.col(BKEY + c))
+        elif c != SHARD_COL:
+            deletes = deletes.withColumn(c, F.lit(None).cast(events.schema[c].dataType))
+    deletes = (deletes.withColumn(OP_COL, F.lit("d")).withColumn(UNAVAILABLE_COL, F.lit(None).cast("array<string>"))
+               .withColumn(SEQ_COL, F.col("_seq_raw") * 2).withColumn(PKCHANGE, F.lit(False)))
+    for k in pk:
+        deletes = deletes.withColumn("_fill_key_" + k, F.col(k))
+    return base.unionByName(deletes)
+
+
+_META_NON_SOURCE = {SHARD_COL, OP_COL, LSN_COL, "_seq_raw", SEQ_COL, COMMIT_TS_COL, LSN_EVENT_COL, XID_COL,
+                    UNAVAILABLE_COL, RUN_COL, "_source_schema", "_table_schema", REASONS, RAW, FILE, PKCHANGE}
+
+
+def latest_per_key(events: DataFrame, key: list[str]) -> DataFrame:
+    """One event per key: the latest by (commit LSN, sequence)."""
+    from pyspark.sql import Window
+    from pyspark.sql import functions as F
+
+    w = Window.partitionBy(*key).orderBy(F.col(LSN_COL).desc(), F.col(SEQ_COL).desc())
+    return events.withColumn("_rn", F.row_number().over(w)).filter("_rn = 1").drop("_rn")

@@ -1,0 +1,440 @@
+"""The source side: what a PostgreSQL host must provide, and the objects we keep there.
+
+Each endpoint (one database on one host) gets one publication and one logical replication
+slot covering every configured table in every shard schema, plus a small heartbeat table
+per shard. Preflight checks name the host, the table and the fix.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from .identifiers import pg_ident, pg_qualified
+
+PUBLICATION = "cdc_lakehouse"
+HEARTBEAT_TABLE = "_cdc_heartbeat"
+SESSION_OPTIONS = "-c DateStyle=ISO -c TimeZone=UTC -c IntervalStyle=iso_8601 -c extra_float_digits=3 -c bytea_output=hex"
+
+
+class SourceError(RuntimeError):
+    """A problem with the source that a person has to fix; the message says what to do."""
+
+
+class PreflightError(SourceError):
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("source preflight failed:\n  - " + "\n  - ".join(problems))
+
+
+class SlotLostError(SourceError):
+    pass
+
+
+def slot_name(endpoint_id: str) -> str:
+    name = re.sub(r"[^a-z0-9_]", "_", f"cdc_lakehouse_{endpoint_id}".lower())
+    return name[:63]
+
+
+# --- types ---------------------------------------------------------------------------------
+
+_SCALARS = {
+    "bigint": "bigint", "integer": "int", "smallint": "int", "boolean": "boolean",
+    "text": "string", "character varying": "string", "character": "string", "name": "string",
+    "citext": "string", "uuid": "string", "json": "string", "jsonb": "string", "xml": "string",
+    "inet": "string", "cidr": "string", "macaddr": "string", "interval": "string",
+    "time without time zone": "string", "time with time zone": "string", "money": "string",
+    "real": "float", "double precision": "double", "date": "date", "bytea": "binary",
+    "timestamp with time zone": "timestamp", "timestamp without time zone": "timestamp_ntz",
+}
+_NUMERIC = re.compile(r"^numeric(?:\((\d+)(?:,(\d+))?\))?$")
+_TS = re.compile(r"^(timestamp|time)\(\d\) (with|without) time zone$")
+DEFAULT_NUMERIC = "decimal(38,18)"
+
+
+def lake_type(pg_type: str, typtype: str = "b") -> str | None:
+    """PostgreSQL format_type() -> Spark/Iceberg type, None when unsupported.
+
+    Enums become strings. Unconstrained numeric becomes decimal(38,18) (Spark's own
+    default); values that do not fit are quarantined, and column_types can override.
+    """
+    if typtype == "e":
+        return "string"
+    t = pg_type.strip()
+    if t.endswith("[]"):
+        elem = lake_type(t[:-2])
+        return None if elem is None or elem == "binary" else f"array<{elem}>"
+    m = _TS.match(t)
+    if m:
+        t = f"{m.group(1)} {m.group(2)} time zone"
+    base = re.sub(r"\(\d+\)$", "", t) if not t.startswith("numeric") else t
+    if base in _SCALARS:
+        return _SCALARS[base]
+    m = _NUMERIC.match(t)
+    if m:
+        if m.group(1) is None:
+            return DEFAULT_NUMERIC
+        p, s = int(m.group(1)), int(m.group(2) or 0)
+        return f"decimal({p},{s})" if p <= 38 and 0 <= s <= p else None
+    return None
+
+
+@dataclass(frozen=True)
+class SourceColumn:
+    name: str
+    pg_type: str
+    lake_type: str | None
+    nullable: bool
+    is_key: bool
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "type": self.pg_type, "lake_type": self.lake_type,
+                "key": self.is_key}
+
+
+@dataclass
+class SourceTable:
+    schema: str
+    name: str
+    columns: list[SourceColumn]
+    primary_key: list[str]
+    replica_identity: str  # d n f i
+    identity_columns: list[str] = field(default_factory=list)
+
+    @property
+    def column_names(self) -> list[str]:
+        return [c.name for c in self.columns]
+
+
+def describe_table(cur, schema: str, table: str) -> SourceTable | None:
+    cur.execute(
+        """
+        SELECT c.oid, c.relreplident FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+        WHERE n.nspname = %s AND c.relname = %s AND c.relkind IN ('r', 'p')
+        """,
+        (schema, table),
+    )
+    row = cur.fetchone()
+    if row is None:
+        return None
+    oid, ident = row
+    cur.execute(
+        """
+        SELECT a.attname, format_type(a.atttypid, a.atttypmod), t.typtype,
+               coalesce(format_type(t.typbasetype, t.typtypmod), ''), NOT a.attnotnull
+        FROM pg_attribute a JOIN pg_type t ON t.oid = a.atttypid
+        WHERE a.attrelid = %s AND a.attnum > 0 AND NOT a.attisdropped AND a.attgenerated = ''
+        ORDER BY a.attnum
+        """,
+        (oid,),
+    )
+    cols_raw = cur.fetchall()
+    cur.execute(
+        """
+        SELECT i.indisprimary, i.indisreplident, array_agg(a.attname ORDER BY k.ord)
+        FROM pg_index i
+        CROSS JOIN LATERAL unnest(i.indkey) WITH ORDINALITY AS k(attnum, ord)
+        JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum
+        WHERE i.indrelid = %s AND (i.indisprimary OR i.indisreplident)
+        GROUP BY i.indexrelid, i.indisprimary, i.indisreplident
+        """,
+        (oid,),
+    )
+    pk: list[str] = []
+    ident_cols: list[str] = []
+    for is_pk, is_ident, cols in cur.fetchall():
+        if is_pk:
+            pk = list(cols)
+        if is_ident:
+            ident_cols = list(cols)
+    if ident == "d":
+        ident_cols = pk
+    columns = []
+    for name, fmt, typtype, base_fmt, nullable in cols_raw:
+        lt = lake_type(base_fmt, "b") if typtype == "d" else lake_type(fmt, typtype)
+        columns.append(SourceColumn(name, fmt, lt, nullable, name in ident_cols))
+    if ident == "f":
+        ident_cols = [c.name for c in columns]
+    return SourceTable(schema, table, columns, pk, ident, ident_cols)
+
+
+# --- preflight -------------------------------------------------------------------------------
+
+@dataclass
+class EndpointTables:
+    """What one endpoint must replicate: source table -> (shard schemas, primary key)."""
+
+    endpoint_id: str
+    conn_id: str
+    tables: dict[str, tuple[list[str], list[str]]]  # table -> (schemas, primary key)
+
+    @property
+    def schemas(self) -> list[str]:
+        out: list[str] = []
+        for schemas, _ in self.tables.values():
+            for s in schemas:
+                if s not in out:
+                    out.append(s)
+        return out
+
+    def qualified_tables(self) -> list[tuple[str, str]]:
+        return [(s, t) for t, (schemas, _) in self.tables.items() for s in schemas]
+
+
+def preflight(conn, ep: EndpointTables, *, need_replication: bool = True) -> list[str]:
+    """Problems that stop capture on this endpoint, each with its fix. Empty when fine."""
+    problems: list[str] = []
+    where = f"source {ep.conn_id!r} (endpoint {ep.endpoint_id})"
+    with conn.cursor() as cur:
+        cur.execute("SHOW wal_level")
+        level = cur.fetchone()[0]
+        if level != "logical":
+            problems.append(
+                f"{where}: wal_level is {level!r}; set wal_level = logical in postgresql.conf and restart "
+                "the server (Amazon RDS/Aurora: rds.logical_replication = 1 in the parameter group)"
+            )
+        cur.execute("SELECT rolsuper, rolreplication, current_user FROM pg_roles WHERE rolname = current_user")
+        is_super, can_repl, user = cur.fetchone()
+        if need_replication and not (is_super or can_repl):
+            problems.append(
+                f"{where}: role {user!r} lacks the REPLICATION attribute needed for a replication slot; "
+                f"run ALTER ROLE {pg_ident(user)} REPLICATION (RDS: GRANT rds_replication TO {pg_ident(user)})"
+            )
+        for table, (schemas, key) in ep.tables.items():
+            for schema in schemas:
+                fq = f"{schema}.{table}"
+                info = describe_table(cur, schema, table)
+                if info is None:
+                    problems.append(f"{where}: table {fq} does not exist; create it or remove shard {schema!r} from the config")
+                    continue
+                if info.replica_identity == "n" or (info.replica_identity == "d" and not info.primary_key):
+                    problems.append(
+                        f"{where}: table {fq} has no primary key and no replica identity, so updates and "
+                        f"deletes cannot be identified; add a primary key or run ALTER TABLE {pg_qualified(schema, table)} "
+                        "REPLICA IDENTITY FULL"
+                    )
+                elif info.replica_identity != "f" and not set(key) <= set(info.identity_columns):
+                    problems.append(
+                        f"{where}: table {fq}: configured primary_key {key} is not covered by the source's replica "
+                        f"identity {info.identity_columns}; set primary_key to the source key or use REPLICA IDENTITY FULL"
+                    )
+                missing = [k for k in key if k not in info.column_names]
+                if missing:
+                    problems.append(f"{where}: table {fq}: primary_key column(s) {missing} do not exist")
+                bad = [f"{c.name} ({c.pg_type})" for c in info.columns if c.lake_type is None]
+                if bad:
+                    problems.append(
+                        f"{where}: table {fq}: unsupported column type(s) {', '.join(bad)}; "
+                        "set column_types in the table config to read them as a supported type (e.g. string)"
+                    )
+                cur.execute("SELECT has_table_privilege(%s, 'SELECT')", (pg_qualified(schema, table),))
+                if not cur.fetchone()[0]:
+                    problems.append(
+                        f"{where}: role {user!r} cannot SELECT {fq}; GRANT SELECT ON {pg_qualified(schema, table)} TO {pg_ident(user)}"
+                    )
+    return problems
+
+
+def check_publication(conn, ep: EndpointTables, *, fix: bool = True) -> list[str]:
+    """Create the publication or add missing tables when we may; otherwise report the fix."""
+    wanted = ep.qualified_tables() + [(s, HEARTBEAT_TABLE) for s in ep.schemas]
+    problems: list[str] = []
+    with conn.cursor() as cur:
+        cur.execute("SELECT pubowner::regrole::text FROM pg_publication WHERE pubname = %s", (PUBLICATION,))
+        row = cur.fetchone()
+        if row is None:
+            if not fix:
+                return [f"publication {PUBLICATION} does not exist on endpoint {ep.endpoint_id}"]
+            tables = ", ".join(pg_qualified(s, t) for s, t in wanted)
+            try:
+                cur.execute(f"CREATE PUBLICATION {pg_ident(PUBLICATION)} FOR TABLE {tables}")
+            except Exception as exc:  # noqa: BLE001 - reported with the fix
+                conn.rollback()
+                return [f"endpoint {ep.endpoint_id} ({ep.conn_id}): cannot create publication {PUBLICATION}: "
+                        f"{str(exc).strip()}; a superuser or the database owner must run: "
+                        f"CREATE PUBLICATION {PUBLICATION} FOR TABLE {tables}"]
+            return []
+        cur.execute("SELECT schemaname, tablename FROM pg_publication_tables WHERE pubname = %s", (PUBLICATION,))
+        present = set(cur.fetchall())
+        for s, t in wanted:
+            if (s, t) in present:
+                continue
+            stmt = f"ALTER PUBLICATION {pg_ident(PUBLICATION)} ADD TABLE {pg_qualified(s, t)}"
+            if fix:
+                try:
+                    cur.execute(stmt)
+                    continue
+                except Exception as exc:  # noqa: BLE001
+                    conn.rollback()
+                    problems.append(f"endpoint {ep.endpoint_id} ({ep.conn_id}): publication {PUBLICATION} is missing "
+                                    f"{s}.{t} and it cannot be added ({str(exc).strip()}); its owner must run: {stmt}")
+                    continue
+            problems.append(f"endpoint {ep.endpoint_id}: publication {PUBLICATION} is missing {s}.{t}; run: {stmt}")
+    return problems
+
+
+def ensure_heartbeat_tables(conn, schemas: list[str]) -> None:
+    with conn.cursor() as cur:
+        for s in schemas:
+            cur.execute(
+                f"CREATE TABLE IF NOT EXISTS {pg_qualified(s, HEARTBEAT_TABLE)} ("
+                " id smallint PRIMARY KEY DEFAULT 1 CHECK (id = 1),"
+                " beat_at timestamptz NOT NULL,"
+                " run_id text NOT NULL)"
+            )
+
+
+def write_heartbeat(conn, schemas: list[str], run_id: str) -> int:
+    """One transaction touching every shard; returns its 32-bit xid (what pgoutput reports)."""
+    with conn.cursor() as cur:
+        for s in schemas:
+            cur.execute(
+                f"INSERT INTO {pg_qualified(s, HEARTBEAT_TABLE)} AS h (id, beat_at, run_id) VALUES (1, now(), %s) "
+                "ON CONFLICT (id) DO UPDATE SET beat_at = excluded.beat_at, run_id = excluded.run_id",
+                (run_id,),
+            )
+        cur.execute("SELECT txid_current() & 4294967295")
+        xid = int(cur.fetchone()[0])
+    conn.commit()
+    return xid
+
+
+# --- slots -------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class SlotState:
+    name: str
+    exists: bool
+    confirmed_flush: int | None = None
+    restart_lsn: int | None = None
+    wal_status: str | None = None
+    active_pid: int | None = None
+    current_lsn: int | None = None
+
+    @property
+    def retained_bytes(self) -> int | None:
+        if self.restart_lsn is None or self.current_lsn is None:
+            return None
+        return self.current_lsn - self.restart_lsn
+
+    @property
+    def lag_bytes(self) -> int | None:
+        if self.confirmed_flush is None or self.current_lsn is None:
+            return None
+        return self.current_lsn - self.confirmed_flush
+
+    def to_json(self) -> dict[str, Any]:
+        return {"slot": self.name, "confirmed_flush_lsn": self.confirmed_flush, "restart_lsn": self.restart_lsn,
+                "wal_status": self.wal_status, "retained_wal_bytes": self.retained_bytes,
+                "lag_bytes": self.lag_bytes}
+
+
+def slot_state(conn, name: str) -> SlotState:
+    with conn.cursor() as cur:
+        cur.execute(
+            """
+            SELECT (confirmed_flush_lsn - '0/0'::pg_lsn)::bigint, (restart_lsn - '0/0'::pg_lsn)::bigint,
+                   wal_status, active_pid, (pg_current_wal_lsn() - '0/0'::pg_lsn)::bigint
+            FROM pg_replication_slots WHERE slot_name = %s
+            """,
+            (name,),
+        )
+        row = cur.fetchone()
+        if row is None:
+            cur.execute("SELECT (pg_current_wal_lsn() - '0/0'::pg_lsn)::bigint")
+            return SlotState(name, False, current_lsn=cur.fetchone()[0])
+    conn.commit()
+    return SlotState(name, True, row[0], row[1], row[2], row[3], row[4])
+
+
+def check_slot_usable(state: SlotState, ep: EndpointTables, *, captured_before: bool) -> None:
+    fix = ("the changes in between are gone from the WAL: re-bootstrap every table on this endpoint "
+           f"(trigger cdc_bootstrap__<table> for {sorted(ep.tables)})")
+    if not state.exists and captured_before:
+        raise SlotLostError(f"replication slot {state.name} on {ep.conn_id} was dropped after earlier captures; {fix}")
+    if state.exists and (state.wal_status == "lost" or state.restart_lsn is None):
+        raise SlotLostError(f"replication slot {state.name} on {ep.conn_id} was invalidated (WAL removed, "
+                            f"wal_status={state.wal_status}); {fix}")
+
+
+def create_slot(conn, name: str) -> int:
+    with conn.cursor() as cur:
+        cur.execute("SELECT (lsn - '0/0'::pg_lsn)::bigint FROM pg_create_logical_replication_slot(%s, 'pgoutput')", (name,))
+        lsn = cur.fetchone()[0]
+    conn.commit()
+    return lsn
+
+
+def advance_slot(conn, name: str, lsn: int) -> int:
+    """Confirm up to lsn (no-op when the slot is already there)."""
+    from .pgoutput import lsn_to_str
+
+    with conn.cursor() as cur:
+        cur.execute(
+            "SELECT (end_lsn - '0/0'::pg_lsn)::bigint FROM pg_replication_slot_advance(%s, %s::pg_lsn)",
+            (name, lsn_to_str(lsn)),
+        )
+        out = cur.fetchone()[0]
+    conn.commit()
+    return out
+
+
+def column_type_cache(conn):
+    """(type oid, typmod) -> (format_type, typtype, base format) for relation messages."""
+    cache: dict[tuple[int, int], tuple[str, str, str]] = {}
+
+    def lookup(oid: int, typmod: int) -> tuple[str, str, str]:
+        key = (oid, typmod)
+        if key not in cache:
+            with conn.cursor() as cur:
+                cur.execute(
+                    "SELECT format_type(t.oid, %s), t.typtype, coalesce(format_type(t.typbasetype, t.typtypmod), '') "
+                    "FROM pg_type t WHERE t.oid = %s",
+                    (typmod, oid),
+                )
+                row = cur.fetchone()
+            conn.commit()
+            cache[key] = row if row else (f"oid:{oid}", "b", "")
+        return cache[key]
+
+    return lookup
+
+
+def schema_json(columns: list[dict[str, Any]]) -> str:
+    return json.dumps(columns, separators=(",", ":"), sort_keys=True)
+
+
+
+def key_is_enforced(cur, schema: str, table: str, key: list[str]) -> bool:
+    """True when a unique index on exactly the key columns exists and they are all NOT NULL."""
+    cur.execute(
+        """
+        SELECT EXISTS (
+          SELECT 1 FROM pg_index i
+          JOIN pg_class c ON c.oid = i.indrelid JOIN pg_namespace n ON n.oid = c.relnamespace
+          WHERE n.nspname = %s AND c.relname = %s AND i.indisunique AND i.indpred IS NULL
+            AND (SELECT array_agg(a.attname::text ORDER BY a.attname) FROM pg_attribute a
+                 WHERE a.attrelid = i.indrelid AND a.attnum = ANY(i.indkey)) = %s::text[]
+        ) AND (SELECT bool_and(a.attnotnull) FROM pg_attribute a JOIN pg_class c ON c.oid = a.attrelid
+               JOIN pg_namespace n ON n.oid = c.relnamespace
+               WHERE n.nspname = %s AND c.relname = %s AND a.attname = ANY(%s::text[]))
+        """,
+        (schema, table, sorted(key), schema, table, list(key)),
+    )
+    return bool(cur.fetchone()[0])
+
+
+def key_violations(cur, schema: str, table: str, key: list[str]) -> str | None:
+    """Scan for NULL or duplicate keys (used only when no unique index enforces the key)."""
+    cols = ", ".join(pg_ident(k) for k in key)
+    nulls = " OR ".join(f"{pg_ident(k)} IS NULL" for k in key)
+    cur.execute(f"SELECT 1 FROM {pg_qualified(schema, table)} WHERE {nulls} LIMIT 1")
+    if cur.fetchone():
+        return f"{schema}.{table}: primary_key {key} has NULL values"
+    cur.execute(f"SELECT {cols} FROM {pg_qualified(schema, table)} GROUP BY {cols} HAVING count(*) > 1 LIMIT 1")
+    row = cur.fetchone()
+    if row:
+        return f"{schema}.{table}: primary_key {key} is not unique (duplicate {dict(zip(key, row))})"
+    return None

@@ -1,0 +1,80 @@
+"""The one SparkSession factory for jobs and tests.
+
+Iceberg extensions and catalog, UTC, and settings sized for a small machine (2 cores):
+few shuffle partitions, adaptive execution on. Under spark-submit the JVM already runs
+with --jars and --conf; the same settings are applied here so a job started any other way
+(tests, `python spark_jobs/x.py`) behaves the same.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from typing import TYPE_CHECKING
+
+from .settings import LakeSettings, local_paths
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+ICEBERG_EXTENSIONS = "org.apache.iceberg.spark.extensions.IcebergSparkSessionExtensions"
+
+
+def default_jars() -> list[str]:
+    """CDC_SPARK_JARS (comma-separated paths) or the jars scripts/fetch_jars.sh cached."""
+    env = os.environ.get("CDC_SPARK_JARS")
+    if env:
+        return [j for j in env.split(",") if j]
+    return sorted(glob.glob(str(local_paths()["jars"] / "*.jar")))
+
+
+def base_conf(shuffle_partitions: int | None = None) -> dict[str, str]:
+    cores = os.cpu_count() or 2
+    return {
+        "spark.sql.extensions": ICEBERG_EXTENSIONS,
+        "spark.sql.session.timeZone": "UTC",
+        "spark.sql.shuffle.partitions": str(shuffle_partitions or max(4, cores * 2)),
+        "spark.default.parallelism": str(max(4, cores * 2)),
+        "spark.sql.adaptive.enabled": "true",
+        "spark.sql.adaptive.coalescePartitions.enabled": "true",
+        # Landing files are small and many; let Spark pack them into few tasks.
+        "spark.sql.files.maxPartitionBytes": str(128 * 1024 * 1024),
+        "spark.sql.files.openCostInBytes": str(1024 * 1024),
+        # Failed casts must yield NULL so validation can detect and quarantine them.
+        "spark.sql.ansi.enabled": "false",
+        "spark.sql.legacy.timeParserPolicy": "CORRECTED",
+        "spark.sql.parquet.int96RebaseModeInWrite": "CORRECTED",
+        "spark.sql.parquet.datetimeRebaseModeInWrite": "CORRECTED",
+        "spark.sql.parquet.datetimeRebaseModeInRead": "CORRECTED",
+        "spark.serializer": "org.apache.spark.serializer.KryoSerializer",
+        "spark.ui.showConsoleProgress": "false",
+        "spark.driver.extraJavaOptions": "-Duser.timezone=UTC",
+        "spark.executor.extraJavaOptions": "-Duser.timezone=UTC",
+    }
+
+
+def spark_conf(lake: LakeSettings, *, include_secret: bool = True,
+               shuffle_partitions: int | None = None) -> dict[str, str]:
+    conf = base_conf(shuffle_partitions)
+    conf.update(lake.spark_catalog_conf(include_secret=include_secret))
+    return conf
+
+
+def get_spark(app_name: str, lake: LakeSettings, *, master: str | None = None,
+              jars: list[str] | None = None, extra: dict[str, str] | None = None,
+              driver_memory: str | None = None) -> SparkSession:
+    from pyspark.sql import SparkSession
+
+    builder = SparkSession.builder.appName(app_name)
+    under_submit = "PYSPARK_GATEWAY_PORT" in os.environ  # the JVM exists, launched by spark-submit
+    if not under_submit:
+        builder = builder.master(master or os.environ.get("CDC_SPARK_MASTER", "local[*]"))
+        jar_list = default_jars() if jars is None else jars
+        if jar_list:
+            builder = builder.config("spark.jars", ",".join(jar_list))
+        builder = builder.config("spark.driver.memory", driver_memory or os.environ.get("CDC_SPARK_DRIVER_MEMORY", "4g"))
+    for k, v in {**spark_conf(lake), **(extra or {})}.items():
+        builder = builder.config(k, v)
+    spark = builder.getOrCreate()
+    spark.sparkContext.setLogLevel(os.environ.get("CDC_SPARK_LOG_LEVEL", "WARN"))
+    return spark

@@ -1,0 +1,44 @@
+# Environment of the embedded local stack. Sourced by the Makefile's targets:
+#   . scripts/env.sh
+# Everything here can be overridden by exporting the variable first.
+_root="$(cd "$(dirname "${BASH_SOURCE[0]:-$0}")/.." && pwd)"
+export CDC_ROOT="${CDC_ROOT:-$_root}"
+export CDC_LOCAL_DIR="${CDC_LOCAL_DIR:-$CDC_ROOT/.local}"
+export CDC_LOCAL_PG_PORT="${CDC_LOCAL_PG_PORT:-55432}"
+# The private local cluster's password: generated once into a git-ignored file. Real
+# deployments keep credentials in Airflow connections or a secrets backend.
+if [ -z "${CDC_LOCAL_PG_PASSWORD:-}" ]; then
+  if [ ! -s "$CDC_LOCAL_DIR/.pg-password" ]; then
+    mkdir -p "$CDC_LOCAL_DIR"
+    (umask 077; od -An -N12 -tx1 /dev/urandom | tr -d ' \n' > "$CDC_LOCAL_DIR/.pg-password")
+  fi
+  CDC_LOCAL_PG_PASSWORD="$(cat "$CDC_LOCAL_DIR/.pg-password")"
+fi
+export CDC_LOCAL_PG_PASSWORD
+export PATH="$CDC_ROOT/.venv/bin:$PATH"
+export PYTHONPATH="$CDC_ROOT/plugins${PYTHONPATH:+:$PYTHONPATH}"
+
+# Airflow on SQLite, DAGs and plugins from this repository.
+export AIRFLOW_HOME="${AIRFLOW_HOME:-$CDC_LOCAL_DIR/airflow}"
+export AIRFLOW__CORE__DAGS_FOLDER="$CDC_ROOT/dags"
+export AIRFLOW__CORE__PLUGINS_FOLDER="$CDC_ROOT/plugins"
+export AIRFLOW__CORE__LOAD_EXAMPLES=False
+export AIRFLOW__CORE__UNIT_TEST_MODE="${AIRFLOW__CORE__UNIT_TEST_MODE:-False}"
+export AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION="${AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION:-True}"
+export AIRFLOW__API__PORT="${AIRFLOW__API__PORT:-8080}"
+export AIRFLOW__LOGGING__LOGGING_LEVEL="${AIRFLOW__LOGGING__LOGGING_LEVEL:-INFO}"
+export CDC_TABLES_DIR="${CDC_TABLES_DIR:-$CDC_ROOT/include/tables}"
+
+# Connections, from the environment (Airflow reads AIRFLOW_CONN_<ID>).
+_pg="127.0.0.1:$CDC_LOCAL_PG_PORT"
+export AIRFLOW_CONN_CDC_SOURCE_LOCAL="${AIRFLOW_CONN_CDC_SOURCE_LOCAL:-postgresql://postgres:$CDC_LOCAL_PG_PASSWORD@$_pg/notion}"
+export AIRFLOW_CONN_SPARK_DEFAULT="${AIRFLOW_CONN_SPARK_DEFAULT:-{\"conn_type\": \"spark\", \"host\": \"local[*]\"\}}"
+export AIRFLOW_CONN_CDC_LAKE="${AIRFLOW_CONN_CDC_LAKE:-{\"conn_type\": \"generic\", \"host\": \"127.0.0.1\", \"port\": $CDC_LOCAL_PG_PORT, \"schema\": \"lake_catalog\", \"login\": \"postgres\", \"password\": \"$CDC_LOCAL_PG_PASSWORD\", \"extra\": {\"catalog_type\": \"jdbc\", \"warehouse\": \"file://$CDC_LOCAL_DIR/warehouse\", \"landing_uri\": \"file://$CDC_LOCAL_DIR/landing\"\}\}}"
+
+# The same lake for code that runs outside Airflow (Spark jobs started by hand, benchmarks).
+export CDC_CATALOG_TYPE=jdbc
+export CDC_CATALOG_URI="postgresql://postgres@$_pg/lake_catalog"
+export CDC_CATALOG_PASSWORD="$CDC_LOCAL_PG_PASSWORD"
+export CDC_WAREHOUSE="file://$CDC_LOCAL_DIR/warehouse"
+export CDC_LANDING_URI="file://$CDC_LOCAL_DIR/landing"
+unset _root _pg
