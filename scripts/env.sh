@@ -5,15 +5,15 @@ _root="$(cd "$(dirname "${BASH_SOURCE[0]:-$0}")/.." && pwd)"
 export CDC_ROOT="${CDC_ROOT:-$_root}"
 export CDC_LOCAL_DIR="${CDC_LOCAL_DIR:-$CDC_ROOT/.local}"
 export CDC_LOCAL_PG_PORT="${CDC_LOCAL_PG_PORT:-55432}"
-# The private local cluster's password: generated once into a git-ignored file. Real
-# deployments keep credentials in Airflow connections or a secrets backend.
-if [ -z "${CDC_LOCAL_PG_PASSWORD:-}" ]; then
-  if [ ! -s "$CDC_LOCAL_DIR/.pg-password" ]; then
-    mkdir -p "$CDC_LOCAL_DIR"
-    (umask 077; od -An -N12 -tx1 /dev/urandom | tr -d ' \n' > "$CDC_LOCAL_DIR/.pg-password")
-  fi
-  CDC_LOCAL_PG_PASSWORD="$(cat "$CDC_LOCAL_DIR/.pg-password")"
+# The private local cluster's password: generated once into a git-ignored file, which stays
+# the source of truth (the cluster was initialised with it). Real deployments keep
+# credentials in Airflow connections or a secrets backend.
+if [ ! -s "$CDC_LOCAL_DIR/.pg-password" ]; then
+  mkdir -p "$CDC_LOCAL_DIR"
+  (umask 077; if [ -n "${CDC_LOCAL_PG_PASSWORD:-}" ]; then printf '%s' "$CDC_LOCAL_PG_PASSWORD"; \
+   else od -An -N12 -tx1 /dev/urandom | tr -d ' \n'; fi > "$CDC_LOCAL_DIR/.pg-password")
 fi
+CDC_LOCAL_PG_PASSWORD="$(cat "$CDC_LOCAL_DIR/.pg-password")"
 export CDC_LOCAL_PG_PASSWORD
 export PATH="$CDC_ROOT/.venv/bin:$PATH"
 export PYTHONPATH="$CDC_ROOT/plugins${PYTHONPATH:+:$PYTHONPATH}"
@@ -42,3 +42,5 @@ export CDC_CATALOG_PASSWORD="$CDC_LOCAL_PG_PASSWORD"
 export CDC_WAREHOUSE="file://$CDC_LOCAL_DIR/warehouse"
 export CDC_LANDING_URI="file://$CDC_LOCAL_DIR/landing"
 unset _root _pg
+export SPARK_LOCAL_IP="${SPARK_LOCAL_IP:-127.0.0.1}"
+export PYARROW_IGNORE_TIMEZONE=1

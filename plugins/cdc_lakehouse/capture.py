@@ -19,7 +19,6 @@ crash between 3 and 4 re-confirms at the next run's step 1 (or a retry of this r
 from __future__ import annotations
 
 import logging
-import os
 import select
 import time
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from . import source as src
+from .failpoints import crash_point
 from .landing import TableWriter, list_manifests, manifest_path, run_dir
 from .pgoutput import UNCHANGED, Begin, Change, Commit, Relation, Truncate, TypeMsg, decode, parse_pg_array, pg_time
 
@@ -41,12 +41,6 @@ class CaptureLimits:
     idle_timeout_s: float = 300.0  # waiting this long for the heartbeat means something is wrong
     batch_rows: int = 20_000
     file_rows: int = 2_000_000
-
-
-def _crash_point(name: str) -> None:
-    """Failpoint for crash tests: CDC_TEST_CRASH_AT=<name> kills the process right here."""
-    if os.environ.get("CDC_TEST_CRASH_AT") == name:
-        os._exit(137)
 
 
 class _Rel:
@@ -296,7 +290,7 @@ def _stream(ep, dsn, store, run_id, slot, state, hb_xid, type_lookup, known_sche
                            "min_commit_lsn": w.min_commit_lsn, "max_commit_lsn": w.max_commit_lsn,
                            "shards": sorted(w.shards)})
         store.discard(staging)
-        _crash_point("after_files")
+        crash_point("after_files")
         assert last_commit is not None
         manifest = {
             "format": 1, "run_id": run_id, "endpoint": ep.endpoint_id, "conn_id": ep.conn_id, "slot": slot,
@@ -310,7 +304,7 @@ def _stream(ep, dsn, store, run_id, slot, state, hb_xid, type_lookup, known_sche
             "slot_before": state.to_json(),
         }
         store.write_json(manifest_path(ep.endpoint_id, run_id), manifest)
-        _crash_point("after_manifest")
+        crash_point("after_manifest")
         _confirm(dsn, slot, last_commit.end_lsn, cur)
         cur = None
         return manifest

@@ -26,6 +26,7 @@ from .config import COMMIT_TS_COL, LSN_COL, OP_COL, SEQ_COL, SHARD_COL, TableCon
 from .events import (
     FILE, PKCHANGE, RAW, REASONS, landing_spark_schema, latest_per_key, split_pk_changes, typed_events,
 )
+from .failpoints import crash_point
 from .identifiers import spark_ident
 from .lake import (
     INGESTED_COL, LSN_EVENT_COL, RUN_COL, UNAVAILABLE_COL, XID_COL, HadoopFS, SparkLanding, changelog_columns,
@@ -490,7 +491,9 @@ def ingest_table(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, *, u
         rows.writeTo(cl).option("snapshot-property.cdc.watermark", new_wm_json).append()
         return n
 
+    crash_point("ingest_before_changelog")
     metrics["changelog_rows"] = with_commit_retries(_changelog, what=f"{cfg.name} changelog")
+    crash_point("ingest_after_changelog")
 
     # 2) current table: latest event per key, LSN-guarded MERGE, watermark in the same commit.
     reduced = latest_per_key(events, [SHARD_COL, *cfg.primary_key])
@@ -507,11 +510,9 @@ def ingest_table(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, *, u
     cur_cols = [c for c, _ in [(SHARD_COL, ""), *lake_cols]] + [OP_COL, LSN_COL, SEQ_COL, COMMIT_TS_COL]
     reduced = reduced.select(*cur_cols).persist(StorageLevel.MEMORY_AND_DISK)
     # Classify against the table (key columns only) for exact insert/update/delete counts.
-    tgt = current_df.select(SHARD_COL, *cfg.primary_key, F.col(LSN_COL).alias("_t_lsn"), F.col(SEQ_COL).alias("_t_seq"))
-    if cfg.deletes == "soft":
-        tgt = tgt.withColumn("_t_live", ~F.col(cfg.soft_delete_columns.flag))
-    else:
-        tgt = tgt.withColumn("_t_live", F.lit(True))
+    live = ~F.col(cfg.soft_delete_columns.flag) if cfg.deletes == "soft" else F.lit(True)
+    tgt = current_df.select(SHARD_COL, *cfg.primary_key, F.col(LSN_COL).alias("_t_lsn"), F.col(SEQ_COL).alias("_t_seq"),
+                            live.alias("_t_live"))
     cls = reduced.join(tgt, [SHARD_COL, *cfg.primary_key], "left")
     newer = F.col("_t_lsn").isNull() | _newer(F.col(LSN_COL), F.col(SEQ_COL), F.col("_t_lsn"), F.col("_t_seq"))
     is_del = F.col(OP_COL) == "d"
@@ -534,6 +535,7 @@ def ingest_table(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, *, u
                                                                         "cdc.ingest-run": ingest_run}),
                         what=f"{cfg.name} merge")
     apply_s = time.time() - t_apply
+    crash_point("ingest_after_merge")
     post = snapshot_summary(spark, cur)
     metrics["apply_seconds"] = apply_s
     _write_stats(metrics, pre, post)

@@ -216,6 +216,13 @@ def parse_pg_array(text: str) -> list | None:
     """
     if text is None:
         return None
+    try:
+        return _parse_array(text)
+    except IndexError:
+        raise ValueError("unterminated array") from None
+
+
+def _parse_array(text: str) -> list:
     if not text.startswith("{"):
         raise ValueError("array with explicit bounds is not supported")
     out: list = []

@@ -1,0 +1,46 @@
+# The single entry point. `make demo` runs the pipeline end to end on the embedded local
+# stack; `make test` runs the tests; both set up whatever is missing first.
+SHELL := /bin/bash
+ENV := source scripts/env.sh &&
+
+.PHONY: setup pg-start pg-stop pg-status airflow-init demo airflow test test-fast lint format bench clean
+
+setup:
+	@scripts/setup.sh
+
+pg-start: setup
+	@$(ENV) python -m cdc_lakehouse.localstack start
+
+pg-stop:
+	@$(ENV) python -m cdc_lakehouse.localstack stop
+
+pg-status:
+	@$(ENV) python -m cdc_lakehouse.localstack status
+
+airflow-init: pg-start
+	@$(ENV) scripts/airflow_init.sh
+
+demo: airflow-init
+	@$(ENV) python -m cdc_lakehouse.demo run $(DEMO_ARGS)
+
+airflow: airflow-init
+	@$(ENV) python -m cdc_lakehouse.demo prepare && $(ENV) scripts/airflow_ui.sh
+
+test: setup
+	@$(ENV) python -m pytest $(PYTEST_ARGS)
+
+test-fast: setup
+	@$(ENV) python -m pytest -m "not slow" $(PYTEST_ARGS)
+
+lint: setup
+	@$(ENV) ruff check . && ruff format --check .
+
+format: setup
+	@$(ENV) ruff format . && ruff check --fix .
+
+bench: pg-start
+	@$(ENV) python bench/run.py $(BENCH_ARGS)
+
+clean:
+	@$(ENV) python -m cdc_lakehouse.localstack stop || true
+	rm -rf .local build

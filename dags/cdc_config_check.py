@@ -1,0 +1,10 @@
+"""Airflow DAG file that surfaces broken table configs as its own import error.
+
+The other DAGs still load; each line of the error names the file, the field and the fix.
+"""
+
+from cdc_lakehouse.dag_factory import config_errors
+
+_errors = config_errors()
+if _errors:
+    raise ValueError("invalid table config(s):\n" + "\n".join(_errors))

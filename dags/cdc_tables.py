@@ -1,0 +1,5 @@
+"""Airflow DAGs of the CDC lakehouse, generated from include/tables/*.yaml (see cdc_lakehouse.dag_factory)."""
+
+from cdc_lakehouse.dag_factory import build_dags
+
+globals().update(build_dags())

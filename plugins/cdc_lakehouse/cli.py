@@ -1,0 +1,62 @@
+"""Operator commands.
+
+    python -m cdc_lakehouse.cli validate              check every table config (exit 1 on errors)
+    python -m cdc_lakehouse.cli pools                 the Airflow pools, as JSON for `airflow pools import`
+    python -m cdc_lakehouse.cli quarantine list T     quarantined events of table T
+    python -m cdc_lakehouse.cli quarantine clear T    delete T's quarantined events after review
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .config import load_table_configs
+from .settings import tables_dir
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m cdc_lakehouse.cli")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("validate")
+    sub.add_parser("pools")
+    q = sub.add_parser("quarantine")
+    q.add_argument("action", choices=["list", "clear"])
+    q.add_argument("table")
+    q.add_argument("--limit", type=int, default=50)
+    args = p.parse_args(argv)
+
+    if args.cmd == "validate":
+        cs = load_table_configs(tables_dir())
+        for e in cs.errors:
+            print(e, file=sys.stderr)
+        print(f"{len(cs.tables)} valid table config(s): {', '.join(sorted(cs.tables))}")
+        return 1 if cs.errors else 0
+    if args.cmd == "pools":
+        from .dag_factory import pools
+
+        print(json.dumps(pools(), indent=2, sort_keys=True))
+        return 0
+    from .identifiers import check_lake_ident
+    from .lake import ensure_meta_tables
+    from .settings import LakeSettings
+    from .spark_session import get_spark
+
+    table = check_lake_ident(args.table, "table")
+    lake = LakeSettings.from_env()
+    spark = get_spark("cdc-quarantine", lake, master="local[1]")
+    ensure_meta_tables(spark, lake)
+    q_table = lake.qualified(lake.meta_table("quarantine"))
+    if args.action == "list":
+        spark.sql(f"SELECT shard, reason, commit_lsn, seq, landing_run, quarantined_at FROM {q_table} "
+                  f"WHERE table_name = '{table}' ORDER BY quarantined_at DESC LIMIT {int(args.limit)}").show(truncate=False)
+    else:
+        n = spark.sql(f"SELECT count(*) FROM {q_table} WHERE table_name = '{table}'").collect()[0][0]
+        spark.sql(f"DELETE FROM {q_table} WHERE table_name = '{table}'")
+        print(f"cleared {n} quarantined event(s) of {table}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# One-command setup on a Debian-like machine with Python 3.11 and Java 17:
+#   system packages (apt), a virtualenv with the pinned requirements, Spark's jars,
+#   the --py-files zip and the local stack's folders. Re-running is quick and changes nothing.
+# Options: CDC_SKIP_APT=1 (packages managed elsewhere), CDC_WITH_BROWSER=0 (no Chromium).
+set -euo pipefail
+ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+cd "$ROOT"
+log() { echo "[setup] $*"; }
+
+# --- system packages ---------------------------------------------------------------
+APT_PKGS=(postgresql-15 libjarjar-java libpostgresql-jdbc-java unzip curl zip)
+command -v java >/dev/null 2>&1 || APT_PKGS+=(openjdk-17-jre-headless)
+[[ "${CDC_WITH_BROWSER:-1}" == "1" ]] && APT_PKGS+=(chromium)
+if [[ "${CDC_SKIP_APT:-0}" != "1" ]]; then
+  missing=()
+  for p in "${APT_PKGS[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
+  if ((${#missing[@]})); then
+    SUDO=""; [[ $(id -u) -ne 0 ]] && SUDO="sudo"
+    log "apt: installing ${missing[*]}"
+    export DEBIAN_FRONTEND=noninteractive
+    $SUDO apt-get install -y -q --no-install-recommends "${missing[@]}" >/dev/null 2>&1 \
+      || { $SUDO apt-get update -q >/dev/null && $SUDO apt-get install -y -q --no-install-recommends "${missing[@]}" >/dev/null; }
+  else
+    log "apt: all present"
+  fi
+fi
+
+# --- Python --------------------------------------------------------------------------
+PY="${PYTHON:-python3.11}"
+command -v "$PY" >/dev/null 2>&1 || PY=python3
+if ! command -v uv >/dev/null 2>&1; then
+  "$PY" -m pip install -q uv 2>/dev/null || true
+fi
+stamp=".venv/.cdc-requirements.sha"
+want="$(cat requirements.txt requirements-dev.txt requirements.lock | sha256sum | cut -d' ' -f1)"
+if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
+  log "venv: up to date"
+else
+  if command -v uv >/dev/null 2>&1; then
+    [[ -x .venv/bin/python ]] || uv venv -q --seed --python "$PY" .venv
+    VIRTUAL_ENV="$ROOT/.venv" uv pip install -q -r requirements.txt -r requirements-dev.txt -c requirements.lock
+  else
+    [[ -x .venv/bin/python ]] || "$PY" -m venv .venv
+    .venv/bin/pip install -q -r requirements.txt -r requirements-dev.txt -c requirements.lock
+  fi
+  echo "$want" > "$stamp"
+  log "venv: installed from requirements.lock"
+fi
+
+# --- jars, package, local folders ---------------------------------------------------------
+PYTHON="$ROOT/.venv/bin/python" scripts/fetch_jars.sh | sed 's/^/[setup] /'
+PYTHONPATH="$ROOT/plugins" .venv/bin/python -m cdc_lakehouse.packaging >/dev/null
+mkdir -p .local
+log "done"

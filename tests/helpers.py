@@ -1,0 +1,105 @@
+"""Helpers for integration tests: read a source exactly, compare it with the lake, tamper with landing."""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+from pathlib import Path
+
+import psycopg2
+import pyarrow as pa
+import pyarrow.parquet as pq
+from pyspark.sql import functions as F
+from pyspark.testing import assertDataFrameEqual
+
+from cdc_lakehouse import source as src
+from cdc_lakehouse.config import SHARD_COL, TableConfig
+from cdc_lakehouse.events import cast_text
+from cdc_lakehouse.identifiers import pg_ident, pg_qualified
+from cdc_lakehouse.lake import source_columns_of
+from cdc_lakehouse.maintenance import latest_rows
+
+
+def source_df(spark, cfg: TableConfig, dsn: str, columns: list[tuple[str, str]]):
+    """Every row of every shard, as the lake should hold it (text from PostgreSQL, typed like the lake)."""
+    rows = []
+    conn = psycopg2.connect(dsn, options=src.SESSION_OPTIONS)
+    try:
+        with conn.cursor() as cur:
+            for _, schema, shard in cfg.shards():
+                sel = ", ".join(f"to_json({pg_ident(c)})::text" if t.startswith("array<") else f"{pg_ident(c)}::text"
+                                for c, t in columns)
+                cur.execute(f"SELECT {sel} FROM {pg_qualified(schema, cfg.source.table)}")
+                rows += [(shard, *r) for r in cur.fetchall()]
+    finally:
+        conn.close()
+    schema = f"{SHARD_COL} string, " + ", ".join(f"`{c}` string" for c, _ in columns)
+    df = spark.createDataFrame(rows, schema)
+    return df.select(SHARD_COL, *[cast_text(F.col(c), t).alias(c) for c, t in columns])
+
+
+def assert_lake_equals_source(spark, lake, cfg: TableConfig, dsn: str, *, check_changelog: bool = True) -> int:
+    cur = lake.qualified(cfg.current_table)
+    cols = source_columns_of(spark, cur, cfg)
+    expected = source_df(spark, cfg, dsn, cols)
+    actual = spark.table(cur)
+    if cfg.deletes == "soft":
+        actual = actual.filter(~F.col(cfg.soft_delete_columns.flag))
+    actual = actual.select(SHARD_COL, *[c for c, _ in cols])
+    assertDataFrameEqual(actual, expected)
+    if check_changelog:
+        latest = latest_rows(spark, lake, cfg).select(SHARD_COL, *[c for c, _ in cols])
+        assertDataFrameEqual(latest, expected)
+    return expected.count()
+
+
+def landing_root(lake) -> Path:
+    return Path(lake.landing_uri.removeprefix("file://"))
+
+
+def _manifest_file(lake, endpoint: str, run_id: str) -> Path:
+    return landing_root(lake) / endpoint / "_manifests" / f"{run_id}.json"
+
+
+def _update_manifest(lake, endpoint, run_id, fn):
+    p = _manifest_file(lake, endpoint, run_id)
+    m = json.loads(p.read_text())
+    fn(m)
+    p.write_text(json.dumps(m))
+
+
+def duplicate_file(lake, endpoint: str, run_id: str, table: str) -> None:
+    """At-least-once delivery: the same events twice in one run."""
+    def fn(m):
+        entry = next(e for e in m["tables"] if e["table"] == table)
+        f = entry["files"][0]
+        d = landing_root(lake) / entry["dir"]
+        shutil.copy(d / f["name"], d / ("dup-" + f["name"]))
+        entry["files"] = list(reversed(entry["files"] + [{**f, "name": "dup-" + f["name"]}]))  # out of order too
+    _update_manifest(lake, endpoint, run_id, fn)
+
+
+def append_malformed(lake, endpoint: str, run_id: str, table: str, rows: list[dict]) -> None:
+    """Malformed events written into a run (as a broken producer would): rows built from a real event."""
+    def fn(m):
+        entry = next(e for e in m["tables"] if e["table"] == table)
+        f = entry["files"][0]
+        path = landing_root(lake) / entry["dir"] / f["name"]
+        t = pq.read_table(path)
+        base = t.slice(0, 1).to_pylist()[0]
+        extra = []
+        for i, r in enumerate(rows):
+            ev = copy.deepcopy(base)
+            ev["source"]["seq"] = 900_000 + i
+            for k, v in r.items():
+                if k == "source":
+                    ev["source"].update(v)
+                else:
+                    ev[k] = v
+            extra.append(ev)
+        new = pa.concat_tables([t, pa.Table.from_pylist(extra, schema=t.schema)])
+        pq.write_table(new, path)
+        f["rows"] = new.num_rows
+        f["bytes"] = path.stat().st_size
+    _update_manifest(lake, endpoint, run_id, fn)

@@ -1,0 +1,126 @@
+"""Table config validation: typed objects, and errors that name the file, the field and the fix."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from cdc_lakehouse.config import SHARD_COL, load_table_config, load_table_configs, parse_table_config
+from cdc_lakehouse.identifiers import IdentifierError, check_ident, pg_ident, spark_ident
+
+BASE = {
+    "name": "block",
+    "source": {"table": "block", "shards": [{"conn_id": "pg_a", "schemas": ["s1", "s2"]},
+                                             {"conn_id": "pg_b", "database": "notion", "schemas": ["s1"]}]},
+    "primary_key": ["id"],
+}
+
+
+def parse(**changes):
+    data = {**BASE, **changes}
+    return parse_table_config(data, "include/tables/block.yaml")
+
+
+def test_defaults_and_derived_names():
+    cfg, errors = parse()
+    assert errors == []
+    assert cfg.lake.write_mode == "merge-on-read"
+    assert cfg.deletes == "hard"
+    assert cfg.current_table == "cdc.block"
+    assert cfg.changelog_table == "cdc.block__changelog"
+    assert cfg.lake_key == [SHARD_COL, "id"]
+    assert cfg.sort_by_columns == ["id"]
+    assert [s for _, _, s in cfg.shards()] == ["s1", "s2", "notion.s1"]
+    assert [g.endpoint_id for g in cfg.source.shards] == ["pg_a", "pg_b__notion"]
+
+
+@pytest.mark.parametrize(
+    ("changes", "field", "fragment"),
+    [
+        ({"lake": {"write_mode": "mor"}}, "lake.write_mode", "merge-on-read"),
+        ({"primary_key": ["id; DROP TABLE x"]}, "primary_key", "not a valid identifier"),
+        ({"source": {"table": "block", "shards": [{"conn_id": "pg_a", "schemas": ['s1"; drop']}]}},
+         "source.shards.0.schemas", "not a valid identifier"),
+        ({"ingest": {"schedule": "every hour"}}, "ingest.schedule", "cron"),
+        ({"lake": {"partition_by": ["id) --"]}}, "lake.partition_by", "bucket(N, col)"),
+        ({"deletes": "sometimes"}, "deletes", "'hard' or 'soft'"),
+        ({"primary_key": []}, "primary_key", "at least 1"),
+        ({"lake": {"namespace": "Bad-Name"}}, "lake.namespace", "lower-case"),
+        ({"tabel": "x"}, "tabel", "Extra inputs"),
+        ({"primary_key": ["_cdc_shard"]}, "primary_key", "reserved prefix"),
+        ({"column_types": {"amount": "decimal(20,4); x"}}, "column_types", "Spark type"),
+        ({"maintenance": {"orphan_file_age_hours": 1}}, "maintenance.orphan_file_age_hours", "24"),
+    ],
+)
+def test_bad_values_name_file_field_and_fix(changes, field, fragment):
+    cfg, errors = parse(**changes)
+    assert cfg is None
+    assert errors, "expected an error"
+    text = "\n".join(str(e) for e in errors)
+    assert "include/tables/block.yaml" in text
+    assert any(e.field.startswith(field) for e in errors), text
+    assert fragment in text
+    assert all(e.fix for e in errors)
+
+
+def test_duplicate_shards_rejected():
+    src = {"table": "block", "shards": [{"conn_id": "pg_a", "schemas": ["s1"]}, {"conn_id": "pg_b", "schemas": ["s1"]}]}
+    cfg, errors = parse(source=src)
+    assert cfg is None and "appears twice" in str(errors[0])
+
+
+def test_one_broken_file_does_not_hide_the_others(tmp_path):
+    (tmp_path / "good.yaml").write_text(textwrap.dedent("""
+        name: good
+        source: {table: t, shards: [{conn_id: c, schemas: [s]}]}
+        primary_key: [id]
+    """))
+    (tmp_path / "bad.yaml").write_text("name: bad\nsource: {table: t, shards: [{conn_id: c, schemas: [s]}]}\n"
+                                       "primary_key: [id]\nlake: {write_mode: sideways}\n")
+    (tmp_path / "broken.yaml").write_text("name: [unclosed\n")
+    cs = load_table_configs(tmp_path)
+    assert sorted(cs.tables) == ["good"]
+    files = sorted({e.file.rsplit("/", 1)[-1] for e in cs.errors})
+    assert files == ["bad.yaml", "broken.yaml"]
+    assert any("lake.write_mode" in str(e) for e in cs.errors)
+    assert any("not valid YAML" in str(e) for e in cs.errors)
+
+
+def test_duplicate_table_names(tmp_path):
+    body = "source: {table: t, shards: [{conn_id: c, schemas: [s]}]}\nprimary_key: [id]\n"
+    (tmp_path / "a.yaml").write_text("name: x\n" + body)
+    (tmp_path / "b.yaml").write_text("name: x\n" + body)
+    cs = load_table_configs(tmp_path)
+    assert list(cs.tables) == ["x"]
+    assert "already defined" in str(cs.errors[0])
+
+
+def test_load_single_file_raises_with_every_problem(tmp_path):
+    p = tmp_path / "t.yaml"
+    p.write_text("name: t\nsource: {table: t, shards: [{conn_id: c, schemas: [s]}]}\nprimary_key: [id]\n"
+                 "deletes: maybe\nlake: {format_version: 7}\n")
+    with pytest.raises(ValueError) as exc:
+        load_table_config(p)
+    assert "deletes" in str(exc.value) and "lake.format_version" in str(exc.value)
+
+
+def test_shipped_table_configs_are_valid():
+    from cdc_lakehouse.settings import PROJECT_ROOT
+
+    cs = load_table_configs(PROJECT_ROOT / "include" / "tables")
+    assert cs.errors == []
+    assert {"block", "space", "permission"} <= set(cs.tables)
+
+
+@pytest.mark.parametrize("bad", ["a b", "1abc", "x;y", 'q"q', "", "a" * 64, "é"])
+def test_identifiers_reject_injection(bad):
+    with pytest.raises(IdentifierError):
+        check_ident(bad)
+    with pytest.raises(IdentifierError):
+        pg_ident(bad)
+
+
+def test_quoting():
+    assert pg_ident("Block_1") == '"Block_1"'
+    assert spark_ident("id") == "`id`"
