@@ -10,15 +10,14 @@ from pathlib import Path
 import psycopg2
 import pyarrow as pa
 import pyarrow.parquet as pq
-from pyspark.sql import functions as F
-from pyspark.testing import assertDataFrameEqual
-
 from cdc_lakehouse import source as src
 from cdc_lakehouse.config import SHARD_COL, TableConfig
 from cdc_lakehouse.events import cast_text
 from cdc_lakehouse.identifiers import pg_ident, pg_qualified
 from cdc_lakehouse.lake import source_columns_of
 from cdc_lakehouse.maintenance import latest_rows
+from pyspark.sql import functions as F
+from pyspark.testing import assertDataFrameEqual
 
 
 def source_df(spark, cfg: TableConfig, dsn: str, columns: list[tuple[str, str]]):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +23,7 @@ def alert_record(context: dict[str, Any]) -> dict[str, Any]:
     table = dag_id.split("__", 1)[1] if "__" in dag_id else None
     exc = context.get("exception")
     return {
-        "at": datetime.now(timezone.utc).isoformat(),
+        "at": datetime.now(UTC).isoformat(),
         "dag_id": dag_id,
         "task_id": getattr(ti, "task_id", None),
         "run_id": context.get("run_id"),

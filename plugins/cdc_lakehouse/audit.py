@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from . import source as src
@@ -29,8 +29,20 @@ from .config import COMMIT_TS_COL, LSN_COL, OP_COL, SEQ_COL, SHARD_COL, TableCon
 from .events import cast_text, landing_spark_schema
 from .identifiers import pg_ident, pg_qualified, spark_ident
 from .lake import (
-    INGESTED_COL, LSN_EVENT_COL, RUN_COL, UNAVAILABLE_COL, XID_COL, HadoopFS, SparkLanding, changelog_columns,
-    meta_append, read_watermark, source_columns_of, sql_with_commit_properties, table_exists, watermark_json,
+    INGESTED_COL,
+    LSN_EVENT_COL,
+    RUN_COL,
+    UNAVAILABLE_COL,
+    XID_COL,
+    HadoopFS,
+    SparkLanding,
+    changelog_columns,
+    meta_append,
+    read_watermark,
+    source_columns_of,
+    sql_with_commit_properties,
+    table_exists,
+    watermark_json,
     with_commit_retries,
 )
 from .settings import LakeSettings, SourceEndpoint, source_uri
@@ -180,7 +192,6 @@ def source_bucket_sums(cfg: TableConfig, schema: str, ep: SourceEndpoint, key_co
 
 
 def lake_hashes(spark: SparkSession, lake_df: DataFrame, key_cols, columns, buckets: int) -> DataFrame:
-    from pyspark.sql import functions as F
 
     return lake_df.select(SHARD_COL, *[c for c, _ in key_cols], spark_row_hash(columns).alias("_h"),
                           spark_bucket(key_cols, buckets).alias("_b"))
@@ -302,7 +313,7 @@ def audit_table(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, *, au
     from pyspark.sql import functions as F
 
     t0 = time.time()
-    now = datetime.now(timezone.utc)
+    now = datetime.now(UTC)
     cur = lake.qualified(cfg.current_table)
     if not table_exists(spark, cur):
         raise AuditFailed(f"{cfg.name}: {cur} does not exist; bootstrap it first")

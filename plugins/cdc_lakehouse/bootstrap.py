@@ -22,7 +22,7 @@ from __future__ import annotations
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from . import source as src
@@ -30,8 +30,17 @@ from .config import COMMIT_TS_COL, LSN_COL, OP_COL, SEQ_COL, SHARD_COL, ShardGro
 from .events import cast_text
 from .identifiers import pg_ident, pg_qualified, spark_ident
 from .lake import (
-    INGESTED_COL, LSN_EVENT_COL, RUN_COL, UNAVAILABLE_COL, XID_COL, changelog_columns, create_lake_tables,
-    read_watermark, source_columns_of, table_exists, watermark_json,
+    INGESTED_COL,
+    LSN_EVENT_COL,
+    RUN_COL,
+    UNAVAILABLE_COL,
+    XID_COL,
+    changelog_columns,
+    create_lake_tables,
+    read_watermark,
+    source_columns_of,
+    table_exists,
+    watermark_json,
 )
 from .settings import LakeSettings, SourceEndpoint, source_uri
 
@@ -277,7 +286,7 @@ def bootstrap_table(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, *
 
     wm = (read_watermark(spark, cur) if exists else None) or {"v": 1, "shards": {}, "runs": {}}
     cwm = (read_watermark(spark, cl) if exists else None) or {"v": 1, "shards": {}, "runs": {}}
-    snap_time = datetime.now(timezone.utc).replace(tzinfo=None)
+    snap_time = datetime.now(UTC).replace(tzinfo=None)
     per_endpoint: dict[str, Any] = {}
     frames = []
     with ExitStack() as stack:
@@ -291,7 +300,7 @@ def bootstrap_table(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, *
             df = read_shards(spark, cfg, shard_sources, snapshot, columns)
             frames.append(df)
             for s in shard_sources:
-                wm["shards"][s.shard] = {"lsn": point, "ts": snap_time.replace(tzinfo=timezone.utc).isoformat()}
+                wm["shards"][s.shard] = {"lsn": point, "ts": snap_time.replace(tzinfo=UTC).isoformat()}
                 cwm["shards"][s.shard] = wm["shards"][s.shard]
         from functools import reduce
 

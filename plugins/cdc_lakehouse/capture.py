@@ -22,7 +22,7 @@ import logging
 import select
 import time
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from . import source as src
@@ -168,7 +168,7 @@ def _stream(ep, dsn, store, run_id, slot, state, hb_xid, type_lookup, known_sche
     import psycopg2
     from psycopg2.extras import LogicalReplicationConnection
 
-    started = datetime.now(timezone.utc)
+    started = datetime.now(UTC)
     ts_ms = int(started.timestamp() * 1000)
     configured = set(ep.qualified_tables())
     staging = store.staging_dir()
@@ -295,7 +295,7 @@ def _stream(ep, dsn, store, run_id, slot, state, hb_xid, type_lookup, known_sche
         manifest = {
             "format": 1, "run_id": run_id, "endpoint": ep.endpoint_id, "conn_id": ep.conn_id, "slot": slot,
             "publication": src.PUBLICATION, "started_at": started.isoformat(),
-            "finished_at": datetime.now(timezone.utc).isoformat(),
+            "finished_at": datetime.now(UTC).isoformat(),
             "start_lsn": state.confirmed_flush, "end_lsn": last_commit.end_lsn,
             "last_commit_lsn": last_commit.commit_lsn, "last_commit_ts": pg_time(last_commit.commit_ts).isoformat(),
             "capped": capped, "heartbeat_xid": hb_xid, "events": events, "bytes": nbytes, "transactions": txs,

@@ -16,14 +16,14 @@ application for the whole group) instead of cdc_ingest__T.
 from __future__ import annotations
 
 import os
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from .config import ConfigSet, TableConfig, load_table_configs
 from .dag_docs import audit_doc, bootstrap_doc, group_doc, ingest_doc, maintenance_doc
 from .settings import PROJECT_ROOT, tables_dir
 
-START_DATE = datetime(2026, 1, 1, tzinfo=timezone.utc)
+START_DATE = datetime(2026, 1, 1, tzinfo=UTC)
 SPARK_CONN_ID = os.environ.get("CDC_SPARK_CONN_ID", "spark_default")
 PRESETS = {"@hourly": "0 * * * *", "@daily": "0 0 * * *", "@weekly": "0 0 * * 0", "@monthly": "0 0 1 * *",
            "@yearly": "0 0 1 1 *"}

@@ -13,7 +13,7 @@ import re
 import subprocess
 import sys
 import time
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from .config import load_table_configs
@@ -148,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
         for e in cs.errors:
             print(e, file=sys.stderr)
         return 1
-    now = datetime.now(timezone.utc).replace(minute=0, second=0, microsecond=0)
+    now = datetime.now(UTC).replace(minute=0, second=0, microsecond=0)
     hours = [now - timedelta(hours=args.intervals + 1 - i) for i in range(args.intervals)]
     ingest_dags = sorted({f"cdc_ingest_group__{c.ingest.group}" if c.ingest.group else f"cdc_ingest__{c.name}"
                           for c in cs.tables.values()})

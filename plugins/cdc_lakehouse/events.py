@@ -31,7 +31,13 @@ PKCHANGE = "_pk_change"
 
 def landing_spark_schema():
     from pyspark.sql.types import (
-        ArrayType, LongType, MapType, StringType, StructField, StructType, TimestampType,
+        ArrayType,
+        LongType,
+        MapType,
+        StringType,
+        StructField,
+        StructType,
+        TimestampType,
     )
 
     kv = MapType(StringType(), StringType())
@@ -119,6 +125,18 @@ def typed_events(df: DataFrame, cfg: TableConfig, lake_columns: list[tuple[str, 
     from pyspark.sql import functions as F
 
     pk = cfg.primary_key
+    types = dict(lake_columns)
+    # Step 1: each column's raw text once (after image for upserts, before image for deletes),
+    # so the casts and checks below reference columns instead of repeating the lookups.
+    op = F.col("op")
+    is_upsert = op.isin("c", "u", "r")
+    raw_cols = [F.when(is_upsert, F.col("after")[c]).when(op == "d", F.col("before")[c]).alias(f"_r_{c}")
+                for c, _ in lake_columns]
+    bkey_raw = [F.when(op == "u", F.col("before")[k]).alias(f"_rb_{k}") for k in pk]
+    stage = df.select(
+        "op", "before", "after", "unavailable", "source", "run_id", *raw_cols, *bkey_raw,
+        *[F.col("after")[k].alias(f"_ak_{k}") for k in pk], *[F.col("before")[k].alias(f"_bk_{k}") for k in pk],
+    )
     op = F.col("op")
     is_upsert = op.isin("c", "u", "r")
     reasons = [
@@ -129,26 +147,25 @@ def typed_events(df: DataFrame, cfg: TableConfig, lake_columns: list[tuple[str, 
         F.when((op == "d") & F.col("before").isNull(), F.lit("missing before image")),
     ]
     cols: dict[str, Column] = {}
-    types = dict(lake_columns)
     for name, typ in lake_columns:
-        in_after = F.col("after")[name]
-        in_before = F.col("before")[name]
-        raw = F.when(is_upsert, in_after).when(op == "d", in_before)
+        raw = F.col(f"_r_{name}")
         typed = cast_text(raw, typ)
         cols[name] = typed
-        reasons.append(F.when(raw.isNotNull() & typed.isNull(), F.concat(
-            F.lit(f"column {name}: value '"), F.substring(raw, 1, 80), F.lit(f"' does not fit {typ}"))))
+        if typ != "string":
+            reasons.append(F.when(raw.isNotNull() & typed.isNull(), F.concat(
+                F.lit(f"column {name}: value '"), F.substring(raw, 1, 80), F.lit(f"' does not fit {typ}"))))
     for k in pk:
-        reasons.append(F.when((is_upsert & F.col("after")[k].isNull()) | ((op == "d") & F.col("before")[k].isNull()),
+        reasons.append(F.when((is_upsert & F.col(f"_ak_{k}").isNull()) | ((op == "d") & F.col(f"_bk_{k}").isNull()),
                               F.lit(f"missing key column {k}")))
-        bk = cast_text(F.col("before")[k], types[k])
-        cols[BKEY + k] = F.when(op == "u", bk)
-        reasons.append(F.when((op == "u") & F.col("before")[k].isNotNull() & bk.isNull(),
+        bk = cast_text(F.col(f"_rb_{k}"), types[k])
+        cols[BKEY + k] = bk
+        reasons.append(F.when(F.col(f"_rb_{k}").isNotNull() & bk.isNull(),
                               F.lit(f"before image key column {k} does not fit {types[k]}")))
     shard = shard_expr(shard_map)
     reason_arr = F.filter(F.array(*reasons), lambda x: x.isNotNull())
-    raw_json = F.to_json(F.struct("op", "before", "after", "unavailable", "source", "run_id"))
-    out = df.select(
+    # Step 2: typed values and reasons; step 3: the raw payload and file, kept only for malformed
+    # events (quarantine), cheap for the rest.
+    typed_df = stage.select(
         shard.alias(SHARD_COL),
         *[c.alias(n) for n, c in cols.items()],
         F.when(op == "r", F.lit("c")).otherwise(op).alias(OP_COL),
@@ -159,13 +176,12 @@ def typed_events(df: DataFrame, cfg: TableConfig, lake_columns: list[tuple[str, 
         F.col("source.xid").alias(XID_COL),
         F.when(F.size("unavailable") > 0, F.col("unavailable")).alias(UNAVAILABLE_COL),
         F.col("run_id").alias(RUN_COL),
-        F.col("source.schema").alias("_source_schema"),
-        F.col("table_schema").alias("_table_schema"),
         reason_arr.alias(REASONS),
-        raw_json.alias(RAW),
-        F.input_file_name().alias(FILE),
+        F.struct("op", "before", "after", "unavailable", "source", "run_id").alias("_event"),
     )
-    return out
+    bad = F.size(REASONS) > 0
+    return typed_df.withColumn(RAW, F.when(bad, F.to_json("_event"))).withColumn(
+        FILE, F.when(bad, F.input_file_name())).drop("_event")
 
 
 def split_pk_changes(events: DataFrame, cfg: TableConfig) -> DataFrame:
@@ -196,7 +212,7 @@ def split_pk_changes(events: DataFrame, cfg: TableConfig) -> DataFrame:
 
 
 _META_NON_SOURCE = {SHARD_COL, OP_COL, LSN_COL, "_seq_raw", SEQ_COL, COMMIT_TS_COL, LSN_EVENT_COL, XID_COL,
-                    UNAVAILABLE_COL, RUN_COL, "_source_schema", "_table_schema", REASONS, RAW, FILE, PKCHANGE}
+                    UNAVAILABLE_COL, RUN_COL, REASONS, RAW, FILE, PKCHANGE}
 
 
 def latest_per_key(events: DataFrame, key: list[str]) -> DataFrame:

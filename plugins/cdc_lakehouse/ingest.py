@@ -19,19 +19,40 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from .config import COMMIT_TS_COL, LSN_COL, OP_COL, SEQ_COL, SHARD_COL, TableConfig
 from .events import (
-    FILE, PKCHANGE, RAW, REASONS, landing_spark_schema, latest_per_key, split_pk_changes, typed_events,
+    BKEY,
+    FILE,
+    PKCHANGE,
+    RAW,
+    REASONS,
+    landing_spark_schema,
+    latest_per_key,
+    split_pk_changes,
+    typed_events,
 )
 from .failpoints import crash_point
 from .identifiers import spark_ident
 from .lake import (
-    INGESTED_COL, LSN_EVENT_COL, RUN_COL, UNAVAILABLE_COL, XID_COL, HadoopFS, SparkLanding, changelog_columns,
-    meta_append, read_watermark, snapshot_summary, source_columns_of, sql_with_commit_properties, table_exists,
-    watermark_json, with_commit_retries,
+    INGESTED_COL,
+    LSN_EVENT_COL,
+    RUN_COL,
+    UNAVAILABLE_COL,
+    XID_COL,
+    HadoopFS,
+    SparkLanding,
+    changelog_columns,
+    meta_append,
+    read_watermark,
+    snapshot_summary,
+    source_columns_of,
+    sql_with_commit_properties,
+    table_exists,
+    watermark_json,
+    with_commit_retries,
 )
 from .landing import list_manifests, manifest_files
 from .settings import LakeSettings
@@ -140,6 +161,21 @@ def plan_landing(landing: SparkLanding, cfg: TableConfig, watermark: dict[str, A
 
 # --- schema -------------------------------------------------------------------------------------
 
+def manifest_schemas(plan: Plan, cfg: TableConfig) -> tuple[list[list[dict]], dict[str, list[dict]]]:
+    """The table's schemas as the capture saw them (relation messages), from the runs' manifests:
+    every schema of the batch, and the latest per shard. No scan of the events is needed."""
+    all_schemas: dict[str, list[dict]] = {}
+    latest: dict[str, list[dict]] = {}
+    for m in plan.manifests:
+        for key, cols in (m.get("schemas") or {}).items():
+            schema, _, table = key.rpartition(".")
+            if table != cfg.source.table:
+                continue
+            all_schemas.setdefault(json.dumps(cols, sort_keys=True), cols)
+            latest[schema] = cols
+    return list(all_schemas.values()), latest
+
+
 def _event_schemas(raw: DataFrame) -> tuple[list[list[dict]], dict[str, list[dict]]]:
     """All distinct event schemas, and the latest schema per source shard schema."""
     from pyspark.sql import functions as F
@@ -228,26 +264,31 @@ def schema_actions(cfg: TableConfig, lake_cols: list[tuple[str, str]], schemas: 
 # --- TOAST ---------------------------------------------------------------------------------------
 
 WORK = "_unav_work"
+BROADCAST_ROWS = 2_000_000  # key sets up to this size are broadcast instead of shuffling the table
 
 
-def fill_unavailable(events: DataFrame, current: DataFrame, cfg: TableConfig) -> tuple[DataFrame, DataFrame | None]:
-    """Give unchanged TOAST columns their value: from the key's earlier events in the batch, from
-    the old key for a primary-key change, else from the current table. Events whose value is
-    nowhere are returned separately, for quarantine; nothing is ever filled with NULL."""
+UNAV_LEFT = "_unav_left"  # columns still without a value after the batch: the MERGE takes the table's
+
+
+def fill_unavailable(events: DataFrame, current: DataFrame, cfg: TableConfig, names: list[str]) -> DataFrame:
+    """Give unchanged TOAST columns their value from the batch itself: the key's latest earlier
+    event that carried it, or for a primary-key change the old key's state. What the batch cannot
+    provide stays listed in `_unav_left`; the MERGE then keeps the table's value, which costs no
+    extra read. Nothing is ever filled with NULL."""
     from pyspark.sql import Window
     from pyspark.sql import functions as F
 
-    names = [r[0] for r in events.select(F.explode(UNAVAILABLE_COL)).distinct().collect()]
-    if not names:
-        return events, None
     pk = cfg.primary_key
     key = [SHARD_COL, *pk]
     fkey = [SHARD_COL, *[f"_fill_key_{k}" for k in pk]]
     need = events.filter(F.size(F.coalesce(F.col(UNAVAILABLE_COL), F.array())) > 0)
     involved = need.select(*key).unionByName(need.select(*[F.col(a).alias(b) for a, b in zip(fkey, key)])).distinct()
-    sub = events.join(F.broadcast(involved), key, "left_semi").withColumn(
+    involved = involved.localCheckpoint(eager=True)
+    n_involved = involved.count()
+    inv = F.broadcast(involved) if n_involved <= BROADCAST_ROWS else involved
+    sub = events.join(inv, key, "left_semi").withColumn(
         WORK, F.coalesce(F.col(UNAVAILABLE_COL), F.array().cast("array<string>")))
-    rest = events.join(F.broadcast(involved), key, "left_anti")
+    rest = events.join(inv, key, "left_anti").withColumn(UNAV_LEFT, F.array().cast("array<string>"))
 
     w = Window.partitionBy(*key).orderBy(LSN_COL, SEQ_COL).rowsBetween(Window.unboundedPreceding, -1)
 
@@ -272,38 +313,54 @@ def fill_unavailable(events: DataFrame, current: DataFrame, cfg: TableConfig) ->
         take = F.array_contains(WORK, c) & F.col(PKCHANGE) & F.col(f"_old_{c}").isNotNull()
         sub = sub.withColumn(c, F.when(take, F.col(f"_old_{c}")["v"]).otherwise(F.col(c)))
         sub = sub.withColumn(WORK, F.when(take, F.array_remove(WORK, c)).otherwise(F.col(WORK)))
+    # Later events of the new key inherit what the key change just received.
     sub = from_history(sub.drop(*[f"_old_{c}" for c in names])).drop(*[f"_prev_{c}" for c in names])
-    # Last resort: the row as the current table holds it (before this batch).
-    base = current.select(*[F.col(a).alias(b) for a, b in zip(key, fkey)],
-                          *[F.struct(F.col(c).alias("v")).alias(f"_base_{c}") for c in names])
-    sub = sub.join(base, fkey, "left")
-    for c in names:
-        take = F.array_contains(WORK, c) & F.col(f"_base_{c}").isNotNull()
-        sub = sub.withColumn(c, F.when(take, F.col(f"_base_{c}")["v"]).otherwise(F.col(c)))
-        sub = sub.withColumn(WORK, F.when(take, F.array_remove(WORK, c)).otherwise(F.col(WORK)))
-    sub = sub.drop(*[f"_base_{c}" for c in names])
-    unresolved = sub.filter(F.size(WORK) > 0).withColumn(REASONS, F.array(F.concat(
-        F.lit("unchanged TOAST column(s) "), F.array_join(WORK, ", "),
-        F.lit(" not sent by the source and the key has no earlier row in the batch or the lake"))))
-    resolved = sub.filter(F.size(WORK) == 0).drop(WORK)
-    return rest.unionByName(resolved), unresolved.drop(WORK)
+    sub = sub.localCheckpoint(eager=True)
+    # A key change whose old row is only in the table: read those few old keys (rare), then let
+    # the new key's later events in the batch inherit the value.
+    pk_missing = sub.filter(F.col(PKCHANGE) & (F.size(WORK) > 0)).select(*fkey).distinct().collect()
+    if pk_missing:
+        cond = None
+        for r in pk_missing:
+            c1 = F.lit(True)
+            for a, b in zip(key, fkey):
+                c1 = c1 & (F.col(a) == F.lit(r[b]))
+            cond = c1 if cond is None else cond | c1
+        base = current.filter(cond).select(*[F.col(a).alias(b) for a, b in zip(key, fkey)],
+                                          *[F.struct(F.col(c).alias("v")).alias(f"_base_{c}") for c in names])
+        sub = sub.join(F.broadcast(base), fkey, "left")
+        for c in names:
+            take = F.array_contains(WORK, c) & F.col(PKCHANGE) & F.col(f"_base_{c}").isNotNull()
+            sub = sub.withColumn(c, F.when(take, F.col(f"_base_{c}")["v"]).otherwise(F.col(c)))
+            sub = sub.withColumn(WORK, F.when(take, F.array_remove(WORK, c)).otherwise(F.col(WORK)))
+        sub = from_history(sub.drop(*[f"_base_{c}" for c in names])).drop(*[f"_prev_{c}" for c in names])
+    return rest.unionByName(sub.withColumnRenamed(WORK, UNAV_LEFT))
 
 
 # --- the run ---------------------------------------------------------------------------------------
 
-def _merge_sql(cfg: TableConfig, target: str, view: str, columns: list[str], truncated: list[str]) -> str:
+def _merge_sql(cfg: TableConfig, target: str, view: str, columns: list[str], truncated: list[str],
+               toast_columns: list[str] | None = None) -> str:
     key = [SHARD_COL, *cfg.primary_key]
     on = " AND ".join(f"t.{spark_ident(k)} = s.{spark_ident(k)}" for k in key)
     newer = (f"(s.{LSN_COL} > t.{LSN_COL} OR (s.{LSN_COL} = t.{LSN_COL} AND s.{SEQ_COL} > t.{SEQ_COL}))")
-    sets = ", ".join(f"t.{spark_ident(c)} = s.{spark_ident(c)}" for c in columns)
+    toast = set(toast_columns or [])
+
+    def value(c: str) -> str:
+        # An unchanged TOAST value the batch could not supply: keep the table's.
+        q = spark_ident(c)
+        return f"CASE WHEN array_contains(s.{UNAV_LEFT}, '{c}') THEN t.{q} ELSE s.{q} END" if c in toast else f"s.{q}"
+
+    sets = ", ".join(f"t.{spark_ident(c)} = {value(c)}" for c in columns)
     ins_cols = ", ".join(spark_ident(c) for c in columns)
     ins_vals = ", ".join(f"s.{spark_ident(c)}" for c in columns)
+    insertable = f"s.{OP_COL} <> 'd'" + (f" AND size(s.{UNAV_LEFT}) = 0" if toast else "")
     trunc = ", ".join(f"'{s}'" for s in truncated)
     if cfg.deletes == "hard":
         sql = (f"MERGE INTO {target} t USING {view} s ON {on} "
                f"WHEN MATCHED AND {newer} AND s.{OP_COL} = 'd' THEN DELETE "
                f"WHEN MATCHED AND {newer} THEN UPDATE SET {sets} "
-               f"WHEN NOT MATCHED AND s.{OP_COL} <> 'd' THEN INSERT ({ins_cols}) VALUES ({ins_vals})")
+               f"WHEN NOT MATCHED AND {insertable} THEN INSERT ({ins_cols}) VALUES ({ins_vals})")
         if truncated:
             sql += f" WHEN NOT MATCHED BY SOURCE AND t.{SHARD_COL} IN ({trunc}) THEN DELETE"
         return sql
@@ -313,7 +370,7 @@ def _merge_sql(cfg: TableConfig, target: str, view: str, columns: list[str], tru
            f"WHEN MATCHED AND {newer} AND s.{OP_COL} = 'd' THEN UPDATE SET t.{flag} = true, "
            f"t.{ts} = s.{COMMIT_TS_COL}, {meta} "
            f"WHEN MATCHED AND {newer} THEN UPDATE SET {sets}, t.{flag} = false, t.{ts} = NULL "
-           f"WHEN NOT MATCHED AND s.{OP_COL} <> 'd' THEN INSERT ({ins_cols}, {flag}, {ts}) "
+           f"WHEN NOT MATCHED AND {insertable} THEN INSERT ({ins_cols}, {flag}, {ts}) "
            f"VALUES ({ins_vals}, false, NULL)")
     if truncated:
         sql += (f" WHEN NOT MATCHED BY SOURCE AND t.{SHARD_COL} IN ({trunc}) AND NOT t.{flag} THEN UPDATE SET "
@@ -363,11 +420,10 @@ def ingest_table(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, *, u
                  ingest_run: str, interval_end: str | None = None, log=print,
                  config_file: str | None = None) -> dict[str, Any]:
     """Apply every pending capture run (up to `upto_run`) to the table; returns the run's metrics."""
-    from pyspark import StorageLevel
     from pyspark.sql import functions as F
 
     t0 = time.time()
-    started = datetime.now(timezone.utc)
+    started = datetime.now(UTC)
     cur = lake.qualified(cfg.current_table)
     cl = lake.qualified(cfg.changelog_table)
     if not table_exists(spark, cur):
@@ -396,6 +452,8 @@ def ingest_table(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, *, u
         metrics["status"] = "ok_with_gaps"
     new_wm_json = watermark_json(plan.new_watermark)
     lake_cols = source_columns_of(spark, cur, cfg)
+    timings: dict[str, float] = {"plan": time.time() - t0}
+    metrics["timings"] = timings
 
     if not plan.files:
         # Nothing to apply (quiet shards): the heartbeats still move the watermark forward.
@@ -411,7 +469,9 @@ def ingest_table(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, *, u
 
     raw = spark.read.schema(landing_spark_schema()).parquet(*plan.files).filter(
         F.col("source.table") == cfg.source.table)
-    schemas, latest = _event_schemas(raw)
+    schemas, latest = manifest_schemas(plan, cfg)
+    if not latest:
+        schemas, latest = _event_schemas(raw)  # runs written without schemas in their manifest
     ddl, errors = schema_actions(cfg, lake_cols, schemas, latest, config_file or "")
     if errors:
         raise SchemaChangeError("\n".join(errors))
@@ -423,22 +483,36 @@ def ingest_table(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, *, u
     if ddl:
         lake_cols = source_columns_of(spark, cur, cfg)
 
+    t_phase = time.time()
     shard_map = {(g.endpoint_id, schema): shard for g, schema, shard in cfg.shards()}
     wm_floor = _wm_map(wm)
     typed = typed_events(raw, cfg, lake_cols, shard_map).filter(F.col(SHARD_COL).isNotNull())
     # Events the table already has (replays, reruns) are dropped before validation, so an old
     # malformed event is not quarantined twice.
     typed = typed.withColumn("_applied", F.col(LSN_COL) < F.coalesce(wm_floor[F.col(SHARD_COL)], F.lit(0)))
-    typed = typed.persist(StorageLevel.MEMORY_AND_DISK)
+    # Local checkpoints at phase boundaries: computed once, and later queries plan against the
+    # stored rows instead of re-optimizing the wide validation expressions each time.
+    typed = typed.localCheckpoint(eager=True)
+    pend = ~F.col("_applied")
+    ok = pend & (F.size(REASONS) == 0)
+    pk_change = F.lit(False)
+    for k in cfg.primary_key:
+        pk_change = pk_change | (F.col(BKEY + k).isNotNull() & ~F.col(BKEY + k).eqNullSafe(F.col(k)))
     counts = typed.groupBy().agg(
         F.count(F.lit(1)).alias("n"), F.sum(F.col("_applied").cast("int")).alias("applied"),
-        F.sum(((F.size(REASONS) > 0) & ~F.col("_applied")).cast("int")).alias("bad"),
-        F.min(F.when(~F.col("_applied"), F.col(COMMIT_TS_COL))).alias("min_ts"),
-        F.max(F.when(~F.col("_applied"), F.col(COMMIT_TS_COL))).alias("max_ts"),
+        F.sum((pend & (F.size(REASONS) > 0)).cast("int")).alias("bad"),
+        F.sum((ok & (F.col(OP_COL) != "t")).cast("int")).alias("valid"),
+        F.sum((ok & (F.col(OP_COL) == "u") & pk_change).cast("int")).alias("pk_changes"),
+        F.sum((ok & (F.col(OP_COL) == "t")).cast("int")).alias("truncates"),
+        F.collect_set(F.when(ok & (F.col(OP_COL) == "t"), F.col(SHARD_COL))).alias("truncated"),
+        F.array_distinct(F.flatten(F.collect_set(F.when(ok, F.col(UNAVAILABLE_COL))))).alias("unavailable"),
+        F.min(F.when(pend, F.col(COMMIT_TS_COL))).alias("min_ts"),
+        F.max(F.when(pend, F.col(COMMIT_TS_COL))).alias("max_ts"),
     ).collect()[0]
+    timings["validate"] = time.time() - t_phase
     metrics["events_read"] = int(counts["n"] or 0)
     metrics["already_applied"] = int(counts["applied"] or 0)
-    pending = typed.filter(~F.col("_applied")).drop("_applied")
+    pending = typed.filter(pend).drop("_applied")
     bad = pending.filter(F.size(REASONS) > 0)
     n_bad = int(counts["bad"] or 0)
     n_new = metrics["events_read"] - metrics["already_applied"]
@@ -455,28 +529,25 @@ def ingest_table(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, *, u
                 + f". They are in {lake.meta_table('quarantine')} (table_name = '{cfg.name}'); nothing was applied. "
                 "Fix the source or the table config (e.g. column_types), or raise ingest.error_budget, then rerun."
             )
-    valid = pending.filter(F.size(REASONS) == 0).drop(REASONS, RAW)
+    t_phase = time.time()
+    valid = pending.filter(F.size(REASONS) == 0).drop(REASONS, RAW, FILE)
     events = split_pk_changes(valid.filter(F.col(OP_COL) != "t"), cfg)
     truncs = valid.filter(F.col(OP_COL) == "t").withColumn(SEQ_COL, F.col("_seq_raw") * 2)
-    before = events.count()
     events = events.dropDuplicates([SHARD_COL, LSN_COL, SEQ_COL])
     truncs = truncs.dropDuplicates([SHARD_COL, LSN_COL, SEQ_COL])
-    events = events.persist(StorageLevel.MEMORY_AND_DISK)
-    metrics["duplicates"] = before - events.count()
-
+    events = events.localCheckpoint(eager=True)
+    n_events = events.count()
+    # Every valid event, plus the delete half of each key change, minus what arrived twice.
+    metrics["duplicates"] = int(counts["valid"] or 0) + int(counts["pk_changes"] or 0) - n_events
     current_df = spark.table(cur)
-    events, unresolved = fill_unavailable(events, current_df, cfg)
-    if unresolved is not None:
-        unresolved = unresolved.withColumn(RAW, F.lit(None).cast("string"))
-        n_unres = unresolved.count()
-        if n_unres:
-            unres = unresolved.withColumn(RAW, F.to_json(F.struct(*[F.col(c) for c in [SHARD_COL, *cfg.primary_key,
-                                                                                         LSN_COL, SEQ_COL]])))
-            metrics["quarantined"] += _quarantine(spark, lake, cfg, unres, ingest_run)
-            log(f"WARNING {cfg.name}: {n_unres} event(s) quarantined: TOAST value unavailable")
-    events = events.persist(StorageLevel.MEMORY_AND_DISK)
-    truncated = sorted(r[0] for r in truncs.select(SHARD_COL).distinct().collect())
-    metrics["truncates"] = int(truncs.count()) if truncated else 0
+    names = list(counts["unavailable"] or [])
+    if names:
+        events = fill_unavailable(events, current_df, cfg, names).localCheckpoint(eager=True)
+    else:
+        events = events.withColumn(UNAV_LEFT, F.array().cast("array<string>"))
+    truncated = sorted(counts["truncated"] or [])
+    metrics["truncates"] = int(counts["truncates"] or 0)
+    timings["prepare"] = time.time() - t_phase
 
     # 1) changelog: append what it does not have yet, with its new watermark.
     cl_cols = [c for c, _ in changelog_columns(lake_cols)]
@@ -487,15 +558,17 @@ def ingest_table(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, *, u
         rows = events.unionByName(truncs, allowMissingColumns=True).filter(
             F.col(LSN_COL) >= F.coalesce(cl_floor[F.col(SHARD_COL)], F.lit(0)))
         rows = rows.withColumn(INGESTED_COL, ingested).select(*cl_cols)
-        n = rows.count()
         rows.writeTo(cl).option("snapshot-property.cdc.watermark", new_wm_json).append()
-        return n
+        return int(snapshot_summary(spark, cl).get("added-records", 0))
 
     crash_point("ingest_before_changelog")
+    t_phase = time.time()
     metrics["changelog_rows"] = with_commit_retries(_changelog, what=f"{cfg.name} changelog")
+    timings["changelog"] = time.time() - t_phase
     crash_point("ingest_after_changelog")
 
     # 2) current table: latest event per key, LSN-guarded MERGE, watermark in the same commit.
+    t_phase = time.time()
     reduced = latest_per_key(events, [SHARD_COL, *cfg.primary_key])
     if truncated:
         # Keys whose last event precedes their shard's truncate are gone.
@@ -508,27 +581,51 @@ def ingest_table(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, *, u
                    .withColumn(LSN_COL, F.when(before_t, F.col("_t")[LSN_COL]).otherwise(F.col(LSN_COL)))
                    .drop("_t"))
     cur_cols = [c for c, _ in [(SHARD_COL, ""), *lake_cols]] + [OP_COL, LSN_COL, SEQ_COL, COMMIT_TS_COL]
-    reduced = reduced.select(*cur_cols).persist(StorageLevel.MEMORY_AND_DISK)
-    # Classify against the table (key columns only) for exact insert/update/delete counts.
+    # A local checkpoint: computed once, and a deterministic plan (copy-on-write MERGE requires it).
+    reduced = reduced.select(*cur_cols, UNAV_LEFT).localCheckpoint(eager=True)
+    needs_base = (F.col(OP_COL) != "d") & (F.size(UNAV_LEFT) > 0)
+    totals = reduced.groupBy().agg(
+        F.count(F.lit(1)).alias("n"), F.sum((F.col(OP_COL) != "d").cast("int")).alias("upserts"),
+        F.sum(needs_base.cast("int")).alias("needs_base"),
+        F.min(COMMIT_TS_COL).alias("min_ts"), F.max(COMMIT_TS_COL).alias("max_ts")).collect()[0]
+    # Classify against the table for exact insert/update/delete counts: the batch's keys are
+    # broadcast and the table's key columns scanned once.
+    key = [SHARD_COL, *cfg.primary_key]
     live = ~F.col(cfg.soft_delete_columns.flag) if cfg.deletes == "soft" else F.lit(True)
-    tgt = current_df.select(SHARD_COL, *cfg.primary_key, F.col(LSN_COL).alias("_t_lsn"), F.col(SEQ_COL).alias("_t_seq"),
-                            live.alias("_t_live"))
-    cls = reduced.join(tgt, [SHARD_COL, *cfg.primary_key], "left")
-    newer = F.col("_t_lsn").isNull() | _newer(F.col(LSN_COL), F.col(SEQ_COL), F.col("_t_lsn"), F.col("_t_seq"))
+    tgt = current_df.select(*key, F.col(LSN_COL).alias("_t_lsn"), F.col(SEQ_COL).alias("_t_seq"), live.alias("_t_live"))
+    keys = reduced.select(*key, LSN_COL, SEQ_COL, OP_COL, needs_base.alias("_needs_base"))
+    if (totals["n"] or 0) <= BROADCAST_ROWS:
+        keys = F.broadcast(keys)
+    newer = _newer(F.col(LSN_COL), F.col(SEQ_COL), F.col("_t_lsn"), F.col("_t_seq"))
     is_del = F.col(OP_COL) == "d"
-    c = cls.groupBy().agg(
-        F.sum((~is_del & F.col("_t_lsn").isNull()).cast("int")).alias("ins"),
-        F.sum((~is_del & F.col("_t_lsn").isNotNull() & newer).cast("int")).alias("upd"),
-        F.sum((is_del & F.col("_t_lsn").isNotNull() & newer & F.col("_t_live")).cast("int")).alias("del"),
-        F.sum((F.col("_t_lsn").isNotNull() & ~newer).cast("int")).alias("stale"),
-        F.min(COMMIT_TS_COL).alias("min_ts"), F.max(COMMIT_TS_COL).alias("max_ts"),
+    c = tgt.join(keys, key, "inner").groupBy().agg(
+        F.sum((~is_del).cast("int")).alias("matched_upserts"),
+        F.sum((~is_del & newer).cast("int")).alias("upd"),
+        F.sum((is_del & newer & F.col("_t_live")).cast("int")).alias("del"),
+        F.sum((~newer).cast("int")).alias("stale"),
+        F.sum(F.col("_needs_base").cast("int")).alias("based"),
     ).collect()[0]
-    metrics.update(inserts=int(c["ins"] or 0), updates=int(c["upd"] or 0), deletes=int(c["del"] or 0),
-                   stale_skipped=int(c["stale"] or 0))
+    metrics.update(inserts=int(totals["upserts"] or 0) - int(c["matched_upserts"] or 0), updates=int(c["upd"] or 0),
+                   deletes=int(c["del"] or 0), stale_skipped=int(c["stale"] or 0))
+    if int(totals["needs_base"] or 0) > int(c["based"] or 0):
+        # An unchanged TOAST value whose key is neither earlier in the batch nor in the table: the
+        # value exists nowhere we can read, so the event is quarantined rather than given a NULL.
+        orphans = reduced.filter(needs_base).join(tgt.select(*key), key, "left_anti")
+        orphans = orphans.withColumn(REASONS, F.array(F.concat(
+            F.lit("unchanged TOAST column(s) "), F.array_join(UNAV_LEFT, ", "),
+            F.lit(" not sent by the source and the key has no earlier row in the batch or the lake"))))
+        orphans = (orphans.withColumn(RAW, F.to_json(F.struct(*key, LSN_COL, SEQ_COL)))
+                   .withColumn("_seq_raw", F.floor(F.col(SEQ_COL) / 2).cast("bigint"))
+                   .withColumn(RUN_COL, F.lit(None).cast("string")).withColumn(FILE, F.lit(None).cast("string")))
+        n_orphans = _quarantine(spark, lake, cfg, orphans, ingest_run)
+        metrics["quarantined"] += n_orphans
+        metrics["inserts"] -= n_orphans
+        log(f"WARNING {cfg.name}: {n_orphans} event(s) quarantined: TOAST value unavailable")
+    c = {"min_ts": totals["min_ts"], "max_ts": totals["max_ts"]}
+    timings["reduce_classify"] = time.time() - t_phase
     view = f"cdc_batch_{cfg.name}"
     reduced.createOrReplaceTempView(view)
-    merge_cols = [x for x in cur_cols]
-    sql = _merge_sql(cfg, cur, view, merge_cols, truncated)
+    sql = _merge_sql(cfg, cur, view, cur_cols, truncated, toast_columns=names)
     pre = snapshot_summary(spark, cur)
     t_apply = time.time()
     with_commit_retries(lambda: sql_with_commit_properties(spark, sql, {"cdc.watermark": new_wm_json,
@@ -538,13 +635,12 @@ def ingest_table(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, *, u
     crash_point("ingest_after_merge")
     post = snapshot_summary(spark, cur)
     metrics["apply_seconds"] = apply_s
+    timings["merge"] = apply_s
     _write_stats(metrics, pre, post)
-    now = datetime.now(timezone.utc)
+    now = datetime.now(UTC)
     if c["min_ts"] is not None:
-        metrics["lag_seconds_max"] = (now - c["min_ts"].replace(tzinfo=timezone.utc)).total_seconds()
-        metrics["lag_seconds_min"] = (now - c["max_ts"].replace(tzinfo=timezone.utc)).total_seconds()
-    for df in (typed, events, reduced):
-        df.unpersist()
+        metrics["lag_seconds_max"] = (now - c["min_ts"].replace(tzinfo=UTC)).total_seconds()
+        metrics["lag_seconds_min"] = (now - c["max_ts"].replace(tzinfo=UTC)).total_seconds()
     return _finish(spark, lake, cfg, metrics, plan, t0, t_apply, log)
 
 
@@ -567,7 +663,7 @@ def _write_stats(metrics: dict[str, Any], pre: dict[str, str], post: dict[str, s
 
 def _finish(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, metrics: dict[str, Any], plan: Plan,
             t0: float, t_apply: float, log) -> dict[str, Any]:
-    now = datetime.now(timezone.utc)
+    now = datetime.now(UTC)
     metrics["committed_at"] = now
     metrics["total_seconds"] = time.time() - t0
     metrics["watermark"] = watermark_json(plan.new_watermark)
@@ -575,7 +671,7 @@ def _finish(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, metrics: 
     if ts:
         oldest = min(datetime.fromisoformat(t) for t in ts)
         metrics["freshness_seconds"] = (now - oldest).total_seconds()
-    meta_append(spark, lake, "ingest_runs", [metrics])
+    meta_append(spark, lake, "ingest_runs", [{k: v for k, v in metrics.items() if k != "timings"}])
     wa = metrics.get("write_amplification")
     log(
         f"ingest {cfg.name}: runs {metrics['landing_runs']} events {metrics['events_read']} "
@@ -585,7 +681,8 @@ def _finish(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, metrics: 
         f"files +{metrics.get('data_files_added', 0)}/-{metrics.get('data_files_removed', 0)} deletes "
         f"+{metrics.get('delete_files_added', 0)}, bytes written {metrics.get('bytes_written', 0)}, write amplification "
         f"{'n/a' if wa is None else f'{wa:.2f}'}; apply {metrics.get('apply_seconds', 0):.1f}s total "
-        f"{metrics['total_seconds']:.1f}s; freshness {metrics.get('freshness_seconds', 0) or 0:.0f}s"
+        f"{metrics['total_seconds']:.1f}s; freshness {metrics.get('freshness_seconds', 0) or 0:.0f}s; phases "
+        + ", ".join(f"{k} {v:.1f}s" for k, v in (metrics.get("timings") or {}).items())
     )
     return metrics
 

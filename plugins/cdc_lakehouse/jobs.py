@@ -13,9 +13,10 @@ import logging
 import sys
 import time
 import traceback
-from datetime import date, datetime, timezone
+from collections.abc import Callable
+from datetime import UTC, date, datetime
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from .config import TableConfig, load_table_configs
 from .settings import LakeSettings, tables_dir
@@ -101,7 +102,7 @@ def main_ingest(argv: list[str] | None = None) -> int:
     def fn(spark, lake, cfg, a, file):
         from .ingest import ingest_table
 
-        run = a.ingest_run or datetime.now(timezone.utc).strftime("manual-%Y%m%dT%H%M%S")
+        run = a.ingest_run or datetime.now(UTC).strftime("manual-%Y%m%dT%H%M%S")
         m = ingest_table(spark, lake, cfg, upto_run=a.upto_run, ingest_run=run, interval_end=a.interval_end,
                          log=log.info, config_file=file)
         return {k: m.get(k) for k in ("events_read", "inserts", "updates", "deletes", "quarantined",
@@ -121,7 +122,7 @@ def main_bootstrap(argv: list[str] | None = None) -> int:
         from .bootstrap import bootstrap_table
         from .config import load_table_configs
 
-        run = a.run_id or datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S")
+        run = a.run_id or datetime.now(UTC).strftime("%Y%m%dT%H%M%S")
         cs = load_table_configs(a.config_dir)
         ep_tables = {ep: {t.source.table: (list(g.schemas), t.primary_key) for t, g in lst}
                      for ep, lst in cs.endpoints().items()}
@@ -140,7 +141,7 @@ def main_maintenance(argv: list[str] | None = None) -> int:
     def fn(spark, lake, cfg, a, file):
         from .maintenance import maintain_table
 
-        run = a.run_id or datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S")
+        run = a.run_id or datetime.now(UTC).strftime("%Y%m%dT%H%M%S")
         return maintain_table(spark, lake, cfg, run_id=run, log=log.info)
 
     return run_per_table("maintenance", args, fn)
@@ -154,7 +155,7 @@ def main_audit(argv: list[str] | None = None) -> int:
     def fn(spark, lake, cfg, a, file):
         from .audit import AuditFailed, audit_table
 
-        run = a.audit_run or datetime.now(timezone.utc).strftime("manual-%Y%m%dT%H%M%S")
+        run = a.audit_run or datetime.now(UTC).strftime("manual-%Y%m%dT%H%M%S")
         result = audit_table(spark, lake, cfg, audit_run=run, log=log.info)
         if result["verdict"] == "fail":
             raise AuditFailed(result["message"])

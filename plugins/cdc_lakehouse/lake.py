@@ -126,7 +126,6 @@ def sql_with_commit_properties(spark: SparkSession, sql: str, props: dict[str, s
             except BaseException as exc:  # re-raised below with its Python type
                 failure.append(exc)
                 raise
-            return None
 
         class Java:
             implements = ["java.util.concurrent.Callable"]
@@ -163,6 +162,9 @@ def with_commit_retries(fn, *, attempts: int = 5, what: str = "commit", log=prin
 
 def read_watermark(spark: SparkSession, table: str) -> dict[str, Any] | None:
     """The newest `cdc.watermark` among the current snapshot and its ancestors."""
+    # Iceberg's catalog caches loaded tables; another process (a killed run, maintenance) may have
+    # committed since, and a stale watermark would re-apply events the table already has.
+    spark.sql(f"REFRESH TABLE {table}")
     rows = spark.sql(
         f"SELECT s.summary['{WATERMARK_PROP}'] AS wm FROM {table}.snapshots s "
         f"JOIN {table}.history h ON s.snapshot_id = h.snapshot_id "

@@ -8,12 +8,20 @@ ingest reads it from the current snapshot's ancestry.
 from __future__ import annotations
 
 import time
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from .config import COMMIT_TS_COL, LSN_COL, OP_COL, SEQ_COL, SHARD_COL, TableConfig
 from .identifiers import spark_ident
-from .lake import WATERMARK_PROP, meta_append, read_watermark, source_columns_of, table_exists, table_stats
+from .lake import (
+    UNAVAILABLE_COL,
+    WATERMARK_PROP,
+    meta_append,
+    read_watermark,
+    source_columns_of,
+    table_exists,
+    table_stats,
+)
 from .settings import LakeSettings
 
 if TYPE_CHECKING:
@@ -21,7 +29,7 @@ if TYPE_CHECKING:
 
 
 def _ts(dt: datetime) -> str:
-    return dt.astimezone(timezone.utc).strftime("%Y-%m-%d %H:%M:%S.%f")
+    return dt.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S.%f")
 
 
 def content_checksum(spark: SparkSession, table: str, columns: list[str]) -> str:
@@ -38,7 +46,7 @@ def watermark_snapshot_time(spark: SparkSession, table: str) -> datetime | None:
         f"SELECT h.made_current_at t FROM {table}.snapshots s JOIN {table}.history h ON s.snapshot_id = h.snapshot_id "
         f"WHERE h.is_current_ancestor AND s.summary['{WATERMARK_PROP}'] IS NOT NULL "
         "ORDER BY h.made_current_at DESC LIMIT 1").collect()
-    return rows[0]["t"].replace(tzinfo=timezone.utc) if rows else None
+    return rows[0]["t"].replace(tzinfo=UTC) if rows else None
 
 
 def compact(spark: SparkSession, lake: LakeSettings, table: str, cfg: TableConfig, *, sort: bool,
@@ -97,8 +105,18 @@ def expire(spark: SparkSession, lake: LakeSettings, table: str, cfg: TableConfig
     return {"expired_data_files": int(r[0][0]) if r else 0, "orphan_files_removed": len(o)}
 
 
+def _toast_columns(spark: SparkSession, changelog: str) -> list[str]:
+    from pyspark.sql import functions as F
+
+    return sorted(r[0] for r in spark.table(changelog).select(F.explode(UNAVAILABLE_COL)).distinct().collect())
+
+
 def latest_rows(spark: SparkSession, lake: LakeSettings, cfg: TableConfig) -> DataFrame:
-    """The latest row per key over the changelog, without deleted keys (Netflix's view)."""
+    """The latest row per key over the changelog, without deleted keys (Netflix's view).
+
+    A changelog row lists in `_cdc_unavailable` the unchanged TOAST columns its event did not
+    carry; where the ingest could not fill one from its own batch the value is NULL there, and
+    here it comes from the key's latest earlier row that carried it."""
     from pyspark.sql import Window
     from pyspark.sql import functions as F
 
@@ -106,11 +124,20 @@ def latest_rows(spark: SparkSession, lake: LakeSettings, cfg: TableConfig) -> Da
     cur = lake.qualified(cfg.current_table)
     cols = [c for c, _ in source_columns_of(spark, cur, cfg)]
     events = spark.table(cl)
+    toast = _toast_columns(spark, cl)
     trunc = (events.filter(F.col(OP_COL) == "t").groupBy(SHARD_COL)
              .agg(F.max(F.struct(F.col(LSN_COL).alias("l"), F.col(SEQ_COL).alias("s"))).alias("_t")))
     key = [SHARD_COL, *cfg.primary_key]
+    ev = events.filter(F.col(OP_COL) != "t")
+    if toast:
+        upto = Window.partitionBy(*key).orderBy(LSN_COL, SEQ_COL).rowsBetween(Window.unboundedPreceding, 0)
+        unav = F.coalesce(F.col(UNAVAILABLE_COL), F.array().cast("array<string>"))
+        for c in toast:
+            carried = (F.col(OP_COL) != "d") & ~(F.array_contains(unav, c) & F.col(c).isNull())
+            ev = ev.withColumn(c, F.last(F.when(carried, F.struct(F.col(c).alias("v"))), ignorenulls=True)
+                               .over(upto)["v"])
     w = Window.partitionBy(*key).orderBy(F.col(LSN_COL).desc(), F.col(SEQ_COL).desc())
-    latest = events.filter(F.col(OP_COL) != "t").withColumn("_rn", F.row_number().over(w)).filter("_rn = 1")
+    latest = ev.withColumn("_rn", F.row_number().over(w)).filter("_rn = 1")
     latest = latest.join(F.broadcast(trunc), SHARD_COL, "left")
     after_trunc = F.col("_t").isNull() | (F.col(LSN_COL) > F.col("_t.l")) | (
         (F.col(LSN_COL) == F.col("_t.l")) & (F.col(SEQ_COL) > F.col("_t.s")))
@@ -157,14 +184,26 @@ def _is_view(spark: SparkSession, name: str) -> bool:
 def _latest_sql(spark: SparkSession, lake: LakeSettings, cfg: TableConfig) -> str:
     """The same query as latest_rows, as SQL text (an Iceberg view stores SQL)."""
     cl = lake.qualified(cfg.changelog_table)
-    cols = [spark_ident(c) for c, _ in source_columns_of(spark, lake.qualified(cfg.current_table), cfg)]
+    cols = [c for c, _ in source_columns_of(spark, lake.qualified(cfg.current_table), cfg)]
+    toast = set(_toast_columns(spark, cl))
     key = ", ".join(spark_ident(c) for c in [SHARD_COL, *cfg.primary_key])
+    unav = f"coalesce({UNAVAILABLE_COL}, array())"
+    sel = []
+    for c in cols:
+        q = spark_ident(c)
+        if c in toast:
+            carried = f"{OP_COL} <> 'd' AND NOT (array_contains({unav}, '{c}') AND {q} IS NULL)"
+            sel.append(f"last(CASE WHEN {carried} THEN named_struct('v', {q}) END, true) OVER (PARTITION BY {key} "
+                       f"ORDER BY {LSN_COL}, {SEQ_COL} ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW).v AS {q}")
+        else:
+            sel.append(q)
     return (
         f"WITH t AS (SELECT {SHARD_COL}, max(named_struct('l', {LSN_COL}, 's', {SEQ_COL})) AS tr FROM {cl} "
         f"WHERE {OP_COL} = 't' GROUP BY {SHARD_COL}), "
-        f"e AS (SELECT *, row_number() OVER (PARTITION BY {key} ORDER BY {LSN_COL} DESC, {SEQ_COL} DESC) AS rn "
-        f"FROM {cl} WHERE {OP_COL} <> 't') "
-        f"SELECT e.{SHARD_COL}, {', '.join('e.' + c for c in cols)}, "
+        f"f AS (SELECT {SHARD_COL}, {', '.join(sel)}, {OP_COL}, {LSN_COL}, {SEQ_COL}, {COMMIT_TS_COL} FROM {cl} "
+        f"WHERE {OP_COL} <> 't'), "
+        f"e AS (SELECT *, row_number() OVER (PARTITION BY {key} ORDER BY {LSN_COL} DESC, {SEQ_COL} DESC) AS rn FROM f) "
+        f"SELECT e.{SHARD_COL}, {', '.join('e.' + spark_ident(c) for c in cols)}, "
         f"CASE WHEN e.{OP_COL} = 'r' THEN 'c' ELSE e.{OP_COL} END AS {OP_COL}, e.{LSN_COL}, e.{SEQ_COL}, "
         f"e.{COMMIT_TS_COL} FROM e LEFT JOIN t ON e.{SHARD_COL} = t.{SHARD_COL} WHERE e.rn = 1 AND e.{OP_COL} <> 'd' "
         f"AND (t.tr IS NULL OR e.{LSN_COL} > t.tr.l OR (e.{LSN_COL} = t.tr.l AND e.{SEQ_COL} > t.tr.s))"
@@ -173,7 +212,7 @@ def _latest_sql(spark: SparkSession, lake: LakeSettings, cfg: TableConfig) -> st
 
 def maintain_table(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, *, run_id: str,
                    now: datetime | None = None, log=print) -> dict[str, Any]:
-    now = now or datetime.now(timezone.utc)
+    now = now or datetime.now(UTC)
     cur = lake.qualified(cfg.current_table)
     cl = lake.qualified(cfg.changelog_table)
     if not table_exists(spark, cur):

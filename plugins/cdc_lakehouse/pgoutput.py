@@ -10,10 +10,10 @@ Message layout: https://www.postgresql.org/docs/15/protocol-logicalrep-message-f
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from struct import Struct
 
-PG_EPOCH = datetime(2000, 1, 1, tzinfo=timezone.utc)
+PG_EPOCH = datetime(2000, 1, 1, tzinfo=UTC)
 _I16 = Struct(">h")
 _I32 = Struct(">i")
 _U32 = Struct(">I")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from .config import ConfigSet, load_table_configs
@@ -17,7 +17,7 @@ LAKE_CONN_ID = os.environ.get("CDC_LAKE_CONN_ID", "cdc_lake")
 
 def run_id_for(interval_end: datetime) -> str:
     """Capture run ids sort like the data intervals they belong to."""
-    return interval_end.astimezone(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    return interval_end.astimezone(UTC).strftime("%Y%m%dT%H%M%SZ")
 
 
 def lake_settings() -> LakeSettings:
@@ -57,7 +57,7 @@ def capture_endpoint(endpoint_id: str, interval_end: datetime, **_: Any) -> dict
     lake = lake_settings()
     store = open_landing(lake.landing_uri, lake.landing_conn_id)
     run_id = run_id_for(interval_end)
-    started = datetime.now(timezone.utc)
+    started = datetime.now(UTC)
     manifest = capture_run(EndpointTables(endpoint_id, group.conn_id, tables), ep.dsn(), store, run_id,
                            host_label=ep.label, database=ep.database, limits=limits)
     record_capture_metrics(lake, manifest, started)

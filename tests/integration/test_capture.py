@@ -13,10 +13,10 @@ from pathlib import Path
 import psycopg2
 import pyarrow.parquet as pq
 import pytest
-
 from cdc_lakehouse import source as src
 from cdc_lakehouse.capture import CaptureLimits, capture_run
 from cdc_lakehouse.landing import LocalLanding, list_manifests, manifest_path
+
 from tests.conftest import ROOT
 
 TYPES_DDL = """

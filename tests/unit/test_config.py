@@ -5,7 +5,6 @@ from __future__ import annotations
 import textwrap
 
 import pytest
-
 from cdc_lakehouse.config import SHARD_COL, load_table_config, load_table_configs, parse_table_config
 from cdc_lakehouse.identifiers import IdentifierError, check_ident, pg_ident, spark_ident
 

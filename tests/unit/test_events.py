@@ -6,11 +6,11 @@ from datetime import date, datetime
 from decimal import Decimal
 
 import pytest
+from cdc_lakehouse.config import LSN_COL, OP_COL, SEQ_COL, SHARD_COL
+from cdc_lakehouse.events import REASONS, cast_text, latest_per_key, split_pk_changes, typed_events
 from pyspark.sql import functions as F
 from pyspark.testing import assertDataFrameEqual
 
-from cdc_lakehouse.config import LSN_COL, OP_COL, SEQ_COL, SHARD_COL
-from cdc_lakehouse.events import REASONS, cast_text, latest_per_key, split_pk_changes, typed_events
 from tests.conftest import make_config
 
 

@@ -5,9 +5,17 @@ from __future__ import annotations
 import struct
 
 import pytest
-
 from cdc_lakehouse.pgoutput import (
-    UNCHANGED, Begin, Change, Commit, Relation, Truncate, decode, lsn_to_int, lsn_to_str, parse_pg_array,
+    UNCHANGED,
+    Begin,
+    Change,
+    Commit,
+    Relation,
+    Truncate,
+    decode,
+    lsn_to_int,
+    lsn_to_str,
+    parse_pg_array,
 )
 from cdc_lakehouse.source import lake_type
 

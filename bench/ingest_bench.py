@@ -1,0 +1,334 @@
+"""Apply cost of one batch of changes: our ingest vs the tools a team would pick instead.
+
+    python bench/ingest_bench.py --rows 2000000 --changes 200000 [--engines ...] [--repeat 3]
+
+Engines, each on the same base table and the same batch, each checked against the same
+expected final state (computed by DuckDB from the inputs):
+  ours-mor / ours-cow   cdc_lakehouse.ingest (validate, changelog, pre-combine, LSN-guarded MERGE)
+                        on Spark + Iceberg, merge-on-read / copy-on-write
+  pyiceberg             pyiceberg table.upsert + delete of the pre-combined batch
+  delta                 delta-rs (deltalake) MERGE of the pre-combined batch
+  rewrite               a full rewrite of the table with DuckDB (the periodic snapshot reload)
+Each engine runs in its own process; its peak memory is the sampled RSS of its process tree.
+Figures: seconds per repeat (the first includes JIT warm-up), median of the rest, write
+amplification (bytes written / bytes of the changed rows). Results go to bench/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path[:0] = [str(ROOT / "plugins"), str(ROOT)]
+WORK = Path(os.environ.get("CDC_BENCH_WORK", HERE / ".work"))
+ENGINES = ["ours-mor", "ours-cow", "pyiceberg", "delta", "rewrite"]
+
+
+def prepare(rows: int, changes: int) -> dict:
+    """Base table and batch on disk (cached), with the expected checksum."""
+    import pyarrow.parquet as pq
+
+    from bench.workload import base_table, change_batch, expected_checksum, reduced_changes, write_landing
+
+    d = WORK / f"r{rows}"
+    d.mkdir(parents=True, exist_ok=True)
+    base = d / "base.parquet"
+    if not base.exists():
+        pq.write_table(base_table(rows), base, row_group_size=256_000)
+    bdir = d / f"c{changes}"
+    meta = bdir / "meta.json"
+    if not meta.exists():
+        batch = change_batch(rows, changes)
+        write_landing(batch, bdir / "landing", "bench", "20260601T010000Z", start_lsn=500)
+        reduced = reduced_changes(batch, str(base))
+        pq.write_table(reduced, bdir / "reduced.parquet")
+        info = {"events": batch.events, "updates": batch.updates, "inserts": batch.inserts, "deletes": batch.deletes,
+                "toast_unchanged": batch.toast, "keys": reduced.num_rows,
+                "expected": expected_checksum(str(base), reduced)}
+        meta.write_text(json.dumps(info))
+    return {"base": str(base), "dir": str(bdir), **json.loads(meta.read_text())}
+
+
+# --- engines (run inside a worker process) ------------------------------------------------------
+
+def run_ours(mode: str, prep: dict, rows: int, repeat: int) -> list[dict]:
+    from cdc_lakehouse.config import parse_table_config
+    from cdc_lakehouse.ingest import ingest_table
+    from cdc_lakehouse.lake import create_lake_tables, ensure_meta_tables
+    from cdc_lakehouse.settings import LakeSettings
+    from cdc_lakehouse.spark_session import get_spark
+    from pyspark.sql import functions as F
+
+    lake = LakeSettings.from_env().with_(warehouse=f"file://{WORK}/warehouse",
+                                         landing_uri=f"file://{prep['dir']}/landing")
+    spark = get_spark("bench-ingest", lake, driver_memory=os.environ.get("CDC_BENCH_DRIVER_MEMORY", "8g"))
+    ensure_meta_tables(spark, lake)
+    name = f"blk_{mode.replace('-', '_')}_{rows}"
+    cfg, errs = parse_table_config({
+        "name": name, "source": {"table": "block", "shards": [{"conn_id": "bench", "schemas": ["s0", "s1", "s2", "s3"]}]},
+        "primary_key": ["id"], "lake": {"namespace": "bench", "write_mode": mode},
+        "ingest": {"error_budget": {"max_quarantined": 0}}}, "bench")
+    assert not errs, errs
+    # The watermark the bench base table starts from, for the synthetic endpoint "bench".
+    wm = {"v": 1, "shards": {s: {"lsn": 500, "ts": "2026-06-01T00:00:00+00:00"} for s in ["s0", "s1", "s2", "s3"]}}
+    out = []
+    for i in range(repeat):
+        for t in (cfg.current_table, cfg.changelog_table):
+            spark.sql(f"DROP TABLE IF EXISTS {lake.qualified(t)} PURGE")
+        from bench.workload import COLUMNS
+
+        create_lake_tables(spark, lake, cfg, [(n, lt) for n, _, lt in COLUMNS])
+        base = spark.read.parquet(prep["base"])
+        base.writeTo(lake.qualified(cfg.current_table)).option(
+            "snapshot-property.cdc.watermark", json.dumps(wm)).append()
+        spark.createDataFrame([], spark.table(lake.qualified(cfg.changelog_table)).schema).writeTo(
+            lake.qualified(cfg.changelog_table)).option("snapshot-property.cdc.watermark", json.dumps(wm)).append()
+        t = time.time()
+        m = ingest_table(spark, lake, cfg, upto_run=None, ingest_run=f"bench-{i}")
+        secs = time.time() - t
+        got = spark.table(lake.qualified(cfg.current_table)).agg(
+            F.count(F.lit(1)).alias("rows"), F.sum("id").alias("sum_id"), F.sum("version").alias("sum_version"),
+            F.sum(F.length("content")).alias("sum_content")).collect()[0].asDict()
+        ok = {k: int(v) for k, v in got.items()} == prep["expected"]
+        out.append({"seconds": secs, "apply_seconds": m["apply_seconds"], "write_amplification": m.get("write_amplification"),
+                    "bytes_written": m.get("bytes_written"), "changed_rows_bytes": m.get("changed_rows_bytes"),
+                    "timings": m.get("timings"), "verified": ok, "got": got})
+        print(f"  {mode} repeat {i + 1}: {secs:.1f}s (merge {m['apply_seconds']:.1f}s) "
+              f"WA {m.get('write_amplification') or 0:.2f} phases {m.get('timings')} verified={ok}", flush=True)
+    spark.stop()
+    return out
+
+
+def _checksum_arrow(table) -> dict:
+    import duckdb
+
+    con = duckdb.connect()
+    con.register("t", table)
+    r = con.execute("SELECT count(*), sum(id), sum(version), sum(length(content)) FROM t").fetchone()
+    return {"rows": int(r[0]), "sum_id": int(r[1]), "sum_version": int(r[2]), "sum_content": int(r[3])}
+
+
+def _reduced_now(prep: dict):
+    """Pre-combining the raw batch is part of every peer's work (they cannot take duplicate keys)."""
+    import pyarrow.parquet as pq
+
+    return pq.read_table(Path(prep["dir"]) / "reduced.parquet")
+
+
+def _changed_bytes(base_bytes: int, rows: int, keys: int) -> int:
+    return int(base_bytes / rows * keys)
+
+
+def run_pyiceberg(prep: dict, rows: int, repeat: int) -> list[dict]:
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+    from pyiceberg.catalog.sql import SqlCatalog
+    from pyiceberg.expressions import And, EqualTo, In, Or
+
+    base = pq.read_table(prep["base"])
+    keep = [c for c in base.column_names if not c.startswith("_cdc_") or c == "_cdc_shard"]
+    base = base.select(keep)
+    out = []
+    for i in range(repeat):
+        wh = WORK / f"pyiceberg-{rows}-{i}"
+        shutil.rmtree(wh, ignore_errors=True)
+        wh.mkdir(parents=True, exist_ok=True)
+        cat = SqlCatalog("b", uri=f"sqlite:///{wh}/cat.db", warehouse=f"file://{wh}")
+        cat.create_namespace_if_not_exists("b")
+        tbl = cat.create_table("b.block", schema=base.schema)
+        tbl.append(base)
+        before_files = _dir_bytes(wh)
+        t = time.time()
+        red = _reduced_now(prep)
+        ups = red.filter(pc.not_equal(red["op"], "d")).select(keep)
+        dels = red.filter(pc.equal(red["op"], "d"))
+        # A composite join key makes pyiceberg build a per-row Or(And(..)) filter that crashes the
+        # interpreter (deep recursion); ids are unique across shards in this data, so join on id.
+        tbl.upsert(ups.cast(base.schema), join_cols=["id"])
+        if dels.num_rows:
+            conds = []
+            for s in set(dels["_cdc_shard"].to_pylist()):
+                ids = dels.filter(pc.equal(dels["_cdc_shard"], s))["id"].to_pylist()
+                conds.append(And(EqualTo("_cdc_shard", s), In("id", ids)))
+            expr = conds[0]
+            for c in conds[1:]:
+                expr = Or(expr, c)
+            tbl.delete(expr)
+        secs = time.time() - t
+        got = _checksum_arrow(cat.load_table("b.block").scan().to_arrow())
+        written = _dir_bytes(wh) - before_files
+        out.append({"seconds": secs, "verified": got == prep["expected"], "got": got, "bytes_written": written,
+                    "write_amplification": written / _changed_bytes(os.path.getsize(prep["base"]), rows, prep["keys"])})
+        print(f"  pyiceberg repeat {i + 1}: {secs:.1f}s verified={got == prep['expected']}", flush=True)
+    return out
+
+
+def run_delta(prep: dict, rows: int, repeat: int) -> list[dict]:
+    import pyarrow.parquet as pq
+    from deltalake import DeltaTable, write_deltalake
+
+    base = pq.read_table(prep["base"])
+    keep = [c for c in base.column_names if not c.startswith("_cdc_") or c == "_cdc_shard"]
+    base = base.select(keep)
+    out = []
+    for i in range(repeat):
+        path = WORK / f"delta-{rows}-{i}"
+        write_deltalake(str(path), base, partition_by=["_cdc_shard"], mode="overwrite")
+        before = _dir_bytes(path)
+        t = time.time()
+        red = _reduced_now(prep)
+        (DeltaTable(str(path)).merge(source=red, predicate="t._cdc_shard = s._cdc_shard AND t.id = s.id",
+                                     source_alias="s", target_alias="t")
+         .when_matched_delete(predicate="s.op = 'd'")
+         .when_matched_update(updates={c: f"s.{c}" for c in keep if c not in ("_cdc_shard", "id")})
+         .when_not_matched_insert(updates={c: f"s.{c}" for c in keep}, predicate="s.op <> 'd'")
+         .execute())
+        secs = time.time() - t
+        got = _checksum_arrow(DeltaTable(str(path)).to_pyarrow_table())
+        written = _dir_bytes(path) - before
+        out.append({"seconds": secs, "verified": got == prep["expected"], "got": got, "bytes_written": written,
+                    "write_amplification": written / _changed_bytes(os.path.getsize(prep["base"]), rows, prep["keys"])})
+        print(f"  delta repeat {i + 1}: {secs:.1f}s verified={got == prep['expected']}", flush=True)
+    return out
+
+
+def run_rewrite(prep: dict, rows: int, repeat: int) -> list[dict]:
+    import duckdb
+
+    out = []
+    for i in range(repeat):
+        target = WORK / f"rewrite-{rows}-{i}.parquet"
+        t = time.time()
+        con = duckdb.connect()
+        con.execute(f"SET threads = {os.cpu_count() or 2}")
+        con.execute(f"""
+            COPY (
+              SELECT b.* EXCLUDE (_cdc_op, _cdc_commit_lsn, _cdc_seq, _cdc_commit_ts) FROM read_parquet('{prep['base']}') b
+              ANTI JOIN read_parquet('{prep['dir']}/reduced.parquet') r USING (_cdc_shard, id)
+              UNION ALL
+              SELECT _cdc_shard, id, space_id, type, properties, content, updated_at, is_archived, version, score
+              FROM read_parquet('{prep['dir']}/reduced.parquet') WHERE op <> 'd'
+            ) TO '{target}' (FORMAT parquet, COMPRESSION zstd)""")
+        secs = time.time() - t
+        r = con.execute(f"SELECT count(*), sum(id), sum(version), sum(length(content)) FROM read_parquet('{target}')").fetchone()
+        got = {"rows": int(r[0]), "sum_id": int(r[1]), "sum_version": int(r[2]), "sum_content": int(r[3])}
+        written = target.stat().st_size
+        out.append({"seconds": secs, "verified": got == prep["expected"], "got": got, "bytes_written": written,
+                    "write_amplification": written / _changed_bytes(os.path.getsize(prep["base"]), rows, prep["keys"])})
+        print(f"  rewrite repeat {i + 1}: {secs:.1f}s verified={got == prep['expected']}", flush=True)
+        target.unlink()
+    return out
+
+
+def _dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
+
+
+# --- orchestration --------------------------------------------------------------------------------
+
+def sample_peak_rss(proc: subprocess.Popen, stop: threading.Event, out: list[int]) -> None:
+    import psutil
+
+    peak = 0
+    try:
+        root = psutil.Process(proc.pid)
+        while not stop.is_set():
+            try:
+                total = sum(p.memory_info().rss for p in [root, *root.children(recursive=True)])
+                peak = max(peak, total)
+            except psutil.Error:
+                pass
+            time.sleep(0.2)
+    except psutil.Error:
+        pass
+    out.append(peak)
+
+
+def run_engine(engine: str, rows: int, changes: int, repeat: int) -> dict:
+    cmd = [sys.executable, str(Path(__file__)), "--worker", engine, "--rows", str(rows), "--changes", str(changes),
+           "--repeat", str(repeat)]
+    t = time.time()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    stop, peak = threading.Event(), []
+    th = threading.Thread(target=sample_peak_rss, args=(proc, stop, peak))
+    th.start()
+    result = None
+    for line in proc.stdout:
+        if line.startswith("RESULT "):
+            result = json.loads(line[7:])
+        else:
+            print(line, end="", flush=True)
+    proc.wait()
+    stop.set()
+    th.join()
+    if result is None:
+        return {"engine": engine, "error": f"exit {proc.returncode}"}
+    warm = [r["seconds"] for r in result[1:]] or [result[0]["seconds"]]
+    return {"engine": engine, "repeats": result, "first_seconds": result[0]["seconds"],
+            "median_seconds": statistics.median(warm), "peak_rss_mb": (peak[0] if peak else 0) / 2**20,
+            "process_seconds": time.time() - t, "verified": all(r["verified"] for r in result),
+            "write_amplification": statistics.median([r["write_amplification"] for r in result
+                                                      if r.get("write_amplification") is not None] or [0])}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", type=int, default=2_000_000)
+    p.add_argument("--changes", type=int, default=200_000)
+    p.add_argument("--engines", default=",".join(ENGINES))
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    prep = prepare(args.rows, args.changes)
+    if args.worker:
+        fn = {"ours-mor": lambda: run_ours("merge-on-read", prep, args.rows, args.repeat),
+              "ours-cow": lambda: run_ours("copy-on-write", prep, args.rows, args.repeat),
+              "pyiceberg": lambda: run_pyiceberg(prep, args.rows, args.repeat),
+              "delta": lambda: run_delta(prep, args.rows, args.repeat),
+              "rewrite": lambda: run_rewrite(prep, args.rows, args.repeat)}[args.worker]
+        print("RESULT " + json.dumps(fn(), default=str), flush=True)
+        return 0
+    print(f"batch: {prep['events']} events ({prep['updates']} updates, {prep['inserts']} inserts, {prep['deletes']} "
+          f"deletes, {prep['toast_unchanged']} with unchanged TOAST) over {prep['keys']} keys; table {args.rows} rows")
+    results = []
+    for engine in args.engines.split(","):
+        print(f"{engine}:", flush=True)
+        results.append(run_engine(engine, args.rows, args.changes, args.repeat))
+    ours = next((r for r in results if r["engine"] == "ours-mor" and "median_seconds" in r), None)
+    print(f"\n{'engine':<11}{'median s':>10}{'first s':>9}{'x ours-mor':>11}{'WA':>8}{'peak MB':>9}  verified")
+    for r in results:
+        if "median_seconds" not in r:
+            print(f"{r['engine']:<11} {r.get('error')}")
+            continue
+        ratio = r["median_seconds"] / ours["median_seconds"] if ours else float("nan")
+        print(f"{r['engine']:<11}{r['median_seconds']:>10.2f}{r['first_seconds']:>9.2f}{ratio:>11.2f}"
+              f"{r['write_amplification']:>8.2f}{r['peak_rss_mb']:>9.0f}  {r['verified']}")
+    out = HERE / "results" / f"ingest-{args.rows}-{args.changes}.json"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps({"rows": args.rows, "changes": args.changes, "batch": prep, "results": results,
+                               "machine": machine()}, indent=2, default=str))
+    print(f"\nresults: {out}")
+    return 0 if all(r.get("verified") for r in results) else 1
+
+
+def machine() -> dict:
+    import platform
+
+    import psutil
+
+    return {"cpus": os.cpu_count(), "memory_gb": round(psutil.virtual_memory().total / 2**30, 1),
+            "python": platform.python_version(), "platform": platform.platform()}
+
+
+if __name__ == "__main__":
+    sys.exit(main())
