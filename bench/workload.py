@@ -98,7 +98,7 @@ def change_batch(rows: int, changes: int, seed: int = 2, toast_share: float = 0.
             unav.append(None)
             continue
         row = [("id", str(ids[i])), ("space_id", str(ids[i] % 1000)), ("type", "text"),
-               ("properties", '{"title": "v%d"}' % version[i]), ("updated_at", ts_text[i].replace("T", " ") + "+00"),
+               ("properties", f'{{"title": "v{version[i]}"}}'), ("updated_at", ts_text[i].replace("T", " ") + "+00"),
                ("is_archived", "f"), ("version", str(version[i])), ("score", f"{version[i] % 1000}.5000")]
         if toast[i]:
             unav.append(["content"])

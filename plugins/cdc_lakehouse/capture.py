@@ -80,10 +80,12 @@ def _row(rel: _Rel, values: list) -> tuple[list, list | None]:
             import json
 
             try:
-                v = json.dumps(parse_pg_array(v), separators=(",", ":"))
+                text = json.dumps(parse_pg_array(v), separators=(",", ":"))
             except ValueError as exc:
                 # Keep the raw text; the ingest quarantines it with this reason.
-                v = "\x00unparseable-array:" + str(exc) + ":" + v
+                text = "\x00unparseable-array:" + str(exc) + ":" + v
+            out.append((names[i], text))
+            continue
         out.append((names[i], v))
     return out, (unavailable or None)
 

@@ -46,12 +46,20 @@ def group_doc(group: str, cfgs: list[TableConfig]) -> str:
     names = ", ".join(f"`{c.name}`" for c in cfgs)
     return f"""# Grouped incremental ingest: `{group}`
 
-Tables {names} are ingested by **one Spark application** per run, so many small tables do
-not each pay a JVM start. Each table is applied and committed on its own; a failing table
-is reported at the end and does not stop the others (the task then fails, naming it).
+## What it does
+Captures each source endpoint's committed changes up to the interval's end, then ingests
+tables {names} in **one Spark application** per run, so many small tables do not each pay a
+JVM start. Each table is applied and committed on its own (landing -> changelog -> LSN-guarded
+MERGE, watermark in the same commit); a failing table is reported at the end and does not stop
+the others (the task then fails, naming it).
 
-Operate each table as described in its own `cdc_bootstrap__*` / `cdc_audit__*` docs; rerun
-an interval by clearing this DAG's run.
+## How to operate it
+- **Rerun an interval**: clear the run; each table continues from its own watermark, so a
+  rerun or a backfill converges to the same state.
+- **A table failed** (schema change, error budget): the task log names the table, the column
+  or reason and the choices; fix the config and clear the run.
+- **Quarantine**: `python -m cdc_lakehouse.cli quarantine list <table>`, then `clear` after review.
+- Bootstrap and audit: see each table's `cdc_bootstrap__*` and `cdc_audit__*` docs.
 """
 
 

@@ -24,7 +24,7 @@ SHARDS = ["shard_00", "shard_01", "shard_02", "shard_03"]
 
 
 def _say(msg: str) -> None:
-    print(f"[demo {datetime.now().strftime('%H:%M:%S')}] {msg}", flush=True)
+    print(f"[demo {datetime.now().astimezone().strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 def source_dsn() -> str:

@@ -133,7 +133,7 @@ def plan_landing(landing: SparkLanding, cfg: TableConfig, watermark: dict[str, A
                     f"in no manifest (run {m['run_id']} starts after the table's position); a landing run was lost or "
                     "deleted before this table applied it"
                 )
-            for table, rel, info in manifest_files(m, {cfg.source.table}):
+            for _table, rel, info in manifest_files(m, {cfg.source.table}):
                 uri = landing.file_uri(rel)
                 if check_files:
                     size = landing.fs.size(uri)

@@ -89,7 +89,7 @@ class NotionWorkload:
             with conn.cursor() as cur:
                 for s in self.schemas:
                     base = self.shard_no(s) * ID_STRIDE
-                    t = lambda name: pg_qualified(s, name)  # noqa: E731
+                    t = lambda name, s=s: pg_qualified(s, name)  # noqa: E731
                     cur.execute(f"INSERT INTO {t('space')} (id, name, plan) SELECT {base} + g, 'space ' || g, "
                                 f"(ARRAY['free','plus','business'])[1 + g %% 3] FROM generate_series(1, %s) g "
                                 "ON CONFLICT DO NOTHING", (spaces_per_shard,))
@@ -144,7 +144,7 @@ class NotionWorkload:
             with conn.cursor() as cur:
                 per_shard = max(1, changes // len(self.schemas))
                 for s in self.schemas:
-                    t = lambda name: pg_qualified(s, name)  # noqa: E731
+                    t = lambda name, s=s: pg_qualified(s, name)  # noqa: E731
                     n_ins = max(1, int(per_shard * 0.08))
                     n_del = max(1, int(per_shard * 0.02))
                     n_upd = max(1, per_shard - n_ins - n_del)
