@@ -302,22 +302,37 @@ def fill_unavailable(events: DataFrame, current: DataFrame, cfg: TableConfig, na
             df = df.withColumn(WORK, F.when(take, F.array_remove(WORK, c)).otherwise(F.col(WORK)))
         return df
 
-    sub = from_history(sub)
-    # Primary-key change: the new key starts from the old key's state just before the change,
-    # which is what its delete half (same commit, seq - 1) saw.
-    partner = sub.filter(F.col(OP_COL) == "d").select(
-        *[F.col(a).alias(b) for a, b in zip(key, fkey)], F.col(LSN_COL),
-        (F.col(SEQ_COL) + 1).alias(SEQ_COL), *[F.col(f"_prev_{c}").alias(f"_old_{c}") for c in names])
-    sub = sub.drop(*[f"_prev_{c}" for c in names]).join(partner, [*fkey, LSN_COL, SEQ_COL], "left")
-    for c in names:
-        take = F.array_contains(WORK, c) & F.col(PKCHANGE) & F.col(f"_old_{c}").isNotNull()
-        sub = sub.withColumn(c, F.when(take, F.col(f"_old_{c}")["v"]).otherwise(F.col(c)))
-        sub = sub.withColumn(WORK, F.when(take, F.array_remove(WORK, c)).otherwise(F.col(WORK)))
-    # Later events of the new key inherit what the key change just received.
-    sub = from_history(sub.drop(*[f"_old_{c}" for c in names])).drop(*[f"_prev_{c}" for c in names])
-    sub = sub.localCheckpoint(eager=True)
+    def from_partner(df: DataFrame) -> DataFrame:
+        # Primary-key change: the new key starts from the old key's state just before the change,
+        # which is what its delete half (same commit, seq - 1) saw.
+        partner = df.filter(F.col(OP_COL) == "d").select(
+            *[F.col(a).alias(b) for a, b in zip(key, fkey)], F.col(LSN_COL),
+            (F.col(SEQ_COL) + 1).alias(SEQ_COL), *[F.col(f"_prev_{c}").alias(f"_old_{c}") for c in names])
+        df = df.drop(*[f"_prev_{c}" for c in names]).join(partner, [*fkey, LSN_COL, SEQ_COL], "left")
+        for c in names:
+            take = F.array_contains(WORK, c) & F.col(PKCHANGE) & F.col(f"_old_{c}").isNotNull()
+            df = df.withColumn(c, F.when(take, F.col(f"_old_{c}")["v"]).otherwise(F.col(c)))
+            df = df.withColumn(WORK, F.when(take, F.array_remove(WORK, c)).otherwise(F.col(WORK)))
+        # Later events of the new key inherit what the key change just received.
+        return from_history(df.drop(*[f"_old_{c}" for c in names])).drop(*[f"_prev_{c}" for c in names])
+
+    def pk_unresolved(df: DataFrame) -> int:
+        return df.filter(F.col(PKCHANGE) & (F.size(WORK) > 0)).count()
+
+    def propagate(df: DataFrame) -> DataFrame:
+        # A key changed twice in one batch (a -> b -> c) resolves one link per pass.
+        left = -1
+        for _ in range(32):
+            df = from_partner(from_history(df)).localCheckpoint(eager=True)
+            now = pk_unresolved(df)
+            if now in (0, left):
+                break
+            left = now
+        return df
+
+    sub = propagate(sub)
     # A key change whose old row is only in the table: read those few old keys (rare), then let
-    # the new key's later events in the batch inherit the value.
+    # the chain and the new key's later events in the batch inherit the value.
     pk_missing = sub.filter(F.col(PKCHANGE) & (F.size(WORK) > 0)).select(*fkey).distinct().collect()
     if pk_missing:
         cond = None
@@ -328,12 +343,24 @@ def fill_unavailable(events: DataFrame, current: DataFrame, cfg: TableConfig, na
             cond = c1 if cond is None else cond | c1
         base = current.filter(cond).select(*[F.col(a).alias(b) for a, b in zip(key, fkey)],
                                           *[F.struct(F.col(c).alias("v")).alias(f"_base_{c}") for c in names])
-        sub = sub.join(F.broadcast(base), fkey, "left")
+        # The table's value is the old key's value only if no earlier event of the old key in this
+        # batch set the column (an insert, a delete, a key change into it, or an update carrying it).
+        orig = F.coalesce(F.col(UNAVAILABLE_COL), F.array().cast("array<string>"))
+        flags = sub
         for c in names:
-            take = F.array_contains(WORK, c) & F.col(PKCHANGE) & F.col(f"_base_{c}").isNotNull()
+            changed = (F.col(OP_COL) != "u") | F.col(PKCHANGE) | ~F.array_contains(orig, c)
+            flags = flags.withColumn(f"_set_{c}", F.max(changed.cast("int")).over(w))
+        roots = flags.filter(F.col(OP_COL) == "d").select(
+            *[F.col(a).alias(b) for a, b in zip(key, fkey)], F.col(LSN_COL), (F.col(SEQ_COL) + 1).alias(SEQ_COL),
+            *[(F.coalesce(F.col(f"_set_{c}"), F.lit(0)) == 0).alias(f"_root_{c}") for c in names])
+        sub = sub.join(F.broadcast(base), fkey, "left").join(roots, [*fkey, LSN_COL, SEQ_COL], "left")
+        for c in names:
+            take = (F.array_contains(WORK, c) & F.col(PKCHANGE) & F.col(f"_base_{c}").isNotNull()
+                    & F.coalesce(F.col(f"_root_{c}"), F.lit(False)))
             sub = sub.withColumn(c, F.when(take, F.col(f"_base_{c}")["v"]).otherwise(F.col(c)))
             sub = sub.withColumn(WORK, F.when(take, F.array_remove(WORK, c)).otherwise(F.col(WORK)))
-        sub = from_history(sub.drop(*[f"_base_{c}" for c in names])).drop(*[f"_prev_{c}" for c in names])
+        sub = sub.drop(*[f"_root_{c}" for c in names])
+        sub = propagate(sub.drop(*[f"_base_{c}" for c in names]))
     return rest.unionByName(sub.withColumnRenamed(WORK, UNAV_LEFT))
 
 
