@@ -463,7 +463,8 @@ def _track(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, flagged: D
             "table_name", "shard", "key_json", "kind", *cfg.primary_key,
             F.coalesce("first_seen", F.lit(now)).alias("first_seen"), F.lit(now).alias("last_seen"),
             (F.coalesce("times_seen", F.lit(0)) + 1).cast("int").alias("times_seen"))
-        merged = merged.persist()
+        # Materialized now: evaluated lazily after the rewrite below it would count itself twice.
+        merged = merged.localCheckpoint(eager=True)
     # Replace this table's streaks with the new set (keys absent now are resolved and dropped).
     spark.sql(f"DELETE FROM {table} WHERE table_name = '{cfg.name}'")
     if merged is not None:

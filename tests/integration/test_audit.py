@@ -28,7 +28,7 @@ def test_audit_finds_every_fault_ignores_in_flight_and_repairs(source, spark, la
     assert audit_table(spark, lake, cfg, audit_run="a0")["verdict"] == "ok"
 
     # Fault 4 first: a landing file lost before the ingest (skipped on purpose), so its changes never arrive.
-    lost = _source_ids(s, "s1", 3)
+    lost = [2000000001, 2000000002, 2000000003]
     s.execute(f"UPDATE s1.block SET version = version + 50 WHERE id IN ({','.join(map(str, lost))})")
     m = s.capture()
     entry = next(e for e in m["tables"] if e["table"] == "block")
@@ -42,15 +42,20 @@ def test_audit_finds_every_fault_ignores_in_flight_and_repairs(source, spark, la
     spark.sql(f"DELETE FROM {cur} WHERE id = {gone}")
     spark.sql(f"UPDATE {cur} SET version = -1 WHERE id = {changed}")
     spark.table(cur).filter(f"id = {changed}").withColumn("id", F.lit(999999999).cast("bigint")).writeTo(cur).append()
-    # And a workload whose changes are still in flight (in the slot, not captured yet).
-    s.wl.step(200)
+    # And changes still in flight (in the slot, not captured yet): updates, a delete, an insert, on
+    # keys away from the faults so that the expected verdicts are exact.
+    s.execute("UPDATE s0.block SET version = version + 1 WHERE id BETWEEN 1000000700 AND 1000000749",
+              "UPDATE s1.block SET version = version + 1 WHERE id BETWEEN 2000000700 AND 2000000719",
+              "DELETE FROM s0.block WHERE id = 1000000800",
+              "INSERT INTO s0.block SELECT * FROM jsonb_populate_record(NULL::s0.block, "
+              "(SELECT to_jsonb(b) || '{\"id\": 1000900001}' FROM s0.block b WHERE id = 1000000900))")
 
     r1 = audit_table(spark, lake, cfg, audit_run="a1")
     found = {k: sum(st.get(k, 0) for st in r1["shards"].values()) for k in ("missing", "extra", "different",
                                                                            "in_flight")}
     assert found["missing"] >= 1 and found["extra"] == 1 and found["different"] >= 1 + len(lost), found
-    assert found["in_flight"] > 0, "the uncaptured workload is in flight"
-    assert r1["verdict"] == "ok" and not r1["persistent"], "one sighting is not yet a failure (N=2)"
+    assert found["in_flight"] == 50 + 20 + 2, found  # 70 updates, the delete, the insert
+    assert r1["verdict"] == "ok" and not r1["persistent"], "one sighting is not yet a failure (N=2): " + r1["message"]
 
     r2 = audit_table(spark, lake, cfg, audit_run="a2")
     assert r2["verdict"] == "fail"
@@ -71,15 +76,3 @@ def test_audit_finds_every_fault_ignores_in_flight_and_repairs(source, spark, la
     assert r4["verdict"] == "ok" and not r4["persistent"], r4["message"]
     assert all(not st.get(k) for st in r4["shards"].values() for k in ("missing", "extra", "different"))
     assert_lake_equals_source(spark, lake, cfg, s.dsn, check_changelog=False)
-
-
-def _source_ids(s, schema: str, n: int) -> list[int]:
-    import psycopg2
-
-    conn = psycopg2.connect(s.dsn)
-    try:
-        with conn.cursor() as cur:
-            cur.execute(f"SELECT id FROM {schema}.block ORDER BY id DESC LIMIT {n}")
-            return [r[0] for r in cur.fetchall()]
-    finally:
-        conn.close()
