@@ -1,30 +1,34 @@
-# An Airflow + Spark + Iceberg image with this project, for a worker or a local trial.
+# Airflow 3 with this project, Java 17 for Spark, and Spark's jars from Maven Central.
 #   docker build -t cdc-lakehouse .
-#   docker run --rm -it cdc-lakehouse make test      # or: make demo
-# Production deployments mount their own include/tables and set connections through env vars
-# (AIRFLOW_CONN_*) or a secrets backend; nothing secret is baked into the image.
-FROM python:3.11-slim-bookworm
+# DAGs, plugins, Spark jobs and table configs go where the image's Airflow looks for them.
+# Connections (sources, spark_default, cdc_lake) come from AIRFLOW_CONN_* or a secrets backend:
+# nothing secret is baked in.
+FROM apache/airflow:3.3.2-python3.11
 
-ENV DEBIAN_FRONTEND=noninteractive \
-    PIP_NO_CACHE_DIR=1 \
-    JAVA_HOME=/usr/lib/jvm/java-17-openjdk-amd64
+USER root
 RUN apt-get update -q \
- && apt-get install -y -q --no-install-recommends openjdk-17-jre-headless postgresql-15 libjarjar-java \
-      libpostgresql-jdbc-java unzip curl zip make sudo procps \
+ && apt-get install -y -q --no-install-recommends openjdk-17-jre-headless curl \
  && rm -rf /var/lib/apt/lists/*
+ENV JAVA_HOME=/usr/lib/jvm/java-17-openjdk-amd64
 
-WORKDIR /opt/cdc-lakehouse
-# Dependencies first, so code changes do not reinstall them.
-COPY requirements.txt requirements-dev.txt requirements.lock ./
-COPY scripts/ scripts/
-COPY plugins/ plugins/
-RUN CDC_SKIP_APT=1 CDC_WITH_BROWSER=0 scripts/setup.sh
-COPY . .
-RUN CDC_SKIP_APT=1 CDC_WITH_BROWSER=0 scripts/setup.sh
+ARG ICEBERG_VERSION=1.10.2
+ARG PG_JDBC_VERSION=42.7.4
+ARG MAVEN=https://repo1.maven.org/maven2
+RUN mkdir -p /opt/spark-jars \
+ && curl -fsSL -o /opt/spark-jars/iceberg-spark-runtime-3.5_2.12-${ICEBERG_VERSION}.jar \
+      ${MAVEN}/org/apache/iceberg/iceberg-spark-runtime-3.5_2.12/${ICEBERG_VERSION}/iceberg-spark-runtime-3.5_2.12-${ICEBERG_VERSION}.jar \
+ && curl -fsSL -o /opt/spark-jars/postgresql-${PG_JDBC_VERSION}.jar \
+      ${MAVEN}/org/postgresql/postgresql/${PG_JDBC_VERSION}/postgresql-${PG_JDBC_VERSION}.jar
+ENV CDC_SPARK_JARS=/opt/spark-jars/iceberg-spark-runtime-3.5_2.12-${ICEBERG_VERSION}.jar,/opt/spark-jars/postgresql-${PG_JDBC_VERSION}.jar
 
-ENV PATH=/opt/cdc-lakehouse/.venv/bin:$PATH \
-    PYTHONPATH=/opt/cdc-lakehouse/plugins \
-    AIRFLOW__CORE__DAGS_FOLDER=/opt/cdc-lakehouse/dags \
-    AIRFLOW__CORE__PLUGINS_FOLDER=/opt/cdc-lakehouse/plugins \
-    AIRFLOW__CORE__LOAD_EXAMPLES=False
-CMD ["make", "demo"]
+USER airflow
+COPY --chown=airflow:root requirements.txt requirements.lock /opt/cdc/
+# The lock pins Airflow itself to the image's version, so nothing of Airflow's is replaced.
+RUN pip install --no-cache-dir -r /opt/cdc/requirements.txt -c /opt/cdc/requirements.lock
+
+COPY --chown=airflow:root dags/ /opt/airflow/dags/
+COPY --chown=airflow:root plugins/ /opt/airflow/plugins/
+COPY --chown=airflow:root spark_jobs/ /opt/airflow/spark_jobs/
+COPY --chown=airflow:root include/ /opt/airflow/include/
+ENV PYTHONPATH=/opt/airflow/plugins \
+    CDC_TABLES_DIR=/opt/airflow/include/tables

@@ -1,0 +1,297 @@
+"""Source-side costs on a Notion-like block table in the local PostgreSQL:
+
+    python bench/source_bench.py --blocks 1000000 [--what bootstrap,audit,capture] [--changes 200000]
+
+  bootstrap  rows/s of cdc_lakehouse.bootstrap (snapshot -> Spark JDBC -> Iceberg) against the
+             practical limit, `COPY (SELECT <same columns>) TO STDOUT` of the same rows with the
+             same number of connections per host
+  audit      time and peak memory (this process and its JVM) of the key-set audit of the table,
+             full comparison and checksum-first
+  capture    events/s of one capture run against pg_recvlogical draining the same changes
+             through the same publication into /dev/null
+
+The source lives in its own database (bench_src_<blocks>) and is kept between runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path[:0] = [str(ROOT / "plugins"), str(ROOT)]
+SHARDS = ["s0", "s1", "s2", "s3"]
+CONN_ID = "bench_source"
+
+
+class PeakRSS:
+    """Peak resident memory of this process and its children (the Spark JVM) while active."""
+
+    def __init__(self) -> None:
+        import psutil
+
+        self.proc = psutil.Process()
+        self.peak = 0
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        import psutil
+
+        while not self._stop.is_set():
+            try:
+                rss = sum(p.memory_info().rss for p in [self.proc, *self.proc.children(recursive=True)])
+                self.peak = max(self.peak, rss)
+            except psutil.Error:
+                pass
+            time.sleep(0.1)
+
+    def __enter__(self):
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._t.join()
+
+
+def _admin_dsn(db: str = "postgres") -> str:
+    port = os.environ.get("CDC_LOCAL_PG_PORT", "55432")
+    return f"host=127.0.0.1 port={port} dbname={db} user=postgres password={os.environ.get('CDC_LOCAL_PG_PASSWORD', '')}"
+
+
+def prepare_source(blocks: int):
+    import psycopg2
+    from cdc_lakehouse.workload import NotionWorkload
+
+    db = f"bench_src_{blocks}"
+    conn = psycopg2.connect(_admin_dsn())
+    conn.autocommit = True
+    with conn.cursor() as cur:
+        cur.execute("SELECT 1 FROM pg_database WHERE datname = %s", (db,))
+        fresh = cur.fetchone() is None
+        if fresh:
+            cur.execute(f"CREATE DATABASE {db}")
+    conn.close()
+    dsn = _admin_dsn(db)
+    pw = os.environ.get("CDC_LOCAL_PG_PASSWORD", "")
+    os.environ[f"AIRFLOW_CONN_{CONN_ID.upper()}"] = (
+        f"postgresql://postgres:{pw}@127.0.0.1:{os.environ.get('CDC_LOCAL_PG_PORT', '55432')}/{db}")
+    wl = NotionWorkload(dsn, SHARDS, seed=11)
+    if fresh:
+        t = time.time()
+        wl.create()
+        wl.load(blocks_per_shard=blocks // len(SHARDS))
+        print(f"source: {blocks} blocks in {len(SHARDS)} shards loaded in {time.time() - t:.0f}s", flush=True)
+    else:
+        wl.sync_ids()
+    return db, dsn, wl
+
+
+def table_config(name: str, **over):
+    from cdc_lakehouse.config import parse_table_config
+
+    data = {"name": name, "source": {"table": "block", "shards": [{"conn_id": CONN_ID, "schemas": SHARDS}]},
+            "primary_key": ["id"], "lake": {"namespace": "bench"}, **over}
+    cfg, errors = parse_table_config(data, "bench")
+    assert not errors, errors
+    return cfg
+
+
+def copy_rate(dsn: str, columns, connections: int) -> dict:
+    """COPY of every shard with the bootstrap's select list, `connections` shards at a time."""
+    import psycopg2
+    from cdc_lakehouse.bootstrap import _select_list
+
+    sel = _select_list(columns)
+    counts: dict[str, int] = {}
+
+    class Sink:
+        def __init__(self) -> None:
+            self.n = 0
+
+        def write(self, b) -> int:
+            self.n += b.count(b"\n") if isinstance(b, bytes) else b.count("\n")
+            return len(b)
+
+    def one(schema: str) -> None:
+        conn = psycopg2.connect(dsn)
+        try:
+            sink = Sink()
+            with conn.cursor() as cur:
+                cur.copy_expert(f"COPY (SELECT {sel} FROM {schema}.block) TO STDOUT", sink)
+            counts[schema] = sink.n
+        finally:
+            conn.close()
+
+    t = time.time()
+    pending = list(SHARDS)
+    while pending:
+        batch, pending = pending[:connections], pending[connections:]
+        threads = [threading.Thread(target=one, args=(s,)) for s in batch]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+    secs = time.time() - t
+    rows = sum(counts.values())
+    return {"rows": rows, "seconds": secs, "rows_per_second": rows / secs}
+
+
+def bench_bootstrap(spark, lake, dsn: str, blocks: int, repeat: int) -> dict:
+    from cdc_lakehouse.bootstrap import _endpoints, bootstrap_table, preflight
+
+    cfg = table_config(f"boot_{blocks}")
+    columns = preflight(cfg, _endpoints(cfg, None))
+    conns = cfg.bootstrap.max_connections_per_host
+    copies, ours = [], []
+    for i in range(repeat):
+        copies.append(copy_rate(dsn, columns, conns))
+        print(f"  COPY ({conns} connections): {copies[-1]['rows']} rows in {copies[-1]['seconds']:.1f}s "
+              f"= {copies[-1]['rows_per_second']:,.0f} rows/s", flush=True)
+        with PeakRSS() as mem:
+            t = time.time()
+            r = bootstrap_table(spark, lake, cfg, run_id=f"bench{i}", log=lambda *_: None)
+            secs = time.time() - t
+        ours.append({"rows": r["rows"], "seconds": secs, "rows_per_second": r["rows"] / secs,
+                     "peak_rss_mb": mem.peak / 2**20})
+        print(f"  bootstrap: {r['rows']} rows in {secs:.1f}s = {r['rows'] / secs:,.0f} rows/s "
+              f"(peak {mem.peak / 2**20:.0f} MB)", flush=True)
+    c = statistics.median(x["rows_per_second"] for x in copies)
+    o = statistics.median(x["rows_per_second"] for x in ours)
+    print(f"bootstrap {blocks} rows: median {o:,.0f} rows/s vs COPY {c:,.0f} rows/s = {o / c:.2f} of COPY", flush=True)
+    return {"copy": copies, "bootstrap": ours, "median_copy_rps": c, "median_bootstrap_rps": o, "ratio": o / c,
+            "connections_per_host": conns}
+
+
+def bench_audit(spark, lake, blocks: int, repeat: int) -> dict:
+    from cdc_lakehouse.audit import audit_table
+
+    cfg = table_config(f"boot_{blocks}")
+    out: dict[str, list] = {}
+    for mode in ("full", "checksum"):
+        out[mode] = []
+        for i in range(repeat):
+            with PeakRSS() as mem:
+                t = time.time()
+                r = audit_table(spark, lake, cfg, audit_run=f"bench-{mode}-{i}", mode=mode, repair=False,
+                                log=lambda *_: None)
+                secs = time.time() - t
+            out[mode].append({"seconds": secs, "peak_rss_mb": mem.peak / 2**20, "verdict": r["verdict"]})
+            print(f"  audit {mode} {blocks} keys: {secs:.1f}s, peak {mem.peak / 2**20:.0f} MB, {r['verdict']}",
+                  flush=True)
+    return {m: {"runs": v, "median_seconds": statistics.median(x["seconds"] for x in v),
+                "peak_rss_mb": max(x["peak_rss_mb"] for x in v)} for m, v in out.items()}
+
+
+def bench_capture(dsn: str, wl, changes: int, repeat: int) -> dict:
+    import psycopg2
+    from cdc_lakehouse import source as src
+    from cdc_lakehouse.capture import capture_run
+    from cdc_lakehouse.landing import LocalLanding
+
+    recv = shutil.which("pg_recvlogical") or next(iter(sorted(Path("/usr/lib/postgresql").glob("*/bin/pg_recvlogical"))),
+                                                   None)
+    work = HERE / ".work" / "capture"
+    shutil.rmtree(work, ignore_errors=True)
+    store = LocalLanding(f"file://{work}")
+    ep = src.EndpointTables("bench", CONN_ID, {"block": (SHARDS, ["id"]), "space": (SHARDS, ["id"]),
+                                               "permission": (SHARDS, ["block_id", "user_id"])})
+    runs = []
+    for i in range(repeat):
+        capture_run(ep, dsn, store, f"warm{i}")  # the slot and publication exist, and nothing is pending
+        conn = psycopg2.connect(dsn)
+        conn.autocommit = True
+        with conn.cursor() as cur:
+            cur.execute("SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots "
+                        "WHERE slot_name = 'bench_recv'")
+            cur.execute("SELECT pg_create_logical_replication_slot('bench_recv', 'pgoutput')")
+        counts = wl.step(changes, pk_changes=0)
+        with conn.cursor() as cur:
+            cur.execute("SELECT pg_current_wal_lsn()::text")
+            end = cur.fetchone()[0]
+        conn.close()
+        with PeakRSS() as mem:
+            t = time.time()
+            m = capture_run(ep, dsn, store, f"run{i}")
+            ours = time.time() - t
+        events = sum(f["rows"] for e in m["tables"] for f in e["files"])
+        r = None
+        if recv:
+            t = time.time()
+            port = os.environ.get("CDC_LOCAL_PG_PORT", "55432")
+            r = subprocess.run([str(recv), "-h", "127.0.0.1", "-p", port, "-U", "postgres", "-d", dsn.split("dbname=")[1]
+                                .split(maxsplit=1)[0], "--slot", "bench_recv", "--start", "--endpos", end, "-o", "proto_version=1",
+                                "-o", f"publication_names={src.PUBLICATION}", "-f", "/dev/null", "--no-loop"],
+                               env={**os.environ, "PGPASSWORD": os.environ.get("CDC_LOCAL_PG_PASSWORD", "")},
+                               capture_output=True, text=True, timeout=1800, check=False)
+            theirs = time.time() - t
+        runs.append({"events": events, "changes": dict(counts), "seconds": ours, "events_per_second": events / ours,
+                     "peak_rss_mb": mem.peak / 2**20,
+                     "pg_recvlogical_seconds": theirs if recv and r.returncode == 0 else None,
+                     "pg_recvlogical_error": None if not recv or r.returncode == 0 else r.stderr[-500:]})
+        print(f"  capture: {events} events in {ours:.1f}s = {events / ours:,.0f} events/s (peak {mem.peak / 2**20:.0f} MB)"
+              + (f"; pg_recvlogical {theirs:.1f}s = {events / theirs:,.0f} events/s" if recv and r.returncode == 0
+                 else f"; pg_recvlogical failed: {r.stderr[-300:] if r else 'not found'}"), flush=True)
+    conn = psycopg2.connect(dsn)
+    conn.autocommit = True
+    with conn.cursor() as cur:
+        cur.execute("SELECT pg_drop_replication_slot('bench_recv')")
+    conn.close()
+    ours_eps = statistics.median(x["events_per_second"] for x in runs)
+    theirs = [x["events"] / x["pg_recvlogical_seconds"] for x in runs if x["pg_recvlogical_seconds"]]
+    return {"runs": runs, "median_events_per_second": ours_eps,
+            "median_pg_recvlogical_events_per_second": statistics.median(theirs) if theirs else None}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--blocks", type=int, default=1_000_000)
+    p.add_argument("--changes", type=int, default=200_000)
+    p.add_argument("--what", default="bootstrap,audit,capture")
+    p.add_argument("--repeat", type=int, default=2)
+    args = p.parse_args()
+    what = args.what.split(",")
+    db, dsn, wl = prepare_source(args.blocks)
+    results: dict = {"blocks": args.blocks, "database": db}
+    if "capture" in what:
+        print("capture:", flush=True)
+        results["capture"] = bench_capture(dsn, wl, args.changes, args.repeat)
+    if "bootstrap" in what or "audit" in what:
+        from cdc_lakehouse.lake import ensure_meta_tables
+        from cdc_lakehouse.settings import LakeSettings
+        from cdc_lakehouse.spark_session import get_spark
+
+        lake = LakeSettings.from_env().with_(warehouse=f"file://{HERE / '.work' / 'warehouse'}",
+                                             landing_uri=f"file://{HERE / '.work' / 'landing'}")
+        spark = get_spark("bench-source", lake, driver_memory=os.environ.get("CDC_BENCH_DRIVER_MEMORY", "4g"))
+        ensure_meta_tables(spark, lake)
+        if "bootstrap" in what:
+            print("bootstrap:", flush=True)
+            results["bootstrap"] = bench_bootstrap(spark, lake, dsn, args.blocks, args.repeat)
+        if "audit" in what:
+            print("audit:", flush=True)
+            results["audit"] = bench_audit(spark, lake, args.blocks, args.repeat)
+        spark.stop()
+    from bench.ingest_bench import machine
+
+    results["machine"] = machine()
+    out = HERE / "results" / f"source-{args.blocks}.json"
+    out.parent.mkdir(exist_ok=True)
+    prev = json.loads(out.read_text()) if out.exists() else {}
+    out.write_text(json.dumps({**prev, **results}, indent=2, default=str))
+    print(f"results: {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,165 @@
+"""One hourly run over many small tables: what the grouped ingest costs.
+
+    python bench/tables_bench.py --tables 100 [--rows 200] [--changes 20]
+
+N small tables in two shard schemas of one database, bootstrapped once; each measured round
+changes every table, captures once for the endpoint, then times what the hourly group DAG runs
+for those tables (spark_jobs/ingest.py in a cold process: JVM start, every table, exit), and,
+for comparison, the same tables one Spark application each on a sample of tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path[:0] = [str(ROOT / "plugins"), str(ROOT)]
+SHARDS = ["s0", "s1"]
+CONN_ID = "bench_tables"
+
+
+def main() -> int:
+    import psycopg2
+    from cdc_lakehouse import source as src
+    from cdc_lakehouse.capture import capture_run
+    from cdc_lakehouse.landing import LocalLanding
+
+    from bench.source_bench import _admin_dsn
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tables", type=int, default=100)
+    p.add_argument("--rows", type=int, default=200, help="rows per table and shard")
+    p.add_argument("--changes", type=int, default=20, help="changed rows per table and shard per round")
+    p.add_argument("--repeat", type=int, default=2)
+    p.add_argument("--single-sample", type=int, default=3, help="tables timed one Spark application each")
+    args = p.parse_args()
+    n = args.tables
+    db = f"bench_tables_{n}"
+    work = HERE / ".work" / f"tables{n}"
+    cfg_dir = work / "configs"
+    cfg_dir.mkdir(parents=True, exist_ok=True)
+    names = [f"t{i:03d}" for i in range(n)]
+    conn = psycopg2.connect(_admin_dsn())
+    conn.autocommit = True
+    with conn.cursor() as cur:
+        cur.execute(f"DROP DATABASE IF EXISTS {db} WITH (FORCE)")
+        cur.execute(f"CREATE DATABASE {db}")
+    conn.close()
+    dsn = _admin_dsn(db)
+    pw = os.environ.get("CDC_LOCAL_PG_PASSWORD", "")
+    port = os.environ.get("CDC_LOCAL_PG_PORT", "55432")
+    os.environ[f"AIRFLOW_CONN_{CONN_ID.upper()}"] = f"postgresql://postgres:{pw}@127.0.0.1:{port}/{db}"
+    conn = psycopg2.connect(dsn)
+    conn.autocommit = True
+    with conn.cursor() as cur:
+        for s in SHARDS:
+            cur.execute(f"CREATE SCHEMA {s}")
+            for t in names:
+                cur.execute(f"CREATE TABLE {s}.{t} (id bigint PRIMARY KEY, v int NOT NULL, note text, "
+                            "updated_at timestamptz NOT NULL DEFAULT now())")
+                cur.execute(f"INSERT INTO {s}.{t} (id, v, note) SELECT g, 0, 'row ' || g FROM generate_series(1, %s) g",
+                            (args.rows,))
+    for t in names:
+        (cfg_dir / f"{t}.yaml").write_text(yaml.safe_dump({
+            "name": t, "source": {"table": t, "shards": [{"conn_id": CONN_ID, "schemas": SHARDS}]},
+            "primary_key": ["id"], "lake": {"namespace": "bench_many"}, "ingest": {"group": "many"}}))
+    lake_env = {"CDC_WAREHOUSE": f"file://{work}/warehouse", "CDC_LANDING_URI": f"file://{work}/landing"}
+    os.environ.update(lake_env)
+    from cdc_lakehouse.config import load_table_configs
+    from cdc_lakehouse.settings import LakeSettings
+
+    cs = load_table_configs(cfg_dir)
+    assert not cs.errors, cs.errors
+    endpoint = cs.tables[names[0]].source.shards[0].endpoint_id
+    ep = src.EndpointTables(endpoint, CONN_ID, {t: (SHARDS, ["id"]) for t in names})
+    store = LocalLanding(f"file://{work}/landing")
+    capture_run(ep, dsn, store, "20260101T000000Z")  # slot and publication
+    # Bootstrap every table in one Spark application (not what is measured).
+    from cdc_lakehouse.bootstrap import bootstrap_table
+    from cdc_lakehouse.lake import ensure_meta_tables
+    from cdc_lakehouse.spark_session import get_spark
+
+    lake = LakeSettings.from_env()
+    spark = get_spark("bench-tables-bootstrap", lake)
+    ensure_meta_tables(spark, lake)
+    t = time.time()
+    for name in names:
+        for tbl in (cs.tables[name].current_table, cs.tables[name].changelog_table):
+            spark.sql(f"DROP TABLE IF EXISTS {lake.qualified(tbl)} PURGE")
+        bootstrap_table(spark, lake, cs.tables[name], run_id="b", all_endpoint_tables={endpoint: ep.tables},
+                        log=lambda *_: None)
+    print(f"bootstrapped {n} tables in {time.time() - t:.0f}s", flush=True)
+    spark.stop()
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "plugins"), **lake_env}
+    job = [sys.executable, str(ROOT / "spark_jobs" / "ingest.py"), "--config-dir", str(cfg_dir)]
+    rounds = []
+    for r in range(args.repeat):
+        conn = psycopg2.connect(dsn)
+        conn.autocommit = True
+        with conn.cursor() as cur:
+            for s in SHARDS:
+                for t in names:
+                    cur.execute(f"UPDATE {s}.{t} SET v = v + 1, updated_at = now() WHERE id <= %s", (args.changes,))
+        conn.close()
+        run_id = f"20260101T{r + 1:02d}0000Z"
+        t = time.time()
+        m = capture_run(ep, dsn, store, run_id)
+        cap = time.time() - t
+        events = sum(f["rows"] for e in m["tables"] for f in e["files"])
+        t = time.time()
+        res = subprocess.run([*job, "--tables", ",".join(names), "--upto-run", run_id], env=env,
+                             capture_output=True, text=True, check=False)
+        secs = time.time() - t
+        if res.returncode != 0:
+            print(res.stderr[-3000:])
+            return 1
+        rounds.append({"events": events, "capture_seconds": cap, "group_ingest_seconds": secs,
+                       "per_table_seconds": secs / n})
+        print(f"round {r + 1}: capture {events} events in {cap:.1f}s; grouped ingest of {n} tables in one cold Spark "
+              f"application {secs:.0f}s ({secs / n:.2f}s per table)", flush=True)
+    # The alternative: one Spark application per table (sampled, then extrapolated).
+    singles = []
+    conn = psycopg2.connect(dsn)
+    conn.autocommit = True
+    with conn.cursor() as cur:
+        for s in SHARDS:
+            for t in names[: args.single_sample]:
+                cur.execute(f"UPDATE {s}.{t} SET v = v + 1 WHERE id <= %s", (args.changes,))
+    conn.close()
+    run_id = "20260101T200000Z"
+    capture_run(ep, dsn, store, run_id)
+    for name in names[: args.single_sample]:
+        t = time.time()
+        res = subprocess.run([*job, "--tables", name, "--upto-run", run_id], env=env, capture_output=True, text=True,
+                             check=False)
+        singles.append(time.time() - t)
+        assert res.returncode == 0, res.stderr[-2000:]
+    single = statistics.median(singles)
+    grouped = statistics.median(x["group_ingest_seconds"] for x in rounds)
+    print(f"\n{n} tables: grouped {grouped:.0f}s (one application) vs {single:.1f}s per table alone "
+          f"= {single * n:.0f}s for one application per table ({single * n / grouped:.1f}x)")
+    from bench.ingest_bench import machine
+
+    out = HERE / "results" / f"tables-{n}.json"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps({"tables": n, "rows_per_table": args.rows * len(SHARDS), "rounds": rounds,
+                               "median_grouped_seconds": grouped, "single_app_seconds": singles,
+                               "extrapolated_one_app_per_table_seconds": single * n, "machine": machine()},
+                              indent=2))
+    print(f"results: {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

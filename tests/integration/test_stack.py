@@ -1,0 +1,117 @@
+"""The stack itself: Spark and pyiceberg share one Iceberg catalog, and the same job code runs
+on a Spark standalone cluster (a master and a worker started here), submitted with spark-submit
+the way the Airflow Spark provider submits it."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT
+
+
+def test_spark_writes_and_pyiceberg_reads_the_same_table(spark, lake, unique):
+    from pyiceberg.catalog import load_catalog
+
+    table = f"smoke.t_{unique}"
+    spark.sql("CREATE NAMESPACE IF NOT EXISTS lake.smoke")
+    spark.sql(f"CREATE TABLE lake.{table} (id bigint, name string, at timestamp) USING iceberg")
+    spark.sql(f"INSERT INTO lake.{table} VALUES (1, 'a', TIMESTAMP '2026-01-01 00:00:00'), (2, 'b', NULL)")
+    cat = load_catalog(lake.catalog_name, **lake.pyiceberg_properties())
+    rows = cat.load_table(table).scan().to_arrow().sort_by("id").to_pylist()
+    assert [(r["id"], r["name"]) for r in rows] == [(1, "a"), (2, "b")]
+    assert str(rows[0]["at"]).startswith("2026-01-01 00:00:00")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_port(port: int, proc: subprocess.Popen, what: str, log: Path, timeout: float = 90) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"{what} exited:\n{log.read_text()[-3000:]}")
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.5)
+    pytest.fail(f"{what} did not listen on {port}:\n{log.read_text()[-3000:]}")
+
+
+@pytest.mark.slow
+def test_a_job_runs_on_a_standalone_spark_cluster(lake, tmp_path, unique):
+    from cdc_lakehouse.packaging import pyfiles_zip
+    from cdc_lakehouse.spark_session import default_jars
+    from pyiceberg.catalog import load_catalog
+
+    bin_dir = Path(sys.executable).parent
+    spark_class = next(Path(p) for p in [bin_dir / "spark-class",
+                                         *Path(ROOT / ".venv").glob("lib/python*/site-packages/pyspark/bin/spark-class")]
+                       if Path(p).exists())
+    spark_submit = spark_class.with_name("spark-submit")
+    port, worker_port = _free_port(), _free_port()
+    env = {**os.environ, "SPARK_LOCAL_IP": "127.0.0.1", "PYSPARK_PYTHON": sys.executable,
+           "SPARK_WORKER_DIR": str(tmp_path / "work"), "SPARK_LOG_DIR": str(tmp_path)}
+    procs = []
+    try:
+        mlog = tmp_path / "master.log"
+        master = subprocess.Popen([str(spark_class), "org.apache.spark.deploy.master.Master", "--host", "127.0.0.1",
+                                   "--port", str(port), "--webui-port", str(_free_port())],
+                                  env=env, stdout=mlog.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+        procs.append(master)
+        _wait_port(port, master, "the Spark master", mlog)
+        wlog = tmp_path / "worker.log"
+        worker = subprocess.Popen([str(spark_class), "org.apache.spark.deploy.worker.Worker",
+                                   f"spark://127.0.0.1:{port}", "--host", "127.0.0.1", "--port", str(worker_port),
+                                   "--webui-port", str(_free_port()), "--cores", "1", "--memory", "1g"],
+                                  env=env, stdout=wlog.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+        procs.append(worker)
+        _wait_port(worker_port, worker, "the Spark worker", wlog)
+        table = f"smoke.cluster_{unique}"
+        job = tmp_path / "cluster_job.py"
+        job.write_text(textwrap.dedent(f"""
+            from cdc_lakehouse.settings import LakeSettings
+            from cdc_lakehouse.spark_session import get_spark
+
+            spark = get_spark("cdc-cluster-test", LakeSettings.from_env())
+            sc = spark.sparkContext
+            # Python code on the executors: the package shipped with --py-files.
+            shards = sc.parallelize(range(100), 4).map(
+                lambda i: __import__("cdc_lakehouse.identifiers").identifiers.check_lake_ident(f"s{{i % 4}}", "x")
+            ).distinct().collect()
+            spark.sql("CREATE NAMESPACE IF NOT EXISTS lake.smoke")
+            spark.createDataFrame([(i, s) for i, s in enumerate(sorted(shards))], "id bigint, shard string") \\
+                .writeTo("lake.{table}").using("iceberg").create()
+            executors = sc._jsc.sc().getExecutorMemoryStatus().size() - 1
+            print(f"MASTER={{sc.master}} EXECUTORS={{executors}} SHARDS={{sorted(shards)}}")
+            spark.stop()
+        """))
+        r = subprocess.run([str(spark_submit), "--master", f"spark://127.0.0.1:{port}", "--deploy-mode", "client",
+                            "--jars", ",".join(default_jars()), "--py-files", str(pyfiles_zip()),
+                            "--conf", "spark.executor.memory=512m", "--conf", "spark.cores.max=1", str(job)],
+                           env={**env, "CDC_SPARK_LOG_LEVEL": "WARN"}, capture_output=True, text=True, timeout=600,
+                           check=False)
+        assert r.returncode == 0, r.stderr[-4000:]
+        line = next(x for x in r.stdout.splitlines() if x.startswith("MASTER="))
+        assert f"MASTER=spark://127.0.0.1:{port}" in line and "EXECUTORS=1" in line, line
+        assert "SHARDS=['s0', 's1', 's2', 's3']" in line, line
+    finally:
+        for p in reversed(procs):
+            p.terminate()
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+    # The cluster's commit is visible to pyiceberg through the shared catalog.
+    cat = load_catalog(lake.catalog_name, **lake.pyiceberg_properties())
+    assert cat.load_table(table).scan().to_arrow().num_rows == 4
