@@ -287,6 +287,7 @@ class TableWriter:
         )
 
     def flush(self) -> None:
+        import pyarrow as pa
         import pyarrow.parquet as pq
 
         n = len(self._cols["op"])
@@ -299,6 +300,10 @@ class TableWriter:
             self._writer = pq.ParquetWriter(self.directory / name, table.schema, compression="snappy")
             self.files.append({"name": name, "rows": 0})
         self._writer.write_table(table)
+        del table
+        # Hand freed Arrow buffers back to the OS each batch: the allocator otherwise keeps them,
+        # and a large transaction would look like (and on a busy host act like) unbounded growth.
+        pa.default_memory_pool().release_unused()
         self._file_rows += n
         self.files[-1]["rows"] += n
         if self._file_rows >= self.file_rows:

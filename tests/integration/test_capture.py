@@ -198,13 +198,23 @@ print(m["events"], resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024)
 """)
     env = {**os.environ, "PYTHONPATH": str(ROOT / "plugins")}
     subprocess.run([sys.executable, str(script), "r1"], check=True, env=env, capture_output=True)
-    with conn.cursor() as cur:
-        cur.execute("INSERT INTO s0.items (id, title) SELECT g, repeat(md5(g::text), 32) "
-                    "FROM generate_series(1, 300000) g")  # one transaction, ~1 KB per row
-    out = subprocess.run([sys.executable, str(script), "r2"], check=True, env=env, capture_output=True, text=True)
-    events, peak_mb = map(int, out.stdout.split())
-    assert events == 300000
-    assert peak_mb < 250, f"capture peaked at {peak_mb} MB for a ~300 MB transaction"
+
+    def one_transaction(rows: int, run: str) -> int:
+        with conn.cursor() as cur:
+            cur.execute("TRUNCATE s0.items")
+            cur.execute("INSERT INTO s0.items (id, title) SELECT g, repeat(md5(g::text), 32) "
+                        "FROM generate_series(1, %s) g", (rows,))  # one transaction, ~1 KB per row
+        out = subprocess.run([sys.executable, str(script), run], check=True, env=env, capture_output=True, text=True)
+        events, peak_mb = map(int, out.stdout.split())
+        assert events == rows + 1  # and the truncate
+        return peak_mb
+
+    # The same capture for a 30 MB and a 300 MB transaction: what the larger one adds must be a
+    # small part of its 270 MB more data (the process's own baseline cancels out).
+    small = one_transaction(30_000, "r2")
+    large = one_transaction(300_000, "r3")
+    print(f"capture peak {small} MB for 30k rows, {large} MB for 300k rows")
+    assert large - small < 100, f"capture peaked at {large} MB for a ~300 MB transaction vs {small} MB for ~30 MB"
 
 
 @pytest.mark.parametrize("point", ["after_files", "after_manifest"])
