@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from cdc_lakehouse.localstack import free_port
 
 from tests.conftest import ROOT
 
@@ -28,12 +29,6 @@ def test_spark_writes_and_pyiceberg_reads_the_same_table(spark, lake, unique):
     rows = cat.load_table(table).scan().to_arrow().sort_by("id").to_pylist()
     assert [(r["id"], r["name"]) for r in rows] == [(1, "a"), (2, "b")]
     assert str(rows[0]["at"]).startswith("2026-01-01 00:00:00")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait_port(port: int, proc: subprocess.Popen, what: str, log: Path, timeout: float = 90) -> None:
@@ -59,21 +54,21 @@ def test_a_job_runs_on_a_standalone_spark_cluster(lake, tmp_path, unique):
                                          *Path(ROOT / ".venv").glob("lib/python*/site-packages/pyspark/bin/spark-class")]
                        if Path(p).exists())
     spark_submit = spark_class.with_name("spark-submit")
-    port, worker_port = _free_port(), _free_port()
+    port, worker_port = free_port(), free_port()
     env = {**os.environ, "SPARK_LOCAL_IP": "127.0.0.1", "PYSPARK_PYTHON": sys.executable,
            "SPARK_WORKER_DIR": str(tmp_path / "work"), "SPARK_LOG_DIR": str(tmp_path)}
     procs = []
     try:
         mlog = tmp_path / "master.log"
         master = subprocess.Popen([str(spark_class), "org.apache.spark.deploy.master.Master", "--host", "127.0.0.1",
-                                   "--port", str(port), "--webui-port", str(_free_port())],
+                                   "--port", str(port), "--webui-port", str(free_port())],
                                   env=env, stdout=mlog.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
         procs.append(master)
         _wait_port(port, master, "the Spark master", mlog)
         wlog = tmp_path / "worker.log"
         worker = subprocess.Popen([str(spark_class), "org.apache.spark.deploy.worker.Worker",
                                    f"spark://127.0.0.1:{port}", "--host", "127.0.0.1", "--port", str(worker_port),
-                                   "--webui-port", str(_free_port()), "--cores", "1", "--memory", "1g"],
+                                   "--webui-port", str(free_port()), "--cores", "1", "--memory", "1g"],
                                   env=env, stdout=wlog.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
         procs.append(worker)
         _wait_port(worker_port, worker, "the Spark worker", wlog)

@@ -17,6 +17,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from cdc_lakehouse.localstack import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
@@ -24,19 +25,11 @@ ARTIFACTS = ROOT / ".local" / "test-artifacts"
 ARTIFACTS.mkdir(parents=True, exist_ok=True)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def airflow_env(tmp_path_factory):
     """A fresh AIRFLOW_HOME on SQLite with this repository's DAGs, migrated and parsed."""
     home = tmp_path_factory.mktemp("airflow-ui")
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "AIRFLOW_HOME": str(home), "AIRFLOW__CORE__DAGS_FOLDER": str(ROOT / "dags"),
            "AIRFLOW__CORE__PLUGINS_FOLDER": str(ROOT / "plugins"), "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
            "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": "True", "AIRFLOW__API__PORT": str(port),
