@@ -163,9 +163,11 @@ def bench_bootstrap(spark, lake, dsn: str, blocks: int, repeat: int) -> dict:
             r = bootstrap_table(spark, lake, cfg, run_id=f"bench{i}", log=lambda *_: None)
             secs = time.time() - t
         ours.append({"rows": r["rows"], "seconds": secs, "rows_per_second": r["rows"] / secs,
-                     "peak_rss_mb": mem.peak / 2**20})
+                     "peak_rss_mb": mem.peak / 2**20, "read_and_changelog_seconds": r["read_and_changelog_seconds"],
+                     "current_write_seconds": r["current_write_seconds"]})
         print(f"  bootstrap: {r['rows']} rows in {secs:.1f}s = {r['rows'] / secs:,.0f} rows/s "
-              f"(peak {mem.peak / 2**20:.0f} MB)", flush=True)
+              f"(read + changelog {r['read_and_changelog_seconds']:.1f}s, current table "
+              f"{r['current_write_seconds']:.1f}s; peak {mem.peak / 2**20:.0f} MB)", flush=True)
     c = statistics.median(x["rows_per_second"] for x in copies)
     o = statistics.median(x["rows_per_second"] for x in ours)
     print(f"bootstrap {blocks} rows: median {o:,.0f} rows/s vs COPY {c:,.0f} rows/s = {o / c:.2f} of COPY", flush=True)
@@ -186,9 +188,10 @@ def bench_audit(spark, lake, blocks: int, repeat: int) -> dict:
                 r = audit_table(spark, lake, cfg, audit_run=f"bench-{mode}-{i}", mode=mode, repair=False,
                                 log=lambda *_: None)
                 secs = time.time() - t
-            out[mode].append({"seconds": secs, "peak_rss_mb": mem.peak / 2**20, "verdict": r["verdict"]})
-            print(f"  audit {mode} {blocks} keys: {secs:.1f}s, peak {mem.peak / 2**20:.0f} MB, {r['verdict']}",
-                  flush=True)
+            out[mode].append({"seconds": secs, "peak_rss_mb": mem.peak / 2**20, "verdict": r["verdict"],
+                              "timings": r.get("timings")})
+            print(f"  audit {mode} {blocks} keys: {secs:.1f}s, peak {mem.peak / 2**20:.0f} MB, {r['verdict']} "
+                  f"phases {r.get('timings')}", flush=True)
     return {m: {"runs": v, "median_seconds": statistics.median(x["seconds"] for x in v),
                 "peak_rss_mb": max(x["peak_rss_mb"] for x in v)} for m, v in out.items()}
 

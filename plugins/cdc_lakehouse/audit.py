@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
@@ -185,16 +186,13 @@ def source_bucket_sums(cfg: TableConfig, schema: str, ep: SourceEndpoint, key_co
     conn = psycopg2.connect(ep.dsn(), options=src.SESSION_OPTIONS, application_name="cdc_lakehouse audit")
     try:
         with conn.cursor() as cur:
+            # The planner cannot know there are only `buckets` groups and sorts every row for a
+            # GroupAggregate; a HashAggregate is 2.5x faster (18.7 s -> 7.3 s for 2.5M rows).
+            cur.execute("SET LOCAL enable_sort = off")
             cur.execute(sql)
             return {int(b): (int(n), s) for b, n, s in cur.fetchall()}
     finally:
         conn.close()
-
-
-def lake_hashes(spark: SparkSession, lake_df: DataFrame, key_cols, columns, buckets: int) -> DataFrame:
-
-    return lake_df.select(SHARD_COL, *[c for c, _ in key_cols], spark_row_hash(columns).alias("_h"),
-                          spark_bucket(key_cols, buckets).alias("_b"))
 
 
 # --- in flight ---------------------------------------------------------------------------------------
@@ -325,43 +323,77 @@ def audit_table(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, *, au
     lake_df = spark.table(cur)
     if cfg.deletes == "soft":
         lake_df = lake_df.filter(~F.col(cfg.soft_delete_columns.flag))
-    lake_df = lake_df.persist(StorageLevel.MEMORY_AND_DISK)
-    lake_counts = {r[0]: r[1] for r in lake_df.groupBy(SHARD_COL).count().collect()}
     mode = mode or cfg.audit.mode
-    if mode == "auto":
-        mode = "checksum" if sum(lake_counts.values()) >= cfg.audit.checksum_min_rows else "full"
     buckets = cfg.audit.buckets
 
-    mismatches = []
-    per_shard: dict[str, dict[str, Any]] = {}
-    inflight_frames = []
+    # The source side: columns each shard still has (a column dropped under keep_null is NULL in
+    # the lake, so it is left out of both hashes) and, in checksum mode, its bucket sums, which
+    # PostgreSQL computes while Spark hashes the lake below.
+    shard_info: list[tuple[Any, str, str, SourceEndpoint, list[tuple[str, str]]]] = []
+    estimates: list[float] = []
     endpoints: dict[str, tuple[SourceEndpoint, dict[str, str]]] = {}
     for g, schema, shard in cfg.shards():
         ep = SourceEndpoint.from_uri(source_uri(g.conn_id), g.database)
-        # Hash only columns the source still has (a column dropped under keep_null is NULL in the lake).
         conn = psycopg2.connect(ep.dsn())
         try:
             with conn.cursor() as cu:
                 info = src.describe_table(cu, schema, cfg.source.table)
+                if info is not None:
+                    # The planner's row estimate (-1: never analyzed) picks the mode in auto.
+                    cu.execute("SELECT reltuples FROM pg_class WHERE oid = %s::regclass",
+                               (pg_qualified(schema, cfg.source.table),))
+                    estimates.append(float(cu.fetchone()[0]))
         finally:
             conn.close()
         if info is None:
             raise AuditFailed(f"{cfg.name}: source table {schema}.{cfg.source.table} is missing on {ep.label}")
-        cols = [(c, t) for c, t in lake_cols if c in info.column_names]
+        shard_info.append((g, schema, shard, ep, [(c, t) for c, t in lake_cols if c in info.column_names]))
         endpoints.setdefault(g.endpoint_id, (ep, {}))[1][schema] = shard
+    # One lake hash for every shard: over the columns all shards have. While a schema change is
+    # rolling out shard by shard, the new column is compared once every shard has it.
+    cols = [c for c in lake_cols if all(c in shard_cols for *_, shard_cols in shard_info)]
+    timings: dict[str, float] = {"describe": time.time() - t0}
+    lake_counts: dict[str, int] = {}
+    if mode == "auto":
+        if min(estimates) < 0:  # some shard was never analyzed: count the lake instead (key columns only)
+            lake_counts = {r[0]: r[1] for r in lake_df.groupBy(SHARD_COL).count().collect()}
+        total = sum(lake_counts.values()) if lake_counts else sum(estimates)
+        mode = "checksum" if total >= cfg.audit.checksum_min_rows else "full"
+    pool = ThreadPoolExecutor(max_workers=max(1, cfg.bootstrap.max_connections_per_host))
+    pending_sums = {shard: pool.submit(source_bucket_sums, cfg, schema, ep, key_cols, cols, buckets)
+                    for _, schema, shard, ep, _ in shard_info} if mode == "checksum" else {}
+
+    # The lake side: (shard, key, row hash, bucket). Not cached: each use reads only what it needs
+    # (one shard's files, or the key columns), which is cheaper than holding a hash per key.
+    lake_h = lake_df.select(SHARD_COL, *[c for c, _ in key_cols], spark_row_hash(cols).alias("_h"),
+                            spark_bucket(key_cols, buckets).alias("_b"))
+    lake_sums: dict[str, dict[int, tuple[int, str]]] = {}
+    t = time.time()
+    if mode == "checksum":
+        for r in lake_h.groupBy(SHARD_COL, "_b").agg(F.count(F.lit(1)).alias("n"),
+                                                     F.sum(spark_hash_num(F.col("_h"))).alias("s")).collect():
+            lake_sums.setdefault(r[SHARD_COL], {})[r["_b"]] = (r["n"], str(r["s"]))
+        lake_counts = {shard: sum(n for n, _ in b.values()) for shard, b in lake_sums.items()}
+        timings["lake_bucket_sums"] = time.time() - t
+    elif not lake_counts:
+        lake_counts = {r[0]: r[1] for r in lake_df.groupBy(SHARD_COL).count().collect()}
+        timings["lake_count"] = time.time() - t
+
+    t = time.time()
+    mismatches = []
+    per_shard: dict[str, dict[str, Any]] = {}
+    inflight_frames = []
+    for _, schema, shard, ep, _ in shard_info:
         st = {"mode": mode, "buckets_compared": 0, "buckets_differing": 0}
-        lake_shard = lake_df.filter(F.col(SHARD_COL) == shard)
+        lh = lake_h.filter(F.col(SHARD_COL) == shard)
         if mode == "full":
             s = source_hashes(spark, cfg, shard, schema, ep, key_cols, cols, buckets)
-            diff = _compare(s.drop("_b"), lake_hashes(spark, lake_shard, key_cols, cols, buckets).drop("_b"), key)
             st["source_rows"] = None
-            mismatches.append(diff)
+            mismatches.append(_compare(s.drop("_b"), lh.drop("_b"), key))
         else:
-            src_sums = source_bucket_sums(cfg, schema, ep, key_cols, cols, buckets)
-            lh = lake_hashes(spark, lake_shard, key_cols, cols, buckets)
-            lake_sums = {r["_b"]: (r["n"], str(r["s"])) for r in lh.groupBy("_b").agg(
-                F.count(F.lit(1)).alias("n"), F.sum(spark_hash_num(F.col("_h"))).alias("s")).collect()}
-            differing = sorted(b for b in set(src_sums) | set(lake_sums) if src_sums.get(b) != lake_sums.get(b))
+            src_sums = pending_sums[shard].result()
+            shard_sums = lake_sums.get(shard, {})
+            differing = sorted(b for b in set(src_sums) | set(shard_sums) if src_sums.get(b) != shard_sums.get(b))
             st.update(source_rows=sum(n for n, _ in src_sums.values()), buckets_compared=buckets,
                       buckets_differing=len(differing))
             if differing:
@@ -370,6 +402,9 @@ def audit_table(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, *, au
                 lsub = lh.filter(F.col("_b").isin(differing)) if only else lh
                 mismatches.append(_compare(s.drop("_b"), lsub.drop("_b"), key))
         per_shard[shard] = st
+    pool.shutdown(cancel_futures=True)
+    timings["source_sums_wait"] = time.time() - t
+    t = time.time()
     # In flight: pending landing events and changes the slot has not delivered yet.
     lf = inflight_from_landing(spark, lake, cfg, wm, key_cols)
     if lf is not None:
@@ -393,6 +428,8 @@ def audit_table(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, *, au
         counts = flagged.groupBy(SHARD_COL, "kind", "_if").count().collect()
     else:
         flagged, counts = None, []
+    timings["in_flight_and_compare"] = time.time() - t
+    t = time.time()
     for r in counts:
         st = per_shard[r[SHARD_COL]]
         name = "in_flight" if r["_if"] else r["kind"]
@@ -404,7 +441,10 @@ def audit_table(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, *, au
     repaired = 0
     if do_repair and persistent:
         repaired = repair_keys(spark, lake, cfg, streak_df, key_cols, lake_cols, wm, audit_run, log)
-    quality = quality_checks(spark, lake, cfg, lake_df, wm, per_shard, lake_counts, audit_run, now, log)
+    timings["track_and_repair"] = time.time() - t
+    t = time.time()
+    quality = quality_checks(spark, lake, cfg, lake_df.select(SHARD_COL, *cfg.primary_key, LSN_COL), wm, per_shard, lake_counts, audit_run, now, log)
+    timings["quality"] = time.time() - t
     samples = {}
     if flagged is not None and persistent:
         for r in streak_df.limit(cfg.audit.sample_keys * 4).collect():
@@ -435,9 +475,9 @@ def audit_table(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, *, au
     msg = (f"audit {cfg.name} ({mode}): {'FAIL' if verdict == 'fail' else 'ok'}"
            + (f", repaired {repaired} key(s) — the next audit confirms" if repaired else "") + "\n" + "\n".join(lines))
     log(msg)
-    lake_df.unpersist()
     return {"verdict": verdict, "message": msg, "mode": mode, "shards": per_shard, "persistent": persistent,
-            "repaired": repaired, "quality": quality, "seconds": time.time() - t0}
+            "repaired": repaired, "quality": quality, "seconds": time.time() - t0,
+            "timings": {k: round(v, 1) for k, v in timings.items()}}
 
 
 def _track(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, flagged: DataFrame | None, key: list[str],
@@ -579,7 +619,14 @@ def quality_checks(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, la
     slack = int(source_total * cfg.audit.row_count_tolerance) + in_flight
     suite.add_expectation(gxe.ExpectTableRowCountToBeBetween(min_value=max(0, source_total - slack),
                                                              max_value=source_total + slack))
-    results = [_gx_rows(bd.get_batch(batch_parameters={"dataframe": lake_df}).validate(suite))]
+    # GX makes a dozen passes over the frame: cache it (key columns and LSN only, small), and
+    # BASIC results skip the queries that list sample rows of passing expectations.
+    lake_df = lake_df.persist()
+    try:
+        results = [_gx_rows(bd.get_batch(batch_parameters={"dataframe": lake_df}).validate(
+            suite, result_format="BASIC"))]
+    finally:
+        lake_df.unpersist()
     # Freshness from the heartbeats: how old is the newest source commit the lake is known to hold.
     ts = [datetime.fromisoformat(v["ts"]) for v in wm.get("shards", {}).values() if v.get("ts")]
     fresh_min = (now - min(ts)).total_seconds() / 60 if ts else None
