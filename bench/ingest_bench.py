@@ -44,7 +44,16 @@ def prepare(rows: int, changes: int) -> dict:
     d.mkdir(parents=True, exist_ok=True)
     base = d / "base.parquet"
     if not base.exists():
-        pq.write_table(base_table(rows), base, row_group_size=256_000)
+        # In slices: NumPy's fixed-width strings for 20M rows would not fit in memory at once.
+        chunk = 2_000_000
+        tmp = base.with_suffix(".tmp")
+        writer = None
+        for start in range(1, rows + 1, chunk):
+            t = base_table(min(chunk, rows - start + 1), start=start)
+            writer = writer or pq.ParquetWriter(tmp, t.schema)
+            writer.write_table(t, row_group_size=256_000)
+        writer.close()
+        tmp.rename(base)
     bdir = d / f"c{changes}"
     meta = bdir / "meta.json"
     if not meta.exists():
@@ -301,9 +310,14 @@ def main() -> int:
     print(f"batch: {prep['events']} events ({prep['updates']} updates, {prep['inserts']} inserts, {prep['deletes']} "
           f"deletes, {prep['toast_unchanged']} with unchanged TOAST) over {prep['keys']} keys; table {args.rows} rows")
     results = []
+    out = HERE / "results" / f"ingest-{args.rows}-{args.changes}.json"
+    out.parent.mkdir(exist_ok=True)
     for engine in args.engines.split(","):
         print(f"{engine}:", flush=True)
         results.append(run_engine(engine, args.rows, args.changes, args.repeat))
+        # Written after every engine: a long run stopped half-way keeps what it measured.
+        out.write_text(json.dumps({"rows": args.rows, "changes": args.changes, "batch": prep, "results": results,
+                                   "machine": machine()}, indent=2, default=str))
     ours = next((r for r in results if r["engine"] == "ours-mor" and "median_seconds" in r), None)
     print(f"\n{'engine':<11}{'median s':>10}{'first s':>9}{'x ours-mor':>11}{'WA':>8}{'peak MB':>9}  verified")
     for r in results:
@@ -313,10 +327,6 @@ def main() -> int:
         ratio = r["median_seconds"] / ours["median_seconds"] if ours else float("nan")
         print(f"{r['engine']:<11}{r['median_seconds']:>10.2f}{r['first_seconds']:>9.2f}{ratio:>11.2f}"
               f"{r['write_amplification']:>8.2f}{r['peak_rss_mb']:>9.0f}  {r['verified']}")
-    out = HERE / "results" / f"ingest-{args.rows}-{args.changes}.json"
-    out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps({"rows": args.rows, "changes": args.changes, "batch": prep, "results": results,
-                               "machine": machine()}, indent=2, default=str))
     print(f"\nresults: {out}")
     return 0 if all(r.get("verified") for r in results) else 1
 

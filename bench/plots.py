@@ -40,12 +40,12 @@ def markdown(data: dict) -> str:
              "|---:|---:|---|---:|---:|---:|---:|---:|"]
     for (rows, changes), engines in sorted(data.items()):
         base = engines.get("ours-mor", {}).get("median_seconds")
-        for name in LABELS:
+        for name, label in LABELS.items():
             r = engines.get(name)
             if r is None:
                 continue
             ratio = f"{r['median_seconds'] / base:.2f}" if base else "-"
-            lines.append(f"| {_fmt(rows)} | {_fmt(changes)} | {LABELS[name]} | {r['median_seconds']:.2f} | "
+            lines.append(f"| {_fmt(rows)} | {_fmt(changes)} | {label} | {r['median_seconds']:.2f} | "
                          f"{r['first_seconds']:.2f} | {ratio} | {r['write_amplification']:.2f} | {r['peak_rss_mb']:,.0f} |")
     return "\n".join(lines)
 
@@ -64,12 +64,12 @@ def plot(data: dict, out: Path) -> list[Path]:
     for metric, fname, ylabel in panels:
         fig, axes = plt.subplots(1, len(sizes), figsize=(5.5 * len(sizes), 4.2), sharey=True, squeeze=False)
         for ax, rows in zip(axes[0], sizes):
-            for name in LABELS:
+            for name, label in LABELS.items():
                 pts = sorted((c, e[name][metric]) for (r, c), e in data.items() if r == rows and name in e)
                 if len(pts) < 2:
                     continue
                 color, marker = STYLE[name]
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=marker, color=color, label=LABELS[name])
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=marker, color=color, label=label)
             ax.set_xscale("log")
             ax.set_yscale("log")
             ax.set_title(f"table of {_fmt(rows)} rows")

@@ -30,7 +30,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path[:0] = [str(ROOT / "plugins"), str(ROOT)]
 SHARDS = ["s0", "s1", "s2", "s3"]
-CONN_ID = "bench_source"
+CONN_ID = "bench_source"  # + the size: slot names are per cluster, so each database gets its own
 
 
 class PeakRSS:
@@ -72,6 +72,9 @@ def _admin_dsn(db: str = "postgres") -> str:
 def prepare_source(blocks: int):
     import psycopg2
     from cdc_lakehouse.workload import NotionWorkload
+
+    global CONN_ID  # noqa: PLW0603
+    CONN_ID = f"bench_source_{blocks}"
 
     db = f"bench_src_{blocks}"
     conn = psycopg2.connect(_admin_dsn())
@@ -207,7 +210,7 @@ def bench_capture(dsn: str, wl, changes: int, repeat: int) -> dict:
     work = HERE / ".work" / "capture"
     shutil.rmtree(work, ignore_errors=True)
     store = LocalLanding(f"file://{work}")
-    ep = src.EndpointTables("bench", CONN_ID, {"block": (SHARDS, ["id"]), "space": (SHARDS, ["id"]),
+    ep = src.EndpointTables(f"{CONN_ID}_capture", CONN_ID, {"block": (SHARDS, ["id"]), "space": (SHARDS, ["id"]),
                                                "permission": (SHARDS, ["block_id", "user_id"])})
     runs = []
     for i in range(repeat):

@@ -35,10 +35,10 @@ def _content(ids: np.ndarray, salt: int) -> np.ndarray:
                              "incididunt ut labore et dolore magna aliqua ut enim ad minim veniam quis nostrud")
 
 
-def base_table(rows: int, seed: int = 1) -> pa.Table:
-    """The current state before the batch: ids 1..rows, shard = id % 4, version 1."""
-    rng = np.random.default_rng(seed)
-    ids = np.arange(1, rows + 1, dtype=np.int64)
+def base_table(rows: int, seed: int = 1, start: int = 1) -> pa.Table:
+    """The current state before the batch: ids start..start+rows-1, shard = id % 4, version 1."""
+    rng = np.random.default_rng(seed if start == 1 else [seed, start])
+    ids = np.arange(start, start + rows, dtype=np.int64)
     shard = np.array(SHARDS)[ids % 4]
     ts = np.datetime64("2026-01-01T00:00:00", "us") + (ids * 1000).astype("timedelta64[us]")
     return pa.table({

@@ -327,8 +327,10 @@ def bootstrap_table(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, *
                    .withColumn(RUN_COL, F.lit(f"bootstrap-{run_id}")).withColumn(INGESTED_COL, F.current_timestamp()))
         t_read = time.time()
         # 1) changelog (one read of the source), 2) current table from those rows, atomically per shard.
+        # No shuffle before the changelog write: every snapshot row goes to one day partition,
+        # and the JDBC tasks write as they read (a hash shuffle of every wide row cost a third).
         markers.select(*cl_cols).unionByName(rows.select(*cl_cols)).writeTo(cl).option(
-            "snapshot-property.cdc.watermark", watermark_json(cwm)).option(
+            "distribution-mode", "none").option("snapshot-property.cdc.watermark", watermark_json(cwm)).option(
             "snapshot-property.cdc.bootstrap", run_id).append()
     read_s = time.time() - t_read
     selected = [s for ep in per_endpoint.values() for s in ep["shards"]]

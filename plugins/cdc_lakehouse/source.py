@@ -29,6 +29,10 @@ class PreflightError(SourceError):
         super().__init__("source preflight failed:\n  - " + "\n  - ".join(problems))
 
 
+class SlotConflictError(SourceError):
+    pass
+
+
 class SlotLostError(SourceError):
     pass
 
@@ -336,7 +340,8 @@ def slot_state(conn, name: str) -> SlotState:
         cur.execute(
             """
             SELECT (confirmed_flush_lsn - '0/0'::pg_lsn)::bigint, (restart_lsn - '0/0'::pg_lsn)::bigint,
-                   wal_status, active_pid, (pg_current_wal_lsn() - '0/0'::pg_lsn)::bigint
+                   wal_status, active_pid, (pg_current_wal_lsn() - '0/0'::pg_lsn)::bigint,
+                   database, current_database()
             FROM pg_replication_slots WHERE slot_name = %s
             """,
             (name,),
@@ -346,6 +351,13 @@ def slot_state(conn, name: str) -> SlotState:
             cur.execute("SELECT (pg_current_wal_lsn() - '0/0'::pg_lsn)::bigint")
             return SlotState(name, False, current_lsn=cur.fetchone()[0])
     conn.commit()
+    if row[5] != row[6]:
+        # Slot names are per cluster, slots per database: two endpoints (connections) with the
+        # same id on one cluster would otherwise read each other's slot.
+        raise SlotConflictError(
+            f"replication slot {name} belongs to database {row[5]}, not {row[6]}: two endpoints on one PostgreSQL "
+            "cluster have the same id. Give one of them its own Airflow connection id (the slot is named after it), "
+            f"or drop the stale slot in {row[5]}: SELECT pg_drop_replication_slot('{name}')")
     return SlotState(name, True, row[0], row[1], row[2], row[3], row[4])
 
 

@@ -356,6 +356,28 @@ def test_dropped_slot_asks_for_a_rebootstrap(db, tmp_path):
     assert "re-bootstrap" in str(exc.value) and "cdc_bootstrap__" in str(exc.value)
 
 
+def test_slot_of_the_same_endpoint_id_in_another_database_is_refused(db, pg, unique, tmp_path):
+    """Slot names are cluster-wide: a second database captured under the same endpoint id must
+    not read (or be confused by) the first one's slot."""
+    dsn, _ = db
+    eid = f"shared_{unique}"
+    other = f"cap2_{unique}"
+    pg.execute(f"CREATE DATABASE {other}")
+    try:
+        conn2 = psycopg2.connect(pg.dsn(other))
+        conn2.autocommit = True
+        with conn2.cursor() as cur:
+            cur.execute("SELECT pg_create_logical_replication_slot(%s, 'pgoutput')", (src.slot_name(eid),))
+        conn2.close()
+        with pytest.raises(src.SlotConflictError) as exc:
+            capture_run(endpoint(schemas=("s0",), eid=eid), dsn, LocalLanding(f"file://{tmp_path}/l"), "r1")
+        msg = str(exc.value)
+        assert src.slot_name(eid) in msg and other in msg and "connection id" in msg
+    finally:
+        pg.execute(f"SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE database = '{other}'")
+        pg.execute(f"DROP DATABASE {other} WITH (FORCE)")
+
+
 @pytest.fixture(scope="module")
 def small_cluster(tmp_root):
     """A second server: wal_level=replica first, then a tiny max_slot_wal_keep_size."""
