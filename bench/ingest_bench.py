@@ -23,13 +23,14 @@ import shutil
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path[:0] = [str(ROOT / "plugins"), str(ROOT)]
+from bench.measure import PeakRSS, machine  # noqa: E402
+
 WORK = Path(os.environ.get("CDC_BENCH_WORK", HERE / ".work"))
 ENGINES = ["ours-mor", "ours-cow", "pyiceberg", "delta", "rewrite"]
 
@@ -245,46 +246,24 @@ def _dir_bytes(path: Path) -> int:
 
 # --- orchestration --------------------------------------------------------------------------------
 
-def sample_peak_rss(proc: subprocess.Popen, stop: threading.Event, out: list[int]) -> None:
-    import psutil
-
-    peak = 0
-    try:
-        root = psutil.Process(proc.pid)
-        while not stop.is_set():
-            try:
-                total = sum(p.memory_info().rss for p in [root, *root.children(recursive=True)])
-                peak = max(peak, total)
-            except psutil.Error:
-                pass
-            time.sleep(0.2)
-    except psutil.Error:
-        pass
-    out.append(peak)
-
-
 def run_engine(engine: str, rows: int, changes: int, repeat: int) -> dict:
     cmd = [sys.executable, str(Path(__file__)), "--worker", engine, "--rows", str(rows), "--changes", str(changes),
            "--repeat", str(repeat)]
     t = time.time()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    stop, peak = threading.Event(), []
-    th = threading.Thread(target=sample_peak_rss, args=(proc, stop, peak))
-    th.start()
     result = None
-    for line in proc.stdout:
-        if line.startswith("RESULT "):
-            result = json.loads(line[7:])
-        else:
-            print(line, end="", flush=True)
-    proc.wait()
-    stop.set()
-    th.join()
+    with PeakRSS(proc.pid, interval=0.2) as mem:
+        for line in proc.stdout:
+            if line.startswith("RESULT "):
+                result = json.loads(line[7:])
+            else:
+                print(line, end="", flush=True)
+        proc.wait()
     if result is None:
         return {"engine": engine, "error": f"exit {proc.returncode}"}
     warm = [r["seconds"] for r in result[1:]] or [result[0]["seconds"]]
     return {"engine": engine, "repeats": result, "first_seconds": result[0]["seconds"],
-            "median_seconds": statistics.median(warm), "peak_rss_mb": (peak[0] if peak else 0) / 2**20,
+            "median_seconds": statistics.median(warm), "peak_rss_mb": mem.peak_mb,
             "process_seconds": time.time() - t, "verified": all(r["verified"] for r in result),
             "write_amplification": statistics.median([r["write_amplification"] for r in result
                                                       if r.get("write_amplification") is not None] or [0])}
@@ -329,15 +308,6 @@ def main() -> int:
               f"{r['write_amplification']:>8.2f}{r['peak_rss_mb']:>9.0f}  {r['verified']}")
     print(f"\nresults: {out}")
     return 0 if all(r.get("verified") for r in results) else 1
-
-
-def machine() -> dict:
-    import platform
-
-    import psutil
-
-    return {"cpus": os.cpu_count(), "memory_gb": round(psutil.virtual_memory().total / 2**30, 1),
-            "python": platform.python_version(), "platform": platform.platform()}
 
 
 if __name__ == "__main__":

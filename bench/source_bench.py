@@ -29,39 +29,10 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path[:0] = [str(ROOT / "plugins"), str(ROOT)]
+from bench.measure import PeakRSS, machine  # noqa: E402
+
 SHARDS = ["s0", "s1", "s2", "s3"]
 CONN_ID = "bench_source"  # + the size: slot names are per cluster, so each database gets its own
-
-
-class PeakRSS:
-    """Peak resident memory of this process and its children (the Spark JVM) while active."""
-
-    def __init__(self) -> None:
-        import psutil
-
-        self.proc = psutil.Process()
-        self.peak = 0
-        self._stop = threading.Event()
-        self._t = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        import psutil
-
-        while not self._stop.is_set():
-            try:
-                rss = sum(p.memory_info().rss for p in [self.proc, *self.proc.children(recursive=True)])
-                self.peak = max(self.peak, rss)
-            except psutil.Error:
-                pass
-            time.sleep(0.1)
-
-    def __enter__(self):
-        self._t.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._t.join()
 
 
 def _admin_dsn(db: str = "postgres") -> str:
@@ -166,11 +137,11 @@ def bench_bootstrap(spark, lake, dsn: str, blocks: int, repeat: int) -> dict:
             r = bootstrap_table(spark, lake, cfg, run_id=f"bench{i}", log=lambda *_: None)
             secs = time.time() - t
         ours.append({"rows": r["rows"], "seconds": secs, "rows_per_second": r["rows"] / secs,
-                     "peak_rss_mb": mem.peak / 2**20, "read_and_changelog_seconds": r["read_and_changelog_seconds"],
+                     "peak_rss_mb": mem.peak_mb, "read_and_changelog_seconds": r["read_and_changelog_seconds"],
                      "current_write_seconds": r["current_write_seconds"]})
         print(f"  bootstrap: {r['rows']} rows in {secs:.1f}s = {r['rows'] / secs:,.0f} rows/s "
               f"(read + changelog {r['read_and_changelog_seconds']:.1f}s, current table "
-              f"{r['current_write_seconds']:.1f}s; peak {mem.peak / 2**20:.0f} MB)", flush=True)
+              f"{r['current_write_seconds']:.1f}s; peak {mem.peak_mb:.0f} MB)", flush=True)
     c = statistics.median(x["rows_per_second"] for x in copies)
     o = statistics.median(x["rows_per_second"] for x in ours)
     print(f"bootstrap {blocks} rows: median {o:,.0f} rows/s vs COPY {c:,.0f} rows/s = {o / c:.2f} of COPY", flush=True)
@@ -191,9 +162,9 @@ def bench_audit(spark, lake, blocks: int, repeat: int) -> dict:
                 r = audit_table(spark, lake, cfg, audit_run=f"bench-{mode}-{i}", mode=mode, repair=False,
                                 log=lambda *_: None)
                 secs = time.time() - t
-            out[mode].append({"seconds": secs, "peak_rss_mb": mem.peak / 2**20, "verdict": r["verdict"],
+            out[mode].append({"seconds": secs, "peak_rss_mb": mem.peak_mb, "verdict": r["verdict"],
                               "timings": r.get("timings")})
-            print(f"  audit {mode} {blocks} keys: {secs:.1f}s, peak {mem.peak / 2**20:.0f} MB, {r['verdict']} "
+            print(f"  audit {mode} {blocks} keys: {secs:.1f}s, peak {mem.peak_mb:.0f} MB, {r['verdict']} "
                   f"phases {r.get('timings')}", flush=True)
     return {m: {"runs": v, "median_seconds": statistics.median(x["seconds"] for x in v),
                 "peak_rss_mb": max(x["peak_rss_mb"] for x in v)} for m, v in out.items()}
@@ -242,10 +213,10 @@ def bench_capture(dsn: str, wl, changes: int, repeat: int) -> dict:
                                capture_output=True, text=True, timeout=1800, check=False)
             theirs = time.time() - t
         runs.append({"events": events, "changes": dict(counts), "seconds": ours, "events_per_second": events / ours,
-                     "peak_rss_mb": mem.peak / 2**20,
+                     "peak_rss_mb": mem.peak_mb,
                      "pg_recvlogical_seconds": theirs if recv and r.returncode == 0 else None,
                      "pg_recvlogical_error": None if not recv or r.returncode == 0 else r.stderr[-500:]})
-        print(f"  capture: {events} events in {ours:.1f}s = {events / ours:,.0f} events/s (peak {mem.peak / 2**20:.0f} MB)"
+        print(f"  capture: {events} events in {ours:.1f}s = {events / ours:,.0f} events/s (peak {mem.peak_mb:.0f} MB)"
               + (f"; pg_recvlogical {theirs:.1f}s = {events / theirs:,.0f} events/s" if recv and r.returncode == 0
                  else f"; pg_recvlogical failed: {r.stderr[-300:] if r else 'not found'}"), flush=True)
     conn = psycopg2.connect(dsn)
@@ -288,8 +259,6 @@ def main() -> int:
             print("audit:", flush=True)
             results["audit"] = bench_audit(spark, lake, args.blocks, args.repeat)
         spark.stop()
-    from bench.ingest_bench import machine
-
     results["machine"] = machine()
     out = HERE / "results" / f"source-{args.blocks}.json"
     out.parent.mkdir(exist_ok=True)

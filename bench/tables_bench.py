@@ -149,7 +149,7 @@ def main() -> int:
     grouped = statistics.median(x["group_ingest_seconds"] for x in rounds)
     print(f"\n{n} tables: grouped {grouped:.0f}s (one application) vs {single:.1f}s per table alone "
           f"= {single * n:.0f}s for one application per table ({single * n / grouped:.1f}x)")
-    from bench.ingest_bench import machine
+    from bench.measure import machine
 
     out = HERE / "results" / f"tables-{n}.json"
     out.parent.mkdir(exist_ok=True)

@@ -329,7 +329,7 @@ def audit_table(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, *, au
     # The source side: columns each shard still has (a column dropped under keep_null is NULL in
     # the lake, so it is left out of both hashes) and, in checksum mode, its bucket sums, which
     # PostgreSQL computes while Spark hashes the lake below.
-    shard_info: list[tuple[Any, str, str, SourceEndpoint, list[tuple[str, str]]]] = []
+    shard_info: list[tuple[str, str, SourceEndpoint, list[tuple[str, str]]]] = []  # schema, shard, source, columns
     estimates: list[float] = []
     endpoints: dict[str, tuple[SourceEndpoint, dict[str, str]]] = {}
     for g, schema, shard in cfg.shards():
@@ -347,21 +347,25 @@ def audit_table(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, *, au
             conn.close()
         if info is None:
             raise AuditFailed(f"{cfg.name}: source table {schema}.{cfg.source.table} is missing on {ep.label}")
-        shard_info.append((g, schema, shard, ep, [(c, t) for c, t in lake_cols if c in info.column_names]))
+        shard_info.append((schema, shard, ep, [(c, t) for c, t in lake_cols if c in info.column_names]))
         endpoints.setdefault(g.endpoint_id, (ep, {}))[1][schema] = shard
     # One lake hash for every shard: over the columns all shards have. While a schema change is
     # rolling out shard by shard, the new column is compared once every shard has it.
     cols = [c for c in lake_cols if all(c in shard_cols for *_, shard_cols in shard_info)]
     timings: dict[str, float] = {"describe": time.time() - t0}
+
+    def count_lake() -> dict[str, int]:  # reads the shard column only
+        return {r[0]: r[1] for r in lake_df.groupBy(SHARD_COL).count().collect()}
+
     lake_counts: dict[str, int] = {}
     if mode == "auto":
-        if min(estimates) < 0:  # some shard was never analyzed: count the lake instead (key columns only)
-            lake_counts = {r[0]: r[1] for r in lake_df.groupBy(SHARD_COL).count().collect()}
+        if min(estimates) < 0:  # some shard was never analyzed: count the lake instead
+            lake_counts = count_lake()
         total = sum(lake_counts.values()) if lake_counts else sum(estimates)
         mode = "checksum" if total >= cfg.audit.checksum_min_rows else "full"
     pool = ThreadPoolExecutor(max_workers=max(1, cfg.bootstrap.max_connections_per_host))
     pending_sums = {shard: pool.submit(source_bucket_sums, cfg, schema, ep, key_cols, cols, buckets)
-                    for _, schema, shard, ep, _ in shard_info} if mode == "checksum" else {}
+                    for schema, shard, ep, _ in shard_info} if mode == "checksum" else {}
 
     # The lake side: (shard, key, row hash, bucket). Not cached: each use reads only what it needs
     # (one shard's files, or the key columns), which is cheaper than holding a hash per key.
@@ -376,14 +380,14 @@ def audit_table(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, *, au
         lake_counts = {shard: sum(n for n, _ in b.values()) for shard, b in lake_sums.items()}
         timings["lake_bucket_sums"] = time.time() - t
     elif not lake_counts:
-        lake_counts = {r[0]: r[1] for r in lake_df.groupBy(SHARD_COL).count().collect()}
+        lake_counts = count_lake()
         timings["lake_count"] = time.time() - t
 
     t = time.time()
     mismatches = []
     per_shard: dict[str, dict[str, Any]] = {}
     inflight_frames = []
-    for _, schema, shard, ep, _ in shard_info:
+    for schema, shard, ep, _ in shard_info:
         st = {"mode": mode, "buckets_compared": 0, "buckets_differing": 0}
         lh = lake_h.filter(F.col(SHARD_COL) == shard)
         if mode == "full":
@@ -443,7 +447,8 @@ def audit_table(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, *, au
         repaired = repair_keys(spark, lake, cfg, streak_df, key_cols, lake_cols, wm, audit_run, log)
     timings["track_and_repair"] = time.time() - t
     t = time.time()
-    quality = quality_checks(spark, lake, cfg, lake_df.select(SHARD_COL, *cfg.primary_key, LSN_COL), wm, per_shard, lake_counts, audit_run, now, log)
+    quality = quality_checks(spark, lake, cfg, lake_df.select(SHARD_COL, *cfg.primary_key, LSN_COL), wm, per_shard,
+                             lake_counts, audit_run, now, log)
     timings["quality"] = time.time() - t
     samples = {}
     if flagged is not None and persistent:
