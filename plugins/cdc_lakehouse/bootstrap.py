@@ -158,7 +158,8 @@ def _prepare_endpoint(endpoint_id: str, shard_sources: list[ShardSource], cfg: T
 
 
 def _export_snapshot(ep: SourceEndpoint, endpoint_id: str, run_id: str):
-    """A temporary slot with an exported snapshot; returns (connection to keep open, P, snapshot name)."""
+    """A temporary slot with an exported snapshot; returns (connection to keep open, P, snapshot name,
+    the server's identity)."""
     import psycopg2
     from psycopg2.extras import LogicalReplicationConnection
 
@@ -168,9 +169,10 @@ def _export_snapshot(ep: SourceEndpoint, endpoint_id: str, run_id: str):
                             application_name="cdc_lakehouse bootstrap snapshot")
     name = src.slot_name(f"boot_{endpoint_id}_{run_id}")[:63]
     cur = conn.cursor()
+    identity = src.source_identity(cur)
     cur.execute(f"CREATE_REPLICATION_SLOT {pg_ident(name)} TEMPORARY LOGICAL pgoutput (SNAPSHOT 'export')")
     _, consistent_point, snapshot_name, _ = cur.fetchone()
-    return conn, lsn_to_int(consistent_point), snapshot_name
+    return conn, lsn_to_int(consistent_point), snapshot_name, identity
 
 
 def _ranges(ep: SourceEndpoint, schema: str, table: str, parts: int) -> list[str]:
@@ -293,14 +295,16 @@ def bootstrap_table(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, *
         for endpoint_id, shard_sources in endpoints.items():
             ep_tables = (all_endpoint_tables or {}).get(endpoint_id)
             _prepare_endpoint(endpoint_id, shard_sources, cfg, ep_tables)
-            conn, point, snapshot = _export_snapshot(shard_sources[0].endpoint, endpoint_id, run_id)
+            conn, point, snapshot, identity = _export_snapshot(shard_sources[0].endpoint, endpoint_id, run_id)
             stack.callback(conn.close)
             per_endpoint[endpoint_id] = {"consistent_point": point, "shards": [s.shard for s in shard_sources]}
             log(f"bootstrap {cfg.name}: endpoint {endpoint_id} snapshot {snapshot} at LSN {point}")
             df = read_shards(spark, cfg, shard_sources, snapshot, columns)
             frames.append(df)
             for s in shard_sources:
-                wm["shards"][s.shard] = {"lsn": point, "ts": snap_time.replace(tzinfo=UTC).isoformat()}
+                # The position and the server it belongs to: positions of another identity never compare.
+                wm["shards"][s.shard] = {"lsn": point, "ts": snap_time.replace(tzinfo=UTC).isoformat(),
+                                         "endpoint": endpoint_id, "source": identity}
                 cwm["shards"][s.shard] = wm["shards"][s.shard]
         from functools import reduce
 

@@ -14,6 +14,12 @@ Order of effects, which is what makes a crash at any point safe:
   4. confirm the slot up to the run's last COMMIT
 A crash before 3 leaves unlisted files (ignored) and re-delivers everything next run; a
 crash between 3 and 4 re-confirms at the next run's step 1 (or a retry of this run_id).
+
+Every table in the publication is landed, whether or not a currently valid config asks for it:
+the slot is shared by all tables of the endpoint, so an event dropped here (a config broken for
+an hour, a shard taken out and put back) would be gone for good once the slot moves on. The
+manifest lists what was published and the server's identity, so the ingest can prove that a run
+covered its shards before it advances their watermark.
 """
 
 from __future__ import annotations
@@ -46,13 +52,12 @@ class CaptureLimits:
 class _Rel:
     """A relation as the slot describes it, with what the event builder needs precomputed."""
 
-    __slots__ = ("rel", "key", "names", "key_idx", "array_idx", "schema_json", "columns", "configured", "heartbeat")
+    __slots__ = ("rel", "key", "names", "key_idx", "array_idx", "schema_json", "columns", "heartbeat")
 
-    def __init__(self, rel: Relation, type_lookup, configured: bool):
+    def __init__(self, rel: Relation, type_lookup):
         self.rel = rel
         self.key = f"{rel.schema}.{rel.name}"
         self.names = rel.names
-        self.configured = configured
         self.heartbeat = rel.name == src.HEARTBEAT_TABLE
         self.columns: list[dict[str, Any]] = []
         self.array_idx: set[int] = set()
@@ -149,10 +154,13 @@ def capture_run(ep: src.EndpointTables, dsn: str, store, run_id: str, *, host_la
             _confirm(dsn, slot, previous[-1]["end_lsn"], None)
             state = src.slot_state(conn, slot)
         known_schemas = previous[-1].get("schemas", {}) if previous else {}
+        published_start = src.published_tables(conn)
         hb_xid = src.write_heartbeat(conn, ep.schemas, run_id)
         type_lookup = src.column_type_cache(conn)
+        coverage = {"published_at_start": published_start,
+                    "published": lambda: src.published_tables(conn)}
         manifest = _stream(ep, dsn, store, run_id, slot, state, hb_xid, type_lookup, known_schemas,
-                           host_label, database, limits)
+                           host_label, database, limits, coverage)
         after = src.slot_state(conn, slot)
         manifest["slot_after"] = after.to_json()
         log.info(
@@ -166,13 +174,12 @@ def capture_run(ep: src.EndpointTables, dsn: str, store, run_id: str, *, host_la
 
 
 def _stream(ep, dsn, store, run_id, slot, state, hb_xid, type_lookup, known_schemas, host_label, database,
-            limits: CaptureLimits) -> dict[str, Any]:
+            limits: CaptureLimits, coverage: dict[str, Any]) -> dict[str, Any]:
     import psycopg2
     from psycopg2.extras import LogicalReplicationConnection
 
     started = datetime.now(UTC)
     ts_ms = int(started.timestamp() * 1000)
-    configured = set(ep.qualified_tables())
     staging = store.staging_dir()
     writers: dict[str, TableWriter] = {}
     consts = {"connector": "postgresql", "endpoint": ep.endpoint_id, "host": host_label, "db": database,
@@ -181,7 +188,7 @@ def _stream(ep, dsn, store, run_id, slot, state, hb_xid, type_lookup, known_sche
     schemas_seen: dict[str, list] = {}
     schema_changes: list[dict[str, Any]] = []
     heartbeats: dict[str, dict[str, Any]] = {}
-    events = nbytes = txs = ignored = 0
+    events = nbytes = txs = 0
     capped = False
     last_commit: Commit | None = None
     tx: Begin | None = None
@@ -193,6 +200,7 @@ def _stream(ep, dsn, store, run_id, slot, state, hb_xid, type_lookup, known_sche
                             application_name="cdc_lakehouse capture stream")
     cur = repl.cursor()
     try:
+        identity = src.source_identity(cur)
         cur.start_replication(slot_name=slot, decode=False, status_interval=10,
                               options={"proto_version": "1", "publication_names": src.PUBLICATION})
         last_activity = time.monotonic()
@@ -216,9 +224,6 @@ def _stream(ep, dsn, store, run_id, slot, state, hb_xid, type_lookup, known_sche
                 r = rels[m.relid]
                 if r.heartbeat:
                     tx_heartbeat_schemas.append(r.rel.schema)
-                    continue
-                if not r.configured:
-                    ignored += 1
                     continue
                 seq += 1
                 if m.kind == "I":
@@ -254,10 +259,9 @@ def _stream(ep, dsn, store, run_id, slot, state, hb_xid, type_lookup, known_sche
                     capped = done = True
                 tx = None
             elif isinstance(m, Relation):
-                configured_rel = (m.schema, m.name) in configured
-                r = _Rel(m, type_lookup, configured_rel)
+                r = _Rel(m, type_lookup)
                 rels[m.oid] = r
-                if configured_rel:
+                if not r.heartbeat:
                     prev = schemas_seen.get(r.key) or known_schemas.get(r.key)
                     if prev is not None:
                         diff = schema_diff(prev, r.columns)
@@ -268,7 +272,7 @@ def _stream(ep, dsn, store, run_id, slot, state, hb_xid, type_lookup, known_sche
             elif isinstance(m, Truncate):
                 for relid in m.relids:
                     r = rels.get(relid)
-                    if r is None or not r.configured:
+                    if r is None or r.heartbeat:
                         continue
                     seq += 1
                     w = writers.get(r.rel.name)
@@ -294,6 +298,9 @@ def _stream(ep, dsn, store, run_id, slot, state, hb_xid, type_lookup, known_sche
         store.discard(staging)
         crash_point("after_files")
         assert last_commit is not None
+        # What the run covered: a table's changes are in this run only if it was published for the
+        # whole run. The ingest checks its shards against this before moving their watermark.
+        published_end = coverage["published"]()
         manifest = {
             "format": 1, "run_id": run_id, "endpoint": ep.endpoint_id, "conn_id": ep.conn_id, "slot": slot,
             "publication": src.PUBLICATION, "started_at": started.isoformat(),
@@ -301,9 +308,10 @@ def _stream(ep, dsn, store, run_id, slot, state, hb_xid, type_lookup, known_sche
             "start_lsn": state.confirmed_flush, "end_lsn": last_commit.end_lsn,
             "last_commit_lsn": last_commit.commit_lsn, "last_commit_ts": pg_time(last_commit.commit_ts).isoformat(),
             "capped": capped, "heartbeat_xid": hb_xid, "events": events, "bytes": nbytes, "transactions": txs,
-            "ignored_events": ignored, "tables": tables, "heartbeats": heartbeats,
+            "tables": tables, "heartbeats": heartbeats,
             "schemas": {**known_schemas, **schemas_seen}, "schema_changes": schema_changes,
-            "slot_before": state.to_json(),
+            "slot_before": state.to_json(), "source_identity": identity,
+            "published": published_end, "published_at_start": coverage["published_at_start"],
         }
         store.write_json(manifest_path(ep.endpoint_id, run_id), manifest)
         crash_point("after_manifest")

@@ -96,6 +96,15 @@ class SourceConfig(_Model):
 
     @model_validator(mode="after")
     def _unique_shards(self) -> SourceConfig:
+        # One group per endpoint: capture and preflight key their work by endpoint, and a second
+        # group of the same endpoint would hide the first one's schemas from them.
+        endpoints: dict[str, int] = {}
+        for i, g in enumerate(self.shards):
+            if g.endpoint_id in endpoints:
+                raise ValueError(
+                    f"shard groups {endpoints[g.endpoint_id]} and {i} both read endpoint {g.endpoint_id!r} "
+                    f"(conn_id {g.conn_id!r}, database {g.database!r}); list all its schemas in one group")
+            endpoints[g.endpoint_id] = i
         seen: set[str] = set()
         for g in self.shards:
             for s in g.schemas:
@@ -316,6 +325,16 @@ class ConfigSet:
                 out.setdefault(g.endpoint_id, []).append((t, g))
         return out
 
+    def endpoint_tables(self) -> dict[str, dict[str, tuple[list[str], list[str]]]]:
+        """endpoint id -> source table -> (shard schemas of every config reading it, primary key)."""
+        out: dict[str, dict[str, tuple[list[str], list[str]]]] = {}
+        for endpoint, members in self.endpoints().items():
+            tables = out.setdefault(endpoint, {})
+            for t, g in members:
+                schemas, _ = tables.get(t.source.table, ([], t.primary_key))
+                tables[t.source.table] = (schemas + [s for s in g.schemas if s not in schemas], t.primary_key)
+        return out
+
 
 def _fix_for(loc: str, err: dict[str, Any]) -> str:
     kind = err.get("type", "")
@@ -368,9 +387,30 @@ def load_table_configs(directory: str | Path) -> ConfigSet:
         if cfg.name in tables:
             errors.append(ConfigError(rel, "name", f"table {cfg.name!r} is already defined in {files[cfg.name]}", "give each table a unique name"))
             continue
+        clash = _shared_source(cfg, tables)
+        if clash:
+            errors.append(ConfigError(rel, "source", f"{clash[1]} is already read by table {clash[0]!r} "
+                                      f"({files[clash[0]]})", "read each source shard from one table config; "
+                                      "split the shards between the configs or remove one"))
+            continue
         tables[cfg.name] = cfg
         files[cfg.name] = rel
     return ConfigSet(tables, errors, files)
+
+
+def _shared_source(cfg: TableConfig, tables: dict[str, TableConfig]) -> tuple[str, str] | None:
+    """(other table, what) when another config already reads one of cfg's source shards."""
+    mine = {(g.endpoint_id, s, cfg.source.table) for g, s, _ in cfg.shards()}
+    my_endpoints = {g.endpoint_id for g in cfg.source.shards}
+    for other in tables.values():
+        for g, s, _ in other.shards():
+            if (g.endpoint_id, s, other.source.table) in mine:
+                return other.name, f"source table {s}.{other.source.table} on endpoint {g.endpoint_id!r}"
+            if (g.endpoint_id in my_endpoints and other.source.table == cfg.source.table
+                    and other.primary_key != cfg.primary_key):
+                return other.name, (f"source table {other.source.table} on endpoint {g.endpoint_id!r} with another "
+                                    f"primary_key ({other.primary_key})")
+    return None
 
 
 def load_table_config(path: str | Path) -> TableConfig:

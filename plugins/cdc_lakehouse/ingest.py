@@ -56,6 +56,7 @@ from .lake import (
 )
 from .landing import list_manifests, manifest_files
 from .settings import LakeSettings
+from .source import identity_mismatch
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
@@ -75,6 +76,14 @@ class LandingGap(IngestError):
 
 class SchemaChangeError(IngestError):
     pass
+
+
+class SourceIdentityChanged(IngestError):
+    """A shard's landing runs come from another server or endpoint than its lake position."""
+
+
+class CoverageError(IngestError):
+    """A landing run did not capture one of the table's shards (not published for the whole run)."""
 
 
 class ErrorBudgetExceeded(IngestError):
@@ -118,8 +127,8 @@ def plan_landing(landing: SparkLanding, cfg: TableConfig, watermark: dict[str, A
                 f"{cfg.name}: shard(s) {missing} have no watermark, so they were never bootstrapped; trigger "
                 f"cdc_bootstrap__{cfg.name} (conf {{\"shards\": {missing}}}) before ingesting them"
             )
+        manifests = same_source_manifests(cfg, endpoint, shards, shards_wm, list_manifests(landing, endpoint))
         floor = min(shards_wm[shard]["lsn"] for _, shard in shards)
-        manifests = list_manifests(landing, endpoint)
         pending = [m for m in manifests if m["end_lsn"] > floor]
         reached = floor
         last = None
@@ -133,6 +142,7 @@ def plan_landing(landing: SparkLanding, cfg: TableConfig, watermark: dict[str, A
                     f"in no manifest (run {m['run_id']} starts after the table's position); a landing run was lost or "
                     "deleted before this table applied it"
                 )
+            check_coverage(cfg, endpoint, shards, shards_wm, m)
             for _table, rel, info in manifest_files(m, {cfg.source.table}):
                 uri = landing.file_uri(rel)
                 if check_files:
@@ -153,10 +163,81 @@ def plan_landing(landing: SparkLanding, cfg: TableConfig, watermark: dict[str, A
                 hb = last.get("heartbeats", {}).get(schema)
                 prev = shards_wm[shard]
                 if last["end_lsn"] > prev["lsn"]:
-                    new_wm["shards"][shard] = {"lsn": last["end_lsn"],
-                                               "ts": hb["commit_ts"] if hb else last.get("last_commit_ts", prev.get("ts"))}
+                    # Keep what else the position records (its endpoint and server identity).
+                    new_wm["shards"][shard] = {
+                        **prev, "lsn": last["end_lsn"], "endpoint": endpoint,
+                        "source": prev.get("source") or last.get("source_identity"),
+                        "ts": hb["commit_ts"] if hb else last.get("last_commit_ts", prev.get("ts"))}
             new_wm["runs"][endpoint] = last["run_id"]
     return Plan(selected, files, new_wm, problems, changes)
+
+
+def same_source_manifests(cfg: TableConfig, endpoint: str, shards: list[tuple[str, str]],
+                          shards_wm: dict[str, Any], manifests: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The endpoint's runs whose LSNs may be compared with the shards' positions.
+
+    A position is only meaningful on the server (system, timeline, database) and endpoint that
+    produced it. A shard whose config now points at another endpoint, or whose endpoint now
+    delivers runs from another server, stops with the fix instead of comparing foreign LSNs
+    (which would drop changes as "already applied"). Runs of an older identity that finished
+    before the shard's position was taken (history from before a re-bootstrap) are skipped."""
+    fix = f"re-bootstrap the shard: trigger cdc_bootstrap__{cfg.name} with conf {{\"shards\": [...]}}"
+    for _, shard in shards:
+        was = shards_wm[shard].get("endpoint")
+        if was is not None and was != endpoint:
+            raise SourceIdentityChanged(
+                f"{cfg.name}: shard {shard} is now read through endpoint {endpoint} but its lake position was taken "
+                f"on endpoint {was}; positions of two endpoints do not compare, so nothing was applied. Fix: "
+                + fix.replace("[...]", f"[\"{shard}\"]"))
+    out = []
+    for m in manifests:
+        seen = m.get("source_identity")
+        foreign = False
+        for _, shard in shards:
+            rec = shards_wm[shard]
+            why = identity_mismatch(rec.get("source"), seen)
+            if why is None:
+                continue
+            foreign = True
+            if _after(m.get("finished_at"), rec.get("ts")):
+                raise SourceIdentityChanged(
+                    f"{cfg.name}: shard {shard}: landing run {m['run_id']} on endpoint {endpoint} comes from another "
+                    f"source server than the shard's lake position ({why}); after a move or a failover LSNs of the "
+                    "two servers do not compare, so nothing was applied. Fix: "
+                    + fix.replace("[...]", f"[\"{shard}\"]"))
+        if not foreign:
+            out.append(m)
+    return out
+
+
+def _after(a: str | None, b: str | None) -> bool:
+    """ISO time a is later than b (unknown times count as later: refuse rather than guess)."""
+    if not a or not b:
+        return True
+    return datetime.fromisoformat(a) > datetime.fromisoformat(b)
+
+
+def check_coverage(cfg: TableConfig, endpoint: str, shards: list[tuple[str, str]], shards_wm: dict[str, Any],
+                   m: dict[str, Any]) -> None:
+    """A run counts for a shard only if the shard's table was published for the whole run.
+
+    Runs written before manifests listed their publication (format 1) are trusted."""
+    if "published" not in m:
+        return
+    published, at_start = set(m["published"]), set(m.get("published_at_start") or m["published"])
+    for schema, shard in shards:
+        name = f"{schema}.{cfg.source.table}"
+        if m["end_lsn"] <= shards_wm[shard]["lsn"]:
+            continue
+        # Added during the run is fine when the shard's position (its bootstrap) came after the add.
+        covered = name in published and (name in at_start or shards_wm[shard]["lsn"] >= (m.get("start_lsn") or 0))
+        if not covered:
+            raise CoverageError(
+                f"{cfg.name}: landing run {m['run_id']} on endpoint {endpoint} did not capture shard {shard}: "
+                f"{name} was not in publication {m.get('publication')} for the whole run, so its changes in that "
+                f"window were never read and the shard's position cannot move past it. Fix: make sure the table "
+                f"stays in the publication, then re-bootstrap the shard: trigger cdc_bootstrap__{cfg.name} with conf "
+                f'{{"shards": ["{shard}"]}}')
 
 
 # --- schema -------------------------------------------------------------------------------------
@@ -268,6 +349,8 @@ BROADCAST_ROWS = 2_000_000  # key sets up to this size are broadcast instead of 
 
 
 UNAV_LEFT = "_unav_left"  # columns still without a value after the batch: the MERGE takes the table's
+NO_TABLE = "_unav_no_table"  # ... unless the key was deleted or re-created in the batch: then held back
+GEN = "_unav_gen"
 
 
 def fill_unavailable(events: DataFrame, current: DataFrame, cfg: TableConfig, names: list[str]) -> DataFrame:
@@ -290,7 +373,18 @@ def fill_unavailable(events: DataFrame, current: DataFrame, cfg: TableConfig, na
         WORK, F.coalesce(F.col(UNAVAILABLE_COL), F.array().cast("array<string>")))
     rest = events.join(inv, key, "left_anti").withColumn(UNAV_LEFT, F.array().cast("array<string>"))
 
-    w = Window.partitionBy(*key).orderBy(LSN_COL, SEQ_COL).rowsBetween(Window.unboundedPreceding, -1)
+    # A value never crosses a delete of its key: events after the key's n-th delete in the batch
+    # (a delete, or the delete half of a key change) form generation n and look back only within it.
+    # Otherwise "move 1 -> 99, move 2 -> 1, update 1" would give key 1 the value 1 had before.
+    order = Window.partitionBy(*key).orderBy(LSN_COL, SEQ_COL)
+    before = order.rowsBetween(Window.unboundedPreceding, -1)
+    sub = sub.withColumn(GEN, F.coalesce(F.sum((F.col(OP_COL) == "d").cast("int")).over(before), F.lit(0)))
+    gen_order = Window.partitionBy(*key, GEN).orderBy(LSN_COL, SEQ_COL)
+    # The table's value of the key is the right base only while the key has not been deleted or
+    # (re)created by a key change earlier in the batch.
+    sub = sub.withColumn(NO_TABLE, (F.col(GEN) > 0) | F.max(F.col(PKCHANGE).cast("int")).over(
+        gen_order.rowsBetween(Window.unboundedPreceding, 0)).cast("boolean"))
+    w = gen_order.rowsBetween(Window.unboundedPreceding, -1)
 
     def from_history(df: DataFrame) -> DataFrame:
         for c in names:
@@ -361,7 +455,8 @@ def fill_unavailable(events: DataFrame, current: DataFrame, cfg: TableConfig, na
             sub = sub.withColumn(WORK, F.when(take, F.array_remove(WORK, c)).otherwise(F.col(WORK)))
         sub = sub.drop(*[f"_root_{c}" for c in names])
         sub = propagate(sub.drop(*[f"_base_{c}" for c in names]))
-    return rest.unionByName(sub.withColumnRenamed(WORK, UNAV_LEFT))
+    rest = rest.withColumn(NO_TABLE, F.lit(False))
+    return rest.unionByName(sub.drop(GEN).withColumnRenamed(WORK, UNAV_LEFT))
 
 
 # --- the run ---------------------------------------------------------------------------------------
@@ -438,7 +533,7 @@ def _quarantine(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, bad: 
     q = lake.qualified(lake.meta_table("quarantine"))
     with_commit_retries(lambda: spark.sql(
         f"MERGE INTO {q} t USING {view} s ON t.table_name = s.table_name AND t.commit_lsn <=> s.commit_lsn "
-        "AND t.seq <=> s.seq AND t.landing_file = s.landing_file AND t.reason = s.reason "
+        "AND t.seq <=> s.seq AND t.landing_file <=> s.landing_file AND t.reason = s.reason "
         "WHEN NOT MATCHED THEN INSERT *"), what=f"{cfg.name} quarantine")
     return n
 
@@ -571,7 +666,7 @@ def ingest_table(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, *, u
     if names:
         events = fill_unavailable(events, current_df, cfg, names).localCheckpoint(eager=True)
     else:
-        events = events.withColumn(UNAV_LEFT, F.array().cast("array<string>"))
+        events = events.withColumn(UNAV_LEFT, F.array().cast("array<string>")).withColumn(NO_TABLE, F.lit(False))
     truncated = sorted(counts["truncated"] or [])
     metrics["truncates"] = int(counts["truncates"] or 0)
     timings["prepare"] = time.time() - t_phase
@@ -609,18 +704,28 @@ def ingest_table(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, *, u
                    .drop("_t"))
     cur_cols = [c for c, _ in [(SHARD_COL, ""), *lake_cols]] + [OP_COL, LSN_COL, SEQ_COL, COMMIT_TS_COL]
     # A local checkpoint: computed once, and a deterministic plan (copy-on-write MERGE requires it).
-    reduced = reduced.select(*cur_cols, UNAV_LEFT).localCheckpoint(eager=True)
+    reduced = reduced.select(*cur_cols, UNAV_LEFT, NO_TABLE, UNAVAILABLE_COL).localCheckpoint(eager=True)
     needs_base = (F.col(OP_COL) != "d") & (F.size(UNAV_LEFT) > 0)
     totals = reduced.groupBy().agg(
         F.count(F.lit(1)).alias("n"), F.sum((F.col(OP_COL) != "d").cast("int")).alias("upserts"),
         F.sum(needs_base.cast("int")).alias("needs_base"),
+        F.sum(((F.col(OP_COL) != "d") & (F.size(F.coalesce(UNAVAILABLE_COL, F.array())) > 0)).cast("int"))
+        .alias("filled"),
         F.min(COMMIT_TS_COL).alias("min_ts"), F.max(COMMIT_TS_COL).alias("max_ts")).collect()[0]
-    # Classify against the table for exact insert/update/delete counts: the batch's keys are
-    # broadcast and the table's key columns scanned once.
     key = [SHARD_COL, *cfg.primary_key]
     live = ~F.col(cfg.soft_delete_columns.flag) if cfg.deletes == "soft" else F.lit(True)
     tgt = current_df.select(*key, F.col(LSN_COL).alias("_t_lsn"), F.col(SEQ_COL).alias("_t_seq"), live.alias("_t_live"))
-    keys = reduced.select(*key, LSN_COL, SEQ_COL, OP_COL, needs_base.alias("_needs_base"))
+    n_held = 0
+    if int(totals["needs_base"] or 0) or int(totals["filled"] or 0):
+        held = held_back(spark, lake, cfg, reduced, tgt, lake_cols, check_quarantine=int(totals["filled"] or 0) > 0)
+        if held is not None:
+            n_held = _quarantine(spark, lake, cfg, held, ingest_run)
+            metrics["quarantined"] += n_held
+            log(f"WARNING {cfg.name}: {n_held} event(s) held back in quarantine: unchanged TOAST value unknown")
+            reduced = reduced.join(held.select(*key), key, "left_anti").localCheckpoint(eager=True)
+    # Classify against the table for exact insert/update/delete counts: the batch's keys are
+    # broadcast and the table's key columns scanned once.
+    keys = reduced.select(*key, LSN_COL, SEQ_COL, OP_COL)
     if (totals["n"] or 0) <= BROADCAST_ROWS:
         keys = F.broadcast(keys)
     newer = _newer(F.col(LSN_COL), F.col(SEQ_COL), F.col("_t_lsn"), F.col("_t_seq"))
@@ -630,24 +735,9 @@ def ingest_table(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, *, u
         F.sum((~is_del & newer).cast("int")).alias("upd"),
         F.sum((is_del & newer & F.col("_t_live")).cast("int")).alias("del"),
         F.sum((~newer).cast("int")).alias("stale"),
-        F.sum(F.col("_needs_base").cast("int")).alias("based"),
     ).collect()[0]
-    metrics.update(inserts=int(totals["upserts"] or 0) - int(c["matched_upserts"] or 0), updates=int(c["upd"] or 0),
+    metrics.update(inserts=int(totals["upserts"] or 0) - n_held - int(c["matched_upserts"] or 0), updates=int(c["upd"] or 0),
                    deletes=int(c["del"] or 0), stale_skipped=int(c["stale"] or 0))
-    if int(totals["needs_base"] or 0) > int(c["based"] or 0):
-        # An unchanged TOAST value whose key is neither earlier in the batch nor in the table: the
-        # value exists nowhere we can read, so the event is quarantined rather than given a NULL.
-        orphans = reduced.filter(needs_base).join(tgt.select(*key), key, "left_anti")
-        orphans = orphans.withColumn(REASONS, F.array(F.concat(
-            F.lit("unchanged TOAST column(s) "), F.array_join(UNAV_LEFT, ", "),
-            F.lit(" not sent by the source and the key has no earlier row in the batch or the lake"))))
-        orphans = (orphans.withColumn(RAW, F.to_json(F.struct(*key, LSN_COL, SEQ_COL)))
-                   .withColumn("_seq_raw", F.floor(F.col(SEQ_COL) / 2).cast("bigint"))
-                   .withColumn(RUN_COL, F.lit(None).cast("string")).withColumn(FILE, F.lit(None).cast("string")))
-        n_orphans = _quarantine(spark, lake, cfg, orphans, ingest_run)
-        metrics["quarantined"] += n_orphans
-        metrics["inserts"] -= n_orphans
-        log(f"WARNING {cfg.name}: {n_orphans} event(s) quarantined: TOAST value unavailable")
     c = {"min_ts": totals["min_ts"], "max_ts": totals["max_ts"]}
     timings["reduce_classify"] = time.time() - t_phase
     view = f"cdc_batch_{cfg.name}"
@@ -669,6 +759,71 @@ def ingest_table(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, *, u
         metrics["lag_seconds_max"] = (now - c["min_ts"].replace(tzinfo=UTC)).total_seconds()
         metrics["lag_seconds_min"] = (now - c["max_ts"].replace(tzinfo=UTC)).total_seconds()
     return _finish(spark, lake, cfg, metrics, plan, t0, t_apply, log)
+
+
+def held_back(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, reduced: DataFrame, tgt: DataFrame,
+              lake_cols: list[tuple[str, str]], *, check_quarantine: bool) -> DataFrame | None:
+    """Rows whose unchanged TOAST value has no trustworthy source, as quarantine rows (or None).
+
+    The MERGE would take the table's value for them, which is wrong when (a) the key was deleted or
+    re-created by a key change earlier in the batch and the batch could not supply the value, (b)
+    the key has no row in the table, or (c) a quarantined event of the key (this batch or an
+    earlier one) is newer than the table's row: the value it carried never reached the table.
+    Held rows keep the table's older row (never a guess); the audit reports the key, and a fix of
+    the quarantined event (or a repair) brings it back."""
+    from pyspark.sql import functions as F
+
+    key = [SHARD_COL, *cfg.primary_key]
+    needs_base = (F.col(OP_COL) != "d") & (F.size(UNAV_LEFT) > 0)
+    filled = (F.col(OP_COL) != "d") & (F.size(F.coalesce(UNAVAILABLE_COL, F.array())) > 0)
+    rows = reduced.filter(needs_base | filled).join(tgt, key, "left")
+    missing = F.array_join(F.coalesce(UNAV_LEFT, F.array()), ", ")
+    reason = (F.when(needs_base & F.col(NO_TABLE), F.concat(
+                  F.lit("unchanged TOAST column(s) "), missing, F.lit(" follow a delete or key change of this key in "
+                                                                      "the batch whose value the batch does not hold")))
+              .when(needs_base & F.col("_t_lsn").isNull(), F.concat(
+                  F.lit("unchanged TOAST column(s) "), missing,
+                  F.lit(" not sent by the source and the key has no earlier row in the batch or the lake"))))
+    if check_quarantine:
+        q = open_quarantine_keys(spark, lake, cfg, lake_cols)
+        rows = rows.join(F.broadcast(q), key, "left")
+        after_table = F.col("_t_lsn").isNull() | _newer(F.col("_q_lsn"), F.col("_q_seq"), F.col("_t_lsn"), F.col("_t_seq"))
+        depends = filled & F.col("_q_lsn").isNotNull() & after_table & _newer(
+            F.col(LSN_COL), F.col(SEQ_COL), F.col("_q_lsn"), F.col("_q_seq"))
+        reason = reason.when(depends, F.concat(
+            F.lit("unchanged TOAST column(s) depend on quarantined event at commit LSN "),
+            F.col("_q_lsn").cast("string"), F.lit(" of this key, whose values never reached the table")))
+    rows = rows.withColumn(REASONS, F.array(reason)).filter(F.col(REASONS)[0].isNotNull()).localCheckpoint(eager=True)
+    if rows.isEmpty():
+        return None
+    return (rows.withColumn(RAW, F.to_json(F.struct(*key, LSN_COL, SEQ_COL)))
+            .withColumn("_seq_raw", F.floor(F.col(SEQ_COL) / 2).cast("bigint"))
+            .withColumn(RUN_COL, F.lit(None).cast("string")).withColumn(FILE, F.lit(None).cast("string")))
+
+
+def open_quarantine_keys(spark: SparkSession, lake: LakeSettings, cfg: TableConfig,
+                         lake_cols: list[tuple[str, str]]) -> DataFrame:
+    """Per key, the newest quarantined event of this table: (shard, key..., _q_lsn, _q_seq)."""
+    from pyspark.sql import functions as F
+
+    from .events import cast_text
+
+    types = dict(lake_cols)
+    q = spark.table(lake.qualified(lake.meta_table("quarantine"))).filter(F.col("table_name") == cfg.name)
+    after = F.from_json(F.get_json_object("raw", "$.after"), "map<string,string>")
+    before = F.from_json(F.get_json_object("raw", "$.before"), "map<string,string>")
+    cols = [F.col("shard").alias(SHARD_COL)]
+    for k in cfg.primary_key:
+        text = F.coalesce(after[k], before[k], F.get_json_object("raw", f"$.{k}"))
+        cols.append(cast_text(text, types[k]).alias(k))
+    # Lake order is 2*seq (+1 for the insert half of a key change): compare in lake order.
+    cols += [F.col("commit_lsn").alias("_q_lsn"), (F.col("seq") * 2 + 1).alias("_q_seq")]
+    keyed = q.select(*cols).filter(F.col(SHARD_COL).isNotNull() & F.col("_q_lsn").isNotNull())
+    for k in cfg.primary_key:
+        keyed = keyed.filter(F.col(k).isNotNull())
+    key = [SHARD_COL, *cfg.primary_key]
+    return keyed.groupBy(*key).agg(F.max(F.struct("_q_lsn", "_q_seq")).alias("_q")).select(
+        *key, F.col("_q._q_lsn").alias("_q_lsn"), F.col("_q._q_seq").alias("_q_seq"))
 
 
 def _write_stats(metrics: dict[str, Any], pre: dict[str, str], post: dict[str, str]) -> None:

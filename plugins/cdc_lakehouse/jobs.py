@@ -124,8 +124,7 @@ def main_bootstrap(argv: list[str] | None = None) -> int:
 
         run = a.run_id or datetime.now(UTC).strftime("%Y%m%dT%H%M%S")
         cs = load_table_configs(a.config_dir)
-        ep_tables = {ep: {t.source.table: (list(g.schemas), t.primary_key) for t, g in lst}
-                     for ep, lst in cs.endpoints().items()}
+        ep_tables = cs.endpoint_tables()
         shards = [s for s in a.shards.split(",") if s] or None
         return bootstrap_table(spark, lake, cfg, run_id=run, shards=shards, all_endpoint_tables=ep_tables,
                                log=log.info)

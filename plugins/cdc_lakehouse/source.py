@@ -106,6 +106,7 @@ class SourceTable:
     primary_key: list[str]
     replica_identity: str  # d n f i
     identity_columns: list[str] = field(default_factory=list)
+    partitioned: bool = False
 
     @property
     def column_names(self) -> list[str]:
@@ -115,7 +116,7 @@ class SourceTable:
 def describe_table(cur, schema: str, table: str) -> SourceTable | None:
     cur.execute(
         """
-        SELECT c.oid, c.relreplident FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+        SELECT c.oid, c.relreplident, c.relkind = 'p' FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
         WHERE n.nspname = %s AND c.relname = %s AND c.relkind IN ('r', 'p')
         """,
         (schema, table),
@@ -123,7 +124,7 @@ def describe_table(cur, schema: str, table: str) -> SourceTable | None:
     row = cur.fetchone()
     if row is None:
         return None
-    oid, ident = row
+    oid, ident, partitioned = row
     cur.execute(
         """
         SELECT a.attname, format_type(a.atttypid, a.atttypmod), t.typtype,
@@ -161,7 +162,7 @@ def describe_table(cur, schema: str, table: str) -> SourceTable | None:
         columns.append(SourceColumn(name, fmt, lt, nullable, name in ident_cols))
     if ident == "f":
         ident_cols = [c.name for c in columns]
-    return SourceTable(schema, table, columns, pk, ident, ident_cols)
+    return SourceTable(schema, table, columns, pk, ident, ident_cols, partitioned)
 
 
 # --- preflight -------------------------------------------------------------------------------
@@ -213,6 +214,14 @@ def preflight(conn, ep: EndpointTables, *, need_replication: bool = True) -> lis
                 if info is None:
                     problems.append(f"{where}: table {fq} does not exist; create it or remove shard {schema!r} from the config")
                     continue
+                if info.partitioned:
+                    problems.append(
+                        f"{where}: table {fq} is partitioned; its changes are published under the leaf partitions' "
+                        "names, and TRUNCATE, ATTACH and DETACH of a partition produce no change events through the "
+                        "root, so rows would vanish or appear unseen. Fix: configure each leaf partition as its own "
+                        "table (source.table), or replicate a non-partitioned table"
+                    )
+                    continue
                 if info.replica_identity == "n" or (info.replica_identity == "d" and not info.primary_key):
                     problems.append(
                         f"{where}: table {fq} has no primary key and no replica identity, so updates and "
@@ -241,12 +250,19 @@ def preflight(conn, ep: EndpointTables, *, need_replication: bool = True) -> lis
     return problems
 
 
+PUBLISH_ACTIONS = ("insert", "update", "delete", "truncate")
+
+
 def check_publication(conn, ep: EndpointTables, *, fix: bool = True) -> list[str]:
-    """Create the publication or add missing tables when we may; otherwise report the fix."""
+    """Create the publication or add missing tables when we may; otherwise report the fix.
+
+    Membership is not enough: a publication that does not publish deletes or truncates, or that
+    filters rows or columns of one of our tables, silently drops changes, so those are problems."""
     wanted = ep.qualified_tables() + [(s, HEARTBEAT_TABLE) for s in ep.schemas]
     problems: list[str] = []
     with conn.cursor() as cur:
-        cur.execute("SELECT pubowner::regrole::text FROM pg_publication WHERE pubname = %s", (PUBLICATION,))
+        cur.execute("SELECT pubowner::regrole::text, puballtables, pubinsert, pubupdate, pubdelete, pubtruncate "
+                    "FROM pg_publication WHERE pubname = %s", (PUBLICATION,))
         row = cur.fetchone()
         if row is None:
             if not fix:
@@ -260,6 +276,8 @@ def check_publication(conn, ep: EndpointTables, *, fix: bool = True) -> list[str
                         f"{str(exc).strip()}; a superuser or the database owner must run: "
                         f"CREATE PUBLICATION {PUBLICATION} FOR TABLE {tables}"]
             return []
+        problems += _publish_actions(conn, cur, ep, dict(zip(PUBLISH_ACTIONS, row[2:6])), fix)
+        problems += _publication_filters(cur, ep, wanted)
         cur.execute("SELECT schemaname, tablename FROM pg_publication_tables WHERE pubname = %s", (PUBLICATION,))
         present = set(cur.fetchall())
         for s, t in wanted:
@@ -277,6 +295,83 @@ def check_publication(conn, ep: EndpointTables, *, fix: bool = True) -> list[str
                     continue
             problems.append(f"endpoint {ep.endpoint_id}: publication {PUBLICATION} is missing {s}.{t}; run: {stmt}")
     return problems
+
+
+def _publish_actions(conn, cur, ep: EndpointTables, actions: dict[str, bool], fix: bool) -> list[str]:
+    missing = [a for a, on in actions.items() if not on]
+    if not missing:
+        return []
+    stmt = f"ALTER PUBLICATION {pg_ident(PUBLICATION)} SET (publish = '{', '.join(PUBLISH_ACTIONS)}')"
+    if fix:
+        try:
+            cur.execute(stmt)
+            return []
+        except Exception:  # noqa: BLE001 - reported with the fix below
+            conn.rollback()
+    return [f"endpoint {ep.endpoint_id} ({ep.conn_id}): publication {PUBLICATION} does not publish "
+            f"{', '.join(missing)}, so those changes would never reach the lake; its owner must run: {stmt}"]
+
+
+def _publication_filters(cur, ep: EndpointTables, wanted: list[tuple[str, str]]) -> list[str]:
+    """Row filters and column lists (PostgreSQL 15+) on our tables: refused, never fixed silently
+    (someone chose them), with the statements that remove them."""
+    cur.execute("SELECT current_setting('server_version_num')::int")
+    if cur.fetchone()[0] < 150000:
+        return []
+    cur.execute(
+        """
+        SELECT n.nspname, c.relname, pg_get_expr(pr.prqual, pr.prrelid), pr.prattrs IS NOT NULL
+        FROM pg_publication_rel pr JOIN pg_publication p ON p.oid = pr.prpubid
+        JOIN pg_class c ON c.oid = pr.prrelid JOIN pg_namespace n ON n.oid = c.relnamespace
+        WHERE p.pubname = %s AND (pr.prqual IS NOT NULL OR pr.prattrs IS NOT NULL)
+        """,
+        (PUBLICATION,),
+    )
+    want = set(wanted)
+    problems = []
+    for schema, table, rowfilter, collist in cur.fetchall():
+        if (schema, table) not in want:
+            continue
+        what = f"a row filter (WHERE {rowfilter})" if rowfilter else "a column list"
+        if rowfilter and collist:
+            what = f"a row filter (WHERE {rowfilter}) and a column list"
+        q = pg_qualified(schema, table)
+        problems.append(
+            f"endpoint {ep.endpoint_id} ({ep.conn_id}): publication {PUBLICATION} has {what} on {schema}.{table}, so "
+            f"changes outside it would never reach the lake; publish the whole table: ALTER PUBLICATION "
+            f"{pg_ident(PUBLICATION)} DROP TABLE {q}; ALTER PUBLICATION {pg_ident(PUBLICATION)} ADD TABLE {q}")
+    return problems
+
+
+def published_tables(conn) -> list[str]:
+    """'schema.table' of every table the publication sends (partition roots when via root)."""
+    with conn.cursor() as cur:
+        cur.execute("SELECT schemaname || '.' || tablename FROM pg_publication_tables WHERE pubname = %s "
+                    "ORDER BY 1", (PUBLICATION,))
+        out = [r[0] for r in cur.fetchall()]
+    conn.commit()
+    return out
+
+
+def source_identity(repl_cursor) -> dict[str, Any]:
+    """Which server's LSNs these are, from IDENTIFY_SYSTEM on a replication connection.
+
+    Positions compare only within one identity. A shard moved to another cluster or database, or
+    a failover to a server on another timeline, yields a different identity; comparing its LSNs
+    with the old ones would drop or re-apply changes, so the ingest refuses and asks for a
+    re-bootstrap of the shard."""
+    repl_cursor.execute("IDENTIFY_SYSTEM")
+    system_id, timeline, _pos, database = repl_cursor.fetchone()
+    return {"system_identifier": str(system_id), "timeline": int(timeline), "database": database}
+
+
+def identity_mismatch(recorded: dict[str, Any] | None, seen: dict[str, Any] | None) -> str | None:
+    """Why two identities differ, or None when they may be compared (or one is unknown)."""
+    if not recorded or not seen:
+        return None
+    diffs = [f"{k} {recorded.get(k)} -> {seen.get(k)}" for k in ("system_identifier", "database", "timeline")
+             if recorded.get(k) != seen.get(k)]
+    return ", ".join(diffs) or None
 
 
 def ensure_heartbeat_tables(conn, schemas: list[str]) -> None:

@@ -50,7 +50,7 @@ def capture_endpoint(endpoint_id: str, interval_end: datetime, **_: Any) -> dict
     if not members:
         raise ValueError(f"endpoint {endpoint_id!r} is not used by any valid table config in {tables_dir()}")
     group = members[0][1]
-    tables = {t.source.table: (list(g.schemas), t.primary_key) for t, g in members}
+    tables = cs.endpoint_tables()[endpoint_id]
     limits = CaptureLimits(max_events=min(t.ingest.max_events_per_run for t, _ in members),
                            max_bytes=min(t.ingest.max_bytes_per_run for t, _ in members))
     ep = SourceEndpoint.from_uri(source_uri_from_connection(group.conn_id), group.database)
