@@ -38,6 +38,7 @@ from .lake import (
     HadoopFS,
     SparkLanding,
     changelog_columns,
+    conform_to,
     meta_append,
     read_watermark,
     source_columns_of,
@@ -540,14 +541,16 @@ def repair_keys(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, keys_
         if shard not in by_shard:
             continue
         ep = SourceEndpoint.from_uri(source_uri(g.conn_id), g.database)
-        sel = ", ".join(f"to_json({pg_ident(c)})::text" if t.startswith("array<") else f"{pg_ident(c)}::text"
-                        for c, t in lake_cols)
         kcols = ", ".join(pg_ident(k) for k in cfg.primary_key)
         conn = psycopg2.connect(ep.dsn(), options=src.SESSION_OPTIONS)
         try:
             with conn.cursor() as cur:
                 info = src.describe_table(cur, schema, cfg.source.table)
                 pg_types = {c.name: c.pg_type for c in info.columns} if info else {}
+                # A column the lake keeps after the source dropped it (keep_null) reads as NULL.
+                sel = ", ".join("NULL::text" if c not in pg_types else
+                                f"to_json({pg_ident(c)})::text" if t.startswith("array<") else f"{pg_ident(c)}::text"
+                                for c, t in lake_cols)
                 # Keys travel as JSON records and are cast to the source's own types (index-friendly).
                 rec = ", ".join(f"{pg_ident(k)} text" for k in cfg.primary_key)
                 casts = ", ".join(f"v.{pg_ident(k)}::{pg_types.get(k, 'text')}" for k in cfg.primary_key)
@@ -583,6 +586,7 @@ def repair_keys(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, keys_
                .withColumn(UNAVAILABLE_COL, F.lit(None).cast("array<string>"))
                .withColumn(RUN_COL, F.lit(f"repair-{audit_run}")).withColumn(INGESTED_COL, F.current_timestamp())
                .select(*[c for c, _ in changelog_columns(lake_cols)]))
+    cl_rows = conform_to(cl_rows, spark.table(cl).schema)
     cwm = read_watermark(spark, cl)
     with_commit_retries(lambda: cl_rows.writeTo(cl).option("snapshot-property.cdc.watermark", watermark_json(cwm))
                         .append(), what=f"{cfg.name} repair changelog")

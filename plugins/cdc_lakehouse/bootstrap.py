@@ -28,14 +28,16 @@ from typing import TYPE_CHECKING, Any
 from . import source as src
 from .config import COMMIT_TS_COL, LSN_COL, OP_COL, SEQ_COL, SHARD_COL, ShardGroup, TableConfig
 from .events import cast_text
-from .identifiers import pg_ident, pg_qualified, spark_ident
+from .identifiers import pg_ident, pg_qualified
 from .lake import (
     INGESTED_COL,
     LSN_EVENT_COL,
     RUN_COL,
     UNAVAILABLE_COL,
     XID_COL,
+    add_column,
     changelog_columns,
+    conform_to,
     create_lake_tables,
     read_watermark,
     source_columns_of,
@@ -279,8 +281,8 @@ def bootstrap_table(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, *
         lake_cols = dict(source_columns_of(spark, cur, cfg))
         for name, typ in columns:
             if name not in lake_cols:
-                spark.sql(f"ALTER TABLE {cur} ADD COLUMN {spark_ident(name)} {typ}")
-                spark.sql(f"ALTER TABLE {cl} ADD COLUMN {spark_ident(name)} {typ}")
+                add_column(spark, cur, name, typ)
+                add_column(spark, cl, name, typ)
             elif lake_cols[name] != typ:
                 raise BootstrapError(f"{cfg.name}: column {name} is {lake_cols[name]} in the lake but {typ} at the "
                                      "source; drop the lake table to re-bootstrap with the new type, or set column_types")
@@ -333,7 +335,7 @@ def bootstrap_table(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, *
         # 1) changelog (one read of the source), 2) current table from those rows, atomically per shard.
         # No shuffle before the changelog write: every snapshot row goes to one day partition,
         # and the JDBC tasks write as they read (10M rows: 207 s -> 183 s without the shuffle).
-        markers.select(*cl_cols).unionByName(rows.select(*cl_cols)).writeTo(cl).option(
+        conform_to(markers.select(*cl_cols).unionByName(rows.select(*cl_cols)), spark.table(cl).schema).writeTo(cl).option(
             "distribution-mode", "none").option("snapshot-property.cdc.watermark", watermark_json(cwm)).option(
             "snapshot-property.cdc.bootstrap", run_id).append()
     read_s = time.time() - t_read
@@ -346,6 +348,8 @@ def bootstrap_table(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, *
             cfg.soft_delete_columns.timestamp, F.lit(None).cast("timestamp"))
     cond = F.col(SHARD_COL).isin(selected) if partial else F.lit(True)
     t_write = time.time()
+    # Columns the source no longer has (kept under keep_null) are NULL in the new snapshot.
+    snap = conform_to(snap, spark.table(cur).schema)
     snap.writeTo(cur).option("snapshot-property.cdc.watermark", watermark_json(wm)).option(
         "snapshot-property.cdc.bootstrap", run_id).overwrite(cond)
     write_s = time.time() - t_write

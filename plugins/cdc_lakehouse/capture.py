@@ -46,6 +46,7 @@ class CaptureLimits:
     max_bytes: int = 2 * 1024**3
     idle_timeout_s: float = 300.0  # waiting this long for the heartbeat means something is wrong
     batch_rows: int = 20_000
+    batch_bytes: int = 64 * 1024**2  # buffered event bytes per table before a row group is written
     file_rows: int = 2_000_000
 
 
@@ -196,6 +197,12 @@ def _stream(ep, dsn, store, run_id, slot, state, hb_xid, type_lookup, known_sche
     seq = 0
     tx_heartbeat_schemas: list[str] = []
 
+    def writer_for(table: str) -> TableWriter:
+        d = staging / table
+        d.mkdir()
+        writers[table] = TableWriter(d, consts, limits.batch_rows, limits.file_rows, limits.batch_bytes)
+        return writers[table]
+
     repl = psycopg2.connect(dsn, connection_factory=LogicalReplicationConnection, options=src.SESSION_OPTIONS,
                             application_name="cdc_lakehouse capture stream")
     cur = repl.cursor()
@@ -236,13 +243,9 @@ def _stream(ep, dsn, store, run_id, slot, state, hb_xid, type_lookup, known_sche
                 else:
                     op, after, unavailable = "d", None, None
                     before = _key_pairs(r, m.old, m.old_is_key)
-                w = writers.get(r.rel.name)
-                if w is None:
-                    d = staging / r.rel.name
-                    d.mkdir()
-                    w = writers[r.rel.name] = TableWriter(d, consts, limits.batch_rows, limits.file_rows)
+                w = writers.get(r.rel.name) or writer_for(r.rel.name)
                 w.add(op, before, after, unavailable, r.rel.schema, r.rel.name, tx.final_lsn, msg.data_start,
-                      tx.xid, seq, tx_commit_us, r.schema_json)
+                      tx.xid, seq, tx_commit_us, r.schema_json, len(payload))
                 events += 1
             elif isinstance(m, Begin):
                 tx, seq, tx_heartbeat_schemas = m, 0, []
@@ -275,11 +278,7 @@ def _stream(ep, dsn, store, run_id, slot, state, hb_xid, type_lookup, known_sche
                     if r is None or r.heartbeat:
                         continue
                     seq += 1
-                    w = writers.get(r.rel.name)
-                    if w is None:
-                        d = staging / r.rel.name
-                        d.mkdir()
-                        w = writers[r.rel.name] = TableWriter(d, consts, limits.batch_rows, limits.file_rows)
+                    w = writers.get(r.rel.name) or writer_for(r.rel.name)
                     w.add("t", None, None, None, r.rel.schema, r.rel.name, tx.final_lsn, msg.data_start, tx.xid, seq,
                           tx_commit_us, r.schema_json)
                     events += 1

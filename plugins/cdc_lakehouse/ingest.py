@@ -44,7 +44,9 @@ from .lake import (
     XID_COL,
     HadoopFS,
     SparkLanding,
-    changelog_columns,
+    add_column,
+    conform_to,
+    fenced_commit,
     meta_append,
     read_watermark,
     snapshot_summary,
@@ -342,6 +344,19 @@ def schema_actions(cfg: TableConfig, lake_cols: list[tuple[str, str]], schemas: 
     return ddl, sorted(set(errors))
 
 
+def apply_schema_actions(spark: SparkSession, cur: str, cl: str, ddl: list[str], log) -> None:
+    """Run the DDL on the current table, and what applies of it on the changelog: the changelog
+    keeps dropped columns (their history), so a column added back may already be there."""
+    for stmt in ddl:
+        log(f"schema change applied to {cur}: {stmt}")
+        spark.sql(f"ALTER TABLE {cur} {stmt}")
+        if stmt.startswith("ADD COLUMN "):
+            name, typ = stmt.removeprefix("ADD COLUMN ").split(" ", 1)
+            add_column(spark, cl, name.strip("`").replace("``", "`"), typ)
+        elif not stmt.startswith("DROP"):
+            spark.sql(f"ALTER TABLE {cl} {stmt}")
+
+
 # --- TOAST ---------------------------------------------------------------------------------------
 
 WORK = "_unav_work"
@@ -555,7 +570,8 @@ def ingest_table(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, *, u
     if wm is None:
         raise NotBootstrapped(f"{cfg.name}: {cur} has no cdc.watermark (not created by a bootstrap?); "
                               f"re-bootstrap with cdc_bootstrap__{cfg.name}")
-    cwm = read_watermark(spark, cl) or {"shards": {}}
+    cwm_read = read_watermark(spark, cl)
+    cwm = cwm_read or {"shards": {}}
     landing = SparkLanding(spark, lake.landing_uri)
     plan = plan_landing(landing, cfg, wm, upto_run)
     metrics: dict[str, Any] = {
@@ -586,7 +602,7 @@ def ingest_table(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, *, u
                 "snapshot-property.cdc.watermark", new_wm_json).append()
 
         if plan.new_watermark != wm:
-            with_commit_retries(_advance, what=f"{cfg.name} watermark")
+            fenced_commit(spark, cur, wm, plan.new_watermark, _advance, what=f"{cfg.name} watermark")
         return _finish(spark, lake, cfg, metrics, plan, t0, t0, log)
 
     raw = spark.read.schema(landing_spark_schema()).parquet(*plan.files).filter(
@@ -597,11 +613,7 @@ def ingest_table(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, *, u
     ddl, errors = schema_actions(cfg, lake_cols, schemas, latest, config_file or "")
     if errors:
         raise SchemaChangeError("\n".join(errors))
-    for stmt in ddl:
-        log(f"{cfg.name}: schema change applied to {cur}: {stmt}")
-        spark.sql(f"ALTER TABLE {cur} {stmt}")
-        if not stmt.startswith("DROP"):
-            spark.sql(f"ALTER TABLE {cl} {stmt}")
+    apply_schema_actions(spark, cur, cl, ddl, log)
     if ddl:
         lake_cols = source_columns_of(spark, cur, cfg)
 
@@ -672,20 +684,19 @@ def ingest_table(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, *, u
     timings["prepare"] = time.time() - t_phase
 
     # 1) changelog: append what it does not have yet, with its new watermark.
-    cl_cols = [c for c, _ in changelog_columns(lake_cols)]
     cl_floor = _wm_map(cwm)
     ingested = F.current_timestamp()
 
     def _changelog() -> int:
         rows = events.unionByName(truncs, allowMissingColumns=True).filter(
             F.col(LSN_COL) >= F.coalesce(cl_floor[F.col(SHARD_COL)], F.lit(0)))
-        rows = rows.withColumn(INGESTED_COL, ingested).select(*cl_cols)
+        rows = conform_to(rows.withColumn(INGESTED_COL, ingested), spark.table(cl).schema)
         rows.writeTo(cl).option("snapshot-property.cdc.watermark", new_wm_json).append()
-        return int(snapshot_summary(spark, cl).get("added-records", 0))
 
     crash_point("ingest_before_changelog")
     t_phase = time.time()
-    metrics["changelog_rows"] = with_commit_retries(_changelog, what=f"{cfg.name} changelog")
+    committed = fenced_commit(spark, cl, cwm_read, plan.new_watermark, _changelog, what=f"{cfg.name} changelog")
+    metrics["changelog_rows"] = int(snapshot_summary(spark, cl).get("added-records", 0)) if committed else 0
     timings["changelog"] = time.time() - t_phase
     crash_point("ingest_after_changelog")
 
@@ -745,9 +756,10 @@ def ingest_table(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, *, u
     sql = _merge_sql(cfg, cur, view, cur_cols, truncated, toast_columns=names)
     pre = snapshot_summary(spark, cur)
     t_apply = time.time()
-    with_commit_retries(lambda: sql_with_commit_properties(spark, sql, {"cdc.watermark": new_wm_json,
-                                                                        "cdc.ingest-run": ingest_run}),
-                        what=f"{cfg.name} merge")
+    fenced_commit(spark, cur, wm, plan.new_watermark,
+                  lambda: sql_with_commit_properties(spark, sql, {"cdc.watermark": new_wm_json,
+                                                                  "cdc.ingest-run": ingest_run}),
+                  what=f"{cfg.name} merge")
     apply_s = time.time() - t_apply
     crash_point("ingest_after_merge")
     post = snapshot_summary(spark, cur)

@@ -138,10 +138,12 @@ def main_maintenance(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     def fn(spark, lake, cfg, a, file):
+        from .config import load_table_configs
         from .maintenance import maintain_table
 
         run = a.run_id or datetime.now(UTC).strftime("%Y%m%dT%H%M%S")
-        return maintain_table(spark, lake, cfg, run_id=run, log=log.info)
+        consumers = list(load_table_configs(a.config_dir).tables.values())
+        return maintain_table(spark, lake, cfg, run_id=run, consumers=consumers, log=log.info)
 
     return run_per_table("maintenance", args, fn)
 

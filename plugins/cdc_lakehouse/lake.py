@@ -178,6 +178,60 @@ def watermark_json(wm: dict[str, Any]) -> str:
     return json.dumps(wm, separators=(",", ":"), sort_keys=True)
 
 
+class ConcurrentWriterError(RuntimeError):
+    """Another writer committed to the table since this run read its watermark."""
+
+
+def fenced_commit(spark: SparkSession, table: str, expected: dict[str, Any] | None, new: dict[str, Any],
+                  commit, *, what: str) -> bool:
+    """Commit only while the table's watermark is still the one this run started from.
+
+    Optimistic concurrency on the watermark: a zombie driver, a manual job or a second deployment
+    that committed in between makes this run stop before it appends rows twice or moves the
+    watermark back. Checked again before every retry, so a commit whose outcome was unknown
+    (CommitStateUnknownException) is resolved first: if it landed, it is not repeated. Returns
+    False when an earlier attempt of this very commit had already landed.
+
+    Residual window: between the check and Iceberg's own commit (milliseconds); Airflow's
+    per-table pool keeps our own writers out of it."""
+    def attempt() -> bool:
+        now = read_watermark(spark, table)
+        if now == new:
+            return False
+        if now != expected:
+            raise ConcurrentWriterError(
+                f"{what}: {table} was committed by another writer since this run started (watermark "
+                f"{watermark_json(expected or {})} -> {watermark_json(now or {})}); nothing was written by this "
+                "run. Check for a second deployment, a manual job or a run that outlived its task, then rerun")
+        commit()
+        return True
+
+    return with_commit_retries(attempt, what=what)
+
+
+def conform_to(df: DataFrame, table_schema) -> DataFrame:
+    """df with exactly the table's columns, in its order; columns df lacks are NULL.
+
+    Writers use this because a table can hold columns the batch does not: the changelog keeps a
+    column dropped from the current table (schema_changes.dropped_columns: drop), and a column
+    kept under keep_null no longer exists at the source that a bootstrap or repair reads."""
+    from pyspark.sql import functions as F
+
+    have = set(df.columns)
+    return df.select(*[F.col(f.name) if f.name in have else F.lit(None).cast(f.dataType).alias(f.name)
+                       for f in table_schema.fields])
+
+
+def add_column(spark: SparkSession, table: str, name: str, typ: str) -> bool:
+    """ADD COLUMN unless the table already has it (a column dropped and added back at the source
+    is still in the changelog). False when it was already there."""
+    spark.sql(f"REFRESH TABLE {table}")
+    if name in spark.table(table).columns:
+        return False
+    spark.sql(f"ALTER TABLE {table} ADD COLUMN {spark_ident(name)} {typ}")
+    return True
+
+
 def table_exists(spark: SparkSession, table: str) -> bool:
     return bool(spark.catalog.tableExists(table))
 

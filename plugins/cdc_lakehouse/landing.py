@@ -78,15 +78,16 @@ class LocalLanding:
 
     def staging_dir(self) -> Path:
         d = self.root / "_staging" / uuid.uuid4().hex
-        d.mkdir(parents=True)
+        _mkdirs(d, self.root)
         return d
 
     def publish_dir(self, staged: Path, rel: str) -> None:
         """Make the staged run directory visible under rel, durably (fsync files and dirs)."""
         for f in staged.iterdir():
+            os.chmod(f, FILE_MODE)
             _fsync_file(f)
         target = self.root / rel
-        target.parent.mkdir(parents=True, exist_ok=True)
+        _mkdirs(target.parent, self.root)
         if target.exists():  # leftovers of a crashed attempt that never got a manifest
             shutil.rmtree(target)
         os.replace(staged, target)
@@ -98,9 +99,9 @@ class LocalLanding:
 
     def write_json(self, rel: str, obj: Any) -> None:
         path = self.root / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
+        _mkdirs(path.parent, self.root)
         tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-        with open(tmp, "w") as f:
+        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE), "w") as f:
             json.dump(obj, f, separators=(",", ":"), sort_keys=True)
             f.flush()
             os.fsync(f.fileno())
@@ -190,6 +191,24 @@ def open_landing(uri: str, aws_conn_id: str | None = None):
     raise ValueError(f"landing URI {uri!r}: use file:///path or s3://bucket/prefix")
 
 
+# Landing files hold row images (deleted rows included) and manifests: readable by the owner and
+# its group (the Spark user), never by everyone.
+FILE_MODE = 0o640
+DIR_MODE = 0o750
+
+
+def _mkdirs(path: Path, root: Path) -> None:
+    """mkdir -p with DIR_MODE for every directory created below root (umask aside)."""
+    missing = []
+    p = path
+    while not p.exists() and p not in (root, p.parent):
+        missing.append(p)
+        p = p.parent
+    for d in reversed(missing):
+        d.mkdir(exist_ok=True)
+        os.chmod(d, DIR_MODE)
+
+
 def _fsync_file(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -220,10 +239,13 @@ class TableWriter:
               "commit_ts", "table_schema")
 
     def __init__(self, directory: Path, constants: dict[str, Any], batch_rows: int = 20_000,
-                 file_rows: int = 2_000_000):
+                 file_rows: int = 2_000_000, batch_bytes: int = 64 * 1024**2):
         self.directory = directory
         self.constants = constants  # connector, endpoint, host, db, ts_ms, run_id
         self.batch_rows = batch_rows
+        self.batch_bytes = batch_bytes
+        self._bytes = 0
+        self.flushes = 0
         self.file_rows = file_rows
         self.files: list[dict[str, Any]] = []
         self._writer = None
@@ -235,8 +257,10 @@ class TableWriter:
         self.shards: set[str] = set()
 
     def add(self, op: str, before, after, unavailable, schema: str, table: str, commit_lsn: int, lsn: int,
-            xid: int, seq: int, commit_ts_us: int, table_schema: str) -> None:
+            xid: int, seq: int, commit_ts_us: int, table_schema: str, size: int = 0) -> None:
+        """size: the event's bytes as decoded (its message length), for the buffer's byte bound."""
         c = self._cols
+        self._bytes += size
         c["op"].append(op)
         c["before"].append(before)
         c["after"].append(after)
@@ -255,7 +279,8 @@ class TableWriter:
             self.max_commit_lsn = commit_lsn
         self.shards.add(schema)
         self.rows += 1
-        if len(c["op"]) >= self.batch_rows:
+        # Bounded in rows and in bytes: a few events with 1 GB TOAST values must not fill memory.
+        if len(c["op"]) >= self.batch_rows or self._bytes >= self.batch_bytes:
             self.flush()
 
     def _table(self):
@@ -295,6 +320,8 @@ class TableWriter:
             return
         table = self._table()
         self._cols = {k: [] for k in self._LISTS}
+        self._bytes = 0
+        self.flushes += 1
         if self._writer is None:
             name = f"part-{len(self.files):05d}.parquet"
             self._writer = pq.ParquetWriter(self.directory / name, table.schema, compression="snappy")

@@ -16,6 +16,7 @@ from .identifiers import spark_ident
 from .lake import (
     UNAVAILABLE_COL,
     WATERMARK_PROP,
+    SparkLanding,
     meta_append,
     read_watermark,
     source_columns_of,
@@ -210,8 +211,71 @@ def _latest_sql(spark: SparkSession, lake: LakeSettings, cfg: TableConfig) -> st
     )
 
 
+def prune_landing(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, consumers: list[TableConfig],
+                  now: datetime, log=print) -> dict[str, Any]:
+    """Remove landing runs of cfg's endpoints that every consuming table has applied and that are
+    older than the retention (the longest any consumer asks for).
+
+    A run is kept while any table with a valid config reading the endpoint is below its end (both
+    its current table and its changelog), and the endpoint's newest run is always kept (the next
+    capture reads its schemas and position). A table whose config is broken for longer than the
+    retention finds a landing gap when it comes back, which stops it with the re-bootstrap fix."""
+    from .ingest import shard_endpoints
+    from .landing import MANIFEST_DIR, list_manifests, manifest_path
+
+    landing = SparkLanding(spark, lake.landing_uri)
+    removed: dict[str, list[str]] = {}
+    for endpoint in sorted(shard_endpoints(cfg)):
+        floor = _applied_floor(spark, lake, endpoint, consumers)
+        if floor is None:
+            continue
+        hours = max(c.maintenance.landing_retention_hours for c in consumers if endpoint in shard_endpoints(c))
+        cutoff = now - timedelta(hours=hours)
+        manifests = list_manifests(landing, endpoint)
+        for m in manifests[:-1]:
+            finished = datetime.fromisoformat(m["finished_at"])
+            if m["end_lsn"] > floor or finished > cutoff:
+                continue
+            for entry in m.get("tables", []):
+                landing.fs.delete(landing.file_uri(entry["dir"]))
+            # The manifest last: a crash in between leaves a manifest below every consumer's
+            # position, which no ingest reads, and the next run removes it.
+            landing.fs.delete(landing.file_uri(manifest_path(endpoint, m["run_id"])), recursive=False)
+            removed.setdefault(endpoint, []).append(m["run_id"])
+        if removed.get(endpoint):
+            log(f"maintenance {cfg.name}: removed {len(removed[endpoint])} landing run(s) of {endpoint} "
+                f"applied by every table and older than {hours} h ({landing.file_uri(endpoint + '/' + MANIFEST_DIR)})")
+    return {"landing_runs_removed": removed}
+
+
+def _applied_floor(spark: SparkSession, lake: LakeSettings, endpoint: str, consumers: list[TableConfig]) -> int | None:
+    """The lowest position any consuming table holds for a shard on the endpoint (None: unknown)."""
+    from .ingest import shard_endpoints
+
+    floor = None
+    for c in consumers:
+        shards = shard_endpoints(c).get(endpoint)
+        if not shards:
+            continue
+        for table in (lake.qualified(c.current_table), lake.qualified(c.changelog_table)):
+            if not table_exists(spark, table):
+                continue  # never bootstrapped: it starts from a snapshot, not from the landing
+            wm = read_watermark(spark, table) or {}
+            for _, shard in shards:
+                pos = (wm.get("shards") or {}).get(shard)
+                if pos is None:
+                    continue
+                floor = pos["lsn"] if floor is None else min(floor, pos["lsn"])
+    return floor
+
+
 def maintain_table(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, *, run_id: str,
-                   now: datetime | None = None, log=print) -> dict[str, Any]:
+                   now: datetime | None = None, consumers: list[TableConfig] | None = None,
+                   log=print) -> dict[str, Any]:
+    """Compaction, expiry and orphan cleanup of both tables, the latest view, and landing retention.
+
+    `consumers`: every valid table config (landing runs are shared by the tables of an endpoint);
+    default: this table alone."""
     now = now or datetime.now(UTC)
     cur = lake.qualified(cfg.current_table)
     cl = lake.qualified(cfg.changelog_table)
@@ -249,5 +313,6 @@ def maintain_table(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, *,
             f"{after['snapshots']}, avg file {before['avg_file_bytes'] / 1024:.0f} KiB -> "
             f"{after['avg_file_bytes'] / 1024:.0f} KiB in {secs:.1f}s")
     result.update(publish_latest(spark, lake, cfg, log))
+    result.update(prune_landing(spark, lake, cfg, consumers or [cfg], now, log))
     meta_append(spark, lake, "maintenance_runs", rows)
     return result

@@ -16,7 +16,11 @@ from .identifiers import pg_ident, pg_qualified
 
 PUBLICATION = "cdc_lakehouse"
 HEARTBEAT_TABLE = "_cdc_heartbeat"
-SESSION_OPTIONS = "-c DateStyle=ISO -c TimeZone=UTC -c IntervalStyle=iso_8601 -c extra_float_digits=3 -c bytea_output=hex"
+# Text output the capture, the bootstrap and the audit parse: fixed here, never left to the role's
+# or the server's defaults. client_encoding matters for the SQL sessions; pgoutput sends text in
+# the database encoding, which preflight requires to be UTF8.
+SESSION_OPTIONS = ("-c DateStyle=ISO -c TimeZone=UTC -c IntervalStyle=iso_8601 -c extra_float_digits=3 "
+                   "-c bytea_output=hex -c client_encoding=UTF8")
 
 
 class SourceError(RuntimeError):
@@ -199,6 +203,14 @@ def preflight(conn, ep: EndpointTables, *, need_replication: bool = True) -> lis
             problems.append(
                 f"{where}: wal_level is {level!r}; set wal_level = logical in postgresql.conf and restart "
                 "the server (Amazon RDS/Aurora: rds.logical_replication = 1 in the parameter group)"
+            )
+        cur.execute("SELECT pg_encoding_to_char(encoding), datname FROM pg_database WHERE datname = current_database()")
+        encoding, dbname = cur.fetchone()
+        if encoding != "UTF8":
+            problems.append(
+                f"{where}: database {dbname!r} uses encoding {encoding}; logical replication sends text in the "
+                "database encoding and the capture reads UTF-8, so values could be misread or fail. Fix: replicate "
+                "from a UTF8 database (CREATE DATABASE ... ENCODING 'UTF8' and migrate the data into it)"
             )
         cur.execute("SELECT rolsuper, rolreplication, current_user FROM pg_roles WHERE rolname = current_user")
         is_super, can_repl, user = cur.fetchone()

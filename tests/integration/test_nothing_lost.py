@@ -193,3 +193,165 @@ def test_publication_that_drops_changes_is_fixed_or_refused(pg, unique, tmp_path
         for (slot,) in pg.execute(f"SELECT slot_name FROM pg_replication_slots WHERE database = '{name}'"):
             pg.execute(f"SELECT pg_drop_replication_slot('{slot}')")
         pg.execute(f"DROP DATABASE {name} WITH (FORCE)")
+
+
+def test_events_that_depend_on_a_quarantined_event_are_held_back(source, spark, lake):
+    """A quarantined update carried a new TOAST value; later updates of the key leave it unchanged.
+    They must not be merged with the table's older value, in this batch or the next ones."""
+    s = source
+    s.capture()
+    lenient = s.block.model_copy(update={"ingest": s.block.ingest.model_copy(update={
+        "error_budget": s.block.ingest.error_budget.model_copy(update={"max_fraction": 1.0})})})
+    s.bootstrap(lenient)
+    x = s.wl.first_id["s1"]
+    key = (F.col("id") == x) & (F.col("_cdc_shard") == shard_of(s, "s1"))
+    cur = lake.qualified(lenient.current_table)
+    old = spark.table(cur).filter(key).first()
+    s.execute(f"UPDATE s1.block SET content = {BIG.format(tag='C')}, updated_at = 'infinity' WHERE id = {x}",
+              f"UPDATE s1.block SET version = 70, updated_at = now() WHERE id = {x}")
+    m = s.capture()
+    r = s.ingest(lenient, m["run_id"])
+    assert r["quarantined"] == 2
+    reasons = [q["reason"] for q in spark.table(lake.qualified(lake.meta_table("quarantine")))
+               .filter(F.col("table_name") == lenient.name).collect()]
+    assert any("does not fit timestamp" in q for q in reasons)
+    assert any("depend on quarantined event" in q for q in reasons)
+    row = spark.table(cur).filter(key).first()
+    assert (row["content"], row["version"]) == (old["content"], old["version"])  # older, never mixed
+    # The next batch still cannot know the value.
+    s.execute(f"UPDATE s1.block SET version = 71 WHERE id = {x}")
+    m = s.capture()
+    s.ingest(lenient, m["run_id"])
+    assert spark.table(cur).filter(key).first()["version"] == old["version"]
+    # A full value ends the dependency.
+    s.execute(f"UPDATE s1.block SET content = 'fresh' WHERE id = {x}")
+    m = s.capture()
+    s.ingest(lenient, m["run_id"])
+    assert_lake_equals_source(spark, lake, lenient, s.dsn)
+
+
+@pytest.mark.parametrize("point", ["ingest_before_changelog", "ingest_after_changelog"])
+def test_a_second_writer_fences_out_a_zombie_run(source, spark, lake, monkeypatch, point):
+    """While one run sits between reading the watermark and committing, another deployment
+    commits: the same batch (the zombie must not append it twice) or a newer one (the zombie must
+    not move the watermark back)."""
+    import cdc_lakehouse.ingest as ingest_mod
+    from cdc_lakehouse.lake import ConcurrentWriterError
+
+    s = source
+    s.capture()
+    s.bootstrap(s.block)
+    real = ingest_mod.crash_point
+    cur = lake.qualified(s.block.current_table)
+
+    def zombie(upto, other):
+        fired = []
+
+        def other_writer_commits_here(name):
+            if name == point and not fired:
+                fired.append(name)
+                other()
+            real(name)
+
+        monkeypatch.setattr(ingest_mod, "crash_point", other_writer_commits_here)
+        try:
+            return s.ingest(s.block, upto, run="zombie")
+        finally:
+            monkeypatch.setattr(ingest_mod, "crash_point", real)
+
+    s.wl.step(300)
+    m1 = s.capture()
+    zombie(m1["run_id"], lambda: s.ingest(s.block, m1["run_id"], run="same-batch"))
+    assert read_watermark(spark, cur)["runs"][s.endpoint] == m1["run_id"]
+
+    s.wl.step(300)
+    m2 = s.capture()
+
+    def newer_batch():
+        s.wl.step(300)
+        m3 = s.capture()
+        s.ingest(s.block, m3["run_id"], run="newer")
+
+    with pytest.raises(ConcurrentWriterError) as exc:
+        zombie(m2["run_id"], newer_batch)
+    assert "another writer" in str(exc.value)
+    assert read_watermark(spark, cur)["runs"][s.endpoint] > m2["run_id"]  # never moved back
+    cl = spark.table(lake.qualified(s.block.changelog_table)).filter("_cdc_op <> 'r' AND _cdc_op <> 't'")
+    assert cl.groupBy("_cdc_shard", "_cdc_commit_lsn", "_cdc_seq").count().filter("count > 1").count() == 0
+    assert_lake_equals_source(spark, lake, s.block, s.dsn)
+
+
+def test_every_schema_decision_keeps_bootstrap_ingest_repair_and_audit_working(source, spark, lake):
+    """Columns dropped under `drop` and `keep_null`, one of them added back: the changelog append,
+    the re-bootstrap and the audit's repair all keep working."""
+    from cdc_lakehouse.audit import audit_table
+
+    s = source
+    policy = s.block.schema_changes.model_copy(update={"dropped_columns": {"score": "drop", "external_id": "keep_null"}})
+    cfg = s.block.model_copy(update={"schema_changes": policy, "audit": s.block.audit.model_copy(
+        update={"consecutive_mismatches": 1, "repair": True, "mode": "full"})})
+    s.capture()
+    s.bootstrap(cfg)
+    ids = {sch: s.wl.first_id[sch] for sch in s.schemas}
+    touch = [f"UPDATE {sch}.block SET version = version + 1 WHERE id BETWEEN {i} AND {i + 30}" for sch, i in ids.items()]
+    s.execute(*[f"ALTER TABLE {sch}.block DROP COLUMN score, DROP COLUMN external_id" for sch in s.schemas], *touch)
+    for step in range(2):  # the second batch used to fail: the changelog still has `score`
+        if step:
+            s.execute(*touch)
+        m = s.capture()
+        assert s.ingest(cfg, m["run_id"], run=f"d{step}")["status"] == "ok"
+    cur = lake.qualified(cfg.current_table)
+    assert "score" not in spark.table(cur).columns and "external_id" in spark.table(cur).columns
+    assert_lake_equals_source(spark, lake, cfg, s.dsn, skip=("external_id",), check_changelog=False)
+    # `score` comes back: the changelog already has it.
+    s.execute(*[f"ALTER TABLE {sch}.block ADD COLUMN score numeric(12,4)" for sch in s.schemas],
+              f"UPDATE s0.block SET score = 1.5 WHERE id BETWEEN {ids['s0']} AND {ids['s0'] + 5}")
+    m = s.capture()
+    s.ingest(cfg, m["run_id"], run="readd")
+    assert spark.table(cur).filter("score = 1.5").count() == 6
+    assert_lake_equals_source(spark, lake, cfg, s.dsn, skip=("external_id",), check_changelog=False)
+    # A re-bootstrap with the kept column: NULL from the snapshot on.
+    s.bootstrap(cfg)
+    assert spark.table(cur).filter("external_id IS NOT NULL").count() == 0
+    assert_lake_equals_source(spark, lake, cfg, s.dsn, skip=("external_id",))
+    # The audit's repair re-reads a key the lake lost.
+    spark.sql(f"DELETE FROM {cur} WHERE id = {ids['s1']}")
+    r = audit_table(spark, lake, cfg, audit_run="schema-a1")
+    assert r["repaired"] >= 1, r
+    assert_lake_equals_source(spark, lake, cfg, s.dsn, skip=("external_id",), check_changelog=False)
+
+
+def test_landing_runs_go_once_every_table_applied_them_and_are_private(source, spark, lake):
+    """maintenance.landing_retention_hours is honoured, per endpoint and across its tables; landing
+    files and manifests are not world-readable (they hold row images, deleted rows included)."""
+    import stat
+    from datetime import UTC, datetime, timedelta
+
+    from cdc_lakehouse.maintenance import prune_landing
+
+    from tests.helpers import landing_root
+
+    s = source
+    s.capture()
+    s.bootstrap(s.block)
+    s.bootstrap(s.perm)
+    runs = []
+    for _ in range(3):
+        s.wl.step(100)
+        runs.append(s.capture()["run_id"])
+    s.ingest(s.block, runs[2])
+    s.ingest(s.perm, runs[0])  # permission is behind: runs 1 and 2 are still needed
+    root = landing_root(lake) / s.endpoint
+    files = [p for p in root.rglob("*") if p.is_file()]
+    assert files and all(not (p.stat().st_mode & stat.S_IROTH) for p in files)
+    now = datetime.now(UTC)
+    assert prune_landing(spark, lake, s.block, [s.block, s.perm], now, log=print)["landing_runs_removed"] == {}
+    later = now + timedelta(hours=s.block.maintenance.landing_retention_hours + 1)
+    out = prune_landing(spark, lake, s.block, [s.block, s.perm], later, log=print)["landing_runs_removed"]
+    removed = out[s.endpoint]
+    assert runs[0] in removed and runs[1] not in removed and runs[2] not in removed
+    assert not (root / "_manifests" / f"{runs[0]}.json").exists()
+    assert not any(root.glob(f"*/run={runs[0]}"))
+    # The tables still converge from what is left.
+    s.ingest(s.perm, runs[2])
+    assert_lake_equals_source(spark, lake, s.perm, s.dsn)

@@ -123,3 +123,29 @@ def test_identifiers_reject_injection(bad):
 def test_quoting():
     assert pg_ident("Block_1") == '"Block_1"'
     assert spark_ident("id") == "`id`"
+
+
+def test_one_endpoint_in_two_shard_groups_is_rejected():
+    """Capture keys its work by endpoint: a second group of the same endpoint hid the first's schemas."""
+    src = {"table": "block", "shards": [{"conn_id": "pg_a", "schemas": ["s1"]}, {"conn_id": "pg_a", "schemas": ["s2"]}]}
+    cfg, errors = parse(source=src)
+    assert cfg is None
+    assert "both read endpoint 'pg_a'" in str(errors[0]) and "one group" in str(errors[0])
+
+
+def test_two_configs_reading_one_source_shard_collide(tmp_path):
+    body = "source: {table: t, shards: [{conn_id: c, schemas: [s1, s2]}]}\nprimary_key: [id]\n"
+    (tmp_path / "a.yaml").write_text("name: a\n" + body)
+    (tmp_path / "b.yaml").write_text("name: b\nsource: {table: t, shards: [{conn_id: c, schemas: [s2]}]}\n"
+                                     "primary_key: [id]\n")
+    (tmp_path / "c.yaml").write_text("name: c\nsource: {table: t, shards: [{conn_id: c, schemas: [s3]}]}\n"
+                                     "primary_key: [other]\n")
+    (tmp_path / "d.yaml").write_text("name: d\nsource: {table: t, shards: [{conn_id: c, schemas: [s4]}]}\n"
+                                     "primary_key: [id]\n")
+    cs = load_table_configs(tmp_path)
+    assert sorted(cs.tables) == ["a", "d"]
+    text = "\n".join(str(e) for e in cs.errors)
+    assert "source table s2.t on endpoint 'c' is already read by table 'a'" in text
+    assert "another primary_key" in text
+    # Configs that share a source table on disjoint shards are captured together: schemas unite.
+    assert cs.endpoint_tables() == {"c": {"t": (["s1", "s2", "s4"], ["id"])}}
