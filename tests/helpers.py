@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 from cdc_lakehouse import source as src
 from cdc_lakehouse.config import SHARD_COL, TableConfig
 from cdc_lakehouse.events import cast_text
-from cdc_lakehouse.identifiers import pg_ident, pg_qualified
+from cdc_lakehouse.identifiers import pg_qualified
 from cdc_lakehouse.lake import source_columns_of
 from cdc_lakehouse.maintenance import latest_rows
 from pyspark.sql import functions as F
@@ -27,8 +27,9 @@ def source_df(spark, cfg: TableConfig, dsn: str, columns: list[tuple[str, str]])
     try:
         with conn.cursor() as cur:
             for _, schema, shard in cfg.shards():
-                sel = ", ".join(f"to_json({pg_ident(c)})::text" if t.startswith("array<") else f"{pg_ident(c)}::text"
-                                for c, t in columns)
+                info = src.describe_table(cur, schema, cfg.source.table)
+                pg_types = {c.name: c.pg_type for c in info.columns}
+                sel = ", ".join(src.text_select(c, pg_types.get(c, ""), t) for c, t in columns)
                 cur.execute(f"SELECT {sel} FROM {pg_qualified(schema, cfg.source.table)}")
                 rows += [(shard, *r) for r in cur.fetchall()]
     finally:

@@ -20,6 +20,7 @@ so any later change still wins.
 from __future__ import annotations
 
 import json
+import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
@@ -61,57 +62,80 @@ class AuditFailed(RuntimeError):
 
 
 # --- canonical text of a value, in PostgreSQL and in Spark -------------------------------------
+#
+# Both sides must print every value the lake can hold identically, or the audit reports (and with
+# repair on, "repairs" every hour) rows that are equal. Text renderings of floats and decimals
+# differ between the two engines (scientific notation, 15 vs 17 digits, overflow of a fixed
+# decimal), so floats compare by their IEEE bits and decimals in plain notation without trailing
+# zeros. Infinite dates and timestamps (the lake cannot hold them) print as text instead of
+# failing the query. Arrays compare element by element with the element's canonical form.
 
-def pg_canonical(col: str, lake_type: str) -> str:
-    q = pg_ident(col)
+def pg_canonical(col: str, lake_type: str, pg_type: str = "") -> str:
+    return f"coalesce({_pg_canon(pg_ident(col), lake_type, pg_type)}, E'\\\\N')"
+
+
+def _pg_canon(q: str, lake_type: str, pg_type: str) -> str:
     t = lake_type.replace(" ", "")
+    if t.startswith("array<"):
+        elem = _pg_canon("u.e", t[6:-1], pg_type.removesuffix("[]"))
+        return (f"CASE WHEN {q} IS NULL THEN NULL ELSE '[' || coalesce((SELECT string_agg(coalesce({elem}, "
+                f"E'\\\\N'), ',' ORDER BY u.o) FROM unnest({q}) WITH ORDINALITY AS u(e, o)), '') || ']' END")
     if t.startswith("decimal"):
-        e = f"trim_scale({q})::text"
-    elif t in ("float", "double"):
-        e = f"trim_scale(round({q}::numeric, 9))::text"
-    elif t == "date":
-        e = f"({q} - date '1970-01-01')::text"
-    elif t in ("timestamp", "timestamp_ntz"):
-        e = f"(extract(epoch from {q}) * 1000000)::bigint::text"
-    elif t == "binary":
-        e = f"encode({q}, 'hex')"
-    elif t.startswith("array<"):
-        e = f"to_json({q})::text"
-    else:
-        e = f"{q}::text"
-    return f"coalesce({e}, E'\\\\N')"
+        return f"trim_scale({q}::numeric)::text"
+    if t == "double":
+        return (f"CASE WHEN {q}::float8 = 'NaN'::float8 THEN 'NaN' "
+                f"ELSE (('x' || encode(float8send({q}::float8), 'hex'))::bit(64)::bigint)::text END")
+    if t == "float":
+        return (f"CASE WHEN {q}::float4 = 'NaN'::float4 THEN 'NaN' "
+                f"ELSE (('x' || encode(float4send({q}::float4), 'hex'))::bit(32)::int)::text END")
+    if t == "date":
+        return f"CASE WHEN isfinite({q}) THEN ({q} - date '1970-01-01')::text ELSE {q}::text END"
+    if t in ("timestamp", "timestamp_ntz"):
+        return f"CASE WHEN isfinite({q}) THEN (extract(epoch from {q}) * 1000000)::bigint::text ELSE {q}::text END"
+    if t == "binary":
+        return f"encode({q}, 'hex')"
+    return src.pg_text(q, pg_type)
 
 
 def spark_canonical(col: Column, lake_type: str) -> Column:
     from pyspark.sql import functions as F
 
+    return F.coalesce(_spark_canon(col, lake_type), F.lit(NULL))
+
+
+def _spark_canon(col: Column, lake_type: str) -> Column:
+    from pyspark.sql import functions as F
+
     t = lake_type.replace(" ", "")
-    if t.startswith("decimal"):
-        s = col.cast("string")
-        e = F.regexp_replace(F.regexp_replace(s, r"(\.[0-9]*[1-9])0+$", "$1"), r"\.0*$", "")
-        e = F.when(e == "-0", F.lit("0")).otherwise(e)
-    elif t in ("float", "double"):
-        s = F.round(col, 9).cast("decimal(38,9)").cast("string")
-        e = F.regexp_replace(F.regexp_replace(s, r"(\.[0-9]*[1-9])0+$", "$1"), r"\.0*$", "")
-    elif t == "date":
-        e = F.datediff(col, F.lit("1970-01-01").cast("date")).cast("string")
-    elif t == "timestamp":
-        e = F.unix_micros(col).cast("string")
-    elif t == "timestamp_ntz":
-        e = F.unix_micros(col.cast("timestamp")).cast("string")
-    elif t == "binary":
-        e = F.lower(F.hex(col))
-    elif t.startswith("array<"):
-        e = F.to_json(col)
-    elif t == "boolean":
-        e = col.cast("string")
-    else:
-        e = col.cast("string")
-    return F.coalesce(e, F.lit(NULL))
+    if t.startswith("array<"):
+        elem = t[6:-1]
+        items = F.transform(col, lambda e: spark_canonical(e, elem))
+        return F.when(col.isNotNull(), F.concat(F.lit("["), F.array_join(items, ","), F.lit("]")))
+    m = re.match(r"^decimal\((\d+),(\d+)\)$", t)
+    if m:
+        # format_number prints the exact decimal in plain notation (cast to string may print 1E-18).
+        e = F.regexp_replace(F.format_number(col, int(m.group(2))), ",", "")
+        e = F.regexp_replace(F.regexp_replace(e, r"(\.[0-9]*[1-9])0+$", "$1"), r"\.0*$", "")
+        return F.when(e == "-0", F.lit("0")).otherwise(e)
+    if t in ("double", "float"):
+        cls, fn = ("java.lang.Double", "doubleToLongBits") if t == "double" else ("java.lang.Float", "floatToIntBits")
+        # reflect() cannot take NULL for a primitive argument: NULLs stay NULL before it.
+        return (F.when(col.isNull(), F.lit(None).cast("string")).when(F.isnan(col), F.lit("NaN"))
+                .otherwise(F.reflect(F.lit(cls), F.lit(fn), col)))
+    if t == "date":
+        return F.datediff(col, F.lit("1970-01-01").cast("date")).cast("string")
+    if t == "timestamp":
+        return F.unix_micros(col).cast("string")
+    if t == "timestamp_ntz":
+        return F.unix_micros(col.cast("timestamp")).cast("string")
+    if t == "binary":
+        return F.lower(F.hex(col))
+    return col.cast("string")
 
 
-def pg_row_hash(columns: list[tuple[str, str]]) -> str:
-    return "md5(concat_ws(chr(31), " + ", ".join(pg_canonical(c, t) for c, t in columns) + "))"
+def pg_row_hash(columns: list[tuple[str, str]], pg_types: dict[str, str] | None = None) -> str:
+    pg_types = pg_types or {}
+    return "md5(concat_ws(chr(31), " + ", ".join(pg_canonical(c, t, pg_types.get(c, "")) for c, t in columns) + "))"
 
 
 def spark_row_hash(columns: list[tuple[str, str]]) -> Column:
@@ -155,7 +179,7 @@ def _jdbc_props(ep: SourceEndpoint, fetch: int) -> dict[str, str]:
 
 def source_hashes(spark: SparkSession, cfg: TableConfig, shard: str, schema: str, ep: SourceEndpoint,
                   key_cols: list[tuple[str, str]], columns: list[tuple[str, str]], buckets: int,
-                  only_buckets: list[int] | None = None) -> DataFrame:
+                  only_buckets: list[int] | None = None, pg_types: dict[str, str] | None = None) -> DataFrame:
     """(shard, key..., _h, _b) of one source shard, read in ctid ranges by Spark (bounded memory)."""
     from functools import reduce
 
@@ -169,7 +193,7 @@ def source_hashes(spark: SparkSession, cfg: TableConfig, shard: str, schema: str
     for pred in _ranges(ep, schema, cfg.source.table, max(2, cfg.bootstrap.partitions_per_shard)):
         conds = [p for p in (pred, f"{bucket} IN ({', '.join(map(str, only_buckets))})" if only_buckets else "") if p]
         where = f" WHERE {' AND '.join(conds)}" if conds else ""
-        q = (f"(SELECT {keys}, {pg_row_hash(columns)} AS _h, {bucket} AS _b "
+        q = (f"(SELECT {keys}, {pg_row_hash(columns, pg_types)} AS _h, {bucket} AS _b "
              f"FROM {pg_qualified(schema, cfg.source.table)}{where}) q")
         frames.append(spark.read.jdbc(ep.jdbc_url(), q, properties=_jdbc_props(ep, cfg.bootstrap.fetch_size)))
     df = reduce(lambda a, b: a.unionByName(b), frames).coalesce(cfg.bootstrap.max_connections_per_host)
@@ -177,11 +201,12 @@ def source_hashes(spark: SparkSession, cfg: TableConfig, shard: str, schema: str
                      "_h", "_b")
 
 
-def source_bucket_sums(cfg: TableConfig, schema: str, ep: SourceEndpoint, key_cols, columns, buckets: int):
+def source_bucket_sums(cfg: TableConfig, schema: str, ep: SourceEndpoint, key_cols, columns, buckets: int,
+                       pg_types: dict[str, str] | None = None):
     """Per-bucket count and hash sum, computed inside PostgreSQL: only `buckets` rows travel."""
     import psycopg2
 
-    h = pg_row_hash(columns)
+    h = pg_row_hash(columns, pg_types)
     sql = (f"SELECT b, count(*), sum({pg_hash_num('h')})::text FROM (SELECT {pg_bucket(key_cols, buckets)} AS b, "
            f"{h} AS h FROM {pg_qualified(schema, cfg.source.table)}) q GROUP BY b")
     conn = psycopg2.connect(ep.dsn(), options=src.SESSION_OPTIONS, application_name="cdc_lakehouse audit")
@@ -331,6 +356,7 @@ def audit_table(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, *, au
     # the lake, so it is left out of both hashes) and, in checksum mode, its bucket sums, which
     # PostgreSQL computes while Spark hashes the lake below.
     shard_info: list[tuple[str, str, SourceEndpoint, list[tuple[str, str]]]] = []  # schema, shard, source, columns
+    pg_types: dict[str, dict[str, str]] = {}  # shard -> column -> PostgreSQL type
     estimates: list[float] = []
     endpoints: dict[str, tuple[SourceEndpoint, dict[str, str]]] = {}
     for g, schema, shard in cfg.shards():
@@ -349,6 +375,7 @@ def audit_table(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, *, au
         if info is None:
             raise AuditFailed(f"{cfg.name}: source table {schema}.{cfg.source.table} is missing on {ep.label}")
         shard_info.append((schema, shard, ep, [(c, t) for c, t in lake_cols if c in info.column_names]))
+        pg_types[shard] = {c.name: c.pg_type for c in info.columns}
         endpoints.setdefault(g.endpoint_id, (ep, {}))[1][schema] = shard
     # One lake hash for every shard: over the columns all shards have. While a schema change is
     # rolling out shard by shard, the new column is compared once every shard has it.
@@ -365,7 +392,7 @@ def audit_table(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, *, au
         total = sum(lake_counts.values()) if lake_counts else sum(estimates)
         mode = "checksum" if total >= cfg.audit.checksum_min_rows else "full"
     pool = ThreadPoolExecutor(max_workers=max(1, cfg.bootstrap.max_connections_per_host))
-    pending_sums = {shard: pool.submit(source_bucket_sums, cfg, schema, ep, key_cols, cols, buckets)
+    pending_sums = {shard: pool.submit(source_bucket_sums, cfg, schema, ep, key_cols, cols, buckets, pg_types[shard])
                     for schema, shard, ep, _ in shard_info} if mode == "checksum" else {}
 
     # The lake side: (shard, key, row hash, bucket). Not cached: each use reads only what it needs
@@ -392,7 +419,7 @@ def audit_table(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, *, au
         st = {"mode": mode, "buckets_compared": 0, "buckets_differing": 0}
         lh = lake_h.filter(F.col(SHARD_COL) == shard)
         if mode == "full":
-            s = source_hashes(spark, cfg, shard, schema, ep, key_cols, cols, buckets)
+            s = source_hashes(spark, cfg, shard, schema, ep, key_cols, cols, buckets, pg_types=pg_types[shard])
             st["source_rows"] = None
             mismatches.append(_compare(s.drop("_b"), lh.drop("_b"), key))
         else:
@@ -403,7 +430,7 @@ def audit_table(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, *, au
                       buckets_differing=len(differing))
             if differing:
                 only = differing if len(differing) < buckets // 2 else None
-                s = source_hashes(spark, cfg, shard, schema, ep, key_cols, cols, buckets, only)
+                s = source_hashes(spark, cfg, shard, schema, ep, key_cols, cols, buckets, only, pg_types[shard])
                 lsub = lh.filter(F.col("_b").isin(differing)) if only else lh
                 mismatches.append(_compare(s.drop("_b"), lsub.drop("_b"), key))
         per_shard[shard] = st
@@ -433,6 +460,7 @@ def audit_table(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, *, au
         counts = flagged.groupBy(SHARD_COL, "kind", "_if").count().collect()
     else:
         flagged, counts = None, []
+    quarantined = quarantine_reasons(spark, lake, cfg, flagged, lake_cols) if counts else {}
     timings["in_flight_and_compare"] = time.time() - t
     t = time.time()
     for r in counts:
@@ -478,12 +506,28 @@ def audit_table(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, *, au
                      + (f" sample {r['sample_keys']}" if r["persistent"] else ""))
     for q in failed_quality:
         lines.append(f"  quality: {q['expectation']} failed (observed {q['observed']})")
+    for reason, n in quarantined.items():
+        lines.append(f"  {n} mismatched key(s) have events in {lake.meta_table('quarantine')}: {reason}")
     msg = (f"audit {cfg.name} ({mode}): {'FAIL' if verdict == 'fail' else 'ok'}"
            + (f", repaired {repaired} key(s) — the next audit confirms" if repaired else "") + "\n" + "\n".join(lines))
     log(msg)
     return {"verdict": verdict, "message": msg, "mode": mode, "shards": per_shard, "persistent": persistent,
-            "repaired": repaired, "quality": quality, "seconds": time.time() - t0,
+            "repaired": repaired, "quality": quality, "quarantine_reasons": quarantined, "seconds": time.time() - t0,
             "timings": {k: round(v, 1) for k, v in timings.items()}}
+
+
+def quarantine_reasons(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, flagged: DataFrame | None,
+                       lake_cols: list[tuple[str, str]]) -> dict[str, int]:
+    """Why mismatched keys differ, when the ingest quarantined their newest event (a value the
+    lake cannot hold, a malformed event): reason -> number of keys."""
+    from .ingest import open_quarantine_keys
+
+    if flagged is None:
+        return {}
+    key = [SHARD_COL, *cfg.primary_key]
+    q = open_quarantine_keys(spark, lake, cfg, lake_cols)
+    rows = flagged.filter("NOT _if").join(q, key).groupBy("_q_reason").count().collect()
+    return {r["_q_reason"]: int(r["count"]) for r in rows}
 
 
 def _track(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, flagged: DataFrame | None, key: list[str],
@@ -548,8 +592,7 @@ def repair_keys(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, keys_
                 info = src.describe_table(cur, schema, cfg.source.table)
                 pg_types = {c.name: c.pg_type for c in info.columns} if info else {}
                 # A column the lake keeps after the source dropped it (keep_null) reads as NULL.
-                sel = ", ".join("NULL::text" if c not in pg_types else
-                                f"to_json({pg_ident(c)})::text" if t.startswith("array<") else f"{pg_ident(c)}::text"
+                sel = ", ".join(src.text_select(c, pg_types[c], t) if c in pg_types else "NULL::text"
                                 for c, t in lake_cols)
                 # Keys travel as JSON records and are cast to the source's own types (index-friendly).
                 rec = ", ".join(f"{pg_ident(k)} text" for k in cfg.primary_key)

@@ -80,12 +80,14 @@ def source_schema(cfg: TableConfig, table: src.SourceTable) -> list[tuple[str, s
     return [(c.name, cfg.column_types.get(c.name) or c.lake_type or "") for c in table.columns]
 
 
-def preflight(cfg: TableConfig, endpoints: dict[str, list[ShardSource]]) -> list[tuple[str, str]]:
-    """Everything that must hold before a byte is written; returns the source columns (name, lake type)."""
+def preflight(cfg: TableConfig, endpoints: dict[str, list[ShardSource]]) -> tuple[list[tuple[str, str]], dict[str, str]]:
+    """Everything that must hold before a byte is written; returns the source columns (name, lake
+    type) and their PostgreSQL types."""
     import psycopg2
 
     problems: list[str] = []
     columns: list[tuple[str, str]] | None = None
+    pg_types: dict[str, str] = {}
     first = ""
     for endpoint_id, shard_sources in endpoints.items():
         ep = shard_sources[0].endpoint
@@ -111,6 +113,7 @@ def preflight(cfg: TableConfig, endpoints: dict[str, list[ShardSource]]) -> list
                         continue  # reported by src.preflight, with the fix
                     if columns is None:
                         columns, first = cols, f"{s.schema}.{cfg.source.table} on {ep.label}"
+                        pg_types = {c.name: c.pg_type for c in info.columns}
                     elif cols != columns:
                         diff = sorted(set(cols) ^ set(columns))
                         problems.append(f"{cfg.name}: shard {s.shard} has columns that differ from {first}: {diff}; "
@@ -126,7 +129,7 @@ def preflight(cfg: TableConfig, endpoints: dict[str, list[ShardSource]]) -> list
     if problems:
         raise src.PreflightError(sorted(set(problems)))
     assert columns is not None
-    return columns
+    return columns, pg_types
 
 
 def _prepare_endpoint(endpoint_id: str, shard_sources: list[ShardSource], cfg: TableConfig,
@@ -200,17 +203,14 @@ def _ranges(ep: SourceEndpoint, schema: str, table: str, parts: int) -> list[str
     return preds
 
 
-def _select_list(columns: list[tuple[str, str]]) -> str:
-    items = []
-    for name, typ in columns:
-        q = pg_ident(name)
-        # Text, as the change stream carries it: both paths then share one set of casts.
-        items.append(f"to_json({q})::text AS {q}" if typ.startswith("array<") else f"{q}::text AS {q}")
-    return ", ".join(items)
+def _select_list(columns: list[tuple[str, str]], pg_types: dict[str, str] | None = None) -> str:
+    # Text, as the change stream carries it: both paths then share one set of casts.
+    pg_types = pg_types or {}
+    return ", ".join(f"{src.text_select(n, pg_types.get(n, ''), t)} AS {pg_ident(n)}" for n, t in columns)
 
 
 def read_shards(spark: SparkSession, cfg: TableConfig, shard_sources: list[ShardSource], snapshot: str,
-                columns: list[tuple[str, str]]) -> DataFrame:
+                columns: list[tuple[str, str]], pg_types: dict[str, str] | None = None) -> DataFrame:
     """All shards of one endpoint under one exported snapshot, at most N connections at once."""
     from functools import reduce
 
@@ -228,7 +228,7 @@ def read_shards(spark: SparkSession, cfg: TableConfig, shard_sources: list[Shard
     for s in shard_sources:
         for pred in _ranges(ep, s.schema, cfg.source.table, cfg.bootstrap.partitions_per_shard):
             where = f" WHERE {pred}" if pred else ""
-            query = f"(SELECT {_select_list(columns)} FROM {pg_qualified(s.schema, cfg.source.table)}{where}) q"
+            query = f"(SELECT {_select_list(columns, pg_types)} FROM {pg_qualified(s.schema, cfg.source.table)}{where}) q"
             df = spark.read.jdbc(ep.jdbc_url(), query, properties=props).withColumn(SHARD_COL, F.lit(s.shard))
             frames.append(df)
     df = reduce(lambda a, b: a.unionByName(b), frames)
@@ -266,7 +266,7 @@ def bootstrap_table(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, *
     endpoints = _endpoints(cfg, shards)
     if not endpoints:
         raise BootstrapError(f"{cfg.name}: no shards selected")
-    columns = preflight(cfg, endpoints)
+    columns, pg_types = preflight(cfg, endpoints)
     cur = lake.qualified(cfg.current_table)
     cl = lake.qualified(cfg.changelog_table)
     exists = table_exists(spark, cur)
@@ -301,7 +301,7 @@ def bootstrap_table(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, *
             stack.callback(conn.close)
             per_endpoint[endpoint_id] = {"consistent_point": point, "shards": [s.shard for s in shard_sources]}
             log(f"bootstrap {cfg.name}: endpoint {endpoint_id} snapshot {snapshot} at LSN {point}")
-            df = read_shards(spark, cfg, shard_sources, snapshot, columns)
+            df = read_shards(spark, cfg, shard_sources, snapshot, columns, pg_types)
             frames.append(df)
             for s in shard_sources:
                 # The position and the server it belongs to: positions of another identity never compare.

@@ -815,7 +815,7 @@ def held_back(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, reduced
 
 def open_quarantine_keys(spark: SparkSession, lake: LakeSettings, cfg: TableConfig,
                          lake_cols: list[tuple[str, str]]) -> DataFrame:
-    """Per key, the newest quarantined event of this table: (shard, key..., _q_lsn, _q_seq)."""
+    """Per key, the newest quarantined event of this table: (shard, key..., _q_lsn, _q_seq, _q_reason)."""
     from pyspark.sql import functions as F
 
     from .events import cast_text
@@ -829,13 +829,15 @@ def open_quarantine_keys(spark: SparkSession, lake: LakeSettings, cfg: TableConf
         text = F.coalesce(after[k], before[k], F.get_json_object("raw", f"$.{k}"))
         cols.append(cast_text(text, types[k]).alias(k))
     # Lake order is 2*seq (+1 for the insert half of a key change): compare in lake order.
-    cols += [F.col("commit_lsn").alias("_q_lsn"), (F.col("seq") * 2 + 1).alias("_q_seq")]
+    cols += [F.col("commit_lsn").alias("_q_lsn"), (F.col("seq") * 2 + 1).alias("_q_seq"),
+             F.col("reason").alias("_q_reason")]
     keyed = q.select(*cols).filter(F.col(SHARD_COL).isNotNull() & F.col("_q_lsn").isNotNull())
     for k in cfg.primary_key:
         keyed = keyed.filter(F.col(k).isNotNull())
     key = [SHARD_COL, *cfg.primary_key]
-    return keyed.groupBy(*key).agg(F.max(F.struct("_q_lsn", "_q_seq")).alias("_q")).select(
-        *key, F.col("_q._q_lsn").alias("_q_lsn"), F.col("_q._q_seq").alias("_q_seq"))
+    return keyed.groupBy(*key).agg(F.max(F.struct("_q_lsn", "_q_seq", "_q_reason")).alias("_q")).select(
+        *key, F.col("_q._q_lsn").alias("_q_lsn"), F.col("_q._q_seq").alias("_q_seq"),
+        F.col("_q._q_reason").alias("_q_reason"))
 
 
 def _write_stats(metrics: dict[str, Any], pre: dict[str, str], post: dict[str, str]) -> None:

@@ -89,6 +89,40 @@ def lake_type(pg_type: str, typtype: str = "b") -> str | None:
     return None
 
 
+def is_bpchar(pg_type: str) -> bool:
+    """character(n): stored and sent padded with spaces, but ::text strips the padding."""
+    return pg_type == "character" or pg_type.startswith("character(")
+
+
+def text_select(name: str, pg_type: str, lake_type: str) -> str:
+    """One column as the text the change stream carries for it, for every reader of the source
+    (bootstrap, repair, tests): one row, one value, whichever path it came by.
+
+    Arrays travel as JSON arrays of the elements' text (the capture turns pgoutput's array text
+    into the same shape): not to_json's typed rendering, which embeds json values, prints numbers
+    in forms the lake's parser reads differently and timestamps in another format. character(n)
+    keeps its padding, as its output function prints it (a ::text cast would strip it)."""
+    q = pg_ident(name)
+    if lake_type.startswith("array<"):
+        if cast_differs(pg_type.removesuffix("[]")):
+            return f"to_json({q})::text"
+        return f"to_json({q}::text[])::text"
+    return pg_text(q, pg_type)
+
+
+def cast_differs(pg_type: str) -> bool:
+    """Types whose ::text cast is not their output function: character(n) strips its padding,
+    inet and cidr always print the netmask."""
+    return is_bpchar(pg_type) or pg_type in ("inet", "cidr")
+
+
+def pg_text(expr: str, pg_type: str) -> str:
+    """A scalar's text exactly as its output function (and so the change stream) prints it."""
+    if cast_differs(pg_type):
+        return f"CASE WHEN {expr} IS NULL THEN NULL ELSE format('%s', {expr}) END"
+    return f"{expr}::text"
+
+
 @dataclass(frozen=True)
 class SourceColumn:
     name: str
