@@ -306,7 +306,8 @@ def bootstrap_table(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, *
             for s in shard_sources:
                 # The position and the server it belongs to: positions of another identity never compare.
                 wm["shards"][s.shard] = {"lsn": point, "ts": snap_time.replace(tzinfo=UTC).isoformat(),
-                                         "endpoint": endpoint_id, "source": identity}
+                                         "endpoint": endpoint_id, "source": identity,
+                                         "columns": [n for n, _ in columns]}
                 cwm["shards"][s.shard] = wm["shards"][s.shard]
         from functools import reduce
 

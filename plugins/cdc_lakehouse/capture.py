@@ -266,10 +266,16 @@ def _stream(ep, dsn, store, run_id, slot, state, hb_xid, type_lookup, known_sche
                 rels[m.oid] = r
                 if not r.heartbeat:
                     prev = schemas_seen.get(r.key) or known_schemas.get(r.key)
-                    if prev is not None:
+                    at = {"table": r.key, "at_commit_lsn": tx.final_lsn if tx else None,
+                          "columns": [c["name"] for c in r.columns]}
+                    if prev is None:
+                        # No earlier schema to diff with: the ingest compares these columns with
+                        # the shard's known ones (columns added since its bootstrap need values).
+                        schema_changes.append({**at, "first_seen": True, "added": [], "dropped": [], "retyped": []})
+                    else:
                         diff = schema_diff(prev, r.columns)
                         if diff:
-                            schema_changes.append({"table": r.key, "at_commit_lsn": tx.final_lsn if tx else None, **diff})
+                            schema_changes.append({**at, **diff})
                             log.warning("capture %s: schema change on %s: %s", ep.endpoint_id, r.key, diff)
                     schemas_seen[r.key] = r.columns
             elif isinstance(m, Truncate):

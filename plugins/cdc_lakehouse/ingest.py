@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
+from .backfill import backfill_added_columns
 from .config import COMMIT_TS_COL, LSN_COL, OP_COL, SEQ_COL, SHARD_COL, TableConfig
 from .events import (
     BKEY,
@@ -93,6 +94,7 @@ class ErrorBudgetExceeded(IngestError):
 
 
 WIDENINGS = {("int", "bigint"), ("float", "double")}
+BACKFILL = "backfill"  # watermark key: added columns whose older rows still need the source's value
 
 
 @dataclass
@@ -156,7 +158,7 @@ def plan_landing(landing: SparkLanding, cfg: TableConfig, watermark: dict[str, A
                 files.append(uri)
             for ch in m.get("schema_changes", []):
                 if ch["table"].split(".", 1)[-1] == cfg.source.table:
-                    changes.append(ch)
+                    changes.append({**ch, "endpoint": endpoint})
             selected.append(m)
             reached = max(reached, m["end_lsn"])
             last = m
@@ -588,8 +590,14 @@ def ingest_table(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, *, u
                              f"{cfg.name}; the hourly audit then finds the affected keys and its repair re-reads them")
         log(f"WARNING {cfg.name}: continuing past landing problems (missing_landing_files: skip):\n{msg}")
         metrics["status"] = "ok_with_gaps"
-    new_wm_json = watermark_json(plan.new_watermark)
     lake_cols = source_columns_of(spark, cur, cfg)
+    # A backfill of added columns that an earlier run committed as pending but did not finish.
+    if plan.new_watermark.pop(BACKFILL, None):
+        backfill_added_columns(spark, lake, cfg, wm[BACKFILL], lake_cols, ingest_run)
+    added = columns_to_backfill(cfg, plan, wm)
+    if added:
+        plan.new_watermark[BACKFILL] = added
+    new_wm_json = watermark_json(plan.new_watermark)
     timings: dict[str, float] = {"plan": time.time() - t0}
     metrics["timings"] = timings
 
@@ -762,6 +770,8 @@ def ingest_table(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, *, u
                   what=f"{cfg.name} merge")
     apply_s = time.time() - t_apply
     crash_point("ingest_after_merge")
+    if added:
+        metrics["backfilled"] = finish_backfill(spark, lake, cfg, cur, plan, added, ingest_run)
     post = snapshot_summary(spark, cur)
     metrics["apply_seconds"] = apply_s
     timings["merge"] = apply_s
@@ -838,6 +848,50 @@ def open_quarantine_keys(spark: SparkSession, lake: LakeSettings, cfg: TableConf
     return keyed.groupBy(*key).agg(F.max(F.struct("_q_lsn", "_q_seq", "_q_reason")).alias("_q")).select(
         *key, F.col("_q._q_lsn").alias("_q_lsn"), F.col("_q._q_seq").alias("_q_seq"),
         F.col("_q._q_reason").alias("_q_reason"))
+
+
+def columns_to_backfill(cfg: TableConfig, plan: Plan, wm: dict[str, Any]) -> list[dict[str, Any]]:
+    """The batch's schema changes that added columns to a shard, each with the columns it added.
+
+    A shard's known columns are kept in its watermark (set by the bootstrap): a column seen for
+    the first time since is new even when the capture had no earlier schema to diff with (no
+    events of the shard since its bootstrap). Updates the new watermark's known columns."""
+    shard_of = {(g.endpoint_id, schema): shard for g, schema, shard in cfg.shards()}
+    known = {s: set(v["columns"]) for s, v in wm.get("shards", {}).items() if "columns" in v}
+    out = []
+    for ch in plan.schema_changes:
+        shard = shard_of.get((ch.get("endpoint"), ch["table"].rpartition(".")[0]))
+        if shard is None:
+            continue
+        cols = ch.get("columns")
+        if shard in known and cols is not None:
+            new = [c for c in cols if c not in known[shard]]
+        else:
+            new = list(ch.get("added") or [])
+        if cols is not None:
+            known[shard] = set(cols)
+        if new:
+            out.append({**ch, "added": new})
+    for shard, cols in known.items():
+        if shard in plan.new_watermark.get("shards", {}):
+            plan.new_watermark["shards"][shard]["columns"] = sorted(cols)
+    return out
+
+
+def finish_backfill(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, cur: str, plan: Plan,
+                    added: list[dict[str, Any]], ingest_run: str) -> int:
+    """Fill the columns the batch added for rows that predate them, then clear the pending mark."""
+    lake_cols = source_columns_of(spark, cur, cfg)
+    n = backfill_added_columns(spark, lake, cfg, added, lake_cols, ingest_run)
+    done = {k: v for k, v in plan.new_watermark.items() if k != BACKFILL}
+
+    def clear() -> None:
+        spark.createDataFrame([], spark.table(cur).schema).writeTo(cur).option(
+            "snapshot-property.cdc.watermark", watermark_json(done)).append()
+
+    fenced_commit(spark, cur, plan.new_watermark, done, clear, what=f"{cfg.name} backfill done")
+    plan.new_watermark = done
+    return n
 
 
 def _write_stats(metrics: dict[str, Any], pre: dict[str, str], post: dict[str, str]) -> None:
