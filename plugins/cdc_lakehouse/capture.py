@@ -155,10 +155,13 @@ def capture_run(ep: src.EndpointTables, dsn: str, store, run_id: str, *, host_la
             _confirm(dsn, slot, previous[-1]["end_lsn"], None)
             state = src.slot_state(conn, slot)
         known_schemas = previous[-1].get("schemas", {}) if previous else {}
+        start_lsn, advanced = start_position(store, ep.endpoint_id, previous, state)
+        store.write_json(attempt_path(ep.endpoint_id, run_id), {"run_id": run_id, "from_lsn": state.confirmed_flush,
+                                                                "started_at": datetime.now(UTC).isoformat()})
         published_start = src.published_tables(conn)
         hb_xid = src.write_heartbeat(conn, ep.schemas, run_id)
         type_lookup = src.column_type_cache(conn)
-        coverage = {"published_at_start": published_start,
+        coverage = {"published_at_start": published_start, "start_lsn": start_lsn, "keepalive_advance": advanced,
                     "published": lambda: src.published_tables(conn)}
         manifest = _stream(ep, dsn, store, run_id, slot, state, hb_xid, type_lookup, known_schemas,
                            host_label, database, limits, coverage)
@@ -211,15 +214,22 @@ def _stream(ep, dsn, store, run_id, slot, state, hb_xid, type_lookup, known_sche
         cur.start_replication(slot_name=slot, decode=False, status_interval=10,
                               options={"proto_version": "1", "publication_names": src.PUBLICATION})
         last_activity = time.monotonic()
+        server_pos = getattr(cur, "wal_end", 0)
         done = False
         while not done:
             msg = cur.read_message()
             if msg is None:
-                if time.monotonic() - last_activity > limits.idle_timeout_s:
+                # Keepalives are answered inside psycopg2; a keepalive whose position moved means
+                # the server is still decoding (a large transaction of other tables), not stuck.
+                pos = getattr(cur, "wal_end", 0)
+                if pos != server_pos:
+                    server_pos, last_activity = pos, time.monotonic()
+                elif time.monotonic() - last_activity > limits.idle_timeout_s:
                     raise src.SourceError(
                         f"capture {ep.endpoint_id}: the run's heartbeat transaction (xid {hb_xid}) did not arrive "
-                        f"within {limits.idle_timeout_s:.0f}s; check that {src.HEARTBEAT_TABLE} is in publication "
-                        f"{src.PUBLICATION} and that the server is not overloaded"
+                        f"within {limits.idle_timeout_s:.0f}s and the server reported no progress; check that "
+                        f"{src.HEARTBEAT_TABLE} is in publication {src.PUBLICATION} and that the server is not "
+                        "overloaded"
                     )
                 select.select([cur], [], [], 1.0)
                 continue
@@ -310,7 +320,7 @@ def _stream(ep, dsn, store, run_id, slot, state, hb_xid, type_lookup, known_sche
             "format": 1, "run_id": run_id, "endpoint": ep.endpoint_id, "conn_id": ep.conn_id, "slot": slot,
             "publication": src.PUBLICATION, "started_at": started.isoformat(),
             "finished_at": datetime.now(UTC).isoformat(),
-            "start_lsn": state.confirmed_flush, "end_lsn": last_commit.end_lsn,
+            "start_lsn": coverage["start_lsn"], "end_lsn": last_commit.end_lsn,
             "last_commit_lsn": last_commit.commit_lsn, "last_commit_ts": pg_time(last_commit.commit_ts).isoformat(),
             "capped": capped, "heartbeat_xid": hb_xid, "events": events, "bytes": nbytes, "transactions": txs,
             "tables": tables, "heartbeats": heartbeats,
@@ -318,9 +328,13 @@ def _stream(ep, dsn, store, run_id, slot, state, hb_xid, type_lookup, known_sche
             "slot_before": state.to_json(), "source_identity": identity,
             "published": published_end, "published_at_start": coverage["published_at_start"],
         }
+        if coverage["keepalive_advance"]:
+            manifest["keepalive_advance"] = coverage["keepalive_advance"]
         store.write_json(manifest_path(ep.endpoint_id, run_id), manifest)
         crash_point("after_manifest")
         _confirm(dsn, slot, last_commit.end_lsn, cur)
+        for name in store.list_names(f"{ep.endpoint_id}/{ATTEMPTS_DIR}"):  # resolved by this manifest
+            store.delete(f"{ep.endpoint_id}/{ATTEMPTS_DIR}/{name}")
         cur = None
         return manifest
     except BaseException:
@@ -331,6 +345,40 @@ def _stream(ep, dsn, store, run_id, slot, state, hb_xid, type_lookup, known_sche
             repl.close()
         except Exception:  # noqa: BLE001
             pass
+
+
+ATTEMPTS_DIR = "_attempts"
+
+
+def attempt_path(endpoint: str, run_id: str) -> str:
+    return f"{endpoint}/{ATTEMPTS_DIR}/{run_id}.json"
+
+
+def start_position(store, endpoint: str, previous: list[dict[str, Any]], state: src.SlotState
+                   ) -> tuple[int | None, dict[str, Any] | None]:
+    """Where this run's changes start for the ingest's gap check, and how a skip was explained.
+
+    psycopg2 answers the server's keepalives and, before the first data message of a session,
+    reports the keepalive's position as flushed (psycopg/pqpath.c), so a run that dies before
+    its first transaction can leave the slot past the last manifest. Nothing was skipped: the
+    server sends every published transaction it decoded before such a keepalive. Every run
+    records where it started streaming (an attempt file) before it streams; when the slot stands
+    past the last manifest and failed attempts since then started exactly there, the gap is
+    that keepalive's, and the run starts at the last manifest. Any other advance (someone else
+    consumed or advanced the slot) stays a gap, which stops the ingest."""
+    last_end = previous[-1]["end_lsn"] if previous else None
+    confirmed = state.confirmed_flush
+    if last_end is None or confirmed is None or confirmed <= last_end:
+        return confirmed, None
+    attempts = sorted((store.read_json(f"{endpoint}/{ATTEMPTS_DIR}/{n}")
+                       for n in store.list_names(f"{endpoint}/{ATTEMPTS_DIR}") if n.endswith(".json")),
+                      key=lambda a: a["started_at"])
+    froms = [a["from_lsn"] for a in attempts]
+    if froms and froms[0] == last_end and froms == sorted(froms) and froms[-1] <= confirmed:
+        log.warning("capture %s: slot moved from %s to %s by keepalive feedback of failed attempt(s) %s; no change "
+                    "was skipped", endpoint, last_end, confirmed, [a["run_id"] for a in attempts])
+        return last_end, {"from": last_end, "to": confirmed, "attempts": [a["run_id"] for a in attempts]}
+    return confirmed, None
 
 
 def _confirm(dsn: str, slot: str, lsn: int, cur) -> None:

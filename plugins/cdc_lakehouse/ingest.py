@@ -228,7 +228,8 @@ def check_coverage(cfg: TableConfig, endpoint: str, shards: list[tuple[str, str]
     Runs written before manifests listed their publication (format 1) are trusted."""
     if "published" not in m:
         return
-    published, at_start = set(m["published"]), set(m.get("published_at_start") or m["published"])
+    published = set(m["published"])
+    at_start = set(m["published_at_start"] if "published_at_start" in m else m["published"])
     for schema, shard in shards:
         name = f"{schema}.{cfg.source.table}"
         if m["end_lsn"] <= shards_wm[shard]["lsn"]:
@@ -734,17 +735,16 @@ def ingest_table(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, *, u
     key = [SHARD_COL, *cfg.primary_key]
     live = ~F.col(cfg.soft_delete_columns.flag) if cfg.deletes == "soft" else F.lit(True)
     tgt = current_df.select(*key, F.col(LSN_COL).alias("_t_lsn"), F.col(SEQ_COL).alias("_t_seq"), live.alias("_t_live"))
-    n_held = 0
-    if int(totals["needs_base"] or 0) or int(totals["filled"] or 0):
-        held = held_back(spark, lake, cfg, reduced, tgt, lake_cols, check_quarantine=int(totals["filled"] or 0) > 0)
-        if held is not None:
-            n_held = _quarantine(spark, lake, cfg, held, ingest_run)
-            metrics["quarantined"] += n_held
-            log(f"WARNING {cfg.name}: {n_held} event(s) held back in quarantine: unchanged TOAST value unknown")
-            reduced = reduced.join(held.select(*key), key, "left_anti").localCheckpoint(eager=True)
+    # Rows whose unchanged TOAST value has no trustworthy source are held back (see held_back);
+    # the MERGE then never sees them. Orphans (no row in the table either) are found by the
+    # classification below, which scans the table's keys anyway.
+    held = held_back(spark, lake, cfg, reduced, tgt, lake_cols, totals) if totals["needs_base"] or totals["filled"] else None
+    n_held = _hold(spark, lake, cfg, held, ingest_run, metrics, log)
+    if n_held:
+        reduced = reduced.join(held.select(*key), key, "left_anti").localCheckpoint(eager=True)
     # Classify against the table for exact insert/update/delete counts: the batch's keys are
     # broadcast and the table's key columns scanned once.
-    keys = reduced.select(*key, LSN_COL, SEQ_COL, OP_COL)
+    keys = reduced.select(*key, LSN_COL, SEQ_COL, OP_COL, needs_base.alias("_needs_base"))
     if (totals["n"] or 0) <= BROADCAST_ROWS:
         keys = F.broadcast(keys)
     newer = _newer(F.col(LSN_COL), F.col(SEQ_COL), F.col("_t_lsn"), F.col("_t_seq"))
@@ -754,9 +754,20 @@ def ingest_table(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, *, u
         F.sum((~is_del & newer).cast("int")).alias("upd"),
         F.sum((is_del & newer & F.col("_t_live")).cast("int")).alias("del"),
         F.sum((~newer).cast("int")).alias("stale"),
+        F.sum(F.col("_needs_base").cast("int")).alias("based"),
     ).collect()[0]
     metrics.update(inserts=int(totals["upserts"] or 0) - n_held - int(c["matched_upserts"] or 0), updates=int(c["upd"] or 0),
                    deletes=int(c["del"] or 0), stale_skipped=int(c["stale"] or 0))
+    left_needing = reduced.filter(needs_base).count() if n_held else int(totals["needs_base"] or 0)
+    if left_needing > int(c["based"] or 0):
+        # An unchanged TOAST value whose key is neither earlier in the batch nor in the table: the
+        # value exists nowhere we can read. The MERGE does not insert such rows; they are kept
+        # in quarantine rather than given a NULL.
+        orphans = reduced.filter(needs_base).join(tgt.select(*key), key, "left_anti")
+        orphans = _as_held(orphans.withColumn(REASONS, F.array(F.concat(
+            F.lit("unchanged TOAST column(s) "), F.array_join(UNAV_LEFT, ", "),
+            F.lit(" not sent by the source and the key has no earlier row in the batch or the lake")))), key)
+        metrics["inserts"] -= _hold(spark, lake, cfg, orphans, ingest_run, metrics, log)
     c = {"min_ts": totals["min_ts"], "max_ts": totals["max_ts"]}
     timings["reduce_classify"] = time.time() - t_phase
     view = f"cdc_batch_{cfg.name}"
@@ -784,43 +795,66 @@ def ingest_table(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, *, u
 
 
 def held_back(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, reduced: DataFrame, tgt: DataFrame,
-              lake_cols: list[tuple[str, str]], *, check_quarantine: bool) -> DataFrame | None:
+              lake_cols: list[tuple[str, str]], totals) -> DataFrame | None:
     """Rows whose unchanged TOAST value has no trustworthy source, as quarantine rows (or None).
 
-    The MERGE would take the table's value for them, which is wrong when (a) the key was deleted or
-    re-created by a key change earlier in the batch and the batch could not supply the value, (b)
-    the key has no row in the table, or (c) a quarantined event of the key (this batch or an
-    earlier one) is newer than the table's row: the value it carried never reached the table.
-    Held rows keep the table's older row (never a guess); the audit reports the key, and a fix of
-    the quarantined event (or a repair) brings it back."""
+    The MERGE would take the table's value for them, which is wrong when (a) the key was deleted
+    or re-created by a key change earlier in the batch and the batch could not supply the value,
+    or (b) a quarantined event of the key (this batch or an earlier one) is newer than the table's
+    row: the value it carried never reached the table. Held rows keep the table's older row
+    (never a mix); the audit reports the key, and a fixed replay or a repair brings it back.
+    Only (b) reads the table's positions, and only when this table has quarantined events."""
     from pyspark.sql import functions as F
 
     key = [SHARD_COL, *cfg.primary_key]
     needs_base = (F.col(OP_COL) != "d") & (F.size(UNAV_LEFT) > 0)
     filled = (F.col(OP_COL) != "d") & (F.size(F.coalesce(UNAVAILABLE_COL, F.array())) > 0)
-    rows = reduced.filter(needs_base | filled).join(tgt, key, "left")
-    missing = F.array_join(F.coalesce(UNAV_LEFT, F.array()), ", ")
-    reason = (F.when(needs_base & F.col(NO_TABLE), F.concat(
-                  F.lit("unchanged TOAST column(s) "), missing, F.lit(" follow a delete or key change of this key in "
-                                                                      "the batch whose value the batch does not hold")))
-              .when(needs_base & F.col("_t_lsn").isNull(), F.concat(
-                  F.lit("unchanged TOAST column(s) "), missing,
-                  F.lit(" not sent by the source and the key has no earlier row in the batch or the lake"))))
-    if check_quarantine:
+    reason = F.when(needs_base & F.col(NO_TABLE), F.concat(
+        F.lit("unchanged TOAST column(s) "), F.array_join(F.coalesce(UNAV_LEFT, F.array()), ", "),
+        F.lit(" follow a delete or key change of this key in the batch whose value the batch does not hold")))
+    rows = reduced.filter(needs_base & F.col(NO_TABLE)) if totals["needs_base"] else None
+    if totals["filled"] and has_quarantine(spark, lake, cfg):
         q = open_quarantine_keys(spark, lake, cfg, lake_cols)
-        rows = rows.join(F.broadcast(q), key, "left")
+        rows = reduced.filter(needs_base | filled).join(F.broadcast(q), key, "inner").join(tgt, key, "left")
         after_table = F.col("_t_lsn").isNull() | _newer(F.col("_q_lsn"), F.col("_q_seq"), F.col("_t_lsn"), F.col("_t_seq"))
-        depends = filled & F.col("_q_lsn").isNotNull() & after_table & _newer(
-            F.col(LSN_COL), F.col(SEQ_COL), F.col("_q_lsn"), F.col("_q_seq"))
+        depends = filled & after_table & _newer(F.col(LSN_COL), F.col(SEQ_COL), F.col("_q_lsn"), F.col("_q_seq"))
         reason = reason.when(depends, F.concat(
             F.lit("unchanged TOAST column(s) depend on quarantined event at commit LSN "),
             F.col("_q_lsn").cast("string"), F.lit(" of this key, whose values never reached the table")))
-    rows = rows.withColumn(REASONS, F.array(reason)).filter(F.col(REASONS)[0].isNotNull()).localCheckpoint(eager=True)
-    if rows.isEmpty():
+        rows = rows.unionByName(reduced.filter(needs_base & F.col(NO_TABLE)).join(q, key, "left_anti"),
+                                allowMissingColumns=True)
+    if rows is None:
         return None
+    rows = rows.withColumn(REASONS, F.array(reason)).filter(F.col(REASONS)[0].isNotNull()).localCheckpoint(eager=True)
+    return None if rows.isEmpty() else _as_held(rows, key)
+
+
+def _as_held(rows: DataFrame, key: list[str]) -> DataFrame:
+    """Reduced rows with REASONS -> the shape _quarantine takes (the key and position as payload)."""
+    from pyspark.sql import functions as F
+
     return (rows.withColumn(RAW, F.to_json(F.struct(*key, LSN_COL, SEQ_COL)))
             .withColumn("_seq_raw", F.floor(F.col(SEQ_COL) / 2).cast("bigint"))
             .withColumn(RUN_COL, F.lit(None).cast("string")).withColumn(FILE, F.lit(None).cast("string")))
+
+
+def _hold(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, held: DataFrame | None, ingest_run: str,
+          metrics: dict[str, Any], log) -> int:
+    if held is None:
+        return 0
+    n = _quarantine(spark, lake, cfg, held, ingest_run)
+    metrics["quarantined"] += n
+    if n:
+        log(f"WARNING {cfg.name}: {n} event(s) held back in quarantine: unchanged TOAST value unknown")
+    return n
+
+
+def has_quarantine(spark: SparkSession, lake: LakeSettings, cfg: TableConfig) -> bool:
+    """Any quarantined event of this table (one partition of the quarantine table, read lazily)."""
+    from pyspark.sql import functions as F
+
+    q = spark.table(lake.qualified(lake.meta_table("quarantine")))
+    return not q.filter(F.col("table_name") == cfg.name).limit(1).isEmpty()
 
 
 def open_quarantine_keys(spark: SparkSession, lake: LakeSettings, cfg: TableConfig,

@@ -363,6 +363,7 @@ META_TABLES: dict[str, tuple[list[tuple[str, str]], str]] = {
     "audit_mismatches": ([
         ("table_name", "string"), ("shard", "string"), ("key_json", "string"), ("kind", "string"),
         ("first_seen", "timestamp"), ("last_seen", "timestamp"), ("times_seen", "int"), ("resolved", "boolean"),
+        ("last_audit_run", "string"),
     ], "PARTITIONED BY (table_name)"),
     "quality_results": ([
         ("table_name", "string"), ("audit_run", "string"), ("expectation", "string"), ("success", "boolean"),
@@ -380,9 +381,15 @@ META_TABLES: dict[str, tuple[list[tuple[str, str]], str]] = {
 def ensure_meta_tables(spark: SparkSession, lake: LakeSettings) -> None:
     ensure_namespace(spark, lake, lake.meta_namespace)
     for name, (cols, part) in META_TABLES.items():
-        spark.sql(create_table_sql(lake.qualified(lake.meta_table(name)), cols, part,
+        table = lake.qualified(lake.meta_table(name))
+        spark.sql(create_table_sql(table, cols, part,
                                    {"format-version": "2", "write.metadata.delete-after-commit.enabled": "true",
                                     "commit.retry.num-retries": "20"}))
+        # Columns added by later releases reach tables created by earlier ones.
+        have = set(spark.table(table).columns)
+        for c, t in cols:
+            if c not in have:
+                spark.sql(f"ALTER TABLE {table} ADD COLUMN {spark_ident(c)} {t}")
 
 
 def append_rows(spark: SparkSession, table: str, rows: list[dict[str, Any]], columns: list[tuple[str, str]]) -> None:

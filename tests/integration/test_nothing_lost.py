@@ -397,3 +397,82 @@ def test_added_column_defaults_reach_the_rows_that_predate_them(source, spark, l
     s.ingest(s.block, m["run_id"])
     assert "backfill" not in read_watermark(spark, cur)
     assert_lake_equals_source(spark, lake, s.block, s.dsn)
+
+
+@pytest.mark.parametrize("mode", ["full", "checksum"])
+def test_audit_reads_one_snapshot_fails_loudly_and_counts_retries_once(source, spark, lake, monkeypatch, mode):
+    """A change committed after the keys in flight were computed is not a mismatch; a slot that
+    cannot be peeked stops the audit instead of counting nothing as in flight; a retry of the same
+    audit run does not extend a mismatch streak."""
+    import cdc_lakehouse.audit as audit_mod
+    from cdc_lakehouse.audit import AuditFailed, audit_table
+
+    s = source
+    cfg = s.block.model_copy(update={"audit": s.block.audit.model_copy(
+        update={"consecutive_mismatches": 2, "mode": mode, "buckets": 16, "checksum_min_rows": 0})})
+    s.capture()
+    s.bootstrap(cfg)
+    x = s.wl.first_id["s0"]
+    real_peek = audit_mod.inflight_from_slot
+
+    def peek_then_a_writer_commits(*a, **kw):
+        out = real_peek(*a, **kw)
+        s.execute(f"UPDATE s0.block SET version = version + 100 WHERE id = {x}")
+        return out
+
+    monkeypatch.setattr(audit_mod, "inflight_from_slot", peek_then_a_writer_commits)
+    r = audit_table(spark, lake, cfg, audit_run=f"{mode}-a1")
+    assert all(st.get("different", 0) == 0 and st.get("missing", 0) == 0 for st in r["shards"].values()), r
+    monkeypatch.setattr(audit_mod, "inflight_from_slot", real_peek)
+
+    # The slot is busy for every attempt: no verdict instead of a wrong one.
+    monkeypatch.setattr(audit_mod.time, "sleep", lambda _s: None)
+
+    def busy(*a, **kw):
+        return real_peek(*a, **{**kw, "attempts": 0})
+
+    monkeypatch.setattr(audit_mod, "inflight_from_slot", busy)
+    with pytest.raises(AuditFailed, match="in flight"):
+        audit_table(spark, lake, cfg, audit_run=f"{mode}-a2")
+    monkeypatch.setattr(audit_mod, "inflight_from_slot", real_peek)
+
+    # A key lost from the lake, seen by one audit run and its retry: one sighting, not two.
+    m = s.capture()
+    s.ingest(cfg, m["run_id"])
+    spark.sql(f"DELETE FROM {lake.qualified(cfg.current_table)} WHERE id = {x + 1}")
+    for _ in range(2):  # (the row-count quality check fails each time; the streak is what counts here)
+        assert audit_table(spark, lake, cfg, audit_run=f"{mode}-a3")["persistent"] == {}
+    assert sum(audit_table(spark, lake, cfg, audit_run=f"{mode}-a4")["persistent"].values()) == 1
+
+
+def test_keepalive_advance_of_a_failed_capture_is_no_landing_gap(source, spark, lake, monkeypatch):
+    """psycopg2 reports a keepalive's position as flushed before the session's first data
+    message: a capture that dies waiting moves the slot past the last manifest without skipping
+    anything. That must not read as a lost landing run; a foreign advance still must."""
+    from cdc_lakehouse.capture import CaptureLimits
+    from cdc_lakehouse.ingest import LandingGap
+
+    s = source
+    s.capture()
+    s.bootstrap(s.block)
+    s.wl.step(100)
+    m = s.capture()
+    s.execute("CREATE TABLE s0.unpublished (id int PRIMARY KEY)", "INSERT INTO s0.unpublished SELECT generate_series(1, 500)")
+    monkeypatch.setattr(src, "write_heartbeat", lambda conn, schemas, run_id: 4_000_000_000)  # never arrives
+    ep = src.EndpointTables(s.endpoint, "cdc_test_source", s.tables())
+    with pytest.raises(src.SourceError, match="did not arrive"):
+        capture_run(ep, s.dsn, s.store, "20260101T300000Z", limits=CaptureLimits(idle_timeout_s=14))
+    monkeypatch.undo()
+    with psycopg2.connect(s.dsn) as c:
+        assert src.slot_state(c, src.slot_name(s.endpoint)).confirmed_flush > m["end_lsn"]  # the keepalive moved it
+    s.wl.step(100)
+    m2 = capture_run(ep, s.dsn, s.store, "20260101T310000Z")
+    assert m2["start_lsn"] == m["end_lsn"] and m2["keepalive_advance"]["attempts"] == ["20260101T300000Z"]
+    assert s.ingest(s.block, m2["run_id"])["status"] == "ok"
+    assert_lake_equals_source(spark, lake, s.block, s.dsn)
+    # An advance nobody recorded (another consumer, a manual pg_replication_slot_advance) is a gap.
+    s.execute("INSERT INTO s0.unpublished SELECT generate_series(501, 600)",
+              f"SELECT pg_replication_slot_advance('{src.slot_name(s.endpoint)}', pg_current_wal_lsn())")
+    m3 = capture_run(ep, s.dsn, s.store, "20260101T320000Z")
+    with pytest.raises(LandingGap):
+        s.ingest(s.block, m3["run_id"])

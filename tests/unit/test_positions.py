@@ -1,0 +1,98 @@
+"""Pure rules about positions: which landing runs a shard may use, and where a capture starts."""
+
+from __future__ import annotations
+
+import pytest
+from cdc_lakehouse import source as src
+from cdc_lakehouse.capture import ATTEMPTS_DIR, start_position
+from cdc_lakehouse.ingest import (
+    CoverageError,
+    Plan,
+    SourceIdentityChanged,
+    check_coverage,
+    columns_to_backfill,
+    same_source_manifests,
+)
+
+from tests.conftest import make_config
+
+IDENT = {"system_identifier": "1", "timeline": 1, "database": "db"}
+
+
+def cfg():
+    return make_config("t", [], source={"table": "t", "shards": [{"conn_id": "c", "database": "db", "schemas": ["s0"]}]})
+
+
+def wm(lsn=100, ts="2026-01-01T00:00:00+00:00", **extra):
+    return {"db.s0": {"lsn": lsn, "ts": ts, "endpoint": "c__db", "source": IDENT, **extra}}
+
+
+def manifest(run, end, *, ident=IDENT, finished="2026-01-02T00:00:00+00:00", published=("s0.t",), start=None):
+    return {"run_id": run, "end_lsn": end, "start_lsn": start, "source_identity": ident, "finished_at": finished,
+            "published": list(published), "published_at_start": list(published), "publication": "p"}
+
+
+SHARDS = [("s0", "db.s0")]
+
+
+def test_identity_mismatch_names_what_changed():
+    assert src.identity_mismatch(IDENT, dict(IDENT)) is None
+    assert src.identity_mismatch(IDENT, None) is None  # unknown: older manifests
+    assert src.identity_mismatch(IDENT, {**IDENT, "timeline": 2}) == "timeline 1 -> 2"
+
+
+def test_runs_of_another_server_stop_the_shard_but_older_history_is_skipped():
+    runs = [manifest("r1", 90, ident={**IDENT, "database": "old"}, finished="2025-12-31T00:00:00+00:00"),
+            manifest("r2", 120)]
+    assert [m["run_id"] for m in same_source_manifests(cfg(), "c__db", SHARDS, wm(), runs)] == ["r2"]
+    with pytest.raises(SourceIdentityChanged, match="timeline 1 -> 2"):
+        same_source_manifests(cfg(), "c__db", SHARDS, wm(), [manifest("r3", 130, ident={**IDENT, "timeline": 2})])
+    with pytest.raises(SourceIdentityChanged, match="endpoint other"):
+        same_source_manifests(cfg(), "c__db", SHARDS, {"db.s0": {**wm()["db.s0"], "endpoint": "other"}}, [])
+
+
+def test_a_run_counts_for_a_shard_only_if_it_was_published_for_the_whole_run():
+    check_coverage(cfg(), "c__db", SHARDS, wm(), manifest("r1", 120))
+    check_coverage(cfg(), "c__db", SHARDS, wm(), manifest("r0", 90, published=()))  # below the shard: irrelevant
+    with pytest.raises(CoverageError, match="db.s0"):
+        check_coverage(cfg(), "c__db", SHARDS, wm(), manifest("r1", 120, published=()))
+    late = {**manifest("r1", 120, start=95), "published_at_start": []}
+    check_coverage(cfg(), "c__db", SHARDS, wm(lsn=100), late)  # added mid-run, bootstrapped after the add
+    with pytest.raises(CoverageError):
+        check_coverage(cfg(), "c__db", SHARDS, wm(lsn=90), late)
+
+
+def test_columns_seen_for_the_first_time_since_the_bootstrap_are_backfilled():
+    plan = Plan([], [], {"shards": wm(columns=["id", "v"])}, schema_changes=[
+        {"table": "s0.t", "endpoint": "c__db", "at_commit_lsn": 150, "first_seen": True, "columns": ["id", "v", "w"],
+         "added": []},
+        {"table": "s0.t", "endpoint": "c__db", "at_commit_lsn": 160, "columns": ["id", "v", "w"], "added": []},
+    ])
+    out = columns_to_backfill(cfg(), plan, {"shards": wm(columns=["id", "v"])})
+    assert [(c["at_commit_lsn"], c["added"]) for c in out] == [(150, ["w"])]
+    assert plan.new_watermark["shards"]["db.s0"]["columns"] == ["id", "v", "w"]
+
+
+class Store:
+    def __init__(self, attempts):
+        self.files = {f"ep/{ATTEMPTS_DIR}/{a['run_id']}.json": a for a in attempts}
+
+    def list_names(self, rel):
+        return sorted(k.rsplit("/", 1)[1] for k in self.files if k.startswith(rel + "/"))
+
+    def read_json(self, rel):
+        return self.files[rel]
+
+
+def slot(confirmed):
+    return src.SlotState("s", True, confirmed_flush=confirmed)
+
+
+def test_a_keepalive_advance_of_failed_attempts_is_explained_anything_else_is_a_gap():
+    prev = [{"end_lsn": 100}]
+    assert start_position(Store([]), "ep", prev, slot(100)) == (100, None)
+    tried = [{"run_id": "a1", "from_lsn": 100, "started_at": "1"}, {"run_id": "a2", "from_lsn": 130, "started_at": "2"}]
+    start, why = start_position(Store(tried), "ep", prev, slot(150))
+    assert start == 100 and why["attempts"] == ["a1", "a2"]
+    assert start_position(Store([]), "ep", prev, slot(150)) == (150, None)  # nobody we know moved it
+    assert start_position(Store([{**tried[0], "from_lsn": 120}]), "ep", prev, slot(150)) == (150, None)
