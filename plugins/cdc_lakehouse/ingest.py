@@ -288,8 +288,13 @@ def _dec(t: str) -> tuple[int, int] | None:
 
 
 def schema_actions(cfg: TableConfig, lake_cols: list[tuple[str, str]], schemas: list[list[dict]],
-                   latest: dict[str, list[dict]], file_hint: str = "") -> tuple[list[str], list[str]]:
-    """DDL to run before the data (additive changes) and the errors that stop the table."""
+                   latest: dict[str, list[dict]], file_hint: str = "",
+                   known: dict[str, set[str]] | None = None) -> tuple[list[str], list[str]]:
+    """DDL to run before the data (additive changes) and the errors that stop the table.
+
+    `known`: per shard schema, the columns the shard is known to have had (its watermark). A lake
+    column missing from a shard's latest schema is dropped there only if the shard had it: a shard
+    with no writes since a column was added elsewhere still shows its older schema."""
     lake = dict(lake_cols)
     ddl: list[str] = []
     errors: list[str] = []
@@ -326,8 +331,9 @@ def schema_actions(cfg: TableConfig, lake_cols: list[tuple[str, str]], schemas: 
                 )
     for shard_schema, sch in latest.items():
         names = {c["name"] for c in sch}
+        had = (known or {}).get(shard_schema)
         for name in lake:
-            if name in names or name in seen_added:
+            if name in names or name in seen_added or (had is not None and name not in had):
                 continue
             policy = cfg.schema_changes.dropped_columns.get(name)
             if name in cfg.primary_key:
@@ -619,7 +625,9 @@ def ingest_table(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, *, u
     schemas, latest = manifest_schemas(plan, cfg)
     if not latest:
         schemas, latest = _event_schemas(raw)  # runs written without schemas in their manifest
-    ddl, errors = schema_actions(cfg, lake_cols, schemas, latest, config_file or "")
+    known = {schema: set(wm["shards"][shard]["columns"]) for _, schema, shard in cfg.shards()
+             if "columns" in wm["shards"].get(shard, {})}
+    ddl, errors = schema_actions(cfg, lake_cols, schemas, latest, config_file or "", known)
     if errors:
         raise SchemaChangeError("\n".join(errors))
     apply_schema_actions(spark, cur, cl, ddl, log)

@@ -285,6 +285,10 @@ def maintain_table(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, *,
     rows = []
     for target, is_current in ((cur, True), (cl, False)):
         t = time.time()
+        # The catalog caches loaded tables: another process (the ingest's spark-submit) may have
+        # committed since this session last read it, and a stale "before" would look like a
+        # concurrent writer.
+        spark.sql(f"REFRESH TABLE {target}")
         cols = [f.name for f in spark.table(target).schema.fields]
         before = table_stats(spark, target)
         before_sum = content_checksum(spark, target, cols)

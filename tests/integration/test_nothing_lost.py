@@ -476,3 +476,20 @@ def test_keepalive_advance_of_a_failed_capture_is_no_landing_gap(source, spark, 
     m3 = capture_run(ep, s.dsn, s.store, "20260101T320000Z")
     with pytest.raises(LandingGap):
         s.ingest(s.block, m3["run_id"])
+
+
+def test_a_shard_quiet_since_a_column_was_added_is_not_a_dropped_column(source, spark, lake):
+    """Found by the randomized test: a shard with no write since the ALTER still shows its older
+    schema in the manifests, which read as "column dropped" and stopped the table."""
+    s = source
+    s.capture()
+    s.bootstrap(s.block)
+    s.execute(*[f"UPDATE {sch}.block SET version = 5 WHERE id = {s.wl.first_id[sch]}" for sch in s.schemas])
+    m = s.capture()  # both shards' schemas are now in the manifests
+    s.ingest(s.block, m["run_id"])
+    s.execute("ALTER TABLE s0.block ADD COLUMN note text", "ALTER TABLE s1.block ADD COLUMN note text")
+    for value in ("x", "y"):
+        s.execute(f"UPDATE s0.block SET note = '{value}' WHERE id = {s.wl.first_id['s0']}")
+        m = s.capture()
+        assert s.ingest(s.block, m["run_id"])["status"] == "ok"
+    assert_lake_equals_source(spark, lake, s.block, s.dsn)

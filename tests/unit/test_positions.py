@@ -96,3 +96,17 @@ def test_a_keepalive_advance_of_failed_attempts_is_explained_anything_else_is_a_
     assert start == 100 and why["attempts"] == ["a1", "a2"]
     assert start_position(Store([]), "ep", prev, slot(150)) == (150, None)  # nobody we know moved it
     assert start_position(Store([{**tried[0], "from_lsn": 120}]), "ep", prev, slot(150)) == (150, None)
+
+
+def test_a_quiet_shard_missing_a_column_added_elsewhere_is_no_drop():
+    from cdc_lakehouse.ingest import schema_actions
+
+    c = cfg()
+    lake = [("id", "bigint"), ("note", "string")]
+    old = [{"name": "id", "type": "bigint", "lake_type": "bigint"}]
+    # s0 had no write since `note` was added at another shard: its latest schema is the old one.
+    ddl, errors = schema_actions(c, lake, [old], {"s0": old}, known={"s0": {"id"}})
+    assert (ddl, errors) == ([], [])
+    # s0 had `note` and lost it: a drop, which stops the table until a decision is configured.
+    ddl, errors = schema_actions(c, lake, [old], {"s0": old}, known={"s0": {"id", "note"}})
+    assert ddl == [] and "'note' was dropped" in errors[0]
