@@ -67,8 +67,14 @@ def added_column_source(conn, schema: str, table: str, column: str) -> tuple[str
     return ("reread", None) if has_default else ("none", None)
 
 
-def backfill_added_columns(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, changes: list[dict[str, Any]],
-                           lake_cols: list[tuple[str, str]], run_label: str) -> int:
+def backfill_added_columns(
+    spark: SparkSession,
+    lake: LakeSettings,
+    cfg: TableConfig,
+    changes: list[dict[str, Any]],
+    lake_cols: list[tuple[str, str]],
+    run_label: str,
+) -> int:
     """Fill columns added by `changes` (the batch's schema changes); returns rows backfilled."""
     import psycopg2
 
@@ -96,8 +102,15 @@ def backfill_added_columns(spark: SparkSession, lake: LakeSettings, cfg: TableCo
     return total
 
 
-def _values(spark: SparkSession, cfg: TableConfig, conn, schema: str, shard: str,
-            wanted: dict[str, tuple[str, Any]], types: dict[str, str]) -> DataFrame | dict[str, Any]:
+def _values(
+    spark: SparkSession,
+    cfg: TableConfig,
+    conn,
+    schema: str,
+    shard: str,
+    wanted: dict[str, tuple[str, Any]],
+    types: dict[str, str],
+) -> DataFrame | dict[str, Any]:
     """Constants (catalog missing values) as a dict, or the re-read columns as a DataFrame by key."""
     from pyspark.sql import functions as F
 
@@ -114,8 +127,16 @@ def _values(spark: SparkSession, cfg: TableConfig, conn, schema: str, shard: str
     return df.select(F.lit(shard).alias(SHARD_COL), *[cast_text(F.col(c), types[c]).alias(c) for c in cols])
 
 
-def _apply(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, shard: str, at_lsn: int,
-           values: DataFrame | dict[str, Any], columns: list[str], run_label: str) -> int:
+def _apply(
+    spark: SparkSession,
+    lake: LakeSettings,
+    cfg: TableConfig,
+    shard: str,
+    at_lsn: int,
+    values: DataFrame | dict[str, Any],
+    columns: list[str],
+    run_label: str,
+) -> int:
     from pyspark.sql import functions as F
 
     cur = lake.qualified(cfg.current_table)
@@ -130,29 +151,39 @@ def _apply(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, shard: str
         for c, text in values.items():
             filled = filled.withColumn(c, cast_text(F.lit(text), types[c]))
     else:
-        filled = older.drop(*columns).join(values.drop(*[c for c in values.columns if c not in key + columns]),
-                                           key, "inner")
+        filled = older.drop(*columns).join(
+            values.drop(*[c for c in values.columns if c not in key + columns]), key, "inner"
+        )
     filled = filled.localCheckpoint(eager=True)
     n = filled.count()
     if n == 0:
         return 0
     # The changelog first (history of the value), then the current table; both idempotent.
     at = F.lit(at_lsn).cast("bigint")
-    events = (filled.withColumn(OP_COL, F.lit("r")).withColumn(LSN_COL, at).withColumn(SEQ_COL, F.lit(-1).cast("bigint"))
-              .withColumn(LSN_EVENT_COL, at).withColumn(XID_COL, F.lit(None).cast("bigint"))
-              .withColumn(UNAVAILABLE_COL, F.lit(None).cast("array<string>"))
-              .withColumn(RUN_COL, F.lit(f"backfill-{run_label}")).withColumn(INGESTED_COL, F.current_timestamp()))
+    events = (
+        filled.withColumn(OP_COL, F.lit("r"))
+        .withColumn(LSN_COL, at)
+        .withColumn(SEQ_COL, F.lit(-1).cast("bigint"))
+        .withColumn(LSN_EVENT_COL, at)
+        .withColumn(XID_COL, F.lit(None).cast("bigint"))
+        .withColumn(UNAVAILABLE_COL, F.lit(None).cast("array<string>"))
+        .withColumn(RUN_COL, F.lit(f"backfill-{run_label}"))
+        .withColumn(INGESTED_COL, F.current_timestamp())
+    )
     done = spark.table(cl).filter((F.col(SHARD_COL) == shard) & (F.col(LSN_COL) == at_lsn) & (F.col(SEQ_COL) == -1))
     events = events.join(done.select(*key), key, "left_anti")
-    with_commit_retries(lambda: conform_to(events, spark.table(cl).schema).writeTo(cl).append(),
-                        what=f"{cfg.name} backfill changelog")
+    with_commit_retries(
+        lambda: conform_to(events, spark.table(cl).schema).writeTo(cl).append(), what=f"{cfg.name} backfill changelog"
+    )
     view = f"cdc_backfill_{cfg.name}"
     filled.select(*key, *columns).createOrReplaceTempView(view)
     on = " AND ".join(f"t.{spark_ident(k)} = s.{spark_ident(k)}" for k in key)
     sets = ", ".join(f"t.{spark_ident(c)} = s.{spark_ident(c)}" for c in columns)
-    with_commit_retries(lambda: spark.sql(
-        f"MERGE INTO {cur} t USING {view} s ON {on} AND t.{LSN_COL} < {at_lsn} WHEN MATCHED THEN UPDATE SET {sets}"),
-        what=f"{cfg.name} backfill")
+    with_commit_retries(
+        lambda: spark.sql(
+            f"MERGE INTO {cur} t USING {view} s ON {on} AND t.{LSN_COL} < {at_lsn} WHEN MATCHED THEN UPDATE SET {sets}"
+        ),
+        what=f"{cfg.name} backfill",
+    )
     log.info("%s: %d row(s) of shard %s got the source's value of added column(s) %s", cfg.name, n, shard, columns)
     return n
-

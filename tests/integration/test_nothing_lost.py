@@ -39,8 +39,9 @@ def test_changes_of_a_table_whose_config_is_broken_still_land(source, spark, lak
     s.bootstrap(s.block)
     s.bootstrap(s.perm)
     s.wl.step(400)
-    s.execute("UPDATE s1.permission SET role = 'editor' WHERE block_id IN "
-              "(SELECT block_id FROM s1.permission LIMIT 20)")
+    s.execute(
+        "UPDATE s1.permission SET role = 'editor' WHERE block_id IN (SELECT block_id FROM s1.permission LIMIT 20)"
+    )
     m = capture_with(s, {"block": (s.schemas, ["id"])})
     assert "permission" in {t["table"] for t in m["tables"]}
     s.wl.step(200)
@@ -56,9 +57,11 @@ def test_a_run_that_did_not_cover_a_shard_never_moves_its_position(source, spark
     s = source
     s.capture()
     s.bootstrap(s.block)
-    s.execute("ALTER PUBLICATION cdc_lakehouse DROP TABLE s1.block",
-              f"UPDATE s1.block SET version = version + 7 WHERE id = {s.wl.first_id['s1']}",
-              f"UPDATE s0.block SET version = version + 7 WHERE id = {s.wl.first_id['s0']}")
+    s.execute(
+        "ALTER PUBLICATION cdc_lakehouse DROP TABLE s1.block",
+        f"UPDATE s1.block SET version = version + 7 WHERE id = {s.wl.first_id['s1']}",
+        f"UPDATE s0.block SET version = version + 7 WHERE id = {s.wl.first_id['s0']}",
+    )
     m = capture_with(s, {"block": (["s0"], ["id"]), "permission": (s.schemas, ["block_id", "user_id"])})
     assert "s1.block" not in m["published"]
     cur = lake.qualified(s.block.current_table)
@@ -86,13 +89,21 @@ def test_positions_never_compare_across_servers_or_endpoints(source, source_uri,
     # A failover to a server on another timeline, behind the same connection and slot name.
     s.wl.step(100)
     m = s.capture()
-    _update_manifest(lake, s.endpoint, m["run_id"],
-                     lambda mf: mf["source_identity"].update(timeline=mf["source_identity"]["timeline"] + 1))
+    _update_manifest(
+        lake,
+        s.endpoint,
+        m["run_id"],
+        lambda mf: mf["source_identity"].update(timeline=mf["source_identity"]["timeline"] + 1),
+    )
     with pytest.raises(SourceIdentityChanged) as exc:
         s.ingest(s.block, m["run_id"])
     assert "timeline" in str(exc.value) and "re-bootstrap" in str(exc.value)
-    _update_manifest(lake, s.endpoint, m["run_id"],
-                     lambda mf: mf["source_identity"].update(timeline=mf["source_identity"]["timeline"] - 1))
+    _update_manifest(
+        lake,
+        s.endpoint,
+        m["run_id"],
+        lambda mf: mf["source_identity"].update(timeline=mf["source_identity"]["timeline"] - 1),
+    )
     s.ingest(s.block, m["run_id"])
     # The shards are now read through another connection (another host name, a proxy): another
     # endpoint with its own slot, whose positions say nothing about the old slot's.
@@ -132,8 +143,11 @@ def test_toast_fill_never_looks_across_a_delete_or_key_change(source, spark, lak
     r = s.ingest(s.block, m["run_id"])
     assert r["quarantined"] == 0
     assert_lake_equals_source(spark, lake, s.block, s.dsn)
-    row = spark.table(lake.qualified(s.block.current_table)).filter(
-        (F.col("id") == a) & (F.col("_cdc_shard") == shard_of(s, "s0"))).first()
+    row = (
+        spark.table(lake.qualified(s.block.current_table))
+        .filter((F.col("id") == a) & (F.col("_cdc_shard") == shard_of(s, "s0")))
+        .first()
+    )
     assert row["content"].startswith(_md5_prefix("1B"))
 
 
@@ -182,8 +196,10 @@ def test_publication_that_drops_changes_is_fixed_or_refused(pg, unique, tmp_path
         assert "column list" in str(exc.value)
         with conn.cursor() as cur:
             cur.execute("CREATE TABLE public.events (id bigint, at date, PRIMARY KEY (id, at)) PARTITION BY RANGE (at)")
-            cur.execute("CREATE TABLE public.events_2026 PARTITION OF public.events "
-                        "FOR VALUES FROM ('2026-01-01') TO ('2027-01-01')")
+            cur.execute(
+                "CREATE TABLE public.events_2026 PARTITION OF public.events "
+                "FOR VALUES FROM ('2026-01-01') TO ('2027-01-01')"
+            )
         ep2 = src.EndpointTables("pubep", "cdc_test_source", {"events": (["public"], ["id", "at"])})
         with pytest.raises(src.PreflightError) as exc:
             capture_run(ep2, dsn, store, "r4")
@@ -200,20 +216,31 @@ def test_events_that_depend_on_a_quarantined_event_are_held_back(source, spark, 
     They must not be merged with the table's older value, in this batch or the next ones."""
     s = source
     s.capture()
-    lenient = s.block.model_copy(update={"ingest": s.block.ingest.model_copy(update={
-        "error_budget": s.block.ingest.error_budget.model_copy(update={"max_fraction": 1.0})})})
+    lenient = s.block.model_copy(
+        update={
+            "ingest": s.block.ingest.model_copy(
+                update={"error_budget": s.block.ingest.error_budget.model_copy(update={"max_fraction": 1.0})}
+            )
+        }
+    )
     s.bootstrap(lenient)
     x = s.wl.first_id["s1"]
     key = (F.col("id") == x) & (F.col("_cdc_shard") == shard_of(s, "s1"))
     cur = lake.qualified(lenient.current_table)
     old = spark.table(cur).filter(key).first()
-    s.execute(f"UPDATE s1.block SET content = {BIG.format(tag='C')}, updated_at = 'infinity' WHERE id = {x}",
-              f"UPDATE s1.block SET version = 70, updated_at = now() WHERE id = {x}")
+    s.execute(
+        f"UPDATE s1.block SET content = {BIG.format(tag='C')}, updated_at = 'infinity' WHERE id = {x}",
+        f"UPDATE s1.block SET version = 70, updated_at = now() WHERE id = {x}",
+    )
     m = s.capture()
     r = s.ingest(lenient, m["run_id"])
     assert r["quarantined"] == 2
-    reasons = [q["reason"] for q in spark.table(lake.qualified(lake.meta_table("quarantine")))
-               .filter(F.col("table_name") == lenient.name).collect()]
+    reasons = [
+        q["reason"]
+        for q in spark.table(lake.qualified(lake.meta_table("quarantine")))
+        .filter(F.col("table_name") == lenient.name)
+        .collect()
+    ]
     assert any("does not fit timestamp" in q for q in reasons)
     assert any("depend on quarantined event" in q for q in reasons)
     row = spark.table(cur).filter(key).first()
@@ -287,13 +314,21 @@ def test_every_schema_decision_keeps_bootstrap_ingest_repair_and_audit_working(s
     from cdc_lakehouse.audit import audit_table
 
     s = source
-    policy = s.block.schema_changes.model_copy(update={"dropped_columns": {"score": "drop", "external_id": "keep_null"}})
-    cfg = s.block.model_copy(update={"schema_changes": policy, "audit": s.block.audit.model_copy(
-        update={"consecutive_mismatches": 1, "repair": True, "mode": "full"})})
+    policy = s.block.schema_changes.model_copy(
+        update={"dropped_columns": {"score": "drop", "external_id": "keep_null"}}
+    )
+    cfg = s.block.model_copy(
+        update={
+            "schema_changes": policy,
+            "audit": s.block.audit.model_copy(update={"consecutive_mismatches": 1, "repair": True, "mode": "full"}),
+        }
+    )
     s.capture()
     s.bootstrap(cfg)
     ids = {sch: s.wl.first_id[sch] for sch in s.schemas}
-    touch = [f"UPDATE {sch}.block SET version = version + 1 WHERE id BETWEEN {i} AND {i + 30}" for sch, i in ids.items()]
+    touch = [
+        f"UPDATE {sch}.block SET version = version + 1 WHERE id BETWEEN {i} AND {i + 30}" for sch, i in ids.items()
+    ]
     s.execute(*[f"ALTER TABLE {sch}.block DROP COLUMN score, DROP COLUMN external_id" for sch in s.schemas], *touch)
     for step in range(2):  # the second batch used to fail: the changelog still has `score`
         if step:
@@ -304,8 +339,10 @@ def test_every_schema_decision_keeps_bootstrap_ingest_repair_and_audit_working(s
     assert "score" not in spark.table(cur).columns and "external_id" in spark.table(cur).columns
     assert_lake_equals_source(spark, lake, cfg, s.dsn, skip=("external_id",), check_changelog=False)
     # `score` comes back: the changelog already has it.
-    s.execute(*[f"ALTER TABLE {sch}.block ADD COLUMN score numeric(12,4)" for sch in s.schemas],
-              f"UPDATE s0.block SET score = 1.5 WHERE id BETWEEN {ids['s0']} AND {ids['s0'] + 5}")
+    s.execute(
+        *[f"ALTER TABLE {sch}.block ADD COLUMN score numeric(12,4)" for sch in s.schemas],
+        f"UPDATE s0.block SET score = 1.5 WHERE id BETWEEN {ids['s0']} AND {ids['s0'] + 5}",
+    )
     m = s.capture()
     s.ingest(cfg, m["run_id"], run="readd")
     assert spark.table(cur).filter("score = 1.5").count() == 6
@@ -367,11 +404,13 @@ def test_added_column_defaults_reach_the_rows_that_predate_them(source, spark, l
     s.capture()
     s.bootstrap(s.block)
     a, b = s.wl.first_id["s0"], s.wl.first_id["s1"]
-    s.execute(f"UPDATE s0.block SET version = version + 1 WHERE id = {a}",  # before the ALTER, same batch
-              "ALTER TABLE s0.block ADD COLUMN flag text NOT NULL DEFAULT 'fresh'",
-              "ALTER TABLE s1.block ADD COLUMN flag text DEFAULT md5(random()::text)",
-              f"UPDATE s0.block SET version = version + 1 WHERE id = {a + 1}",
-              f"UPDATE s1.block SET flag = 'set' WHERE id = {b}")
+    s.execute(
+        f"UPDATE s0.block SET version = version + 1 WHERE id = {a}",  # before the ALTER, same batch
+        "ALTER TABLE s0.block ADD COLUMN flag text NOT NULL DEFAULT 'fresh'",
+        "ALTER TABLE s1.block ADD COLUMN flag text DEFAULT md5(random()::text)",
+        f"UPDATE s0.block SET version = version + 1 WHERE id = {a + 1}",
+        f"UPDATE s1.block SET flag = 'set' WHERE id = {b}",
+    )
     m = s.capture()
     r = s.ingest(s.block, m["run_id"])
     assert r["backfilled"] > 2000, r
@@ -379,8 +418,12 @@ def test_added_column_defaults_reach_the_rows_that_predate_them(source, spark, l
     cur = lake.qualified(s.block.current_table)
     assert "backfill" not in read_watermark(spark, cur)
     # The run dies right after its MERGE: the watermark says a backfill is pending; the next run does it.
-    s.execute("ALTER TABLE s0.block ADD COLUMN rank int DEFAULT 7", "ALTER TABLE s1.block ADD COLUMN rank int DEFAULT 7",
-              f"UPDATE s0.block SET rank = 1 WHERE id = {a}", f"UPDATE s1.block SET rank = 2 WHERE id = {b}")
+    s.execute(
+        "ALTER TABLE s0.block ADD COLUMN rank int DEFAULT 7",
+        "ALTER TABLE s1.block ADD COLUMN rank int DEFAULT 7",
+        f"UPDATE s0.block SET rank = 1 WHERE id = {a}",
+        f"UPDATE s1.block SET rank = 2 WHERE id = {b}",
+    )
     m = s.capture()
     real = ingest_mod.crash_point
 
@@ -408,8 +451,13 @@ def test_audit_reads_one_snapshot_fails_loudly_and_counts_retries_once(source, s
     from cdc_lakehouse.audit import AuditFailed, audit_table
 
     s = source
-    cfg = s.block.model_copy(update={"audit": s.block.audit.model_copy(
-        update={"consecutive_mismatches": 2, "mode": mode, "buckets": 16, "checksum_min_rows": 0})})
+    cfg = s.block.model_copy(
+        update={
+            "audit": s.block.audit.model_copy(
+                update={"consecutive_mismatches": 2, "mode": mode, "buckets": 16, "checksum_min_rows": 0}
+            )
+        }
+    )
     s.capture()
     s.bootstrap(cfg)
     x = s.wl.first_id["s0"]
@@ -457,7 +505,9 @@ def test_keepalive_advance_of_a_failed_capture_is_no_landing_gap(source, spark, 
     s.bootstrap(s.block)
     s.wl.step(100)
     m = s.capture()
-    s.execute("CREATE TABLE s0.unpublished (id int PRIMARY KEY)", "INSERT INTO s0.unpublished SELECT generate_series(1, 500)")
+    s.execute(
+        "CREATE TABLE s0.unpublished (id int PRIMARY KEY)", "INSERT INTO s0.unpublished SELECT generate_series(1, 500)"
+    )
     monkeypatch.setattr(src, "write_heartbeat", lambda conn, schemas, run_id: 4_000_000_000)  # never arrives
     ep = src.EndpointTables(s.endpoint, "cdc_test_source", s.tables())
     with pytest.raises(src.SourceError, match="did not arrive"):
@@ -471,8 +521,10 @@ def test_keepalive_advance_of_a_failed_capture_is_no_landing_gap(source, spark, 
     assert s.ingest(s.block, m2["run_id"])["status"] == "ok"
     assert_lake_equals_source(spark, lake, s.block, s.dsn)
     # An advance nobody recorded (another consumer, a manual pg_replication_slot_advance) is a gap.
-    s.execute("INSERT INTO s0.unpublished SELECT generate_series(501, 600)",
-              f"SELECT pg_replication_slot_advance('{src.slot_name(s.endpoint)}', pg_current_wal_lsn())")
+    s.execute(
+        "INSERT INTO s0.unpublished SELECT generate_series(501, 600)",
+        f"SELECT pg_replication_slot_advance('{src.slot_name(s.endpoint)}', pg_current_wal_lsn())",
+    )
     m3 = capture_run(ep, s.dsn, s.store, "20260101T320000Z")
     with pytest.raises(LandingGap):
         s.ingest(s.block, m3["run_id"])

@@ -20,7 +20,9 @@ IDENT = {"system_identifier": "1", "timeline": 1, "database": "db"}
 
 
 def cfg():
-    return make_config("t", [], source={"table": "t", "shards": [{"conn_id": "c", "database": "db", "schemas": ["s0"]}]})
+    return make_config(
+        "t", [], source={"table": "t", "shards": [{"conn_id": "c", "database": "db", "schemas": ["s0"]}]}
+    )
 
 
 def wm(lsn=100, ts="2026-01-01T00:00:00+00:00", **extra):
@@ -28,8 +30,16 @@ def wm(lsn=100, ts="2026-01-01T00:00:00+00:00", **extra):
 
 
 def manifest(run, end, *, ident=IDENT, finished="2026-01-02T00:00:00+00:00", published=("s0.t",), start=None):
-    return {"run_id": run, "end_lsn": end, "start_lsn": start, "source_identity": ident, "finished_at": finished,
-            "published": list(published), "published_at_start": list(published), "publication": "p"}
+    return {
+        "run_id": run,
+        "end_lsn": end,
+        "start_lsn": start,
+        "source_identity": ident,
+        "finished_at": finished,
+        "published": list(published),
+        "published_at_start": list(published),
+        "publication": "p",
+    }
 
 
 SHARDS = [("s0", "db.s0")]
@@ -42,8 +52,10 @@ def test_identity_mismatch_names_what_changed():
 
 
 def test_runs_of_another_server_stop_the_shard_but_older_history_is_skipped():
-    runs = [manifest("r1", 90, ident={**IDENT, "database": "old"}, finished="2025-12-31T00:00:00+00:00"),
-            manifest("r2", 120)]
+    runs = [
+        manifest("r1", 90, ident={**IDENT, "database": "old"}, finished="2025-12-31T00:00:00+00:00"),
+        manifest("r2", 120),
+    ]
     assert [m["run_id"] for m in same_source_manifests(cfg(), "c__db", SHARDS, wm(), runs)] == ["r2"]
     with pytest.raises(SourceIdentityChanged, match="timeline 1 -> 2"):
         same_source_manifests(cfg(), "c__db", SHARDS, wm(), [manifest("r3", 130, ident={**IDENT, "timeline": 2})])
@@ -63,11 +75,22 @@ def test_a_run_counts_for_a_shard_only_if_it_was_published_for_the_whole_run():
 
 
 def test_columns_seen_for_the_first_time_since_the_bootstrap_are_backfilled():
-    plan = Plan([], [], {"shards": wm(columns=["id", "v"])}, schema_changes=[
-        {"table": "s0.t", "endpoint": "c__db", "at_commit_lsn": 150, "first_seen": True, "columns": ["id", "v", "w"],
-         "added": []},
-        {"table": "s0.t", "endpoint": "c__db", "at_commit_lsn": 160, "columns": ["id", "v", "w"], "added": []},
-    ])
+    plan = Plan(
+        [],
+        [],
+        {"shards": wm(columns=["id", "v"])},
+        schema_changes=[
+            {
+                "table": "s0.t",
+                "endpoint": "c__db",
+                "at_commit_lsn": 150,
+                "first_seen": True,
+                "columns": ["id", "v", "w"],
+                "added": [],
+            },
+            {"table": "s0.t", "endpoint": "c__db", "at_commit_lsn": 160, "columns": ["id", "v", "w"], "added": []},
+        ],
+    )
     out = columns_to_backfill(cfg(), plan, {"shards": wm(columns=["id", "v"])})
     assert [(c["at_commit_lsn"], c["added"]) for c in out] == [(150, ["w"])]
     assert plan.new_watermark["shards"]["db.s0"]["columns"] == ["id", "v", "w"]
