@@ -44,7 +44,8 @@ PG_EPOCH_US = 946_684_800_000_000  # 2000-01-01 in Unix microseconds
 class CaptureLimits:
     max_events: int = 2_000_000
     max_bytes: int = 2 * 1024**3
-    idle_timeout_s: float = 300.0  # waiting this long for the heartbeat means something is wrong
+    idle_timeout_s: float = 300.0  # silence after which the capture asks the server whether it is still decoding
+    max_wait_s: float = 6 * 3600.0  # waiting longer than this for the run's bound stops the run
     batch_rows: int = 20_000
     batch_bytes: int = 64 * 1024**2  # buffered event bytes per table before a row group is written
     file_rows: int = 2_000_000
@@ -213,24 +214,20 @@ def _stream(ep, dsn, store, run_id, slot, state, hb_xid, type_lookup, known_sche
         identity = src.source_identity(cur)
         cur.start_replication(slot_name=slot, decode=False, status_interval=10,
                               options={"proto_version": "1", "publication_names": src.PUBLICATION})
-        last_activity = time.monotonic()
+        last_activity = waiting_since = time.monotonic()
         server_pos = getattr(cur, "wal_end", 0)
         done = False
         while not done:
             msg = cur.read_message()
             if msg is None:
-                # Keepalives are answered inside psycopg2; a keepalive whose position moved means
-                # the server is still decoding (a large transaction of other tables), not stuck.
+                # Keepalives are answered inside psycopg2; one whose position moved means the
+                # server is still reading WAL (a large transaction of other tables), not stuck.
                 pos = getattr(cur, "wal_end", 0)
                 if pos != server_pos:
                     server_pos, last_activity = pos, time.monotonic()
                 elif time.monotonic() - last_activity > limits.idle_timeout_s:
-                    raise src.SourceError(
-                        f"capture {ep.endpoint_id}: the run's heartbeat transaction (xid {hb_xid}) did not arrive "
-                        f"within {limits.idle_timeout_s:.0f}s and the server reported no progress; check that "
-                        f"{src.HEARTBEAT_TABLE} is in publication {src.PUBLICATION} and that the server is not "
-                        "overloaded"
-                    )
+                    _check_still_decoding(ep, dsn, slot, hb_xid, limits, time.monotonic() - waiting_since)
+                    last_activity = time.monotonic()
                 select.select([cur], [], [], 1.0)
                 continue
             last_activity = time.monotonic()
@@ -345,6 +342,33 @@ def _stream(ep, dsn, store, run_id, slot, state, hb_xid, type_lookup, known_sche
             repl.close()
         except Exception:  # noqa: BLE001
             pass
+
+
+def _check_still_decoding(ep: src.EndpointTables, dsn: str, slot: str, hb_xid: int, limits: CaptureLimits,
+                          waited: float) -> None:
+    """Silence for idle_timeout_s: go on while the slot's walsender is decoding (replaying a large
+    transaction sends nothing for a long time), stop when it waits for WAL with the run's
+    heartbeat still missing (that cannot recover) or when the run waited max_wait_s in all."""
+    import psycopg2
+
+    conn = psycopg2.connect(dsn, application_name="cdc_lakehouse capture check")
+    try:
+        with conn.cursor() as c:
+            c.execute("SELECT a.state, a.wait_event FROM pg_replication_slots s "
+                      "JOIN pg_stat_activity a ON a.pid = s.active_pid WHERE s.slot_name = %s", (slot,))
+            row = c.fetchone()
+    finally:
+        conn.close()
+    state, wait_event = row if row else (None, None)
+    where = (f"capture {ep.endpoint_id}: the run's heartbeat transaction (xid {hb_xid}) has not arrived after "
+             f"{waited:.0f}s")
+    if wait_event in ("WalSenderWaitForWAL", "WalSenderMain"):  # idle: everything decoded was sent
+        raise src.SourceError(f"{where} and the server has nothing left to decode; check that {src.HEARTBEAT_TABLE} "
+                              f"is in publication {src.PUBLICATION}")
+    if waited > limits.max_wait_s:
+        raise src.SourceError(f"{where} (the server is still {state or 'busy'}, {wait_event or 'on CPU'}); raise "
+                              "the capture's max_wait_s if a transaction this large is expected")
+    log.info("%s; the server is still decoding (%s, %s), waiting", where, state, wait_event or "on CPU")
 
 
 ATTEMPTS_DIR = "_attempts"

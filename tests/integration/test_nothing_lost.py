@@ -3,6 +3,8 @@ Spark and Iceberg (issue 22). Every test here failed on the code before its fix.
 
 from __future__ import annotations
 
+import time
+
 import psycopg2
 import pytest
 from cdc_lakehouse import source as src
@@ -510,7 +512,7 @@ def test_keepalive_advance_of_a_failed_capture_is_no_landing_gap(source, spark, 
     )
     monkeypatch.setattr(src, "write_heartbeat", lambda conn, schemas, run_id: 4_000_000_000)  # never arrives
     ep = src.EndpointTables(s.endpoint, "cdc_test_source", s.tables())
-    with pytest.raises(src.SourceError, match="did not arrive"):
+    with pytest.raises(src.SourceError, match="nothing left to decode"):
         capture_run(ep, s.dsn, s.store, "20260101T300000Z", limits=CaptureLimits(idle_timeout_s=14))
     monkeypatch.undo()
     with psycopg2.connect(s.dsn) as c:
@@ -545,3 +547,48 @@ def test_a_shard_quiet_since_a_column_was_added_is_not_a_dropped_column(source, 
         m = s.capture()
         assert s.ingest(s.block, m["run_id"])["status"] == "ok"
     assert_lake_equals_source(spark, lake, s.block, s.dsn)
+
+
+def test_a_long_decode_without_output_is_waited_for_not_failed(pg, unique, tmp_path):
+    """A large transaction of an unpublished table makes the server decode for a while without
+    sending anything: the capture asks whether the walsender is still busy instead of failing."""
+    from cdc_lakehouse.capture import CaptureLimits
+
+    name = f"dec_{unique}"
+    pg.execute(f"CREATE DATABASE {name}")
+    dsn = pg.dsn(name)
+    conn = psycopg2.connect(dsn)
+    conn.autocommit = True
+    store = LocalLanding(f"file://{tmp_path}/landing")
+    ep = src.EndpointTables("decep", "cdc_test_source", {"items": (["public"], ["id"])})
+    try:
+        with conn.cursor() as cur:
+            cur.execute("CREATE TABLE public.items (id bigint PRIMARY KEY, v text)")
+            cur.execute("CREATE TABLE public.bulk (id int)")
+        capture_run(ep, dsn, store, "r1")
+        with conn.cursor() as cur:
+            cur.execute("INSERT INTO public.bulk SELECT generate_series(1, 3000000)")
+            cur.execute("INSERT INTO public.items VALUES (1, 'after the bulk')")
+        t0 = time.monotonic()
+        m = capture_run(ep, dsn, store, "r2", limits=CaptureLimits(idle_timeout_s=0.5))
+        print(f"capture behind a 3M-row unpublished transaction: {time.monotonic() - t0:.1f}s")
+        assert m["events"] == 1
+    finally:
+        conn.close()
+        for (slot,) in pg.execute(f"SELECT slot_name FROM pg_replication_slots WHERE database = '{name}'"):
+            pg.execute(f"SELECT pg_drop_replication_slot('{slot}')")
+        pg.execute(f"DROP DATABASE {name} WITH (FORCE)")
+
+
+def test_a_database_that_is_not_utf8_is_refused_before_a_slot_exists(pg, unique, tmp_path):
+    name = f"enc_{unique}"
+    pg.execute(f"CREATE DATABASE {name} ENCODING 'LATIN1' LC_COLLATE 'C' LC_CTYPE 'C' TEMPLATE template0")
+    try:
+        dsn = pg.dsn(name)
+        pg.execute("CREATE TABLE public.items (id bigint PRIMARY KEY)", dbname=name)
+        ep = src.EndpointTables("encep", "cdc_test_source", {"items": (["public"], ["id"])})
+        with pytest.raises(src.PreflightError, match="encoding LATIN1"):
+            capture_run(ep, dsn, LocalLanding(f"file://{tmp_path}/landing"), "r1")
+        assert pg.execute(f"SELECT count(*) FROM pg_replication_slots WHERE database = '{name}'")[0][0] == 0
+    finally:
+        pg.execute(f"DROP DATABASE {name} WITH (FORCE)")

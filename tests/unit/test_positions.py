@@ -133,3 +133,16 @@ def test_a_quiet_shard_missing_a_column_added_elsewhere_is_no_drop():
     # s0 had `note` and lost it: a drop, which stops the table until a decision is configured.
     ddl, errors = schema_actions(c, lake, [old], {"s0": old}, known={"s0": {"id", "note"}})
     assert ddl == [] and "'note' was dropped" in errors[0]
+
+
+def test_the_landing_buffer_is_bounded_in_bytes_not_only_rows(tmp_path):
+    """A few events with huge TOAST values must not wait for batch_rows before reaching disk."""
+    from cdc_lakehouse.landing import TableWriter
+
+    consts = {"connector": "postgresql", "endpoint": "e", "host": "h", "db": "d", "ts_ms": 0, "run_id": "r"}
+    w = TableWriter(tmp_path, consts, batch_rows=20_000, batch_bytes=3_000_000)
+    big = "x" * 1_000_000
+    for i in range(7):
+        w.add("c", None, [("id", str(i)), ("body", big)], None, "s0", "t", 1, i, 1, i, 0, "[]", size=len(big))
+    files = w.close()
+    assert w.flushes == 3 and sum(f["rows"] for f in files) == 7  # 3 + 3 + the last 1
