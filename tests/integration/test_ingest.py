@@ -36,8 +36,10 @@ def test_random_workload_converges_exactly(source, spark, lake):
         if i == 1:
             duplicate_file(lake, s.endpoint, m["run_id"], "block")
         if i == 2:
+            # (The unknown-op event names a key no row has: a quarantined event of a real key holds
+            # back that key's later TOAST-unchanged events, which test_nothing_lost covers.)
             append_malformed(lake, s.endpoint, m["run_id"], "block", [
-                {"op": "x"},
+                {"op": "x", "after": [("id", "999999999"), ("space_id", "1")]},
                 {"after": [("id", "not-a-number"), ("space_id", "1")]},
                 {"op": "d", "before": [("space_id", "1")], "after": None},
             ])
