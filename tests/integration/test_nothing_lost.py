@@ -159,58 +159,62 @@ def _md5_prefix(text: str) -> str:
     return hashlib.md5(text.encode()).hexdigest()
 
 
-def test_publication_that_drops_changes_is_fixed_or_refused(pg, unique, tmp_path):
+@pytest.fixture
+def scratch_db(pg, unique):
+    """A database of its own: (dsn, autocommit connection); its slots and itself go afterwards."""
+    name = f"scr_{unique}"
+    pg.execute(f"CREATE DATABASE {name}")
+    conn = psycopg2.connect(pg.dsn(name))
+    conn.autocommit = True
+    yield pg.dsn(name), conn
+    conn.close()
+    for (slot,) in pg.execute(f"SELECT slot_name FROM pg_replication_slots WHERE database = '{name}'"):
+        pg.execute(f"SELECT pg_drop_replication_slot('{slot}')")
+    pg.execute(f"DROP DATABASE {name} WITH (FORCE)")
+
+
+def test_publication_that_drops_changes_is_fixed_or_refused(scratch_db, tmp_path):
     """A pre-existing publication without deletes/truncates is widened; row filters, column lists
     and partitioned tables are refused with the statement that fixes them."""
-    name = f"pub_{unique}"
-    pg.execute(f"CREATE DATABASE {name}")
-    dsn = pg.dsn(name)
-    conn = psycopg2.connect(dsn)
-    conn.autocommit = True
+    dsn, conn = scratch_db
     store = LocalLanding(f"file://{tmp_path}/landing")
-    try:
-        with conn.cursor() as cur:
-            cur.execute("CREATE TABLE public.items (id bigint PRIMARY KEY, v text, w text)")
-            cur.execute("INSERT INTO public.items SELECT g, 'x', 'y' FROM generate_series(1, 10) g")
-            cur.execute("CREATE PUBLICATION cdc_lakehouse FOR TABLE public.items WITH (publish = 'insert, update')")
-        ep = src.EndpointTables("pubep", "cdc_test_source", {"items": (["public"], ["id"])})
-        capture_run(ep, dsn, store, "r1")
-        with conn.cursor() as cur:
-            cur.execute("DELETE FROM public.items WHERE id = 3")
-            cur.execute("TRUNCATE public.items")
-        m = capture_run(ep, dsn, store, "r2")
-        ops = []
-        for t in m["tables"]:
-            import pyarrow.parquet as pq
+    with conn.cursor() as cur:
+        cur.execute("CREATE TABLE public.items (id bigint PRIMARY KEY, v text, w text)")
+        cur.execute("INSERT INTO public.items SELECT g, 'x', 'y' FROM generate_series(1, 10) g")
+        cur.execute("CREATE PUBLICATION cdc_lakehouse FOR TABLE public.items WITH (publish = 'insert, update')")
+    ep = src.EndpointTables("pubep", "cdc_test_source", {"items": (["public"], ["id"])})
+    capture_run(ep, dsn, store, "r1")
+    with conn.cursor() as cur:
+        cur.execute("DELETE FROM public.items WHERE id = 3")
+        cur.execute("TRUNCATE public.items")
+    m = capture_run(ep, dsn, store, "r2")
+    ops = []
+    for t in m["tables"]:
+        import pyarrow.parquet as pq
 
-            for f in t["files"]:
-                ops += pq.read_table(store.root / t["dir"] / f["name"]).column("op").to_pylist()
-        assert ops == ["d", "t"]
-        with conn.cursor() as cur:
-            cur.execute("ALTER PUBLICATION cdc_lakehouse SET TABLE public.items WHERE (id > 5), public._cdc_heartbeat")
-        with pytest.raises(src.PreflightError) as exc:
-            capture_run(ep, dsn, store, "r3")
-        assert "row filter" in str(exc.value) and "DROP TABLE" in str(exc.value) and "public.items" in str(exc.value)
-        with conn.cursor() as cur:
-            cur.execute("ALTER PUBLICATION cdc_lakehouse SET TABLE public.items (id, v), public._cdc_heartbeat")
-        with pytest.raises(src.PreflightError) as exc:
-            capture_run(ep, dsn, store, "r3")
-        assert "column list" in str(exc.value)
-        with conn.cursor() as cur:
-            cur.execute("CREATE TABLE public.events (id bigint, at date, PRIMARY KEY (id, at)) PARTITION BY RANGE (at)")
-            cur.execute(
-                "CREATE TABLE public.events_2026 PARTITION OF public.events "
-                "FOR VALUES FROM ('2026-01-01') TO ('2027-01-01')"
-            )
-        ep2 = src.EndpointTables("pubep", "cdc_test_source", {"events": (["public"], ["id", "at"])})
-        with pytest.raises(src.PreflightError) as exc:
-            capture_run(ep2, dsn, store, "r4")
-        assert "partitioned" in str(exc.value) and "leaf partition" in str(exc.value)
-    finally:
-        conn.close()
-        for (slot,) in pg.execute(f"SELECT slot_name FROM pg_replication_slots WHERE database = '{name}'"):
-            pg.execute(f"SELECT pg_drop_replication_slot('{slot}')")
-        pg.execute(f"DROP DATABASE {name} WITH (FORCE)")
+        for f in t["files"]:
+            ops += pq.read_table(store.root / t["dir"] / f["name"]).column("op").to_pylist()
+    assert ops == ["d", "t"]
+    with conn.cursor() as cur:
+        cur.execute("ALTER PUBLICATION cdc_lakehouse SET TABLE public.items WHERE (id > 5), public._cdc_heartbeat")
+    with pytest.raises(src.PreflightError) as exc:
+        capture_run(ep, dsn, store, "r3")
+    assert "row filter" in str(exc.value) and "DROP TABLE" in str(exc.value) and "public.items" in str(exc.value)
+    with conn.cursor() as cur:
+        cur.execute("ALTER PUBLICATION cdc_lakehouse SET TABLE public.items (id, v), public._cdc_heartbeat")
+    with pytest.raises(src.PreflightError) as exc:
+        capture_run(ep, dsn, store, "r3")
+    assert "column list" in str(exc.value)
+    with conn.cursor() as cur:
+        cur.execute("CREATE TABLE public.events (id bigint, at date, PRIMARY KEY (id, at)) PARTITION BY RANGE (at)")
+        cur.execute(
+            "CREATE TABLE public.events_2026 PARTITION OF public.events "
+            "FOR VALUES FROM ('2026-01-01') TO ('2027-01-01')"
+        )
+    ep2 = src.EndpointTables("pubep", "cdc_test_source", {"events": (["public"], ["id", "at"])})
+    with pytest.raises(src.PreflightError) as exc:
+        capture_run(ep2, dsn, store, "r4")
+    assert "partitioned" in str(exc.value) and "leaf partition" in str(exc.value)
 
 
 def test_events_that_depend_on_a_quarantined_event_are_held_back(source, spark, lake):
@@ -549,35 +553,25 @@ def test_a_shard_quiet_since_a_column_was_added_is_not_a_dropped_column(source, 
     assert_lake_equals_source(spark, lake, s.block, s.dsn)
 
 
-def test_a_long_decode_without_output_is_waited_for_not_failed(pg, unique, tmp_path):
+def test_a_long_decode_without_output_is_waited_for_not_failed(scratch_db, tmp_path):
     """A large transaction of an unpublished table makes the server decode for a while without
     sending anything: the capture asks whether the walsender is still busy instead of failing."""
     from cdc_lakehouse.capture import CaptureLimits
 
-    name = f"dec_{unique}"
-    pg.execute(f"CREATE DATABASE {name}")
-    dsn = pg.dsn(name)
-    conn = psycopg2.connect(dsn)
-    conn.autocommit = True
+    dsn, conn = scratch_db
     store = LocalLanding(f"file://{tmp_path}/landing")
     ep = src.EndpointTables("decep", "cdc_test_source", {"items": (["public"], ["id"])})
-    try:
-        with conn.cursor() as cur:
-            cur.execute("CREATE TABLE public.items (id bigint PRIMARY KEY, v text)")
-            cur.execute("CREATE TABLE public.bulk (id int)")
-        capture_run(ep, dsn, store, "r1")
-        with conn.cursor() as cur:
-            cur.execute("INSERT INTO public.bulk SELECT generate_series(1, 3000000)")
-            cur.execute("INSERT INTO public.items VALUES (1, 'after the bulk')")
-        t0 = time.monotonic()
-        m = capture_run(ep, dsn, store, "r2", limits=CaptureLimits(idle_timeout_s=0.5))
-        print(f"capture behind a 3M-row unpublished transaction: {time.monotonic() - t0:.1f}s")
-        assert m["events"] == 1
-    finally:
-        conn.close()
-        for (slot,) in pg.execute(f"SELECT slot_name FROM pg_replication_slots WHERE database = '{name}'"):
-            pg.execute(f"SELECT pg_drop_replication_slot('{slot}')")
-        pg.execute(f"DROP DATABASE {name} WITH (FORCE)")
+    with conn.cursor() as cur:
+        cur.execute("CREATE TABLE public.items (id bigint PRIMARY KEY, v text)")
+        cur.execute("CREATE TABLE public.bulk (id int)")
+    capture_run(ep, dsn, store, "r1")
+    with conn.cursor() as cur:
+        cur.execute("INSERT INTO public.bulk SELECT generate_series(1, 3000000)")
+        cur.execute("INSERT INTO public.items VALUES (1, 'after the bulk')")
+    t0 = time.monotonic()
+    m = capture_run(ep, dsn, store, "r2", limits=CaptureLimits(idle_timeout_s=0.5))
+    print(f"capture behind a 3M-row unpublished transaction: {time.monotonic() - t0:.1f}s")
+    assert m["events"] == 1
 
 
 def test_a_database_that_is_not_utf8_is_refused_before_a_slot_exists(pg, unique, tmp_path):
