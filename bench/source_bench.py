@@ -37,7 +37,10 @@ CONN_ID = "bench_source"  # + the size: slot names are per cluster, so each data
 
 def _admin_dsn(db: str = "postgres") -> str:
     port = os.environ.get("CDC_LOCAL_PG_PORT", "55432")
-    return f"host=127.0.0.1 port={port} dbname={db} user=postgres password={os.environ.get('CDC_LOCAL_PG_PASSWORD', '')}"
+    from cdc_lakehouse.settings import libpq_dsn
+
+    return libpq_dsn(host="127.0.0.1", port=port, dbname=db, user="postgres",
+                     password=os.environ.get("CDC_LOCAL_PG_PASSWORD"))
 
 
 def prepare_source(blocks: int):

@@ -2,6 +2,9 @@
 # Puts the jars Spark needs into .cache/jars (git-ignored):
 #   iceberg-spark-runtime-3.5_2.12-<ver>.jar  (+ a relocated Jackson jar on the offline route)
 #   postgresql-<ver>.jar                      (JDBC driver: Iceberg JDBC catalog and bootstrap reads)
+#   S3 (CDC_WITH_S3=1, the default):
+#     iceberg-aws-sdk2.jar   AWS SDK v2 for Iceberg's S3FileIO (the warehouse on s3://)
+#     hadoop-aws.jar + aws-sdk-v1-s3a.jar   Hadoop S3A (Spark reading landing Parquet on s3://)
 # Resolution order, per jar: an explicit path from the environment
 # (CDC_ICEBERG_RUNTIME_JAR, CDC_POSTGRES_JDBC_JAR); else Maven Central when reachable;
 # else the offline route (Iceberg's runtime from the PyPI wheel snowpark-connect-deps-iceberg,
@@ -79,5 +82,85 @@ elif [[ -s /usr/share/java/postgresql.jar ]]; then
   cp /usr/share/java/postgresql.jar "$PG_JAR"; log "jdbc: Debian libpostgresql-jdbc-java"
 else
   echo "No PostgreSQL JDBC driver: install libpostgresql-jdbc-java or set CDC_POSTGRES_JDBC_JAR" >&2; exit 1
+fi
+# --- S3: AWS SDK v2 for Iceberg's S3FileIO, Hadoop S3A for plain Parquet ------------------
+# Iceberg's runtime jar already holds org.apache.iceberg.aws.s3.S3FileIO; it needs the AWS SDK v2.
+# Maven route: iceberg-aws-bundle + hadoop-aws 3.3.4 (pyspark's Hadoop) + aws-java-sdk-bundle.
+# Offline route (no Maven Central): the SDKs ship inside two PyPI packages (see
+# ../shared/notes/toolchain.md): sagemaker-feature-store-pyspark holds SDK v2 relocated under
+# smfs.shaded.*, put back under software.amazon.awssdk with jarjar; sagemaker_pyspark holds
+# hadoop-aws 3.3.1 and the SDK v1 bundle, trimmed to the services S3A links against.
+SDK2_JAR="$JARS/iceberg-aws-sdk2.jar"
+S3A_JAR="$JARS/hadoop-aws.jar"
+SDK1_JAR="$JARS/aws-sdk-v1-s3a.jar"
+PYPI_CACHE="${CDC_PYPI_JAR_CACHE:-$ROOT/.cache/pypi-jars}"
+
+pypi_get() {  # pypi_get SPEC [pip args]: the downloaded file's path (cached across setups)
+  local spec="$1"; shift
+  mkdir -p "$PYPI_CACHE"
+  local hit; hit="$(ls "$PYPI_CACHE"/"${spec%%==*}"* 2>/dev/null | head -1 || true)"
+  if [[ -z "$hit" ]]; then
+    "$PY" -m pip download -q --no-deps "$@" "$spec" -d "$PYPI_CACHE" 2>/dev/null \
+      || python3 -m pip download -q --no-deps "$@" "$spec" -d "$PYPI_CACHE"
+    hit="$(ls "$PYPI_CACHE"/"${spec%%==*}"* 2>/dev/null | head -1)"
+  fi
+  echo "$hit"
+}
+
+build_sdk2_offline() {
+  local whl work
+  whl="$(pypi_get sagemaker_feature_store_pyspark==2.2.2)"
+  work="$(mktemp -d)"
+  unzip -qo -j "$whl" 'feature_store_pyspark/jars/sagemaker-feature-store-spark-sdk-3.5.jar' -d "$work"
+  mkdir "$work/x"
+  # Only the SDK core, the s3/sts/kms clients, their HTTP clients and the reactive-streams API.
+  (cd "$work/x" && unzip -qo ../sagemaker-feature-store-spark-sdk-3.5.jar \
+     'smfs/shaded/software/amazon/awssdk/*' 'smfs/shaded/org/apache/hc/*' 'smfs/shaded/org/apache/commons/*' \
+     'software/amazon/eventstream/*' 'org/reactivestreams/*' \
+   && find smfs/shaded/software/amazon/awssdk/services -mindepth 1 -maxdepth 1 -type d \
+        ! -name s3 ! -name sts ! -name kms -exec rm -rf {} + \
+   && zip -qr ../sdk2-relocated.jar .)
+  echo 'rule smfs.shaded.software.amazon.awssdk.** software.amazon.awssdk.@1' > "$work/rules.txt"
+  java -jar /usr/share/java/jarjar.jar process "$work/rules.txt" "$work/sdk2-relocated.jar" "$SDK2_JAR.part"
+  mv "$SDK2_JAR.part" "$SDK2_JAR"
+  rm -rf "$work"
+}
+
+build_s3a_offline() {
+  local sdist work
+  sdist="$(pypi_get sagemaker_pyspark==1.4.5 --no-binary :all:)"
+  work="$(mktemp -d)"
+  tar -xzf "$sdist" -C "$work" --wildcards '*/deps/jars/hadoop-aws-3.3.1.jar' '*/deps/jars/aws-java-sdk-bundle-1.11.901.jar'
+  cp "$work"/*/deps/jars/hadoop-aws-3.3.1.jar "$S3A_JAR.part"
+  mkdir "$work/x"
+  # S3A 3.3 links against s3, sts, kms and dynamodbv2 (S3Guard); the rest of the 190 MB goes.
+  (cd "$work/x" && unzip -qo "$work"/*/deps/jars/aws-java-sdk-bundle-1.11.901.jar -x 'models/*' \
+   && find com/amazonaws/services -mindepth 1 -maxdepth 1 -type d \
+        ! -name s3 ! -name securitytoken ! -name kms ! -name dynamodbv2 -exec rm -rf {} + \
+   && zip -qr ../sdk1.jar .)
+  mv "$work/sdk1.jar" "$SDK1_JAR"
+  mv "$S3A_JAR.part" "$S3A_JAR"
+  rm -rf "$work"
+}
+
+if [[ "${CDC_WITH_S3:-1}" == "1" ]]; then
+  if [[ -s "$SDK2_JAR" ]]; then
+    log "s3: cached $(basename "$SDK2_JAR")"
+  elif maven_get "$MAVEN/org/apache/iceberg/iceberg-aws-bundle/$ICEBERG_VERSION/iceberg-aws-bundle-$ICEBERG_VERSION.jar" "$SDK2_JAR"; then
+    log "s3: iceberg-aws-bundle from Maven Central"
+  else
+    log "s3: Maven Central unreachable; AWS SDK v2 from PyPI sagemaker-feature-store-pyspark + jarjar"
+    build_sdk2_offline
+  fi
+  if [[ -s "$S3A_JAR" && -s "$SDK1_JAR" ]]; then
+    log "s3: cached $(basename "$S3A_JAR") + $(basename "$SDK1_JAR")"
+  elif maven_get "$MAVEN/org/apache/hadoop/hadoop-aws/3.3.4/hadoop-aws-3.3.4.jar" "$S3A_JAR" \
+       && maven_get "$MAVEN/com/amazonaws/aws-java-sdk-bundle/1.12.262/aws-java-sdk-bundle-1.12.262.jar" "$SDK1_JAR"; then
+    log "s3: hadoop-aws + aws-java-sdk-bundle from Maven Central"
+  else
+    log "s3: hadoop-aws 3.3.1 + trimmed AWS SDK v1 bundle from PyPI sagemaker_pyspark"
+    rm -f "$S3A_JAR" "$SDK1_JAR"
+    build_s3a_offline
+  fi
 fi
 ls -1 "$JARS"

@@ -64,6 +64,17 @@ def lake(pg, tmp_root):
 
 
 @pytest.fixture(scope="session")
+def s3_server(tmp_root):
+    """A local S3-compatible server (moto, server mode) for the session; started on first use."""
+    from cdc_lakehouse.localstack import LocalS3, free_port
+
+    server = LocalS3(free_port())
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
 def spark(lake):
     from cdc_lakehouse.lake import ensure_meta_tables
     from cdc_lakehouse.spark_session import get_spark

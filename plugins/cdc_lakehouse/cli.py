@@ -39,11 +39,13 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(pools(), indent=2, sort_keys=True))
         return 0
     from .identifiers import check_lake_ident
+    from .job_secrets import load_job_secrets
     from .lake import ensure_meta_tables
     from .settings import LakeSettings
     from .spark_session import get_spark
 
     table = check_lake_ident(args.table, "table")
+    load_job_secrets()
     lake = LakeSettings.from_env()
     spark = get_spark("cdc-quarantine", lake, master="local[1]")
     ensure_meta_tables(spark, lake)

@@ -12,7 +12,18 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ByteSize,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from .identifiers import IdentifierError, check_ident, check_lake_ident
 
@@ -212,6 +223,71 @@ class SoftDeleteColumns(_Model):
     timestamp: str = "deleted_at"
 
 
+_DURATION = re.compile(r"^(\d+(?:\.\d+)?)\s*([a-z]+)$", re.I)
+_DURATION_UNITS = {**dict.fromkeys(("s", "sec", "secs", "second", "seconds"), 1),
+                   **dict.fromkeys(("m", "min", "mins", "minute", "minutes"), 60),
+                   **dict.fromkeys(("h", "hr", "hour", "hours"), 3600), **dict.fromkeys(("d", "day", "days"), 86400)}
+
+
+def _off(v: Any) -> Any:
+    """`off` (YAML reads a bare off as false), `false` or 0 disable a threshold."""
+    if v is False or (isinstance(v, str) and v.strip().lower() in ("off", "none", "disabled")):
+        return 0
+    return v
+
+
+def _duration(v: Any) -> float:
+    v = _off(v)
+    if v == 0:
+        return 0.0
+    m = _DURATION.match(v.strip()) if isinstance(v, str) else None
+    if not m or m.group(2).lower() not in _DURATION_UNITS:
+        raise ValueError(f"{v!r} is not a duration: write a number and a unit, like 90m, 2h or 1d (or off)")
+    return float(m.group(1)) * _DURATION_UNITS[m.group(2).lower()]
+
+
+def _size(v: Any) -> int:
+    v = _off(v)
+    if isinstance(v, bool):
+        raise ValueError("a size is a number of bytes or a number and a unit, like 10GiB or 500MB (or off)")
+    try:
+        n = int(TypeAdapter(ByteSize).validate_python(v))
+    except ValidationError:
+        raise ValueError(f"{v!r} is not a size: write bytes or a number and a unit, like 10GiB or 500MB (or off)") from None
+    if n < 0:
+        raise ValueError("a size cannot be negative")
+    return n
+
+
+# Seconds (0 = off), parsed from "2h", "90m", "1d", "off".
+Duration = Annotated[float, BeforeValidator(_duration)]
+# Bytes (0 = off), parsed from "10GiB", "500MB", 1073741824, "off".
+Size = Annotated[int, BeforeValidator(_size)]
+AlertKind = Literal["task_failed", "audit_failing", "wal_retained", "freshness"]
+
+
+class AlertThresholds(_Model):
+    """When an alert fires. Unset fields inherit the project defaults (include/alerting.yaml);
+    0 or `off` disables that alert."""
+
+    audit_failed_runs: int | None = Field(None, ge=0, description="alert when the audit fails N runs in a row")
+    retained_wal_bytes: Size | None = Field(None, description="alert when a capture slot retains more WAL")
+    freshness_sla: Duration | None = Field(
+        None, description="alert when the lake lags the source by more; default: audit.freshness_sla_minutes")
+    renotify_every_runs: int | None = Field(
+        None, ge=1, description="while a condition lasts, repeat its alert every N runs")
+
+    @field_validator("audit_failed_runs", mode="before")
+    @classmethod
+    def _runs_off(cls, v: Any) -> Any:
+        return _off(v)
+
+
+class TableAlerts(AlertThresholds):
+    channels: list[str] | None = Field(
+        None, description="names of channels in include/alerting.yaml; default: every channel")
+
+
 class TableConfig(_Model):
     name: str = Field(description="the table's id: DAG ids, pools and lake names derive from it")
     description: str = ""
@@ -231,7 +307,8 @@ class TableConfig(_Model):
     maintenance: MaintenanceConfig = MaintenanceConfig()
     bootstrap: BootstrapConfig = BootstrapConfig()
     retries: int = Field(2, ge=0, le=10)
-    alert_emails: list[str] = Field(default_factory=list)
+    alert_emails: list[str] = Field(default_factory=list, description="also e-mailed every alert of this table")
+    alerts: TableAlerts = TableAlerts()
 
     @field_validator("name")
     @classmethod

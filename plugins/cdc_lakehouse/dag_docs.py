@@ -25,6 +25,9 @@ def ingest_doc(cfg: TableConfig) -> str:
    `lake.cdc_meta.quarantine`), appends them to `lake.{cfg.changelog_table}`, keeps the latest
    event per key and MERGEs it into `lake.{cfg.current_table}` with an LSN guard. The table's
    watermark (per shard, the LSN reached) is committed with the data.
+3. **check_alerts** (teardown, runs even when the ingest failed) — the freshness alert when the
+   committed ingest left the table behind its SLA; the capture alerts on its slot's retained WAL.
+   Channels and thresholds: `include/alerting.yaml` and the table's `alerts:` (README, Alerts).
 
 Per-run figures: `SELECT * FROM lake.cdc_meta.ingest_runs WHERE table_name = '{cfg.name}' ORDER BY committed_at DESC`.
 
@@ -118,7 +121,8 @@ the source after the watermark are in flight, not mismatches. A key that mismatc
 Expectations checks the lake table (key unique and not null, LSN not null, freshness within
 {a.freshness_sla_minutes} min from the heartbeats, row count vs source). Repair is
 {'on' if a.repair else 'off'}: persistent mismatches are re-read from the source and merged
-through the ingest's LSN-guarded path.
+through the ingest's LSN-guarded path. The **check_alerts** teardown alerts when the audit has
+failed several runs in a row (`alerts.audit_failed_runs`, see `include/alerting.yaml`).
 
 ## How to read an audit
 `SELECT * FROM lake.cdc_meta.audit_results WHERE table_name = '{cfg.name}' ORDER BY audited_at DESC`

@@ -45,8 +45,9 @@ def asset(lake_table: str):
     return Asset(uri=f"iceberg://lake/{ns}/{name}", name=f"lake.{lake_table}")
 
 
-def default_args(cfg: TableConfig | None, owner: str = "data-platform", retries: int = 2) -> dict[str, Any]:
-    from .alerts import on_task_failure
+def default_args(cfg: TableConfig | None, owner: str = "data-platform", retries: int = 2,
+                 tables: list[str] | None = None) -> dict[str, Any]:
+    from .alerts import CdcFailureNotifier
 
     args: dict[str, Any] = {
         "owner": cfg.owner if cfg else owner,
@@ -55,11 +56,28 @@ def default_args(cfg: TableConfig | None, owner: str = "data-platform", retries:
         "retry_delay": timedelta(minutes=2),
         "retry_exponential_backoff": True,
         "max_retry_delay": timedelta(minutes=30),
-        "on_failure_callback": on_task_failure,
+        # Alerts through the channels of include/alerting.yaml and the tables' alert_emails
+        # (cdc_lakehouse.alerts); Airflow's own failure e-mail stays off so nothing arrives twice.
+        "on_failure_callback": CdcFailureNotifier(tables if tables is not None else [cfg.name] if cfg else []),
     }
-    if cfg and cfg.alert_emails:
-        args["email"] = list(cfg.alert_emails)
     return args
+
+
+def alert_check_task(kind: str, tables: list[str]):
+    """check_alerts: after the DAG's work, the audit-streak or freshness alerts of its tables.
+
+    A teardown: it runs whatever the upstream state (all done) and is left out of the DAG run's
+    state, so a failed ingest or audit still fails the run."""
+    from airflow.sdk import task
+
+    @task(task_id="check_alerts", execution_timeout=timedelta(minutes=10))
+    def check_alerts(tables: list[str], **context: Any) -> dict[str, Any]:
+        """Alerts on the run history in cdc_meta (see cdc_lakehouse.alerts)."""
+        from .alerts import run_checks
+
+        return run_checks(kind, tables, context["run_id"], context)
+
+    return check_alerts(tables).as_teardown()
 
 
 def spark_task(task_id: str, job: str, job_args: list[str], source_conn_ids: list[str], pool: str, **kw: Any):
@@ -79,7 +97,7 @@ def _capture_tasks(cs: ConfigSet, endpoint_ids: list[str]):
         """One bounded capture run of the endpoint's replication slot into the landing zone."""
         from .tasks import capture_endpoint
 
-        return capture_endpoint(endpoint_id, context["data_interval_end"])
+        return capture_endpoint(endpoint_id, context["data_interval_end"], context=context)
 
     return [capture.override(task_id=f"capture__{e}", pool=f"cdc_capture__{e}")(e) for e in endpoint_ids]
 
@@ -111,7 +129,7 @@ def ingest_dag(cfg: TableConfig, cs: ConfigSet):
             conn_ids, table_pool(cfg), outlets=[asset(cfg.current_table), asset(cfg.changelog_table)],
             execution_timeout=timedelta(hours=2),
         )
-        captures >> ingest
+        captures >> ingest >> alert_check_task("freshness", [cfg.name])
     return dag
 
 
@@ -123,7 +141,8 @@ def group_ingest_dag(group: str, cfgs: list[TableConfig], cs: ConfigSet):
     schedule = cfgs[0].ingest.schedule
     with DAG(
         dag_id=f"cdc_ingest_group__{group}", schedule=_timetable(schedule), start_date=START_DATE, catchup=False,
-        max_active_runs=1, default_args=default_args(cfgs[0]), tags=_tags("ingest", group=group),
+        max_active_runs=1, default_args=default_args(cfgs[0], tables=[c.name for c in cfgs]),
+        tags=_tags("ingest", group=group),
         doc_md=group_doc(group, cfgs), description=f"CDC ingest of {len(cfgs)} tables in one Spark application",
     ) as dag:
         captures = _capture_tasks(cs, endpoints)
@@ -134,7 +153,7 @@ def group_ingest_dag(group: str, cfgs: list[TableConfig], cs: ConfigSet):
              "--interval-end", "{{ data_interval_end.isoformat() }}"],
             conn_ids, group_pool(group), outlets=outlets, execution_timeout=timedelta(hours=3),
         )
-        captures >> ingest
+        captures >> ingest >> alert_check_task("freshness", [c.name for c in cfgs])
     return dag
 
 
@@ -190,8 +209,9 @@ def audit_dag(cfg: TableConfig):
         catchup=False, max_active_runs=1, default_args=default_args(cfg), tags=_tags("audit", cfg),
         doc_md=audit_doc(cfg), description=f"Hourly source-vs-lake audit of {cfg.name}",
     ) as dag:
-        spark_task("audit", "audit", ["--tables", cfg.name, "--audit-run", "{{ run_id }}"], conn_ids,
-                   table_pool(cfg), inlets=[asset(cfg.current_table)], execution_timeout=timedelta(hours=1))
+        audit = spark_task("audit", "audit", ["--tables", cfg.name, "--audit-run", "{{ run_id }}"], conn_ids,
+                           table_pool(cfg), inlets=[asset(cfg.current_table)], execution_timeout=timedelta(hours=1))
+        audit >> alert_check_task("audit", [cfg.name])
     return dag
 
 
@@ -216,7 +236,10 @@ def build_dags(config_dir: str | None = None) -> dict[str, Any]:
 
 
 def config_errors(config_dir: str | None = None) -> list[str]:
-    return [str(e) for e in load_table_configs(config_dir or tables_dir()).errors]
+    from .alerts import alerting_errors
+
+    cs = load_table_configs(config_dir or tables_dir())
+    return [str(e) for e in cs.errors] + alerting_errors(cs.tables)
 
 
 def pools(config_dir: str | None = None) -> dict[str, dict[str, Any]]:

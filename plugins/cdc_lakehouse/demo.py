@@ -30,7 +30,9 @@ def _say(msg: str) -> None:
 def source_dsn() -> str:
     port = os.environ.get("CDC_LOCAL_PG_PORT", "55432")
     pw = os.environ.get("CDC_LOCAL_PG_PASSWORD", "")
-    return f"host=127.0.0.1 port={port} dbname=notion user=postgres password={pw}"
+    from .settings import libpq_dsn
+
+    return libpq_dsn(host="127.0.0.1", port=port, dbname="notion", user="postgres", password=pw)
 
 
 def prepare(blocks_per_shard: int) -> NotionWorkload:

@@ -1,8 +1,9 @@
 """Command lines of the Spark jobs (spark_jobs/*.py are thin wrappers around these).
 
 Each job takes table names and a config directory, builds the one SparkSession, runs the
-job's function per table and prints one JSON line of results per table. Secrets arrive
-through the environment (CDC_CATALOG_PASSWORD, CDC_SOURCE_URI__<CONN>), never as arguments.
+job's function per table and prints one JSON line of results per table. Secrets arrive by
+reference (CDC_SECRETS_FILE, see job_secrets) or through the environment of a job started by
+hand (CDC_CATALOG_PASSWORD, CDC_SOURCE_URI__<CONN>), never as arguments.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from .config import TableConfig, load_table_configs
+from .job_secrets import load_job_secrets
 from .settings import LakeSettings, tables_dir
 
 log = logging.getLogger("cdc_lakehouse.jobs")
@@ -76,6 +78,7 @@ def run_per_table(kind: str, args: argparse.Namespace, fn: Callable[..., dict[st
     from .spark_session import get_spark
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    load_job_secrets()  # before anything reads CDC_CATALOG_PASSWORD, CDC_SOURCE_URI__*, AWS_*
     cfgs, files = _configs(args)
     lake = LakeSettings.from_env()
     t0 = time.time()

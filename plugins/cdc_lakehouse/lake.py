@@ -269,9 +269,16 @@ def table_properties(cfg: TableConfig, changelog: bool = False) -> dict[str, str
     return props
 
 
-def _props_sql(props: dict[str, str]) -> str:
-    body = ", ".join(f"'{k}'='{v}'" for k, v in sorted(props.items()))
+def sql_string(value: object) -> str:
+    """A Spark SQL string literal: single-quoted, backslash and single quote backslash-escaped
+    (Spark's default parser reads backslash escapes in string literals)."""
+    return "'" + str(value).replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def props_sql(props: dict[str, str]) -> str:
+    body = ", ".join(f"{sql_string(k)}={sql_string(v)}" for k, v in sorted(props.items()))
     return f"TBLPROPERTIES ({body})"
+
 
 
 def current_table_columns(cfg: TableConfig, source_columns: list[tuple[str, str]]) -> list[tuple[str, str]]:
@@ -294,7 +301,7 @@ def create_table_sql(name: str, columns: list[tuple[str, str]], partition: str, 
                      *, replace: bool = False, not_null: tuple[str, ...] = ()) -> str:
     cols = ", ".join(f"{spark_ident(c)} {t}{' NOT NULL' if c in not_null else ''}" for c, t in columns)
     verb = "CREATE OR REPLACE TABLE" if replace else "CREATE TABLE IF NOT EXISTS"
-    return f"{verb} {name} ({cols}) USING iceberg {partition} {_props_sql(props)}"
+    return f"{verb} {name} ({cols}) USING iceberg {partition} {props_sql(props)}"
 
 
 def ensure_namespace(spark: SparkSession, lake: LakeSettings, namespace: str) -> None:

@@ -141,13 +141,16 @@ class LocalPostgres:
 
     # --- access --------------------------------------------------------------------------
     def dsn(self, dbname: str = "postgres", user: str = "postgres", password: str | None = None) -> str:
+        from .settings import libpq_dsn
+
         pw = password if password is not None else (self.password if user == "postgres" else None)
-        dsn = f"host=127.0.0.1 port={self.port} dbname={dbname} user={user}"
-        return dsn + (f" password={pw}" if pw else "")
+        return libpq_dsn(host="127.0.0.1", port=self.port, dbname=dbname, user=user, password=pw)
 
     def uri(self, dbname: str = "postgres", user: str = "postgres", password: str | None = None) -> str:
+        from urllib.parse import quote
+
         pw = password if password is not None else (self.password if user == "postgres" else None)
-        auth = f"{user}:{pw}" if pw else user
+        auth = f"{quote(user, safe='')}:{quote(pw, safe='')}" if pw else quote(user, safe="")
         return f"postgresql://{auth}@127.0.0.1:{self.port}/{dbname}"
 
     def execute(self, sql: str, dbname: str = "postgres", autocommit: bool = True) -> list[tuple]:
@@ -170,6 +173,103 @@ class LocalPostgres:
 
         if not self.execute(f"SELECT 1 FROM pg_database WHERE datname = '{name}'"):
             self.execute(f"CREATE DATABASE {pg_ident(name)}")
+
+
+class LocalS3:
+    """A local S3-compatible server (moto's server mode, in this process) for tests.
+
+    Any access key is accepted; buckets live in memory and end with the process. Running in
+    process lets a test age an object (S3 has no way to back-date one), which orphan-file
+    cleanup needs: Iceberg refuses to remove files younger than a day."""
+
+    REGION = "us-east-1"
+
+    def __init__(self, port: int):
+        self.port = port
+        self.server = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        from moto.server import ThreadedMotoServer
+
+        self.server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
+        self.server.start()
+
+    def stop(self) -> None:
+        if self.server:
+            self.server.stop()
+
+    def client(self, service: str = "s3"):
+        import boto3
+
+        return boto3.client(service, endpoint_url=self.endpoint, region_name=self.REGION,
+                            aws_access_key_id="local", aws_secret_access_key="local")
+
+    def create_bucket(self, name: str) -> None:
+        self.client().create_bucket(Bucket=name)
+
+    @staticmethod
+    def age_object(bucket: str, key: str, by) -> None:
+        """Move an object's LastModified back by the timedelta `by`."""
+        from moto.core import DEFAULT_ACCOUNT_ID
+        from moto.s3.models import s3_backends
+
+        obj = s3_backends[DEFAULT_ACCOUNT_ID]["aws"].buckets[bucket].keys[key]
+        obj.last_modified = obj.last_modified - by
+
+
+class LocalSparkCluster:
+    """A Spark standalone cluster (one master, one worker) from pyspark's own launcher, to run
+    jobs the way a cluster does: executors in another JVM, code shipped with --py-files."""
+
+    def __init__(self, workdir: Path, *, cores: int = 1, memory: str = "1536m"):
+        self.workdir = Path(workdir)
+        self.port, self.ui_port, self.worker_ui_port = free_port(), free_port(), free_port()
+        self.cores, self.memory = cores, memory
+        self.procs: list[subprocess.Popen] = []
+
+    @property
+    def master_url(self) -> str:
+        return f"spark://127.0.0.1:{self.port}"
+
+    def _spark_class(self, *args: str, log: str) -> subprocess.Popen:
+        import pyspark
+
+        spark_class = Path(pyspark.__file__).parent / "bin" / "spark-class"
+        out = open(self.workdir / log, "wb")
+        env = {**os.environ, "SPARK_LOCAL_IP": "127.0.0.1", "SPARK_WORKER_DIR": str(self.workdir / "work")}
+        return subprocess.Popen([str(spark_class), *args], stdout=out, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+
+    def start(self, timeout: float = 90) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.procs.append(self._spark_class("org.apache.spark.deploy.master.Master", "--host", "127.0.0.1",
+                                            "--port", str(self.port), "--webui-port", str(self.ui_port),
+                                            log="master.log"))
+        self.procs.append(self._spark_class("org.apache.spark.deploy.worker.Worker", self.master_url,
+                                            "--cores", str(self.cores), "--memory", self.memory,
+                                            "--webui-port", str(self.worker_ui_port), log="worker.log"))
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if "Successfully registered with master" in (self.workdir / "worker.log").read_text(errors="replace"):
+                return
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"the Spark standalone cluster did not start: see {self.workdir}/master.log, worker.log")
+
+    def stop(self) -> None:
+        import signal
+
+        for p in reversed(self.procs):
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+                try:
+                    p.wait(20)
+                except subprocess.TimeoutExpired:
+                    os.killpg(p.pid, signal.SIGKILL)
 
 
 def local_stack_postgres() -> LocalPostgres:

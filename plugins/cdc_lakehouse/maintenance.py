@@ -18,6 +18,7 @@ from .lake import (
     WATERMARK_PROP,
     SparkLanding,
     meta_append,
+    props_sql,
     read_watermark,
     source_columns_of,
     table_exists,
@@ -161,9 +162,8 @@ def publish_latest(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, lo
         view = f"cdc_latest_{cfg.name}"
         df.createOrReplaceTempView(view)
         part = f"PARTITIONED BY ({SHARD_COL})" if SHARD_COL in cfg.lake.partition_by else ""
-        spark.sql(f"CREATE OR REPLACE TABLE {name} USING iceberg {part} "
-                  f"TBLPROPERTIES ('format-version'='2', 'cdc.table'='{cfg.name}', 'cdc.kind'='latest-per-key') "
-                  f"AS SELECT * FROM {view}")
+        props = props_sql({"format-version": "2", "cdc.table": cfg.name, "cdc.kind": "latest-per-key"})
+        spark.sql(f"CREATE OR REPLACE TABLE {name} USING iceberg {part} {props} AS SELECT * FROM {view}")
         rows = spark.table(name).count()
     else:
         if table_exists(spark, name) and not _is_view(spark, name):

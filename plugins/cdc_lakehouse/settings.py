@@ -10,13 +10,55 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, field, replace
+import re
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote, unquote, urlsplit
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 ENV_PREFIX = "CDC_"
+# Credential-like catalog properties travel as secrets, in this variable (JSON), never in CDC_LAKE_SETTINGS.
+SECRET_PROPERTIES_ENV = f"{ENV_PREFIX}CATALOG_SECRET_PROPERTIES"
+_SECRET_KEY = re.compile(r"secret|password|passwd|token|credential|access[._-]?key|session|private[._-]?key"
+                         r"|authorization", re.I)
+
+
+def is_secret_key(key: str) -> bool:
+    """True for property names that hold credentials (s3.secret-access-key, s3.access-key-id,
+    s3.session-token, credential, token, header.Authorization, ...)."""
+    return bool(_SECRET_KEY.search(key))
+
+
+def libpq_quote(value: object) -> str:
+    """A libpq connection-string value: single-quoted, backslash and single quote backslash-escaped."""
+    text = str(value)
+    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def libpq_dsn(**params: object) -> str:
+    """key='value' pairs for libpq (psycopg2.connect); None and empty values are left out."""
+    return " ".join(f"{k}={libpq_quote(v)}" for k, v in params.items() if v is not None and v != "")
+
+
+@dataclass(frozen=True)
+class S3Credentials:
+    """Explicit AWS keys. None in LakeSettings = the SDKs' default chain (instance profile, IRSA)."""
+
+    access_key_id: str
+    secret_access_key: str = field(repr=False)
+    session_token: str | None = field(default=None, repr=False)
+
+    ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
+
+    def to_env(self) -> dict[str, str]:
+        values = (self.access_key_id, self.secret_access_key, self.session_token)
+        return {k: v for k, v in zip(self.ENV, values, strict=True) if v}
+
+    @classmethod
+    def from_env(cls, env: Any) -> S3Credentials | None:
+        key, secret, token = (env.get(k) or None for k in cls.ENV)
+        return cls(key, secret, token) if key and secret else None
 
 
 @dataclass(frozen=True)
@@ -31,6 +73,14 @@ class LakeSettings:
     meta_namespace: str = "cdc_meta"
     catalog_properties: dict[str, str] = field(default_factory=dict)
     catalog_password: str | None = field(default=None, repr=False)
+    # Object storage (s3:// warehouse or landing). Endpoint and region are public settings (from
+    # the lake connection's extra, else from the AWS connection); the credentials are secrets,
+    # resolved from the AWS connection by the Airflow task and handed to the job out of band.
+    s3_conn_id: str | None = None  # AWS connection; default: landing_conn_id, then aws_default
+    s3_endpoint: str | None = None  # e.g. http://127.0.0.1:5000 (MinIO, moto); None = AWS
+    s3_region: str | None = None
+    s3_path_style: bool = False  # True for most S3-compatible servers
+    s3_credentials: S3Credentials | None = field(default=None, repr=False)
 
     # --- catalog addresses ----------------------------------------------------
     def _pg_parts(self) -> tuple[str, str | None, int, str]:
@@ -67,8 +117,62 @@ class LakeSettings:
             raise ValueError(f"unknown catalog_type {self.catalog_type!r}: use jdbc, rest, glue or hadoop")
         if self.warehouse.startswith("s3"):
             conf[f"{p}.io-impl"] = "org.apache.iceberg.aws.s3.S3FileIO"
+            conf.update({f"{p}.{k}": v for k, v in self.s3_fileio_properties(include_secret).items()})
         for k, v in self.catalog_properties.items():
             conf[f"{p}.{k}"] = v
+        return conf
+
+    # --- object storage --------------------------------------------------------------
+    @property
+    def uses_s3(self) -> bool:
+        return any(u.startswith(("s3://", "s3a://")) for u in (self.warehouse, self.landing_uri))
+
+    @property
+    def aws_conn_id(self) -> str:
+        return self.s3_conn_id or self.landing_conn_id or "aws_default"
+
+    def s3_fileio_properties(self, include_secret: bool = True) -> dict[str, str]:
+        """Iceberg S3FileIO catalog properties (the same keys pyiceberg reads). The keys travel with
+        the serialized FileIO to executors, so clusters without instance roles work too."""
+        props: dict[str, str] = {}
+        if self.s3_endpoint:
+            props["s3.endpoint"] = self.s3_endpoint
+        if self.s3_region:
+            props["client.region"] = self.s3_region
+        if self.s3_path_style:
+            props["s3.path-style-access"] = "true"
+        if include_secret and self.s3_credentials:
+            c = self.s3_credentials
+            props["s3.access-key-id"] = c.access_key_id
+            props["s3.secret-access-key"] = c.secret_access_key
+            if c.session_token:
+                props["s3.session-token"] = c.session_token
+        return props
+
+    def hadoop_s3_conf(self, include_secret: bool = True) -> dict[str, str]:
+        """Hadoop S3A settings (Spark reads landing Parquet and lists manifests through Hadoop's
+        FileSystem); `s3://` is mapped to S3A so both spellings work. Keys without the
+        `spark.hadoop.` prefix: the caller adds it for a SparkConf."""
+        if not self.uses_s3:
+            return {}
+        conf = {"fs.s3.impl": "org.apache.hadoop.fs.s3a.S3AFileSystem",
+                "fs.s3a.impl": "org.apache.hadoop.fs.s3a.S3AFileSystem"}
+        if self.s3_endpoint:
+            conf["fs.s3a.endpoint"] = self.s3_endpoint
+            conf["fs.s3a.connection.ssl.enabled"] = str(self.s3_endpoint.startswith("https")).lower()
+        if self.s3_region:
+            conf["fs.s3a.endpoint.region"] = self.s3_region
+        if self.s3_path_style:
+            conf["fs.s3a.path.style.access"] = "true"
+        c = self.s3_credentials
+        if include_secret and c:
+            conf["fs.s3a.access.key"] = c.access_key_id
+            conf["fs.s3a.secret.key"] = c.secret_access_key
+            if c.session_token:
+                conf["fs.s3a.session.token"] = c.session_token
+                conf["fs.s3a.aws.credentials.provider"] = "org.apache.hadoop.fs.s3a.TemporaryAWSCredentialsProvider"
+            else:
+                conf["fs.s3a.aws.credentials.provider"] = "org.apache.hadoop.fs.s3a.SimpleAWSCredentialsProvider"
         return conf
 
     def pyiceberg_properties(self) -> dict[str, str]:
@@ -84,14 +188,17 @@ class LakeSettings:
             props.update({"type": "glue"})
         else:
             raise ValueError(f"pyiceberg has no {self.catalog_type!r} catalog here")
+        if self.warehouse.startswith("s3"):
+            props.update(self.s3_fileio_properties())
+            if self.s3_region:  # pyiceberg's spelling of the region key
+                props["s3.region"] = self.s3_region
         props.update(self.catalog_properties)
         return props
 
     def catalog_dsn(self) -> str:
-        """libpq DSN of the JDBC catalog database (locks, tests)."""
+        """libpq DSN of the JDBC catalog database (locks, tests); values quoted per libpq rules."""
         user, host, port, db = self._pg_parts()
-        dsn = f"host={host} port={port} dbname={db} user={user}"
-        return dsn + (f" password={self.catalog_password}" if self.catalog_password else "")
+        return libpq_dsn(host=host, port=port, dbname=db, user=user, password=self.catalog_password)
 
     def qualified(self, table: str) -> str:
         """namespace.table -> catalog.namespace.table (for Spark SQL)."""
@@ -101,14 +208,41 @@ class LakeSettings:
         return f"{self.meta_namespace}.{name}"
 
     # --- transport ---------------------------------------------------------------
-    def to_env(self) -> dict[str, str]:
-        """Environment for a Spark job: settings as JSON, the secret in its own variable."""
+    def public_env(self) -> dict[str, str]:
+        """The settings as JSON without any secret (catalog password, S3 keys, credential-like
+        catalog properties): fit for a command line, a Spark conf or a log."""
         public = asdict(self)
-        secret = public.pop("catalog_password")
-        env = {f"{ENV_PREFIX}LAKE_SETTINGS": json.dumps(public)}
-        if secret:
-            env[f"{ENV_PREFIX}CATALOG_PASSWORD"] = secret
+        public.pop("catalog_password")
+        public.pop("s3_credentials")
+        public["catalog_properties"] = {k: v for k, v in self.catalog_properties.items() if not is_secret_key(k)}
+        return {f"{ENV_PREFIX}LAKE_SETTINGS": json.dumps(public)}
+
+    def secret_env(self) -> dict[str, str]:
+        """The secrets of these settings by variable name; job_secrets delivers them to a job."""
+        env: dict[str, str] = {}
+        if self.catalog_password:
+            env[f"{ENV_PREFIX}CATALOG_PASSWORD"] = self.catalog_password
+        if self.s3_credentials:
+            env.update(self.s3_credentials.to_env())
+        secret_props = {k: v for k, v in self.catalog_properties.items() if is_secret_key(k)}
+        if secret_props:
+            env[SECRET_PROPERTIES_ENV] = json.dumps(secret_props)
         return env
+
+    def to_env(self) -> dict[str, str]:
+        """Everything from_env needs: public_env() and secret_env() together."""
+        return {**self.public_env(), **self.secret_env()}
+
+    def __repr__(self) -> str:
+        shown = []
+        for f in fields(self):
+            if not f.repr:
+                continue
+            value = getattr(self, f.name)
+            if f.name == "catalog_properties":
+                value = {k: ("***" if is_secret_key(k) else v) for k, v in value.items()}
+            shown.append(f"{f.name}={value!r}")
+        return f"LakeSettings({', '.join(shown)})"
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> LakeSettings:
@@ -123,8 +257,15 @@ class LakeSettings:
                 "warehouse": env.get(f"{ENV_PREFIX}WAREHOUSE", ""),
                 "landing_uri": env.get(f"{ENV_PREFIX}LANDING_URI", ""),
                 "landing_conn_id": env.get(f"{ENV_PREFIX}LANDING_CONN_ID") or None,
+                "s3_endpoint": env.get(f"{ENV_PREFIX}S3_ENDPOINT") or None,
+                "s3_region": env.get(f"{ENV_PREFIX}S3_REGION") or None,
+                "s3_path_style": env.get(f"{ENV_PREFIX}S3_PATH_STYLE", "").lower() in ("1", "true", "yes"),
             }
         data["catalog_password"] = env.get(f"{ENV_PREFIX}CATALOG_PASSWORD") or None
+        if env.get(SECRET_PROPERTIES_ENV):  # credential-like catalog properties, kept out of the JSON
+            data["catalog_properties"] = {**data.get("catalog_properties", {}),
+                                          **json.loads(env[SECRET_PROPERTIES_ENV])}
+        data["s3_credentials"] = S3Credentials.from_env(env)
         settings = cls(**data)
         if not settings.warehouse or not settings.landing_uri:
             raise ValueError(
@@ -136,7 +277,8 @@ class LakeSettings:
     @classmethod
     def from_airflow_connection(cls, conn: Any) -> LakeSettings:
         """Airflow connection: host/port/schema/login/password = the JDBC catalog database;
-        extra = {catalog_type, warehouse, landing_uri, landing_conn_id, catalog_uri, catalog_properties}."""
+        extra = {catalog_type, warehouse, landing_uri, landing_conn_id, catalog_uri, catalog_properties,
+        s3_conn_id, s3_endpoint, s3_region, s3_path_style}."""
         extra = conn.extra_dejson if hasattr(conn, "extra_dejson") else {}
         ctype = extra.get("catalog_type", "jdbc")
         uri = extra.get("catalog_uri") or (
@@ -153,6 +295,10 @@ class LakeSettings:
             meta_namespace=extra.get("meta_namespace", "cdc_meta"),
             catalog_properties=dict(extra.get("catalog_properties", {})),
             catalog_password=conn.password or None,
+            s3_conn_id=extra.get("s3_conn_id"),
+            s3_endpoint=extra.get("s3_endpoint"),
+            s3_region=extra.get("s3_region"),
+            s3_path_style=bool(extra.get("s3_path_style", False)),
         )
 
     def with_(self, **kw: Any) -> LakeSettings:
@@ -226,8 +372,8 @@ class SourceEndpoint:
                    unquote(u.username or "postgres"), unquote(u.password) if u.password else None)
 
     def dsn(self) -> str:
-        dsn = f"host={self.host} port={self.port} dbname={self.database} user={self.user}"
-        return dsn + (f" password={self.password}" if self.password else "")
+        return libpq_dsn(host=self.host, port=self.port, dbname=self.database, user=self.user,
+                         password=self.password)
 
     def jdbc_url(self) -> str:
         return f"jdbc:postgresql://{self.host}:{self.port}/{self.database}"

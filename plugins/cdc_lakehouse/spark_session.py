@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
 ICEBERG_EXTENSIONS = "org.apache.iceberg.spark.extensions.IcebergSparkSessionExtensions"
+REDACTION_REGEX = r"(?i)secret|password|passwd|token|access[._-]?key|credential|authorization|private[._-]?key"
 
 
 def default_jars() -> list[str]:
@@ -48,6 +49,10 @@ def base_conf(shuffle_partitions: int | None = None) -> dict[str, str]:
         "spark.sql.parquet.datetimeRebaseModeInRead": "CORRECTED",
         "spark.serializer": "org.apache.spark.serializer.KryoSerializer",
         "spark.ui.showConsoleProgress": "false",
+        # The UI's environment tab, event logs and history server show runtime-set confs too (the
+        # catalog password, S3 keys set by get_spark): redact every credential-like key. Spark's
+        # default, (?i)secret|password|token|access[.]key, misses Iceberg's s3.access-key-id.
+        "spark.redaction.regex": REDACTION_REGEX,
         "spark.driver.extraJavaOptions": "-Duser.timezone=UTC",
         "spark.executor.extraJavaOptions": "-Duser.timezone=UTC",
     }
@@ -57,7 +62,18 @@ def spark_conf(lake: LakeSettings, *, include_secret: bool = True,
                shuffle_partitions: int | None = None) -> dict[str, str]:
     conf = base_conf(shuffle_partitions)
     conf.update(lake.spark_catalog_conf(include_secret=include_secret))
+    conf.update({f"spark.hadoop.{k}": v for k, v in lake.hadoop_s3_conf(include_secret).items()})
     return conf
+
+
+def attach_lake(spark: SparkSession, lake: LakeSettings) -> None:
+    """Make a second lake (another catalog name) usable in a running session: catalogs are
+    created on first use, and new Hadoop FileSystem instances read the live Hadoop conf."""
+    for k, v in lake.spark_catalog_conf().items():
+        spark.conf.set(k, v)
+    hconf = spark.sparkContext._jsc.hadoopConfiguration()
+    for k, v in lake.hadoop_s3_conf().items():
+        hconf.set(k, v)
 
 
 def get_spark(app_name: str, lake: LakeSettings, *, master: str | None = None,

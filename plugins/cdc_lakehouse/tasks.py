@@ -23,7 +23,28 @@ def run_id_for(interval_end: datetime) -> str:
 def lake_settings() -> LakeSettings:
     from airflow.sdk import BaseHook
 
-    return LakeSettings.from_airflow_connection(BaseHook.get_connection(LAKE_CONN_ID))
+    lake = LakeSettings.from_airflow_connection(BaseHook.get_connection(LAKE_CONN_ID))
+    return with_aws_connection(lake) if lake.uses_s3 else lake
+
+
+def with_aws_connection(lake: LakeSettings) -> LakeSettings:
+    """Fill the S3 endpoint, region and credentials from the lake's AWS connection (the Amazon
+    provider resolves keys, assumed roles and profiles); settings given on the lake connection win."""
+    from airflow.providers.amazon.aws.hooks.base_aws import AwsBaseHook
+
+    from .settings import S3Credentials
+
+    hook = AwsBaseHook(aws_conn_id=lake.aws_conn_id, client_type="s3")
+    cfg = hook.conn_config
+    creds = hook.get_credentials()
+    return lake.with_(
+        s3_endpoint=lake.s3_endpoint or cfg.get_service_endpoint_url("s3"),
+        s3_region=lake.s3_region or hook.conn_region_name,
+        s3_path_style=lake.s3_path_style or bool(cfg.extra_config.get("s3_path_style")
+                                                  or (cfg.extra_config.get("config_kwargs") or {}).get("s3", {})
+                                                  .get("addressing_style") == "path"),
+        s3_credentials=S3Credentials(creds.access_key, creds.secret_key, creds.token) if creds.access_key else None,
+    )
 
 
 def source_uri_from_connection(conn_id: str) -> str:
@@ -38,8 +59,10 @@ def _configs() -> ConfigSet:
     return load_table_configs(tables_dir())
 
 
-def capture_endpoint(endpoint_id: str, interval_end: datetime, **_: Any) -> dict[str, Any]:
-    """Capture task: one bounded run of the endpoint's slot into the landing zone."""
+def capture_endpoint(endpoint_id: str, interval_end: datetime, context: dict[str, Any] | None = None,
+                     **_: Any) -> dict[str, Any]:
+    """Capture task: one bounded run of the endpoint's slot into the landing zone; then the
+    slot's retained-WAL alert (cdc_lakehouse.alerts), which never fails the task."""
     from .capture import CaptureLimits, capture_run
     from .landing import open_landing
     from .settings import SourceEndpoint
@@ -61,6 +84,9 @@ def capture_endpoint(endpoint_id: str, interval_end: datetime, **_: Any) -> dict
     manifest = capture_run(EndpointTables(endpoint_id, group.conn_id, tables), ep.dsn(), store, run_id,
                            host_label=ep.label, database=ep.database, limits=limits)
     record_capture_metrics(lake, manifest, started)
+    from .alerts import notify_wal
+
+    notify_wal(manifest, [t for t, _ in members], lake, context)
     return {k: manifest.get(k) for k in ("run_id", "events", "transactions", "bytes", "capped", "end_lsn", "reused")}
 
 
@@ -96,16 +122,24 @@ def record_capture_metrics(lake: LakeSettings, manifest: dict[str, Any], started
         log.warning("capture metrics not recorded: %s", exc)
 
 
-def spark_env(source_conn_ids: list[str]) -> dict[str, str]:
-    """Environment for spark-submit: lake settings, catalog secret, source URIs. Never logged."""
-    env = lake_settings().to_env()
+def spark_job_env(source_conn_ids: list[str]) -> tuple[dict[str, str], dict[str, str]]:
+    """(public, secrets) environment of a Spark job. Public: lake settings without secrets and
+    PYTHONPATH, fit for env_vars (a --conf on YARN/Kubernetes). Secrets: catalog password,
+    credential-like catalog properties, S3 keys, source URIs; they go through job_secrets only."""
+    lake = lake_settings()
+    public, secrets = lake.public_env(), lake.secret_env()
     for cid in sorted(set(source_conn_ids)):
-        env[source_uri_env(cid)] = source_uri_from_connection(cid)
+        secrets[source_uri_env(cid)] = source_uri_from_connection(cid)
     # The job imports the package from --py-files (as on a cluster), not from this checkout.
     plugins = str(PROJECT_ROOT / "plugins")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
-                                        if p and os.path.abspath(p) != plugins)
-    return env
+    public["PYTHONPATH"] = os.pathsep.join(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+                                           if p and os.path.abspath(p) != plugins)
+    return public, secrets
+
+
+def spark_env(source_conn_ids: list[str]) -> dict[str, str]:
+    """The public part of spark_job_env (no secrets)."""
+    return spark_job_env(source_conn_ids)[0]
 
 
 def spark_jars() -> list[str]:

@@ -54,6 +54,8 @@ def _dag_ids() -> list[str]:
 
 @pytest.mark.parametrize("dag_id", _dag_ids())
 def test_dag_policy(dagbag, dag_id):
+    from cdc_lakehouse.alerts import CdcFailureNotifier
+
     dag = dagbag.dags[dag_id]
     doc = dag.doc_md or ""
     assert "## What it does" in doc and "## How to" in doc, f"{dag_id}: doc_md must say what it does and how to operate it"
@@ -64,6 +66,11 @@ def test_dag_policy(dagbag, dag_id):
         assert task.owner and task.owner != "airflow", f"{dag_id}.{task.task_id}: owner"
         assert task.retries >= 1 and task.retry_exponential_backoff, f"{dag_id}.{task.task_id}: retries"
         assert task.on_failure_callback, f"{dag_id}.{task.task_id}: no failure alert"
+        notifiers = [c for c in task.on_failure_callback if isinstance(c, CdcFailureNotifier)]
+        assert notifiers and notifiers[0].tables, f"{dag_id}.{task.task_id}: the CDC failure notifier is not wired"
+    if dag_id.startswith(("cdc_ingest", "cdc_audit")):  # the freshness / audit-streak alerts
+        check = dag.get_task("check_alerts")
+        assert check.is_teardown and check.upstream_task_ids == {"ingest" if "ingest" in dag_id else "audit"}
 
 
 def test_writers_of_one_table_share_a_single_slot_pool(dagbag):

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import os
+
 import psycopg2
 import pytest
 from cdc_lakehouse import source as src
@@ -69,3 +72,28 @@ def source(pg, source_uri, spark, lake, unique):
     s = Source(pg, spark, lake, unique)
     yield s
     s.close()
+
+
+S3_BUCKET, S3_AWS_CONN = "cdc-lake-test", "cdc_test_s3"
+S3_KEY_ID, S3_SECRET = "AKIDCDCTEST", "s3-secret/for+test"
+
+
+@pytest.fixture(scope="session")
+def lake_s3(s3_server, pg):
+    """A second lake, catalog `lake_s3`, whose warehouse and landing are on the local S3 server;
+    endpoint, region and keys come from an Airflow AWS connection, as in the tasks."""
+    from cdc_lakehouse.settings import LakeSettings
+    from cdc_lakehouse.tasks import with_aws_connection
+
+    s3_server.create_bucket(S3_BUCKET)
+    os.environ[f"AIRFLOW_CONN_{S3_AWS_CONN.upper()}"] = json.dumps({
+        "conn_type": "aws", "login": S3_KEY_ID, "password": S3_SECRET,
+        "extra": {"endpoint_url": s3_server.endpoint, "region_name": s3_server.REGION, "s3_path_style": True},
+    })
+    configured = LakeSettings(
+        catalog_type="jdbc", catalog_name="lake_s3",
+        catalog_uri=f"postgresql://postgres@127.0.0.1:{pg.port}/lake_catalog",
+        warehouse=f"s3://{S3_BUCKET}/warehouse", landing_uri=f"s3://{S3_BUCKET}/landing",
+        landing_conn_id=S3_AWS_CONN,
+    )
+    return with_aws_connection(configured)

@@ -1,0 +1,460 @@
+"""Airflow's real scheduler on the local stack (issue #14): api-server, scheduler (LocalExecutor
+on SQLite) and dag-processor run for a few minutes in their own AIRFLOW_HOME with one small
+table whose ingest and audit are scheduled every minute.
+
+The bootstrap is triggered through the REST API and run by the scheduler; then the ingest and
+audit DAGs are unpaused and nothing else is triggered. The test asserts from Airflow's metadata
+(REST API v2) that scheduled ingest runs (capture + ingest) and audit runs happen on their own
+and succeed, that the table's writers sharing the one-slot pool never overlap and one of them
+waited for the slot, that a second ingest run's ingest started only after the first's ended,
+and that the lake's current table equals the source after the source changed between runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+
+import psutil
+import psycopg2
+import pytest
+from cdc_lakehouse.localstack import free_port
+
+from tests.conftest import ROOT
+
+pytestmark = pytest.mark.slow
+
+TABLE = "sched_item"
+INGEST, AUDIT, BOOTSTRAP = f"cdc_ingest__{TABLE}", f"cdc_audit__{TABLE}", f"cdc_bootstrap__{TABLE}"
+POOL = f"cdc_table__{TABLE}"
+SCHEMAS = ("s0", "s1")
+ROWS = 30
+DEADLINE = 8 * 60  # seconds from unpausing to the last expected run
+CONFIG = f"""
+name: {TABLE}
+owner: data-platform
+tags: [test]
+source:
+  table: item
+  shards:
+    - conn_id: cdc_sched_source
+      schemas: [{", ".join(SCHEMAS)}]
+primary_key: [id]
+lake:
+  namespace: sched
+ingest:
+  schedule: "* * * * *"
+audit:
+  schedule: "* * * * *"
+  mode: full
+"""
+
+
+def _ts(value: str | None) -> datetime | None:
+    return None if value is None else datetime.fromisoformat(value.replace("Z", "+00:00"))
+
+
+class Source:
+    """The source table `item` in shards s0 and s1 of a scratch database."""
+
+    def __init__(self, pg, db: str):
+        self.pg, self.db = pg, db
+        self.next_id = ROWS + 1
+
+    def execute(self, *sql: str, params=None) -> None:
+        conn = psycopg2.connect(self.pg.dsn(self.db))
+        try:
+            with conn, conn.cursor() as cur:
+                for s in sql:
+                    cur.execute(s, params)
+        finally:
+            conn.close()
+
+    def create(self) -> None:
+        for s in SCHEMAS:
+            self.execute(
+                f"CREATE SCHEMA {s}",
+                f"CREATE TABLE {s}.item (id bigint PRIMARY KEY, name text NOT NULL, qty int NOT NULL)",
+                f"INSERT INTO {s}.item SELECT g, 'item ' || g, g FROM generate_series(1, {ROWS}) g",
+            )
+
+    def change(self, round_no: int) -> None:
+        """Inserts, updates and deletes in every shard, in one transaction per shard."""
+        new = list(range(self.next_id, self.next_id + 5))
+        self.next_id += 5
+        for s in SCHEMAS:
+            self.execute(
+                f"INSERT INTO {s}.item SELECT g, 'new ' || g, 0 FROM unnest(%(new)s::bigint[]) g",
+                f"UPDATE {s}.item SET qty = qty + 100, name = name || ' r{round_no}' WHERE id %% 7 = {round_no}",
+                f"DELETE FROM {s}.item WHERE id IN (%(d1)s, %(d2)s)",
+                params={"new": new, "d1": 2 * round_no, "d2": 2 * round_no + 11},
+            )
+
+    def rows(self) -> dict[tuple[str, int], tuple[str, int]]:
+        out = {}
+        conn = psycopg2.connect(self.pg.dsn(self.db))
+        try:
+            with conn.cursor() as cur:
+                for s in SCHEMAS:
+                    cur.execute(f"SELECT id, name, qty FROM {s}.item")
+                    out.update({(s, i): (n, q) for i, n, q in cur.fetchall()})
+        finally:
+            conn.close()
+        return out
+
+    def drop(self) -> None:
+        for slot, pid in self.pg.execute(
+            f"SELECT slot_name, active_pid FROM pg_replication_slots WHERE database = '{self.db}'"
+        ):
+            if pid:
+                self.pg.execute(f"SELECT pg_terminate_backend({int(pid)})")
+                time.sleep(1)
+            self.pg.execute(f"SELECT pg_drop_replication_slot('{slot}')")
+        self.pg.execute(f"DROP DATABASE IF EXISTS {self.db} WITH (FORCE)")
+
+
+@pytest.fixture(scope="module")
+def sched_env(pg, tmp_path_factory):
+    """A fresh AIRFLOW_HOME (SQLite, LocalExecutor), a tables dir with one small table, its
+    source in a scratch database, and a private catalog, warehouse and landing zone."""
+    base = tmp_path_factory.mktemp("sched")
+    home = base / "airflow"
+    tables = base / "tables"
+    for d in (home, tables):
+        d.mkdir()
+    (tables / f"{TABLE}.yaml").write_text(CONFIG)
+    suffix = uuid.uuid4().hex[:8]
+    db, catalog_db = f"sched_{suffix}", f"sched_cat_{suffix}"
+    pg.ensure_database(db)
+    pg.ensure_database(catalog_db)
+    source = Source(pg, db)
+    source.create()
+    port = free_port()
+    lake_extra = {
+        "catalog_type": "jdbc",
+        "warehouse": f"file://{base}/warehouse",
+        "landing_uri": f"file://{base}/landing",
+    }
+    env = {
+        **os.environ,
+        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+        "PYTHONPATH": str(ROOT / "plugins"),
+        "AIRFLOW_HOME": str(home),
+        "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{home}/airflow.db",
+        "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
+        "AIRFLOW__CORE__PARALLELISM": "4",
+        "AIRFLOW__CORE__DAGS_FOLDER": str(ROOT / "dags"),
+        "AIRFLOW__CORE__PLUGINS_FOLDER": str(ROOT / "plugins"),
+        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+        "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "True",
+        "AIRFLOW__CORE__UNIT_TEST_MODE": "False",
+        "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"http://127.0.0.1:{port}/execution/",
+        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": "True",
+        "AIRFLOW__API__PORT": str(port),
+        "AIRFLOW__API__BASE_URL": f"http://127.0.0.1:{port}",
+        "AIRFLOW__API_AUTH__JWT_SECRET": secrets.token_hex(16),
+        "AIRFLOW__LOGGING__LOGGING_LEVEL": "INFO",
+        "CDC_TABLES_DIR": str(tables),
+        "CDC_TASK_RETRIES": "0",
+        "CDC_SPARK_DRIVER_MEMORY": "1g",
+        "AIRFLOW_CONN_CDC_SCHED_SOURCE": pg.uri(db),
+        "AIRFLOW_CONN_SPARK_DEFAULT": json.dumps({"conn_type": "spark", "host": "local[2]"}),
+        "AIRFLOW_CONN_CDC_LAKE": json.dumps(
+            {
+                "conn_type": "generic",
+                "host": "127.0.0.1",
+                "port": pg.port,
+                "schema": catalog_db,
+                "login": "postgres",
+                "extra": lake_extra,
+            }
+        ),
+        "CDC_CATALOG_TYPE": "jdbc",
+        "CDC_CATALOG_URI": f"postgresql://postgres@127.0.0.1:{pg.port}/{catalog_db}",
+        "CDC_CATALOG_PASSWORD": "",
+        "CDC_WAREHOUSE": lake_extra["warehouse"],
+        "CDC_LANDING_URI": lake_extra["landing_uri"],
+    }
+    env.pop("CDC_LAKE_SETTINGS", None)
+    r = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "airflow_init.sh")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    yield env, base, port, source
+    source.drop()
+    pg.execute(f"DROP DATABASE IF EXISTS {catalog_db} WITH (FORCE)")
+
+
+@dataclass
+class Stack:
+    """The running Airflow processes, their logs and the REST API v2."""
+
+    url: str
+    home: Path
+    logs: dict[str, Path]
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+
+    def api(self, method: str, path: str, body: dict | None = None) -> dict:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(
+            f"{self.url}/api/v2{path}", data=data, method=method, headers={"Content-Type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=30) as resp:
+                return json.loads(resp.read() or b"{}")
+        except urllib.error.HTTPError as exc:
+            raise AssertionError(f"{method} {path}: {exc.code} {exc.read()[:2000]!r}") from exc
+
+    def runs(self, dag_id: str) -> list[dict]:
+        return self.api("GET", f"/dags/{dag_id}/dagRuns?limit=100&order_by=run_after")["dag_runs"]
+
+    def task_instances(self, dag_id: str) -> list[dict]:
+        return self.api("GET", f"/dags/{dag_id}/dagRuns/~/taskInstances?limit=200")["task_instances"]
+
+    def set_paused(self, dag_id: str, paused: bool) -> None:
+        self.api("PATCH", f"/dags/{dag_id}", {"is_paused": paused})
+
+    def report(self) -> str:
+        """Tails of the process logs and of the newest task logs, for a failure message."""
+        parts = []
+        for name, p in self.logs.items():
+            text = p.read_text(errors="replace") if p.exists() else "(no log)"
+            parts.append(f"===== {name} ({p}) =====\n{text[-3000:]}")
+        task_logs = sorted((self.home / "logs").rglob("attempt=*.log"), key=lambda p: p.stat().st_mtime)
+        for p in task_logs[-4:]:
+            parts.append(f"===== task log {p.relative_to(self.home)} =====\n{p.read_text(errors='replace')[-4000:]}")
+        return "\n".join(parts)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL, to a process group we started and to every descendant of its
+    leader (task supervisors and spark-submit JVMs may sit in groups of their own)."""
+    try:
+        victims = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        victims = []
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                pass
+        for v in victims:
+            try:
+                v.send_signal(sig)
+            except psutil.NoSuchProcess:
+                pass
+        _, victims = psutil.wait_procs(victims, timeout=20)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            continue
+        if not victims:
+            return
+
+
+@pytest.fixture(scope="module")
+def stack(sched_env):
+    env, base, port, _ = sched_env
+    airflow = str(Path(sys.executable).with_name("airflow"))
+    commands = {
+        "api-server": [airflow, "api-server", "--port", str(port), "--host", "127.0.0.1", "--workers", "1"],
+        "scheduler": [airflow, "scheduler"],
+        "dag-processor": [airflow, "dag-processor"],
+    }
+    st = Stack(
+        url=f"http://127.0.0.1:{port}",
+        home=Path(env["AIRFLOW_HOME"]),
+        logs={name: base / f"{name}.log" for name in commands},
+    )
+    handles = []
+    try:
+        for name, cmd in commands.items():
+            log = open(st.logs[name], "w")  # noqa: SIM115 - closed in teardown
+            handles.append(log)
+            st.procs[name] = subprocess.Popen(
+                cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        deadline = time.time() + 180
+        while True:
+            try:
+                health = st.api("GET", "/monitor/health")
+                if health.get("scheduler", {}).get("status") == "healthy":
+                    break
+            except (OSError, AssertionError):
+                pass
+            dead = [n for n, p in st.procs.items() if p.poll() is not None]
+            if dead or time.time() > deadline:
+                pytest.fail(f"Airflow did not start (exited: {dead}):\n{st.report()}")
+            time.sleep(2)
+        yield st
+    finally:
+        for dag_id in (INGEST, AUDIT):
+            try:
+                st.set_paused(dag_id, True)
+            except Exception:  # noqa: BLE001 - best effort before the kill
+                pass
+        for name in ("scheduler", "dag-processor", "api-server"):  # the api-server last: tasks report to it
+            if name in st.procs:
+                _stop(st.procs[name])
+        for h in handles:
+            h.close()
+
+
+def _wait(st: Stack, what: str, cond, deadline: float, interval: float = 3):
+    while True:
+        value = cond()
+        if value:
+            return value
+        failed = [
+            (d, r["dag_run_id"]) for d in (BOOTSTRAP, INGEST, AUDIT) for r in st.runs(d) if r["state"] == "failed"
+        ]
+        dead = [n for n, p in st.procs.items() if p.poll() is not None]
+        if failed or dead or time.time() > deadline:
+            pytest.fail(
+                f"waiting for {what}: failed runs {failed}, exited processes {dead}, "
+                f"{'deadline passed' if time.time() > deadline else ''}\n{st.report()}"
+            )
+        time.sleep(interval)
+
+
+def _lake_rows(env) -> dict[tuple[str, int], tuple[str, int]]:
+    from cdc_lakehouse.settings import LakeSettings
+    from pyiceberg.catalog import load_catalog
+
+    lake = LakeSettings.from_env(env)
+    cat = load_catalog(lake.catalog_name, **lake.pyiceberg_properties())
+    t = cat.load_table(f"sched.{TABLE}").scan(selected_fields=("_cdc_shard", "id", "name", "qty")).to_arrow()
+    cols = [t[c].to_pylist() for c in ("_cdc_shard", "id", "name", "qty")]
+    return {(s, i): (n, q) for s, i, n, q in zip(*cols)}
+
+
+def test_scheduled_ingest_and_audit_run_on_their_own_one_writer_at_a_time(sched_env, stack):
+    env, _, _, source = sched_env
+    st = stack
+    t0 = time.time()
+
+    # Bootstrap through the scheduler (a manual run), so the ingest and audit have a lake table.
+    st.set_paused(BOOTSTRAP, False)
+    st.api("POST", f"/dags/{BOOTSTRAP}/dagRuns", {"logical_date": datetime.now(UTC).isoformat()})
+    _wait(st, "the bootstrap", lambda: any(r["state"] == "success" for r in st.runs(BOOTSTRAP)), t0 + 300)
+    t_boot = time.time()
+
+    source.change(1)  # for the first scheduled ingest
+    for dag_id in (INGEST, AUDIT):
+        st.set_paused(dag_id, False)
+    deadline = time.time() + DEADLINE
+
+    def first_capture_done():
+        return [
+            ti for ti in st.task_instances(INGEST) if ti["task_id"].startswith("capture__") and ti["state"] == "success"
+        ]
+
+    _wait(st, "a scheduled capture", first_capture_done, deadline, interval=2)
+    source.change(2)  # after the first capture: only a later run can bring these
+    t_change2 = datetime.now(UTC)
+
+    def done():
+        ingest_ok = [r for r in st.runs(INGEST) if r["run_type"] == "scheduled" and r["state"] == "success"]
+        audit_ok = [r for r in st.runs(AUDIT) if r["run_type"] == "scheduled" and r["state"] == "success"]
+        ok_ids = {r["dag_run_id"] for r in ingest_ok}
+        after_change2 = [
+            ti
+            for ti in st.task_instances(INGEST)
+            if ti["task_id"].startswith("capture__")
+            and ti["dag_run_id"] in ok_ids
+            and _ts(ti["start_date"]) > t_change2
+        ]
+        return len(ingest_ok) >= 2 and audit_ok and after_change2
+
+    _wait(st, "two scheduled ingests (one captured after the second change) and an audit", done, deadline)
+    t_done = time.time()
+    for dag_id in (INGEST, AUDIT):
+        st.set_paused(dag_id, True)
+
+    # --- the metadata ---------------------------------------------------------------------
+    ingest_runs = [r for r in st.runs(INGEST) if r["run_type"] == "scheduled"]
+    audit_runs = [r for r in st.runs(AUDIT) if r["run_type"] == "scheduled"]
+    tis = st.task_instances(INGEST) + st.task_instances(AUDIT)
+    by_run: dict[tuple[str, str], list[dict]] = {}
+    for ti in tis:
+        by_run.setdefault((ti["dag_id"], ti["dag_run_id"]), []).append(ti)
+    context = (
+        f"ingest runs {[(r['dag_run_id'], r['state']) for r in ingest_runs]}\n"
+        f"audit runs {[(r['dag_run_id'], r['state']) for r in audit_runs]}\n"
+        + "\n".join(
+            f"{ti['dag_id']} {ti['dag_run_id']} {ti['task_id']} {ti['state']} pool={ti['pool']} "
+            f"scheduled={ti['scheduled_when']} start={ti['start_date']} end={ti['end_date']}"
+            for ti in sorted(tis, key=lambda t: t["start_date"] or "~")
+        )
+    )
+    assert not [r for r in ingest_runs + audit_runs if r["state"] == "failed"], context + st.report()
+    # Nothing but the scheduler started them.
+    assert {r["run_type"] for d in (INGEST, AUDIT) for r in st.runs(d)} == {"scheduled"}, context
+    ok_ingest = [r for r in ingest_runs if r["state"] == "success"]
+    ok_audit = [r for r in audit_runs if r["state"] == "success"]
+    assert len(ok_ingest) >= 2 and ok_audit, context
+    for dag_id, runs, tasks in (
+        (INGEST, ok_ingest, {"capture__cdc_sched_source", "ingest"}),
+        (AUDIT, ok_audit, {"audit"}),
+    ):
+        for r in runs:
+            states = {ti["task_id"]: ti["state"] for ti in by_run[(dag_id, r["dag_run_id"])]}
+            # Every task the DAG has beyond these (e.g. a teardown) is not this test's business.
+            assert {t: states.get(t) for t in tasks} == dict.fromkeys(tasks, "success"), (
+                r["dag_run_id"],
+                states,
+                context,
+            )
+
+    # The table's writers (ingest and audit tasks) share the one-slot pool: never two at a time.
+    writers = [ti for ti in tis if ti["task_id"] in ("ingest", "audit") and ti["start_date"]]
+    assert {ti["pool"] for ti in writers} == {POOL}, context
+    writers.sort(key=lambda ti: _ts(ti["start_date"]))
+    for a, b in zip(writers, writers[1:]):
+        assert a["end_date"] and _ts(b["start_date"]) >= _ts(a["end_date"]), (
+            f"{b['dag_id']}/{b['dag_run_id']} started while {a['dag_id']}/{a['dag_run_id']} held {POOL}\n{context}"
+        )
+    # ... and one of them was ready while another held the slot and waited for it.
+    waited = [
+        (a, b)
+        for a, b in zip(writers, writers[1:])
+        if b["scheduled_when"] and _ts(b["scheduled_when"]) < _ts(a["end_date"])
+    ]
+    assert waited, "no writer ever waited for the pool slot\n" + context
+
+    # A second scheduled ingest run started only after the first ended, and so did its ingest task.
+    started = sorted((r for r in ingest_runs if r["start_date"]), key=lambda r: _ts(r["start_date"]))
+    for a, b in zip(started, started[1:]):
+        assert a["end_date"] and _ts(b["start_date"]) >= _ts(a["end_date"]), context
+    ingest_tis = sorted(
+        (ti for ti in writers if ti["dag_id"] == INGEST and ti["state"] == "success"),
+        key=lambda ti: _ts(ti["start_date"]),
+    )
+    assert len(ingest_tis) >= 2, context
+    assert _ts(ingest_tis[1]["start_date"]) >= _ts(ingest_tis[0]["end_date"]), context
+
+    # --- the lake: both rounds of changes arrived, nothing else ----------------------------
+    expected = source.rows()
+    assert len(expected) == len(SCHEMAS) * (ROWS + 10 - 4)
+    assert _lake_rows(env) == expected
+    print(
+        f"\nbootstrap {t_boot - t0:.0f}s, scheduled runs {t_done - t_boot:.0f}s: {len(ok_ingest)} ingest, "
+        f"{len(ok_audit)} audit ok; {len(waited)} pool wait(s)\n{context}"
+    )

@@ -1,0 +1,120 @@
+"""Secrets, for real: one spark-submit on local[2] through the operator (the job gets its secrets
+from the 0600 file, the Spark UI shows none, no log line holds one, no file is left behind), and
+libpq DSNs of passwords with spaces, quotes and backslashes against a password-checking server."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import psycopg2
+import pytest
+import structlog
+from cdc_lakehouse.localstack import LocalPostgres, free_port
+from cdc_lakehouse.settings import LakeSettings, SourceEndpoint
+
+from tests.conftest import ROOT
+from tests.unit.test_secrets_transport import LAKE_MARKER, SRC_MARKER, leaks
+
+CONN = "cdc_secret_probe_src"
+
+
+def sha(value: str) -> str:
+    return hashlib.sha256(value.encode()).hexdigest()
+
+
+@pytest.mark.slow
+def test_spark_submit_on_local_gets_its_secrets_and_shows_none(pg, lake, monkeypatch, tmp_path, unique):
+    from cdc_lakehouse.operators import CdcSparkSubmitOperator
+
+    secrets_dir = tmp_path / "secrets"
+    secrets_dir.mkdir()
+    monkeypatch.setenv("CDC_SECRETS_DIR", str(secrets_dir))
+    monkeypatch.setenv("CDC_SPARK_DRIVER_MEMORY", "1g")
+    monkeypatch.delenv("CDC_CATALOG_PASSWORD", raising=False)
+    # The session's PostgreSQL trusts local connections, so these passwords are accepted as given.
+    monkeypatch.setenv("AIRFLOW_CONN_SPARK_SECRETS_PROBE", json.dumps({"conn_type": "spark", "host": "local[2]"}))
+    monkeypatch.setenv(
+        "AIRFLOW_CONN_CDC_LAKE",
+        json.dumps(
+            {
+                "conn_type": "generic",
+                "host": "127.0.0.1",
+                "port": pg.port,
+                "schema": "lake_catalog",
+                "login": "postgres",
+                "password": LAKE_MARKER,
+                "extra": {"catalog_type": "jdbc", "warehouse": lake.warehouse, "landing_uri": lake.landing_uri},
+            }
+        ),
+    )
+    monkeypatch.setenv(
+        f"AIRFLOW_CONN_{CONN.upper()}",
+        json.dumps(
+            {
+                "conn_type": "postgres",
+                "host": "127.0.0.1",
+                "port": pg.port,
+                "schema": "src",
+                "login": "postgres",
+                "password": SRC_MARKER,
+            }
+        ),
+    )
+    op = CdcSparkSubmitOperator(
+        task_id="probe",
+        job="probe",
+        job_args=[CONN, unique],
+        source_conn_ids=[CONN],
+        conn_id="spark_secrets_probe",
+        conf={"spark.sql.shuffle.partitions": "2"},
+    )
+    op.application = str(ROOT / "tests" / "jobs" / "secret_probe.py")
+    with structlog.testing.capture_logs() as events:
+        op.execute({})
+    lines = [repr(e) for e in events]
+    assert not [line for line in lines if leaks(line)], "a secret in the task log"
+    probe = json.loads(
+        next(e["event"] for e in events if "CDC_PROBE " in str(e.get("event"))).split("CDC_PROBE ", 1)[1]
+    )
+    assert probe["names"] == ["CDC_CATALOG_PASSWORD", f"CDC_SOURCE_URI__{CONN.upper()}"]
+    assert probe["catalog_password"] == sha(LAKE_MARKER)
+    assert probe["source_password"] == sha(SRC_MARKER)
+    assert probe["note_ok"] is True  # a table property with a quote and a backslash, read back
+    assert probe["ui_leaks"] == []
+    assert probe["ui_password_value"] == "*********(redacted)"
+    assert list(secrets_dir.iterdir()) == []
+
+
+@pytest.fixture(scope="module")
+def scram_pg(tmp_root):
+    server = LocalPostgres(tmp_root / "pg-scram", free_port(), password="init-pw", fast=True)
+    server.start()
+    yield server
+    server.destroy()
+
+
+@pytest.mark.parametrize("password", [SRC_MARKER, LAKE_MARKER, "plain", "trailing\\", "'", " lead and trail "])
+def test_libpq_dsn_with_awkward_passwords_authenticates(scram_pg, password):
+    conn = psycopg2.connect(scram_pg.dsn())
+    conn.autocommit = True
+    with conn.cursor() as cur:
+        cur.execute("DROP ROLE IF EXISTS cdc_pw_test")
+        cur.execute("CREATE ROLE cdc_pw_test LOGIN PASSWORD %s", (password,))
+    conn.close()
+    ep = SourceEndpoint("127.0.0.1", scram_pg.port, "postgres", "cdc_pw_test", password)
+    lake = LakeSettings(
+        catalog_uri=f"postgresql://cdc_pw_test@127.0.0.1:{scram_pg.port}/postgres",
+        warehouse="w",
+        landing_uri="l",
+        catalog_password=password,
+    )
+    for dsn in (ep.dsn(), lake.catalog_dsn()):
+        with psycopg2.connect(dsn) as c, c.cursor() as cur:
+            cur.execute("SELECT current_user")
+            assert cur.fetchone() == ("cdc_pw_test",)
+    with pytest.raises(psycopg2.OperationalError) as err:
+        psycopg2.connect(SourceEndpoint("127.0.0.1", scram_pg.port, "postgres", "cdc_pw_test", password + "x").dsn())
+    assert "password authentication failed" in str(err.value)
+    assert not Path(scram_pg.datadir.parent / f".{scram_pg.datadir.name}.pw").exists()
