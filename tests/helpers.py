@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import shutil
+import subprocess
 from pathlib import Path
 
 import psycopg2
@@ -105,3 +106,11 @@ def append_malformed(lake, endpoint: str, run_id: str, table: str, rows: list[di
         f["rows"] = new.num_rows
         f["bytes"] = path.stat().st_size
     _update_manifest(lake, endpoint, run_id, fn)
+
+
+def init_airflow_home(env: dict[str, str]) -> None:
+    """scripts/airflow_init.sh in the given environment: database migrated, pools, DAGs parsed."""
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run(["bash", str(root / "scripts" / "airflow_init.sh")], env=env, capture_output=True,
+                       text=True, timeout=600, check=False)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]

@@ -137,11 +137,6 @@ def spark_job_env(source_conn_ids: list[str]) -> tuple[dict[str, str], dict[str,
     return public, secrets
 
 
-def spark_env(source_conn_ids: list[str]) -> dict[str, str]:
-    """The public part of spark_job_env (no secrets)."""
-    return spark_job_env(source_conn_ids)[0]
-
-
 def spark_jars() -> list[str]:
     from .spark_session import default_jars
 

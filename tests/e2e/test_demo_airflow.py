@@ -19,6 +19,7 @@ import psycopg2
 import pytest
 
 from tests.conftest import ROOT
+from tests.helpers import init_airflow_home
 
 pytestmark = pytest.mark.slow
 
@@ -54,9 +55,7 @@ def demo_env(pg, tmp_path_factory):
         "CDC_SPARK_DRIVER_MEMORY": "2g",
     }
     env.pop("CDC_LAKE_SETTINGS", None)
-    r = subprocess.run(["bash", str(ROOT / "scripts" / "airflow_init.sh")], env=env, capture_output=True, text=True,
-                       timeout=600, check=False)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    init_airflow_home(env)
     return env
 
 

@@ -32,6 +32,7 @@ import pytest
 from cdc_lakehouse.localstack import free_port
 
 from tests.conftest import ROOT
+from tests.helpers import init_airflow_home
 
 pytestmark = pytest.mark.slow
 
@@ -187,15 +188,7 @@ def sched_env(pg, tmp_path_factory):
         "CDC_LANDING_URI": lake_extra["landing_uri"],
     }
     env.pop("CDC_LAKE_SETTINGS", None)
-    r = subprocess.run(
-        ["bash", str(ROOT / "scripts" / "airflow_init.sh")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    init_airflow_home(env)
     yield env, base, port, source
     source.drop()
     pg.execute(f"DROP DATABASE IF EXISTS {catalog_db} WITH (FORCE)")

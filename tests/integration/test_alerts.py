@@ -31,6 +31,7 @@ import psycopg2
 import pytest
 
 from tests.conftest import ROOT
+from tests.helpers import init_airflow_home
 
 MARKER = "Marker-Pw-7f3c9e"
 REGION = "us-east-1"
@@ -474,15 +475,7 @@ def test_airflow_dags_test_of_a_failing_capture_alerts(alert_env):
         "CDC_TASK_RETRIES": "0",
     }
     env.pop("CDC_LAKE_SETTINGS", None)
-    r = subprocess.run(
-        ["bash", str(ROOT / "scripts" / "airflow_init.sh")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    init_airflow_home(env)
     r = subprocess.run(
         ["airflow", "dags", "test", "cdc_ingest__al_audit", "2026-03-02T00:00:00+00:00"],
         env=env,

@@ -317,7 +317,7 @@ def test_missing_table_and_missing_privileges(db, pg, tmp_path, unique):
     with conn.cursor() as cur:
         cur.execute(f"CREATE ROLE {role} LOGIN")
         cur.execute(f"GRANT USAGE ON SCHEMA s0 TO {role}")
-    weak = dsn.replace("user=postgres", f"user={role}")
+    weak = dsn.replace("user='postgres'", f"user='{role}'")
     ep = src.EndpointTables("ep", "cdc_test_source", {"items": (["s0", "nope"], ["id"])})
     with pytest.raises(src.PreflightError) as exc:
         capture_run(ep, weak, LocalLanding(f"file://{tmp_path}/l"), "r1")
@@ -340,7 +340,7 @@ def test_publication_missing_a_table_names_the_fix(db, tmp_path, unique):
         cur.execute("CREATE PUBLICATION cdc_lakehouse FOR TABLE s0._cdc_heartbeat")  # owned by postgres
     ep = src.EndpointTables("ep", "cdc_test_source", {"items": (["s0"], ["id"])})
     with pytest.raises(src.PreflightError) as exc:
-        capture_run(ep, dsn.replace("user=postgres", f"user={role}"), LocalLanding(f"file://{tmp_path}/l"), "r1")
+        capture_run(ep, dsn.replace("user='postgres'", f"user='{role}'"), LocalLanding(f"file://{tmp_path}/l"), "r1")
     assert 'ALTER PUBLICATION "cdc_lakehouse" ADD TABLE "s0"."items"' in str(exc.value)
 
 

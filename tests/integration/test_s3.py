@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-import boto3
 from cdc_lakehouse.audit import audit_table
 from cdc_lakehouse.lake import ensure_meta_tables
 from cdc_lakehouse.landing import S3Landing, open_landing
@@ -25,14 +24,7 @@ BUCKET, KEY_ID, SECRET = S3_BUCKET, S3_KEY_ID, S3_SECRET
 
 
 def _objects(s3_server, prefix: str) -> list[str]:
-    client = boto3.client(
-        "s3",
-        endpoint_url=s3_server.endpoint,
-        region_name=s3_server.REGION,
-        aws_access_key_id=KEY_ID,
-        aws_secret_access_key=SECRET,
-    )
-    pages = client.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix)
+    pages = s3_server.client().get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix)
     return [o["Key"] for page in pages for o in page.get("Contents", [])]
 
 
@@ -81,15 +73,8 @@ def test_capture_ingest_audit_maintenance_on_s3(pg, source_uri, spark, lake_s3, 
         assert result["verdict"] == "ok", result
 
         # An orphan in the table's S3 location (a crashed writer's file) is removed by maintenance.
-        client = boto3.client(
-            "s3",
-            endpoint_url=s3_server.endpoint,
-            region_name=s3_server.REGION,
-            aws_access_key_id=KEY_ID,
-            aws_secret_access_key=SECRET,
-        )
         orphan = table_prefix + "data/orphan-from-a-crashed-writer.parquet"
-        client.put_object(Bucket=BUCKET, Key=orphan, Body=b"not referenced by any snapshot")
+        s3_server.client().put_object(Bucket=BUCKET, Key=orphan, Body=b"not referenced by any snapshot")
         s3_server.age_object(BUCKET, orphan, timedelta(hours=s.block.maintenance.orphan_file_age_hours + 1))
         m = maintain_table(spark, lake_s3, s.block, run_id="s3-maint")
         assert m["current"]["orphan_files_removed"] >= 1, m
