@@ -62,14 +62,21 @@ def prepare(rows: int, changes: int) -> dict:
         write_landing(batch, bdir / "landing", "bench", "20260601T010000Z", start_lsn=500)
         reduced = reduced_changes(batch, str(base))
         pq.write_table(reduced, bdir / "reduced.parquet")
-        info = {"events": batch.events, "updates": batch.updates, "inserts": batch.inserts, "deletes": batch.deletes,
-                "toast_unchanged": batch.toast, "keys": reduced.num_rows,
-                "expected": expected_checksum(str(base), reduced)}
+        info = {
+            "events": batch.events,
+            "updates": batch.updates,
+            "inserts": batch.inserts,
+            "deletes": batch.deletes,
+            "toast_unchanged": batch.toast,
+            "keys": reduced.num_rows,
+            "expected": expected_checksum(str(base), reduced),
+        }
         meta.write_text(json.dumps(info))
     return {"base": str(base), "dir": str(bdir), **json.loads(meta.read_text())}
 
 
 # --- engines (run inside a worker process) ------------------------------------------------------
+
 
 def run_ours(mode: str, prep: dict, rows: int, repeat: int) -> list[dict]:
     from cdc_lakehouse.config import parse_table_config
@@ -79,15 +86,22 @@ def run_ours(mode: str, prep: dict, rows: int, repeat: int) -> list[dict]:
     from cdc_lakehouse.spark_session import get_spark
     from pyspark.sql import functions as F
 
-    lake = LakeSettings.from_env().with_(warehouse=f"file://{WORK}/warehouse",
-                                         landing_uri=f"file://{prep['dir']}/landing")
+    lake = LakeSettings.from_env().with_(
+        warehouse=f"file://{WORK}/warehouse", landing_uri=f"file://{prep['dir']}/landing"
+    )
     spark = get_spark("bench-ingest", lake, driver_memory=os.environ.get("CDC_BENCH_DRIVER_MEMORY", "8g"))
     ensure_meta_tables(spark, lake)
     name = f"blk_{mode.replace('-', '_')}_{rows}"
-    cfg, errs = parse_table_config({
-        "name": name, "source": {"table": "block", "shards": [{"conn_id": "bench", "schemas": ["s0", "s1", "s2", "s3"]}]},
-        "primary_key": ["id"], "lake": {"namespace": "bench", "write_mode": mode},
-        "ingest": {"error_budget": {"max_quarantined": 0}}}, "bench")
+    cfg, errs = parse_table_config(
+        {
+            "name": name,
+            "source": {"table": "block", "shards": [{"conn_id": "bench", "schemas": ["s0", "s1", "s2", "s3"]}]},
+            "primary_key": ["id"],
+            "lake": {"namespace": "bench", "write_mode": mode},
+            "ingest": {"error_budget": {"max_quarantined": 0}},
+        },
+        "bench",
+    )
     assert not errs, errs
     # The watermark the bench base table starts from, for the synthetic endpoint "bench".
     wm = {"v": 1, "shards": {s: {"lsn": 500, "ts": "2026-06-01T00:00:00+00:00"} for s in ["s0", "s1", "s2", "s3"]}}
@@ -100,21 +114,43 @@ def run_ours(mode: str, prep: dict, rows: int, repeat: int) -> list[dict]:
         create_lake_tables(spark, lake, cfg, [(n, lt) for n, _, lt in COLUMNS])
         base = spark.read.parquet(prep["base"])
         base.writeTo(lake.qualified(cfg.current_table)).option(
-            "snapshot-property.cdc.watermark", json.dumps(wm)).append()
+            "snapshot-property.cdc.watermark", json.dumps(wm)
+        ).append()
         spark.createDataFrame([], spark.table(lake.qualified(cfg.changelog_table)).schema).writeTo(
-            lake.qualified(cfg.changelog_table)).option("snapshot-property.cdc.watermark", json.dumps(wm)).append()
+            lake.qualified(cfg.changelog_table)
+        ).option("snapshot-property.cdc.watermark", json.dumps(wm)).append()
         t = time.time()
         m = ingest_table(spark, lake, cfg, upto_run=None, ingest_run=f"bench-{i}")
         secs = time.time() - t
-        got = spark.table(lake.qualified(cfg.current_table)).agg(
-            F.count(F.lit(1)).alias("rows"), F.sum("id").alias("sum_id"), F.sum("version").alias("sum_version"),
-            F.sum(F.length("content")).alias("sum_content")).collect()[0].asDict()
+        got = (
+            spark.table(lake.qualified(cfg.current_table))
+            .agg(
+                F.count(F.lit(1)).alias("rows"),
+                F.sum("id").alias("sum_id"),
+                F.sum("version").alias("sum_version"),
+                F.sum(F.length("content")).alias("sum_content"),
+            )
+            .collect()[0]
+            .asDict()
+        )
         ok = {k: int(v) for k, v in got.items()} == prep["expected"]
-        out.append({"seconds": secs, "apply_seconds": m["apply_seconds"], "write_amplification": m.get("write_amplification"),
-                    "bytes_written": m.get("bytes_written"), "changed_rows_bytes": m.get("changed_rows_bytes"),
-                    "timings": m.get("timings"), "verified": ok, "got": got})
-        print(f"  {mode} repeat {i + 1}: {secs:.1f}s (merge {m['apply_seconds']:.1f}s) "
-              f"WA {m.get('write_amplification') or 0:.2f} phases {m.get('timings')} verified={ok}", flush=True)
+        out.append(
+            {
+                "seconds": secs,
+                "apply_seconds": m["apply_seconds"],
+                "write_amplification": m.get("write_amplification"),
+                "bytes_written": m.get("bytes_written"),
+                "changed_rows_bytes": m.get("changed_rows_bytes"),
+                "timings": m.get("timings"),
+                "verified": ok,
+                "got": got,
+            }
+        )
+        print(
+            f"  {mode} repeat {i + 1}: {secs:.1f}s (merge {m['apply_seconds']:.1f}s) "
+            f"WA {m.get('write_amplification') or 0:.2f} phases {m.get('timings')} verified={ok}",
+            flush=True,
+        )
     spark.stop()
     return out
 
@@ -177,8 +213,15 @@ def run_pyiceberg(prep: dict, rows: int, repeat: int) -> list[dict]:
         secs = time.time() - t
         got = _checksum_arrow(cat.load_table("b.block").scan().to_arrow())
         written = _dir_bytes(wh) - before_files
-        out.append({"seconds": secs, "verified": got == prep["expected"], "got": got, "bytes_written": written,
-                    "write_amplification": written / _changed_bytes(os.path.getsize(prep["base"]), rows, prep["keys"])})
+        out.append(
+            {
+                "seconds": secs,
+                "verified": got == prep["expected"],
+                "got": got,
+                "bytes_written": written,
+                "write_amplification": written / _changed_bytes(os.path.getsize(prep["base"]), rows, prep["keys"]),
+            }
+        )
         print(f"  pyiceberg repeat {i + 1}: {secs:.1f}s verified={got == prep['expected']}", flush=True)
     return out
 
@@ -197,17 +240,28 @@ def run_delta(prep: dict, rows: int, repeat: int) -> list[dict]:
         before = _dir_bytes(path)
         t = time.time()
         red = _reduced_now(prep)
-        (DeltaTable(str(path)).merge(source=red, predicate="t._cdc_shard = s._cdc_shard AND t.id = s.id",
-                                     source_alias="s", target_alias="t")
-         .when_matched_delete(predicate="s.op = 'd'")
-         .when_matched_update(updates={c: f"s.{c}" for c in keep if c not in ("_cdc_shard", "id")})
-         .when_not_matched_insert(updates={c: f"s.{c}" for c in keep}, predicate="s.op <> 'd'")
-         .execute())
+        (
+            DeltaTable(str(path))
+            .merge(
+                source=red, predicate="t._cdc_shard = s._cdc_shard AND t.id = s.id", source_alias="s", target_alias="t"
+            )
+            .when_matched_delete(predicate="s.op = 'd'")
+            .when_matched_update(updates={c: f"s.{c}" for c in keep if c not in ("_cdc_shard", "id")})
+            .when_not_matched_insert(updates={c: f"s.{c}" for c in keep}, predicate="s.op <> 'd'")
+            .execute()
+        )
         secs = time.time() - t
         got = _checksum_arrow(DeltaTable(str(path)).to_pyarrow_table())
         written = _dir_bytes(path) - before
-        out.append({"seconds": secs, "verified": got == prep["expected"], "got": got, "bytes_written": written,
-                    "write_amplification": written / _changed_bytes(os.path.getsize(prep["base"]), rows, prep["keys"])})
+        out.append(
+            {
+                "seconds": secs,
+                "verified": got == prep["expected"],
+                "got": got,
+                "bytes_written": written,
+                "write_amplification": written / _changed_bytes(os.path.getsize(prep["base"]), rows, prep["keys"]),
+            }
+        )
         print(f"  delta repeat {i + 1}: {secs:.1f}s verified={got == prep['expected']}", flush=True)
     return out
 
@@ -223,18 +277,27 @@ def run_rewrite(prep: dict, rows: int, repeat: int) -> list[dict]:
         con.execute(f"SET threads = {os.cpu_count() or 2}")
         con.execute(f"""
             COPY (
-              SELECT b.* EXCLUDE (_cdc_op, _cdc_commit_lsn, _cdc_seq, _cdc_commit_ts) FROM read_parquet('{prep['base']}') b
-              ANTI JOIN read_parquet('{prep['dir']}/reduced.parquet') r USING (_cdc_shard, id)
+              SELECT b.* EXCLUDE (_cdc_op, _cdc_commit_lsn, _cdc_seq, _cdc_commit_ts) FROM read_parquet('{prep["base"]}') b
+              ANTI JOIN read_parquet('{prep["dir"]}/reduced.parquet') r USING (_cdc_shard, id)
               UNION ALL
               SELECT _cdc_shard, id, space_id, type, properties, content, updated_at, is_archived, version, score
-              FROM read_parquet('{prep['dir']}/reduced.parquet') WHERE op <> 'd'
+              FROM read_parquet('{prep["dir"]}/reduced.parquet') WHERE op <> 'd'
             ) TO '{target}' (FORMAT parquet, COMPRESSION zstd)""")
         secs = time.time() - t
-        r = con.execute(f"SELECT count(*), sum(id), sum(version), sum(length(content)) FROM read_parquet('{target}')").fetchone()
+        r = con.execute(
+            f"SELECT count(*), sum(id), sum(version), sum(length(content)) FROM read_parquet('{target}')"
+        ).fetchone()
         got = {"rows": int(r[0]), "sum_id": int(r[1]), "sum_version": int(r[2]), "sum_content": int(r[3])}
         written = target.stat().st_size
-        out.append({"seconds": secs, "verified": got == prep["expected"], "got": got, "bytes_written": written,
-                    "write_amplification": written / _changed_bytes(os.path.getsize(prep["base"]), rows, prep["keys"])})
+        out.append(
+            {
+                "seconds": secs,
+                "verified": got == prep["expected"],
+                "got": got,
+                "bytes_written": written,
+                "write_amplification": written / _changed_bytes(os.path.getsize(prep["base"]), rows, prep["keys"]),
+            }
+        )
         print(f"  rewrite repeat {i + 1}: {secs:.1f}s verified={got == prep['expected']}", flush=True)
         target.unlink()
     return out
@@ -246,9 +309,20 @@ def _dir_bytes(path: Path) -> int:
 
 # --- orchestration --------------------------------------------------------------------------------
 
+
 def run_engine(engine: str, rows: int, changes: int, repeat: int) -> dict:
-    cmd = [sys.executable, str(Path(__file__)), "--worker", engine, "--rows", str(rows), "--changes", str(changes),
-           "--repeat", str(repeat)]
+    cmd = [
+        sys.executable,
+        str(Path(__file__)),
+        "--worker",
+        engine,
+        "--rows",
+        str(rows),
+        "--changes",
+        str(changes),
+        "--repeat",
+        str(repeat),
+    ]
     t = time.time()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     result = None
@@ -262,11 +336,18 @@ def run_engine(engine: str, rows: int, changes: int, repeat: int) -> dict:
     if result is None:
         return {"engine": engine, "error": f"exit {proc.returncode}"}
     warm = [r["seconds"] for r in result[1:]] or [result[0]["seconds"]]
-    return {"engine": engine, "repeats": result, "first_seconds": result[0]["seconds"],
-            "median_seconds": statistics.median(warm), "peak_rss_mb": mem.peak_mb,
-            "process_seconds": time.time() - t, "verified": all(r["verified"] for r in result),
-            "write_amplification": statistics.median([r["write_amplification"] for r in result
-                                                      if r.get("write_amplification") is not None] or [0])}
+    return {
+        "engine": engine,
+        "repeats": result,
+        "first_seconds": result[0]["seconds"],
+        "median_seconds": statistics.median(warm),
+        "peak_rss_mb": mem.peak_mb,
+        "process_seconds": time.time() - t,
+        "verified": all(r["verified"] for r in result),
+        "write_amplification": statistics.median(
+            [r["write_amplification"] for r in result if r.get("write_amplification") is not None] or [0]
+        ),
+    }
 
 
 def main() -> int:
@@ -279,15 +360,19 @@ def main() -> int:
     args = p.parse_args()
     prep = prepare(args.rows, args.changes)
     if args.worker:
-        fn = {"ours-mor": lambda: run_ours("merge-on-read", prep, args.rows, args.repeat),
-              "ours-cow": lambda: run_ours("copy-on-write", prep, args.rows, args.repeat),
-              "pyiceberg": lambda: run_pyiceberg(prep, args.rows, args.repeat),
-              "delta": lambda: run_delta(prep, args.rows, args.repeat),
-              "rewrite": lambda: run_rewrite(prep, args.rows, args.repeat)}[args.worker]
+        fn = {
+            "ours-mor": lambda: run_ours("merge-on-read", prep, args.rows, args.repeat),
+            "ours-cow": lambda: run_ours("copy-on-write", prep, args.rows, args.repeat),
+            "pyiceberg": lambda: run_pyiceberg(prep, args.rows, args.repeat),
+            "delta": lambda: run_delta(prep, args.rows, args.repeat),
+            "rewrite": lambda: run_rewrite(prep, args.rows, args.repeat),
+        }[args.worker]
         print("RESULT " + json.dumps(fn(), default=str), flush=True)
         return 0
-    print(f"batch: {prep['events']} events ({prep['updates']} updates, {prep['inserts']} inserts, {prep['deletes']} "
-          f"deletes, {prep['toast_unchanged']} with unchanged TOAST) over {prep['keys']} keys; table {args.rows} rows")
+    print(
+        f"batch: {prep['events']} events ({prep['updates']} updates, {prep['inserts']} inserts, {prep['deletes']} "
+        f"deletes, {prep['toast_unchanged']} with unchanged TOAST) over {prep['keys']} keys; table {args.rows} rows"
+    )
     results = []
     out = HERE / "results" / f"ingest-{args.rows}-{args.changes}.json"
     out.parent.mkdir(exist_ok=True)
@@ -295,8 +380,13 @@ def main() -> int:
         print(f"{engine}:", flush=True)
         results.append(run_engine(engine, args.rows, args.changes, args.repeat))
         # Written after every engine: a long run stopped half-way keeps what it measured.
-        out.write_text(json.dumps({"rows": args.rows, "changes": args.changes, "batch": prep, "results": results,
-                                   "machine": machine()}, indent=2, default=str))
+        out.write_text(
+            json.dumps(
+                {"rows": args.rows, "changes": args.changes, "batch": prep, "results": results, "machine": machine()},
+                indent=2,
+                default=str,
+            )
+        )
     ours = next((r for r in results if r["engine"] == "ours-mor" and "median_seconds" in r), None)
     print(f"\n{'engine':<11}{'median s':>10}{'first s':>9}{'x ours-mor':>11}{'WA':>8}{'peak MB':>9}  verified")
     for r in results:
@@ -304,8 +394,10 @@ def main() -> int:
             print(f"{r['engine']:<11} {r.get('error')}")
             continue
         ratio = r["median_seconds"] / ours["median_seconds"] if ours else float("nan")
-        print(f"{r['engine']:<11}{r['median_seconds']:>10.2f}{r['first_seconds']:>9.2f}{ratio:>11.2f}"
-              f"{r['write_amplification']:>8.2f}{r['peak_rss_mb']:>9.0f}  {r['verified']}")
+        print(
+            f"{r['engine']:<11}{r['median_seconds']:>10.2f}{r['first_seconds']:>9.2f}{ratio:>11.2f}"
+            f"{r['write_amplification']:>8.2f}{r['peak_rss_mb']:>9.0f}  {r['verified']}"
+        )
     print(f"\nresults: {out}")
     return 0 if all(r.get("verified") for r in results) else 1
 

@@ -48,5 +48,9 @@ class PeakRSS:
 def machine() -> dict:
     import psutil
 
-    return {"cpus": os.cpu_count(), "memory_gb": round(psutil.virtual_memory().total / 2**30, 1),
-            "python": platform.python_version(), "platform": platform.platform()}
+    return {
+        "cpus": os.cpu_count(),
+        "memory_gb": round(psutil.virtual_memory().total / 2**30, 1),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+    }

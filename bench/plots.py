@@ -16,10 +16,20 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
-LABELS = {"ours-mor": "ours, merge-on-read", "ours-cow": "ours, copy-on-write", "pyiceberg": "pyiceberg upsert",
-          "delta": "delta-rs merge", "rewrite": "DuckDB full rewrite"}
-STYLE = {"ours-mor": ("tab:blue", "o"), "ours-cow": ("tab:cyan", "s"), "pyiceberg": ("tab:purple", "D"),
-         "delta": ("tab:orange", "^"), "rewrite": ("tab:gray", "v")}
+LABELS = {
+    "ours-mor": "ours, merge-on-read",
+    "ours-cow": "ours, copy-on-write",
+    "pyiceberg": "pyiceberg upsert",
+    "delta": "delta-rs merge",
+    "rewrite": "DuckDB full rewrite",
+}
+STYLE = {
+    "ours-mor": ("tab:blue", "o"),
+    "ours-cow": ("tab:cyan", "s"),
+    "pyiceberg": ("tab:purple", "D"),
+    "delta": ("tab:orange", "^"),
+    "rewrite": ("tab:gray", "v"),
+}
 
 
 def load_ingest() -> dict[tuple[int, int], dict[str, dict]]:
@@ -36,8 +46,10 @@ def _fmt(n: int) -> str:
 
 
 def markdown(data: dict) -> str:
-    lines = ["| table rows | batch | engine | median s | first s | x ours-mor | WA | peak RSS MB |",
-             "|---:|---:|---|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| table rows | batch | engine | median s | first s | x ours-mor | WA | peak RSS MB |",
+        "|---:|---:|---|---:|---:|---:|---:|---:|",
+    ]
     for (rows, changes), engines in sorted(data.items()):
         base = engines.get("ours-mor", {}).get("median_seconds")
         for name, label in LABELS.items():
@@ -45,8 +57,10 @@ def markdown(data: dict) -> str:
             if r is None:
                 continue
             ratio = f"{r['median_seconds'] / base:.2f}" if base else "-"
-            lines.append(f"| {_fmt(rows)} | {_fmt(changes)} | {label} | {r['median_seconds']:.2f} | "
-                         f"{r['first_seconds']:.2f} | {ratio} | {r['write_amplification']:.2f} | {r['peak_rss_mb']:,.0f} |")
+            lines.append(
+                f"| {_fmt(rows)} | {_fmt(changes)} | {label} | {r['median_seconds']:.2f} | "
+                f"{r['first_seconds']:.2f} | {ratio} | {r['write_amplification']:.2f} | {r['peak_rss_mb']:,.0f} |"
+            )
     return "\n".join(lines)
 
 
@@ -59,8 +73,14 @@ def plot(data: dict, out: Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     written = []
     sizes = sorted({rows for rows, changes in data if changes != 200_000})
-    panels = [("median_seconds", "ingest_grid.png", "apply time, s (median, warm)"),
-              ("write_amplification", "ingest_wa.png", "write amplification")] if sizes else []
+    panels = (
+        [
+            ("median_seconds", "ingest_grid.png", "apply time, s (median, warm)"),
+            ("write_amplification", "ingest_wa.png", "write amplification"),
+        ]
+        if sizes
+        else []
+    )
     for metric, fname, ylabel in panels:
         fig, axes = plt.subplots(1, len(sizes), figsize=(5.5 * len(sizes), 4.2), sharey=True, squeeze=False)
         for ax, rows in zip(axes[0], sizes):

@@ -48,13 +48,45 @@ def main() -> int:
     if a.full or a.only in ("grid", "scale"):
         for rows in (1_000_000, 10_000_000):
             for changes in (10_000, 100_000, 1_000_000):
-                plan.append(("grid", [str(HERE / "ingest_bench.py"), "--rows", str(rows), "--changes", str(changes),
-                                      "--repeat", "2", "--engines", "ours-mor,ours-cow,delta,rewrite"]))
+                plan.append(
+                    (
+                        "grid",
+                        [
+                            str(HERE / "ingest_bench.py"),
+                            "--rows",
+                            str(rows),
+                            "--changes",
+                            str(changes),
+                            "--repeat",
+                            "2",
+                            "--engines",
+                            "ours-mor,ours-cow,delta,rewrite",
+                        ],
+                    )
+                )
         # Table size at a fixed batch: the 2M point of the standard set, and 20M rows.
-        plan.append(("grid", [str(HERE / "ingest_bench.py"), "--rows", "20000000", "--changes", "200000",
-                              "--repeat", "2", "--engines", "ours-mor,pyiceberg,delta,rewrite"]))
-        plan.append(("scale", [str(HERE / "source_bench.py"), "--blocks", "10000000", "--what", "bootstrap,audit",
-                               "--repeat", "1"]))
+        plan.append(
+            (
+                "grid",
+                [
+                    str(HERE / "ingest_bench.py"),
+                    "--rows",
+                    "20000000",
+                    "--changes",
+                    "200000",
+                    "--repeat",
+                    "2",
+                    "--engines",
+                    "ours-mor,pyiceberg,delta,rewrite",
+                ],
+            )
+        )
+        plan.append(
+            (
+                "scale",
+                [str(HERE / "source_bench.py"), "--blocks", "10000000", "--what", "bootstrap,audit", "--repeat", "1"],
+            )
+        )
     failed = [part for part, args in plan if (a.only in (None, part)) and run(args) != 0]
     if failed:
         print(f"failed: {failed}")

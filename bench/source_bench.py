@@ -39,8 +39,9 @@ def _admin_dsn(db: str = "postgres") -> str:
     port = os.environ.get("CDC_LOCAL_PG_PORT", "55432")
     from cdc_lakehouse.settings import libpq_dsn
 
-    return libpq_dsn(host="127.0.0.1", port=port, dbname=db, user="postgres",
-                     password=os.environ.get("CDC_LOCAL_PG_PASSWORD"))
+    return libpq_dsn(
+        host="127.0.0.1", port=port, dbname=db, user="postgres", password=os.environ.get("CDC_LOCAL_PG_PASSWORD")
+    )
 
 
 def prepare_source(blocks: int):
@@ -62,7 +63,8 @@ def prepare_source(blocks: int):
     dsn = _admin_dsn(db)
     pw = os.environ.get("CDC_LOCAL_PG_PASSWORD", "")
     os.environ[f"AIRFLOW_CONN_{CONN_ID.upper()}"] = (
-        f"postgresql://postgres:{pw}@127.0.0.1:{os.environ.get('CDC_LOCAL_PG_PORT', '55432')}/{db}")
+        f"postgresql://postgres:{pw}@127.0.0.1:{os.environ.get('CDC_LOCAL_PG_PORT', '55432')}/{db}"
+    )
     wl = NotionWorkload(dsn, SHARDS, seed=11)
     if fresh:
         t = time.time()
@@ -77,8 +79,13 @@ def prepare_source(blocks: int):
 def table_config(name: str, **over):
     from cdc_lakehouse.config import parse_table_config
 
-    data = {"name": name, "source": {"table": "block", "shards": [{"conn_id": CONN_ID, "schemas": SHARDS}]},
-            "primary_key": ["id"], "lake": {"namespace": "bench"}, **over}
+    data = {
+        "name": name,
+        "source": {"table": "block", "shards": [{"conn_id": CONN_ID, "schemas": SHARDS}]},
+        "primary_key": ["id"],
+        "lake": {"namespace": "bench"},
+        **over,
+    }
     cfg, errors = parse_table_config(data, "bench")
     assert not errors, errors
     return cfg
@@ -133,23 +140,42 @@ def bench_bootstrap(spark, lake, dsn: str, blocks: int, repeat: int) -> dict:
     copies, ours = [], []
     for i in range(repeat):
         copies.append(copy_rate(dsn, columns, conns))
-        print(f"  COPY ({conns} connections): {copies[-1]['rows']} rows in {copies[-1]['seconds']:.1f}s "
-              f"= {copies[-1]['rows_per_second']:,.0f} rows/s", flush=True)
+        print(
+            f"  COPY ({conns} connections): {copies[-1]['rows']} rows in {copies[-1]['seconds']:.1f}s "
+            f"= {copies[-1]['rows_per_second']:,.0f} rows/s",
+            flush=True,
+        )
         with PeakRSS() as mem:
             t = time.time()
             r = bootstrap_table(spark, lake, cfg, run_id=f"bench{i}", log=lambda *_: None)
             secs = time.time() - t
-        ours.append({"rows": r["rows"], "seconds": secs, "rows_per_second": r["rows"] / secs,
-                     "peak_rss_mb": mem.peak_mb, "read_and_changelog_seconds": r["read_and_changelog_seconds"],
-                     "current_write_seconds": r["current_write_seconds"]})
-        print(f"  bootstrap: {r['rows']} rows in {secs:.1f}s = {r['rows'] / secs:,.0f} rows/s "
-              f"(read + changelog {r['read_and_changelog_seconds']:.1f}s, current table "
-              f"{r['current_write_seconds']:.1f}s; peak {mem.peak_mb:.0f} MB)", flush=True)
+        ours.append(
+            {
+                "rows": r["rows"],
+                "seconds": secs,
+                "rows_per_second": r["rows"] / secs,
+                "peak_rss_mb": mem.peak_mb,
+                "read_and_changelog_seconds": r["read_and_changelog_seconds"],
+                "current_write_seconds": r["current_write_seconds"],
+            }
+        )
+        print(
+            f"  bootstrap: {r['rows']} rows in {secs:.1f}s = {r['rows'] / secs:,.0f} rows/s "
+            f"(read + changelog {r['read_and_changelog_seconds']:.1f}s, current table "
+            f"{r['current_write_seconds']:.1f}s; peak {mem.peak_mb:.0f} MB)",
+            flush=True,
+        )
     c = statistics.median(x["rows_per_second"] for x in copies)
     o = statistics.median(x["rows_per_second"] for x in ours)
     print(f"bootstrap {blocks} rows: median {o:,.0f} rows/s vs COPY {c:,.0f} rows/s = {o / c:.2f} of COPY", flush=True)
-    return {"copy": copies, "bootstrap": ours, "median_copy_rps": c, "median_bootstrap_rps": o, "ratio": o / c,
-            "connections_per_host": conns}
+    return {
+        "copy": copies,
+        "bootstrap": ours,
+        "median_copy_rps": c,
+        "median_bootstrap_rps": o,
+        "ratio": o / c,
+        "connections_per_host": conns,
+    }
 
 
 def bench_audit(spark, lake, blocks: int, repeat: int) -> dict:
@@ -162,15 +188,26 @@ def bench_audit(spark, lake, blocks: int, repeat: int) -> dict:
         for i in range(repeat):
             with PeakRSS() as mem:
                 t = time.time()
-                r = audit_table(spark, lake, cfg, audit_run=f"bench-{mode}-{i}", mode=mode, repair=False,
-                                log=lambda *_: None)
+                r = audit_table(
+                    spark, lake, cfg, audit_run=f"bench-{mode}-{i}", mode=mode, repair=False, log=lambda *_: None
+                )
                 secs = time.time() - t
-            out[mode].append({"seconds": secs, "peak_rss_mb": mem.peak_mb, "verdict": r["verdict"],
-                              "timings": r.get("timings")})
-            print(f"  audit {mode} {blocks} keys: {secs:.1f}s, peak {mem.peak_mb:.0f} MB, {r['verdict']} "
-                  f"phases {r.get('timings')}", flush=True)
-    return {m: {"runs": v, "median_seconds": statistics.median(x["seconds"] for x in v),
-                "peak_rss_mb": max(x["peak_rss_mb"] for x in v)} for m, v in out.items()}
+            out[mode].append(
+                {"seconds": secs, "peak_rss_mb": mem.peak_mb, "verdict": r["verdict"], "timings": r.get("timings")}
+            )
+            print(
+                f"  audit {mode} {blocks} keys: {secs:.1f}s, peak {mem.peak_mb:.0f} MB, {r['verdict']} "
+                f"phases {r.get('timings')}",
+                flush=True,
+            )
+    return {
+        m: {
+            "runs": v,
+            "median_seconds": statistics.median(x["seconds"] for x in v),
+            "peak_rss_mb": max(x["peak_rss_mb"] for x in v),
+        }
+        for m, v in out.items()
+    }
 
 
 def bench_capture(dsn: str, wl, changes: int, repeat: int) -> dict:
@@ -179,21 +216,26 @@ def bench_capture(dsn: str, wl, changes: int, repeat: int) -> dict:
     from cdc_lakehouse.capture import capture_run
     from cdc_lakehouse.landing import LocalLanding
 
-    recv = shutil.which("pg_recvlogical") or next(iter(sorted(Path("/usr/lib/postgresql").glob("*/bin/pg_recvlogical"))),
-                                                   None)
+    recv = shutil.which("pg_recvlogical") or next(
+        iter(sorted(Path("/usr/lib/postgresql").glob("*/bin/pg_recvlogical"))), None
+    )
     work = HERE / ".work" / "capture"
     shutil.rmtree(work, ignore_errors=True)
     store = LocalLanding(f"file://{work}")
-    ep = src.EndpointTables(f"{CONN_ID}_capture", CONN_ID, {"block": (SHARDS, ["id"]), "space": (SHARDS, ["id"]),
-                                               "permission": (SHARDS, ["block_id", "user_id"])})
+    ep = src.EndpointTables(
+        f"{CONN_ID}_capture",
+        CONN_ID,
+        {"block": (SHARDS, ["id"]), "space": (SHARDS, ["id"]), "permission": (SHARDS, ["block_id", "user_id"])},
+    )
     runs = []
     for i in range(repeat):
         capture_run(ep, dsn, store, f"warm{i}")  # the slot and publication exist, and nothing is pending
         conn = psycopg2.connect(dsn)
         conn.autocommit = True
         with conn.cursor() as cur:
-            cur.execute("SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots "
-                        "WHERE slot_name = 'bench_recv'")
+            cur.execute(
+                "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = 'bench_recv'"
+            )
             cur.execute("SELECT pg_create_logical_replication_slot('bench_recv', 'pgoutput')")
         counts = wl.step(changes, pk_changes=0)
         with conn.cursor() as cur:
@@ -209,19 +251,57 @@ def bench_capture(dsn: str, wl, changes: int, repeat: int) -> dict:
         if recv:
             t = time.time()
             port = os.environ.get("CDC_LOCAL_PG_PORT", "55432")
-            r = subprocess.run([str(recv), "-h", "127.0.0.1", "-p", port, "-U", "postgres", "-d", dsn.split("dbname=")[1]
-                                .split(maxsplit=1)[0], "--slot", "bench_recv", "--start", "--endpos", end, "-o", "proto_version=1",
-                                "-o", f"publication_names={src.PUBLICATION}", "-f", "/dev/null", "--no-loop"],
-                               env={**os.environ, "PGPASSWORD": os.environ.get("CDC_LOCAL_PG_PASSWORD", "")},
-                               capture_output=True, text=True, timeout=1800, check=False)
+            r = subprocess.run(
+                [
+                    str(recv),
+                    "-h",
+                    "127.0.0.1",
+                    "-p",
+                    port,
+                    "-U",
+                    "postgres",
+                    "-d",
+                    dsn.split("dbname=")[1].split(maxsplit=1)[0],
+                    "--slot",
+                    "bench_recv",
+                    "--start",
+                    "--endpos",
+                    end,
+                    "-o",
+                    "proto_version=1",
+                    "-o",
+                    f"publication_names={src.PUBLICATION}",
+                    "-f",
+                    "/dev/null",
+                    "--no-loop",
+                ],
+                env={**os.environ, "PGPASSWORD": os.environ.get("CDC_LOCAL_PG_PASSWORD", "")},
+                capture_output=True,
+                text=True,
+                timeout=1800,
+                check=False,
+            )
             theirs = time.time() - t
-        runs.append({"events": events, "changes": dict(counts), "seconds": ours, "events_per_second": events / ours,
-                     "peak_rss_mb": mem.peak_mb,
-                     "pg_recvlogical_seconds": theirs if recv and r.returncode == 0 else None,
-                     "pg_recvlogical_error": None if not recv or r.returncode == 0 else r.stderr[-500:]})
-        print(f"  capture: {events} events in {ours:.1f}s = {events / ours:,.0f} events/s (peak {mem.peak_mb:.0f} MB)"
-              + (f"; pg_recvlogical {theirs:.1f}s = {events / theirs:,.0f} events/s" if recv and r.returncode == 0
-                 else f"; pg_recvlogical failed: {r.stderr[-300:] if r else 'not found'}"), flush=True)
+        runs.append(
+            {
+                "events": events,
+                "changes": dict(counts),
+                "seconds": ours,
+                "events_per_second": events / ours,
+                "peak_rss_mb": mem.peak_mb,
+                "pg_recvlogical_seconds": theirs if recv and r.returncode == 0 else None,
+                "pg_recvlogical_error": None if not recv or r.returncode == 0 else r.stderr[-500:],
+            }
+        )
+        print(
+            f"  capture: {events} events in {ours:.1f}s = {events / ours:,.0f} events/s (peak {mem.peak_mb:.0f} MB)"
+            + (
+                f"; pg_recvlogical {theirs:.1f}s = {events / theirs:,.0f} events/s"
+                if recv and r.returncode == 0
+                else f"; pg_recvlogical failed: {r.stderr[-300:] if r else 'not found'}"
+            ),
+            flush=True,
+        )
     conn = psycopg2.connect(dsn)
     conn.autocommit = True
     with conn.cursor() as cur:
@@ -229,8 +309,11 @@ def bench_capture(dsn: str, wl, changes: int, repeat: int) -> dict:
     conn.close()
     ours_eps = statistics.median(x["events_per_second"] for x in runs)
     theirs = [x["events"] / x["pg_recvlogical_seconds"] for x in runs if x["pg_recvlogical_seconds"]]
-    return {"runs": runs, "median_events_per_second": ours_eps,
-            "median_pg_recvlogical_events_per_second": statistics.median(theirs) if theirs else None}
+    return {
+        "runs": runs,
+        "median_events_per_second": ours_eps,
+        "median_pg_recvlogical_events_per_second": statistics.median(theirs) if theirs else None,
+    }
 
 
 def main() -> int:
@@ -251,8 +334,9 @@ def main() -> int:
         from cdc_lakehouse.settings import LakeSettings
         from cdc_lakehouse.spark_session import get_spark
 
-        lake = LakeSettings.from_env().with_(warehouse=f"file://{HERE / '.work' / 'warehouse'}",
-                                             landing_uri=f"file://{HERE / '.work' / 'landing'}")
+        lake = LakeSettings.from_env().with_(
+            warehouse=f"file://{HERE / '.work' / 'warehouse'}", landing_uri=f"file://{HERE / '.work' / 'landing'}"
+        )
         spark = get_spark("bench-source", lake, driver_memory=os.environ.get("CDC_BENCH_DRIVER_MEMORY", "4g"))
         ensure_meta_tables(spark, lake)
         if "bootstrap" in what:

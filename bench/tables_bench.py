@@ -65,14 +65,26 @@ def main() -> int:
         for s in SHARDS:
             cur.execute(f"CREATE SCHEMA {s}")
             for t in names:
-                cur.execute(f"CREATE TABLE {s}.{t} (id bigint PRIMARY KEY, v int NOT NULL, note text, "
-                            "updated_at timestamptz NOT NULL DEFAULT now())")
-                cur.execute(f"INSERT INTO {s}.{t} (id, v, note) SELECT g, 0, 'row ' || g FROM generate_series(1, %s) g",
-                            (args.rows,))
+                cur.execute(
+                    f"CREATE TABLE {s}.{t} (id bigint PRIMARY KEY, v int NOT NULL, note text, "
+                    "updated_at timestamptz NOT NULL DEFAULT now())"
+                )
+                cur.execute(
+                    f"INSERT INTO {s}.{t} (id, v, note) SELECT g, 0, 'row ' || g FROM generate_series(1, %s) g",
+                    (args.rows,),
+                )
     for t in names:
-        (cfg_dir / f"{t}.yaml").write_text(yaml.safe_dump({
-            "name": t, "source": {"table": t, "shards": [{"conn_id": CONN_ID, "schemas": SHARDS}]},
-            "primary_key": ["id"], "lake": {"namespace": "bench_many"}, "ingest": {"group": "many"}}))
+        (cfg_dir / f"{t}.yaml").write_text(
+            yaml.safe_dump(
+                {
+                    "name": t,
+                    "source": {"table": t, "shards": [{"conn_id": CONN_ID, "schemas": SHARDS}]},
+                    "primary_key": ["id"],
+                    "lake": {"namespace": "bench_many"},
+                    "ingest": {"group": "many"},
+                }
+            )
+        )
     lake_env = {"CDC_WAREHOUSE": f"file://{work}/warehouse", "CDC_LANDING_URI": f"file://{work}/landing"}
     os.environ.update(lake_env)
     from cdc_lakehouse.config import load_table_configs
@@ -96,8 +108,9 @@ def main() -> int:
     for name in names:
         for tbl in (cs.tables[name].current_table, cs.tables[name].changelog_table):
             spark.sql(f"DROP TABLE IF EXISTS {lake.qualified(tbl)} PURGE")
-        bootstrap_table(spark, lake, cs.tables[name], run_id="b", all_endpoint_tables={endpoint: ep.tables},
-                        log=lambda *_: None)
+        bootstrap_table(
+            spark, lake, cs.tables[name], run_id="b", all_endpoint_tables={endpoint: ep.tables}, log=lambda *_: None
+        )
     print(f"bootstrapped {n} tables in {time.time() - t:.0f}s", flush=True)
     spark.stop()
 
@@ -118,16 +131,25 @@ def main() -> int:
         cap = time.time() - t
         events = sum(f["rows"] for e in m["tables"] for f in e["files"])
         t = time.time()
-        res = subprocess.run([*job, "--tables", ",".join(names), "--upto-run", run_id], env=env,
-                             capture_output=True, text=True, check=False)
+        res = subprocess.run(
+            [*job, "--tables", ",".join(names), "--upto-run", run_id],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
         secs = time.time() - t
         if res.returncode != 0:
             print(res.stderr[-3000:])
             return 1
-        rounds.append({"events": events, "capture_seconds": cap, "group_ingest_seconds": secs,
-                       "per_table_seconds": secs / n})
-        print(f"round {r + 1}: capture {events} events in {cap:.1f}s; grouped ingest of {n} tables in one cold Spark "
-              f"application {secs:.0f}s ({secs / n:.2f}s per table)", flush=True)
+        rounds.append(
+            {"events": events, "capture_seconds": cap, "group_ingest_seconds": secs, "per_table_seconds": secs / n}
+        )
+        print(
+            f"round {r + 1}: capture {events} events in {cap:.1f}s; grouped ingest of {n} tables in one cold Spark "
+            f"application {secs:.0f}s ({secs / n:.2f}s per table)",
+            flush=True,
+        )
     # The alternative: one Spark application per table (sampled, then extrapolated).
     singles = []
     conn = psycopg2.connect(dsn)
@@ -141,22 +163,35 @@ def main() -> int:
     capture_run(ep, dsn, store, run_id)
     for name in names[: args.single_sample]:
         t = time.time()
-        res = subprocess.run([*job, "--tables", name, "--upto-run", run_id], env=env, capture_output=True, text=True,
-                             check=False)
+        res = subprocess.run(
+            [*job, "--tables", name, "--upto-run", run_id], env=env, capture_output=True, text=True, check=False
+        )
         singles.append(time.time() - t)
         assert res.returncode == 0, res.stderr[-2000:]
     single = statistics.median(singles)
     grouped = statistics.median(x["group_ingest_seconds"] for x in rounds)
-    print(f"\n{n} tables: grouped {grouped:.0f}s (one application) vs {single:.1f}s per table alone "
-          f"= {single * n:.0f}s for one application per table ({single * n / grouped:.1f}x)")
+    print(
+        f"\n{n} tables: grouped {grouped:.0f}s (one application) vs {single:.1f}s per table alone "
+        f"= {single * n:.0f}s for one application per table ({single * n / grouped:.1f}x)"
+    )
     from bench.measure import machine
 
     out = HERE / "results" / f"tables-{n}.json"
     out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps({"tables": n, "rows_per_table": args.rows * len(SHARDS), "rounds": rounds,
-                               "median_grouped_seconds": grouped, "single_app_seconds": singles,
-                               "extrapolated_one_app_per_table_seconds": single * n, "machine": machine()},
-                              indent=2))
+    out.write_text(
+        json.dumps(
+            {
+                "tables": n,
+                "rows_per_table": args.rows * len(SHARDS),
+                "rounds": rounds,
+                "median_grouped_seconds": grouped,
+                "single_app_seconds": singles,
+                "extrapolated_one_app_per_table_seconds": single * n,
+                "machine": machine(),
+            },
+            indent=2,
+        )
+    )
     print(f"results: {out}")
     return 0
 

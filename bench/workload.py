@@ -19,20 +19,32 @@ import pyarrow.parquet as pq
 
 SHARDS = ["s0", "s1", "s2", "s3"]
 COLUMNS = [
-    ("id", "bigint", "bigint"), ("space_id", "bigint", "bigint"), ("type", "character varying(32)", "string"),
-    ("properties", "jsonb", "string"), ("content", "text", "string"), ("updated_at", "timestamp with time zone", "timestamp"),
-    ("is_archived", "boolean", "boolean"), ("version", "integer", "int"), ("score", "numeric(12,4)", "decimal(12,4)"),
+    ("id", "bigint", "bigint"),
+    ("space_id", "bigint", "bigint"),
+    ("type", "character varying(32)", "string"),
+    ("properties", "jsonb", "string"),
+    ("content", "text", "string"),
+    ("updated_at", "timestamp with time zone", "timestamp"),
+    ("is_archived", "boolean", "boolean"),
+    ("version", "integer", "int"),
+    ("score", "numeric(12,4)", "decimal(12,4)"),
 ]
-SCHEMA_JSON = json.dumps([{"name": n, "type": t, "lake_type": lt, "key": n == "id"} for n, t, lt in COLUMNS],
-                         separators=(",", ":"), sort_keys=True)
+SCHEMA_JSON = json.dumps(
+    [{"name": n, "type": t, "lake_type": lt, "key": n == "id"} for n, t, lt in COLUMNS],
+    separators=(",", ":"),
+    sort_keys=True,
+)
 BASE_LSN = 1_000
 
 
 def _content(ids: np.ndarray, salt: int) -> np.ndarray:
     # ~200 bytes of text per block (a paragraph), varying by id and version.
     word = np.char.add("para ", (ids * 7919 + salt).astype(str))
-    return np.char.add(word, " lorem ipsum dolor sit amet consectetur adipiscing elit sed do eiusmod tempor "
-                             "incididunt ut labore et dolore magna aliqua ut enim ad minim veniam quis nostrud")
+    return np.char.add(
+        word,
+        " lorem ipsum dolor sit amet consectetur adipiscing elit sed do eiusmod tempor "
+        "incididunt ut labore et dolore magna aliqua ut enim ad minim veniam quis nostrud",
+    )
 
 
 def base_table(rows: int, seed: int = 1, start: int = 1) -> pa.Table:
@@ -41,17 +53,26 @@ def base_table(rows: int, seed: int = 1, start: int = 1) -> pa.Table:
     ids = np.arange(start, start + rows, dtype=np.int64)
     shard = np.array(SHARDS)[ids % 4]
     ts = np.datetime64("2026-01-01T00:00:00", "us") + (ids * 1000).astype("timedelta64[us]")
-    return pa.table({
-        "_cdc_shard": shard, "id": ids, "space_id": (ids % 1000).astype(np.int64),
-        "type": np.array(["page", "text", "to_do", "heading"])[ids % 4],
-        "properties": np.char.add('{"title": "block ', np.char.add(ids.astype(str), '"}')),
-        "content": _content(ids, 0), "updated_at": pa.array(ts, pa.timestamp("us", tz="UTC")),
-        "is_archived": rng.random(rows) < 0.05, "version": np.ones(rows, dtype=np.int32),
-        "score": pa.array([f"{v}.5000" for v in rng.integers(0, 10_000_000, rows)]).cast(pa.decimal128(12, 4)),
-        "_cdc_op": np.full(rows, "c"), "_cdc_commit_lsn": np.full(rows, BASE_LSN, dtype=np.int64),
-        "_cdc_seq": np.full(rows, -1, dtype=np.int64),
-        "_cdc_commit_ts": pa.array(np.full(rows, np.datetime64("2026-01-01T00:00:00", "us")), pa.timestamp("us", tz="UTC")),
-    })
+    return pa.table(
+        {
+            "_cdc_shard": shard,
+            "id": ids,
+            "space_id": (ids % 1000).astype(np.int64),
+            "type": np.array(["page", "text", "to_do", "heading"])[ids % 4],
+            "properties": np.char.add('{"title": "block ', np.char.add(ids.astype(str), '"}')),
+            "content": _content(ids, 0),
+            "updated_at": pa.array(ts, pa.timestamp("us", tz="UTC")),
+            "is_archived": rng.random(rows) < 0.05,
+            "version": np.ones(rows, dtype=np.int32),
+            "score": pa.array([f"{v}.5000" for v in rng.integers(0, 10_000_000, rows)]).cast(pa.decimal128(12, 4)),
+            "_cdc_op": np.full(rows, "c"),
+            "_cdc_commit_lsn": np.full(rows, BASE_LSN, dtype=np.int64),
+            "_cdc_seq": np.full(rows, -1, dtype=np.int64),
+            "_cdc_commit_ts": pa.array(
+                np.full(rows, np.datetime64("2026-01-01T00:00:00", "us")), pa.timestamp("us", tz="UTC")
+            ),
+        }
+    )
 
 
 @dataclass
@@ -97,9 +118,16 @@ def change_batch(rows: int, changes: int, seed: int = 2, toast_share: float = 0.
             befores.append([("id", str(ids[i]))])
             unav.append(None)
             continue
-        row = [("id", str(ids[i])), ("space_id", str(ids[i] % 1000)), ("type", "text"),
-               ("properties", f'{{"title": "v{version[i]}"}}'), ("updated_at", ts_text[i].replace("T", " ") + "+00"),
-               ("is_archived", "f"), ("version", str(version[i])), ("score", f"{version[i] % 1000}.5000")]
+        row = [
+            ("id", str(ids[i])),
+            ("space_id", str(ids[i] % 1000)),
+            ("type", "text"),
+            ("properties", f'{{"title": "v{version[i]}"}}'),
+            ("updated_at", ts_text[i].replace("T", " ") + "+00"),
+            ("is_archived", "f"),
+            ("version", str(version[i])),
+            ("score", f"{version[i] % 1000}.5000"),
+        ]
         if toast[i]:
             unav.append(["content"])
         else:
@@ -111,15 +139,34 @@ def change_batch(rows: int, changes: int, seed: int = 2, toast_share: float = 0.
 
     schema = landing_arrow_schema()
     source = pa.StructArray.from_arrays(
-        [pa.array(["postgresql"] * n), pa.array(["bench"] * n), pa.array(["bench"] * n), pa.array(["bench"] * n),
-         pa.array(shard), pa.array(["block"] * n), pa.array(commit_lsn), pa.array(commit_lsn - 10),
-         pa.array(commit_lsn // 1000), pa.array(seq),
-         pa.array(ts, pa.timestamp("us")).cast(pa.timestamp("us", tz="UTC"))],
-        fields=list(schema.field("source").type))
+        [
+            pa.array(["postgresql"] * n),
+            pa.array(["bench"] * n),
+            pa.array(["bench"] * n),
+            pa.array(["bench"] * n),
+            pa.array(shard),
+            pa.array(["block"] * n),
+            pa.array(commit_lsn),
+            pa.array(commit_lsn - 10),
+            pa.array(commit_lsn // 1000),
+            pa.array(seq),
+            pa.array(ts, pa.timestamp("us")).cast(pa.timestamp("us", tz="UTC")),
+        ],
+        fields=list(schema.field("source").type),
+    )
     table = pa.Table.from_arrays(
-        [pa.array(ops), pa.array(befores, schema.field("before").type), pa.array(afters, schema.field("after").type),
-         pa.array(unav, schema.field("unavailable").type), source, pa.array([SCHEMA_JSON] * n),
-         pa.array(np.zeros(n, dtype=np.int64)), pa.array(["bench-run"] * n)], schema=schema)
+        [
+            pa.array(ops),
+            pa.array(befores, schema.field("before").type),
+            pa.array(afters, schema.field("after").type),
+            pa.array(unav, schema.field("unavailable").type),
+            source,
+            pa.array([SCHEMA_JSON] * n),
+            pa.array(np.zeros(n, dtype=np.int64)),
+            pa.array(["bench-run"] * n),
+        ],
+        schema=schema,
+    )
     return Batch(table, n, n_upd, n_ins, n_del, int(toast.sum()))
 
 
@@ -132,17 +179,36 @@ def write_landing(batch: Batch, root: Path, endpoint: str, run_id: str, start_ls
     for i in range(0, batch.table.num_rows, per_file):
         name = f"part-{i // per_file:05d}.parquet"
         pq.write_table(batch.table.slice(i, per_file), d / name, compression="snappy")
-        files.append({"name": name, "rows": min(per_file, batch.table.num_rows - i), "bytes": (d / name).stat().st_size})
+        files.append(
+            {"name": name, "rows": min(per_file, batch.table.num_rows - i), "bytes": (d / name).stat().st_size}
+        )
     max_lsn = int(np.max(batch.table.column("source").combine_chunks().field("commit_lsn")))
     schemas = {f"{s}.block": json.loads(SCHEMA_JSON) for s in SHARDS}
     manifest = {
-        "format": 1, "run_id": run_id, "endpoint": endpoint, "start_lsn": start_lsn, "end_lsn": max_lsn + 100,
-        "last_commit_lsn": max_lsn, "last_commit_ts": "2026-06-01T01:00:00+00:00", "capped": False,
-        "events": batch.events, "tables": [{"table": "block", "dir": f"{endpoint}/block/run={run_id}", "files": files,
-                                            "events": batch.events, "shards": SHARDS}],
-        "heartbeats": {s: {"commit_lsn": max_lsn + 50, "end_lsn": max_lsn + 100,
-                           "commit_ts": "2026-06-01T01:00:00+00:00"} for s in SHARDS},
-        "schemas": schemas, "schema_changes": [],
+        "format": 1,
+        "run_id": run_id,
+        "endpoint": endpoint,
+        "start_lsn": start_lsn,
+        "end_lsn": max_lsn + 100,
+        "last_commit_lsn": max_lsn,
+        "last_commit_ts": "2026-06-01T01:00:00+00:00",
+        "capped": False,
+        "events": batch.events,
+        "tables": [
+            {
+                "table": "block",
+                "dir": f"{endpoint}/block/run={run_id}",
+                "files": files,
+                "events": batch.events,
+                "shards": SHARDS,
+            }
+        ],
+        "heartbeats": {
+            s: {"commit_lsn": max_lsn + 50, "end_lsn": max_lsn + 100, "commit_ts": "2026-06-01T01:00:00+00:00"}
+            for s in SHARDS
+        },
+        "schemas": schemas,
+        "schema_changes": [],
     }
     mdir = root / endpoint / "_manifests"
     mdir.mkdir(parents=True, exist_ok=True)

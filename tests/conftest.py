@@ -56,8 +56,12 @@ def lake(pg, tmp_root):
         warehouse=f"file://{tmp_root / 'warehouse'}",
         landing_uri=f"file://{tmp_root / 'landing'}",
     )
-    for k, v in {"CDC_CATALOG_URI": settings.catalog_uri, "CDC_WAREHOUSE": settings.warehouse,
-                 "CDC_LANDING_URI": settings.landing_uri, "CDC_CATALOG_TYPE": "jdbc"}.items():
+    for k, v in {
+        "CDC_CATALOG_URI": settings.catalog_uri,
+        "CDC_WAREHOUSE": settings.warehouse,
+        "CDC_LANDING_URI": settings.landing_uri,
+        "CDC_CATALOG_TYPE": "jdbc",
+    }.items():
         os.environ[k] = v
     os.environ.pop("CDC_LAKE_SETTINGS", None)
     return settings
@@ -79,8 +83,13 @@ def spark(lake):
     from cdc_lakehouse.lake import ensure_meta_tables
     from cdc_lakehouse.spark_session import get_spark
 
-    session = get_spark("cdc-tests", lake, master="local[2]", driver_memory="3g",
-                        extra={"spark.ui.enabled": "false", "spark.sql.shuffle.partitions": "4"})
+    session = get_spark(
+        "cdc-tests",
+        lake,
+        master="local[2]",
+        driver_memory="3g",
+        extra={"spark.ui.enabled": "false", "spark.sql.shuffle.partitions": "4"},
+    )
     ensure_meta_tables(session, lake)
     yield session
     session.stop()

@@ -40,8 +40,9 @@ def source_df(spark, cfg: TableConfig, dsn: str, columns: list[tuple[str, str]])
     return df.select(SHARD_COL, *[cast_text(F.col(c), t).alias(c) for c, t in columns])
 
 
-def assert_lake_equals_source(spark, lake, cfg: TableConfig, dsn: str, *, check_changelog: bool = True,
-                              skip: tuple[str, ...] = ()) -> int:
+def assert_lake_equals_source(
+    spark, lake, cfg: TableConfig, dsn: str, *, check_changelog: bool = True, skip: tuple[str, ...] = ()
+) -> int:
     """Every row and column of the lake equals the source's (`skip`: lake columns the source dropped)."""
     cur = lake.qualified(cfg.current_table)
     cols = [(c, t) for c, t in source_columns_of(spark, cur, cfg) if c not in skip]
@@ -74,17 +75,20 @@ def _update_manifest(lake, endpoint, run_id, fn):
 
 def duplicate_file(lake, endpoint: str, run_id: str, table: str) -> None:
     """At-least-once delivery: the same events twice in one run."""
+
     def fn(m):
         entry = next(e for e in m["tables"] if e["table"] == table)
         f = entry["files"][0]
         d = landing_root(lake) / entry["dir"]
         shutil.copy(d / f["name"], d / ("dup-" + f["name"]))
         entry["files"] = list(reversed(entry["files"] + [{**f, "name": "dup-" + f["name"]}]))  # out of order too
+
     _update_manifest(lake, endpoint, run_id, fn)
 
 
 def append_malformed(lake, endpoint: str, run_id: str, table: str, rows: list[dict]) -> None:
     """Malformed events written into a run (as a broken producer would): rows built from a real event."""
+
     def fn(m):
         entry = next(e for e in m["tables"] if e["table"] == table)
         f = entry["files"][0]
@@ -105,12 +109,19 @@ def append_malformed(lake, endpoint: str, run_id: str, table: str, rows: list[di
         pq.write_table(new, path)
         f["rows"] = new.num_rows
         f["bytes"] = path.stat().st_size
+
     _update_manifest(lake, endpoint, run_id, fn)
 
 
 def init_airflow_home(env: dict[str, str]) -> None:
     """scripts/airflow_init.sh in the given environment: database migrated, pools, DAGs parsed."""
     root = Path(__file__).resolve().parents[1]
-    r = subprocess.run(["bash", str(root / "scripts" / "airflow_init.sh")], env=env, capture_output=True,
-                       text=True, timeout=600, check=False)
+    r = subprocess.run(
+        ["bash", str(root / "scripts" / "airflow_init.sh")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]

@@ -77,6 +77,7 @@ def redact(text: Any) -> str:
 
 # --- configuration --------------------------------------------------------------------------------
 
+
 class AlertConfigError(ValueError):
     """include/alerting.yaml is invalid, or a channel cannot be built (a provider is missing)."""
 
@@ -97,7 +98,8 @@ def _provider_class(module: str, cls: str, package: str):
     except ImportError as exc:
         raise AlertConfigError(
             f"alert channel needs the {package} package ({module}.{cls} cannot be imported: {exc}); "
-            f"install it (pip install {package}) or remove the channel from {alerting_file()}") from exc
+            f"install it (pip install {package}) or remove the channel from {alerting_file()}"
+        ) from exc
     except AttributeError as exc:
         raise AlertConfigError(f"{module} has no notifier class {cls!r} (package {package})") from exc
 
@@ -129,8 +131,14 @@ class SmtpChannel(_Channel):
 
     def notifier(self, alert: Alert) -> BaseNotifier:
         cls = _provider_class(*self.provider())
-        return cls(to=list(self.to), cc=list(self.cc) or None, from_email=self.from_email,
-                   smtp_conn_id=self.smtp_conn_id, subject=alert.subject, html_content=alert.html())
+        return cls(
+            to=list(self.to),
+            cc=list(self.cc) or None,
+            from_email=self.from_email,
+            smtp_conn_id=self.smtp_conn_id,
+            subject=alert.subject,
+            html_content=alert.html(),
+        )
 
 
 class SnsChannel(_Channel):
@@ -144,10 +152,18 @@ class SnsChannel(_Channel):
 
     def notifier(self, alert: Alert) -> BaseNotifier:
         cls = _provider_class(*self.provider())
-        return cls(aws_conn_id=self.aws_conn_id, region_name=self.region_name, target_arn=self.target_arn,
-                   message=alert.text(), subject=alert.subject,
-                   message_attributes={"cdc_alert_kind": alert.kind, "cdc_alert_state": alert.state,
-                                       "cdc_table": ",".join(alert.tables) or "-"})
+        return cls(
+            aws_conn_id=self.aws_conn_id,
+            region_name=self.region_name,
+            target_arn=self.target_arn,
+            message=alert.text(),
+            subject=alert.subject,
+            message_attributes={
+                "cdc_alert_kind": alert.kind,
+                "cdc_alert_state": alert.state,
+                "cdc_table": ",".join(alert.tables) or "-",
+            },
+        )
 
 
 class SlackChannel(_Channel):
@@ -215,9 +231,13 @@ class AlertingConfig(_Model):
     @classmethod
     def _names(cls, data: Any) -> Any:
         if isinstance(data, dict) and isinstance(data.get("channels"), list):
-            data = {**data, "channels": [
-                {**c, "name": f"{c.get('type', 'channel')}_{i}"} if isinstance(c, dict) and not c.get("name") else c
-                for i, c in enumerate(data["channels"])]}
+            data = {
+                **data,
+                "channels": [
+                    {**c, "name": f"{c.get('type', 'channel')}_{i}"} if isinstance(c, dict) and not c.get("name") else c
+                    for i, c in enumerate(data["channels"])
+                ],
+            }
         return data
 
     @model_validator(mode="after")
@@ -283,13 +303,17 @@ def alerting_errors(tables: dict[str, TableConfig]) -> list[str]:
             except ModuleNotFoundError:
                 found = False
             if not found:
-                errors.append(f"{alerting_file()}: channel '{c.name}' ({c.type}) needs the {package} package, "
-                              f"which is not installed. Fix: pip install {package}, or remove the channel")
+                errors.append(
+                    f"{alerting_file()}: channel '{c.name}' ({c.type}) needs the {package} package, "
+                    f"which is not installed. Fix: pip install {package}, or remove the channel"
+                )
     for name, cfg in sorted(tables.items()):
         for ch in cfg.alerts.channels or []:
             if ac.channel(ch) is None:
-                errors.append(f"table {name}: field 'alerts.channels': no channel named {ch!r} in {alerting_file()} "
-                              f"(channels: {[c.name for c in ac.channels]}). Fix: use one of those names")
+                errors.append(
+                    f"table {name}: field 'alerts.channels': no channel named {ch!r} in {alerting_file()} "
+                    f"(channels: {[c.name for c in ac.channels]}). Fix: use one of those names"
+                )
     return errors
 
 
@@ -303,6 +327,7 @@ class Rules:
 
 def rules_for(cfg: TableConfig, ac: AlertingConfig) -> Rules:
     """The table's thresholds: its `alerts`, else alerting.yaml's defaults, else the built-in ones (0 = off)."""
+
     def pick(name: str, default: Any) -> Any:
         for src in (cfg.alerts, ac.defaults):
             v = getattr(src, name)
@@ -334,12 +359,20 @@ def channels_for(cfgs: list[TableConfig], ac: AlertingConfig) -> list[_Channel]:
         out = list(ac.channels)
     emails = sorted({e for c in cfgs for e in c.alert_emails})
     if emails:
-        out.append(SmtpChannel(type="smtp", name="alert_emails", to=emails, smtp_conn_id=ac.alert_emails.smtp_conn_id,
-                               from_email=ac.alert_emails.from_email))
+        out.append(
+            SmtpChannel(
+                type="smtp",
+                name="alert_emails",
+                to=emails,
+                smtp_conn_id=ac.alert_emails.smtp_conn_id,
+                from_email=ac.alert_emails.from_email,
+            )
+        )
     return out
 
 
 # --- the alert -------------------------------------------------------------------------------------
+
 
 @dataclass
 class Alert:
@@ -364,8 +397,13 @@ class Alert:
     @property
     def subject(self) -> str:
         """One line, printable ASCII, at most 100 characters (SNS's limits)."""
-        head = "RESOLVED" if self.state == "resolved" else {"task_failed": "FAILED", "audit_failing": "AUDIT",
-                                                             "wal_retained": "WAL", "freshness": "STALE"}[self.kind]
+        head = (
+            "RESOLVED"
+            if self.state == "resolved"
+            else {"task_failed": "FAILED", "audit_failing": "AUDIT", "wal_retained": "WAL", "freshness": "STALE"}[
+                self.kind
+            ]
+        )
         s = f"[CDC {head}] {self.summary}"
         s = "".join(ch if 32 <= ord(ch) < 127 else "?" for ch in s)
         return s if len(s) <= 100 else s[:97] + "..."
@@ -375,25 +413,38 @@ class Alert:
         lines += [f"{k}: {v}" for k, v in self.details.items()]
         if self.state == "firing":
             lines += ["", f"What to do: {self.fix}"]
-        where = ", ".join(f"{k} {v}" for k, v in (("DAG", self.dag_id), ("task", self.task_id), ("run", self.run_id))
-                          if v)
+        where = ", ".join(
+            f"{k} {v}" for k, v in (("DAG", self.dag_id), ("task", self.task_id), ("run", self.run_id)) if v
+        )
         if where:
             lines += ["", f"Airflow: {where}"]
         lines += [f"Alert: {self.kind} ({self.state}) at {self.at}"]
         return "\n".join(lines)
 
     def html(self) -> str:
-        return f"<pre style=\"font-family: monospace\">{html.escape(self.text())}</pre>"
+        return f'<pre style="font-family: monospace">{html.escape(self.text())}</pre>'
 
     def record(self) -> dict[str, Any]:
-        return {"at": self.at, "kind": self.kind, "state": self.state, "tables": self.tables,
-                "table": self.tables[0] if len(self.tables) == 1 else None, "summary": self.summary,
-                "details": self.details, "figure": self.figure, "threshold": self.threshold, "fix": self.fix,
-                "dag_id": self.dag_id, "task_id": self.task_id, "run_id": self.run_id}
+        return {
+            "at": self.at,
+            "kind": self.kind,
+            "state": self.state,
+            "tables": self.tables,
+            "table": self.tables[0] if len(self.tables) == 1 else None,
+            "summary": self.summary,
+            "details": self.details,
+            "figure": self.figure,
+            "threshold": self.threshold,
+            "fix": self.fix,
+            "dag_id": self.dag_id,
+            "task_id": self.task_id,
+            "run_id": self.run_id,
+        }
 
 
-def deliver(alert: Alert, channels: list[_Channel], context: dict[str, Any] | None = None,
-            ac: AlertingConfig | None = None) -> list[str]:
+def deliver(
+    alert: Alert, channels: list[_Channel], context: dict[str, Any] | None = None, ac: AlertingConfig | None = None
+) -> list[str]:
     """Log, record and send the alert through every channel that wants its kind.
 
     Returns the channels' errors (never raises): one channel's failure never stops the others."""
@@ -479,19 +530,19 @@ def fmt_seconds(s: float | None) -> str:
 
 _FIXES = {
     "capture": "read the task log: the error names the source connection, the slot or the preflight problem. "
-               "Nothing is confirmed on the slot before the run's manifest is durable, so clearing the task "
-               "after the fix loses nothing.",
+    "Nothing is confirmed on the slot before the run's manifest is durable, so clearing the task "
+    "after the fix loses nothing.",
     "ingest": "read the task log. Quarantined events: `python -m cdc_lakehouse.cli quarantine list {table}`; "
-              "a schema change names the column and the choices in the error. Clear the run after the fix: "
-              "the watermark makes reruns converge.",
+    "a schema change names the column and the choices in the error. Clear the run after the fix: "
+    "the watermark makes reruns converge.",
     "audit": "read the audit in the task log (missing / extra / different keys per shard, with samples) and "
-             "cdc_meta.audit_results; set audit.repair: true or re-bootstrap the shard "
-             "(trigger cdc_bootstrap__{table} with {{\"shards\": [...]}}).",
+    "cdc_meta.audit_results; set audit.repair: true or re-bootstrap the shard "
+    '(trigger cdc_bootstrap__{table} with {{"shards": [...]}}).',
     "bootstrap": "fix what the preflight or the error names, then trigger the DAG again (shards are replaced "
-                 "atomically).",
+    "atomically).",
     "maintenance": "read the task log; maintenance never changes the table's content, the next run retries.",
     "check_alerts": "an alert could not be checked or delivered: read the task log (channel errors name the "
-                    "channel) and the connections of include/alerting.yaml.",
+    "channel) and the connections of include/alerting.yaml.",
 }
 
 
@@ -506,13 +557,27 @@ def failure_alert(context: dict[str, Any], tables: list[str] | None = None) -> A
     step = task_id.split("__", 1)[0]
     endpoint = task_id.split("__", 1)[1] if step == "capture" and "__" in task_id else None
     what = ", ".join(tables) or dag_id
-    details: dict[str, Any] = {"table": ", ".join(tables) or None, "endpoint": endpoint, "task": f"{dag_id}.{task_id}",
-                               "try": getattr(ti, "try_number", None), "error": error or "(no exception in context)",
-                               "log": getattr(ti, "log_url", None)}
+    details: dict[str, Any] = {
+        "table": ", ".join(tables) or None,
+        "endpoint": endpoint,
+        "task": f"{dag_id}.{task_id}",
+        "try": getattr(ti, "try_number", None),
+        "error": error or "(no exception in context)",
+        "log": getattr(ti, "log_url", None),
+    }
     fix = _FIXES.get(step, "read the task log, fix the cause, clear the task.").format(
-        table=tables[0] if len(tables) == 1 else "<table>")
-    return Alert("task_failed", f"{task_id} of {what} failed", list(tables), details, fix, dag_id=dag_id,
-                 task_id=task_id, run_id=context.get("run_id"))
+        table=tables[0] if len(tables) == 1 else "<table>"
+    )
+    return Alert(
+        "task_failed",
+        f"{task_id} of {what} failed",
+        list(tables),
+        details,
+        fix,
+        dag_id=dag_id,
+        task_id=task_id,
+        run_id=context.get("run_id"),
+    )
 
 
 class CdcFailureNotifier(BaseNotifier):
@@ -550,6 +615,7 @@ def on_task_failure(context: dict[str, Any]) -> None:
 
 # --- checks on the run history in cdc_meta ------------------------------------------------------------
 
+
 def _meta_rows(lake, name: str, column: str, value: str, fields: tuple[str, ...]) -> list[dict[str, Any]] | None:
     """Rows of cdc_meta.<name> where column == value (pyiceberg, no Spark); None if the table does not exist."""
     from pyiceberg.catalog import load_catalog
@@ -578,8 +644,12 @@ def _latest_per_run(rows: list[dict[str, Any]], run_col: str, ts_col: str) -> di
     return out
 
 
-def check_wal(manifest: dict[str, Any], members: list[TableConfig], ac: AlertingConfig,
-              history: list[dict[str, Any]] | None = None) -> Alert | None:
+def check_wal(
+    manifest: dict[str, Any],
+    members: list[TableConfig],
+    ac: AlertingConfig,
+    history: list[dict[str, Any]] | None = None,
+) -> Alert | None:
     """wal_retained: the capture's slot retains more WAL than the smallest threshold of its tables.
 
     history: earlier cdc_meta.capture_runs rows of the endpoint (any order); the current run is
@@ -593,8 +663,11 @@ def check_wal(manifest: dict[str, Any], members: list[TableConfig], ac: Alerting
     threshold = min(enabled)
     every = min(r.renotify_every_runs for r in rules)
     run_id = manifest.get("run_id")
-    past = sorted((r for r in history or [] if r.get("run_id") != run_id and r.get("finished_at")),
-                  key=lambda r: r["finished_at"], reverse=True)
+    past = sorted(
+        (r for r in history or [] if r.get("run_id") != run_id and r.get("finished_at")),
+        key=lambda r: r["finished_at"],
+        reverse=True,
+    )
     flags = [retained > threshold] + [(r.get("retained_wal_bytes") or 0) > threshold for r in past]
     state = decide(flags, 1, every)
     if state is None:
@@ -606,23 +679,30 @@ def check_wal(manifest: dict[str, Any], members: list[TableConfig], ac: Alerting
     else:
         summary = f"slot {slot} of endpoint {endpoint} retains {fmt_bytes(retained)} of WAL (> {fmt_bytes(threshold)})"
     details = {
-        "tables": ", ".join(tables), "endpoint": f"{endpoint} (connection {manifest.get('conn_id')})",
-        "slot": slot, "retained WAL": f"{fmt_bytes(retained)} ({retained} bytes)",
+        "tables": ", ".join(tables),
+        "endpoint": f"{endpoint} (connection {manifest.get('conn_id')})",
+        "slot": slot,
+        "retained WAL": f"{fmt_bytes(retained)} ({retained} bytes)",
         "threshold": f"{fmt_bytes(threshold)} ({threshold} bytes, alerts.retained_wal_bytes)",
-        "unconfirmed (lag)": fmt_bytes(after.get("lag_bytes")), "wal_status": after.get("wal_status"),
-        "runs over the threshold in a row": _streak(flags), "capture run": run_id,
+        "unconfirmed (lag)": fmt_bytes(after.get("lag_bytes")),
+        "wal_status": after.get("wal_status"),
+        "runs over the threshold in a row": _streak(flags),
+        "capture run": run_id,
     }
-    fix = (f"the slot keeps WAL on the source until captures confirm it, so the source's disk fills while it "
-           f"grows. Check that capture__{endpoint} runs and succeeds in every ingest DAG reading {endpoint} (a "
-           f"paused DAG or a failing capture stops confirming); a capture capped by ingest.max_events_per_run / "
-           f"max_bytes_per_run falls behind a busy source: raise the caps or run more often. A long transaction "
-           f"on the source also holds WAL back. A slot nobody reads any more must be dropped "
-           f"(SELECT pg_drop_replication_slot('{slot}')) once its tables are retired.")
+    fix = (
+        f"the slot keeps WAL on the source until captures confirm it, so the source's disk fills while it "
+        f"grows. Check that capture__{endpoint} runs and succeeds in every ingest DAG reading {endpoint} (a "
+        f"paused DAG or a failing capture stops confirming); a capture capped by ingest.max_events_per_run / "
+        f"max_bytes_per_run falls behind a busy source: raise the caps or run more often. A long transaction "
+        f"on the source also holds WAL back. A slot nobody reads any more must be dropped "
+        f"(SELECT pg_drop_replication_slot('{slot}')) once its tables are retired."
+    )
     return Alert("wal_retained", summary, tables, details, fix, state=state, figure=retained, threshold=threshold)
 
 
-def check_audit(cfg: TableConfig, audit_run: str, ac: AlertingConfig, results: list[dict[str, Any]],
-                quality: list[dict[str, Any]]) -> Alert | None:
+def check_audit(
+    cfg: TableConfig, audit_run: str, ac: AlertingConfig, results: list[dict[str, Any]], quality: list[dict[str, Any]]
+) -> Alert | None:
     """audit_failing: the audit of the table failed in the last N runs (N = alerts.audit_failed_runs).
 
     A run failed when a shard's verdict is `fail` and it was not repaired, or a quality check
@@ -634,13 +714,15 @@ def check_audit(cfg: TableConfig, audit_run: str, ac: AlertingConfig, results: l
     res = _latest_per_run(results, "audit_run", "audited_at")
     qual = _latest_per_run(quality, "audit_run", "checked_at")
     if audit_run not in res:
-        log.info("audit %s: run %s recorded no results (a failed audit job is alerted as a failed task)",
-                 cfg.name, audit_run)
+        log.info(
+            "audit %s: run %s recorded no results (a failed audit job is alerted as a failed task)", cfg.name, audit_run
+        )
         return None
 
     def failed(run: str) -> bool:
-        return (any(r.get("verdict") == "fail" and not r.get("repaired") for r in res.get(run, []))
-                or any(q.get("success") is False for q in qual.get(run, [])))
+        return any(r.get("verdict") == "fail" and not r.get("repaired") for r in res.get(run, [])) or any(
+            q.get("success") is False for q in qual.get(run, [])
+        )
 
     runs = sorted(res, key=lambda r: res[r][0]["audited_at"], reverse=True)
     flags = [failed(r) for r in runs]
@@ -654,28 +736,42 @@ def check_audit(cfg: TableConfig, audit_run: str, ac: AlertingConfig, results: l
         summary = f"audit of {cfg.name} passes again (run {audit_run})"
     else:
         summary = f"audit of {cfg.name} failed {streak} runs in a row (alert at {rules.audit_failed_runs})"
-    details: dict[str, Any] = {"table": cfg.name, "lake table": cfg.current_table, "failed runs in a row": streak,
-                               "threshold": f"{rules.audit_failed_runs} runs (alerts.audit_failed_runs)",
-                               "audit run": audit_run}
+    details: dict[str, Any] = {
+        "table": cfg.name,
+        "lake table": cfg.current_table,
+        "failed runs in a row": streak,
+        "threshold": f"{rules.audit_failed_runs} runs (alerts.audit_failed_runs)",
+        "audit run": audit_run,
+    }
     for r in sorted(bad_shards, key=lambda r: r.get("shard") or ""):
         details[f"shard {r.get('shard')}"] = (
             f"{r.get('persistent')} persistent mismatching key(s): missing {r.get('missing')}, extra "
             f"{r.get('extra')}, different {r.get('different')}; source rows {r.get('source_rows')}, lake rows "
-            f"{r.get('lake_rows')}; sample {r.get('sample_keys')}")
+            f"{r.get('lake_rows')}; sample {r.get('sample_keys')}"
+        )
     for q in bad_quality:
         details[f"quality {q.get('expectation')}"] = f"failed (observed {q.get('observed')})"
     shards = [r.get("shard") for r in bad_shards]
-    fix = (f"read the audit in the task log and cdc_meta.audit_results / audit_mismatches (keys per shard, with "
-           f"samples); quarantined events of those keys: `python -m cdc_lakehouse.cli quarantine list {cfg.name}`. "
-           f"Set audit.repair: true to re-read persistent keys from the source, or re-bootstrap the shard(s): "
-           f"trigger cdc_bootstrap__{cfg.name} with {{\"shards\": {json.dumps(shards)}}}. A failed quality check "
-           f"names its expectation (freshness: see the ingest; row counts: see the shards).")
-    return Alert("audit_failing", summary, [cfg.name], details, fix, state=state, figure=streak,
-                 threshold=rules.audit_failed_runs)
+    fix = (
+        f"read the audit in the task log and cdc_meta.audit_results / audit_mismatches (keys per shard, with "
+        f"samples); quarantined events of those keys: `python -m cdc_lakehouse.cli quarantine list {cfg.name}`. "
+        f"Set audit.repair: true to re-read persistent keys from the source, or re-bootstrap the shard(s): "
+        f'trigger cdc_bootstrap__{cfg.name} with {{"shards": {json.dumps(shards)}}}. A failed quality check '
+        f"names its expectation (freshness: see the ingest; row counts: see the shards)."
+    )
+    return Alert(
+        "audit_failing",
+        summary,
+        [cfg.name],
+        details,
+        fix,
+        state=state,
+        figure=streak,
+        threshold=rules.audit_failed_runs,
+    )
 
 
-def check_freshness(cfg: TableConfig, ingest_run: str, ac: AlertingConfig,
-                    runs: list[dict[str, Any]]) -> Alert | None:
+def check_freshness(cfg: TableConfig, ingest_run: str, ac: AlertingConfig, runs: list[dict[str, Any]]) -> Alert | None:
     """freshness: the ingest's freshness_seconds (age of the oldest shard's last applied change or
     heartbeat when it committed) is beyond the SLA. runs: the table's cdc_meta.ingest_runs rows."""
     rules = rules_for(cfg, ac)
@@ -683,8 +779,11 @@ def check_freshness(cfg: TableConfig, ingest_run: str, ac: AlertingConfig,
         return None
     per_run = _latest_per_run(runs, "ingest_run", "committed_at")
     if ingest_run not in per_run:
-        log.info("freshness %s: ingest run %s committed no metrics (a failed ingest is alerted as a failed task)",
-                 cfg.name, ingest_run)
+        log.info(
+            "freshness %s: ingest run %s committed no metrics (a failed ingest is alerted as a failed task)",
+            cfg.name,
+            ingest_run,
+        )
         return None
     order = sorted(per_run, key=lambda r: per_run[r][0]["committed_at"], reverse=True)
     flags = [(per_run[r][0].get("freshness_seconds") or 0) > rules.freshness_sla for r in order]
@@ -695,7 +794,7 @@ def check_freshness(cfg: TableConfig, ingest_run: str, ac: AlertingConfig,
     fresh = row.get("freshness_seconds")
     stalest, stalest_ts = None, None
     try:
-        shards = (json.loads(row.get("watermark") or "{}").get("shards") or {})
+        shards = json.loads(row.get("watermark") or "{}").get("shards") or {}
         ts = {s: v["ts"] for s, v in shards.items() if v.get("ts")}
         if ts:
             stalest = min(ts, key=lambda s: datetime.fromisoformat(ts[s]))
@@ -706,25 +805,38 @@ def check_freshness(cfg: TableConfig, ingest_run: str, ac: AlertingConfig,
         summary = f"{cfg.name} is fresh again: {fmt_seconds(fresh)} behind its sources"
     else:
         summary = f"{cfg.name} is {fmt_seconds(fresh)} behind its sources (SLA {fmt_seconds(rules.freshness_sla)})"
-    details = {"table": cfg.name, "lake table": cfg.current_table,
-               "freshness": f"{fmt_seconds(fresh)} ({fresh:.0f} s)" if fresh is not None else None,
-               "SLA": f"{fmt_seconds(rules.freshness_sla)} ({rules.freshness_sla:.0f} s, alerts.freshness_sla)",
-               "stalest shard": f"{stalest} (last change or heartbeat applied: {stalest_ts})" if stalest else None,
-               "runs over the SLA in a row": _streak(flags), "ingest run": ingest_run,
-               "events read": row.get("events_read")}
-    fix = ("freshness is the age of the oldest shard's last applied transaction or heartbeat. Check the capture "
-           "tasks of the shard's endpoint (failing, or capped by ingest.max_events_per_run / max_bytes_per_run "
-           "so each run applies only part of the backlog), that the ingest DAG is not paused or queued behind "
-           "a long maintenance or bootstrap in the table's pool, and that the source writes heartbeats "
-           "(_cdc_heartbeat of each shard); per-run figures are in cdc_meta.ingest_runs.")
-    return Alert("freshness", summary, [cfg.name], details, fix, state=state, figure=fresh,
-                 threshold=rules.freshness_sla)
+    details = {
+        "table": cfg.name,
+        "lake table": cfg.current_table,
+        "freshness": f"{fmt_seconds(fresh)} ({fresh:.0f} s)" if fresh is not None else None,
+        "SLA": f"{fmt_seconds(rules.freshness_sla)} ({rules.freshness_sla:.0f} s, alerts.freshness_sla)",
+        "stalest shard": f"{stalest} (last change or heartbeat applied: {stalest_ts})" if stalest else None,
+        "runs over the SLA in a row": _streak(flags),
+        "ingest run": ingest_run,
+        "events read": row.get("events_read"),
+    }
+    fix = (
+        "freshness is the age of the oldest shard's last applied transaction or heartbeat. Check the capture "
+        "tasks of the shard's endpoint (failing, or capped by ingest.max_events_per_run / max_bytes_per_run "
+        "so each run applies only part of the backlog), that the ingest DAG is not paused or queued behind "
+        "a long maintenance or bootstrap in the table's pool, and that the source writes heartbeats "
+        "(_cdc_heartbeat of each shard); per-run figures are in cdc_meta.ingest_runs."
+    )
+    return Alert(
+        "freshness", summary, [cfg.name], details, fix, state=state, figure=fresh, threshold=rules.freshness_sla
+    )
 
 
 # --- what the tasks call -------------------------------------------------------------------------------
 
-def run_checks(kind: Literal["audit", "freshness"], tables: list[str], run_id: str,
-               context: dict[str, Any] | None = None, lake=None) -> dict[str, Any]:
+
+def run_checks(
+    kind: Literal["audit", "freshness"],
+    tables: list[str],
+    run_id: str,
+    context: dict[str, Any] | None = None,
+    lake=None,
+) -> dict[str, Any]:
     """The check_alerts task: evaluate `kind` for each table on the run history and deliver.
 
     Reading the history is best effort (logged); a channel that cannot deliver fails the task
@@ -744,15 +856,45 @@ def run_checks(kind: Literal["audit", "freshness"], tables: list[str], run_id: s
             continue
         try:
             if kind == "audit":
-                results = _meta_rows(lake, "audit_results", "table_name", name,
-                                     ("audit_run", "shard", "verdict", "repaired", "persistent", "missing", "extra",
-                                      "different", "source_rows", "lake_rows", "sample_keys", "audited_at"))
-                quality = _meta_rows(lake, "quality_results", "table_name", name,
-                                     ("audit_run", "expectation", "success", "observed", "checked_at")) or []
+                results = _meta_rows(
+                    lake,
+                    "audit_results",
+                    "table_name",
+                    name,
+                    (
+                        "audit_run",
+                        "shard",
+                        "verdict",
+                        "repaired",
+                        "persistent",
+                        "missing",
+                        "extra",
+                        "different",
+                        "source_rows",
+                        "lake_rows",
+                        "sample_keys",
+                        "audited_at",
+                    ),
+                )
+                quality = (
+                    _meta_rows(
+                        lake,
+                        "quality_results",
+                        "table_name",
+                        name,
+                        ("audit_run", "expectation", "success", "observed", "checked_at"),
+                    )
+                    or []
+                )
                 alert = check_audit(cfg, run_id, ac, results or [], quality)
             else:
-                rows = _meta_rows(lake, "ingest_runs", "table_name", name,
-                                  ("ingest_run", "freshness_seconds", "committed_at", "watermark", "events_read"))
+                rows = _meta_rows(
+                    lake,
+                    "ingest_runs",
+                    "table_name",
+                    name,
+                    ("ingest_run", "freshness_seconds", "committed_at", "watermark", "events_read"),
+                )
                 alert = check_freshness(cfg, run_id, ac, rows or [])
         except Exception as exc:  # noqa: BLE001 - the history is unreadable: say so, do not invent an alert
             log.warning("alert check %s of %s: run history not readable: %s", kind, name, redact(exc))
@@ -770,8 +912,12 @@ def run_checks(kind: Literal["audit", "freshness"], tables: list[str], run_id: s
     return out
 
 
-def notify_wal(manifest: dict[str, Any], members: list[TableConfig], lake, context: dict[str, Any] | None = None,
-               ) -> Alert | None:
+def notify_wal(
+    manifest: dict[str, Any],
+    members: list[TableConfig],
+    lake,
+    context: dict[str, Any] | None = None,
+) -> Alert | None:
     """Called by the capture task after the run is confirmed and recorded. Never raises: a capture
     does not fail because of its slot's size or an alert channel."""
     if manifest.get("reused"):
@@ -779,8 +925,16 @@ def notify_wal(manifest: dict[str, Any], members: list[TableConfig], lake, conte
     try:
         ac = load_alerting()
         try:
-            history = _meta_rows(lake, "capture_runs", "endpoint", manifest["endpoint"],
-                                 ("run_id", "retained_wal_bytes", "finished_at")) or []
+            history = (
+                _meta_rows(
+                    lake,
+                    "capture_runs",
+                    "endpoint",
+                    manifest["endpoint"],
+                    ("run_id", "retained_wal_bytes", "finished_at"),
+                )
+                or []
+            )
         except Exception as exc:  # noqa: BLE001 - without history every run over the threshold alerts
             log.warning("capture_runs history not readable (%s); alerting on this run alone", redact(exc))
             history = []

@@ -70,6 +70,7 @@ class AuditFailed(RuntimeError):
 # zeros. Infinite dates and timestamps (the lake cannot hold them) print as text instead of
 # failing the query. Arrays compare element by element with the element's canonical form.
 
+
 def pg_canonical(col: str, lake_type: str, pg_type: str = "") -> str:
     return f"coalesce({_pg_canon(pg_ident(col), lake_type, pg_type)}, E'\\\\N')"
 
@@ -78,16 +79,22 @@ def _pg_canon(q: str, lake_type: str, pg_type: str) -> str:
     t = lake_type.replace(" ", "")
     if t.startswith("array<"):
         elem = _pg_canon("u.e", t[6:-1], pg_type.removesuffix("[]"))
-        return (f"CASE WHEN {q} IS NULL THEN NULL ELSE '[' || coalesce((SELECT string_agg(coalesce({elem}, "
-                f"E'\\\\N'), ',' ORDER BY u.o) FROM unnest({q}) WITH ORDINALITY AS u(e, o)), '') || ']' END")
+        return (
+            f"CASE WHEN {q} IS NULL THEN NULL ELSE '[' || coalesce((SELECT string_agg(coalesce({elem}, "
+            f"E'\\\\N'), ',' ORDER BY u.o) FROM unnest({q}) WITH ORDINALITY AS u(e, o)), '') || ']' END"
+        )
     if t.startswith("decimal"):
         return f"trim_scale({q}::numeric)::text"
     if t == "double":
-        return (f"CASE WHEN {q}::float8 = 'NaN'::float8 THEN 'NaN' "
-                f"ELSE (('x' || encode(float8send({q}::float8), 'hex'))::bit(64)::bigint)::text END")
+        return (
+            f"CASE WHEN {q}::float8 = 'NaN'::float8 THEN 'NaN' "
+            f"ELSE (('x' || encode(float8send({q}::float8), 'hex'))::bit(64)::bigint)::text END"
+        )
     if t == "float":
-        return (f"CASE WHEN {q}::float4 = 'NaN'::float4 THEN 'NaN' "
-                f"ELSE (('x' || encode(float4send({q}::float4), 'hex'))::bit(32)::int)::text END")
+        return (
+            f"CASE WHEN {q}::float4 = 'NaN'::float4 THEN 'NaN' "
+            f"ELSE (('x' || encode(float4send({q}::float4), 'hex'))::bit(32)::int)::text END"
+        )
     if t == "date":
         return f"CASE WHEN isfinite({q}) THEN ({q} - date '1970-01-01')::text ELSE {q}::text END"
     if t in ("timestamp", "timestamp_ntz"):
@@ -120,8 +127,11 @@ def _spark_canon(col: Column, lake_type: str) -> Column:
     if t in ("double", "float"):
         cls, fn = ("java.lang.Double", "doubleToLongBits") if t == "double" else ("java.lang.Float", "floatToIntBits")
         # reflect() cannot take NULL for a primitive argument: NULLs stay NULL before it.
-        return (F.when(col.isNull(), F.lit(None).cast("string")).when(F.isnan(col), F.lit("NaN"))
-                .otherwise(F.reflect(F.lit(cls), F.lit(fn), col)))
+        return (
+            F.when(col.isNull(), F.lit(None).cast("string"))
+            .when(F.isnan(col), F.lit("NaN"))
+            .otherwise(F.reflect(F.lit(cls), F.lit(fn), col))
+        )
     if t == "date":
         return F.datediff(col, F.lit("1970-01-01").cast("date")).cast("string")
     if t == "timestamp":
@@ -168,9 +178,12 @@ def spark_hash_num(h: Column) -> Column:
 
 # --- reading both sides -----------------------------------------------------------------------------
 
+
 def _jdbc_props(ep: SourceEndpoint, fetch: int, snapshot: str | None = None) -> dict[str, str]:
-    init = ("SET TimeZone='UTC'; SET DateStyle='ISO'; SET IntervalStyle='iso_8601'; SET extra_float_digits=3; "
-            "SET bytea_output='hex'")
+    init = (
+        "SET TimeZone='UTC'; SET DateStyle='ISO'; SET IntervalStyle='iso_8601'; SET extra_float_digits=3; "
+        "SET bytea_output='hex'"
+    )
     if snapshot:
         # Every range of every shard on this database reads the same exported snapshot.
         init = f"SET TRANSACTION ISOLATION LEVEL REPEATABLE READ; SET TRANSACTION SNAPSHOT '{snapshot}'; " + init
@@ -180,10 +193,19 @@ def _jdbc_props(ep: SourceEndpoint, fetch: int, snapshot: str | None = None) -> 
     return props
 
 
-def source_hashes(spark: SparkSession, cfg: TableConfig, shard: str, schema: str, ep: SourceEndpoint,
-                  key_cols: list[tuple[str, str]], columns: list[tuple[str, str]], buckets: int,
-                  only_buckets: list[int] | None = None, pg_types: dict[str, str] | None = None,
-                  snapshot: str | None = None) -> DataFrame:
+def source_hashes(
+    spark: SparkSession,
+    cfg: TableConfig,
+    shard: str,
+    schema: str,
+    ep: SourceEndpoint,
+    key_cols: list[tuple[str, str]],
+    columns: list[tuple[str, str]],
+    buckets: int,
+    only_buckets: list[int] | None = None,
+    pg_types: dict[str, str] | None = None,
+    snapshot: str | None = None,
+) -> DataFrame:
     """(shard, key..., _h, _b) of one source shard, read in ctid ranges by Spark (bounded memory)."""
     from functools import reduce
 
@@ -197,22 +219,33 @@ def source_hashes(spark: SparkSession, cfg: TableConfig, shard: str, schema: str
     for pred in _ranges(ep, schema, cfg.source.table, max(2, cfg.bootstrap.partitions_per_shard)):
         conds = [p for p in (pred, f"{bucket} IN ({', '.join(map(str, only_buckets))})" if only_buckets else "") if p]
         where = f" WHERE {' AND '.join(conds)}" if conds else ""
-        q = (f"(SELECT {keys}, {pg_row_hash(columns, pg_types)} AS _h, {bucket} AS _b "
-             f"FROM {pg_qualified(schema, cfg.source.table)}{where}) q")
+        q = (
+            f"(SELECT {keys}, {pg_row_hash(columns, pg_types)} AS _h, {bucket} AS _b "
+            f"FROM {pg_qualified(schema, cfg.source.table)}{where}) q"
+        )
         frames.append(spark.read.jdbc(ep.jdbc_url(), q, properties=_jdbc_props(ep, cfg.bootstrap.fetch_size, snapshot)))
     df = reduce(lambda a, b: a.unionByName(b), frames).coalesce(cfg.bootstrap.max_connections_per_host)
-    return df.select(F.lit(shard).alias(SHARD_COL), *[cast_text(F.col(c), t).alias(c) for c, t in key_cols],
-                     "_h", "_b")
+    return df.select(F.lit(shard).alias(SHARD_COL), *[cast_text(F.col(c), t).alias(c) for c, t in key_cols], "_h", "_b")
 
 
-def source_bucket_sums(cfg: TableConfig, schema: str, ep: SourceEndpoint, key_cols, columns, buckets: int,
-                       pg_types: dict[str, str] | None = None, snapshot: str | None = None):
+def source_bucket_sums(
+    cfg: TableConfig,
+    schema: str,
+    ep: SourceEndpoint,
+    key_cols,
+    columns,
+    buckets: int,
+    pg_types: dict[str, str] | None = None,
+    snapshot: str | None = None,
+):
     """Per-bucket count and hash sum, computed inside PostgreSQL: only `buckets` rows travel."""
     import psycopg2
 
     h = pg_row_hash(columns, pg_types)
-    sql = (f"SELECT b, count(*), sum({pg_hash_num('h')})::text FROM (SELECT {pg_bucket(key_cols, buckets)} AS b, "
-           f"{h} AS h FROM {pg_qualified(schema, cfg.source.table)}) q GROUP BY b")
+    sql = (
+        f"SELECT b, count(*), sum({pg_hash_num('h')})::text FROM (SELECT {pg_bucket(key_cols, buckets)} AS b, "
+        f"{h} AS h FROM {pg_qualified(schema, cfg.source.table)}) q GROUP BY b"
+    )
     conn = psycopg2.connect(ep.dsn(), options=src.SESSION_OPTIONS, application_name="cdc_lakehouse audit")
     try:
         with conn.cursor() as cur:
@@ -230,8 +263,10 @@ def source_bucket_sums(cfg: TableConfig, schema: str, ep: SourceEndpoint, key_co
 
 # --- in flight ---------------------------------------------------------------------------------------
 
-def inflight_from_landing(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, wm: dict[str, Any],
-                          key_cols: list[tuple[str, str]]) -> DataFrame | None:
+
+def inflight_from_landing(
+    spark: SparkSession, lake: LakeSettings, cfg: TableConfig, wm: dict[str, Any], key_cols: list[tuple[str, str]]
+) -> DataFrame | None:
     """Keys of captured events the table has not applied yet (commit LSN >= its watermark)."""
     from functools import reduce
 
@@ -248,24 +283,41 @@ def inflight_from_landing(spark: SparkSession, lake: LakeSettings, cfg: TableCon
         shard_pairs += [F.lit(f"{g.endpoint_id}/{schema}"), F.lit(shard)]
     shard = F.create_map(*shard_pairs)[F.concat_ws("/", "source.endpoint", "source.schema")]
     floor = F.create_map(*[x for s, v in wm["shards"].items() for x in (F.lit(s), F.lit(int(v["lsn"])))])
-    ev = (spark.read.schema(landing_spark_schema()).parquet(*files)
-          .filter(F.col("source.table") == cfg.source.table).withColumn(SHARD_COL, shard)
-          .filter(F.col(SHARD_COL).isNotNull() & (F.col("source.commit_lsn") >= floor[F.col(SHARD_COL)])))
+    ev = (
+        spark.read.schema(landing_spark_schema())
+        .parquet(*files)
+        .filter(F.col("source.table") == cfg.source.table)
+        .withColumn(SHARD_COL, shard)
+        .filter(F.col(SHARD_COL).isNotNull() & (F.col("source.commit_lsn") >= floor[F.col(SHARD_COL)]))
+    )
     parts = []
     for image in ("after", "before"):
-        parts.append(ev.filter(F.col(image).isNotNull()).select(
-            SHARD_COL, *[cast_text(F.col(image)[c], t).alias(c) for c, t in key_cols]))
+        parts.append(
+            ev.filter(F.col(image).isNotNull()).select(
+                SHARD_COL, *[cast_text(F.col(image)[c], t).alias(c) for c, t in key_cols]
+            )
+        )
     trunc = [r[0] for r in ev.filter(F.col("op") == "t").select(SHARD_COL).distinct().collect()]
     out = reduce(lambda a, b: a.unionByName(b), parts).withColumn("_all", F.lit(False))
     if trunc:
-        out = out.unionByName(spark.createDataFrame([(s,) for s in trunc], f"{SHARD_COL} string").select(
-            SHARD_COL, *[F.lit(None).cast(t).alias(c) for c, t in key_cols], F.lit(True).alias("_all")))
+        out = out.unionByName(
+            spark.createDataFrame([(s,) for s in trunc], f"{SHARD_COL} string").select(
+                SHARD_COL, *[F.lit(None).cast(t).alias(c) for c, t in key_cols], F.lit(True).alias("_all")
+            )
+        )
     return out
 
 
-def inflight_from_slot(spark: SparkSession, cfg: TableConfig, endpoint_id: str, ep: SourceEndpoint,
-                       shards: dict[str, str], key_cols: list[tuple[str, str]], chunk: int = 100_000,
-                       attempts: int = 5) -> DataFrame | None:
+def inflight_from_slot(
+    spark: SparkSession,
+    cfg: TableConfig,
+    endpoint_id: str,
+    ep: SourceEndpoint,
+    shards: dict[str, str],
+    key_cols: list[tuple[str, str]],
+    chunk: int = 100_000,
+    attempts: int = 5,
+) -> DataFrame | None:
     """Keys changed after the last capture: peek the slot (decode without consuming)."""
     import psycopg2
 
@@ -282,8 +334,11 @@ def inflight_from_slot(spark: SparkSession, cfg: TableConfig, endpoint_id: str, 
             rels: dict[int, Relation] = {}
             with conn.cursor(name="cdc_peek") as cur:
                 cur.itersize = 10_000
-                cur.execute("SELECT data FROM pg_logical_slot_peek_binary_changes(%s, NULL, NULL, 'proto_version', '1', "
-                            "'publication_names', %s)", (slot, src.PUBLICATION))
+                cur.execute(
+                    "SELECT data FROM pg_logical_slot_peek_binary_changes(%s, NULL, NULL, 'proto_version', '1', "
+                    "'publication_names', %s)",
+                    (slot, src.PUBLICATION),
+                )
                 for (data,) in cur:
                     m = decode(bytes(data))
                     if isinstance(m, Relation):
@@ -315,7 +370,8 @@ def inflight_from_slot(spark: SparkSession, cfg: TableConfig, endpoint_id: str, 
         # mismatches (and, with repair on, be "repaired" with a value the stream then rewrites).
         raise AuditFailed(
             f"{cfg.name}: cannot compute the keys in flight: capture slot {slot} stayed in use through {attempts} "
-            "attempts (a long capture?). No verdict was recorded; the audit's retry or next run will try again")
+            "attempts (a long capture?). No verdict was recorded; the audit's retry or next run will try again"
+        )
     if rows:
         frames.append(spark.createDataFrame(rows, schema_str))
     if not frames:
@@ -329,6 +385,7 @@ def inflight_from_slot(spark: SparkSession, cfg: TableConfig, endpoint_id: str, 
 
 
 # --- the audit ------------------------------------------------------------------------------------------
+
 
 def export_snapshots(endpoints: dict[str, tuple[SourceEndpoint, dict[str, str]]]) -> dict[str, tuple[Any, str]]:
     """endpoint id -> (open connection holding it, exported snapshot name)."""
@@ -348,13 +405,24 @@ def _compare(src_df: DataFrame, lake_df: DataFrame, key: list[str]) -> DataFrame
     from pyspark.sql import functions as F
 
     j = src_df.alias("s").join(lake_df.alias("l"), key, "full_outer")
-    kind = (F.when(F.col("s._h").isNull(), F.lit("extra")).when(F.col("l._h").isNull(), F.lit("missing"))
-            .when(F.col("s._h") != F.col("l._h"), F.lit("different")))
+    kind = (
+        F.when(F.col("s._h").isNull(), F.lit("extra"))
+        .when(F.col("l._h").isNull(), F.lit("missing"))
+        .when(F.col("s._h") != F.col("l._h"), F.lit("different"))
+    )
     return j.select(*key, kind.alias("kind")).filter(F.col("kind").isNotNull())
 
 
-def audit_table(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, *, audit_run: str,
-                mode: str | None = None, repair: bool | None = None, log=print) -> dict[str, Any]:
+def audit_table(
+    spark: SparkSession,
+    lake: LakeSettings,
+    cfg: TableConfig,
+    *,
+    audit_run: str,
+    mode: str | None = None,
+    repair: bool | None = None,
+    log=print,
+) -> dict[str, Any]:
     from functools import reduce
 
     import psycopg2
@@ -393,8 +461,10 @@ def audit_table(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, *, au
                 info = src.describe_table(cu, schema, cfg.source.table)
                 if info is not None:
                     # The planner's row estimate (-1: never analyzed) picks the mode in auto.
-                    cu.execute("SELECT reltuples FROM pg_class WHERE oid = %s::regclass",
-                               (pg_qualified(schema, cfg.source.table),))
+                    cu.execute(
+                        "SELECT reltuples FROM pg_class WHERE oid = %s::regclass",
+                        (pg_qualified(schema, cfg.source.table),),
+                    )
                     estimates.append(float(cu.fetchone()[0]))
         finally:
             conn.close()
@@ -423,19 +493,33 @@ def audit_table(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, *, au
     snapshots = export_snapshots(endpoints)
     snap = {shard: snapshots[e][1] for shard, e in shard_endpoint.items()}
     pool = ThreadPoolExecutor(max_workers=max(1, cfg.bootstrap.max_connections_per_host))
-    pending_sums = {shard: pool.submit(source_bucket_sums, cfg, schema, ep, key_cols, cols, buckets, pg_types[shard],
-                                       snap[shard])
-                    for schema, shard, ep, _ in shard_info} if mode == "checksum" else {}
+    pending_sums = (
+        {
+            shard: pool.submit(
+                source_bucket_sums, cfg, schema, ep, key_cols, cols, buckets, pg_types[shard], snap[shard]
+            )
+            for schema, shard, ep, _ in shard_info
+        }
+        if mode == "checksum"
+        else {}
+    )
 
     # The lake side: (shard, key, row hash, bucket). Not cached: each use reads only what it needs
     # (one shard's files, or the key columns), which is cheaper than holding a hash per key.
-    lake_h = lake_df.select(SHARD_COL, *[c for c, _ in key_cols], spark_row_hash(cols).alias("_h"),
-                            spark_bucket(key_cols, buckets).alias("_b"))
+    lake_h = lake_df.select(
+        SHARD_COL,
+        *[c for c, _ in key_cols],
+        spark_row_hash(cols).alias("_h"),
+        spark_bucket(key_cols, buckets).alias("_b"),
+    )
     lake_sums: dict[str, dict[int, tuple[int, str]]] = {}
     t = time.time()
     if mode == "checksum":
-        for r in lake_h.groupBy(SHARD_COL, "_b").agg(F.count(F.lit(1)).alias("n"),
-                                                     F.sum(spark_hash_num(F.col("_h"))).alias("s")).collect():
+        for r in (
+            lake_h.groupBy(SHARD_COL, "_b")
+            .agg(F.count(F.lit(1)).alias("n"), F.sum(spark_hash_num(F.col("_h"))).alias("s"))
+            .collect()
+        ):
             lake_sums.setdefault(r[SHARD_COL], {})[r["_b"]] = (r["n"], str(r["s"]))
         lake_counts = {shard: sum(n for n, _ in b.values()) for shard, b in lake_sums.items()}
         timings["lake_bucket_sums"] = time.time() - t
@@ -451,20 +535,25 @@ def audit_table(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, *, au
         st = {"mode": mode, "buckets_compared": 0, "buckets_differing": 0}
         lh = lake_h.filter(F.col(SHARD_COL) == shard)
         if mode == "full":
-            s = source_hashes(spark, cfg, shard, schema, ep, key_cols, cols, buckets, pg_types=pg_types[shard],
-                              snapshot=snap[shard])
+            s = source_hashes(
+                spark, cfg, shard, schema, ep, key_cols, cols, buckets, pg_types=pg_types[shard], snapshot=snap[shard]
+            )
             st["source_rows"] = None
             mismatches.append(_compare(s.drop("_b"), lh.drop("_b"), key))
         else:
             src_sums = pending_sums[shard].result()
             shard_sums = lake_sums.get(shard, {})
             differing = sorted(b for b in set(src_sums) | set(shard_sums) if src_sums.get(b) != shard_sums.get(b))
-            st.update(source_rows=sum(n for n, _ in src_sums.values()), buckets_compared=buckets,
-                      buckets_differing=len(differing))
+            st.update(
+                source_rows=sum(n for n, _ in src_sums.values()),
+                buckets_compared=buckets,
+                buckets_differing=len(differing),
+            )
             if differing:
                 only = differing if len(differing) < buckets // 2 else None
-                s = source_hashes(spark, cfg, shard, schema, ep, key_cols, cols, buckets, only, pg_types[shard],
-                                  snap[shard])
+                s = source_hashes(
+                    spark, cfg, shard, schema, ep, key_cols, cols, buckets, only, pg_types[shard], snap[shard]
+                )
                 lsub = lh.filter(F.col("_b").isin(differing)) if only else lh
                 mismatches.append(_compare(s.drop("_b"), lsub.drop("_b"), key))
         per_shard[shard] = st
@@ -487,7 +576,8 @@ def audit_table(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, *, au
             whole = [r[0] for r in infl.filter("_all").select(SHARD_COL).distinct().collect()]
             keys_if = infl.filter(~F.col("_all")).select(*key).distinct()
             flagged = diff.join(keys_if.withColumn("_if", F.lit(True)), key, "left").withColumn(
-                "_if", F.coalesce(F.col("_if"), F.col(SHARD_COL).isin(whole) if whole else F.lit(False)))
+                "_if", F.coalesce(F.col("_if"), F.col(SHARD_COL).isin(whole) if whole else F.lit(False))
+            )
         else:
             flagged = diff.withColumn("_if", F.lit(False))
         flagged = flagged.persist(StorageLevel.MEMORY_AND_DISK)
@@ -512,8 +602,18 @@ def audit_table(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, *, au
         repaired = repair_keys(spark, lake, cfg, streak_df, key_cols, lake_cols, wm, audit_run, log)
     timings["track_and_repair"] = time.time() - t
     t = time.time()
-    quality = quality_checks(spark, lake, cfg, lake_df.select(SHARD_COL, *cfg.primary_key, LSN_COL), wm, per_shard,
-                             lake_counts, audit_run, now, log)
+    quality = quality_checks(
+        spark,
+        lake,
+        cfg,
+        lake_df.select(SHARD_COL, *cfg.primary_key, LSN_COL),
+        wm,
+        per_shard,
+        lake_counts,
+        audit_run,
+        now,
+        log,
+    )
     timings["quality"] = time.time() - t
     samples = {}
     if flagged is not None and persistent:
@@ -522,38 +622,75 @@ def audit_table(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, *, au
     rows = []
     for shard, st in per_shard.items():
         p = persistent.get(shard, 0)
-        verdict = "fail" if p else ("mismatch_pending" if any(st.get(k) for k in ("missing", "extra", "different")) else "ok")
-        rows.append({"table_name": cfg.name, "audit_run": audit_run, "shard": shard, "mode": st["mode"],
-                     "source_rows": st.get("source_rows"), "lake_rows": lake_counts.get(shard, 0),
-                     "missing": st.get("missing", 0), "extra": st.get("extra", 0), "different": st.get("different", 0),
-                     "in_flight": st.get("in_flight", 0), "persistent": p,
-                     "buckets_compared": st["buckets_compared"], "buckets_differing": st["buckets_differing"],
-                     "sample_keys": json.dumps(samples.get(shard, [])[: cfg.audit.sample_keys], default=str),
-                     "watermark_lsn": (wm["shards"].get(shard) or {}).get("lsn"), "repaired": repaired if p else 0,
-                     "verdict": verdict, "seconds": time.time() - t0, "audited_at": now})
+        verdict = (
+            "fail" if p else ("mismatch_pending" if any(st.get(k) for k in ("missing", "extra", "different")) else "ok")
+        )
+        rows.append(
+            {
+                "table_name": cfg.name,
+                "audit_run": audit_run,
+                "shard": shard,
+                "mode": st["mode"],
+                "source_rows": st.get("source_rows"),
+                "lake_rows": lake_counts.get(shard, 0),
+                "missing": st.get("missing", 0),
+                "extra": st.get("extra", 0),
+                "different": st.get("different", 0),
+                "in_flight": st.get("in_flight", 0),
+                "persistent": p,
+                "buckets_compared": st["buckets_compared"],
+                "buckets_differing": st["buckets_differing"],
+                "sample_keys": json.dumps(samples.get(shard, [])[: cfg.audit.sample_keys], default=str),
+                "watermark_lsn": (wm["shards"].get(shard) or {}).get("lsn"),
+                "repaired": repaired if p else 0,
+                "verdict": verdict,
+                "seconds": time.time() - t0,
+                "audited_at": now,
+            }
+        )
     meta_append(spark, lake, "audit_results", rows)
     failed_quality = [q for q in quality if not q["success"]]
     verdict = "fail" if (persistent and not repaired) or failed_quality else "ok"
     lines = []
     for r in rows:
-        lines.append(f"  {r['shard']}: source {r['source_rows'] if r['source_rows'] is not None else '-'} lake "
-                     f"{r['lake_rows']} missing {r['missing']} extra {r['extra']} different {r['different']} "
-                     f"in flight {r['in_flight']} persistent {r['persistent']} -> {r['verdict']}"
-                     + (f" sample {r['sample_keys']}" if r["persistent"] else ""))
+        lines.append(
+            f"  {r['shard']}: source {r['source_rows'] if r['source_rows'] is not None else '-'} lake "
+            f"{r['lake_rows']} missing {r['missing']} extra {r['extra']} different {r['different']} "
+            f"in flight {r['in_flight']} persistent {r['persistent']} -> {r['verdict']}"
+            + (f" sample {r['sample_keys']}" if r["persistent"] else "")
+        )
     for q in failed_quality:
         lines.append(f"  quality: {q['expectation']} failed (observed {q['observed']})")
     for reason, n in quarantined.items():
         lines.append(f"  {n} mismatched key(s) have events in {lake.meta_table('quarantine')}: {reason}")
-    msg = (f"audit {cfg.name} ({mode}): {'FAIL' if verdict == 'fail' else 'ok'}"
-           + (f", repaired {repaired} key(s) — the next audit confirms" if repaired else "") + "\n" + "\n".join(lines))
+    msg = (
+        f"audit {cfg.name} ({mode}): {'FAIL' if verdict == 'fail' else 'ok'}"
+        + (f", repaired {repaired} key(s) — the next audit confirms" if repaired else "")
+        + "\n"
+        + "\n".join(lines)
+    )
     log(msg)
-    return {"verdict": verdict, "message": msg, "mode": mode, "shards": per_shard, "persistent": persistent,
-            "repaired": repaired, "quality": quality, "quarantine_reasons": quarantined, "seconds": time.time() - t0,
-            "timings": {k: round(v, 1) for k, v in timings.items()}}
+    return {
+        "verdict": verdict,
+        "message": msg,
+        "mode": mode,
+        "shards": per_shard,
+        "persistent": persistent,
+        "repaired": repaired,
+        "quality": quality,
+        "quarantine_reasons": quarantined,
+        "seconds": time.time() - t0,
+        "timings": {k: round(v, 1) for k, v in timings.items()},
+    }
 
 
-def quarantine_reasons(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, flagged: DataFrame | None,
-                       lake_cols: list[tuple[str, str]]) -> dict[str, int]:
+def quarantine_reasons(
+    spark: SparkSession,
+    lake: LakeSettings,
+    cfg: TableConfig,
+    flagged: DataFrame | None,
+    lake_cols: list[tuple[str, str]],
+) -> dict[str, int]:
     """Why mismatched keys differ, when the ingest quarantined their newest event (a value the
     lake cannot hold, a malformed event): reason -> number of keys."""
     from .ingest import open_quarantine_keys
@@ -566,8 +703,15 @@ def quarantine_reasons(spark: SparkSession, lake: LakeSettings, cfg: TableConfig
     return {r["_q_reason"]: int(r["count"]) for r in rows}
 
 
-def _track(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, flagged: DataFrame | None, key: list[str],
-           now: datetime, audit_run: str) -> tuple[dict[str, int], DataFrame | None]:
+def _track(
+    spark: SparkSession,
+    lake: LakeSettings,
+    cfg: TableConfig,
+    flagged: DataFrame | None,
+    key: list[str],
+    now: datetime,
+    audit_run: str,
+) -> tuple[dict[str, int], DataFrame | None]:
     """Update the mismatch streaks; returns shards -> keys at or over the limit, and those keys.
 
     A retry of the same audit run (the Airflow task's retry) does not extend a streak: only
@@ -579,8 +723,12 @@ def _track(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, flagged: D
     kj = F.to_json(F.struct(*[F.col(k) for k in cfg.primary_key]))
     if flagged is not None:
         cur = flagged.filter(~F.col("_if")).select(
-            F.lit(cfg.name).alias("table_name"), F.col(SHARD_COL).alias("shard"), kj.alias("key_json"), "kind",
-            *[F.col(k) for k in cfg.primary_key])
+            F.lit(cfg.name).alias("table_name"),
+            F.col(SHARD_COL).alias("shard"),
+            kj.alias("key_json"),
+            "kind",
+            *[F.col(k) for k in cfg.primary_key],
+        )
     else:
         cur = None
     limit = cfg.audit.consecutive_mismatches
@@ -590,25 +738,49 @@ def _track(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, flagged: D
         p = prev.select("shard", "key_json", "kind", "first_seen", "times_seen", "last_audit_run")
         again = F.coalesce(F.col("last_audit_run") == F.lit(audit_run), F.lit(False))
         merged = cur.join(p, ["shard", "key_json", "kind"], "left").select(
-            "table_name", "shard", "key_json", "kind", *cfg.primary_key,
-            F.coalesce("first_seen", F.lit(now)).alias("first_seen"), F.lit(now).alias("last_seen"),
+            "table_name",
+            "shard",
+            "key_json",
+            "kind",
+            *cfg.primary_key,
+            F.coalesce("first_seen", F.lit(now)).alias("first_seen"),
+            F.lit(now).alias("last_seen"),
             (F.coalesce("times_seen", F.lit(0)) + F.when(again, 0).otherwise(1)).cast("int").alias("times_seen"),
-            F.lit(audit_run).alias("last_audit_run"))
+            F.lit(audit_run).alias("last_audit_run"),
+        )
         # Materialized now: evaluated lazily after the rewrite below it would count itself twice.
         merged = merged.localCheckpoint(eager=True)
     # Replace this table's streaks with the new set (keys absent now are resolved and dropped).
     spark.sql(f"DELETE FROM {table} WHERE table_name = '{cfg.name}'")
     if merged is not None:
-        merged.select("table_name", "shard", "key_json", "kind", "first_seen", "last_seen", "times_seen",
-                      F.lit(False).alias("resolved"), "last_audit_run").writeTo(table).append()
+        merged.select(
+            "table_name",
+            "shard",
+            "key_json",
+            "kind",
+            "first_seen",
+            "last_seen",
+            "times_seen",
+            F.lit(False).alias("resolved"),
+            "last_audit_run",
+        ).writeTo(table).append()
         over = merged.filter(F.col("times_seen") >= limit)
         counts = {r["shard"]: r["count"] for r in over.groupBy("shard").count().collect()}
         return counts, over.withColumnRenamed("shard", SHARD_COL)
     return {}, None
 
 
-def repair_keys(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, keys_df: DataFrame, key_cols, lake_cols,
-                wm: dict[str, Any], audit_run: str, log=print) -> int:
+def repair_keys(
+    spark: SparkSession,
+    lake: LakeSettings,
+    cfg: TableConfig,
+    keys_df: DataFrame,
+    key_cols,
+    lake_cols,
+    wm: dict[str, Any],
+    audit_run: str,
+    log=print,
+) -> int:
     """Re-read the mismatched keys from the source and merge them at the watermark's LSN (seq 0):
     newer than the lake's row, older than any event still to come."""
     import psycopg2
@@ -633,16 +805,19 @@ def repair_keys(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, keys_
                 info = src.describe_table(cur, schema, cfg.source.table)
                 pg_types = {c.name: c.pg_type for c in info.columns} if info else {}
                 # A column the lake keeps after the source dropped it (keep_null) reads as NULL.
-                sel = ", ".join(src.text_select(c, pg_types[c], t) if c in pg_types else "NULL::text"
-                                for c, t in lake_cols)
+                sel = ", ".join(
+                    src.text_select(c, pg_types[c], t) if c in pg_types else "NULL::text" for c, t in lake_cols
+                )
                 # Keys travel as JSON records and are cast to the source's own types (index-friendly).
                 rec = ", ".join(f"{pg_ident(k)} text" for k in cfg.primary_key)
                 casts = ", ".join(f"v.{pg_ident(k)}::{pg_types.get(k, 'text')}" for k in cfg.primary_key)
-                sql = (f"SELECT {sel} FROM {pg_qualified(schema, cfg.source.table)} WHERE ({kcols}) IN "
-                       f"(SELECT {casts} FROM jsonb_to_recordset(%s::jsonb) AS v({rec}))")
+                sql = (
+                    f"SELECT {sel} FROM {pg_qualified(schema, cfg.source.table)} WHERE ({kcols}) IN "
+                    f"(SELECT {casts} FROM jsonb_to_recordset(%s::jsonb) AS v({rec}))"
+                )
                 ks = by_shard[shard]
                 for i in range(0, len(ks), 1000):
-                    chunk = [dict(zip(cfg.primary_key, (str(v) for v in k))) for k in ks[i:i + 1000]]
+                    chunk = [dict(zip(cfg.primary_key, (str(v) for v in k))) for k in ks[i : i + 1000]]
                     cur.execute(sql, (json.dumps(chunk),))
                     for row in cur.fetchall():
                         found_rows.append((shard, *row))
@@ -654,33 +829,45 @@ def repair_keys(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, keys_
     lsn = F.create_map(*[x for s, v in wm["shards"].items() for x in (F.lit(s), F.lit(int(v["lsn"])))])
     upserts = typed.withColumn(OP_COL, F.lit("u"))
     present = typed.select(SHARD_COL, *cfg.primary_key)
-    gone = keys_df.select(SHARD_COL, *cfg.primary_key).distinct().join(present, [SHARD_COL, *cfg.primary_key], "left_anti")
+    gone = (
+        keys_df.select(SHARD_COL, *cfg.primary_key).distinct().join(present, [SHARD_COL, *cfg.primary_key], "left_anti")
+    )
     for c, t in lake_cols:
         if c not in cfg.primary_key:
             gone = gone.withColumn(c, F.lit(None).cast(t))
     batch = upserts.unionByName(gone.withColumn(OP_COL, F.lit("d")).select(*upserts.columns))
-    batch = (batch.withColumn(LSN_COL, lsn[F.col(SHARD_COL)]).withColumn(SEQ_COL, F.lit(0).cast("bigint"))
-             .withColumn(COMMIT_TS_COL, F.current_timestamp())).persist()
+    batch = (
+        batch.withColumn(LSN_COL, lsn[F.col(SHARD_COL)])
+        .withColumn(SEQ_COL, F.lit(0).cast("bigint"))
+        .withColumn(COMMIT_TS_COL, F.current_timestamp())
+    ).persist()
     n = batch.count()
     if n == 0:
         return 0
     cl = lake.qualified(cfg.changelog_table)
-    cl_rows = (batch.withColumn(OP_COL, F.when(F.col(OP_COL) == "u", F.lit("r")).otherwise(F.col(OP_COL)))
-               .withColumn(LSN_EVENT_COL, F.col(LSN_COL)).withColumn(XID_COL, F.lit(None).cast("bigint"))
-               .withColumn(UNAVAILABLE_COL, F.lit(None).cast("array<string>"))
-               .withColumn(RUN_COL, F.lit(f"repair-{audit_run}")).withColumn(INGESTED_COL, F.current_timestamp())
-               .select(*[c for c, _ in changelog_columns(lake_cols)]))
+    cl_rows = (
+        batch.withColumn(OP_COL, F.when(F.col(OP_COL) == "u", F.lit("r")).otherwise(F.col(OP_COL)))
+        .withColumn(LSN_EVENT_COL, F.col(LSN_COL))
+        .withColumn(XID_COL, F.lit(None).cast("bigint"))
+        .withColumn(UNAVAILABLE_COL, F.lit(None).cast("array<string>"))
+        .withColumn(RUN_COL, F.lit(f"repair-{audit_run}"))
+        .withColumn(INGESTED_COL, F.current_timestamp())
+        .select(*[c for c, _ in changelog_columns(lake_cols)])
+    )
     cl_rows = conform_to(cl_rows, spark.table(cl).schema)
     cwm = read_watermark(spark, cl)
-    with_commit_retries(lambda: cl_rows.writeTo(cl).option("snapshot-property.cdc.watermark", watermark_json(cwm))
-                        .append(), what=f"{cfg.name} repair changelog")
+    with_commit_retries(
+        lambda: cl_rows.writeTo(cl).option("snapshot-property.cdc.watermark", watermark_json(cwm)).append(),
+        what=f"{cfg.name} repair changelog",
+    )
     view = f"cdc_repair_{cfg.name}"
     batch.select(SHARD_COL, *names, OP_COL, LSN_COL, SEQ_COL, COMMIT_TS_COL).createOrReplaceTempView(view)
     cur_t = lake.qualified(cfg.current_table)
     sql = _merge_sql(cfg, cur_t, view, [SHARD_COL, *names, OP_COL, LSN_COL, SEQ_COL, COMMIT_TS_COL], [])
-    with_commit_retries(lambda: sql_with_commit_properties(spark, sql, {"cdc.watermark": watermark_json(wm),
-                                                                         "cdc.repair": audit_run}),
-                        what=f"{cfg.name} repair merge")
+    with_commit_retries(
+        lambda: sql_with_commit_properties(spark, sql, {"cdc.watermark": watermark_json(wm), "cdc.repair": audit_run}),
+        what=f"{cfg.name} repair merge",
+    )
     log(f"audit {cfg.name}: repaired {n} key(s) from the source ({batch.filter(F.col(OP_COL) == 'd').count()} deleted)")
     batch.unpersist()
     return n
@@ -688,9 +875,19 @@ def repair_keys(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, keys_
 
 # --- Great Expectations ---------------------------------------------------------------------------------
 
-def quality_checks(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, lake_df: DataFrame,
-                   wm: dict[str, Any], per_shard: dict[str, dict[str, Any]], lake_counts: dict[str, int],
-                   audit_run: str, now: datetime, log=print) -> list[dict[str, Any]]:
+
+def quality_checks(
+    spark: SparkSession,
+    lake: LakeSettings,
+    cfg: TableConfig,
+    lake_df: DataFrame,
+    wm: dict[str, Any],
+    per_shard: dict[str, dict[str, Any]],
+    lake_counts: dict[str, int],
+    audit_run: str,
+    now: datetime,
+    log=print,
+) -> list[dict[str, Any]]:
     """Great Expectations 1.x on the lake table; results go to cdc_meta.quality_results and a JSON
     report next to the warehouse, whose path the task log prints."""
     import great_expectations as gx
@@ -706,18 +903,21 @@ def quality_checks(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, la
         suite.add_expectation(gxe.ExpectColumnValuesToNotBeNull(column=k))
     source_total = sum(st["source_rows"] for st in per_shard.values() if st.get("source_rows") is not None) or None
     if source_total is None:
-        source_total = sum(lake_counts.get(s, 0) + st.get("missing", 0) - st.get("extra", 0)
-                           for s, st in per_shard.items())
+        source_total = sum(
+            lake_counts.get(s, 0) + st.get("missing", 0) - st.get("extra", 0) for s, st in per_shard.items()
+        )
     in_flight = sum(st.get("in_flight", 0) for st in per_shard.values())
     slack = int(source_total * cfg.audit.row_count_tolerance) + in_flight
-    suite.add_expectation(gxe.ExpectTableRowCountToBeBetween(min_value=max(0, source_total - slack),
-                                                             max_value=source_total + slack))
+    suite.add_expectation(
+        gxe.ExpectTableRowCountToBeBetween(min_value=max(0, source_total - slack), max_value=source_total + slack)
+    )
     # GX makes a dozen passes over the frame: cache it (key columns and LSN only, small), and
     # BASIC results skip the queries that list sample rows of passing expectations.
     lake_df = lake_df.persist()
     try:
-        results = [_gx_rows(bd.get_batch(batch_parameters={"dataframe": lake_df}).validate(
-            suite, result_format="BASIC"))]
+        results = [
+            _gx_rows(bd.get_batch(batch_parameters={"dataframe": lake_df}).validate(suite, result_format="BASIC"))
+        ]
     finally:
         lake_df.unpersist()
     # Freshness from the heartbeats: how old is the newest source commit the lake is known to hold.
@@ -726,14 +926,29 @@ def quality_checks(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, la
     fdf = spark.createDataFrame([(fresh_min,)], "freshness_minutes double")
     fasset = ds.add_dataframe_asset(f"{cfg.name}_freshness")
     fsuite = gx.ExpectationSuite(name=f"cdc_{cfg.name}_freshness")
-    fsuite.add_expectation(gxe.ExpectColumnValuesToBeBetween(column="freshness_minutes", min_value=0,
-                                                             max_value=cfg.audit.freshness_sla_minutes))
+    fsuite.add_expectation(
+        gxe.ExpectColumnValuesToBeBetween(
+            column="freshness_minutes", min_value=0, max_value=cfg.audit.freshness_sla_minutes
+        )
+    )
     fsuite.add_expectation(gxe.ExpectColumnValuesToNotBeNull(column="freshness_minutes"))
-    fres = fasset.add_batch_definition_whole_dataframe("f").get_batch(batch_parameters={"dataframe": fdf}).validate(fsuite)
+    fres = (
+        fasset.add_batch_definition_whole_dataframe("f").get_batch(batch_parameters={"dataframe": fdf}).validate(fsuite)
+    )
     results.append(_gx_rows(fres))
     flat = [r for rs in results for r in rs]
-    rows = [{"table_name": cfg.name, "audit_run": audit_run, "expectation": r["expectation"], "success": r["success"],
-             "observed": r["observed"], "details": r["details"], "checked_at": now} for r in flat]
+    rows = [
+        {
+            "table_name": cfg.name,
+            "audit_run": audit_run,
+            "expectation": r["expectation"],
+            "success": r["success"],
+            "observed": r["observed"],
+            "details": r["details"],
+            "checked_at": now,
+        }
+        for r in flat
+    ]
     meta_append(spark, lake, "quality_results", rows)
     report = f"{lake.warehouse.rstrip('/')}/_quality/{cfg.name}/{audit_run.replace(':', '_').replace('+', '_')}.json"
     try:
@@ -749,9 +964,21 @@ def _gx_rows(result) -> list[dict[str, Any]]:
     for r in result.results:
         cfg = r.expectation_config
         observed = r.result.get("observed_value", r.result.get("unexpected_count"))
-        out.append({"expectation": f"{cfg.type}({json.dumps({k: v for k, v in cfg.kwargs.items() if k != 'batch_id'}, default=str)})",
-                    "success": bool(r.success), "observed": json.dumps(observed, default=str),
-                    "details": json.dumps({k: v for k, v in r.result.items() if k in ("unexpected_count", "unexpected_percent", "partial_unexpected_list")}, default=str)})
+        out.append(
+            {
+                "expectation": f"{cfg.type}({json.dumps({k: v for k, v in cfg.kwargs.items() if k != 'batch_id'}, default=str)})",
+                "success": bool(r.success),
+                "observed": json.dumps(observed, default=str),
+                "details": json.dumps(
+                    {
+                        k: v
+                        for k, v in r.result.items()
+                        if k in ("unexpected_count", "unexpected_percent", "partial_unexpected_list")
+                    },
+                    default=str,
+                ),
+            }
+        )
     return out
 
 

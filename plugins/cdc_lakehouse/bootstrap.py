@@ -80,7 +80,9 @@ def source_schema(cfg: TableConfig, table: src.SourceTable) -> list[tuple[str, s
     return [(c.name, cfg.column_types.get(c.name) or c.lake_type or "") for c in table.columns]
 
 
-def preflight(cfg: TableConfig, endpoints: dict[str, list[ShardSource]]) -> tuple[list[tuple[str, str]], dict[str, str]]:
+def preflight(
+    cfg: TableConfig, endpoints: dict[str, list[ShardSource]]
+) -> tuple[list[tuple[str, str]], dict[str, str]]:
     """Everything that must hold before a byte is written; returns the source columns (name, lake
     type) and their PostgreSQL types."""
     import psycopg2
@@ -91,13 +93,18 @@ def preflight(cfg: TableConfig, endpoints: dict[str, list[ShardSource]]) -> tupl
     first = ""
     for endpoint_id, shard_sources in endpoints.items():
         ep = shard_sources[0].endpoint
-        eptables = src.EndpointTables(endpoint_id, shard_sources[0].group.conn_id,
-                                      {cfg.source.table: ([s.schema for s in shard_sources], cfg.primary_key)})
+        eptables = src.EndpointTables(
+            endpoint_id,
+            shard_sources[0].group.conn_id,
+            {cfg.source.table: ([s.schema for s in shard_sources], cfg.primary_key)},
+        )
         try:
             conn = psycopg2.connect(ep.dsn(), connect_timeout=15, application_name="cdc_lakehouse bootstrap")
         except psycopg2.OperationalError as exc:
-            problems.append(f"{cfg.name}: cannot connect to source {shard_sources[0].group.conn_id} ({ep.label}): "
-                            f"{str(exc).strip()}; check the Airflow connection and that the host is reachable")
+            problems.append(
+                f"{cfg.name}: cannot connect to source {shard_sources[0].group.conn_id} ({ep.label}): "
+                f"{str(exc).strip()}; check the Airflow connection and that the host is reachable"
+            )
             continue
         try:
             problems += src.preflight(conn, eptables)
@@ -116,13 +123,17 @@ def preflight(cfg: TableConfig, endpoints: dict[str, list[ShardSource]]) -> tupl
                         pg_types = {c.name: c.pg_type for c in info.columns}
                     elif cols != columns:
                         diff = sorted(set(cols) ^ set(columns))
-                        problems.append(f"{cfg.name}: shard {s.shard} has columns that differ from {first}: {diff}; "
-                                        "all shards of a table must have the same columns and types")
+                        problems.append(
+                            f"{cfg.name}: shard {s.shard} has columns that differ from {first}: {diff}; "
+                            "all shards of a table must have the same columns and types"
+                        )
                     if not src.key_is_enforced(cur, s.schema, cfg.source.table, cfg.primary_key):
                         v = src.key_violations(cur, s.schema, cfg.source.table, cfg.primary_key)
                         if v:
-                            problems.append(f"{cfg.name}: {v}; the lake key must be unique and not null: fix the data "
-                                            "or set primary_key to the table's real key")
+                            problems.append(
+                                f"{cfg.name}: {v}; the lake key must be unique and not null: fix the data "
+                                "or set primary_key to the table's real key"
+                            )
             conn.commit()
         finally:
             conn.close()
@@ -132,8 +143,12 @@ def preflight(cfg: TableConfig, endpoints: dict[str, list[ShardSource]]) -> tupl
     return columns, pg_types
 
 
-def _prepare_endpoint(endpoint_id: str, shard_sources: list[ShardSource], cfg: TableConfig,
-                      all_tables: dict[str, tuple[list[str], list[str]]] | None) -> None:
+def _prepare_endpoint(
+    endpoint_id: str,
+    shard_sources: list[ShardSource],
+    cfg: TableConfig,
+    all_tables: dict[str, tuple[list[str], list[str]]] | None,
+) -> None:
     """Heartbeat tables, publication membership and the capture slot, before any snapshot."""
     import psycopg2
 
@@ -153,9 +168,11 @@ def _prepare_endpoint(endpoint_id: str, shard_sources: list[ShardSource], cfg: T
         slot = src.slot_name(endpoint_id)
         state = src.slot_state(conn, slot)
         if state.exists and state.wal_status == "lost":
-            raise src.SlotLostError(f"{cfg.name}: capture slot {slot} was invalidated; drop it "
-                                    f"(SELECT pg_drop_replication_slot('{slot}')) and re-bootstrap every table on "
-                                    f"endpoint {endpoint_id}")
+            raise src.SlotLostError(
+                f"{cfg.name}: capture slot {slot} was invalidated; drop it "
+                f"(SELECT pg_drop_replication_slot('{slot}')) and re-bootstrap every table on "
+                f"endpoint {endpoint_id}"
+            )
         if not state.exists:
             src.create_slot(conn, slot)
     finally:
@@ -170,8 +187,9 @@ def _export_snapshot(ep: SourceEndpoint, endpoint_id: str, run_id: str):
 
     from .pgoutput import lsn_to_int
 
-    conn = psycopg2.connect(ep.dsn(), connection_factory=LogicalReplicationConnection,
-                            application_name="cdc_lakehouse bootstrap snapshot")
+    conn = psycopg2.connect(
+        ep.dsn(), connection_factory=LogicalReplicationConnection, application_name="cdc_lakehouse bootstrap snapshot"
+    )
     name = src.slot_name(f"boot_{endpoint_id}_{run_id}")[:63]
     cur = conn.cursor()
     identity = src.source_identity(cur)
@@ -187,8 +205,10 @@ def _ranges(ep: SourceEndpoint, schema: str, table: str, parts: int) -> list[str
     conn = psycopg2.connect(ep.dsn())
     try:
         with conn.cursor() as cur:
-            cur.execute("SELECT pg_relation_size(%s::regclass) / current_setting('block_size')::bigint",
-                        (pg_qualified(schema, table),))
+            cur.execute(
+                "SELECT pg_relation_size(%s::regclass) / current_setting('block_size')::bigint",
+                (pg_qualified(schema, table),),
+            )
             blocks = int(cur.fetchone()[0])
     finally:
         conn.close()
@@ -209,26 +229,40 @@ def _select_list(columns: list[tuple[str, str]], pg_types: dict[str, str] | None
     return ", ".join(f"{src.text_select(n, pg_types.get(n, ''), t)} AS {pg_ident(n)}" for n, t in columns)
 
 
-def read_shards(spark: SparkSession, cfg: TableConfig, shard_sources: list[ShardSource], snapshot: str,
-                columns: list[tuple[str, str]], pg_types: dict[str, str] | None = None) -> DataFrame:
+def read_shards(
+    spark: SparkSession,
+    cfg: TableConfig,
+    shard_sources: list[ShardSource],
+    snapshot: str,
+    columns: list[tuple[str, str]],
+    pg_types: dict[str, str] | None = None,
+) -> DataFrame:
     """All shards of one endpoint under one exported snapshot, at most N connections at once."""
     from functools import reduce
 
     from pyspark.sql import functions as F
 
     ep = shard_sources[0].endpoint
-    init = (f"SET TRANSACTION ISOLATION LEVEL REPEATABLE READ; SET TRANSACTION SNAPSHOT '{snapshot}'; "
-            "SET TimeZone='UTC'; SET DateStyle='ISO'; SET IntervalStyle='iso_8601'; SET extra_float_digits=3; "
-            "SET bytea_output='hex'")
-    props = {"user": ep.user, "driver": "org.postgresql.Driver", "fetchsize": str(cfg.bootstrap.fetch_size),
-             "sessionInitStatement": init}
+    init = (
+        f"SET TRANSACTION ISOLATION LEVEL REPEATABLE READ; SET TRANSACTION SNAPSHOT '{snapshot}'; "
+        "SET TimeZone='UTC'; SET DateStyle='ISO'; SET IntervalStyle='iso_8601'; SET extra_float_digits=3; "
+        "SET bytea_output='hex'"
+    )
+    props = {
+        "user": ep.user,
+        "driver": "org.postgresql.Driver",
+        "fetchsize": str(cfg.bootstrap.fetch_size),
+        "sessionInitStatement": init,
+    }
     if ep.password:
         props["password"] = ep.password
     frames = []
     for s in shard_sources:
         for pred in _ranges(ep, s.schema, cfg.source.table, cfg.bootstrap.partitions_per_shard):
             where = f" WHERE {pred}" if pred else ""
-            query = f"(SELECT {_select_list(columns, pg_types)} FROM {pg_qualified(s.schema, cfg.source.table)}{where}) q"
+            query = (
+                f"(SELECT {_select_list(columns, pg_types)} FROM {pg_qualified(s.schema, cfg.source.table)}{where}) q"
+            )
             df = spark.read.jdbc(ep.jdbc_url(), query, properties=props).withColumn(SHARD_COL, F.lit(s.shard))
             frames.append(df)
     df = reduce(lambda a, b: a.unionByName(b), frames)
@@ -246,20 +280,40 @@ def typed_rows(df: DataFrame, cfg: TableConfig, columns: list[tuple[str, str]]) 
         raw = F.col(name)
         typed = cast_text(raw, typ)
         out.append(typed.alias(name))
-        checks.append(F.when(raw.isNotNull() & typed.isNull(), F.concat(
-            F.lit(f"column {name}: value '"), F.substring(raw, 1, 60), F.lit(f"' does not fit {typ}"))))
+        checks.append(
+            F.when(
+                raw.isNotNull() & typed.isNull(),
+                F.concat(F.lit(f"column {name}: value '"), F.substring(raw, 1, 60), F.lit(f"' does not fit {typ}")),
+            )
+        )
     problem = F.concat_ws("; ", *checks)
     keydesc = F.to_json(F.struct(*[F.col(k) for k in [SHARD_COL, *cfg.primary_key]]))
-    guarded = F.when(problem != "", F.raise_error(F.concat(
-        F.lit(f"{cfg.name}: bootstrap stopped, nothing was written: row "), keydesc, F.lit(": "), problem,
-        F.lit(". Set column_types in the table config to a type that holds these values."))))
+    guarded = F.when(
+        problem != "",
+        F.raise_error(
+            F.concat(
+                F.lit(f"{cfg.name}: bootstrap stopped, nothing was written: row "),
+                keydesc,
+                F.lit(": "),
+                problem,
+                F.lit(". Set column_types in the table config to a type that holds these values."),
+            )
+        ),
+    )
     # A filter (not a dropped column) so the optimizer cannot prune the check away.
     return df.select(*out, guarded.alias("_guard")).filter(F.col("_guard").isNull()).drop("_guard")
 
 
-def bootstrap_table(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, *, run_id: str,
-                    shards: list[str] | None = None, all_endpoint_tables: dict[str, dict] | None = None,
-                    log=print) -> dict[str, Any]:
+def bootstrap_table(
+    spark: SparkSession,
+    lake: LakeSettings,
+    cfg: TableConfig,
+    *,
+    run_id: str,
+    shards: list[str] | None = None,
+    all_endpoint_tables: dict[str, dict] | None = None,
+    log=print,
+) -> dict[str, Any]:
     from pyspark.sql import functions as F
 
     t0 = time.time()
@@ -272,8 +326,10 @@ def bootstrap_table(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, *
     exists = table_exists(spark, cur)
     partial = bool(shards) and set(shards) != {s for _, _, s in cfg.shards()}
     if partial and exists and SHARD_COL not in cfg.lake.partition_by:
-        raise BootstrapError(f"{cfg.name}: re-bootstrapping single shards needs the table partitioned by {SHARD_COL} "
-                             "(lake.partition_by); re-bootstrap the whole table instead")
+        raise BootstrapError(
+            f"{cfg.name}: re-bootstrapping single shards needs the table partitioned by {SHARD_COL} "
+            "(lake.partition_by); re-bootstrap the whole table instead"
+        )
     if not exists:
         create_lake_tables(spark, lake, cfg, columns)
         log(f"bootstrap {cfg.name}: created {cur} and {cl}")
@@ -284,8 +340,10 @@ def bootstrap_table(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, *
                 add_column(spark, cur, name, typ)
                 add_column(spark, cl, name, typ)
             elif lake_cols[name] != typ:
-                raise BootstrapError(f"{cfg.name}: column {name} is {lake_cols[name]} in the lake but {typ} at the "
-                                     "source; drop the lake table to re-bootstrap with the new type, or set column_types")
+                raise BootstrapError(
+                    f"{cfg.name}: column {name} is {lake_cols[name]} in the lake but {typ} at the "
+                    "source; drop the lake table to re-bootstrap with the new type, or set column_types"
+                )
         columns = [(n, t) for n, t in source_columns_of(spark, cur, cfg) if n in dict(columns)]
 
     wm = (read_watermark(spark, cur) if exists else None) or {"v": 1, "shards": {}, "runs": {}}
@@ -305,62 +363,112 @@ def bootstrap_table(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, *
             frames.append(df)
             for s in shard_sources:
                 # The position and the server it belongs to: positions of another identity never compare.
-                wm["shards"][s.shard] = {"lsn": point, "ts": snap_time.replace(tzinfo=UTC).isoformat(),
-                                         "endpoint": endpoint_id, "source": identity,
-                                         "columns": [n for n, _ in columns]}
+                wm["shards"][s.shard] = {
+                    "lsn": point,
+                    "ts": snap_time.replace(tzinfo=UTC).isoformat(),
+                    "endpoint": endpoint_id,
+                    "source": identity,
+                    "columns": [n for n, _ in columns],
+                }
                 cwm["shards"][s.shard] = wm["shards"][s.shard]
         from functools import reduce
 
         raw = reduce(lambda a, b: a.unionByName(b), frames)
         typed = typed_rows(raw, cfg, columns)
         # The snapshot rows, as changelog events: op 'r' at (P, -1), after a truncate marker at (P, -2).
-        lsn_map = F.create_map(*[x for ep in per_endpoint.values() for s in ep["shards"]
-                                 for x in (F.lit(s), F.lit(ep["consistent_point"]))])
-        rows = (typed.withColumn(OP_COL, F.lit("r")).withColumn(LSN_COL, lsn_map[F.col(SHARD_COL)])
-                .withColumn(SEQ_COL, F.lit(-1).cast("bigint")).withColumn(COMMIT_TS_COL, F.lit(snap_time))
-                .withColumn(LSN_EVENT_COL, F.col(LSN_COL)).withColumn(XID_COL, F.lit(None).cast("bigint"))
-                .withColumn(UNAVAILABLE_COL, F.lit(None).cast("array<string>")).withColumn(RUN_COL, F.lit(f"bootstrap-{run_id}"))
-                .withColumn(INGESTED_COL, F.current_timestamp()))
+        lsn_map = F.create_map(
+            *[
+                x
+                for ep in per_endpoint.values()
+                for s in ep["shards"]
+                for x in (F.lit(s), F.lit(ep["consistent_point"]))
+            ]
+        )
+        rows = (
+            typed.withColumn(OP_COL, F.lit("r"))
+            .withColumn(LSN_COL, lsn_map[F.col(SHARD_COL)])
+            .withColumn(SEQ_COL, F.lit(-1).cast("bigint"))
+            .withColumn(COMMIT_TS_COL, F.lit(snap_time))
+            .withColumn(LSN_EVENT_COL, F.col(LSN_COL))
+            .withColumn(XID_COL, F.lit(None).cast("bigint"))
+            .withColumn(UNAVAILABLE_COL, F.lit(None).cast("array<string>"))
+            .withColumn(RUN_COL, F.lit(f"bootstrap-{run_id}"))
+            .withColumn(INGESTED_COL, F.current_timestamp())
+        )
         cl_cols = [c for c, _ in changelog_columns(columns)]
         markers = spark.createDataFrame(
             [(s, ep["consistent_point"]) for ep in per_endpoint.values() for s in ep["shards"]],
-            f"{SHARD_COL} string, {LSN_COL} bigint")
+            f"{SHARD_COL} string, {LSN_COL} bigint",
+        )
         for name, typ in columns:
             markers = markers.withColumn(name, F.lit(None).cast(typ))
-        markers = (markers.withColumn(OP_COL, F.lit("t")).withColumn(SEQ_COL, F.lit(-2).cast("bigint"))
-                   .withColumn(COMMIT_TS_COL, F.lit(snap_time)).withColumn(LSN_EVENT_COL, F.col(LSN_COL))
-                   .withColumn(XID_COL, F.lit(None).cast("bigint"))
-                   .withColumn(UNAVAILABLE_COL, F.lit(None).cast("array<string>"))
-                   .withColumn(RUN_COL, F.lit(f"bootstrap-{run_id}")).withColumn(INGESTED_COL, F.current_timestamp()))
+        markers = (
+            markers.withColumn(OP_COL, F.lit("t"))
+            .withColumn(SEQ_COL, F.lit(-2).cast("bigint"))
+            .withColumn(COMMIT_TS_COL, F.lit(snap_time))
+            .withColumn(LSN_EVENT_COL, F.col(LSN_COL))
+            .withColumn(XID_COL, F.lit(None).cast("bigint"))
+            .withColumn(UNAVAILABLE_COL, F.lit(None).cast("array<string>"))
+            .withColumn(RUN_COL, F.lit(f"bootstrap-{run_id}"))
+            .withColumn(INGESTED_COL, F.current_timestamp())
+        )
         t_read = time.time()
         # 1) changelog (one read of the source), 2) current table from those rows, atomically per shard.
         # No shuffle before the changelog write: every snapshot row goes to one day partition,
         # and the JDBC tasks write as they read (10M rows: 207 s -> 183 s without the shuffle).
-        conform_to(markers.select(*cl_cols).unionByName(rows.select(*cl_cols)), spark.table(cl).schema).writeTo(cl).option(
-            "distribution-mode", "none").option("snapshot-property.cdc.watermark", watermark_json(cwm)).option(
-            "snapshot-property.cdc.bootstrap", run_id).append()
+        conform_to(markers.select(*cl_cols).unionByName(rows.select(*cl_cols)), spark.table(cl).schema).writeTo(
+            cl
+        ).option("distribution-mode", "none").option("snapshot-property.cdc.watermark", watermark_json(cwm)).option(
+            "snapshot-property.cdc.bootstrap", run_id
+        ).append()
     read_s = time.time() - t_read
     selected = [s for ep in per_endpoint.values() for s in ep["shards"]]
     cur_cols = [SHARD_COL, *[n for n, _ in columns], OP_COL, LSN_COL, SEQ_COL, COMMIT_TS_COL]
-    snap = (spark.table(cl).filter((F.col(RUN_COL) == f"bootstrap-{run_id}") & (F.col(OP_COL) == "r")
-                                   & (F.col(COMMIT_TS_COL) == F.lit(snap_time))).select(*cur_cols))
+    snap = (
+        spark.table(cl)
+        .filter(
+            (F.col(RUN_COL) == f"bootstrap-{run_id}")
+            & (F.col(OP_COL) == "r")
+            & (F.col(COMMIT_TS_COL) == F.lit(snap_time))
+        )
+        .select(*cur_cols)
+    )
     if cfg.deletes == "soft":
         snap = snap.withColumn(cfg.soft_delete_columns.flag, F.lit(False)).withColumn(
-            cfg.soft_delete_columns.timestamp, F.lit(None).cast("timestamp"))
+            cfg.soft_delete_columns.timestamp, F.lit(None).cast("timestamp")
+        )
     cond = F.col(SHARD_COL).isin(selected) if partial else F.lit(True)
     t_write = time.time()
     # Columns the source no longer has (kept under keep_null) are NULL in the new snapshot.
     snap = conform_to(snap, spark.table(cur).schema)
     snap.writeTo(cur).option("snapshot-property.cdc.watermark", watermark_json(wm)).option(
-        "snapshot-property.cdc.bootstrap", run_id).overwrite(cond)
+        "snapshot-property.cdc.bootstrap", run_id
+    ).overwrite(cond)
     write_s = time.time() - t_write
-    counts = {r[SHARD_COL]: r["n"] for r in spark.table(cur).filter(F.col(SHARD_COL).isin(selected))
-              .groupBy(SHARD_COL).agg(F.count(F.lit(1)).alias("n")).collect()}
+    counts = {
+        r[SHARD_COL]: r["n"]
+        for r in spark.table(cur)
+        .filter(F.col(SHARD_COL).isin(selected))
+        .groupBy(SHARD_COL)
+        .agg(F.count(F.lit(1)).alias("n"))
+        .collect()
+    }
     total = sum(counts.values())
     elapsed = time.time() - t0
-    result = {"table": cfg.name, "run_id": run_id, "shards": counts, "rows": total, "endpoints": per_endpoint,
-              "read_and_changelog_seconds": read_s, "current_write_seconds": write_s, "seconds": elapsed,
-              "rows_per_second": total / elapsed if elapsed else None, "watermark": wm}
-    log(f"bootstrap {cfg.name}: {total} rows in {elapsed:.1f}s ({result['rows_per_second'] or 0:,.0f} rows/s) "
-        f"shards {counts}; handoff LSNs {[ep['consistent_point'] for ep in per_endpoint.values()]}")
+    result = {
+        "table": cfg.name,
+        "run_id": run_id,
+        "shards": counts,
+        "rows": total,
+        "endpoints": per_endpoint,
+        "read_and_changelog_seconds": read_s,
+        "current_write_seconds": write_s,
+        "seconds": elapsed,
+        "rows_per_second": total / elapsed if elapsed else None,
+        "watermark": wm,
+    }
+    log(
+        f"bootstrap {cfg.name}: {total} rows in {elapsed:.1f}s ({result['rows_per_second'] or 0:,.0f} rows/s) "
+        f"shards {counts}; handoff LSNs {[ep['consistent_point'] for ep in per_endpoint.values()]}"
+    )
     return result

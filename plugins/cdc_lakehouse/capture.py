@@ -114,8 +114,16 @@ def schema_diff(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> dict[st
     return None
 
 
-def capture_run(ep: src.EndpointTables, dsn: str, store, run_id: str, *, host_label: str = "",
-                database: str = "", limits: CaptureLimits = CaptureLimits()) -> dict[str, Any]:
+def capture_run(
+    ep: src.EndpointTables,
+    dsn: str,
+    store,
+    run_id: str,
+    *,
+    host_label: str = "",
+    database: str = "",
+    limits: CaptureLimits = CaptureLimits(),
+) -> dict[str, Any]:
     """Capture one run for an endpoint; returns its manifest (also when the run already existed)."""
     import psycopg2
 
@@ -124,7 +132,9 @@ def capture_run(ep: src.EndpointTables, dsn: str, store, run_id: str, *, host_la
     if store.exists(mpath):
         manifest = store.read_json(mpath)
         _confirm(dsn, slot, manifest["end_lsn"], None)
-        log.info("capture %s: run %s already captured; slot confirmed at %s", ep.endpoint_id, run_id, manifest["end_lsn"])
+        log.info(
+            "capture %s: run %s already captured; slot confirmed at %s", ep.endpoint_id, run_id, manifest["end_lsn"]
+        )
         return {**manifest, "reused": True}
 
     conn = psycopg2.connect(dsn, options=src.SESSION_OPTIONS, application_name="cdc_lakehouse capture")
@@ -157,29 +167,68 @@ def capture_run(ep: src.EndpointTables, dsn: str, store, run_id: str, *, host_la
             state = src.slot_state(conn, slot)
         known_schemas = previous[-1].get("schemas", {}) if previous else {}
         start_lsn, advanced = start_position(store, ep.endpoint_id, previous, state)
-        store.write_json(attempt_path(ep.endpoint_id, run_id), {"run_id": run_id, "from_lsn": state.confirmed_flush,
-                                                                "started_at": datetime.now(UTC).isoformat()})
+        store.write_json(
+            attempt_path(ep.endpoint_id, run_id),
+            {"run_id": run_id, "from_lsn": state.confirmed_flush, "started_at": datetime.now(UTC).isoformat()},
+        )
         published_start = src.published_tables(conn)
         hb_xid = src.write_heartbeat(conn, ep.schemas, run_id)
         type_lookup = src.column_type_cache(conn)
-        coverage = {"published_at_start": published_start, "start_lsn": start_lsn, "keepalive_advance": advanced,
-                    "published": lambda: src.published_tables(conn)}
-        manifest = _stream(ep, dsn, store, run_id, slot, state, hb_xid, type_lookup, known_schemas,
-                           host_label, database, limits, coverage)
+        coverage = {
+            "published_at_start": published_start,
+            "start_lsn": start_lsn,
+            "keepalive_advance": advanced,
+            "published": lambda: src.published_tables(conn),
+        }
+        manifest = _stream(
+            ep,
+            dsn,
+            store,
+            run_id,
+            slot,
+            state,
+            hb_xid,
+            type_lookup,
+            known_schemas,
+            host_label,
+            database,
+            limits,
+            coverage,
+        )
         after = src.slot_state(conn, slot)
         manifest["slot_after"] = after.to_json()
         log.info(
             "capture %s run %s: %d events in %d transactions, %d bytes decoded, slot %s retains %s WAL bytes, lag %s bytes%s",
-            ep.endpoint_id, run_id, manifest["events"], manifest["transactions"], manifest["bytes"], slot,
-            after.retained_bytes, after.lag_bytes, " (capped: more remains)" if manifest["capped"] else "",
+            ep.endpoint_id,
+            run_id,
+            manifest["events"],
+            manifest["transactions"],
+            manifest["bytes"],
+            slot,
+            after.retained_bytes,
+            after.lag_bytes,
+            " (capped: more remains)" if manifest["capped"] else "",
         )
         return manifest
     finally:
         conn.close()
 
 
-def _stream(ep, dsn, store, run_id, slot, state, hb_xid, type_lookup, known_schemas, host_label, database,
-            limits: CaptureLimits, coverage: dict[str, Any]) -> dict[str, Any]:
+def _stream(
+    ep,
+    dsn,
+    store,
+    run_id,
+    slot,
+    state,
+    hb_xid,
+    type_lookup,
+    known_schemas,
+    host_label,
+    database,
+    limits: CaptureLimits,
+    coverage: dict[str, Any],
+) -> dict[str, Any]:
     import psycopg2
     from psycopg2.extras import LogicalReplicationConnection
 
@@ -187,8 +236,14 @@ def _stream(ep, dsn, store, run_id, slot, state, hb_xid, type_lookup, known_sche
     ts_ms = int(started.timestamp() * 1000)
     staging = store.staging_dir()
     writers: dict[str, TableWriter] = {}
-    consts = {"connector": "postgresql", "endpoint": ep.endpoint_id, "host": host_label, "db": database,
-              "ts_ms": ts_ms, "run_id": run_id}
+    consts = {
+        "connector": "postgresql",
+        "endpoint": ep.endpoint_id,
+        "host": host_label,
+        "db": database,
+        "ts_ms": ts_ms,
+        "run_id": run_id,
+    }
     rels: dict[int, _Rel] = {}
     schemas_seen: dict[str, list] = {}
     schema_changes: list[dict[str, Any]] = []
@@ -207,13 +262,21 @@ def _stream(ep, dsn, store, run_id, slot, state, hb_xid, type_lookup, known_sche
         writers[table] = TableWriter(d, consts, limits.batch_rows, limits.file_rows, limits.batch_bytes)
         return writers[table]
 
-    repl = psycopg2.connect(dsn, connection_factory=LogicalReplicationConnection, options=src.SESSION_OPTIONS,
-                            application_name="cdc_lakehouse capture stream")
+    repl = psycopg2.connect(
+        dsn,
+        connection_factory=LogicalReplicationConnection,
+        options=src.SESSION_OPTIONS,
+        application_name="cdc_lakehouse capture stream",
+    )
     cur = repl.cursor()
     try:
         identity = src.source_identity(cur)
-        cur.start_replication(slot_name=slot, decode=False, status_interval=10,
-                              options={"proto_version": "1", "publication_names": src.PUBLICATION})
+        cur.start_replication(
+            slot_name=slot,
+            decode=False,
+            status_interval=10,
+            options={"proto_version": "1", "publication_names": src.PUBLICATION},
+        )
         last_activity = waiting_since = time.monotonic()
         server_pos = getattr(cur, "wal_end", 0)
         done = False
@@ -251,8 +314,21 @@ def _stream(ep, dsn, store, run_id, slot, state, hb_xid, type_lookup, known_sche
                     op, after, unavailable = "d", None, None
                     before = _key_pairs(r, m.old, m.old_is_key)
                 w = writers.get(r.rel.name) or writer_for(r.rel.name)
-                w.add(op, before, after, unavailable, r.rel.schema, r.rel.name, tx.final_lsn, msg.data_start,
-                      tx.xid, seq, tx_commit_us, r.schema_json, len(payload))
+                w.add(
+                    op,
+                    before,
+                    after,
+                    unavailable,
+                    r.rel.schema,
+                    r.rel.name,
+                    tx.final_lsn,
+                    msg.data_start,
+                    tx.xid,
+                    seq,
+                    tx_commit_us,
+                    r.schema_json,
+                    len(payload),
+                )
                 events += 1
             elif isinstance(m, Begin):
                 tx, seq, tx_heartbeat_schemas = m, 0, []
@@ -261,8 +337,12 @@ def _stream(ep, dsn, store, run_id, slot, state, hb_xid, type_lookup, known_sche
                 txs += 1
                 last_commit = m
                 for s in tx_heartbeat_schemas:
-                    heartbeats[s] = {"commit_lsn": m.commit_lsn, "end_lsn": m.end_lsn,
-                                     "commit_ts": pg_time(m.commit_ts).isoformat(), "xid": tx.xid}
+                    heartbeats[s] = {
+                        "commit_lsn": m.commit_lsn,
+                        "end_lsn": m.end_lsn,
+                        "commit_ts": pg_time(m.commit_ts).isoformat(),
+                        "xid": tx.xid,
+                    }
                 if tx.xid == hb_xid:
                     done = True  # the run's bound: everything committed before it is in
                 elif events >= limits.max_events or nbytes >= limits.max_bytes:
@@ -273,8 +353,11 @@ def _stream(ep, dsn, store, run_id, slot, state, hb_xid, type_lookup, known_sche
                 rels[m.oid] = r
                 if not r.heartbeat:
                     prev = schemas_seen.get(r.key) or known_schemas.get(r.key)
-                    at = {"table": r.key, "at_commit_lsn": tx.final_lsn if tx else None,
-                          "columns": [c["name"] for c in r.columns]}
+                    at = {
+                        "table": r.key,
+                        "at_commit_lsn": tx.final_lsn if tx else None,
+                        "columns": [c["name"] for c in r.columns],
+                    }
                     if prev is None:
                         # No earlier schema to diff with: the ingest compares these columns with
                         # the shard's known ones (columns added since its bootstrap need values).
@@ -292,8 +375,20 @@ def _stream(ep, dsn, store, run_id, slot, state, hb_xid, type_lookup, known_sche
                         continue
                     seq += 1
                     w = writers.get(r.rel.name) or writer_for(r.rel.name)
-                    w.add("t", None, None, None, r.rel.schema, r.rel.name, tx.final_lsn, msg.data_start, tx.xid, seq,
-                          tx_commit_us, r.schema_json)
+                    w.add(
+                        "t",
+                        None,
+                        None,
+                        None,
+                        r.rel.schema,
+                        r.rel.name,
+                        tx.final_lsn,
+                        msg.data_start,
+                        tx.xid,
+                        seq,
+                        tx_commit_us,
+                        r.schema_json,
+                    )
                     events += 1
             elif isinstance(m, TypeMsg) or m is None:
                 pass
@@ -304,9 +399,17 @@ def _stream(ep, dsn, store, run_id, slot, state, hb_xid, type_lookup, known_sche
             files = w.close()
             rel = run_dir(ep.endpoint_id, name, run_id)
             store.publish_dir(staging / name, rel)
-            tables.append({"table": name, "dir": rel, "files": files, "events": w.rows,
-                           "min_commit_lsn": w.min_commit_lsn, "max_commit_lsn": w.max_commit_lsn,
-                           "shards": sorted(w.shards)})
+            tables.append(
+                {
+                    "table": name,
+                    "dir": rel,
+                    "files": files,
+                    "events": w.rows,
+                    "min_commit_lsn": w.min_commit_lsn,
+                    "max_commit_lsn": w.max_commit_lsn,
+                    "shards": sorted(w.shards),
+                }
+            )
         store.discard(staging)
         crash_point("after_files")
         assert last_commit is not None
@@ -314,16 +417,31 @@ def _stream(ep, dsn, store, run_id, slot, state, hb_xid, type_lookup, known_sche
         # whole run. The ingest checks its shards against this before moving their watermark.
         published_end = coverage["published"]()
         manifest = {
-            "format": 1, "run_id": run_id, "endpoint": ep.endpoint_id, "conn_id": ep.conn_id, "slot": slot,
-            "publication": src.PUBLICATION, "started_at": started.isoformat(),
+            "format": 1,
+            "run_id": run_id,
+            "endpoint": ep.endpoint_id,
+            "conn_id": ep.conn_id,
+            "slot": slot,
+            "publication": src.PUBLICATION,
+            "started_at": started.isoformat(),
             "finished_at": datetime.now(UTC).isoformat(),
-            "start_lsn": coverage["start_lsn"], "end_lsn": last_commit.end_lsn,
-            "last_commit_lsn": last_commit.commit_lsn, "last_commit_ts": pg_time(last_commit.commit_ts).isoformat(),
-            "capped": capped, "heartbeat_xid": hb_xid, "events": events, "bytes": nbytes, "transactions": txs,
-            "tables": tables, "heartbeats": heartbeats,
-            "schemas": {**known_schemas, **schemas_seen}, "schema_changes": schema_changes,
-            "slot_before": state.to_json(), "source_identity": identity,
-            "published": published_end, "published_at_start": coverage["published_at_start"],
+            "start_lsn": coverage["start_lsn"],
+            "end_lsn": last_commit.end_lsn,
+            "last_commit_lsn": last_commit.commit_lsn,
+            "last_commit_ts": pg_time(last_commit.commit_ts).isoformat(),
+            "capped": capped,
+            "heartbeat_xid": hb_xid,
+            "events": events,
+            "bytes": nbytes,
+            "transactions": txs,
+            "tables": tables,
+            "heartbeats": heartbeats,
+            "schemas": {**known_schemas, **schemas_seen},
+            "schema_changes": schema_changes,
+            "slot_before": state.to_json(),
+            "source_identity": identity,
+            "published": published_end,
+            "published_at_start": coverage["published_at_start"],
         }
         if coverage["keepalive_advance"]:
             manifest["keepalive_advance"] = coverage["keepalive_advance"]
@@ -344,8 +462,9 @@ def _stream(ep, dsn, store, run_id, slot, state, hb_xid, type_lookup, known_sche
             pass
 
 
-def _check_still_decoding(ep: src.EndpointTables, dsn: str, slot: str, hb_xid: int, limits: CaptureLimits,
-                          waited: float) -> None:
+def _check_still_decoding(
+    ep: src.EndpointTables, dsn: str, slot: str, hb_xid: int, limits: CaptureLimits, waited: float
+) -> None:
     """Silence for idle_timeout_s: go on while the slot's walsender is decoding (replaying a large
     transaction sends nothing for a long time), stop when it waits for WAL with the run's
     heartbeat still missing (that cannot recover) or when the run waited max_wait_s in all."""
@@ -354,20 +473,28 @@ def _check_still_decoding(ep: src.EndpointTables, dsn: str, slot: str, hb_xid: i
     conn = psycopg2.connect(dsn, application_name="cdc_lakehouse capture check")
     try:
         with conn.cursor() as c:
-            c.execute("SELECT a.state, a.wait_event FROM pg_replication_slots s "
-                      "JOIN pg_stat_activity a ON a.pid = s.active_pid WHERE s.slot_name = %s", (slot,))
+            c.execute(
+                "SELECT a.state, a.wait_event FROM pg_replication_slots s "
+                "JOIN pg_stat_activity a ON a.pid = s.active_pid WHERE s.slot_name = %s",
+                (slot,),
+            )
             row = c.fetchone()
     finally:
         conn.close()
     state, wait_event = row if row else (None, None)
-    where = (f"capture {ep.endpoint_id}: the run's heartbeat transaction (xid {hb_xid}) has not arrived after "
-             f"{waited:.0f}s")
+    where = (
+        f"capture {ep.endpoint_id}: the run's heartbeat transaction (xid {hb_xid}) has not arrived after {waited:.0f}s"
+    )
     if wait_event in ("WalSenderWaitForWAL", "WalSenderMain"):  # idle: everything decoded was sent
-        raise src.SourceError(f"{where} and the server has nothing left to decode; check that {src.HEARTBEAT_TABLE} "
-                              f"is in publication {src.PUBLICATION}")
+        raise src.SourceError(
+            f"{where} and the server has nothing left to decode; check that {src.HEARTBEAT_TABLE} "
+            f"is in publication {src.PUBLICATION}"
+        )
     if waited > limits.max_wait_s:
-        raise src.SourceError(f"{where} (the server is still {state or 'busy'}, {wait_event or 'on CPU'}); raise "
-                              "the capture's max_wait_s if a transaction this large is expected")
+        raise src.SourceError(
+            f"{where} (the server is still {state or 'busy'}, {wait_event or 'on CPU'}); raise "
+            "the capture's max_wait_s if a transaction this large is expected"
+        )
     log.info("%s; the server is still decoding (%s, %s), waiting", where, state, wait_event or "on CPU")
 
 
@@ -378,8 +505,9 @@ def attempt_path(endpoint: str, run_id: str) -> str:
     return f"{endpoint}/{ATTEMPTS_DIR}/{run_id}.json"
 
 
-def start_position(store, endpoint: str, previous: list[dict[str, Any]], state: src.SlotState
-                   ) -> tuple[int | None, dict[str, Any] | None]:
+def start_position(
+    store, endpoint: str, previous: list[dict[str, Any]], state: src.SlotState
+) -> tuple[int | None, dict[str, Any] | None]:
     """Where this run's changes start for the ingest's gap check, and how a skip was explained.
 
     psycopg2 answers the server's keepalives and, before the first data message of a session,
@@ -394,13 +522,23 @@ def start_position(store, endpoint: str, previous: list[dict[str, Any]], state: 
     confirmed = state.confirmed_flush
     if last_end is None or confirmed is None or confirmed <= last_end:
         return confirmed, None
-    attempts = sorted((store.read_json(f"{endpoint}/{ATTEMPTS_DIR}/{n}")
-                       for n in store.list_names(f"{endpoint}/{ATTEMPTS_DIR}") if n.endswith(".json")),
-                      key=lambda a: a["started_at"])
+    attempts = sorted(
+        (
+            store.read_json(f"{endpoint}/{ATTEMPTS_DIR}/{n}")
+            for n in store.list_names(f"{endpoint}/{ATTEMPTS_DIR}")
+            if n.endswith(".json")
+        ),
+        key=lambda a: a["started_at"],
+    )
     froms = [a["from_lsn"] for a in attempts]
     if froms and froms[0] == last_end and froms == sorted(froms) and froms[-1] <= confirmed:
-        log.warning("capture %s: slot moved from %s to %s by keepalive feedback of failed attempt(s) %s; no change "
-                    "was skipped", endpoint, last_end, confirmed, [a["run_id"] for a in attempts])
+        log.warning(
+            "capture %s: slot moved from %s to %s by keepalive feedback of failed attempt(s) %s; no change was skipped",
+            endpoint,
+            last_end,
+            confirmed,
+            [a["run_id"] for a in attempts],
+        )
         return last_end, {"from": last_end, "to": confirmed, "attempts": [a["run_id"] for a in attempts]}
     return confirmed, None
 

@@ -1,9 +1,9 @@
 """Operator commands.
 
-    python -m cdc_lakehouse.cli validate              check every table config (exit 1 on errors)
-    python -m cdc_lakehouse.cli pools                 the Airflow pools, as JSON for `airflow pools import`
-    python -m cdc_lakehouse.cli quarantine list T     quarantined events of table T
-    python -m cdc_lakehouse.cli quarantine clear T    delete T's quarantined events after review
+python -m cdc_lakehouse.cli validate              check every table config (exit 1 on errors)
+python -m cdc_lakehouse.cli pools                 the Airflow pools, as JSON for `airflow pools import`
+python -m cdc_lakehouse.cli quarantine list T     quarantined events of table T
+python -m cdc_lakehouse.cli quarantine clear T    delete T's quarantined events after review
 """
 
 from __future__ import annotations
@@ -51,8 +51,10 @@ def main(argv: list[str] | None = None) -> int:
     ensure_meta_tables(spark, lake)
     q_table = lake.qualified(lake.meta_table("quarantine"))
     if args.action == "list":
-        spark.sql(f"SELECT shard, reason, commit_lsn, seq, landing_run, quarantined_at FROM {q_table} "
-                  f"WHERE table_name = '{table}' ORDER BY quarantined_at DESC LIMIT {int(args.limit)}").show(truncate=False)
+        spark.sql(
+            f"SELECT shard, reason, commit_lsn, seq, landing_run, quarantined_at FROM {q_table} "
+            f"WHERE table_name = '{table}' ORDER BY quarantined_at DESC LIMIT {int(args.limit)}"
+        ).show(truncate=False)
     else:
         n = spark.sql(f"SELECT count(*) FROM {q_table} WHERE table_name = '{table}'").collect()[0][0]
         spark.sql(f"DELETE FROM {q_table} WHERE table_name = '{table}'")

@@ -114,7 +114,8 @@ class SourceConfig(_Model):
             if g.endpoint_id in endpoints:
                 raise ValueError(
                     f"shard groups {endpoints[g.endpoint_id]} and {i} both read endpoint {g.endpoint_id!r} "
-                    f"(conn_id {g.conn_id!r}, database {g.database!r}); list all its schemas in one group")
+                    f"(conn_id {g.conn_id!r}, database {g.database!r}); list all its schemas in one group"
+                )
             endpoints[g.endpoint_id] = i
         seen: set[str] = set()
         for g in self.shards:
@@ -157,8 +158,7 @@ class LakeTableConfig(_Model):
         for p in v:
             if not _TRANSFORM.match(p.strip()):
                 raise ValueError(
-                    f"partition {p!r}: use a column, bucket(N, col), truncate(N, col) "
-                    "or years/months/days/hours(col)"
+                    f"partition {p!r}: use a column, bucket(N, col), truncate(N, col) or years/months/days/hours(col)"
                 )
         return [p.strip() for p in v]
 
@@ -224,9 +224,12 @@ class SoftDeleteColumns(_Model):
 
 
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)\s*([a-z]+)$", re.I)
-_DURATION_UNITS = {**dict.fromkeys(("s", "sec", "secs", "second", "seconds"), 1),
-                   **dict.fromkeys(("m", "min", "mins", "minute", "minutes"), 60),
-                   **dict.fromkeys(("h", "hr", "hour", "hours"), 3600), **dict.fromkeys(("d", "day", "days"), 86400)}
+_DURATION_UNITS = {
+    **dict.fromkeys(("s", "sec", "secs", "second", "seconds"), 1),
+    **dict.fromkeys(("m", "min", "mins", "minute", "minutes"), 60),
+    **dict.fromkeys(("h", "hr", "hour", "hours"), 3600),
+    **dict.fromkeys(("d", "day", "days"), 86400),
+}
 
 
 def _off(v: Any) -> Any:
@@ -253,7 +256,9 @@ def _size(v: Any) -> int:
     try:
         n = int(TypeAdapter(ByteSize).validate_python(v))
     except ValidationError:
-        raise ValueError(f"{v!r} is not a size: write bytes or a number and a unit, like 10GiB or 500MB (or off)") from None
+        raise ValueError(
+            f"{v!r} is not a size: write bytes or a number and a unit, like 10GiB or 500MB (or off)"
+        ) from None
     if n < 0:
         raise ValueError("a size cannot be negative")
     return n
@@ -273,9 +278,11 @@ class AlertThresholds(_Model):
     audit_failed_runs: int | None = Field(None, ge=0, description="alert when the audit fails N runs in a row")
     retained_wal_bytes: Size | None = Field(None, description="alert when a capture slot retains more WAL")
     freshness_sla: Duration | None = Field(
-        None, description="alert when the lake lags the source by more; default: audit.freshness_sla_minutes")
+        None, description="alert when the lake lags the source by more; default: audit.freshness_sla_minutes"
+    )
     renotify_every_runs: int | None = Field(
-        None, ge=1, description="while a condition lasts, repeat its alert every N runs")
+        None, ge=1, description="while a condition lasts, repeat its alert every N runs"
+    )
 
     @field_validator("audit_failed_runs", mode="before")
     @classmethod
@@ -285,7 +292,8 @@ class AlertThresholds(_Model):
 
 class TableAlerts(AlertThresholds):
     channels: list[str] | None = Field(
-        None, description="names of channels in include/alerting.yaml; default: every channel")
+        None, description="names of channels in include/alerting.yaml; default: every channel"
+    )
 
 
 class TableConfig(_Model):
@@ -426,7 +434,9 @@ def _fix_for(loc: str, err: dict[str, Any]) -> str:
 
 def parse_table_config(data: Any, file: str) -> tuple[TableConfig | None, list[ConfigError]]:
     if not isinstance(data, dict):
-        return None, [ConfigError(file, "<root>", "the file is not a YAML mapping", "write `name: ...` etc. at top level")]
+        return None, [
+            ConfigError(file, "<root>", "the file is not a YAML mapping", "write `name: ...` etc. at top level")
+        ]
     try:
         return TableConfig.model_validate(data), []
     except ValidationError as exc:
@@ -455,20 +465,34 @@ def load_table_configs(directory: str | Path) -> ConfigSet:
         except yaml.YAMLError as exc:
             mark = getattr(exc, "problem_mark", None)
             where = f"line {mark.line + 1}" if mark else "<yaml>"
-            errors.append(ConfigError(rel, where, f"not valid YAML: {getattr(exc, 'problem', exc)}", "fix the YAML syntax"))
+            errors.append(
+                ConfigError(rel, where, f"not valid YAML: {getattr(exc, 'problem', exc)}", "fix the YAML syntax")
+            )
             continue
         cfg, errs = parse_table_config(data, rel)
         errors.extend(errs)
         if cfg is None:
             continue
         if cfg.name in tables:
-            errors.append(ConfigError(rel, "name", f"table {cfg.name!r} is already defined in {files[cfg.name]}", "give each table a unique name"))
+            errors.append(
+                ConfigError(
+                    rel,
+                    "name",
+                    f"table {cfg.name!r} is already defined in {files[cfg.name]}",
+                    "give each table a unique name",
+                )
+            )
             continue
         clash = _shared_source(cfg, tables)
         if clash:
-            errors.append(ConfigError(rel, "source", f"{clash[1]} is already read by table {clash[0]!r} "
-                                      f"({files[clash[0]]})", "read each source shard from one table config; "
-                                      "split the shards between the configs or remove one"))
+            errors.append(
+                ConfigError(
+                    rel,
+                    "source",
+                    f"{clash[1]} is already read by table {clash[0]!r} ({files[clash[0]]})",
+                    "read each source shard from one table config; split the shards between the configs or remove one",
+                )
+            )
             continue
         tables[cfg.name] = cfg
         files[cfg.name] = rel
@@ -483,10 +507,15 @@ def _shared_source(cfg: TableConfig, tables: dict[str, TableConfig]) -> tuple[st
         for g, s, _ in other.shards():
             if (g.endpoint_id, s, other.source.table) in mine:
                 return other.name, f"source table {s}.{other.source.table} on endpoint {g.endpoint_id!r}"
-            if (g.endpoint_id in my_endpoints and other.source.table == cfg.source.table
-                    and other.primary_key != cfg.primary_key):
-                return other.name, (f"source table {other.source.table} on endpoint {g.endpoint_id!r} with another "
-                                    f"primary_key ({other.primary_key})")
+            if (
+                g.endpoint_id in my_endpoints
+                and other.source.table == cfg.source.table
+                and other.primary_key != cfg.primary_key
+            ):
+                return other.name, (
+                    f"source table {other.source.table} on endpoint {g.endpoint_id!r} with another "
+                    f"primary_key ({other.primary_key})"
+                )
     return None
 
 

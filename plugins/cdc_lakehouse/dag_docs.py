@@ -7,10 +7,12 @@ from .config import TableConfig
 
 def _header(cfg: TableConfig) -> str:
     shards = ", ".join(s for _, _, s in cfg.shards())
-    return (f"**Table** `{cfg.name}` — source `{cfg.source.table}` in shards {shards}; "
-            f"key `{', '.join(cfg.primary_key)}`; lake `lake.{cfg.current_table}` "
-            f"({cfg.lake.write_mode}, format v{cfg.lake.format_version}, deletes {cfg.deletes}); "
-            f"owner {cfg.owner}.\n\n{cfg.description}\n")
+    return (
+        f"**Table** `{cfg.name}` — source `{cfg.source.table}` in shards {shards}; "
+        f"key `{', '.join(cfg.primary_key)}`; lake `lake.{cfg.current_table}` "
+        f"({cfg.lake.write_mode}, format v{cfg.lake.format_version}, deletes {cfg.deletes}); "
+        f"owner {cfg.owner}.\n\n{cfg.description}\n"
+    )
 
 
 def ingest_doc(cfg: TableConfig) -> str:
@@ -120,7 +122,7 @@ the source after the watermark are in flight, not mismatches. A key that mismatc
 {a.consecutive_mismatches} consecutive audits fails the audit and fires the alert. Great
 Expectations checks the lake table (key unique and not null, LSN not null, freshness within
 {a.freshness_sla_minutes} min from the heartbeats, row count vs source). Repair is
-{'on' if a.repair else 'off'}: persistent mismatches are re-read from the source and merged
+{"on" if a.repair else "off"}: persistent mismatches are re-read from the source and merged
 through the ingest's LSN-guarded path. The **check_alerts** teardown alerts when the audit has
 failed several runs in a row (`alerts.audit_failed_runs`, see `include/alerting.yaml`).
 

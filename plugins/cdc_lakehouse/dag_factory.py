@@ -25,8 +25,13 @@ from .settings import PROJECT_ROOT, tables_dir
 
 START_DATE = datetime(2026, 1, 1, tzinfo=UTC)
 SPARK_CONN_ID = os.environ.get("CDC_SPARK_CONN_ID", "spark_default")
-PRESETS = {"@hourly": "0 * * * *", "@daily": "0 0 * * *", "@weekly": "0 0 * * 0", "@monthly": "0 0 1 * *",
-           "@yearly": "0 0 1 1 *"}
+PRESETS = {
+    "@hourly": "0 * * * *",
+    "@daily": "0 0 * * *",
+    "@weekly": "0 0 * * 0",
+    "@monthly": "0 0 1 * *",
+    "@yearly": "0 0 1 1 *",
+}
 INTERVAL_END = "{{ data_interval_end.strftime('%Y%m%dT%H%M%SZ') }}"
 
 
@@ -45,8 +50,9 @@ def asset(lake_table: str):
     return Asset(uri=f"iceberg://lake/{ns}/{name}", name=f"lake.{lake_table}")
 
 
-def default_args(cfg: TableConfig | None, owner: str = "data-platform", retries: int = 2,
-                 tables: list[str] | None = None) -> dict[str, Any]:
+def default_args(
+    cfg: TableConfig | None, owner: str = "data-platform", retries: int = 2, tables: list[str] | None = None
+) -> dict[str, Any]:
     from .alerts import CdcFailureNotifier
 
     args: dict[str, Any] = {
@@ -84,8 +90,13 @@ def spark_task(task_id: str, job: str, job_args: list[str], source_conn_ids: lis
     from .operators import CdcSparkSubmitOperator
 
     return CdcSparkSubmitOperator(
-        task_id=task_id, job=job, job_args=job_args, source_conn_ids=source_conn_ids, pool=pool,
-        conn_id=SPARK_CONN_ID, **kw,
+        task_id=task_id,
+        job=job,
+        job_args=job_args,
+        source_conn_ids=source_conn_ids,
+        pool=pool,
+        conn_id=SPARK_CONN_ID,
+        **kw,
     )
 
 
@@ -117,16 +128,33 @@ def ingest_dag(cfg: TableConfig, cs: ConfigSet):
     endpoints = sorted({g.endpoint_id for g in cfg.source.shards})
     conn_ids = sorted({g.conn_id for g in cfg.source.shards})
     with DAG(
-        dag_id=f"cdc_ingest__{cfg.name}", schedule=_timetable(cfg.ingest.schedule), start_date=START_DATE,
-        catchup=False, max_active_runs=1, default_args=default_args(cfg), tags=_tags("ingest", cfg),
-        doc_md=ingest_doc(cfg), description=f"Hourly CDC ingest of {cfg.name} into {cfg.current_table}",
+        dag_id=f"cdc_ingest__{cfg.name}",
+        schedule=_timetable(cfg.ingest.schedule),
+        start_date=START_DATE,
+        catchup=False,
+        max_active_runs=1,
+        default_args=default_args(cfg),
+        tags=_tags("ingest", cfg),
+        doc_md=ingest_doc(cfg),
+        description=f"Hourly CDC ingest of {cfg.name} into {cfg.current_table}",
     ) as dag:
         captures = _capture_tasks(cs, endpoints)
         ingest = spark_task(
-            "ingest", "ingest",
-            ["--tables", cfg.name, "--upto-run", INTERVAL_END, "--ingest-run", "{{ run_id }}",
-             "--interval-end", "{{ data_interval_end.isoformat() }}"],
-            conn_ids, table_pool(cfg), outlets=[asset(cfg.current_table), asset(cfg.changelog_table)],
+            "ingest",
+            "ingest",
+            [
+                "--tables",
+                cfg.name,
+                "--upto-run",
+                INTERVAL_END,
+                "--ingest-run",
+                "{{ run_id }}",
+                "--interval-end",
+                "{{ data_interval_end.isoformat() }}",
+            ],
+            conn_ids,
+            table_pool(cfg),
+            outlets=[asset(cfg.current_table), asset(cfg.changelog_table)],
             execution_timeout=timedelta(hours=2),
         )
         captures >> ingest >> alert_check_task("freshness", [cfg.name])
@@ -140,18 +168,35 @@ def group_ingest_dag(group: str, cfgs: list[TableConfig], cs: ConfigSet):
     conn_ids = sorted({g.conn_id for c in cfgs for g in c.source.shards})
     schedule = cfgs[0].ingest.schedule
     with DAG(
-        dag_id=f"cdc_ingest_group__{group}", schedule=_timetable(schedule), start_date=START_DATE, catchup=False,
-        max_active_runs=1, default_args=default_args(cfgs[0], tables=[c.name for c in cfgs]),
+        dag_id=f"cdc_ingest_group__{group}",
+        schedule=_timetable(schedule),
+        start_date=START_DATE,
+        catchup=False,
+        max_active_runs=1,
+        default_args=default_args(cfgs[0], tables=[c.name for c in cfgs]),
         tags=_tags("ingest", group=group),
-        doc_md=group_doc(group, cfgs), description=f"CDC ingest of {len(cfgs)} tables in one Spark application",
+        doc_md=group_doc(group, cfgs),
+        description=f"CDC ingest of {len(cfgs)} tables in one Spark application",
     ) as dag:
         captures = _capture_tasks(cs, endpoints)
         outlets = [a for c in cfgs for a in (asset(c.current_table), asset(c.changelog_table))]
         ingest = spark_task(
-            "ingest", "ingest",
-            ["--tables", ",".join(c.name for c in cfgs), "--upto-run", INTERVAL_END, "--ingest-run", "{{ run_id }}",
-             "--interval-end", "{{ data_interval_end.isoformat() }}"],
-            conn_ids, group_pool(group), outlets=outlets, execution_timeout=timedelta(hours=3),
+            "ingest",
+            "ingest",
+            [
+                "--tables",
+                ",".join(c.name for c in cfgs),
+                "--upto-run",
+                INTERVAL_END,
+                "--ingest-run",
+                "{{ run_id }}",
+                "--interval-end",
+                "{{ data_interval_end.isoformat() }}",
+            ],
+            conn_ids,
+            group_pool(group),
+            outlets=outlets,
+            execution_timeout=timedelta(hours=3),
         )
         captures >> ingest >> alert_check_task("freshness", [c.name for c in cfgs])
     return dag
@@ -171,15 +216,24 @@ def bootstrap_dag(cfg: TableConfig):
 
     conn_ids = sorted({g.conn_id for g in cfg.source.shards})
     with DAG(
-        dag_id=f"cdc_bootstrap__{cfg.name}", schedule=None, start_date=START_DATE, catchup=False, max_active_runs=1,
-        default_args=default_args(cfg), tags=_tags("bootstrap", cfg), doc_md=bootstrap_doc(cfg),
+        dag_id=f"cdc_bootstrap__{cfg.name}",
+        schedule=None,
+        start_date=START_DATE,
+        catchup=False,
+        max_active_runs=1,
+        default_args=default_args(cfg),
+        tags=_tags("bootstrap", cfg),
+        doc_md=bootstrap_doc(cfg),
         description=f"Snapshot bootstrap of {cfg.name} (all shards, or those in the 'shards' param)",
         params={"shards": Param([], type="array", description="shards to (re-)bootstrap; empty = all")},
     ) as dag:
         spark_task(
-            "bootstrap", "bootstrap",
+            "bootstrap",
+            "bootstrap",
             ["--tables", cfg.name, "--shards", "{{ params.shards | join(',') }}", "--run-id", "{{ ts_nodash }}"],
-            conn_ids, table_pool(cfg), outlets=[asset(cfg.current_table), asset(cfg.changelog_table)],
+            conn_ids,
+            table_pool(cfg),
+            outlets=[asset(cfg.current_table), asset(cfg.changelog_table)],
             execution_timeout=timedelta(hours=24),
         )
     return dag
@@ -189,14 +243,27 @@ def maintenance_dag(cfg: TableConfig):
     from airflow.sdk import DAG
 
     with DAG(
-        dag_id=f"cdc_maintenance__{cfg.name}", schedule=_timetable(cfg.maintenance.schedule), start_date=START_DATE,
-        catchup=False, max_active_runs=1, default_args=default_args(cfg), tags=_tags("maintenance", cfg),
-        doc_md=maintenance_doc(cfg), description=f"Daily maintenance of {cfg.name}",
+        dag_id=f"cdc_maintenance__{cfg.name}",
+        schedule=_timetable(cfg.maintenance.schedule),
+        start_date=START_DATE,
+        catchup=False,
+        max_active_runs=1,
+        default_args=default_args(cfg),
+        tags=_tags("maintenance", cfg),
+        doc_md=maintenance_doc(cfg),
+        description=f"Daily maintenance of {cfg.name}",
     ) as dag:
         outlets = [asset(cfg.latest_view)] if cfg.maintenance.latest_view != "none" else []
-        spark_task("maintenance", "maintenance", ["--tables", cfg.name, "--run-id", "{{ ts_nodash }}"], [],
-                   table_pool(cfg), inlets=[asset(cfg.current_table), asset(cfg.changelog_table)], outlets=outlets,
-                   execution_timeout=timedelta(hours=6))
+        spark_task(
+            "maintenance",
+            "maintenance",
+            ["--tables", cfg.name, "--run-id", "{{ ts_nodash }}"],
+            [],
+            table_pool(cfg),
+            inlets=[asset(cfg.current_table), asset(cfg.changelog_table)],
+            outlets=outlets,
+            execution_timeout=timedelta(hours=6),
+        )
     return dag
 
 
@@ -205,12 +272,25 @@ def audit_dag(cfg: TableConfig):
 
     conn_ids = sorted({g.conn_id for g in cfg.source.shards})
     with DAG(
-        dag_id=f"cdc_audit__{cfg.name}", schedule=_timetable(cfg.audit.schedule), start_date=START_DATE,
-        catchup=False, max_active_runs=1, default_args=default_args(cfg), tags=_tags("audit", cfg),
-        doc_md=audit_doc(cfg), description=f"Hourly source-vs-lake audit of {cfg.name}",
+        dag_id=f"cdc_audit__{cfg.name}",
+        schedule=_timetable(cfg.audit.schedule),
+        start_date=START_DATE,
+        catchup=False,
+        max_active_runs=1,
+        default_args=default_args(cfg),
+        tags=_tags("audit", cfg),
+        doc_md=audit_doc(cfg),
+        description=f"Hourly source-vs-lake audit of {cfg.name}",
     ) as dag:
-        audit = spark_task("audit", "audit", ["--tables", cfg.name, "--audit-run", "{{ run_id }}"], conn_ids,
-                           table_pool(cfg), inlets=[asset(cfg.current_table)], execution_timeout=timedelta(hours=1))
+        audit = spark_task(
+            "audit",
+            "audit",
+            ["--tables", cfg.name, "--audit-run", "{{ run_id }}"],
+            conn_ids,
+            table_pool(cfg),
+            inlets=[asset(cfg.current_table)],
+            execution_timeout=timedelta(hours=1),
+        )
         audit >> alert_check_task("audit", [cfg.name])
     return dag
 
@@ -247,11 +327,17 @@ def pools(config_dir: str | None = None) -> dict[str, dict[str, Any]]:
     cs = load_table_configs(config_dir or tables_dir())
     out: dict[str, dict[str, Any]] = {}
     for cfg in cs.tables.values():
-        out[table_pool(cfg)] = {"slots": 1, "description": f"writers of {cfg.name} (one at a time)",
-                                "include_deferred": False}
+        out[table_pool(cfg)] = {
+            "slots": 1,
+            "description": f"writers of {cfg.name} (one at a time)",
+            "include_deferred": False,
+        }
     for endpoint in cs.endpoints():
-        out[f"cdc_capture__{endpoint}"] = {"slots": 1, "description": f"capture slot of endpoint {endpoint}",
-                                           "include_deferred": False}
+        out[f"cdc_capture__{endpoint}"] = {
+            "slots": 1,
+            "description": f"capture slot of endpoint {endpoint}",
+            "include_deferred": False,
+        }
     return out
 
 

@@ -1,8 +1,8 @@
 """The demo: a Notion-like source on the local PostgreSQL, replicated through Airflow.
 
-    python -m cdc_lakehouse.demo prepare   create and load the source if missing
-    python -m cdc_lakehouse.demo run       prepare, then bootstrap, workload, ingest intervals,
-                                           audit and maintenance via `airflow dags test`, then a summary
+python -m cdc_lakehouse.demo prepare   create and load the source if missing
+python -m cdc_lakehouse.demo run       prepare, then bootstrap, workload, ingest intervals,
+                                       audit and maintenance via `airflow dags test`, then a summary
 """
 
 from __future__ import annotations
@@ -53,8 +53,10 @@ def prepare(blocks_per_shard: int) -> NotionWorkload:
         t = time.time()
         wl.create()
         wl.load(blocks_per_shard=blocks_per_shard)
-        _say(f"source: created blocks, spaces and permissions in {len(SHARDS)} shards "
-             f"({blocks_per_shard} blocks each) in {time.time() - t:.1f}s")
+        _say(
+            f"source: created blocks, spaces and permissions in {len(SHARDS)} shards "
+            f"({blocks_per_shard} blocks each) in {time.time() - t:.1f}s"
+        )
     return wl
 
 
@@ -91,8 +93,11 @@ def _lake_summary(lake: LakeSettings, wl: NotionWorkload) -> list[str]:
     for name, cfg in sorted(cs.tables.items()):
         src_rows = sum(wl.row_counts(cfg.source.table).values())
         cl = cat.load_table(cfg.changelog_table).scan(selected_fields=("_cdc_op",)).to_arrow().num_rows
-        cur_t = cat.load_table(cfg.current_table).scan(selected_fields=("_cdc_shard",) + (
-            (cfg.soft_delete_columns.flag,) if cfg.deletes == "soft" else ())).to_arrow()
+        cur_t = (
+            cat.load_table(cfg.current_table)
+            .scan(selected_fields=("_cdc_shard",) + ((cfg.soft_delete_columns.flag,) if cfg.deletes == "soft" else ()))
+            .to_arrow()
+        )
         if cfg.deletes == "soft":
             cur_t = cur_t.filter(pc.invert(cur_t[cfg.soft_delete_columns.flag]))
         try:
@@ -108,10 +113,12 @@ def _lake_summary(lake: LakeSettings, wl: NotionWorkload) -> list[str]:
     lines.append("")
     for name, r in sorted(latest.items()):
         wa = r.get("write_amplification")
-        lines.append(f"ingest {name}: last run {r['events_read']} events, +{r['inserts']} ~{r['updates']} "
-                     f"-{r['deletes']}, quarantined {r['quarantined']}, write amplification "
-                     f"{'n/a' if wa is None else f'{wa:.2f}'}, freshness {r.get('freshness_seconds') or 0:.0f}s, "
-                     f"apply {r.get('apply_seconds') or 0:.1f}s")
+        lines.append(
+            f"ingest {name}: last run {r['events_read']} events, +{r['inserts']} ~{r['updates']} "
+            f"-{r['deletes']}, quarantined {r['quarantined']}, write amplification "
+            f"{'n/a' if wa is None else f'{wa:.2f}'}, freshness {r.get('freshness_seconds') or 0:.0f}s, "
+            f"apply {r.get('apply_seconds') or 0:.1f}s"
+        )
     audits = cat.load_table(lake.meta_table("audit_results")).scan().to_arrow().to_pylist()
     last_audit: dict[str, list[dict[str, Any]]] = {}
     for r in sorted(audits, key=lambda x: x["audited_at"]):
@@ -124,18 +131,22 @@ def _lake_summary(lake: LakeSettings, wl: NotionWorkload) -> list[str]:
     for name, rows in sorted(last_audit.items()):
         v = "FAIL" if any(r["verdict"] == "fail" for r in rows) else "clean"
         verdicts.append(v)
-        lines.append(f"audit {name}: {v} — {sum(r['lake_rows'] for r in rows)} lake rows in {len(rows)} shards, "
-                     f"missing {sum(r['missing'] for r in rows)}, extra {sum(r['extra'] for r in rows)}, different "
-                     f"{sum(r['different'] for r in rows)}, in flight {sum(r['in_flight'] for r in rows)} ({rows[0]['mode']})")
+        lines.append(
+            f"audit {name}: {v} — {sum(r['lake_rows'] for r in rows)} lake rows in {len(rows)} shards, "
+            f"missing {sum(r['missing'] for r in rows)}, extra {sum(r['extra'] for r in rows)}, different "
+            f"{sum(r['different'] for r in rows)}, in flight {sum(r['in_flight'] for r in rows)} ({rows[0]['mode']})"
+        )
     maint = cat.load_table(lake.meta_table("maintenance_runs")).scan().to_arrow().to_pylist()
     lines.append("")
     for r in sorted(maint, key=lambda x: (x["table_name"], x["target"], x["phase"] != "before")):
         if r["phase"] == "before":
             before = r
         else:
-            lines.append(f"maintenance {r['table_name']} {r['target']}: data files {before['data_files']} -> "
-                         f"{r['data_files']}, delete files {before['delete_files']} -> {r['delete_files']}, "
-                         f"snapshots {before['snapshots']} -> {r['snapshots']}")
+            lines.append(
+                f"maintenance {r['table_name']} {r['target']}: data files {before['data_files']} -> "
+                f"{r['data_files']}, delete files {before['delete_files']} -> {r['delete_files']}, "
+                f"snapshots {before['snapshots']} -> {r['snapshots']}"
+            )
     overall = "clean" if verdicts and all(v == "clean" for v in verdicts) else "FAIL"
     lines.insert(0, f"AUDIT VERDICT: {overall}")
     return lines
@@ -152,8 +163,12 @@ def run(args: argparse.Namespace) -> int:
         return 1
     now = datetime.now(UTC).replace(minute=0, second=0, microsecond=0)
     hours = [now - timedelta(hours=args.intervals + 1 - i) for i in range(args.intervals)]
-    ingest_dags = sorted({f"cdc_ingest_group__{c.ingest.group}" if c.ingest.group else f"cdc_ingest__{c.name}"
-                          for c in cs.tables.values()})
+    ingest_dags = sorted(
+        {
+            f"cdc_ingest_group__{c.ingest.group}" if c.ingest.group else f"cdc_ingest__{c.name}"
+            for c in cs.tables.values()
+        }
+    )
     for name in sorted(cs.tables):
         _say(f"bootstrap {name} ... ")
         _say(f"bootstrap {name}: done in {dags_test(f'cdc_bootstrap__{name}'):.0f}s")

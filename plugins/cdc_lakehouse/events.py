@@ -41,20 +41,33 @@ def landing_spark_schema():
     )
 
     kv = MapType(StringType(), StringType())
-    source = StructType([
-        StructField("connector", StringType()), StructField("endpoint", StringType()),
-        StructField("host", StringType()), StructField("db", StringType()),
-        StructField("schema", StringType()), StructField("table", StringType()),
-        StructField("commit_lsn", LongType()), StructField("lsn", LongType()),
-        StructField("xid", LongType()), StructField("seq", LongType()),
-        StructField("commit_ts", TimestampType()),
-    ])
-    return StructType([
-        StructField("op", StringType()), StructField("before", kv), StructField("after", kv),
-        StructField("unavailable", ArrayType(StringType())), StructField("source", source),
-        StructField("table_schema", StringType()), StructField("ts_ms", LongType()),
-        StructField("run_id", StringType()),
-    ])
+    source = StructType(
+        [
+            StructField("connector", StringType()),
+            StructField("endpoint", StringType()),
+            StructField("host", StringType()),
+            StructField("db", StringType()),
+            StructField("schema", StringType()),
+            StructField("table", StringType()),
+            StructField("commit_lsn", LongType()),
+            StructField("lsn", LongType()),
+            StructField("xid", LongType()),
+            StructField("seq", LongType()),
+            StructField("commit_ts", TimestampType()),
+        ]
+    )
+    return StructType(
+        [
+            StructField("op", StringType()),
+            StructField("before", kv),
+            StructField("after", kv),
+            StructField("unavailable", ArrayType(StringType())),
+            StructField("source", source),
+            StructField("table_schema", StringType()),
+            StructField("ts_ms", LongType()),
+            StructField("run_id", StringType()),
+        ]
+    )
 
 
 _DEC = re.compile(r"^decimal\((\d+),\s*(\d+)\)$")
@@ -84,11 +97,17 @@ def cast_text(raw: Column, lake_type: str) -> Column:
     if t == "date":
         return F.when(raw.rlike(r"^[0-9]{4}-[0-9]{2}-[0-9]{2}$"), F.to_date(raw))
     if t == "timestamp":
-        return F.when(raw.rlike(r"^[0-9]{4}-[0-9]{2}-[0-9]{2}[ T][0-9]{2}:[0-9]{2}:[0-9]{2}(\.[0-9]+)?([+-][0-9]{2}(:?[0-9]{2}){0,2}|Z)?$"),
-                      raw.cast("timestamp"))
+        return F.when(
+            raw.rlike(
+                r"^[0-9]{4}-[0-9]{2}-[0-9]{2}[ T][0-9]{2}:[0-9]{2}:[0-9]{2}(\.[0-9]+)?([+-][0-9]{2}(:?[0-9]{2}){0,2}|Z)?$"
+            ),
+            raw.cast("timestamp"),
+        )
     if t == "timestamp_ntz":
-        return F.when(raw.rlike(r"^[0-9]{4}-[0-9]{2}-[0-9]{2}[ T][0-9]{2}:[0-9]{2}:[0-9]{2}(\.[0-9]+)?$"),
-                      raw.cast("timestamp_ntz"))
+        return F.when(
+            raw.rlike(r"^[0-9]{4}-[0-9]{2}-[0-9]{2}[ T][0-9]{2}:[0-9]{2}:[0-9]{2}(\.[0-9]+)?$"),
+            raw.cast("timestamp_ntz"),
+        )
     if t == "binary":
         return F.when(raw.rlike(r"^\\x([0-9a-fA-F]{2})*$"), F.unhex(F.substring(raw, 3, 1 << 30)))
     if t.startswith("array<") and t.endswith(">"):
@@ -97,8 +116,7 @@ def cast_text(raw: Column, lake_type: str) -> Column:
         if elem == "string":
             return arr
         typed = F.transform(arr, lambda x: cast_text(x, elem))
-        ok = F.forall(F.arrays_zip(arr.alias("a"), typed.alias("b")),
-                      lambda z: z["a"].isNull() | z["b"].isNotNull())
+        ok = F.forall(F.arrays_zip(arr.alias("a"), typed.alias("b")), lambda z: z["a"].isNull() | z["b"].isNotNull())
         return F.when(ok, typed)
     raise ValueError(f"no cast for lake type {lake_type!r}")
 
@@ -114,8 +132,9 @@ def shard_expr(shard_map: dict[tuple[str, str], str]) -> Column:
     return m[F.concat_ws("/", F.col("source.endpoint"), F.col("source.schema"))]
 
 
-def typed_events(df: DataFrame, cfg: TableConfig, lake_columns: list[tuple[str, str]],
-                 shard_map: dict[tuple[str, str], str]) -> DataFrame:
+def typed_events(
+    df: DataFrame, cfg: TableConfig, lake_columns: list[tuple[str, str]], shard_map: dict[tuple[str, str], str]
+) -> DataFrame:
     """Landing rows -> one row per event: shard, typed source columns, metadata, reasons, raw.
 
     `lake_columns` are the current table's source columns (name, Spark type). Columns an
@@ -130,19 +149,34 @@ def typed_events(df: DataFrame, cfg: TableConfig, lake_columns: list[tuple[str, 
     # so the casts and checks below reference columns instead of repeating the lookups.
     op = F.col("op")
     is_upsert = op.isin("c", "u", "r")
-    raw_cols = [F.when(is_upsert, F.col("after")[c]).when(op == "d", F.col("before")[c]).alias(f"_r_{c}")
-                for c, _ in lake_columns]
+    raw_cols = [
+        F.when(is_upsert, F.col("after")[c]).when(op == "d", F.col("before")[c]).alias(f"_r_{c}")
+        for c, _ in lake_columns
+    ]
     bkey_raw = [F.when(op == "u", F.col("before")[k]).alias(f"_rb_{k}") for k in pk]
     stage = df.select(
-        "op", "before", "after", "unavailable", "source", "run_id", *raw_cols, *bkey_raw,
-        *[F.col("after")[k].alias(f"_ak_{k}") for k in pk], *[F.col("before")[k].alias(f"_bk_{k}") for k in pk],
+        "op",
+        "before",
+        "after",
+        "unavailable",
+        "source",
+        "run_id",
+        *raw_cols,
+        *bkey_raw,
+        *[F.col("after")[k].alias(f"_ak_{k}") for k in pk],
+        *[F.col("before")[k].alias(f"_bk_{k}") for k in pk],
     )
     op = F.col("op")
     is_upsert = op.isin("c", "u", "r")
     reasons = [
-        F.when(~op.isin(*VALID_OPS) | op.isNull(), F.concat(F.lit("unknown op '"), F.coalesce(op, F.lit("null")), F.lit("'"))),
-        F.when(F.col("source.commit_lsn").isNull() | F.col("source.seq").isNull(),
-               F.lit("missing source position (commit_lsn/seq)")),
+        F.when(
+            ~op.isin(*VALID_OPS) | op.isNull(),
+            F.concat(F.lit("unknown op '"), F.coalesce(op, F.lit("null")), F.lit("'")),
+        ),
+        F.when(
+            F.col("source.commit_lsn").isNull() | F.col("source.seq").isNull(),
+            F.lit("missing source position (commit_lsn/seq)"),
+        ),
         F.when(is_upsert & F.col("after").isNull(), F.lit("missing after image")),
         F.when((op == "d") & F.col("before").isNull(), F.lit("missing before image")),
     ]
@@ -152,15 +186,27 @@ def typed_events(df: DataFrame, cfg: TableConfig, lake_columns: list[tuple[str, 
         typed = cast_text(raw, typ)
         cols[name] = typed
         if typ != "string":
-            reasons.append(F.when(raw.isNotNull() & typed.isNull(), F.concat(
-                F.lit(f"column {name}: value '"), F.substring(raw, 1, 80), F.lit(f"' does not fit {typ}"))))
+            reasons.append(
+                F.when(
+                    raw.isNotNull() & typed.isNull(),
+                    F.concat(F.lit(f"column {name}: value '"), F.substring(raw, 1, 80), F.lit(f"' does not fit {typ}")),
+                )
+            )
     for k in pk:
-        reasons.append(F.when((is_upsert & F.col(f"_ak_{k}").isNull()) | ((op == "d") & F.col(f"_bk_{k}").isNull()),
-                              F.lit(f"missing key column {k}")))
+        reasons.append(
+            F.when(
+                (is_upsert & F.col(f"_ak_{k}").isNull()) | ((op == "d") & F.col(f"_bk_{k}").isNull()),
+                F.lit(f"missing key column {k}"),
+            )
+        )
         bk = cast_text(F.col(f"_rb_{k}"), types[k])
         cols[BKEY + k] = bk
-        reasons.append(F.when(F.col(f"_rb_{k}").isNotNull() & bk.isNull(),
-                              F.lit(f"before image key column {k} does not fit {types[k]}")))
+        reasons.append(
+            F.when(
+                F.col(f"_rb_{k}").isNotNull() & bk.isNull(),
+                F.lit(f"before image key column {k} does not fit {types[k]}"),
+            )
+        )
     shard = shard_expr(shard_map)
     reason_arr = F.filter(F.array(*reasons), lambda x: x.isNotNull())
     # Step 2: typed values and reasons; step 3: the raw payload and file, kept only for malformed
@@ -180,8 +226,11 @@ def typed_events(df: DataFrame, cfg: TableConfig, lake_columns: list[tuple[str, 
         F.struct("op", "before", "after", "unavailable", "source", "run_id").alias("_event"),
     )
     bad = F.size(REASONS) > 0
-    return typed_df.withColumn(RAW, F.when(bad, F.to_json("_event"))).withColumn(
-        FILE, F.when(bad, F.input_file_name())).drop("_event")
+    return (
+        typed_df.withColumn(RAW, F.when(bad, F.to_json("_event")))
+        .withColumn(FILE, F.when(bad, F.input_file_name()))
+        .drop("_event")
+    )
 
 
 def split_pk_changes(events: DataFrame, cfg: TableConfig) -> DataFrame:
@@ -204,15 +253,33 @@ def split_pk_changes(events: DataFrame, cfg: TableConfig) -> DataFrame:
             deletes = deletes.withColumn(c, F.col(BKEY + c))
         elif c != SHARD_COL:
             deletes = deletes.withColumn(c, F.lit(None).cast(events.schema[c].dataType))
-    deletes = (deletes.withColumn(OP_COL, F.lit("d")).withColumn(UNAVAILABLE_COL, F.lit(None).cast("array<string>"))
-               .withColumn(SEQ_COL, F.col("_seq_raw") * 2).withColumn(PKCHANGE, F.lit(False)))
+    deletes = (
+        deletes.withColumn(OP_COL, F.lit("d"))
+        .withColumn(UNAVAILABLE_COL, F.lit(None).cast("array<string>"))
+        .withColumn(SEQ_COL, F.col("_seq_raw") * 2)
+        .withColumn(PKCHANGE, F.lit(False))
+    )
     for k in pk:
         deletes = deletes.withColumn("_fill_key_" + k, F.col(k))
     return base.unionByName(deletes)
 
 
-_META_NON_SOURCE = {SHARD_COL, OP_COL, LSN_COL, "_seq_raw", SEQ_COL, COMMIT_TS_COL, LSN_EVENT_COL, XID_COL,
-                    UNAVAILABLE_COL, RUN_COL, REASONS, RAW, FILE, PKCHANGE}
+_META_NON_SOURCE = {
+    SHARD_COL,
+    OP_COL,
+    LSN_COL,
+    "_seq_raw",
+    SEQ_COL,
+    COMMIT_TS_COL,
+    LSN_EVENT_COL,
+    XID_COL,
+    UNAVAILABLE_COL,
+    RUN_COL,
+    REASONS,
+    RAW,
+    FILE,
+    PKCHANGE,
+}
 
 
 def latest_per_key(events: DataFrame, key: list[str]) -> DataFrame:

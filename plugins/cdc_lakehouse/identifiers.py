@@ -29,9 +29,7 @@ def check_ident(value: str, what: str = "identifier") -> str:
 def check_lake_ident(value: str, what: str = "lake name") -> str:
     """Lake (Iceberg) names are lower case so every engine resolves them the same way."""
     if not isinstance(value, str) or not _LAKE_IDENT.match(value):
-        raise IdentifierError(
-            f"{what} {value!r} is not a valid lake name: use lower-case letters, digits and '_'"
-        )
+        raise IdentifierError(f"{what} {value!r} is not a valid lake name: use lower-case letters, digits and '_'")
     return value
 
 

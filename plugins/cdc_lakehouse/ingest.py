@@ -114,8 +114,9 @@ def shard_endpoints(cfg: TableConfig) -> dict[str, list[tuple[str, str]]]:
     return out
 
 
-def plan_landing(landing: SparkLanding, cfg: TableConfig, watermark: dict[str, Any], upto_run: str | None,
-                 check_files: bool = True) -> Plan:
+def plan_landing(
+    landing: SparkLanding, cfg: TableConfig, watermark: dict[str, Any], upto_run: str | None, check_files: bool = True
+) -> Plan:
     """Pending capture runs for this table, in slot order, stopping before any gap."""
     shards_wm = watermark.get("shards", {})
     new_wm = json.loads(json.dumps(watermark))
@@ -129,7 +130,7 @@ def plan_landing(landing: SparkLanding, cfg: TableConfig, watermark: dict[str, A
         if missing:
             raise NotBootstrapped(
                 f"{cfg.name}: shard(s) {missing} have no watermark, so they were never bootstrapped; trigger "
-                f"cdc_bootstrap__{cfg.name} (conf {{\"shards\": {missing}}}) before ingesting them"
+                f'cdc_bootstrap__{cfg.name} (conf {{"shards": {missing}}}) before ingesting them'
             )
         manifests = same_source_manifests(cfg, endpoint, shards, shards_wm, list_manifests(landing, endpoint))
         floor = min(shards_wm[shard]["lsn"] for _, shard in shards)
@@ -169,15 +170,23 @@ def plan_landing(landing: SparkLanding, cfg: TableConfig, watermark: dict[str, A
                 if last["end_lsn"] > prev["lsn"]:
                     # Keep what else the position records (its endpoint and server identity).
                     new_wm["shards"][shard] = {
-                        **prev, "lsn": last["end_lsn"], "endpoint": endpoint,
+                        **prev,
+                        "lsn": last["end_lsn"],
+                        "endpoint": endpoint,
                         "source": prev.get("source") or last.get("source_identity"),
-                        "ts": hb["commit_ts"] if hb else last.get("last_commit_ts", prev.get("ts"))}
+                        "ts": hb["commit_ts"] if hb else last.get("last_commit_ts", prev.get("ts")),
+                    }
             new_wm["runs"][endpoint] = last["run_id"]
     return Plan(selected, files, new_wm, problems, changes)
 
 
-def same_source_manifests(cfg: TableConfig, endpoint: str, shards: list[tuple[str, str]],
-                          shards_wm: dict[str, Any], manifests: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def same_source_manifests(
+    cfg: TableConfig,
+    endpoint: str,
+    shards: list[tuple[str, str]],
+    shards_wm: dict[str, Any],
+    manifests: list[dict[str, Any]],
+) -> list[dict[str, Any]]:
     """The endpoint's runs whose LSNs may be compared with the shards' positions.
 
     A position is only meaningful on the server (system, timeline, database) and endpoint that
@@ -185,14 +194,15 @@ def same_source_manifests(cfg: TableConfig, endpoint: str, shards: list[tuple[st
     delivers runs from another server, stops with the fix instead of comparing foreign LSNs
     (which would drop changes as "already applied"). Runs of an older identity that finished
     before the shard's position was taken (history from before a re-bootstrap) are skipped."""
-    fix = f"re-bootstrap the shard: trigger cdc_bootstrap__{cfg.name} with conf {{\"shards\": [...]}}"
+    fix = f're-bootstrap the shard: trigger cdc_bootstrap__{cfg.name} with conf {{"shards": [...]}}'
     for _, shard in shards:
         was = shards_wm[shard].get("endpoint")
         if was is not None and was != endpoint:
             raise SourceIdentityChanged(
                 f"{cfg.name}: shard {shard} is now read through endpoint {endpoint} but its lake position was taken "
                 f"on endpoint {was}; positions of two endpoints do not compare, so nothing was applied. Fix: "
-                + fix.replace("[...]", f"[\"{shard}\"]"))
+                + fix.replace("[...]", f'["{shard}"]')
+            )
     out = []
     for m in manifests:
         seen = m.get("source_identity")
@@ -207,8 +217,8 @@ def same_source_manifests(cfg: TableConfig, endpoint: str, shards: list[tuple[st
                 raise SourceIdentityChanged(
                     f"{cfg.name}: shard {shard}: landing run {m['run_id']} on endpoint {endpoint} comes from another "
                     f"source server than the shard's lake position ({why}); after a move or a failover LSNs of the "
-                    "two servers do not compare, so nothing was applied. Fix: "
-                    + fix.replace("[...]", f"[\"{shard}\"]"))
+                    "two servers do not compare, so nothing was applied. Fix: " + fix.replace("[...]", f'["{shard}"]')
+                )
         if not foreign:
             out.append(m)
     return out
@@ -221,8 +231,9 @@ def _after(a: str | None, b: str | None) -> bool:
     return datetime.fromisoformat(a) > datetime.fromisoformat(b)
 
 
-def check_coverage(cfg: TableConfig, endpoint: str, shards: list[tuple[str, str]], shards_wm: dict[str, Any],
-                   m: dict[str, Any]) -> None:
+def check_coverage(
+    cfg: TableConfig, endpoint: str, shards: list[tuple[str, str]], shards_wm: dict[str, Any], m: dict[str, Any]
+) -> None:
     """A run counts for a shard only if the shard's table was published for the whole run.
 
     Runs written before manifests listed their publication (format 1) are trusted."""
@@ -242,10 +253,12 @@ def check_coverage(cfg: TableConfig, endpoint: str, shards: list[tuple[str, str]
                 f"{name} was not in publication {m.get('publication')} for the whole run, so its changes in that "
                 f"window were never read and the shard's position cannot move past it. Fix: make sure the table "
                 f"stays in the publication, then re-bootstrap the shard: trigger cdc_bootstrap__{cfg.name} with conf "
-                f'{{"shards": ["{shard}"]}}')
+                f'{{"shards": ["{shard}"]}}'
+            )
 
 
 # --- schema -------------------------------------------------------------------------------------
+
 
 def manifest_schemas(plan: Plan, cfg: TableConfig) -> tuple[list[list[dict]], dict[str, list[dict]]]:
     """The table's schemas as the capture saw them (relation messages), from the runs' manifests:
@@ -266,10 +279,14 @@ def _event_schemas(raw: DataFrame) -> tuple[list[list[dict]], dict[str, list[dic
     """All distinct event schemas, and the latest schema per source shard schema."""
     from pyspark.sql import functions as F
 
-    rows = (raw.groupBy(F.col("source.schema").alias("s"))
-            .agg(F.max_by("table_schema", F.struct("source.commit_lsn", "source.seq")).alias("latest"),
-                 F.collect_set("table_schema").alias("all"))
-            .collect())
+    rows = (
+        raw.groupBy(F.col("source.schema").alias("s"))
+        .agg(
+            F.max_by("table_schema", F.struct("source.commit_lsn", "source.seq")).alias("latest"),
+            F.collect_set("table_schema").alias("all"),
+        )
+        .collect()
+    )
     all_schemas: dict[str, list[dict]] = {}
     latest: dict[str, list[dict]] = {}
     for r in rows:
@@ -287,9 +304,14 @@ def _dec(t: str) -> tuple[int, int] | None:
     return (int(m.group(1)), int(m.group(2))) if m else None
 
 
-def schema_actions(cfg: TableConfig, lake_cols: list[tuple[str, str]], schemas: list[list[dict]],
-                   latest: dict[str, list[dict]], file_hint: str = "",
-                   known: dict[str, set[str]] | None = None) -> tuple[list[str], list[str]]:
+def schema_actions(
+    cfg: TableConfig,
+    lake_cols: list[tuple[str, str]],
+    schemas: list[list[dict]],
+    latest: dict[str, list[dict]],
+    file_hint: str = "",
+    known: dict[str, set[str]] | None = None,
+) -> tuple[list[str], list[str]]:
     """DDL to run before the data (additive changes) and the errors that stop the table.
 
     `known`: per shard schema, the columns the shard is known to have had (its watermark). A lake
@@ -309,11 +331,15 @@ def schema_actions(cfg: TableConfig, lake_cols: list[tuple[str, str]], schemas: 
                     continue
                 seen_added.add(name)
                 if not want:
-                    errors.append(f"{cfg.name}: new source column {name!r} has unsupported type {c.get('type')!r}; "
-                                  f"set column_types: {{{name}: string}} in {where}")
+                    errors.append(
+                        f"{cfg.name}: new source column {name!r} has unsupported type {c.get('type')!r}; "
+                        f"set column_types: {{{name}: string}} in {where}"
+                    )
                 elif cfg.schema_changes.mode == "strict":
-                    errors.append(f"{cfg.name}: source column {name!r} ({c.get('type')}) was added and the table's "
-                                  f"schema_changes.mode is strict; set it to additive in {where}, or re-bootstrap")
+                    errors.append(
+                        f"{cfg.name}: source column {name!r} ({c.get('type')}) was added and the table's "
+                        f"schema_changes.mode is strict; set it to additive in {where}, or re-bootstrap"
+                    )
                 else:
                     ddl.append(f"ADD COLUMN {spark_ident(name)} {want}")
             elif want and lake[name] != want:
@@ -337,8 +363,10 @@ def schema_actions(cfg: TableConfig, lake_cols: list[tuple[str, str]], schemas: 
                 continue
             policy = cfg.schema_changes.dropped_columns.get(name)
             if name in cfg.primary_key:
-                errors.append(f"{cfg.name}: primary key column {name!r} disappeared from the source (shard "
-                              f"{shard_schema}); re-bootstrap the table with the new key")
+                errors.append(
+                    f"{cfg.name}: primary key column {name!r} disappeared from the source (shard "
+                    f"{shard_schema}); re-bootstrap the table with the new key"
+                )
             elif policy == "drop":
                 stmt = f"DROP COLUMN {spark_ident(name)}"
                 if stmt not in ddl:
@@ -394,7 +422,8 @@ def fill_unavailable(events: DataFrame, current: DataFrame, cfg: TableConfig, na
     n_involved = involved.count()
     inv = F.broadcast(involved) if n_involved <= BROADCAST_ROWS else involved
     sub = events.join(inv, key, "left_semi").withColumn(
-        WORK, F.coalesce(F.col(UNAVAILABLE_COL), F.array().cast("array<string>")))
+        WORK, F.coalesce(F.col(UNAVAILABLE_COL), F.array().cast("array<string>"))
+    )
     rest = events.join(inv, key, "left_anti").withColumn(UNAV_LEFT, F.array().cast("array<string>"))
 
     # A value never crosses a delete of its key: events after the key's n-th delete in the batch
@@ -406,8 +435,11 @@ def fill_unavailable(events: DataFrame, current: DataFrame, cfg: TableConfig, na
     gen_order = Window.partitionBy(*key, GEN).orderBy(LSN_COL, SEQ_COL)
     # The table's value of the key is the right base only while the key has not been deleted or
     # (re)created by a key change earlier in the batch.
-    sub = sub.withColumn(NO_TABLE, (F.col(GEN) > 0) | F.max(F.col(PKCHANGE).cast("int")).over(
-        gen_order.rowsBetween(Window.unboundedPreceding, 0)).cast("boolean"))
+    sub = sub.withColumn(
+        NO_TABLE,
+        (F.col(GEN) > 0)
+        | F.max(F.col(PKCHANGE).cast("int")).over(gen_order.rowsBetween(Window.unboundedPreceding, 0)).cast("boolean"),
+    )
     w = gen_order.rowsBetween(Window.unboundedPreceding, -1)
 
     def from_history(df: DataFrame) -> DataFrame:
@@ -424,8 +456,11 @@ def fill_unavailable(events: DataFrame, current: DataFrame, cfg: TableConfig, na
         # Primary-key change: the new key starts from the old key's state just before the change,
         # which is what its delete half (same commit, seq - 1) saw.
         partner = df.filter(F.col(OP_COL) == "d").select(
-            *[F.col(a).alias(b) for a, b in zip(key, fkey)], F.col(LSN_COL),
-            (F.col(SEQ_COL) + 1).alias(SEQ_COL), *[F.col(f"_prev_{c}").alias(f"_old_{c}") for c in names])
+            *[F.col(a).alias(b) for a, b in zip(key, fkey)],
+            F.col(LSN_COL),
+            (F.col(SEQ_COL) + 1).alias(SEQ_COL),
+            *[F.col(f"_prev_{c}").alias(f"_old_{c}") for c in names],
+        )
         df = df.drop(*[f"_prev_{c}" for c in names]).join(partner, [*fkey, LSN_COL, SEQ_COL], "left")
         for c in names:
             take = F.array_contains(WORK, c) & F.col(PKCHANGE) & F.col(f"_old_{c}").isNotNull()
@@ -459,8 +494,10 @@ def fill_unavailable(events: DataFrame, current: DataFrame, cfg: TableConfig, na
             for a, b in zip(key, fkey):
                 c1 = c1 & (F.col(a) == F.lit(r[b]))
             cond = c1 if cond is None else cond | c1
-        base = current.filter(cond).select(*[F.col(a).alias(b) for a, b in zip(key, fkey)],
-                                          *[F.struct(F.col(c).alias("v")).alias(f"_base_{c}") for c in names])
+        base = current.filter(cond).select(
+            *[F.col(a).alias(b) for a, b in zip(key, fkey)],
+            *[F.struct(F.col(c).alias("v")).alias(f"_base_{c}") for c in names],
+        )
         # The table's value is the old key's value only if no earlier event of the old key in this
         # batch set the column (an insert, a delete, a key change into it, or an update carrying it).
         orig = F.coalesce(F.col(UNAVAILABLE_COL), F.array().cast("array<string>"))
@@ -469,12 +506,19 @@ def fill_unavailable(events: DataFrame, current: DataFrame, cfg: TableConfig, na
             changed = (F.col(OP_COL) != "u") | F.col(PKCHANGE) | ~F.array_contains(orig, c)
             flags = flags.withColumn(f"_set_{c}", F.max(changed.cast("int")).over(w))
         roots = flags.filter(F.col(OP_COL) == "d").select(
-            *[F.col(a).alias(b) for a, b in zip(key, fkey)], F.col(LSN_COL), (F.col(SEQ_COL) + 1).alias(SEQ_COL),
-            *[(F.coalesce(F.col(f"_set_{c}"), F.lit(0)) == 0).alias(f"_root_{c}") for c in names])
+            *[F.col(a).alias(b) for a, b in zip(key, fkey)],
+            F.col(LSN_COL),
+            (F.col(SEQ_COL) + 1).alias(SEQ_COL),
+            *[(F.coalesce(F.col(f"_set_{c}"), F.lit(0)) == 0).alias(f"_root_{c}") for c in names],
+        )
         sub = sub.join(F.broadcast(base), fkey, "left").join(roots, [*fkey, LSN_COL, SEQ_COL], "left")
         for c in names:
-            take = (F.array_contains(WORK, c) & F.col(PKCHANGE) & F.col(f"_base_{c}").isNotNull()
-                    & F.coalesce(F.col(f"_root_{c}"), F.lit(False)))
+            take = (
+                F.array_contains(WORK, c)
+                & F.col(PKCHANGE)
+                & F.col(f"_base_{c}").isNotNull()
+                & F.coalesce(F.col(f"_root_{c}"), F.lit(False))
+            )
             sub = sub.withColumn(c, F.when(take, F.col(f"_base_{c}")["v"]).otherwise(F.col(c)))
             sub = sub.withColumn(WORK, F.when(take, F.array_remove(WORK, c)).otherwise(F.col(WORK)))
         sub = sub.drop(*[f"_root_{c}" for c in names])
@@ -485,11 +529,18 @@ def fill_unavailable(events: DataFrame, current: DataFrame, cfg: TableConfig, na
 
 # --- the run ---------------------------------------------------------------------------------------
 
-def _merge_sql(cfg: TableConfig, target: str, view: str, columns: list[str], truncated: list[str],
-               toast_columns: list[str] | None = None) -> str:
+
+def _merge_sql(
+    cfg: TableConfig,
+    target: str,
+    view: str,
+    columns: list[str],
+    truncated: list[str],
+    toast_columns: list[str] | None = None,
+) -> str:
     key = [SHARD_COL, *cfg.primary_key]
     on = " AND ".join(f"t.{spark_ident(k)} = s.{spark_ident(k)}" for k in key)
-    newer = (f"(s.{LSN_COL} > t.{LSN_COL} OR (s.{LSN_COL} = t.{LSN_COL} AND s.{SEQ_COL} > t.{SEQ_COL}))")
+    newer = f"(s.{LSN_COL} > t.{LSN_COL} OR (s.{LSN_COL} = t.{LSN_COL} AND s.{SEQ_COL} > t.{SEQ_COL}))"
     toast = set(toast_columns or [])
 
     def value(c: str) -> str:
@@ -503,24 +554,32 @@ def _merge_sql(cfg: TableConfig, target: str, view: str, columns: list[str], tru
     insertable = f"s.{OP_COL} <> 'd'" + (f" AND size(s.{UNAV_LEFT}) = 0" if toast else "")
     trunc = ", ".join(f"'{s}'" for s in truncated)
     if cfg.deletes == "hard":
-        sql = (f"MERGE INTO {target} t USING {view} s ON {on} "
-               f"WHEN MATCHED AND {newer} AND s.{OP_COL} = 'd' THEN DELETE "
-               f"WHEN MATCHED AND {newer} THEN UPDATE SET {sets} "
-               f"WHEN NOT MATCHED AND {insertable} THEN INSERT ({ins_cols}) VALUES ({ins_vals})")
+        sql = (
+            f"MERGE INTO {target} t USING {view} s ON {on} "
+            f"WHEN MATCHED AND {newer} AND s.{OP_COL} = 'd' THEN DELETE "
+            f"WHEN MATCHED AND {newer} THEN UPDATE SET {sets} "
+            f"WHEN NOT MATCHED AND {insertable} THEN INSERT ({ins_cols}) VALUES ({ins_vals})"
+        )
         if truncated:
             sql += f" WHEN NOT MATCHED BY SOURCE AND t.{SHARD_COL} IN ({trunc}) THEN DELETE"
         return sql
     flag, ts = spark_ident(cfg.soft_delete_columns.flag), spark_ident(cfg.soft_delete_columns.timestamp)
-    meta = f"t.{OP_COL} = 'd', t.{LSN_COL} = s.{LSN_COL}, t.{SEQ_COL} = s.{SEQ_COL}, t.{COMMIT_TS_COL} = s.{COMMIT_TS_COL}"
-    sql = (f"MERGE INTO {target} t USING {view} s ON {on} "
-           f"WHEN MATCHED AND {newer} AND s.{OP_COL} = 'd' THEN UPDATE SET t.{flag} = true, "
-           f"t.{ts} = s.{COMMIT_TS_COL}, {meta} "
-           f"WHEN MATCHED AND {newer} THEN UPDATE SET {sets}, t.{flag} = false, t.{ts} = NULL "
-           f"WHEN NOT MATCHED AND {insertable} THEN INSERT ({ins_cols}, {flag}, {ts}) "
-           f"VALUES ({ins_vals}, false, NULL)")
+    meta = (
+        f"t.{OP_COL} = 'd', t.{LSN_COL} = s.{LSN_COL}, t.{SEQ_COL} = s.{SEQ_COL}, t.{COMMIT_TS_COL} = s.{COMMIT_TS_COL}"
+    )
+    sql = (
+        f"MERGE INTO {target} t USING {view} s ON {on} "
+        f"WHEN MATCHED AND {newer} AND s.{OP_COL} = 'd' THEN UPDATE SET t.{flag} = true, "
+        f"t.{ts} = s.{COMMIT_TS_COL}, {meta} "
+        f"WHEN MATCHED AND {newer} THEN UPDATE SET {sets}, t.{flag} = false, t.{ts} = NULL "
+        f"WHEN NOT MATCHED AND {insertable} THEN INSERT ({ins_cols}, {flag}, {ts}) "
+        f"VALUES ({ins_vals}, false, NULL)"
+    )
     if truncated:
-        sql += (f" WHEN NOT MATCHED BY SOURCE AND t.{SHARD_COL} IN ({trunc}) AND NOT t.{flag} THEN UPDATE SET "
-                f"t.{flag} = true, t.{ts} = current_timestamp()")
+        sql += (
+            f" WHEN NOT MATCHED BY SOURCE AND t.{SHARD_COL} IN ({trunc}) AND NOT t.{flag} THEN UPDATE SET "
+            f"t.{flag} = true, t.{ts} = current_timestamp()"
+        )
     return sql
 
 
@@ -543,11 +602,16 @@ def _quarantine(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, bad: 
     from pyspark.sql import functions as F
 
     rows = bad.select(
-        F.lit(cfg.name).alias("table_name"), F.col(SHARD_COL).alias("shard"),
-        F.array_join(REASONS, "; ").alias("reason"), F.col(RAW).alias("raw"),
-        F.col(LSN_COL).alias("commit_lsn"), F.col("_seq_raw").alias("seq"),
-        F.col(RUN_COL).alias("landing_run"), F.col(FILE).alias("landing_file"),
-        F.lit(ingest_run).alias("ingest_run"), F.current_timestamp().alias("quarantined_at"),
+        F.lit(cfg.name).alias("table_name"),
+        F.col(SHARD_COL).alias("shard"),
+        F.array_join(REASONS, "; ").alias("reason"),
+        F.col(RAW).alias("raw"),
+        F.col(LSN_COL).alias("commit_lsn"),
+        F.col("_seq_raw").alias("seq"),
+        F.col(RUN_COL).alias("landing_run"),
+        F.col(FILE).alias("landing_file"),
+        F.lit(ingest_run).alias("ingest_run"),
+        F.current_timestamp().alias("quarantined_at"),
     ).dropDuplicates(["commit_lsn", "seq", "landing_file", "reason"])
     n = rows.count()
     if n == 0:
@@ -555,16 +619,28 @@ def _quarantine(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, bad: 
     view = f"cdc_quarantine_{cfg.name}"
     rows.createOrReplaceTempView(view)
     q = lake.qualified(lake.meta_table("quarantine"))
-    with_commit_retries(lambda: spark.sql(
-        f"MERGE INTO {q} t USING {view} s ON t.table_name = s.table_name AND t.commit_lsn <=> s.commit_lsn "
-        "AND t.seq <=> s.seq AND t.landing_file <=> s.landing_file AND t.reason = s.reason "
-        "WHEN NOT MATCHED THEN INSERT *"), what=f"{cfg.name} quarantine")
+    with_commit_retries(
+        lambda: spark.sql(
+            f"MERGE INTO {q} t USING {view} s ON t.table_name = s.table_name AND t.commit_lsn <=> s.commit_lsn "
+            "AND t.seq <=> s.seq AND t.landing_file <=> s.landing_file AND t.reason = s.reason "
+            "WHEN NOT MATCHED THEN INSERT *"
+        ),
+        what=f"{cfg.name} quarantine",
+    )
     return n
 
 
-def ingest_table(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, *, upto_run: str | None,
-                 ingest_run: str, interval_end: str | None = None, log=print,
-                 config_file: str | None = None) -> dict[str, Any]:
+def ingest_table(
+    spark: SparkSession,
+    lake: LakeSettings,
+    cfg: TableConfig,
+    *,
+    upto_run: str | None,
+    ingest_run: str,
+    interval_end: str | None = None,
+    log=print,
+    config_file: str | None = None,
+) -> dict[str, Any]:
     """Apply every pending capture run (up to `upto_run`) to the table; returns the run's metrics."""
     from pyspark.sql import functions as F
 
@@ -573,28 +649,46 @@ def ingest_table(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, *, u
     cur = lake.qualified(cfg.current_table)
     cl = lake.qualified(cfg.changelog_table)
     if not table_exists(spark, cur):
-        raise NotBootstrapped(f"{cfg.name}: lake table {cur} does not exist; trigger the DAG "
-                              f"cdc_bootstrap__{cfg.name} to load it first")
+        raise NotBootstrapped(
+            f"{cfg.name}: lake table {cur} does not exist; trigger the DAG cdc_bootstrap__{cfg.name} to load it first"
+        )
     wm = read_watermark(spark, cur)
     if wm is None:
-        raise NotBootstrapped(f"{cfg.name}: {cur} has no cdc.watermark (not created by a bootstrap?); "
-                              f"re-bootstrap with cdc_bootstrap__{cfg.name}")
+        raise NotBootstrapped(
+            f"{cfg.name}: {cur} has no cdc.watermark (not created by a bootstrap?); "
+            f"re-bootstrap with cdc_bootstrap__{cfg.name}"
+        )
     cwm_read = read_watermark(spark, cl)
     cwm = cwm_read or {"shards": {}}
     landing = SparkLanding(spark, lake.landing_uri)
     plan = plan_landing(landing, cfg, wm, upto_run)
     metrics: dict[str, Any] = {
-        "table_name": cfg.name, "ingest_run": ingest_run, "interval_end": interval_end,
-        "landing_runs": [m["run_id"] for m in plan.manifests], "events_read": 0, "duplicates": 0,
-        "already_applied": 0, "inserts": 0, "updates": 0, "deletes": 0, "stale_skipped": 0, "truncates": 0,
-        "quarantined": 0, "changelog_rows": 0, "write_mode": cfg.lake.write_mode, "started_at": started,
-        "status": "ok", "error": None,
+        "table_name": cfg.name,
+        "ingest_run": ingest_run,
+        "interval_end": interval_end,
+        "landing_runs": [m["run_id"] for m in plan.manifests],
+        "events_read": 0,
+        "duplicates": 0,
+        "already_applied": 0,
+        "inserts": 0,
+        "updates": 0,
+        "deletes": 0,
+        "stale_skipped": 0,
+        "truncates": 0,
+        "quarantined": 0,
+        "changelog_rows": 0,
+        "write_mode": cfg.lake.write_mode,
+        "started_at": started,
+        "status": "ok",
+        "error": None,
     }
     if plan.problems:
         msg = "\n".join(plan.problems)
         if cfg.ingest.missing_landing_files == "fail":
-            raise LandingGap(msg + f"\nTo continue without those events set ingest.missing_landing_files: skip for "
-                             f"{cfg.name}; the hourly audit then finds the affected keys and its repair re-reads them")
+            raise LandingGap(
+                msg + f"\nTo continue without those events set ingest.missing_landing_files: skip for "
+                f"{cfg.name}; the hourly audit then finds the affected keys and its repair re-reads them"
+            )
         log(f"WARNING {cfg.name}: continuing past landing problems (missing_landing_files: skip):\n{msg}")
         metrics["status"] = "ok_with_gaps"
     lake_cols = source_columns_of(spark, cur, cfg)
@@ -614,19 +708,24 @@ def ingest_table(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, *, u
             empty_cl = spark.createDataFrame([], spark.table(cl).schema)
             empty_cl.writeTo(cl).option("snapshot-property.cdc.watermark", new_wm_json).append()
             spark.createDataFrame([], spark.table(cur).schema).writeTo(cur).option(
-                "snapshot-property.cdc.watermark", new_wm_json).append()
+                "snapshot-property.cdc.watermark", new_wm_json
+            ).append()
 
         if plan.new_watermark != wm:
             fenced_commit(spark, cur, wm, plan.new_watermark, _advance, what=f"{cfg.name} watermark")
         return _finish(spark, lake, cfg, metrics, plan, t0, t0, log)
 
-    raw = spark.read.schema(landing_spark_schema()).parquet(*plan.files).filter(
-        F.col("source.table") == cfg.source.table)
+    raw = (
+        spark.read.schema(landing_spark_schema()).parquet(*plan.files).filter(F.col("source.table") == cfg.source.table)
+    )
     schemas, latest = manifest_schemas(plan, cfg)
     if not latest:
         schemas, latest = _event_schemas(raw)  # runs written without schemas in their manifest
-    known = {schema: set(wm["shards"][shard]["columns"]) for _, schema, shard in cfg.shards()
-             if "columns" in wm["shards"].get(shard, {})}
+    known = {
+        schema: set(wm["shards"][shard]["columns"])
+        for _, schema, shard in cfg.shards()
+        if "columns" in wm["shards"].get(shard, {})
+    }
     ddl, errors = schema_actions(cfg, lake_cols, schemas, latest, config_file or "", known)
     if errors:
         raise SchemaChangeError("\n".join(errors))
@@ -649,17 +748,22 @@ def ingest_table(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, *, u
     pk_change = F.lit(False)
     for k in cfg.primary_key:
         pk_change = pk_change | (F.col(BKEY + k).isNotNull() & ~F.col(BKEY + k).eqNullSafe(F.col(k)))
-    counts = typed.groupBy().agg(
-        F.count(F.lit(1)).alias("n"), F.sum(F.col("_applied").cast("int")).alias("applied"),
-        F.sum((pend & (F.size(REASONS) > 0)).cast("int")).alias("bad"),
-        F.sum((ok & (F.col(OP_COL) != "t")).cast("int")).alias("valid"),
-        F.sum((ok & (F.col(OP_COL) == "u") & pk_change).cast("int")).alias("pk_changes"),
-        F.sum((ok & (F.col(OP_COL) == "t")).cast("int")).alias("truncates"),
-        F.collect_set(F.when(ok & (F.col(OP_COL) == "t"), F.col(SHARD_COL))).alias("truncated"),
-        F.array_distinct(F.flatten(F.collect_set(F.when(ok, F.col(UNAVAILABLE_COL))))).alias("unavailable"),
-        F.min(F.when(pend, F.col(COMMIT_TS_COL))).alias("min_ts"),
-        F.max(F.when(pend, F.col(COMMIT_TS_COL))).alias("max_ts"),
-    ).collect()[0]
+    counts = (
+        typed.groupBy()
+        .agg(
+            F.count(F.lit(1)).alias("n"),
+            F.sum(F.col("_applied").cast("int")).alias("applied"),
+            F.sum((pend & (F.size(REASONS) > 0)).cast("int")).alias("bad"),
+            F.sum((ok & (F.col(OP_COL) != "t")).cast("int")).alias("valid"),
+            F.sum((ok & (F.col(OP_COL) == "u") & pk_change).cast("int")).alias("pk_changes"),
+            F.sum((ok & (F.col(OP_COL) == "t")).cast("int")).alias("truncates"),
+            F.collect_set(F.when(ok & (F.col(OP_COL) == "t"), F.col(SHARD_COL))).alias("truncated"),
+            F.array_distinct(F.flatten(F.collect_set(F.when(ok, F.col(UNAVAILABLE_COL))))).alias("unavailable"),
+            F.min(F.when(pend, F.col(COMMIT_TS_COL))).alias("min_ts"),
+            F.max(F.when(pend, F.col(COMMIT_TS_COL))).alias("max_ts"),
+        )
+        .collect()[0]
+    )
     timings["validate"] = time.time() - t_phase
     metrics["events_read"] = int(counts["n"] or 0)
     metrics["already_applied"] = int(counts["applied"] or 0)
@@ -671,8 +775,14 @@ def ingest_table(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, *, u
         metrics["quarantined"] = _quarantine(spark, lake, cfg, bad, ingest_run)
         budget = cfg.ingest.error_budget
         if n_bad > budget.max_quarantined or (n_new and n_bad / n_new > budget.max_fraction):
-            top = (bad.select(F.explode(REASONS).alias("r")).groupBy("r").count().orderBy(F.desc("count")).limit(5)
-                   .collect())
+            top = (
+                bad.select(F.explode(REASONS).alias("r"))
+                .groupBy("r")
+                .count()
+                .orderBy(F.desc("count"))
+                .limit(5)
+                .collect()
+            )
             raise ErrorBudgetExceeded(
                 f"{cfg.name}: {n_bad} of {n_new} events are malformed, over the error budget "
                 f"(max_quarantined {budget.max_quarantined}, max_fraction {budget.max_fraction}). Top reasons: "
@@ -706,7 +816,8 @@ def ingest_table(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, *, u
 
     def _changelog() -> int:
         rows = events.unionByName(truncs, allowMissingColumns=True).filter(
-            F.col(LSN_COL) >= F.coalesce(cl_floor[F.col(SHARD_COL)], F.lit(0)))
+            F.col(LSN_COL) >= F.coalesce(cl_floor[F.col(SHARD_COL)], F.lit(0))
+        )
         rows = conform_to(rows.withColumn(INGESTED_COL, ingested), spark.table(cl).schema)
         rows.writeTo(cl).option("snapshot-property.cdc.watermark", new_wm_json).append()
 
@@ -724,29 +835,45 @@ def ingest_table(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, *, u
         # Keys whose last event precedes their shard's truncate are gone.
         tmax = truncs.groupBy(SHARD_COL).agg(F.max(F.struct(LSN_COL, SEQ_COL, COMMIT_TS_COL)).alias("_t"))
         reduced = reduced.join(F.broadcast(tmax), SHARD_COL, "left")
-        before_t = F.col("_t").isNotNull() & _newer(F.col("_t")[LSN_COL], F.col("_t")[SEQ_COL], F.col(LSN_COL), F.col(SEQ_COL))
-        reduced = (reduced.withColumn(OP_COL, F.when(before_t, F.lit("d")).otherwise(F.col(OP_COL)))
-                   .withColumn(COMMIT_TS_COL, F.when(before_t, F.col("_t")[COMMIT_TS_COL]).otherwise(F.col(COMMIT_TS_COL)))
-                   .withColumn(SEQ_COL, F.when(before_t, F.col("_t")[SEQ_COL]).otherwise(F.col(SEQ_COL)))
-                   .withColumn(LSN_COL, F.when(before_t, F.col("_t")[LSN_COL]).otherwise(F.col(LSN_COL)))
-                   .drop("_t"))
+        before_t = F.col("_t").isNotNull() & _newer(
+            F.col("_t")[LSN_COL], F.col("_t")[SEQ_COL], F.col(LSN_COL), F.col(SEQ_COL)
+        )
+        reduced = (
+            reduced.withColumn(OP_COL, F.when(before_t, F.lit("d")).otherwise(F.col(OP_COL)))
+            .withColumn(COMMIT_TS_COL, F.when(before_t, F.col("_t")[COMMIT_TS_COL]).otherwise(F.col(COMMIT_TS_COL)))
+            .withColumn(SEQ_COL, F.when(before_t, F.col("_t")[SEQ_COL]).otherwise(F.col(SEQ_COL)))
+            .withColumn(LSN_COL, F.when(before_t, F.col("_t")[LSN_COL]).otherwise(F.col(LSN_COL)))
+            .drop("_t")
+        )
     cur_cols = [c for c, _ in [(SHARD_COL, ""), *lake_cols]] + [OP_COL, LSN_COL, SEQ_COL, COMMIT_TS_COL]
     # A local checkpoint: computed once, and a deterministic plan (copy-on-write MERGE requires it).
     reduced = reduced.select(*cur_cols, UNAV_LEFT, NO_TABLE, UNAVAILABLE_COL).localCheckpoint(eager=True)
     needs_base = (F.col(OP_COL) != "d") & (F.size(UNAV_LEFT) > 0)
-    totals = reduced.groupBy().agg(
-        F.count(F.lit(1)).alias("n"), F.sum((F.col(OP_COL) != "d").cast("int")).alias("upserts"),
-        F.sum(needs_base.cast("int")).alias("needs_base"),
-        F.sum(((F.col(OP_COL) != "d") & (F.size(F.coalesce(UNAVAILABLE_COL, F.array())) > 0)).cast("int"))
-        .alias("filled"),
-        F.min(COMMIT_TS_COL).alias("min_ts"), F.max(COMMIT_TS_COL).alias("max_ts")).collect()[0]
+    totals = (
+        reduced.groupBy()
+        .agg(
+            F.count(F.lit(1)).alias("n"),
+            F.sum((F.col(OP_COL) != "d").cast("int")).alias("upserts"),
+            F.sum(needs_base.cast("int")).alias("needs_base"),
+            F.sum(((F.col(OP_COL) != "d") & (F.size(F.coalesce(UNAVAILABLE_COL, F.array())) > 0)).cast("int")).alias(
+                "filled"
+            ),
+            F.min(COMMIT_TS_COL).alias("min_ts"),
+            F.max(COMMIT_TS_COL).alias("max_ts"),
+        )
+        .collect()[0]
+    )
     key = [SHARD_COL, *cfg.primary_key]
     live = ~F.col(cfg.soft_delete_columns.flag) if cfg.deletes == "soft" else F.lit(True)
     tgt = current_df.select(*key, F.col(LSN_COL).alias("_t_lsn"), F.col(SEQ_COL).alias("_t_seq"), live.alias("_t_live"))
     # Rows whose unchanged TOAST value has no trustworthy source are held back (see held_back);
     # the MERGE then never sees them. Orphans (no row in the table either) are found by the
     # classification below, which scans the table's keys anyway.
-    held = held_back(spark, lake, cfg, reduced, tgt, lake_cols, totals) if totals["needs_base"] or totals["filled"] else None
+    held = (
+        held_back(spark, lake, cfg, reduced, tgt, lake_cols, totals)
+        if totals["needs_base"] or totals["filled"]
+        else None
+    )
     n_held = _hold(spark, lake, cfg, held, ingest_run, metrics, log)
     if n_held:
         reduced = reduced.join(held.select(*key), key, "left_anti").localCheckpoint(eager=True)
@@ -757,24 +884,43 @@ def ingest_table(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, *, u
         keys = F.broadcast(keys)
     newer = _newer(F.col(LSN_COL), F.col(SEQ_COL), F.col("_t_lsn"), F.col("_t_seq"))
     is_del = F.col(OP_COL) == "d"
-    c = tgt.join(keys, key, "inner").groupBy().agg(
-        F.sum((~is_del).cast("int")).alias("matched_upserts"),
-        F.sum((~is_del & newer).cast("int")).alias("upd"),
-        F.sum((is_del & newer & F.col("_t_live")).cast("int")).alias("del"),
-        F.sum((~newer).cast("int")).alias("stale"),
-        F.sum(F.col("_needs_base").cast("int")).alias("based"),
-    ).collect()[0]
-    metrics.update(inserts=int(totals["upserts"] or 0) - n_held - int(c["matched_upserts"] or 0), updates=int(c["upd"] or 0),
-                   deletes=int(c["del"] or 0), stale_skipped=int(c["stale"] or 0))
+    c = (
+        tgt.join(keys, key, "inner")
+        .groupBy()
+        .agg(
+            F.sum((~is_del).cast("int")).alias("matched_upserts"),
+            F.sum((~is_del & newer).cast("int")).alias("upd"),
+            F.sum((is_del & newer & F.col("_t_live")).cast("int")).alias("del"),
+            F.sum((~newer).cast("int")).alias("stale"),
+            F.sum(F.col("_needs_base").cast("int")).alias("based"),
+        )
+        .collect()[0]
+    )
+    metrics.update(
+        inserts=int(totals["upserts"] or 0) - n_held - int(c["matched_upserts"] or 0),
+        updates=int(c["upd"] or 0),
+        deletes=int(c["del"] or 0),
+        stale_skipped=int(c["stale"] or 0),
+    )
     left_needing = reduced.filter(needs_base).count() if n_held else int(totals["needs_base"] or 0)
     if left_needing > int(c["based"] or 0):
         # An unchanged TOAST value whose key is neither earlier in the batch nor in the table: the
         # value exists nowhere we can read. The MERGE does not insert such rows; they are kept
         # in quarantine rather than given a NULL.
         orphans = reduced.filter(needs_base).join(tgt.select(*key), key, "left_anti")
-        orphans = _as_held(orphans.withColumn(REASONS, F.array(F.concat(
-            F.lit("unchanged TOAST column(s) "), F.array_join(UNAV_LEFT, ", "),
-            F.lit(" not sent by the source and the key has no earlier row in the batch or the lake")))), key)
+        orphans = _as_held(
+            orphans.withColumn(
+                REASONS,
+                F.array(
+                    F.concat(
+                        F.lit("unchanged TOAST column(s) "),
+                        F.array_join(UNAV_LEFT, ", "),
+                        F.lit(" not sent by the source and the key has no earlier row in the batch or the lake"),
+                    )
+                ),
+            ),
+            key,
+        )
         metrics["inserts"] -= _hold(spark, lake, cfg, orphans, ingest_run, metrics, log)
     c = {"min_ts": totals["min_ts"], "max_ts": totals["max_ts"]}
     timings["reduce_classify"] = time.time() - t_phase
@@ -783,10 +929,14 @@ def ingest_table(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, *, u
     sql = _merge_sql(cfg, cur, view, cur_cols, truncated, toast_columns=names)
     pre = snapshot_summary(spark, cur)
     t_apply = time.time()
-    fenced_commit(spark, cur, wm, plan.new_watermark,
-                  lambda: sql_with_commit_properties(spark, sql, {"cdc.watermark": new_wm_json,
-                                                                  "cdc.ingest-run": ingest_run}),
-                  what=f"{cfg.name} merge")
+    fenced_commit(
+        spark,
+        cur,
+        wm,
+        plan.new_watermark,
+        lambda: sql_with_commit_properties(spark, sql, {"cdc.watermark": new_wm_json, "cdc.ingest-run": ingest_run}),
+        what=f"{cfg.name} merge",
+    )
     apply_s = time.time() - t_apply
     crash_point("ingest_after_merge")
     if added:
@@ -802,8 +952,15 @@ def ingest_table(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, *, u
     return _finish(spark, lake, cfg, metrics, plan, t0, t_apply, log)
 
 
-def held_back(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, reduced: DataFrame, tgt: DataFrame,
-              lake_cols: list[tuple[str, str]], totals) -> DataFrame | None:
+def held_back(
+    spark: SparkSession,
+    lake: LakeSettings,
+    cfg: TableConfig,
+    reduced: DataFrame,
+    tgt: DataFrame,
+    lake_cols: list[tuple[str, str]],
+    totals,
+) -> DataFrame | None:
     """Rows whose unchanged TOAST value has no trustworthy source, as quarantine rows (or None).
 
     The MERGE would take the table's value for them, which is wrong when (a) the key was deleted
@@ -817,20 +974,33 @@ def held_back(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, reduced
     key = [SHARD_COL, *cfg.primary_key]
     needs_base = (F.col(OP_COL) != "d") & (F.size(UNAV_LEFT) > 0)
     filled = (F.col(OP_COL) != "d") & (F.size(F.coalesce(UNAVAILABLE_COL, F.array())) > 0)
-    reason = F.when(needs_base & F.col(NO_TABLE), F.concat(
-        F.lit("unchanged TOAST column(s) "), F.array_join(F.coalesce(UNAV_LEFT, F.array()), ", "),
-        F.lit(" follow a delete or key change of this key in the batch whose value the batch does not hold")))
+    reason = F.when(
+        needs_base & F.col(NO_TABLE),
+        F.concat(
+            F.lit("unchanged TOAST column(s) "),
+            F.array_join(F.coalesce(UNAV_LEFT, F.array()), ", "),
+            F.lit(" follow a delete or key change of this key in the batch whose value the batch does not hold"),
+        ),
+    )
     rows = reduced.filter(needs_base & F.col(NO_TABLE)) if totals["needs_base"] else None
     if totals["filled"] and has_quarantine(spark, lake, cfg):
         q = open_quarantine_keys(spark, lake, cfg, lake_cols)
         rows = reduced.filter(needs_base | filled).join(F.broadcast(q), key, "inner").join(tgt, key, "left")
-        after_table = F.col("_t_lsn").isNull() | _newer(F.col("_q_lsn"), F.col("_q_seq"), F.col("_t_lsn"), F.col("_t_seq"))
+        after_table = F.col("_t_lsn").isNull() | _newer(
+            F.col("_q_lsn"), F.col("_q_seq"), F.col("_t_lsn"), F.col("_t_seq")
+        )
         depends = filled & after_table & _newer(F.col(LSN_COL), F.col(SEQ_COL), F.col("_q_lsn"), F.col("_q_seq"))
-        reason = reason.when(depends, F.concat(
-            F.lit("unchanged TOAST column(s) depend on quarantined event at commit LSN "),
-            F.col("_q_lsn").cast("string"), F.lit(" of this key, whose values never reached the table")))
-        rows = rows.unionByName(reduced.filter(needs_base & F.col(NO_TABLE)).join(q, key, "left_anti"),
-                                allowMissingColumns=True)
+        reason = reason.when(
+            depends,
+            F.concat(
+                F.lit("unchanged TOAST column(s) depend on quarantined event at commit LSN "),
+                F.col("_q_lsn").cast("string"),
+                F.lit(" of this key, whose values never reached the table"),
+            ),
+        )
+        rows = rows.unionByName(
+            reduced.filter(needs_base & F.col(NO_TABLE)).join(q, key, "left_anti"), allowMissingColumns=True
+        )
     if rows is None:
         return None
     rows = rows.withColumn(REASONS, F.array(reason)).filter(F.col(REASONS)[0].isNotNull()).localCheckpoint(eager=True)
@@ -841,13 +1011,23 @@ def _as_held(rows: DataFrame, key: list[str]) -> DataFrame:
     """Reduced rows with REASONS -> the shape _quarantine takes (the key and position as payload)."""
     from pyspark.sql import functions as F
 
-    return (rows.withColumn(RAW, F.to_json(F.struct(*key, LSN_COL, SEQ_COL)))
-            .withColumn("_seq_raw", F.floor(F.col(SEQ_COL) / 2).cast("bigint"))
-            .withColumn(RUN_COL, F.lit(None).cast("string")).withColumn(FILE, F.lit(None).cast("string")))
+    return (
+        rows.withColumn(RAW, F.to_json(F.struct(*key, LSN_COL, SEQ_COL)))
+        .withColumn("_seq_raw", F.floor(F.col(SEQ_COL) / 2).cast("bigint"))
+        .withColumn(RUN_COL, F.lit(None).cast("string"))
+        .withColumn(FILE, F.lit(None).cast("string"))
+    )
 
 
-def _hold(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, held: DataFrame | None, ingest_run: str,
-          metrics: dict[str, Any], log) -> int:
+def _hold(
+    spark: SparkSession,
+    lake: LakeSettings,
+    cfg: TableConfig,
+    held: DataFrame | None,
+    ingest_run: str,
+    metrics: dict[str, Any],
+    log,
+) -> int:
     if held is None:
         return 0
     n = _quarantine(spark, lake, cfg, held, ingest_run)
@@ -865,8 +1045,9 @@ def has_quarantine(spark: SparkSession, lake: LakeSettings, cfg: TableConfig) ->
     return not q.filter(F.col("table_name") == cfg.name).limit(1).isEmpty()
 
 
-def open_quarantine_keys(spark: SparkSession, lake: LakeSettings, cfg: TableConfig,
-                         lake_cols: list[tuple[str, str]]) -> DataFrame:
+def open_quarantine_keys(
+    spark: SparkSession, lake: LakeSettings, cfg: TableConfig, lake_cols: list[tuple[str, str]]
+) -> DataFrame:
     """Per key, the newest quarantined event of this table: (shard, key..., _q_lsn, _q_seq, _q_reason)."""
     from pyspark.sql import functions as F
 
@@ -881,15 +1062,25 @@ def open_quarantine_keys(spark: SparkSession, lake: LakeSettings, cfg: TableConf
         text = F.coalesce(after[k], before[k], F.get_json_object("raw", f"$.{k}"))
         cols.append(cast_text(text, types[k]).alias(k))
     # Lake order is 2*seq (+1 for the insert half of a key change): compare in lake order.
-    cols += [F.col("commit_lsn").alias("_q_lsn"), (F.col("seq") * 2 + 1).alias("_q_seq"),
-             F.col("reason").alias("_q_reason")]
+    cols += [
+        F.col("commit_lsn").alias("_q_lsn"),
+        (F.col("seq") * 2 + 1).alias("_q_seq"),
+        F.col("reason").alias("_q_reason"),
+    ]
     keyed = q.select(*cols).filter(F.col(SHARD_COL).isNotNull() & F.col("_q_lsn").isNotNull())
     for k in cfg.primary_key:
         keyed = keyed.filter(F.col(k).isNotNull())
     key = [SHARD_COL, *cfg.primary_key]
-    return keyed.groupBy(*key).agg(F.max(F.struct("_q_lsn", "_q_seq", "_q_reason")).alias("_q")).select(
-        *key, F.col("_q._q_lsn").alias("_q_lsn"), F.col("_q._q_seq").alias("_q_seq"),
-        F.col("_q._q_reason").alias("_q_reason"))
+    return (
+        keyed.groupBy(*key)
+        .agg(F.max(F.struct("_q_lsn", "_q_seq", "_q_reason")).alias("_q"))
+        .select(
+            *key,
+            F.col("_q._q_lsn").alias("_q_lsn"),
+            F.col("_q._q_seq").alias("_q_seq"),
+            F.col("_q._q_reason").alias("_q_reason"),
+        )
+    )
 
 
 def columns_to_backfill(cfg: TableConfig, plan: Plan, wm: dict[str, Any]) -> list[dict[str, Any]]:
@@ -920,8 +1111,15 @@ def columns_to_backfill(cfg: TableConfig, plan: Plan, wm: dict[str, Any]) -> lis
     return out
 
 
-def finish_backfill(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, cur: str, plan: Plan,
-                    added: list[dict[str, Any]], ingest_run: str) -> int:
+def finish_backfill(
+    spark: SparkSession,
+    lake: LakeSettings,
+    cfg: TableConfig,
+    cur: str,
+    plan: Plan,
+    added: list[dict[str, Any]],
+    ingest_run: str,
+) -> int:
     """Fill the columns the batch added for rows that predate them, then clear the pending mark."""
     lake_cols = source_columns_of(spark, cur, cfg)
     n = backfill_added_columns(spark, lake, cfg, added, lake_cols, ingest_run)
@@ -929,7 +1127,8 @@ def finish_backfill(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, c
 
     def clear() -> None:
         spark.createDataFrame([], spark.table(cur).schema).writeTo(cur).option(
-            "snapshot-property.cdc.watermark", watermark_json(done)).append()
+            "snapshot-property.cdc.watermark", watermark_json(done)
+        ).append()
 
     fenced_commit(spark, cur, plan.new_watermark, done, clear, what=f"{cfg.name} backfill done")
     plan.new_watermark = done
@@ -943,18 +1142,31 @@ def _write_stats(metrics: dict[str, Any], pre: dict[str, str], post: dict[str, s
     added = n(post, "added-files-size")
     removed = n(post, "removed-files-size")
     metrics.update(
-        data_files_added=n(post, "added-data-files"), data_files_removed=n(post, "deleted-data-files"),
-        delete_files_added=n(post, "added-delete-files"), bytes_written=added, bytes_removed=removed,
+        data_files_added=n(post, "added-data-files"),
+        data_files_removed=n(post, "deleted-data-files"),
+        delete_files_added=n(post, "added-delete-files"),
+        bytes_written=added,
+        bytes_removed=removed,
     )
     records, size = n(pre, "total-records"), n(pre, "total-files-size")
     changed = metrics["inserts"] + metrics["updates"] + metrics["deletes"]
     if records and changed:
         metrics["changed_rows_bytes"] = int(size / records * changed)
-        metrics["write_amplification"] = added / metrics["changed_rows_bytes"] if metrics["changed_rows_bytes"] else None
+        metrics["write_amplification"] = (
+            added / metrics["changed_rows_bytes"] if metrics["changed_rows_bytes"] else None
+        )
 
 
-def _finish(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, metrics: dict[str, Any], plan: Plan,
-            t0: float, t_apply: float, log) -> dict[str, Any]:
+def _finish(
+    spark: SparkSession,
+    lake: LakeSettings,
+    cfg: TableConfig,
+    metrics: dict[str, Any],
+    plan: Plan,
+    t0: float,
+    t_apply: float,
+    log,
+) -> dict[str, Any]:
     now = datetime.now(UTC)
     metrics["committed_at"] = now
     metrics["total_seconds"] = time.time() - t0
@@ -983,5 +1195,16 @@ def hadoop_fs(spark: SparkSession) -> HadoopFS:
     return HadoopFS(spark)
 
 
-__all__ = ["ingest_table", "plan_landing", "schema_actions", "fill_unavailable", "IngestError", "NotBootstrapped",
-           "LandingGap", "SchemaChangeError", "ErrorBudgetExceeded", "LSN_EVENT_COL", "XID_COL"]
+__all__ = [
+    "ingest_table",
+    "plan_landing",
+    "schema_actions",
+    "fill_unavailable",
+    "IngestError",
+    "NotBootstrapped",
+    "LandingGap",
+    "SchemaChangeError",
+    "ErrorBudgetExceeded",
+    "LSN_EVENT_COL",
+    "XID_COL",
+]

@@ -50,13 +50,16 @@ def _configs(args: argparse.Namespace) -> tuple[list[TableConfig], dict[str, str
     missing = [n for n in names if n not in cs.tables]
     if missing:
         errs = [str(e) for e in cs.errors]
-        raise SystemExit(f"table config(s) {missing} not found or invalid in {args.config_dir}"
-                         + ("\n" + "\n".join(errs) if errs else ""))
+        raise SystemExit(
+            f"table config(s) {missing} not found or invalid in {args.config_dir}"
+            + ("\n" + "\n".join(errs) if errs else "")
+        )
     return [cs.tables[n] for n in names], cs.files
 
 
-def run_tables(kind: str, spark, lake: LakeSettings, cfgs: list[TableConfig], fn: Callable[..., dict[str, Any]],
-               *args: Any) -> tuple[dict[str, dict[str, Any]], list[tuple[str, Exception]]]:
+def run_tables(
+    kind: str, spark, lake: LakeSettings, cfgs: list[TableConfig], fn: Callable[..., dict[str, Any]], *args: Any
+) -> tuple[dict[str, dict[str, Any]], list[tuple[str, Exception]]]:
     """fn(spark, lake, cfg, *args) per table; one table's failure never stops the others."""
     results: dict[str, dict[str, Any]] = {}
     failures: list[tuple[str, Exception]] = []
@@ -106,11 +109,32 @@ def main_ingest(argv: list[str] | None = None) -> int:
         from .ingest import ingest_table
 
         run = a.ingest_run or datetime.now(UTC).strftime("manual-%Y%m%dT%H%M%S")
-        m = ingest_table(spark, lake, cfg, upto_run=a.upto_run, ingest_run=run, interval_end=a.interval_end,
-                         log=log.info, config_file=file)
-        return {k: m.get(k) for k in ("events_read", "inserts", "updates", "deletes", "quarantined",
-                                      "write_amplification", "apply_seconds", "total_seconds", "freshness_seconds",
-                                      "landing_runs", "status")}
+        m = ingest_table(
+            spark,
+            lake,
+            cfg,
+            upto_run=a.upto_run,
+            ingest_run=run,
+            interval_end=a.interval_end,
+            log=log.info,
+            config_file=file,
+        )
+        return {
+            k: m.get(k)
+            for k in (
+                "events_read",
+                "inserts",
+                "updates",
+                "deletes",
+                "quarantined",
+                "write_amplification",
+                "apply_seconds",
+                "total_seconds",
+                "freshness_seconds",
+                "landing_runs",
+                "status",
+            )
+        }
 
     return run_per_table("ingest", args, fn)
 
@@ -129,8 +153,7 @@ def main_bootstrap(argv: list[str] | None = None) -> int:
         cs = load_table_configs(a.config_dir)
         ep_tables = cs.endpoint_tables()
         shards = [s for s in a.shards.split(",") if s] or None
-        return bootstrap_table(spark, lake, cfg, run_id=run, shards=shards, all_endpoint_tables=ep_tables,
-                               log=log.info)
+        return bootstrap_table(spark, lake, cfg, run_id=run, shards=shards, all_endpoint_tables=ep_tables, log=log.info)
 
     return run_per_table("bootstrap", args, fn)
 

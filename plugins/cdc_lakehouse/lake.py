@@ -35,8 +35,9 @@ INGESTED_COL = "_cdc_ingested_at"
 
 # --- files through Hadoop's FileSystem (local paths, s3a://, hdfs:// alike) -----------------
 
+
 def spark_uri(uri: str) -> str:
-    return "s3a://" + uri[len("s3://"):] if uri.startswith("s3://") else uri
+    return "s3a://" + uri[len("s3://") :] if uri.startswith("s3://") else uri
 
 
 class HadoopFS:
@@ -103,6 +104,7 @@ class SparkLanding:
 
 # --- commits that carry snapshot properties ---------------------------------------------------
 
+
 def sql_with_commit_properties(spark: SparkSession, sql: str, props: dict[str, str]) -> None:
     """Run a row-level SQL command (MERGE/DELETE/UPDATE) whose Iceberg commit carries props.
 
@@ -132,7 +134,8 @@ def sql_with_commit_properties(spark: SparkSession, sql: str, props: dict[str, s
 
     try:
         jvm.org.apache.iceberg.spark.CommitMetadata.withCommitProperties(
-            jmap, _Run(), jvm.java.lang.RuntimeException().getClass())
+            jmap, _Run(), jvm.java.lang.RuntimeException().getClass()
+        )
     except Exception:
         if failure:
             raise failure[0] from None
@@ -141,8 +144,16 @@ def sql_with_commit_properties(spark: SparkSession, sql: str, props: dict[str, s
 
 def is_commit_conflict(exc: BaseException) -> bool:
     text = str(exc)
-    return any(s in text for s in ("CommitFailedException", "ValidationException: Found conflicting",
-                                   "Found new conflicting", "Cannot commit", "CommitStateUnknownException"))
+    return any(
+        s in text
+        for s in (
+            "CommitFailedException",
+            "ValidationException: Found conflicting",
+            "Found new conflicting",
+            "Cannot commit",
+            "CommitStateUnknownException",
+        )
+    )
 
 
 def with_commit_retries(fn, *, attempts: int = 5, what: str = "commit", log=print):
@@ -153,12 +164,13 @@ def with_commit_retries(fn, *, attempts: int = 5, what: str = "commit", log=prin
         except Exception as exc:  # noqa: BLE001
             if i == attempts or not is_commit_conflict(exc):
                 raise
-            wait = min(30.0, 0.5 * 2 ** i)
+            wait = min(30.0, 0.5 * 2**i)
             log(f"{what}: commit conflict ({type(exc).__name__}); retry {i}/{attempts - 1} in {wait:.1f}s")
             time.sleep(wait)
 
 
 # --- watermarks --------------------------------------------------------------------------------
+
 
 def read_watermark(spark: SparkSession, table: str) -> dict[str, Any] | None:
     """The newest `cdc.watermark` among the current snapshot and its ancestors."""
@@ -182,8 +194,9 @@ class ConcurrentWriterError(RuntimeError):
     """Another writer committed to the table since this run read its watermark."""
 
 
-def fenced_commit(spark: SparkSession, table: str, expected: dict[str, Any] | None, new: dict[str, Any],
-                  commit, *, what: str) -> bool:
+def fenced_commit(
+    spark: SparkSession, table: str, expected: dict[str, Any] | None, new: dict[str, Any], commit, *, what: str
+) -> bool:
     """Commit only while the table's watermark is still the one this run started from.
 
     Optimistic concurrency on the watermark: a zombie driver, a manual job or a second deployment
@@ -194,6 +207,7 @@ def fenced_commit(spark: SparkSession, table: str, expected: dict[str, Any] | No
 
     Residual window: between the check and Iceberg's own commit (milliseconds); Airflow's
     per-table pool keeps our own writers out of it."""
+
     def attempt() -> bool:
         now = read_watermark(spark, table)
         if now == new:
@@ -202,7 +216,8 @@ def fenced_commit(spark: SparkSession, table: str, expected: dict[str, Any] | No
             raise ConcurrentWriterError(
                 f"{what}: {table} was committed by another writer since this run started (watermark "
                 f"{watermark_json(expected or {})} -> {watermark_json(now or {})}); nothing was written by this "
-                "run. Check for a second deployment, a manual job or a run that outlived its task, then rerun")
+                "run. Check for a second deployment, a manual job or a run that outlived its task, then rerun"
+            )
         commit()
         return True
 
@@ -218,8 +233,9 @@ def conform_to(df: DataFrame, table_schema) -> DataFrame:
     from pyspark.sql import functions as F
 
     have = set(df.columns)
-    return df.select(*[F.col(f.name) if f.name in have else F.lit(None).cast(f.dataType).alias(f.name)
-                       for f in table_schema.fields])
+    return df.select(
+        *[F.col(f.name) if f.name in have else F.lit(None).cast(f.dataType).alias(f.name) for f in table_schema.fields]
+    )
 
 
 def add_column(spark: SparkSession, table: str, name: str, typ: str) -> bool:
@@ -237,6 +253,7 @@ def table_exists(spark: SparkSession, table: str) -> bool:
 
 
 # --- DDL -----------------------------------------------------------------------------------------
+
 
 def _partition_sql(cfg: TableConfig, time_partition: bool = False) -> str:
     if time_partition:
@@ -280,7 +297,6 @@ def props_sql(props: dict[str, str]) -> str:
     return f"TBLPROPERTIES ({body})"
 
 
-
 def current_table_columns(cfg: TableConfig, source_columns: list[tuple[str, str]]) -> list[tuple[str, str]]:
     cols = [(SHARD_COL, "string")] + list(source_columns)
     cols += [(OP_COL, "string"), (LSN_COL, "bigint"), (SEQ_COL, "bigint"), (COMMIT_TS_COL, "timestamp")]
@@ -290,15 +306,32 @@ def current_table_columns(cfg: TableConfig, source_columns: list[tuple[str, str]
 
 
 def changelog_columns(source_columns: list[tuple[str, str]]) -> list[tuple[str, str]]:
-    return ([(SHARD_COL, "string")] + list(source_columns) + [
-        (OP_COL, "string"), (LSN_COL, "bigint"), (SEQ_COL, "bigint"), (COMMIT_TS_COL, "timestamp"),
-        (LSN_EVENT_COL, "bigint"), (XID_COL, "bigint"), (UNAVAILABLE_COL, "array<string>"),
-        (RUN_COL, "string"), (INGESTED_COL, "timestamp"),
-    ])
+    return (
+        [(SHARD_COL, "string")]
+        + list(source_columns)
+        + [
+            (OP_COL, "string"),
+            (LSN_COL, "bigint"),
+            (SEQ_COL, "bigint"),
+            (COMMIT_TS_COL, "timestamp"),
+            (LSN_EVENT_COL, "bigint"),
+            (XID_COL, "bigint"),
+            (UNAVAILABLE_COL, "array<string>"),
+            (RUN_COL, "string"),
+            (INGESTED_COL, "timestamp"),
+        ]
+    )
 
 
-def create_table_sql(name: str, columns: list[tuple[str, str]], partition: str, props: dict[str, str],
-                     *, replace: bool = False, not_null: tuple[str, ...] = ()) -> str:
+def create_table_sql(
+    name: str,
+    columns: list[tuple[str, str]],
+    partition: str,
+    props: dict[str, str],
+    *,
+    replace: bool = False,
+    not_null: tuple[str, ...] = (),
+) -> str:
     cols = ", ".join(f"{spark_ident(c)} {t}{' NOT NULL' if c in not_null else ''}" for c, t in columns)
     verb = "CREATE OR REPLACE TABLE" if replace else "CREATE TABLE IF NOT EXISTS"
     return f"{verb} {name} ({cols}) USING iceberg {partition} {props_sql(props)}"
@@ -308,25 +341,49 @@ def ensure_namespace(spark: SparkSession, lake: LakeSettings, namespace: str) ->
     spark.sql(f"CREATE NAMESPACE IF NOT EXISTS {lake.catalog_name}.{namespace}")
 
 
-def create_lake_tables(spark: SparkSession, lake: LakeSettings, cfg: TableConfig,
-                       source_columns: list[tuple[str, str]]) -> None:
+def create_lake_tables(
+    spark: SparkSession, lake: LakeSettings, cfg: TableConfig, source_columns: list[tuple[str, str]]
+) -> None:
     """Current table and changelog, if they do not exist yet."""
     ensure_namespace(spark, lake, cfg.lake.namespace)
     cur = lake.qualified(cfg.current_table)
-    spark.sql(create_table_sql(cur, current_table_columns(cfg, source_columns), _partition_sql(cfg),
-                               table_properties(cfg), not_null=(SHARD_COL, *cfg.primary_key)))
+    spark.sql(
+        create_table_sql(
+            cur,
+            current_table_columns(cfg, source_columns),
+            _partition_sql(cfg),
+            table_properties(cfg),
+            not_null=(SHARD_COL, *cfg.primary_key),
+        )
+    )
     order = ", ".join(spark_ident(c) for c in [SHARD_COL, *cfg.sort_by_columns] if c)
     spark.sql(f"ALTER TABLE {cur} WRITE ORDERED BY {order}")
     spark.sql(f"ALTER TABLE {cur} SET IDENTIFIER FIELDS {', '.join(spark_ident(c) for c in cfg.lake_key)}")
     cl = lake.qualified(cfg.changelog_table)
-    spark.sql(create_table_sql(cl, changelog_columns(source_columns), _partition_sql(cfg, time_partition=True),
-                               table_properties(cfg, changelog=True)))
+    spark.sql(
+        create_table_sql(
+            cl,
+            changelog_columns(source_columns),
+            _partition_sql(cfg, time_partition=True),
+            table_properties(cfg, changelog=True),
+        )
+    )
 
 
 def source_columns_of(spark: SparkSession, table: str, cfg: TableConfig) -> list[tuple[str, str]]:
     """(name, Spark type) of the source columns in a lake table, in order."""
-    meta = {SHARD_COL, OP_COL, LSN_COL, SEQ_COL, COMMIT_TS_COL, LSN_EVENT_COL, XID_COL, UNAVAILABLE_COL,
-            RUN_COL, INGESTED_COL}
+    meta = {
+        SHARD_COL,
+        OP_COL,
+        LSN_COL,
+        SEQ_COL,
+        COMMIT_TS_COL,
+        LSN_EVENT_COL,
+        XID_COL,
+        UNAVAILABLE_COL,
+        RUN_COL,
+        INGESTED_COL,
+    }
     if cfg.deletes == "soft":
         meta |= {cfg.soft_delete_columns.flag, cfg.soft_delete_columns.timestamp}
     return [(f.name, f.dataType.simpleString()) for f in spark.table(table).schema.fields if f.name not in meta]
@@ -335,53 +392,144 @@ def source_columns_of(spark: SparkSession, table: str, cfg: TableConfig) -> list
 # --- meta tables ----------------------------------------------------------------------------------
 
 META_TABLES: dict[str, tuple[list[tuple[str, str]], str]] = {
-    "quarantine": ([
-        ("table_name", "string"), ("shard", "string"), ("reason", "string"), ("raw", "string"),
-        ("commit_lsn", "bigint"), ("seq", "bigint"), ("landing_run", "string"), ("landing_file", "string"),
-        ("ingest_run", "string"), ("quarantined_at", "timestamp"),
-    ], "PARTITIONED BY (table_name)"),
-    "ingest_runs": ([
-        ("table_name", "string"), ("ingest_run", "string"), ("interval_end", "string"),
-        ("landing_runs", "array<string>"), ("events_read", "bigint"), ("duplicates", "bigint"),
-        ("already_applied", "bigint"), ("inserts", "bigint"), ("updates", "bigint"), ("deletes", "bigint"),
-        ("stale_skipped", "bigint"), ("truncates", "bigint"), ("quarantined", "bigint"),
-        ("changelog_rows", "bigint"), ("data_files_added", "bigint"), ("data_files_removed", "bigint"),
-        ("delete_files_added", "bigint"), ("bytes_written", "bigint"), ("bytes_removed", "bigint"),
-        ("changed_rows_bytes", "bigint"), ("write_amplification", "double"),
-        ("lag_seconds_max", "double"), ("lag_seconds_min", "double"), ("freshness_seconds", "double"),
-        ("watermark", "string"), ("write_mode", "string"), ("apply_seconds", "double"),
-        ("total_seconds", "double"), ("started_at", "timestamp"), ("committed_at", "timestamp"),
-        ("status", "string"), ("error", "string"),
-    ], "PARTITIONED BY (table_name)"),
-    "capture_runs": ([
-        ("endpoint", "string"), ("run_id", "string"), ("events", "bigint"), ("bytes", "bigint"),
-        ("transactions", "bigint"), ("capped", "boolean"), ("start_lsn", "bigint"), ("end_lsn", "bigint"),
-        ("retained_wal_bytes", "bigint"), ("lag_bytes", "bigint"), ("seconds", "double"),
-        ("started_at", "timestamp"), ("finished_at", "timestamp"),
-    ], ""),
-    "audit_results": ([
-        ("table_name", "string"), ("audit_run", "string"), ("shard", "string"), ("mode", "string"),
-        ("source_rows", "bigint"), ("lake_rows", "bigint"), ("missing", "bigint"), ("extra", "bigint"),
-        ("different", "bigint"), ("in_flight", "bigint"), ("persistent", "bigint"),
-        ("buckets_compared", "bigint"), ("buckets_differing", "bigint"), ("sample_keys", "string"),
-        ("watermark_lsn", "bigint"), ("repaired", "bigint"), ("verdict", "string"), ("seconds", "double"),
-        ("audited_at", "timestamp"),
-    ], "PARTITIONED BY (table_name)"),
-    "audit_mismatches": ([
-        ("table_name", "string"), ("shard", "string"), ("key_json", "string"), ("kind", "string"),
-        ("first_seen", "timestamp"), ("last_seen", "timestamp"), ("times_seen", "int"), ("resolved", "boolean"),
-        ("last_audit_run", "string"),
-    ], "PARTITIONED BY (table_name)"),
-    "quality_results": ([
-        ("table_name", "string"), ("audit_run", "string"), ("expectation", "string"), ("success", "boolean"),
-        ("observed", "string"), ("details", "string"), ("checked_at", "timestamp"),
-    ], "PARTITIONED BY (table_name)"),
-    "maintenance_runs": ([
-        ("table_name", "string"), ("run_id", "string"), ("target", "string"), ("phase", "string"),
-        ("data_files", "bigint"), ("avg_file_bytes", "double"), ("delete_files", "bigint"),
-        ("snapshots", "bigint"), ("total_bytes", "bigint"), ("records", "bigint"), ("checksum", "string"),
-        ("seconds", "double"), ("at", "timestamp"),
-    ], "PARTITIONED BY (table_name)"),
+    "quarantine": (
+        [
+            ("table_name", "string"),
+            ("shard", "string"),
+            ("reason", "string"),
+            ("raw", "string"),
+            ("commit_lsn", "bigint"),
+            ("seq", "bigint"),
+            ("landing_run", "string"),
+            ("landing_file", "string"),
+            ("ingest_run", "string"),
+            ("quarantined_at", "timestamp"),
+        ],
+        "PARTITIONED BY (table_name)",
+    ),
+    "ingest_runs": (
+        [
+            ("table_name", "string"),
+            ("ingest_run", "string"),
+            ("interval_end", "string"),
+            ("landing_runs", "array<string>"),
+            ("events_read", "bigint"),
+            ("duplicates", "bigint"),
+            ("already_applied", "bigint"),
+            ("inserts", "bigint"),
+            ("updates", "bigint"),
+            ("deletes", "bigint"),
+            ("stale_skipped", "bigint"),
+            ("truncates", "bigint"),
+            ("quarantined", "bigint"),
+            ("changelog_rows", "bigint"),
+            ("data_files_added", "bigint"),
+            ("data_files_removed", "bigint"),
+            ("delete_files_added", "bigint"),
+            ("bytes_written", "bigint"),
+            ("bytes_removed", "bigint"),
+            ("changed_rows_bytes", "bigint"),
+            ("write_amplification", "double"),
+            ("lag_seconds_max", "double"),
+            ("lag_seconds_min", "double"),
+            ("freshness_seconds", "double"),
+            ("watermark", "string"),
+            ("write_mode", "string"),
+            ("apply_seconds", "double"),
+            ("total_seconds", "double"),
+            ("started_at", "timestamp"),
+            ("committed_at", "timestamp"),
+            ("status", "string"),
+            ("error", "string"),
+        ],
+        "PARTITIONED BY (table_name)",
+    ),
+    "capture_runs": (
+        [
+            ("endpoint", "string"),
+            ("run_id", "string"),
+            ("events", "bigint"),
+            ("bytes", "bigint"),
+            ("transactions", "bigint"),
+            ("capped", "boolean"),
+            ("start_lsn", "bigint"),
+            ("end_lsn", "bigint"),
+            ("retained_wal_bytes", "bigint"),
+            ("lag_bytes", "bigint"),
+            ("seconds", "double"),
+            ("started_at", "timestamp"),
+            ("finished_at", "timestamp"),
+        ],
+        "",
+    ),
+    "audit_results": (
+        [
+            ("table_name", "string"),
+            ("audit_run", "string"),
+            ("shard", "string"),
+            ("mode", "string"),
+            ("source_rows", "bigint"),
+            ("lake_rows", "bigint"),
+            ("missing", "bigint"),
+            ("extra", "bigint"),
+            ("different", "bigint"),
+            ("in_flight", "bigint"),
+            ("persistent", "bigint"),
+            ("buckets_compared", "bigint"),
+            ("buckets_differing", "bigint"),
+            ("sample_keys", "string"),
+            ("watermark_lsn", "bigint"),
+            ("repaired", "bigint"),
+            ("verdict", "string"),
+            ("seconds", "double"),
+            ("audited_at", "timestamp"),
+        ],
+        "PARTITIONED BY (table_name)",
+    ),
+    "audit_mismatches": (
+        [
+            ("table_name", "string"),
+            ("shard", "string"),
+            ("key_json", "string"),
+            ("kind", "string"),
+            ("first_seen", "timestamp"),
+            ("last_seen", "timestamp"),
+            ("times_seen", "int"),
+            ("resolved", "boolean"),
+            ("last_audit_run", "string"),
+        ],
+        "PARTITIONED BY (table_name)",
+    ),
+    "quality_results": (
+        [
+            ("table_name", "string"),
+            ("audit_run", "string"),
+            ("expectation", "string"),
+            ("success", "boolean"),
+            ("observed", "string"),
+            ("details", "string"),
+            ("checked_at", "timestamp"),
+        ],
+        "PARTITIONED BY (table_name)",
+    ),
+    "maintenance_runs": (
+        [
+            ("table_name", "string"),
+            ("run_id", "string"),
+            ("target", "string"),
+            ("phase", "string"),
+            ("data_files", "bigint"),
+            ("avg_file_bytes", "double"),
+            ("delete_files", "bigint"),
+            ("snapshots", "bigint"),
+            ("total_bytes", "bigint"),
+            ("records", "bigint"),
+            ("checksum", "string"),
+            ("seconds", "double"),
+            ("at", "timestamp"),
+        ],
+        "PARTITIONED BY (table_name)",
+    ),
 }
 
 
@@ -389,9 +537,18 @@ def ensure_meta_tables(spark: SparkSession, lake: LakeSettings) -> None:
     ensure_namespace(spark, lake, lake.meta_namespace)
     for name, (cols, part) in META_TABLES.items():
         table = lake.qualified(lake.meta_table(name))
-        spark.sql(create_table_sql(table, cols, part,
-                                   {"format-version": "2", "write.metadata.delete-after-commit.enabled": "true",
-                                    "commit.retry.num-retries": "20"}))
+        spark.sql(
+            create_table_sql(
+                table,
+                cols,
+                part,
+                {
+                    "format-version": "2",
+                    "write.metadata.delete-after-commit.enabled": "true",
+                    "commit.retry.num-retries": "20",
+                },
+            )
+        )
         # Columns added by later releases reach tables created by earlier ones.
         have = set(spark.table(table).columns)
         for c, t in cols:
@@ -412,8 +569,9 @@ def meta_append(spark: SparkSession, lake: LakeSettings, name: str, rows: list[d
 
 
 def current_snapshot_id(spark: SparkSession, table: str) -> int | None:
-    rows = spark.sql(f"SELECT snapshot_id FROM {table}.history WHERE is_current_ancestor "
-                     "ORDER BY made_current_at DESC LIMIT 1").collect()
+    rows = spark.sql(
+        f"SELECT snapshot_id FROM {table}.history WHERE is_current_ancestor ORDER BY made_current_at DESC LIMIT 1"
+    ).collect()
     return rows[0][0] if rows else None
 
 
@@ -428,13 +586,20 @@ def snapshot_summary(spark: SparkSession, table: str) -> dict[str, str]:
 
 def table_stats(spark: SparkSession, table: str) -> dict[str, Any]:
     """Files, delete files, snapshots and bytes of a table's current state."""
-    f = spark.sql(f"SELECT count(*) n, coalesce(sum(file_size_in_bytes), 0) b, coalesce(sum(record_count), 0) r "
-                  f"FROM {table}.data_files").collect()[0]
+    f = spark.sql(
+        f"SELECT count(*) n, coalesce(sum(file_size_in_bytes), 0) b, coalesce(sum(record_count), 0) r "
+        f"FROM {table}.data_files"
+    ).collect()[0]
     d = spark.sql(f"SELECT count(*) n FROM {table}.delete_files").collect()[0]
     s = spark.sql(f"SELECT count(*) n FROM {table}.snapshots").collect()[0]
-    return {"data_files": int(f["n"]), "total_bytes": int(f["b"]), "records": int(f["r"]),
-            "avg_file_bytes": float(f["b"]) / f["n"] if f["n"] else 0.0, "delete_files": int(d["n"]),
-            "snapshots": int(s["n"])}
+    return {
+        "data_files": int(f["n"]),
+        "total_bytes": int(f["b"]),
+        "records": int(f["r"]),
+        "avg_file_bytes": float(f["b"]) / f["n"] if f["n"] else 0.0,
+        "delete_files": int(d["n"]),
+        "snapshots": int(s["n"]),
+    }
 
 
 def df_columns(df: DataFrame) -> list[str]:

@@ -29,10 +29,27 @@ FORMAT_VERSION = 1
 # output of each column; `unavailable` lists columns whose unchanged TOASTed value the source
 # did not send (never to be read as NULL); `table_schema` is the relation's columns as JSON.
 LANDING_FIELDS = [
-    "op", "before", "after", "unavailable", "source", "table_schema", "ts_ms", "run_id",
+    "op",
+    "before",
+    "after",
+    "unavailable",
+    "source",
+    "table_schema",
+    "ts_ms",
+    "run_id",
 ]
 SOURCE_FIELDS = [
-    "connector", "endpoint", "host", "db", "schema", "table", "commit_lsn", "lsn", "xid", "seq", "commit_ts",
+    "connector",
+    "endpoint",
+    "host",
+    "db",
+    "schema",
+    "table",
+    "commit_lsn",
+    "lsn",
+    "xid",
+    "seq",
+    "commit_ts",
 ]
 
 
@@ -40,21 +57,35 @@ def landing_arrow_schema():
     import pyarrow as pa
 
     kv = pa.map_(pa.string(), pa.string())
-    return pa.schema([
-        ("op", pa.string()),
-        ("before", kv),
-        ("after", kv),
-        ("unavailable", pa.list_(pa.string())),
-        ("source", pa.struct([
-            ("connector", pa.string()), ("endpoint", pa.string()), ("host", pa.string()),
-            ("db", pa.string()), ("schema", pa.string()), ("table", pa.string()),
-            ("commit_lsn", pa.int64()), ("lsn", pa.int64()), ("xid", pa.int64()), ("seq", pa.int64()),
-            ("commit_ts", pa.timestamp("us", tz="UTC")),
-        ])),
-        ("table_schema", pa.string()),
-        ("ts_ms", pa.int64()),
-        ("run_id", pa.string()),
-    ])
+    return pa.schema(
+        [
+            ("op", pa.string()),
+            ("before", kv),
+            ("after", kv),
+            ("unavailable", pa.list_(pa.string())),
+            (
+                "source",
+                pa.struct(
+                    [
+                        ("connector", pa.string()),
+                        ("endpoint", pa.string()),
+                        ("host", pa.string()),
+                        ("db", pa.string()),
+                        ("schema", pa.string()),
+                        ("table", pa.string()),
+                        ("commit_lsn", pa.int64()),
+                        ("lsn", pa.int64()),
+                        ("xid", pa.int64()),
+                        ("seq", pa.int64()),
+                        ("commit_ts", pa.timestamp("us", tz="UTC")),
+                    ]
+                ),
+            ),
+            ("table_schema", pa.string()),
+            ("ts_ms", pa.int64()),
+            ("run_id", pa.string()),
+        ]
+    )
 
 
 def run_dir(endpoint: str, table: str, run_id: str) -> str:
@@ -66,6 +97,7 @@ def manifest_path(endpoint: str, run_id: str) -> str:
 
 
 # --- stores ------------------------------------------------------------------------------------
+
 
 class LocalLanding:
     """A landing zone on the local filesystem (the embedded default)."""
@@ -159,8 +191,12 @@ class S3Landing:
         shutil.rmtree(staged, ignore_errors=True)
 
     def write_json(self, rel: str, obj: Any) -> None:
-        self.hook.load_string(json.dumps(obj, separators=(",", ":"), sort_keys=True),
-                              key=self._key(rel), bucket_name=self.bucket, replace=True)
+        self.hook.load_string(
+            json.dumps(obj, separators=(",", ":"), sort_keys=True),
+            key=self._key(rel),
+            bucket_name=self.bucket,
+            replace=True,
+        )
 
     def read_json(self, rel: str) -> Any:
         return json.loads(self.hook.read_key(self._key(rel), bucket_name=self.bucket))
@@ -171,7 +207,7 @@ class S3Landing:
     def list_names(self, rel: str) -> list[str]:
         prefix = self._key(rel).rstrip("/") + "/"
         keys = self.hook.list_keys(bucket_name=self.bucket, prefix=prefix) or []
-        return sorted({k[len(prefix):].split("/")[0] for k in keys if k != prefix})
+        return sorted({k[len(prefix) :].split("/")[0] for k in keys if k != prefix})
 
     def delete(self, rel: str) -> None:
         keys = self.hook.list_keys(bucket_name=self.bucket, prefix=self._key(rel)) or []
@@ -227,6 +263,7 @@ def _fsync_dir(path: Path) -> None:
 
 # --- writing events ----------------------------------------------------------------------------
 
+
 class TableWriter:
     """Buffers events of one source table and writes them as Parquet row groups.
 
@@ -235,11 +272,29 @@ class TableWriter:
     endpoint, run id) are stored once per row group as dictionary-encoded columns.
     """
 
-    _LISTS = ("op", "before", "after", "unavailable", "schema", "table", "commit_lsn", "lsn", "xid", "seq",
-              "commit_ts", "table_schema")
+    _LISTS = (
+        "op",
+        "before",
+        "after",
+        "unavailable",
+        "schema",
+        "table",
+        "commit_lsn",
+        "lsn",
+        "xid",
+        "seq",
+        "commit_ts",
+        "table_schema",
+    )
 
-    def __init__(self, directory: Path, constants: dict[str, Any], batch_rows: int = 20_000,
-                 file_rows: int = 2_000_000, batch_bytes: int = 64 * 1024**2):
+    def __init__(
+        self,
+        directory: Path,
+        constants: dict[str, Any],
+        batch_rows: int = 20_000,
+        file_rows: int = 2_000_000,
+        batch_bytes: int = 64 * 1024**2,
+    ):
         self.directory = directory
         self.constants = constants  # connector, endpoint, host, db, ts_ms, run_id
         self.batch_rows = batch_rows
@@ -256,8 +311,22 @@ class TableWriter:
         self.max_commit_lsn: int | None = None
         self.shards: set[str] = set()
 
-    def add(self, op: str, before, after, unavailable, schema: str, table: str, commit_lsn: int, lsn: int,
-            xid: int, seq: int, commit_ts_us: int, table_schema: str, size: int = 0) -> None:
+    def add(
+        self,
+        op: str,
+        before,
+        after,
+        unavailable,
+        schema: str,
+        table: str,
+        commit_lsn: int,
+        lsn: int,
+        xid: int,
+        seq: int,
+        commit_ts_us: int,
+        table_schema: str,
+        size: int = 0,
+    ) -> None:
         """size: the event's bytes as decoded (its message length), for the buffer's byte bound."""
         c = self._cols
         self._bytes += size
@@ -296,18 +365,32 @@ class TableWriter:
 
         source_type = schema.field("source").type
         source = pa.StructArray.from_arrays(
-            [const(k["connector"]), const(k["endpoint"]), const(k["host"]), const(k["db"]),
-             pa.array(c["schema"], pa.string()), pa.array(c["table"], pa.string()),
-             pa.array(c["commit_lsn"], pa.int64()), pa.array(c["lsn"], pa.int64()),
-             pa.array(c["xid"], pa.int64()), pa.array(c["seq"], pa.int64()),
-             pa.array(c["commit_ts"], pa.int64()).cast(pa.timestamp("us", tz="UTC"))],
+            [
+                const(k["connector"]),
+                const(k["endpoint"]),
+                const(k["host"]),
+                const(k["db"]),
+                pa.array(c["schema"], pa.string()),
+                pa.array(c["table"], pa.string()),
+                pa.array(c["commit_lsn"], pa.int64()),
+                pa.array(c["lsn"], pa.int64()),
+                pa.array(c["xid"], pa.int64()),
+                pa.array(c["seq"], pa.int64()),
+                pa.array(c["commit_ts"], pa.int64()).cast(pa.timestamp("us", tz="UTC")),
+            ],
             fields=list(source_type),
         )
         return pa.Table.from_arrays(
-            [pa.array(c["op"], pa.string()), pa.array(c["before"], schema.field("before").type),
-             pa.array(c["after"], schema.field("after").type),
-             pa.array(c["unavailable"], schema.field("unavailable").type), source,
-             pa.array(c["table_schema"], pa.string()), const(k["ts_ms"], pa.int64()), const(k["run_id"])],
+            [
+                pa.array(c["op"], pa.string()),
+                pa.array(c["before"], schema.field("before").type),
+                pa.array(c["after"], schema.field("after").type),
+                pa.array(c["unavailable"], schema.field("unavailable").type),
+                source,
+                pa.array(c["table_schema"], pa.string()),
+                const(k["ts_ms"], pa.int64()),
+                const(k["run_id"]),
+            ],
             schema=schema,
         )
 

@@ -52,8 +52,15 @@ def free_port() -> int:
 
 
 class LocalPostgres:
-    def __init__(self, datadir: str | Path, port: int, *, password: str | None = None,
-                 fast: bool = False, bindir: Path | None = None):
+    def __init__(
+        self,
+        datadir: str | Path,
+        port: int,
+        *,
+        password: str | None = None,
+        fast: bool = False,
+        bindir: Path | None = None,
+    ):
         self.datadir = Path(datadir).resolve()
         self.port = port
         self.password = password
@@ -205,8 +212,13 @@ class LocalS3:
     def client(self, service: str = "s3"):
         import boto3
 
-        return boto3.client(service, endpoint_url=self.endpoint, region_name=self.REGION,
-                            aws_access_key_id="local", aws_secret_access_key="local")
+        return boto3.client(
+            service,
+            endpoint_url=self.endpoint,
+            region_name=self.REGION,
+            aws_access_key_id="local",
+            aws_secret_access_key="local",
+        )
 
     def create_bucket(self, name: str) -> None:
         self.client().create_bucket(Bucket=name)
@@ -241,17 +253,37 @@ class LocalSparkCluster:
         spark_class = Path(pyspark.__file__).parent / "bin" / "spark-class"
         out = open(self.workdir / log, "wb")
         env = {**os.environ, "SPARK_LOCAL_IP": "127.0.0.1", "SPARK_WORKER_DIR": str(self.workdir / "work")}
-        return subprocess.Popen([str(spark_class), *args], stdout=out, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)
+        return subprocess.Popen(
+            [str(spark_class), *args], stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
 
     def start(self, timeout: float = 90) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.procs.append(self._spark_class("org.apache.spark.deploy.master.Master", "--host", "127.0.0.1",
-                                            "--port", str(self.port), "--webui-port", str(self.ui_port),
-                                            log="master.log"))
-        self.procs.append(self._spark_class("org.apache.spark.deploy.worker.Worker", self.master_url,
-                                            "--cores", str(self.cores), "--memory", self.memory,
-                                            "--webui-port", str(self.worker_ui_port), log="worker.log"))
+        self.procs.append(
+            self._spark_class(
+                "org.apache.spark.deploy.master.Master",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--webui-port",
+                str(self.ui_port),
+                log="master.log",
+            )
+        )
+        self.procs.append(
+            self._spark_class(
+                "org.apache.spark.deploy.worker.Worker",
+                self.master_url,
+                "--cores",
+                str(self.cores),
+                "--memory",
+                self.memory,
+                "--webui-port",
+                str(self.worker_ui_port),
+                log="worker.log",
+            )
+        )
         deadline = time.time() + timeout
         while time.time() < deadline:
             if "Successfully registered with master" in (self.workdir / "worker.log").read_text(errors="replace"):

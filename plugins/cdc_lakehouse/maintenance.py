@@ -47,12 +47,14 @@ def watermark_snapshot_time(spark: SparkSession, table: str) -> datetime | None:
     rows = spark.sql(
         f"SELECT h.made_current_at t FROM {table}.snapshots s JOIN {table}.history h ON s.snapshot_id = h.snapshot_id "
         f"WHERE h.is_current_ancestor AND s.summary['{WATERMARK_PROP}'] IS NOT NULL "
-        "ORDER BY h.made_current_at DESC LIMIT 1").collect()
+        "ORDER BY h.made_current_at DESC LIMIT 1"
+    ).collect()
     return rows[0]["t"].replace(tzinfo=UTC) if rows else None
 
 
-def compact(spark: SparkSession, lake: LakeSettings, table: str, cfg: TableConfig, *, sort: bool,
-            format_version: int, log=print) -> dict[str, Any]:
+def compact(
+    spark: SparkSession, lake: LakeSettings, table: str, cfg: TableConfig, *, sort: bool, format_version: int, log=print
+) -> dict[str, Any]:
     """rewrite_data_files (+ position deletes, manifests) through CALL statements."""
     cat = lake.catalog_name
     name = table.split(".", 1)[1]
@@ -71,13 +73,16 @@ def compact(spark: SparkSession, lake: LakeSettings, table: str, cfg: TableConfi
     }
     omap = ", ".join(f"'{k}', '{v}'" for k, v in opts.items())
     strategy = "'sort'" if sort else "'binpack'"
-    r = spark.sql(f"CALL {cat}.system.rewrite_data_files(table => '{name}', strategy => {strategy}, "
-                  f"options => map({omap}))").collect()
+    r = spark.sql(
+        f"CALL {cat}.system.rewrite_data_files(table => '{name}', strategy => {strategy}, options => map({omap}))"
+    ).collect()
     out: dict[str, Any] = {"rewritten_data_files": int(r[0][0]), "added_data_files": int(r[0][1])} if r else {}
     if format_version == 2:
         try:
-            r = spark.sql(f"CALL {cat}.system.rewrite_position_delete_files(table => '{name}', "
-                          "options => map('rewrite-all', 'true'))").collect()
+            r = spark.sql(
+                f"CALL {cat}.system.rewrite_position_delete_files(table => '{name}', "
+                "options => map('rewrite-all', 'true'))"
+            ).collect()
             if r:
                 out["rewritten_delete_files"] = int(r[0][0])
         except Exception as exc:  # noqa: BLE001
@@ -99,11 +104,14 @@ def expire(spark: SparkSession, lake: LakeSettings, table: str, cfg: TableConfig
     keep = watermark_snapshot_time(spark, table)
     if keep is not None and keep <= older:
         older = keep - timedelta(milliseconds=1)  # the watermark's snapshot must survive
-    r = spark.sql(f"CALL {cat}.system.expire_snapshots(table => '{name}', older_than => TIMESTAMP '{_ts(older)}', "
-                  f"retain_last => {cfg.maintenance.min_snapshots_to_keep})").collect()
+    r = spark.sql(
+        f"CALL {cat}.system.expire_snapshots(table => '{name}', older_than => TIMESTAMP '{_ts(older)}', "
+        f"retain_last => {cfg.maintenance.min_snapshots_to_keep})"
+    ).collect()
     orphans_before = now - timedelta(hours=cfg.maintenance.orphan_file_age_hours)
-    o = spark.sql(f"CALL {cat}.system.remove_orphan_files(table => '{name}', "
-                  f"older_than => TIMESTAMP '{_ts(orphans_before)}')").collect()
+    o = spark.sql(
+        f"CALL {cat}.system.remove_orphan_files(table => '{name}', older_than => TIMESTAMP '{_ts(orphans_before)}')"
+    ).collect()
     return {"expired_data_files": int(r[0][0]) if r else 0, "orphan_files_removed": len(o)}
 
 
@@ -127,8 +135,11 @@ def latest_rows(spark: SparkSession, lake: LakeSettings, cfg: TableConfig) -> Da
     cols = [c for c, _ in source_columns_of(spark, cur, cfg)]
     events = spark.table(cl)
     toast = _toast_columns(spark, cl)
-    trunc = (events.filter(F.col(OP_COL) == "t").groupBy(SHARD_COL)
-             .agg(F.max(F.struct(F.col(LSN_COL).alias("l"), F.col(SEQ_COL).alias("s"))).alias("_t")))
+    trunc = (
+        events.filter(F.col(OP_COL) == "t")
+        .groupBy(SHARD_COL)
+        .agg(F.max(F.struct(F.col(LSN_COL).alias("l"), F.col(SEQ_COL).alias("s"))).alias("_t"))
+    )
     key = [SHARD_COL, *cfg.primary_key]
     ev = events.filter(F.col(OP_COL) != "t")
     if toast:
@@ -136,16 +147,25 @@ def latest_rows(spark: SparkSession, lake: LakeSettings, cfg: TableConfig) -> Da
         unav = F.coalesce(F.col(UNAVAILABLE_COL), F.array().cast("array<string>"))
         for c in toast:
             carried = (F.col(OP_COL) != "d") & ~(F.array_contains(unav, c) & F.col(c).isNull())
-            ev = ev.withColumn(c, F.last(F.when(carried, F.struct(F.col(c).alias("v"))), ignorenulls=True)
-                               .over(upto)["v"])
+            ev = ev.withColumn(
+                c, F.last(F.when(carried, F.struct(F.col(c).alias("v"))), ignorenulls=True).over(upto)["v"]
+            )
     w = Window.partitionBy(*key).orderBy(F.col(LSN_COL).desc(), F.col(SEQ_COL).desc())
     latest = ev.withColumn("_rn", F.row_number().over(w)).filter("_rn = 1")
     latest = latest.join(F.broadcast(trunc), SHARD_COL, "left")
-    after_trunc = F.col("_t").isNull() | (F.col(LSN_COL) > F.col("_t.l")) | (
-        (F.col(LSN_COL) == F.col("_t.l")) & (F.col(SEQ_COL) > F.col("_t.s")))
+    after_trunc = (
+        F.col("_t").isNull()
+        | (F.col(LSN_COL) > F.col("_t.l"))
+        | ((F.col(LSN_COL) == F.col("_t.l")) & (F.col(SEQ_COL) > F.col("_t.s")))
+    )
     return latest.filter((F.col(OP_COL) != "d") & after_trunc).select(
-        SHARD_COL, *cols, F.when(F.col(OP_COL) == "r", F.lit("c")).otherwise(F.col(OP_COL)).alias(OP_COL),
-        LSN_COL, SEQ_COL, COMMIT_TS_COL)
+        SHARD_COL,
+        *cols,
+        F.when(F.col(OP_COL) == "r", F.lit("c")).otherwise(F.col(OP_COL)).alias(OP_COL),
+        LSN_COL,
+        SEQ_COL,
+        COMMIT_TS_COL,
+    )
 
 
 def publish_latest(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, log=print) -> dict[str, Any]:
@@ -194,8 +214,10 @@ def _latest_sql(spark: SparkSession, lake: LakeSettings, cfg: TableConfig) -> st
         q = spark_ident(c)
         if c in toast:
             carried = f"{OP_COL} <> 'd' AND NOT (array_contains({unav}, '{c}') AND {q} IS NULL)"
-            sel.append(f"last(CASE WHEN {carried} THEN named_struct('v', {q}) END, true) OVER (PARTITION BY {key} "
-                       f"ORDER BY {LSN_COL}, {SEQ_COL} ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW).v AS {q}")
+            sel.append(
+                f"last(CASE WHEN {carried} THEN named_struct('v', {q}) END, true) OVER (PARTITION BY {key} "
+                f"ORDER BY {LSN_COL}, {SEQ_COL} ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW).v AS {q}"
+            )
         else:
             sel.append(q)
     return (
@@ -211,8 +233,9 @@ def _latest_sql(spark: SparkSession, lake: LakeSettings, cfg: TableConfig) -> st
     )
 
 
-def prune_landing(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, consumers: list[TableConfig],
-                  now: datetime, log=print) -> dict[str, Any]:
+def prune_landing(
+    spark: SparkSession, lake: LakeSettings, cfg: TableConfig, consumers: list[TableConfig], now: datetime, log=print
+) -> dict[str, Any]:
     """Remove landing runs of cfg's endpoints that every consuming table has applied and that are
     older than the retention (the longest any consumer asks for).
 
@@ -243,8 +266,10 @@ def prune_landing(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, con
             landing.fs.delete(landing.file_uri(manifest_path(endpoint, m["run_id"])), recursive=False)
             removed.setdefault(endpoint, []).append(m["run_id"])
         if removed.get(endpoint):
-            log(f"maintenance {cfg.name}: removed {len(removed[endpoint])} landing run(s) of {endpoint} "
-                f"applied by every table and older than {hours} h ({landing.file_uri(endpoint + '/' + MANIFEST_DIR)})")
+            log(
+                f"maintenance {cfg.name}: removed {len(removed[endpoint])} landing run(s) of {endpoint} "
+                f"applied by every table and older than {hours} h ({landing.file_uri(endpoint + '/' + MANIFEST_DIR)})"
+            )
     return {"landing_runs_removed": removed}
 
 
@@ -269,9 +294,16 @@ def _applied_floor(spark: SparkSession, lake: LakeSettings, endpoint: str, consu
     return floor
 
 
-def maintain_table(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, *, run_id: str,
-                   now: datetime | None = None, consumers: list[TableConfig] | None = None,
-                   log=print) -> dict[str, Any]:
+def maintain_table(
+    spark: SparkSession,
+    lake: LakeSettings,
+    cfg: TableConfig,
+    *,
+    run_id: str,
+    now: datetime | None = None,
+    consumers: list[TableConfig] | None = None,
+    log=print,
+) -> dict[str, Any]:
     """Compaction, expiry and orphan cleanup of both tables, the latest view, and landing retention.
 
     `consumers`: every valid table config (landing runs are shared by the tables of an endpoint);
@@ -293,29 +325,52 @@ def maintain_table(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, *,
         before = table_stats(spark, target)
         before_sum = content_checksum(spark, target, cols)
         wm_before = read_watermark(spark, target)
-        comp = compact(spark, lake, target, cfg, sort=is_current and cfg.maintenance.compaction == "sort",
-                       format_version=cfg.lake.format_version if is_current else 2, log=log)
+        comp = compact(
+            spark,
+            lake,
+            target,
+            cfg,
+            sort=is_current and cfg.maintenance.compaction == "sort",
+            format_version=cfg.lake.format_version if is_current else 2,
+            log=log,
+        )
         exp = expire(spark, lake, target, cfg, now)
         after = table_stats(spark, target)
         after_sum = content_checksum(spark, target, cols)
         if after_sum != before_sum:
-            raise RuntimeError(f"{cfg.name}: content of {target} changed during maintenance "
-                               f"({before_sum} -> {after_sum}); a writer ran concurrently? Check the pool settings")
+            raise RuntimeError(
+                f"{cfg.name}: content of {target} changed during maintenance "
+                f"({before_sum} -> {after_sum}); a writer ran concurrently? Check the pool settings"
+            )
         if read_watermark(spark, target) != wm_before:
             raise RuntimeError(f"{cfg.name}: the watermark of {target} changed during maintenance")
         secs = time.time() - t
         kind = "current" if is_current else "changelog"
         for phase, st, cs in (("before", before, before_sum), ("after", after, after_sum)):
-            rows.append({"table_name": cfg.name, "run_id": run_id, "target": kind, "phase": phase,
-                         "data_files": st["data_files"], "avg_file_bytes": st["avg_file_bytes"],
-                         "delete_files": st["delete_files"], "snapshots": st["snapshots"],
-                         "total_bytes": st["total_bytes"], "records": st["records"], "checksum": cs,
-                         "seconds": secs, "at": now})
+            rows.append(
+                {
+                    "table_name": cfg.name,
+                    "run_id": run_id,
+                    "target": kind,
+                    "phase": phase,
+                    "data_files": st["data_files"],
+                    "avg_file_bytes": st["avg_file_bytes"],
+                    "delete_files": st["delete_files"],
+                    "snapshots": st["snapshots"],
+                    "total_bytes": st["total_bytes"],
+                    "records": st["records"],
+                    "checksum": cs,
+                    "seconds": secs,
+                    "at": now,
+                }
+            )
         result[kind] = {"before": before, "after": after, **comp, **exp, "seconds": secs}
-        log(f"maintenance {cfg.name} {kind}: data files {before['data_files']} -> {after['data_files']}, "
+        log(
+            f"maintenance {cfg.name} {kind}: data files {before['data_files']} -> {after['data_files']}, "
             f"delete files {before['delete_files']} -> {after['delete_files']}, snapshots {before['snapshots']} -> "
             f"{after['snapshots']}, avg file {before['avg_file_bytes'] / 1024:.0f} KiB -> "
-            f"{after['avg_file_bytes'] / 1024:.0f} KiB in {secs:.1f}s")
+            f"{after['avg_file_bytes'] / 1024:.0f} KiB in {secs:.1f}s"
+        )
     result.update(publish_latest(spark, lake, cfg, log))
     result.update(prune_landing(spark, lake, cfg, consumers or [cfg], now, log))
     meta_append(spark, lake, "maintenance_runs", rows)

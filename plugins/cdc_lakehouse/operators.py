@@ -19,8 +19,9 @@ class CdcSparkSubmitOperator(SparkSubmitOperator):
     def __init__(self, *, job: str, job_args: list[str], source_conn_ids: list[str], **kwargs: Any) -> None:
         kwargs.setdefault("name", f"cdc-{job}")
         kwargs.setdefault("verbose", False)
-        super().__init__(application=str(PROJECT_ROOT / "spark_jobs" / f"{job}.py"), application_args=job_args,
-                         **kwargs)
+        super().__init__(
+            application=str(PROJECT_ROOT / "spark_jobs" / f"{job}.py"), application_args=job_args, **kwargs
+        )
         self.job = job
         self.source_conn_ids = list(source_conn_ids)
         self._secrets_cleanup: Any = None
@@ -49,16 +50,25 @@ class CdcSparkSubmitOperator(SparkSubmitOperator):
         probe = self._get_hook()
         master, deploy_mode = probe._connection["master"], probe._connection["deploy_mode"]
         extra = self._spark_conn_extra()
-        transport = transport_for(master, deploy_mode, secrets, k8s_secret=extra.get(K8S_SECRET_EXTRA),
-                                  k8s_mount=extra.get(K8S_MOUNT_EXTRA))
+        transport = transport_for(
+            master, deploy_mode, secrets, k8s_secret=extra.get(K8S_SECRET_EXTRA), k8s_mount=extra.get(K8S_MOUNT_EXTRA)
+        )
         self._secrets_cleanup = transport.cleanup
         saved_env: dict[str, str | None] = {}
         try:
             self.conf = {**base_conf(), **(self.conf or {}), **transport.conf}
             self.files = ",".join([f for f in (self.files or "").split(",") if f] + transport.files) or None
             self.env_vars = {**(self.env_vars or {}), **public, **transport.env}
-            leaked = find_secrets([*self.conf.values(), *self.env_vars.values(), *map(str, self.application_args or []),
-                                   self.files or "", self.name or ""], secrets)
+            leaked = find_secrets(
+                [
+                    *self.conf.values(),
+                    *self.env_vars.values(),
+                    *map(str, self.application_args or []),
+                    self.files or "",
+                    self.name or "",
+                ],
+                secrets,
+            )
             if leaked:  # last-line check: a secret must never reach the command line
                 raise ValueError(f"secret(s) {leaked} would appear in the spark-submit command; refusing")
             if transport.process_env:  # the driver is the spark-submit process itself (k8s client mode)

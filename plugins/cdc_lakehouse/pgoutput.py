@@ -129,7 +129,7 @@ def parse_tuple(buf: bytes, pos: int) -> tuple[list, int]:
         if kind == 0x74:  # 't' text
             (ln,) = unpack(buf, pos)
             pos += 4
-            append(buf[pos:pos + ln].decode("utf-8"))
+            append(buf[pos : pos + ln].decode("utf-8"))
             pos += ln
         elif kind == 0x6E:  # 'n' null
             append(None)
@@ -138,7 +138,7 @@ def parse_tuple(buf: bytes, pos: int) -> tuple[list, int]:
         elif kind == 0x62:  # 'b' binary (only when binary mode is requested; we never do)
             (ln,) = unpack(buf, pos)
             pos += 4
-            append(bytes(buf[pos:pos + ln]))
+            append(bytes(buf[pos : pos + ln]))
             pos += ln
         else:
             raise ValueError(f"pgoutput: unknown tuple value kind {kind!r} at offset {pos - 1}")
@@ -207,6 +207,7 @@ def decode(buf: bytes):
 
 
 # --- PostgreSQL array text format -> JSON ------------------------------------------------
+
 
 def parse_pg_array(text: str) -> list | None:
     """'{a,"b c",NULL}' -> ['a', 'b c', None]; one-dimensional arrays only.

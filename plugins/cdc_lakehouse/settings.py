@@ -20,8 +20,11 @@ PROJECT_ROOT = Path(__file__).resolve().parents[2]
 ENV_PREFIX = "CDC_"
 # Credential-like catalog properties travel as secrets, in this variable (JSON), never in CDC_LAKE_SETTINGS.
 SECRET_PROPERTIES_ENV = f"{ENV_PREFIX}CATALOG_SECRET_PROPERTIES"
-_SECRET_KEY = re.compile(r"secret|password|passwd|token|credential|access[._-]?key|session|private[._-]?key"
-                         r"|authorization", re.I)
+_SECRET_KEY = re.compile(
+    r"secret|password|passwd|token|credential|access[._-]?key|session|private[._-]?key"
+    r"|authorization",
+    re.I,
+)
 
 
 def is_secret_key(key: str) -> bool:
@@ -98,13 +101,15 @@ class LakeSettings:
         conf = {p: "org.apache.iceberg.spark.SparkCatalog", f"{p}.warehouse": self.warehouse}
         if self.catalog_type == "jdbc":
             user, *_ = self._pg_parts()
-            conf.update({
-                f"{p}.type": "jdbc",
-                f"{p}.uri": self.jdbc_url(),
-                f"{p}.jdbc.user": user,
-                # V1 schema: the JDBC catalog then stores views too (latest-per-key views).
-                f"{p}.jdbc.schema-version": "V1",
-            })
+            conf.update(
+                {
+                    f"{p}.type": "jdbc",
+                    f"{p}.uri": self.jdbc_url(),
+                    f"{p}.jdbc.user": user,
+                    # V1 schema: the JDBC catalog then stores views too (latest-per-key views).
+                    f"{p}.jdbc.schema-version": "V1",
+                }
+            )
             if include_secret and self.catalog_password:
                 conf[f"{p}.jdbc.password"] = self.catalog_password
         elif self.catalog_type == "rest":
@@ -155,8 +160,10 @@ class LakeSettings:
         `spark.hadoop.` prefix: the caller adds it for a SparkConf."""
         if not self.uses_s3:
             return {}
-        conf = {"fs.s3.impl": "org.apache.hadoop.fs.s3a.S3AFileSystem",
-                "fs.s3a.impl": "org.apache.hadoop.fs.s3a.S3AFileSystem"}
+        conf = {
+            "fs.s3.impl": "org.apache.hadoop.fs.s3a.S3AFileSystem",
+            "fs.s3a.impl": "org.apache.hadoop.fs.s3a.S3AFileSystem",
+        }
         if self.s3_endpoint:
             conf["fs.s3a.endpoint"] = self.s3_endpoint
             conf["fs.s3a.connection.ssl.enabled"] = str(self.s3_endpoint.startswith("https")).lower()
@@ -263,8 +270,10 @@ class LakeSettings:
             }
         data["catalog_password"] = env.get(f"{ENV_PREFIX}CATALOG_PASSWORD") or None
         if env.get(SECRET_PROPERTIES_ENV):  # credential-like catalog properties, kept out of the JSON
-            data["catalog_properties"] = {**data.get("catalog_properties", {}),
-                                          **json.loads(env[SECRET_PROPERTIES_ENV])}
+            data["catalog_properties"] = {
+                **data.get("catalog_properties", {}),
+                **json.loads(env[SECRET_PROPERTIES_ENV]),
+            }
         data["s3_credentials"] = S3Credentials.from_env(env)
         settings = cls(**data)
         if not settings.warehouse or not settings.landing_uri:
@@ -283,7 +292,8 @@ class LakeSettings:
         ctype = extra.get("catalog_type", "jdbc")
         uri = extra.get("catalog_uri") or (
             f"postgresql://{quote(conn.login or 'postgres')}@{conn.host}:{conn.port or 5432}/{conn.schema}"
-            if ctype == "jdbc" else ""
+            if ctype == "jdbc"
+            else ""
         )
         return cls(
             catalog_type=ctype,
@@ -324,6 +334,7 @@ def tables_dir(root: Path = PROJECT_ROOT) -> Path:
 
 
 # --- source connections ------------------------------------------------------------------------
+
 
 def _env_key(conn_id: str) -> str:
     import re
@@ -368,12 +379,16 @@ class SourceEndpoint:
     @classmethod
     def from_uri(cls, uri: str, database: str | None = None) -> SourceEndpoint:
         u = urlsplit(uri.replace("postgres://", "postgresql://", 1))
-        return cls(u.hostname or "localhost", u.port or 5432, database or u.path.lstrip("/") or "postgres",
-                   unquote(u.username or "postgres"), unquote(u.password) if u.password else None)
+        return cls(
+            u.hostname or "localhost",
+            u.port or 5432,
+            database or u.path.lstrip("/") or "postgres",
+            unquote(u.username or "postgres"),
+            unquote(u.password) if u.password else None,
+        )
 
     def dsn(self) -> str:
-        return libpq_dsn(host=self.host, port=self.port, dbname=self.database, user=self.user,
-                         password=self.password)
+        return libpq_dsn(host=self.host, port=self.port, dbname=self.database, user=self.user, password=self.password)
 
     def jdbc_url(self) -> str:
         return f"jdbc:postgresql://{self.host}:{self.port}/{self.database}"

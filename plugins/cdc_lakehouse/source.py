@@ -19,8 +19,10 @@ HEARTBEAT_TABLE = "_cdc_heartbeat"
 # Text output the capture, the bootstrap and the audit parse: fixed here, never left to the role's
 # or the server's defaults. client_encoding matters for the SQL sessions; pgoutput sends text in
 # the database encoding, which preflight requires to be UTF8.
-SESSION_OPTIONS = ("-c DateStyle=ISO -c TimeZone=UTC -c IntervalStyle=iso_8601 -c extra_float_digits=3 "
-                   "-c bytea_output=hex -c client_encoding=UTF8")
+SESSION_OPTIONS = (
+    "-c DateStyle=ISO -c TimeZone=UTC -c IntervalStyle=iso_8601 -c extra_float_digits=3 "
+    "-c bytea_output=hex -c client_encoding=UTF8"
+)
 
 
 class SourceError(RuntimeError):
@@ -49,13 +51,32 @@ def slot_name(endpoint_id: str) -> str:
 # --- types ---------------------------------------------------------------------------------
 
 _SCALARS = {
-    "bigint": "bigint", "integer": "int", "smallint": "int", "boolean": "boolean",
-    "text": "string", "character varying": "string", "character": "string", "name": "string",
-    "citext": "string", "uuid": "string", "json": "string", "jsonb": "string", "xml": "string",
-    "inet": "string", "cidr": "string", "macaddr": "string", "interval": "string",
-    "time without time zone": "string", "time with time zone": "string", "money": "string",
-    "real": "float", "double precision": "double", "date": "date", "bytea": "binary",
-    "timestamp with time zone": "timestamp", "timestamp without time zone": "timestamp_ntz",
+    "bigint": "bigint",
+    "integer": "int",
+    "smallint": "int",
+    "boolean": "boolean",
+    "text": "string",
+    "character varying": "string",
+    "character": "string",
+    "name": "string",
+    "citext": "string",
+    "uuid": "string",
+    "json": "string",
+    "jsonb": "string",
+    "xml": "string",
+    "inet": "string",
+    "cidr": "string",
+    "macaddr": "string",
+    "interval": "string",
+    "time without time zone": "string",
+    "time with time zone": "string",
+    "money": "string",
+    "real": "float",
+    "double precision": "double",
+    "date": "date",
+    "bytea": "binary",
+    "timestamp with time zone": "timestamp",
+    "timestamp without time zone": "timestamp_ntz",
 }
 _NUMERIC = re.compile(r"^numeric(?:\((\d+)(?:,(\d+))?\))?$")
 _TS = re.compile(r"^(timestamp|time)\(\d\) (with|without) time zone$")
@@ -132,8 +153,7 @@ class SourceColumn:
     is_key: bool
 
     def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "type": self.pg_type, "lake_type": self.lake_type,
-                "key": self.is_key}
+        return {"name": self.name, "type": self.pg_type, "lake_type": self.lake_type, "key": self.is_key}
 
 
 @dataclass
@@ -205,6 +225,7 @@ def describe_table(cur, schema: str, table: str) -> SourceTable | None:
 
 # --- preflight -------------------------------------------------------------------------------
 
+
 @dataclass
 class EndpointTables:
     """What one endpoint must replicate: source table -> (shard schemas, primary key)."""
@@ -258,7 +279,9 @@ def preflight(conn, ep: EndpointTables, *, need_replication: bool = True) -> lis
                 fq = f"{schema}.{table}"
                 info = describe_table(cur, schema, table)
                 if info is None:
-                    problems.append(f"{where}: table {fq} does not exist; create it or remove shard {schema!r} from the config")
+                    problems.append(
+                        f"{where}: table {fq} does not exist; create it or remove shard {schema!r} from the config"
+                    )
                     continue
                 if info.partitioned:
                     problems.append(
@@ -307,8 +330,11 @@ def check_publication(conn, ep: EndpointTables, *, fix: bool = True) -> list[str
     wanted = ep.qualified_tables() + [(s, HEARTBEAT_TABLE) for s in ep.schemas]
     problems: list[str] = []
     with conn.cursor() as cur:
-        cur.execute("SELECT pubowner::regrole::text, puballtables, pubinsert, pubupdate, pubdelete, pubtruncate "
-                    "FROM pg_publication WHERE pubname = %s", (PUBLICATION,))
+        cur.execute(
+            "SELECT pubowner::regrole::text, puballtables, pubinsert, pubupdate, pubdelete, pubtruncate "
+            "FROM pg_publication WHERE pubname = %s",
+            (PUBLICATION,),
+        )
         row = cur.fetchone()
         if row is None:
             if not fix:
@@ -318,9 +344,11 @@ def check_publication(conn, ep: EndpointTables, *, fix: bool = True) -> list[str
                 cur.execute(f"CREATE PUBLICATION {pg_ident(PUBLICATION)} FOR TABLE {tables}")
             except Exception as exc:  # noqa: BLE001 - reported with the fix
                 conn.rollback()
-                return [f"endpoint {ep.endpoint_id} ({ep.conn_id}): cannot create publication {PUBLICATION}: "
-                        f"{str(exc).strip()}; a superuser or the database owner must run: "
-                        f"CREATE PUBLICATION {PUBLICATION} FOR TABLE {tables}"]
+                return [
+                    f"endpoint {ep.endpoint_id} ({ep.conn_id}): cannot create publication {PUBLICATION}: "
+                    f"{str(exc).strip()}; a superuser or the database owner must run: "
+                    f"CREATE PUBLICATION {PUBLICATION} FOR TABLE {tables}"
+                ]
             return []
         problems += _publish_actions(conn, cur, ep, dict(zip(PUBLISH_ACTIONS, row[2:6])), fix)
         problems += _publication_filters(cur, ep, wanted)
@@ -336,8 +364,10 @@ def check_publication(conn, ep: EndpointTables, *, fix: bool = True) -> list[str
                     continue
                 except Exception as exc:  # noqa: BLE001
                     conn.rollback()
-                    problems.append(f"endpoint {ep.endpoint_id} ({ep.conn_id}): publication {PUBLICATION} is missing "
-                                    f"{s}.{t} and it cannot be added ({str(exc).strip()}); its owner must run: {stmt}")
+                    problems.append(
+                        f"endpoint {ep.endpoint_id} ({ep.conn_id}): publication {PUBLICATION} is missing "
+                        f"{s}.{t} and it cannot be added ({str(exc).strip()}); its owner must run: {stmt}"
+                    )
                     continue
             problems.append(f"endpoint {ep.endpoint_id}: publication {PUBLICATION} is missing {s}.{t}; run: {stmt}")
     return problems
@@ -354,8 +384,10 @@ def _publish_actions(conn, cur, ep: EndpointTables, actions: dict[str, bool], fi
             return []
         except Exception:  # noqa: BLE001 - reported with the fix below
             conn.rollback()
-    return [f"endpoint {ep.endpoint_id} ({ep.conn_id}): publication {PUBLICATION} does not publish "
-            f"{', '.join(missing)}, so those changes would never reach the lake; its owner must run: {stmt}"]
+    return [
+        f"endpoint {ep.endpoint_id} ({ep.conn_id}): publication {PUBLICATION} does not publish "
+        f"{', '.join(missing)}, so those changes would never reach the lake; its owner must run: {stmt}"
+    ]
 
 
 def _publication_filters(cur, ep: EndpointTables, wanted: list[tuple[str, str]]) -> list[str]:
@@ -385,15 +417,18 @@ def _publication_filters(cur, ep: EndpointTables, wanted: list[tuple[str, str]])
         problems.append(
             f"endpoint {ep.endpoint_id} ({ep.conn_id}): publication {PUBLICATION} has {what} on {schema}.{table}, so "
             f"changes outside it would never reach the lake; publish the whole table: ALTER PUBLICATION "
-            f"{pg_ident(PUBLICATION)} DROP TABLE {q}; ALTER PUBLICATION {pg_ident(PUBLICATION)} ADD TABLE {q}")
+            f"{pg_ident(PUBLICATION)} DROP TABLE {q}; ALTER PUBLICATION {pg_ident(PUBLICATION)} ADD TABLE {q}"
+        )
     return problems
 
 
 def published_tables(conn) -> list[str]:
     """'schema.table' of every table the publication sends (partition roots when via root)."""
     with conn.cursor() as cur:
-        cur.execute("SELECT schemaname || '.' || tablename FROM pg_publication_tables WHERE pubname = %s "
-                    "ORDER BY 1", (PUBLICATION,))
+        cur.execute(
+            "SELECT schemaname || '.' || tablename FROM pg_publication_tables WHERE pubname = %s ORDER BY 1",
+            (PUBLICATION,),
+        )
         out = [r[0] for r in cur.fetchall()]
     conn.commit()
     return out
@@ -415,8 +450,11 @@ def identity_mismatch(recorded: dict[str, Any] | None, seen: dict[str, Any] | No
     """Why two identities differ, or None when they may be compared (or one is unknown)."""
     if not recorded or not seen:
         return None
-    diffs = [f"{k} {recorded.get(k)} -> {seen.get(k)}" for k in ("system_identifier", "database", "timeline")
-             if recorded.get(k) != seen.get(k)]
+    diffs = [
+        f"{k} {recorded.get(k)} -> {seen.get(k)}"
+        for k in ("system_identifier", "database", "timeline")
+        if recorded.get(k) != seen.get(k)
+    ]
     return ", ".join(diffs) or None
 
 
@@ -448,6 +486,7 @@ def write_heartbeat(conn, schemas: list[str], run_id: str) -> int:
 
 # --- slots -------------------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class SlotState:
     name: str
@@ -471,9 +510,14 @@ class SlotState:
         return self.current_lsn - self.confirmed_flush
 
     def to_json(self) -> dict[str, Any]:
-        return {"slot": self.name, "confirmed_flush_lsn": self.confirmed_flush, "restart_lsn": self.restart_lsn,
-                "wal_status": self.wal_status, "retained_wal_bytes": self.retained_bytes,
-                "lag_bytes": self.lag_bytes}
+        return {
+            "slot": self.name,
+            "confirmed_flush_lsn": self.confirmed_flush,
+            "restart_lsn": self.restart_lsn,
+            "wal_status": self.wal_status,
+            "retained_wal_bytes": self.retained_bytes,
+            "lag_bytes": self.lag_bytes,
+        }
 
 
 def slot_state(conn, name: str) -> SlotState:
@@ -498,23 +542,30 @@ def slot_state(conn, name: str) -> SlotState:
         raise SlotConflictError(
             f"replication slot {name} belongs to database {row[5]}, not {row[6]}: two endpoints on one PostgreSQL "
             "cluster have the same id. Give one of them its own Airflow connection id (the slot is named after it), "
-            f"or drop the stale slot in {row[5]}: SELECT pg_drop_replication_slot('{name}')")
+            f"or drop the stale slot in {row[5]}: SELECT pg_drop_replication_slot('{name}')"
+        )
     return SlotState(name, True, row[0], row[1], row[2], row[3], row[4])
 
 
 def check_slot_usable(state: SlotState, ep: EndpointTables, *, captured_before: bool) -> None:
-    fix = ("the changes in between are gone from the WAL: re-bootstrap every table on this endpoint "
-           f"(trigger cdc_bootstrap__<table> for {sorted(ep.tables)})")
+    fix = (
+        "the changes in between are gone from the WAL: re-bootstrap every table on this endpoint "
+        f"(trigger cdc_bootstrap__<table> for {sorted(ep.tables)})"
+    )
     if not state.exists and captured_before:
         raise SlotLostError(f"replication slot {state.name} on {ep.conn_id} was dropped after earlier captures; {fix}")
     if state.exists and (state.wal_status == "lost" or state.restart_lsn is None):
-        raise SlotLostError(f"replication slot {state.name} on {ep.conn_id} was invalidated (WAL removed, "
-                            f"wal_status={state.wal_status}); {fix}")
+        raise SlotLostError(
+            f"replication slot {state.name} on {ep.conn_id} was invalidated (WAL removed, "
+            f"wal_status={state.wal_status}); {fix}"
+        )
 
 
 def create_slot(conn, name: str) -> int:
     with conn.cursor() as cur:
-        cur.execute("SELECT (lsn - '0/0'::pg_lsn)::bigint FROM pg_create_logical_replication_slot(%s, 'pgoutput')", (name,))
+        cur.execute(
+            "SELECT (lsn - '0/0'::pg_lsn)::bigint FROM pg_create_logical_replication_slot(%s, 'pgoutput')", (name,)
+        )
         lsn = cur.fetchone()[0]
     conn.commit()
     return lsn
@@ -557,7 +608,6 @@ def column_type_cache(conn):
 
 def schema_json(columns: list[dict[str, Any]]) -> str:
     return json.dumps(columns, separators=(",", ":"), sort_keys=True)
-
 
 
 def key_is_enforced(cur, schema: str, table: str, key: list[str]) -> bool:

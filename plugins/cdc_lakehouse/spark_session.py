@@ -58,8 +58,9 @@ def base_conf(shuffle_partitions: int | None = None) -> dict[str, str]:
     }
 
 
-def spark_conf(lake: LakeSettings, *, include_secret: bool = True,
-               shuffle_partitions: int | None = None) -> dict[str, str]:
+def spark_conf(
+    lake: LakeSettings, *, include_secret: bool = True, shuffle_partitions: int | None = None
+) -> dict[str, str]:
     conf = base_conf(shuffle_partitions)
     conf.update(lake.spark_catalog_conf(include_secret=include_secret))
     conf.update({f"spark.hadoop.{k}": v for k, v in lake.hadoop_s3_conf(include_secret).items()})
@@ -76,9 +77,15 @@ def attach_lake(spark: SparkSession, lake: LakeSettings) -> None:
         hconf.set(k, v)
 
 
-def get_spark(app_name: str, lake: LakeSettings, *, master: str | None = None,
-              jars: list[str] | None = None, extra: dict[str, str] | None = None,
-              driver_memory: str | None = None) -> SparkSession:
+def get_spark(
+    app_name: str,
+    lake: LakeSettings,
+    *,
+    master: str | None = None,
+    jars: list[str] | None = None,
+    extra: dict[str, str] | None = None,
+    driver_memory: str | None = None,
+) -> SparkSession:
     from pyspark.sql import SparkSession
 
     builder = SparkSession.builder.appName(app_name)
@@ -88,7 +95,9 @@ def get_spark(app_name: str, lake: LakeSettings, *, master: str | None = None,
         jar_list = default_jars() if jars is None else jars
         if jar_list:
             builder = builder.config("spark.jars", ",".join(jar_list))
-        builder = builder.config("spark.driver.memory", driver_memory or os.environ.get("CDC_SPARK_DRIVER_MEMORY", "4g"))
+        builder = builder.config(
+            "spark.driver.memory", driver_memory or os.environ.get("CDC_SPARK_DRIVER_MEMORY", "4g")
+        )
     for k, v in {**spark_conf(lake), **(extra or {})}.items():
         builder = builder.config(k, v)
     spark = builder.getOrCreate()

@@ -40,9 +40,11 @@ def with_aws_connection(lake: LakeSettings) -> LakeSettings:
     return lake.with_(
         s3_endpoint=lake.s3_endpoint or cfg.get_service_endpoint_url("s3"),
         s3_region=lake.s3_region or hook.conn_region_name,
-        s3_path_style=lake.s3_path_style or bool(cfg.extra_config.get("s3_path_style")
-                                                  or (cfg.extra_config.get("config_kwargs") or {}).get("s3", {})
-                                                  .get("addressing_style") == "path"),
+        s3_path_style=lake.s3_path_style
+        or bool(
+            cfg.extra_config.get("s3_path_style")
+            or (cfg.extra_config.get("config_kwargs") or {}).get("s3", {}).get("addressing_style") == "path"
+        ),
         s3_credentials=S3Credentials(creds.access_key, creds.secret_key, creds.token) if creds.access_key else None,
     )
 
@@ -59,8 +61,9 @@ def _configs() -> ConfigSet:
     return load_table_configs(tables_dir())
 
 
-def capture_endpoint(endpoint_id: str, interval_end: datetime, context: dict[str, Any] | None = None,
-                     **_: Any) -> dict[str, Any]:
+def capture_endpoint(
+    endpoint_id: str, interval_end: datetime, context: dict[str, Any] | None = None, **_: Any
+) -> dict[str, Any]:
     """Capture task: one bounded run of the endpoint's slot into the landing zone; then the
     slot's retained-WAL alert (cdc_lakehouse.alerts), which never fails the task."""
     from .capture import CaptureLimits, capture_run
@@ -74,15 +77,24 @@ def capture_endpoint(endpoint_id: str, interval_end: datetime, context: dict[str
         raise ValueError(f"endpoint {endpoint_id!r} is not used by any valid table config in {tables_dir()}")
     group = members[0][1]
     tables = cs.endpoint_tables()[endpoint_id]
-    limits = CaptureLimits(max_events=min(t.ingest.max_events_per_run for t, _ in members),
-                           max_bytes=min(t.ingest.max_bytes_per_run for t, _ in members))
+    limits = CaptureLimits(
+        max_events=min(t.ingest.max_events_per_run for t, _ in members),
+        max_bytes=min(t.ingest.max_bytes_per_run for t, _ in members),
+    )
     ep = SourceEndpoint.from_uri(source_uri_from_connection(group.conn_id), group.database)
     lake = lake_settings()
     store = open_landing(lake.landing_uri, lake.landing_conn_id)
     run_id = run_id_for(interval_end)
     started = datetime.now(UTC)
-    manifest = capture_run(EndpointTables(endpoint_id, group.conn_id, tables), ep.dsn(), store, run_id,
-                           host_label=ep.label, database=ep.database, limits=limits)
+    manifest = capture_run(
+        EndpointTables(endpoint_id, group.conn_id, tables),
+        ep.dsn(),
+        store,
+        run_id,
+        host_label=ep.label,
+        database=ep.database,
+        limits=limits,
+    )
     record_capture_metrics(lake, manifest, started)
     from .alerts import notify_wal
 
@@ -105,16 +117,27 @@ def record_capture_metrics(lake: LakeSettings, manifest: dict[str, Any], started
         try:
             table = catalog.load_table(lake.meta_table("capture_runs"))
         except NoSuchTableError:
-            log.info("capture metrics: %s does not exist yet (created by the first Spark job)", lake.meta_table("capture_runs"))
+            log.info(
+                "capture metrics: %s does not exist yet (created by the first Spark job)",
+                lake.meta_table("capture_runs"),
+            )
             return
         after = manifest.get("slot_after") or {}
         finished = datetime.fromisoformat(manifest["finished_at"])
         row = {
-            "endpoint": manifest["endpoint"], "run_id": manifest["run_id"], "events": manifest["events"],
-            "bytes": manifest["bytes"], "transactions": manifest["transactions"], "capped": manifest["capped"],
-            "start_lsn": manifest.get("start_lsn"), "end_lsn": manifest["end_lsn"],
-            "retained_wal_bytes": after.get("retained_wal_bytes"), "lag_bytes": after.get("lag_bytes"),
-            "seconds": (finished - started).total_seconds(), "started_at": started, "finished_at": finished,
+            "endpoint": manifest["endpoint"],
+            "run_id": manifest["run_id"],
+            "events": manifest["events"],
+            "bytes": manifest["bytes"],
+            "transactions": manifest["transactions"],
+            "capped": manifest["capped"],
+            "start_lsn": manifest.get("start_lsn"),
+            "end_lsn": manifest["end_lsn"],
+            "retained_wal_bytes": after.get("retained_wal_bytes"),
+            "lag_bytes": after.get("lag_bytes"),
+            "seconds": (finished - started).total_seconds(),
+            "started_at": started,
+            "finished_at": finished,
         }
         schema = table.schema().as_arrow()
         table.append(pa.Table.from_pylist([row], schema=schema))
@@ -132,8 +155,9 @@ def spark_job_env(source_conn_ids: list[str]) -> tuple[dict[str, str], dict[str,
         secrets[source_uri_env(cid)] = source_uri_from_connection(cid)
     # The job imports the package from --py-files (as on a cluster), not from this checkout.
     plugins = str(PROJECT_ROOT / "plugins")
-    public["PYTHONPATH"] = os.pathsep.join(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
-                                           if p and os.path.abspath(p) != plugins)
+    public["PYTHONPATH"] = os.pathsep.join(
+        p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and os.path.abspath(p) != plugins
+    )
     return public, secrets
 
 

@@ -43,8 +43,10 @@ def schema_sql(schema: str) -> list[str]:
 
 def _content(long_share: float = 0.25) -> str:
     # ~3 KB of md5 text for a quarter of the blocks (TOASTed), a short line otherwise.
-    return (f"CASE WHEN random() < {long_share} THEN (SELECT string_agg(md5(random()::text || g::text), ' ') "
-            "FROM generate_series(1, 90) g) ELSE 'line ' || md5(random()::text) END")
+    return (
+        f"CASE WHEN random() < {long_share} THEN (SELECT string_agg(md5(random()::text || g::text), ' ') "
+        "FROM generate_series(1, 90) g) ELSE 'line ' || md5(random()::text) END"
+    )
 
 
 @dataclass
@@ -90,9 +92,12 @@ class NotionWorkload:
                 for s in self.schemas:
                     base = self.shard_no(s) * ID_STRIDE
                     t = lambda name, s=s: pg_qualified(s, name)  # noqa: E731
-                    cur.execute(f"INSERT INTO {t('space')} (id, name, plan) SELECT {base} + g, 'space ' || g, "
-                                f"(ARRAY['free','plus','business'])[1 + g %% 3] FROM generate_series(1, %s) g "
-                                "ON CONFLICT DO NOTHING", (spaces_per_shard,))
+                    cur.execute(
+                        f"INSERT INTO {t('space')} (id, name, plan) SELECT {base} + g, 'space ' || g, "
+                        f"(ARRAY['free','plus','business'])[1 + g %% 3] FROM generate_series(1, %s) g "
+                        "ON CONFLICT DO NOTHING",
+                        (spaces_per_shard,),
+                    )
                     cur.execute(
                         f"INSERT INTO {t('block')} (id, space_id, parent_id, type, properties, content, created_at, "
                         "updated_at, version, tags, score, created_day, external_id) "
@@ -103,11 +108,14 @@ class NotionWorkload:
                         "now() - make_interval(secs => (%s - g)), 1, ARRAY['t' || (g %% 5), 'x'], (g %% 1000) / 7.0, "
                         "(now() - make_interval(secs => (%s - g)))::date, md5(g::text)::uuid "
                         "FROM generate_series(1, %s) g ON CONFLICT DO NOTHING",
-                        (spaces_per_shard, blocks_per_shard, blocks_per_shard, blocks_per_shard, blocks_per_shard))
-                    cur.execute(f"INSERT INTO {t('permission')} (block_id, user_id, role) SELECT {base} + g, "
-                                "1 + (g %% 50), (ARRAY['read','edit','full'])[1 + g %% 3] FROM generate_series(1, %s) g "
-                                f"WHERE g %% {max(1, int(1 / perms_per_block))} = 0 ON CONFLICT DO NOTHING",
-                                (blocks_per_shard,))
+                        (spaces_per_shard, blocks_per_shard, blocks_per_shard, blocks_per_shard, blocks_per_shard),
+                    )
+                    cur.execute(
+                        f"INSERT INTO {t('permission')} (block_id, user_id, role) SELECT {base} + g, "
+                        "1 + (g %% 50), (ARRAY['read','edit','full'])[1 + g %% 3] FROM generate_series(1, %s) g "
+                        f"WHERE g %% {max(1, int(1 / perms_per_block))} = 0 ON CONFLICT DO NOTHING",
+                        (blocks_per_shard,),
+                    )
                     self.first_id[s] = base + 1
                     self.next_id[s] = base + blocks_per_shard + 1
             conn.commit()
@@ -156,25 +164,34 @@ class NotionWorkload:
                         "(ARRAY['page','text','to_do','code'])[1 + g %% 4], jsonb_build_object('title', 'new ' || g), "
                         f"{_content(self.long_content_share)}, now(), now(), ARRAY['new'], g %% 100, current_date, "
                         "gen_random_uuid() FROM generate_series(%s, %s) g",
-                        (start, start + n_ins - 1))
-                    cur.execute(f"INSERT INTO {t('permission')} (block_id, user_id, role) SELECT g, 1 + g %% 50, 'edit' "
-                                "FROM generate_series(%s, %s) g WHERE g %% 4 = 0 ON CONFLICT DO NOTHING",
-                                (start, start + n_ins - 1))
+                        (start, start + n_ins - 1),
+                    )
+                    cur.execute(
+                        f"INSERT INTO {t('permission')} (block_id, user_id, role) SELECT g, 1 + g %% 50, 'edit' "
+                        "FROM generate_series(%s, %s) g WHERE g %% 4 = 0 ON CONFLICT DO NOTHING",
+                        (start, start + n_ins - 1),
+                    )
                     self.next_id[s] = start + n_ins
                     counts["insert"] += n_ins
                     conn.commit()
                     ids = self._recent_ids(s, n_upd)
                     for i in range(0, len(ids), chunk):
-                        part = ids[i:i + chunk]
+                        part = ids[i : i + chunk]
                         if self.rng.random() < toast_share:
                             # Content untouched: its TOASTed value is not re-sent.
-                            cur.execute(f"UPDATE {t('block')} SET properties = properties || jsonb_build_object('rev', "
-                                        "version + 1), updated_at = now(), version = version + 1, "
-                                        "is_archived = (random() < 0.05) WHERE id = ANY(%s)", (part,))
+                            cur.execute(
+                                f"UPDATE {t('block')} SET properties = properties || jsonb_build_object('rev', "
+                                "version + 1), updated_at = now(), version = version + 1, "
+                                "is_archived = (random() < 0.05) WHERE id = ANY(%s)",
+                                (part,),
+                            )
                         else:
-                            cur.execute(f"UPDATE {t('block')} SET content = {_content(self.long_content_share)}, "
-                                        "updated_at = now(), version = version + 1, score = score + 1 "
-                                        "WHERE id = ANY(%s)", (part,))
+                            cur.execute(
+                                f"UPDATE {t('block')} SET content = {_content(self.long_content_share)}, "
+                                "updated_at = now(), version = version + 1, score = score + 1 "
+                                "WHERE id = ANY(%s)",
+                                (part,),
+                            )
                         counts["update"] += cur.rowcount
                         conn.commit()
                     lo = self.first_id[s]
@@ -187,14 +204,20 @@ class NotionWorkload:
                         old = self._recent_ids(s, 1)[0]
                         new = self.next_id[s]
                         self.next_id[s] += 1
-                        cur.execute(f"UPDATE {t('block')} SET id = %s WHERE id = %s AND NOT EXISTS "
-                                    f"(SELECT 1 FROM {t('permission')} WHERE block_id = %s)", (new, old, old))
+                        cur.execute(
+                            f"UPDATE {t('block')} SET id = %s WHERE id = %s AND NOT EXISTS "
+                            f"(SELECT 1 FROM {t('permission')} WHERE block_id = %s)",
+                            (new, old, old),
+                        )
                         counts["pk_change"] += cur.rowcount
                         conn.commit()
                     if self.rng.random() < 0.3:
                         sp = self.shard_no(s) * ID_STRIDE + 1 + self.rng.randint(0, 9)
-                        cur.execute(f"UPDATE {t('space')} SET updated_at = now(), plan = (ARRAY['free','plus',"
-                                    "'business'])[1 + floor(random() * 3)::int] WHERE id = %s", (sp,))
+                        cur.execute(
+                            f"UPDATE {t('space')} SET updated_at = now(), plan = (ARRAY['free','plus',"
+                            "'business'])[1 + floor(random() * 3)::int] WHERE id = %s",
+                            (sp,),
+                        )
                         counts["space_update"] += cur.rowcount
                         conn.commit()
         finally:

@@ -17,8 +17,13 @@ TABLES = ROOT / "include" / "tables"
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "plugins"), "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
-           "AIRFLOW__CORE__DAGS_FOLDER": str(DAGS), "AIRFLOW__CORE__PLUGINS_FOLDER": str(ROOT / "plugins")}
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT / "plugins"),
+        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+        "AIRFLOW__CORE__DAGS_FOLDER": str(DAGS),
+        "AIRFLOW__CORE__PLUGINS_FOLDER": str(ROOT / "plugins"),
+    }
     env.update(extra)
     return env
 
@@ -58,7 +63,9 @@ def test_dag_policy(dagbag, dag_id):
 
     dag = dagbag.dags[dag_id]
     doc = dag.doc_md or ""
-    assert "## What it does" in doc and "## How to" in doc, f"{dag_id}: doc_md must say what it does and how to operate it"
+    assert "## What it does" in doc and "## How to" in doc, (
+        f"{dag_id}: doc_md must say what it does and how to operate it"
+    )
     assert dag.tags and "cdc" in dag.tags, f"{dag_id}: tags {dag.tags}"
     assert dag.max_active_runs == 1, f"{dag_id}: runs of one table must not overlap"
     assert not dag.catchup or dag_id.startswith("cdc_ingest"), dag_id
@@ -83,8 +90,12 @@ def test_writers_of_one_table_share_a_single_slot_pool(dagbag):
     for name, cfg in cs.tables.items():
         pool = table_pool(cfg)
         assert declared[pool]["slots"] == 1
-        writers = [t for d in (f"cdc_bootstrap__{name}", f"cdc_maintenance__{name}")
-                   for t in dagbag.dags[d].tasks if t.pool == pool]
+        writers = [
+            t
+            for d in (f"cdc_bootstrap__{name}", f"cdc_maintenance__{name}")
+            for t in dagbag.dags[d].tasks
+            if t.pool == pool
+        ]
         assert writers, f"{name}: no writer task uses pool {pool}"
 
 
@@ -99,8 +110,14 @@ def test_parse_imports_nothing_heavy():
                        if m in sys.modules)
         print("HEAVY=" + ",".join(heavy))
     """)
-    r = subprocess.run([sys.executable, "-c", code], env=_env(CDC_TABLES_DIR=str(TABLES)), capture_output=True,
-                       text=True, timeout=300, check=False)
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        env=_env(CDC_TABLES_DIR=str(TABLES)),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     heavy = [line for line in r.stdout.splitlines() if line.startswith("HEAVY=")][-1]
     assert heavy == "HEAVY=", f"parse-time imports: {heavy}"
@@ -111,23 +128,31 @@ def test_a_broken_config_is_an_import_error_naming_the_field(tmp_path):
     while the DAGs of the good configs still load."""
     for f in TABLES.glob("*.yaml"):
         (tmp_path / f.name).write_text(f.read_text())
-    (tmp_path / "broken.yaml").write_text(textwrap.dedent("""
+    (tmp_path / "broken.yaml").write_text(
+        textwrap.dedent("""
         name: broken
         source: {table: "bad;name", shards: [{conn_id: cdc_source_local, schemas: [s0]}]}
         primary_key: []
-    """))
+    """)
+    )
     code = textwrap.dedent(f"""
         import json
         from airflow.dag_processing.dagbag import DagBag
         bag = DagBag(dag_folder={str(DAGS)!r})
         print("RESULT=" + json.dumps({{"errors": bag.import_errors, "dags": sorted(bag.dags)}}))
     """)
-    r = subprocess.run([sys.executable, "-c", code], env=_env(CDC_TABLES_DIR=str(tmp_path)), capture_output=True,
-                       text=True, timeout=300, check=False)
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        env=_env(CDC_TABLES_DIR=str(tmp_path)),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     import json
 
-    out = json.loads([line for line in r.stdout.splitlines() if line.startswith("RESULT=")][-1][len("RESULT="):])
+    out = json.loads([line for line in r.stdout.splitlines() if line.startswith("RESULT=")][-1][len("RESULT=") :])
     errors = out["errors"]
     assert len(errors) == 1 and next(iter(errors)).endswith("cdc_config_check.py"), errors
     msg = next(iter(errors.values()))

@@ -29,8 +29,11 @@ def demo_env(pg, tmp_path_factory):
     base = tmp_path_factory.mktemp("demo")
     for db in ("notion", "e2e_catalog"):
         pg.ensure_database(db)
-    lake_extra = {"catalog_type": "jdbc", "warehouse": f"file://{base}/warehouse",
-                  "landing_uri": f"file://{base}/landing"}
+    lake_extra = {
+        "catalog_type": "jdbc",
+        "warehouse": f"file://{base}/warehouse",
+        "landing_uri": f"file://{base}/landing",
+    }
     env = {
         **os.environ,
         "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
@@ -45,8 +48,16 @@ def demo_env(pg, tmp_path_factory):
         "CDC_LOCAL_PG_PASSWORD": "",
         "AIRFLOW_CONN_CDC_SOURCE_LOCAL": pg.uri("notion"),
         "AIRFLOW_CONN_SPARK_DEFAULT": json.dumps({"conn_type": "spark", "host": "local[2]"}),
-        "AIRFLOW_CONN_CDC_LAKE": json.dumps({"conn_type": "generic", "host": "127.0.0.1", "port": pg.port,
-                                             "schema": "e2e_catalog", "login": "postgres", "extra": lake_extra}),
+        "AIRFLOW_CONN_CDC_LAKE": json.dumps(
+            {
+                "conn_type": "generic",
+                "host": "127.0.0.1",
+                "port": pg.port,
+                "schema": "e2e_catalog",
+                "login": "postgres",
+                "extra": lake_extra,
+            }
+        ),
         "CDC_CATALOG_TYPE": "jdbc",
         "CDC_CATALOG_URI": f"postgresql://postgres@127.0.0.1:{pg.port}/e2e_catalog",
         "CDC_CATALOG_PASSWORD": "",
@@ -66,8 +77,10 @@ def _lake_versions(env) -> dict[tuple[str, int], int]:
     lake = LakeSettings.from_env(env)
     cat = load_catalog(lake.catalog_name, **lake.pyiceberg_properties())
     t = cat.load_table("notion.block").scan(selected_fields=("_cdc_shard", "id", "version")).to_arrow()
-    return {(s.split(".")[-1], i): v for s, i, v in zip(t["_cdc_shard"].to_pylist(), t["id"].to_pylist(),
-                                                        t["version"].to_pylist(), strict=True)}
+    return {
+        (s.split(".")[-1], i): v
+        for s, i, v in zip(t["_cdc_shard"].to_pylist(), t["id"].to_pylist(), t["version"].to_pylist(), strict=True)
+    }
 
 
 def _source_versions(pg) -> dict[tuple[str, int], int]:
@@ -86,8 +99,14 @@ def _source_versions(pg) -> dict[tuple[str, int], int]:
 
 
 def test_demo_through_airflow_is_clean_and_a_rerun_converges(pg, demo_env):
-    r = subprocess.run([sys.executable, "-m", "cdc_lakehouse.demo", "run", "--blocks", "400", "--changes", "400",
-                        "--intervals", "2"], env=demo_env, capture_output=True, text=True, timeout=2400, check=False)
+    r = subprocess.run(
+        [sys.executable, "-m", "cdc_lakehouse.demo", "run", "--blocks", "400", "--changes", "400", "--intervals", "2"],
+        env=demo_env,
+        capture_output=True,
+        text=True,
+        timeout=2400,
+        check=False,
+    )
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-5000:]
     assert "AUDIT VERDICT: clean" in out, out[-3000:]
@@ -101,8 +120,16 @@ def test_demo_through_airflow_is_clean_and_a_rerun_converges(pg, demo_env):
     from datetime import UTC, datetime, timedelta
 
     now = datetime.now(UTC).replace(minute=0, second=0, microsecond=0)
-    logical = next(now - timedelta(hours=h) for h in range(1, 6) if (now - timedelta(hours=h)).strftime("%H:%M") == hour)
-    rr = subprocess.run(["airflow", "dags", "test", "cdc_ingest__block", logical.isoformat()], env=demo_env,
-                        capture_output=True, text=True, timeout=900, check=False)
+    logical = next(
+        now - timedelta(hours=h) for h in range(1, 6) if (now - timedelta(hours=h)).strftime("%H:%M") == hour
+    )
+    rr = subprocess.run(
+        ["airflow", "dags", "test", "cdc_ingest__block", logical.isoformat()],
+        env=demo_env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
     assert rr.returncode == 0, (rr.stdout + rr.stderr)[-4000:]
     assert _lake_versions(demo_env) == source

@@ -31,8 +31,13 @@ class Source:
         self.wl.load(blocks_per_shard=blocks)
         shards = {"conn_id": "cdc_test_source", "database": self.db, "schemas": self.schemas}
         self.block = make_config(f"b_{unique}", [], source={"table": "block", "shards": [shards]})
-        self.perm = make_config(f"p_{unique}", [], source={"table": "permission", "shards": [shards]},
-                                primary_key=["block_id", "user_id"], deletes="soft")
+        self.perm = make_config(
+            f"p_{unique}",
+            [],
+            source={"table": "permission", "shards": [shards]},
+            primary_key=["block_id", "user_id"],
+            deletes="soft",
+        )
         self.store = LocalLanding(lake.landing_uri)
         self.endpoint = self.block.source.shards[0].endpoint_id
         self.runs = 0
@@ -47,8 +52,9 @@ class Source:
         return capture_run(ep, self.dsn, self.store, run_id)
 
     def bootstrap(self, cfg, **kw):
-        return bootstrap_table(self.spark, self.lake, cfg, run_id=f"b{self.runs}",
-                               all_endpoint_tables={self.endpoint: self.tables()}, **kw)
+        return bootstrap_table(
+            self.spark, self.lake, cfg, run_id=f"b{self.runs}", all_endpoint_tables={self.endpoint: self.tables()}, **kw
+        )
 
     def ingest(self, cfg, upto, run="t"):
         return ingest_table(self.spark, self.lake, cfg, upto_run=upto, ingest_run=run)
@@ -86,14 +92,20 @@ def lake_s3(s3_server, pg):
     from cdc_lakehouse.tasks import with_aws_connection
 
     s3_server.create_bucket(S3_BUCKET)
-    os.environ[f"AIRFLOW_CONN_{S3_AWS_CONN.upper()}"] = json.dumps({
-        "conn_type": "aws", "login": S3_KEY_ID, "password": S3_SECRET,
-        "extra": {"endpoint_url": s3_server.endpoint, "region_name": s3_server.REGION, "s3_path_style": True},
-    })
+    os.environ[f"AIRFLOW_CONN_{S3_AWS_CONN.upper()}"] = json.dumps(
+        {
+            "conn_type": "aws",
+            "login": S3_KEY_ID,
+            "password": S3_SECRET,
+            "extra": {"endpoint_url": s3_server.endpoint, "region_name": s3_server.REGION, "s3_path_style": True},
+        }
+    )
     configured = LakeSettings(
-        catalog_type="jdbc", catalog_name="lake_s3",
+        catalog_type="jdbc",
+        catalog_name="lake_s3",
         catalog_uri=f"postgresql://postgres@127.0.0.1:{pg.port}/lake_catalog",
-        warehouse=f"s3://{S3_BUCKET}/warehouse", landing_uri=f"s3://{S3_BUCKET}/landing",
+        warehouse=f"s3://{S3_BUCKET}/warehouse",
+        landing_uri=f"s3://{S3_BUCKET}/landing",
         landing_conn_id=S3_AWS_CONN,
     )
     return with_aws_connection(configured)

@@ -44,15 +44,18 @@ def test_audit_finds_every_fault_ignores_in_flight_and_repairs(source, spark, la
     spark.table(cur).filter(f"id = {changed}").withColumn("id", F.lit(999999999).cast("bigint")).writeTo(cur).append()
     # And changes still in flight (in the slot, not captured yet): updates, a delete, an insert, on
     # keys away from the faults so that the expected verdicts are exact.
-    s.execute("UPDATE s0.block SET version = version + 1 WHERE id BETWEEN 1000000700 AND 1000000749",
-              "UPDATE s1.block SET version = version + 1 WHERE id BETWEEN 2000000700 AND 2000000719",
-              "DELETE FROM s0.block WHERE id = 1000000800",
-              "INSERT INTO s0.block SELECT * FROM jsonb_populate_record(NULL::s0.block, "
-              "(SELECT to_jsonb(b) || '{\"id\": 1000900001}' FROM s0.block b WHERE id = 1000000900))")
+    s.execute(
+        "UPDATE s0.block SET version = version + 1 WHERE id BETWEEN 1000000700 AND 1000000749",
+        "UPDATE s1.block SET version = version + 1 WHERE id BETWEEN 2000000700 AND 2000000719",
+        "DELETE FROM s0.block WHERE id = 1000000800",
+        "INSERT INTO s0.block SELECT * FROM jsonb_populate_record(NULL::s0.block, "
+        "(SELECT to_jsonb(b) || '{\"id\": 1000900001}' FROM s0.block b WHERE id = 1000000900))",
+    )
 
     r1 = audit_table(spark, lake, cfg, audit_run="a1")
-    found = {k: sum(st.get(k, 0) for st in r1["shards"].values()) for k in ("missing", "extra", "different",
-                                                                           "in_flight")}
+    found = {
+        k: sum(st.get(k, 0) for st in r1["shards"].values()) for k in ("missing", "extra", "different", "in_flight")
+    }
     assert found["missing"] >= 1 and found["extra"] == 1 and found["different"] >= 1 + len(lost), found
     assert found["in_flight"] == 50 + 20 + 2, found  # 70 updates, the delete, the insert
     assert r1["verdict"] == "ok" and not r1["persistent"], "one sighting is not yet a failure (N=2): " + r1["message"]
@@ -65,8 +68,9 @@ def test_audit_finds_every_fault_ignores_in_flight_and_repairs(source, spark, la
     assert "FAIL" in r2["message"] and "sample" in r2["message"]
 
     # Repair: the persistent keys are re-read from the source and merged; the next audit confirms.
-    r3 = audit_table(spark, lake, cfg.model_copy(update={"audit": cfg.audit.model_copy(update={"repair": True})}),
-                     audit_run="a3")
+    r3 = audit_table(
+        spark, lake, cfg.model_copy(update={"audit": cfg.audit.model_copy(update={"repair": True})}), audit_run="a3"
+    )
     assert r3["repaired"] == 3 + len(lost)
     assert spark.sql(f"SELECT count(*) FROM {cur} WHERE id = 999999999").collect()[0][0] == 0
     # Deliver the in-flight changes, then the lake equals the source and the audit is clean.

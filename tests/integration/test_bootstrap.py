@@ -73,11 +73,16 @@ def test_preflight_stops_before_writing(source, spark, lake):
         s.bootstrap(missing)
     assert "nope" in str(exc.value)
     # A declared key that is not unique in the source.
-    s.execute("CREATE TABLE s0.dupkey (id int, v text)", "CREATE TABLE s1.dupkey (id int, v text)",
-              "INSERT INTO s0.dupkey VALUES (1, 'a'), (1, 'b')", "ALTER TABLE s0.dupkey REPLICA IDENTITY FULL",
-              "ALTER TABLE s1.dupkey REPLICA IDENTITY FULL")
-    dup = s.block.model_copy(update={"name": s.block.name + "_dup",
-                                     "source": s.block.source.model_copy(update={"table": "dupkey"})})
+    s.execute(
+        "CREATE TABLE s0.dupkey (id int, v text)",
+        "CREATE TABLE s1.dupkey (id int, v text)",
+        "INSERT INTO s0.dupkey VALUES (1, 'a'), (1, 'b')",
+        "ALTER TABLE s0.dupkey REPLICA IDENTITY FULL",
+        "ALTER TABLE s1.dupkey REPLICA IDENTITY FULL",
+    )
+    dup = s.block.model_copy(
+        update={"name": s.block.name + "_dup", "source": s.block.source.model_copy(update={"table": "dupkey"})}
+    )
     with pytest.raises(src.PreflightError) as exc:
         s.bootstrap(dup)
     assert "unique" in str(exc.value) and "primary_key" in str(exc.value)

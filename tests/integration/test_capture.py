@@ -48,8 +48,9 @@ def db(pg, unique):
 
 
 def endpoint(tables=("items",), schemas=("s0", "s1"), eid="ep"):
-    return src.EndpointTables(eid, "cdc_test_source", {t: (list(schemas), ["id"] if t == "items" else ["k"])
-                                                       for t in tables})
+    return src.EndpointTables(
+        eid, "cdc_test_source", {t: (list(schemas), ["id"] if t == "items" else ["k"]) for t in tables}
+    )
 
 
 def events_of(store: LocalLanding, manifest: dict) -> list[dict]:
@@ -72,26 +73,50 @@ def test_row_changes_types_toast_truncate_and_multi_table_transactions(db, tmp_p
     assert first["events"] == 0 and set(first["heartbeats"]) == {"s0", "s1"}
     big = "".join(f"{i:08x}" for i in range(1000))  # 8 KB, out of line
     with conn.cursor() as cur:
-        cur.execute("INSERT INTO s0.items VALUES (1, 2, 'hello', 'c1', true, 12.50, '2026-11-22 10:00:00.123456+02', "
-                    "'2026-11-22', '{\"a\": [1, 2]}', 'a0eebc99-9c0b-4ef8-bb6d-6bb9bd380a11', "
-                    "'{x,\"y z\",NULL}', %s)", (big,))
-        cur.execute("UPDATE s0.items SET qty = 3 WHERE id = 1")          # body unchanged -> TOAST 'u'
-        cur.execute("UPDATE s0.items SET id = 10 WHERE id = 1")         # primary-key change
+        cur.execute(
+            "INSERT INTO s0.items VALUES (1, 2, 'hello', 'c1', true, 12.50, '2026-11-22 10:00:00.123456+02', "
+            "'2026-11-22', '{\"a\": [1, 2]}', 'a0eebc99-9c0b-4ef8-bb6d-6bb9bd380a11', "
+            "'{x,\"y z\",NULL}', %s)",
+            (big,),
+        )
+        cur.execute("UPDATE s0.items SET qty = 3 WHERE id = 1")  # body unchanged -> TOAST 'u'
+        cur.execute("UPDATE s0.items SET id = 10 WHERE id = 1")  # primary-key change
         cur.execute("INSERT INTO s1.items (id, title) VALUES (2, 'two'), (3, 'three')")
-        cur.execute("DELETE FROM s1.items WHERE id = 2")                # REPLICA IDENTITY DEFAULT: key only
-        cur.execute("BEGIN; INSERT INTO s0.other VALUES (1, 'a'); INSERT INTO s1.items (id) VALUES (4); "
-                    "UPDATE s1.other SET v = 'b' WHERE k = 9; COMMIT")
+        cur.execute("DELETE FROM s1.items WHERE id = 2")  # REPLICA IDENTITY DEFAULT: key only
+        cur.execute(
+            "BEGIN; INSERT INTO s0.other VALUES (1, 'a'); INSERT INTO s1.items (id) VALUES (4); "
+            "UPDATE s1.other SET v = 'b' WHERE k = 9; COMMIT"
+        )
         cur.execute("TRUNCATE s1.items")
     m = capture_run(ep, dsn, store, "r2")
     ev = events_of(store, m)
     items = [e for e in ev if e["source"]["table"] == "items"]
     ops = [(e["op"], e["source"]["schema"]) for e in items]
-    assert ops == [("c", "s0"), ("u", "s0"), ("u", "s0"), ("c", "s1"), ("c", "s1"), ("d", "s1"), ("c", "s1"),
-                   ("t", "s1")]
+    assert ops == [
+        ("c", "s0"),
+        ("u", "s0"),
+        ("u", "s0"),
+        ("c", "s1"),
+        ("c", "s1"),
+        ("d", "s1"),
+        ("c", "s1"),
+        ("t", "s1"),
+    ]
     ins = kv(items[0]["after"])
-    assert ins == {"id": "1", "qty": "2", "title": "hello", "code": "c1", "active": "t", "price": "12.50",
-                   "at": "2026-11-22 08:00:00.123456+00", "day": "2026-11-22", "doc": '{"a": [1, 2]}',
-                   "uid": "a0eebc99-9c0b-4ef8-bb6d-6bb9bd380a11", "tags": '["x","y z",null]', "body": big}
+    assert ins == {
+        "id": "1",
+        "qty": "2",
+        "title": "hello",
+        "code": "c1",
+        "active": "t",
+        "price": "12.50",
+        "at": "2026-11-22 08:00:00.123456+00",
+        "day": "2026-11-22",
+        "doc": '{"a": [1, 2]}',
+        "uid": "a0eebc99-9c0b-4ef8-bb6d-6bb9bd380a11",
+        "tags": '["x","y z",null]',
+        "body": big,
+    }
     schema = {c["name"]: (c["type"], c["lake_type"]) for c in json.loads(items[0]["table_schema"])}
     assert schema["price"] == ("numeric(12,2)", "decimal(12,2)") and schema["tags"] == ("text[]", "array<string>")
     assert schema["at"][1] == "timestamp" and schema["uid"][1] == "string" and schema["qty"][1] == "int"
@@ -202,8 +227,10 @@ print(m["events"], resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024)
     def one_transaction(rows: int, run: str) -> int:
         with conn.cursor() as cur:
             cur.execute("TRUNCATE s0.items")
-            cur.execute("INSERT INTO s0.items (id, title) SELECT g, repeat(md5(g::text), 32) "
-                        "FROM generate_series(1, %s) g", (rows,))  # one transaction, ~1 KB per row
+            cur.execute(
+                "INSERT INTO s0.items (id, title) SELECT g, repeat(md5(g::text), 32) FROM generate_series(1, %s) g",
+                (rows,),
+            )  # one transaction, ~1 KB per row
         out = subprocess.run([sys.executable, str(script), run], check=True, env=env, capture_output=True, text=True)
         events, peak_mb = map(int, out.stdout.split())
         assert events == rows + 1  # and the truncate
@@ -300,6 +327,7 @@ def test_concurrent_writers_are_captured_completely(db, tmp_path):
 
 # --- preflight and failures ------------------------------------------------------------------------
 
+
 def test_table_without_key_or_identity_is_refused(db, tmp_path):
     dsn, conn = db
     with conn.cursor() as cur:
@@ -322,9 +350,9 @@ def test_missing_table_and_missing_privileges(db, pg, tmp_path, unique):
     with pytest.raises(src.PreflightError) as exc:
         capture_run(ep, weak, LocalLanding(f"file://{tmp_path}/l"), "r1")
     msg = str(exc.value)
-    assert "REPLICATION" in msg and f"ALTER ROLE \"{role}\" REPLICATION" in msg
+    assert "REPLICATION" in msg and f'ALTER ROLE "{role}" REPLICATION' in msg
     assert "nope.items does not exist" in msg
-    assert f"cannot SELECT s0.items; GRANT SELECT ON \"s0\".\"items\" TO \"{role}\"" in msg
+    assert f'cannot SELECT s0.items; GRANT SELECT ON "s0"."items" TO "{role}"' in msg
 
 
 def test_publication_missing_a_table_names_the_fix(db, tmp_path, unique):
@@ -334,8 +362,10 @@ def test_publication_missing_a_table_names_the_fix(db, tmp_path, unique):
         cur.execute(f"CREATE ROLE {role} LOGIN REPLICATION")
         cur.execute(f"GRANT USAGE, CREATE ON SCHEMA s0 TO {role}")
         cur.execute(f"GRANT SELECT ON ALL TABLES IN SCHEMA s0 TO {role}")
-        cur.execute("CREATE TABLE s0._cdc_heartbeat (id smallint PRIMARY KEY DEFAULT 1 CHECK (id = 1), "
-                    "beat_at timestamptz NOT NULL, run_id text NOT NULL)")
+        cur.execute(
+            "CREATE TABLE s0._cdc_heartbeat (id smallint PRIMARY KEY DEFAULT 1 CHECK (id = 1), "
+            "beat_at timestamptz NOT NULL, run_id text NOT NULL)"
+        )
         cur.execute(f"GRANT ALL ON s0._cdc_heartbeat TO {role}")
         cur.execute("CREATE PUBLICATION cdc_lakehouse FOR TABLE s0._cdc_heartbeat")  # owned by postgres
     ep = src.EndpointTables("ep", "cdc_test_source", {"items": (["s0"], ["id"])})
@@ -407,8 +437,10 @@ def test_wal_level_and_invalidated_slot(small_cluster, tmp_path):
     small_cluster.start()
     capture_run(ep, dsn, store, "r1")
     for _ in range(6):
-        small_cluster.execute("INSERT INTO items SELECT g, repeat('x', 500) FROM generate_series(1, 20000) g "
-                              "ON CONFLICT (id) DO UPDATE SET v = excluded.v || 'y'")
+        small_cluster.execute(
+            "INSERT INTO items SELECT g, repeat('x', 500) FROM generate_series(1, 20000) g "
+            "ON CONFLICT (id) DO UPDATE SET v = excluded.v || 'y'"
+        )
         small_cluster.execute("SELECT pg_switch_wal()")
         small_cluster.execute("CHECKPOINT")
     status = small_cluster.execute("SELECT wal_status FROM pg_replication_slots")[0][0]
@@ -426,12 +458,20 @@ def test_s3_landing_through_the_amazon_provider(db, tmp_path):
     from cdc_lakehouse.localstack import free_port
 
     port = free_port()
-    server = subprocess.Popen([str(Path(sys.executable).parent / "moto_server"), "-p", str(port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = subprocess.Popen(
+        [str(Path(sys.executable).parent / "moto_server"), "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
-        os.environ["AIRFLOW_CONN_CDC_TEST_S3"] = json.dumps({
-            "conn_type": "aws", "login": "test", "password": "test",
-            "extra": {"endpoint_url": f"http://127.0.0.1:{port}", "region_name": "us-east-1"}})
+        os.environ["AIRFLOW_CONN_CDC_TEST_S3"] = json.dumps(
+            {
+                "conn_type": "aws",
+                "login": "test",
+                "password": "test",
+                "extra": {"endpoint_url": f"http://127.0.0.1:{port}", "region_name": "us-east-1"},
+            }
+        )
         from airflow.providers.amazon.aws.hooks.s3 import S3Hook
 
         hook = S3Hook(aws_conn_id="cdc_test_s3")

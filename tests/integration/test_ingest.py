@@ -38,18 +38,28 @@ def test_random_workload_converges_exactly(source, spark, lake):
         if i == 2:
             # (The unknown-op event names a key no row has: a quarantined event of a real key holds
             # back that key's later TOAST-unchanged events, which test_nothing_lost covers.)
-            append_malformed(lake, s.endpoint, m["run_id"], "block", [
-                {"op": "x", "after": [("id", "999999999"), ("space_id", "1")]},
-                {"after": [("id", "not-a-number"), ("space_id", "1")]},
-                {"op": "d", "before": [("space_id", "1")], "after": None},
-            ])
+            append_malformed(
+                lake,
+                s.endpoint,
+                m["run_id"],
+                "block",
+                [
+                    {"op": "x", "after": [("id", "999999999"), ("space_id", "1")]},
+                    {"after": [("id", "not-a-number"), ("space_id", "1")]},
+                    {"op": "d", "before": [("space_id", "1")], "after": None},
+                ],
+            )
         for cfg in (s.block, s.perm):
             r = s.ingest(cfg, m["run_id"], run=f"i{i}")
             assert r["status"] == "ok"
         if i == 1:
             assert r["duplicates"] == 0  # permission had no duplicates; block's are checked below
-    metrics = spark.table(lake.qualified(lake.meta_table("ingest_runs"))).filter(
-        F.col("table_name") == s.block.name).orderBy("committed_at").collect()
+    metrics = (
+        spark.table(lake.qualified(lake.meta_table("ingest_runs")))
+        .filter(F.col("table_name") == s.block.name)
+        .orderBy("committed_at")
+        .collect()
+    )
     assert metrics[1]["duplicates"] > 0 and metrics[2]["quarantined"] == 3
     # Updates dominate even after the batch keeps one event per key (hot keys change several times).
     assert sum(m["updates"] for m in metrics) > 3 * sum(m["inserts"] for m in metrics)
@@ -96,8 +106,10 @@ def test_toast_chains_truncate_and_pk_changes_in_one_batch(source, spark, lake):
     assert r["quarantined"] == 0
     assert_lake_equals_source(spark, lake, s.block, s.dsn)
     assert spark.table(lake.qualified(s.block.current_table)).filter("id = 777").first()["content"] == big
-    s.execute("TRUNCATE s1.block", "INSERT INTO s1.block (id, space_id, type, created_at, updated_at) "
-              "VALUES (6, 1, 'page', now(), now())")
+    s.execute(
+        "TRUNCATE s1.block",
+        "INSERT INTO s1.block (id, space_id, type, created_at, updated_at) VALUES (6, 1, 'page', now(), now())",
+    )
     m = s.capture()
     s.ingest(s.block, m["run_id"])
     assert_lake_equals_source(spark, lake, s.block, s.dsn)
@@ -108,8 +120,13 @@ def test_toast_chains_truncate_and_pk_changes_in_one_batch(source, spark, lake):
 def test_error_budget_stops_the_run_and_keeps_everything(source, spark, lake):
     s = source
     s.capture()
-    strict = s.block.model_copy(update={"ingest": s.block.ingest.model_copy(
-        update={"error_budget": s.block.ingest.error_budget.model_copy(update={"max_quarantined": 1})})})
+    strict = s.block.model_copy(
+        update={
+            "ingest": s.block.ingest.model_copy(
+                update={"error_budget": s.block.ingest.error_budget.model_copy(update={"max_quarantined": 1})}
+            )
+        }
+    )
     s.bootstrap(strict)
     s.execute("UPDATE s0.block SET version = 2 WHERE id IN (SELECT id FROM s0.block LIMIT 5)")
     m = s.capture()
@@ -120,8 +137,17 @@ def test_error_budget_stops_the_run_and_keeps_everything(source, spark, lake):
     assert "2 of" in str(exc.value) and "unknown op" in str(exc.value) and "error_budget" in str(exc.value)
     assert read_watermark(spark, lake.qualified(strict.current_table)) == wm  # nothing applied
     assert quarantined(spark, lake, strict.name).count() == 2
-    lenient = strict.model_copy(update={"ingest": strict.ingest.model_copy(update={
-        "error_budget": strict.ingest.error_budget.model_copy(update={"max_quarantined": 10, "max_fraction": 1.0})})})
+    lenient = strict.model_copy(
+        update={
+            "ingest": strict.ingest.model_copy(
+                update={
+                    "error_budget": strict.ingest.error_budget.model_copy(
+                        update={"max_quarantined": 10, "max_fraction": 1.0}
+                    )
+                }
+            )
+        }
+    )
     s.ingest(lenient, m["run_id"])  # a wider budget accepts it; the quarantine is not duplicated
     assert quarantined(spark, lake, strict.name).count() == 2
     assert_lake_equals_source(spark, lake, s.block, s.dsn)
@@ -139,20 +165,29 @@ def test_schema_changes_additive_incompatible_and_isolated(source, spark, lake):
     assert spark.table(lake.qualified(s.block.current_table)).filter("note = 'hi'").count() == 3
     assert_lake_equals_source(spark, lake, s.block, s.dsn)
     # A dropped column the table keeps: this table stops, naming the column and the choices ...
-    s.execute("ALTER TABLE s0.block DROP COLUMN score", "ALTER TABLE s1.block DROP COLUMN score",
-              "UPDATE s0.block SET version = 3 WHERE id IN (SELECT id FROM s0.block LIMIT 2)",
-              "INSERT INTO s0.permission VALUES (1, 1, 'edit', now())")
+    s.execute(
+        "ALTER TABLE s0.block DROP COLUMN score",
+        "ALTER TABLE s1.block DROP COLUMN score",
+        "UPDATE s0.block SET version = 3 WHERE id IN (SELECT id FROM s0.block LIMIT 2)",
+        "INSERT INTO s0.permission VALUES (1, 1, 'edit', now())",
+    )
     m = s.capture()
-    results, failures = run_tables("ingest", spark, lake, [s.block, s.perm],
-                                   lambda sp, lk, c: ingest_table(sp, lk, c, upto_run=m["run_id"], ingest_run="x"))
+    results, failures = run_tables(
+        "ingest",
+        spark,
+        lake,
+        [s.block, s.perm],
+        lambda sp, lk, c: ingest_table(sp, lk, c, upto_run=m["run_id"], ingest_run="x"),
+    )
     assert [name for name, _ in failures] == [s.block.name]
     err = str(failures[0][1])
     assert isinstance(failures[0][1], SchemaChangeError)
     assert "'score' was dropped" in err and "keep_null" in err and "drop" in err
     assert results[s.perm.name]["status"] == "ok"  # ... while the other table keeps running
     # Choosing keep_null lets it continue.
-    keep = s.block.model_copy(update={"schema_changes": s.block.schema_changes.model_copy(
-        update={"dropped_columns": {"score": "keep_null"}})})
+    keep = s.block.model_copy(
+        update={"schema_changes": s.block.schema_changes.model_copy(update={"dropped_columns": {"score": "keep_null"}})}
+    )
     ingest_table(spark, lake, keep, upto_run=m["run_id"], ingest_run="y")
     cur = spark.table(lake.qualified(keep.current_table))
     assert "score" in cur.columns
@@ -186,11 +221,30 @@ def test_killed_run_leaves_a_valid_table_and_the_next_run_converges(source, spar
     import yaml
 
     cfg_file.write_text(yaml.safe_dump(s.block.model_dump(mode="json")))
-    env = {**os.environ, "CDC_TEST_CRASH_AT": point, "PYTHONPATH": str(ROOT / "plugins"),
-           "CDC_CATALOG_PASSWORD": "", "CDC_SPARK_DRIVER_MEMORY": "2g"}
-    r = subprocess.run([sys.executable, str(ROOT / "spark_jobs" / "ingest.py"), "--tables", s.block.name,
-                        "--config-dir", str(tmp_path), "--upto-run", m["run_id"]],
-                       env=env, capture_output=True, text=True, timeout=600, check=False)
+    env = {
+        **os.environ,
+        "CDC_TEST_CRASH_AT": point,
+        "PYTHONPATH": str(ROOT / "plugins"),
+        "CDC_CATALOG_PASSWORD": "",
+        "CDC_SPARK_DRIVER_MEMORY": "2g",
+    }
+    r = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "spark_jobs" / "ingest.py"),
+            "--tables",
+            s.block.name,
+            "--config-dir",
+            str(tmp_path),
+            "--upto-run",
+            m["run_id"],
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     assert r.returncode == 137, r.stderr[-3000:]
     spark.catalog.clearCache()
     cur = lake.qualified(s.block.current_table)

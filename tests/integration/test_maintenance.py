@@ -30,8 +30,9 @@ def test_maintenance_compacts_without_changing_content(source, spark, lake):
     deleted: set[int] = set()
     for _ in range(6):  # many small batches: small data files and position deletes pile up
         s.wl.step(120, pk_changes=1)
-        deleted |= _delete_returning(s.dsn, "DELETE FROM s0.block WHERE id IN (SELECT id FROM s0.block ORDER BY id LIMIT 2) "
-                                             "RETURNING id")
+        deleted |= _delete_returning(
+            s.dsn, "DELETE FROM s0.block WHERE id IN (SELECT id FROM s0.block ORDER BY id LIMIT 2) RETURNING id"
+        )
         m = s.capture()
         s.ingest(s.block, m["run_id"])
     cur = lake.qualified(s.block.current_table)
@@ -39,7 +40,9 @@ def test_maintenance_compacts_without_changing_content(source, spark, lake):
     cols = [c for c, _ in source_columns_of(spark, cur, s.block)]
     before = {t: table_stats(spark, t) for t in (cur, cl)}
     sums = {t: content_checksum(spark, t, [f.name for f in spark.table(t).schema.fields]) for t in (cur, cl)}
-    snap_before = spark.sql(f"SELECT snapshot_id FROM {cur}.snapshots ORDER BY committed_at DESC LIMIT 1").collect()[0][0]
+    snap_before = spark.sql(f"SELECT snapshot_id FROM {cur}.snapshots ORDER BY committed_at DESC LIMIT 1").collect()[0][
+        0
+    ]
     rows_before = spark.table(cur).select(SHARD_COL, *cols)
     rows_before = spark.createDataFrame(rows_before.collect(), rows_before.schema)  # materialized
     assert before[cur]["data_files"] > 2 and before[cur]["delete_files"] > 0, before[cur]
@@ -68,9 +71,14 @@ def test_maintenance_compacts_without_changing_content(source, spark, lake):
     assert view.filter(F.col("id").isin(sorted(deleted))).count() == 0
     # Before/after figures are recorded per target.
     runs = spark.table(lake.qualified(lake.meta_table("maintenance_runs"))).filter(
-        (F.col("table_name") == s.block.name) & (F.col("run_id") == "m1"))
+        (F.col("table_name") == s.block.name) & (F.col("run_id") == "m1")
+    )
     assert {(x["target"], x["phase"]) for x in runs.collect()} == {
-        ("current", "before"), ("current", "after"), ("changelog", "before"), ("changelog", "after")}
+        ("current", "before"),
+        ("current", "after"),
+        ("changelog", "before"),
+        ("changelog", "after"),
+    }
     # The next ingest after maintenance still converges (watermark survived expiry).
     s.wl.step(100)
     m = s.capture()

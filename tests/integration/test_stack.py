@@ -50,31 +50,72 @@ def test_a_job_runs_on_a_standalone_spark_cluster(lake, tmp_path, unique):
     from pyiceberg.catalog import load_catalog
 
     bin_dir = Path(sys.executable).parent
-    spark_class = next(Path(p) for p in [bin_dir / "spark-class",
-                                         *Path(ROOT / ".venv").glob("lib/python*/site-packages/pyspark/bin/spark-class")]
-                       if Path(p).exists())
+    spark_class = next(
+        Path(p)
+        for p in [
+            bin_dir / "spark-class",
+            *Path(ROOT / ".venv").glob("lib/python*/site-packages/pyspark/bin/spark-class"),
+        ]
+        if Path(p).exists()
+    )
     spark_submit = spark_class.with_name("spark-submit")
     port, worker_port = free_port(), free_port()
-    env = {**os.environ, "SPARK_LOCAL_IP": "127.0.0.1", "PYSPARK_PYTHON": sys.executable,
-           "SPARK_WORKER_DIR": str(tmp_path / "work"), "SPARK_LOG_DIR": str(tmp_path)}
+    env = {
+        **os.environ,
+        "SPARK_LOCAL_IP": "127.0.0.1",
+        "PYSPARK_PYTHON": sys.executable,
+        "SPARK_WORKER_DIR": str(tmp_path / "work"),
+        "SPARK_LOG_DIR": str(tmp_path),
+    }
     procs = []
     try:
         mlog = tmp_path / "master.log"
-        master = subprocess.Popen([str(spark_class), "org.apache.spark.deploy.master.Master", "--host", "127.0.0.1",
-                                   "--port", str(port), "--webui-port", str(free_port())],
-                                  env=env, stdout=mlog.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+        master = subprocess.Popen(
+            [
+                str(spark_class),
+                "org.apache.spark.deploy.master.Master",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--webui-port",
+                str(free_port()),
+            ],
+            env=env,
+            stdout=mlog.open("w"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         procs.append(master)
         _wait_port(port, master, "the Spark master", mlog)
         wlog = tmp_path / "worker.log"
-        worker = subprocess.Popen([str(spark_class), "org.apache.spark.deploy.worker.Worker",
-                                   f"spark://127.0.0.1:{port}", "--host", "127.0.0.1", "--port", str(worker_port),
-                                   "--webui-port", str(free_port()), "--cores", "1", "--memory", "1g"],
-                                  env=env, stdout=wlog.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+        worker = subprocess.Popen(
+            [
+                str(spark_class),
+                "org.apache.spark.deploy.worker.Worker",
+                f"spark://127.0.0.1:{port}",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(worker_port),
+                "--webui-port",
+                str(free_port()),
+                "--cores",
+                "1",
+                "--memory",
+                "1g",
+            ],
+            env=env,
+            stdout=wlog.open("w"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         procs.append(worker)
         _wait_port(worker_port, worker, "the Spark worker", wlog)
         table = f"smoke.cluster_{unique}"
         job = tmp_path / "cluster_job.py"
-        job.write_text(textwrap.dedent(f"""
+        job.write_text(
+            textwrap.dedent(f"""
             from cdc_lakehouse.settings import LakeSettings
             from cdc_lakehouse.spark_session import get_spark
 
@@ -90,12 +131,31 @@ def test_a_job_runs_on_a_standalone_spark_cluster(lake, tmp_path, unique):
             executors = sc._jsc.sc().getExecutorMemoryStatus().size() - 1
             print(f"MASTER={{sc.master}} EXECUTORS={{executors}} SHARDS={{sorted(shards)}}")
             spark.stop()
-        """))
-        r = subprocess.run([str(spark_submit), "--master", f"spark://127.0.0.1:{port}", "--deploy-mode", "client",
-                            "--jars", ",".join(default_jars()), "--py-files", str(pyfiles_zip()),
-                            "--conf", "spark.executor.memory=512m", "--conf", "spark.cores.max=1", str(job)],
-                           env={**env, "CDC_SPARK_LOG_LEVEL": "WARN"}, capture_output=True, text=True, timeout=600,
-                           check=False)
+        """)
+        )
+        r = subprocess.run(
+            [
+                str(spark_submit),
+                "--master",
+                f"spark://127.0.0.1:{port}",
+                "--deploy-mode",
+                "client",
+                "--jars",
+                ",".join(default_jars()),
+                "--py-files",
+                str(pyfiles_zip()),
+                "--conf",
+                "spark.executor.memory=512m",
+                "--conf",
+                "spark.cores.max=1",
+                str(job),
+            ],
+            env={**env, "CDC_SPARK_LOG_LEVEL": "WARN"},
+            capture_output=True,
+            text=True,
+            timeout=600,
+            check=False,
+        )
         assert r.returncode == 0, r.stderr[-4000:]
         line = next(x for x in r.stdout.splitlines() if x.startswith("MASTER="))
         assert f"MASTER=spark://127.0.0.1:{port}" in line and "EXECUTORS=1" in line, line

@@ -30,12 +30,19 @@ def airflow_env(tmp_path_factory):
     """A fresh AIRFLOW_HOME on SQLite with this repository's DAGs, migrated and parsed."""
     home = tmp_path_factory.mktemp("airflow-ui")
     port = free_port()
-    env = {**os.environ, "AIRFLOW_HOME": str(home), "AIRFLOW__CORE__DAGS_FOLDER": str(ROOT / "dags"),
-           "AIRFLOW__CORE__PLUGINS_FOLDER": str(ROOT / "plugins"), "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
-           "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": "True", "AIRFLOW__API__PORT": str(port),
-           "AIRFLOW__API__BASE_URL": f"http://127.0.0.1:{port}",
-           "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{home}/airflow.db",
-           "CDC_TABLES_DIR": str(ROOT / "include" / "tables"), "PYTHONPATH": str(ROOT / "plugins")}
+    env = {
+        **os.environ,
+        "AIRFLOW_HOME": str(home),
+        "AIRFLOW__CORE__DAGS_FOLDER": str(ROOT / "dags"),
+        "AIRFLOW__CORE__PLUGINS_FOLDER": str(ROOT / "plugins"),
+        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": "True",
+        "AIRFLOW__API__PORT": str(port),
+        "AIRFLOW__API__BASE_URL": f"http://127.0.0.1:{port}",
+        "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{home}/airflow.db",
+        "CDC_TABLES_DIR": str(ROOT / "include" / "tables"),
+        "PYTHONPATH": str(ROOT / "plugins"),
+    }
     airflow = str(Path(sys.executable).with_name("airflow"))
     for cmd in (["db", "migrate"], ["dags", "reserialize"]):
         r = subprocess.run([airflow, *cmd], env=env, capture_output=True, text=True, timeout=600, check=False)
@@ -47,15 +54,28 @@ def test_cli_lists_the_dags_and_no_import_errors(airflow_env):
     import json
 
     env, _, _, airflow = airflow_env
-    r = subprocess.run([airflow, "dags", "list", "-o", "json"], env=env, capture_output=True, text=True, timeout=300,
-                       check=False)
+    r = subprocess.run(
+        [airflow, "dags", "list", "-o", "json"], env=env, capture_output=True, text=True, timeout=300, check=False
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     listing = next(line for line in r.stdout.splitlines() if line.startswith("[{"))
     ids = {d["dag_id"] for d in json.loads(listing)}
-    assert {"cdc_ingest__block", "cdc_bootstrap__block", "cdc_audit__block", "cdc_maintenance__block",
-            "cdc_ingest_group__notion_small", "cdc_bootstrap__space"} <= ids, ids
-    r = subprocess.run([airflow, "dags", "list-import-errors", "-o", "json"], env=env, capture_output=True, text=True,
-                       timeout=300, check=False)
+    assert {
+        "cdc_ingest__block",
+        "cdc_bootstrap__block",
+        "cdc_audit__block",
+        "cdc_maintenance__block",
+        "cdc_ingest_group__notion_small",
+        "cdc_bootstrap__space",
+    } <= ids, ids
+    r = subprocess.run(
+        [airflow, "dags", "list-import-errors", "-o", "json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     assert "cdc_config_check" not in r.stdout and "Error" not in r.stdout, r.stdout
 
@@ -64,8 +84,13 @@ def test_cli_lists_the_dags_and_no_import_errors(airflow_env):
 def airflow_ui(airflow_env):
     env, home, port, airflow = airflow_env
     log = open(home / "api-server.log", "w")
-    proc = subprocess.Popen([airflow, "api-server", "--port", str(port), "--host", "127.0.0.1"], env=env,
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        [airflow, "api-server", "--port", str(port), "--host", "127.0.0.1"],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 180
     while True:
@@ -90,9 +115,11 @@ def page(airflow_ui):
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True,
-                                    args=["--disable-background-networking", "--no-sandbox",
-                                          "--disable-dev-shm-usage", "--disable-gpu"])
+        browser = p.chromium.launch(
+            executable_path=CHROMIUM,
+            headless=True,
+            args=["--disable-background-networking", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"],
+        )
         pg = browser.new_page()
         pg.set_default_timeout(60_000)
         yield pg
@@ -101,8 +128,13 @@ def page(airflow_ui):
 
 def test_dag_list_shows_the_demo_dags_without_import_errors(airflow_ui, page):
     page.goto(f"{airflow_ui}/dags")
-    for dag_id in ("cdc_ingest__block", "cdc_bootstrap__block", "cdc_audit__space", "cdc_maintenance__permission",
-                   "cdc_ingest_group__notion_small"):
+    for dag_id in (
+        "cdc_ingest__block",
+        "cdc_bootstrap__block",
+        "cdc_audit__space",
+        "cdc_maintenance__permission",
+        "cdc_ingest_group__notion_small",
+    ):
         page.get_by_text(dag_id, exact=True).first.wait_for()
     # The UI's own source for its import-error banner.
     errors = page.request.get(f"{airflow_ui}/api/v2/importErrors").json()
@@ -120,5 +152,6 @@ def test_a_dag_docs_render(airflow_ui, page):
     except Exception as exc:
         page.screenshot(path=str(ARTIFACTS / "docs-failure.png"))
         labels = page.eval_on_selector_all("button", "bs => bs.map(b => b.getAttribute('aria-label') || b.innerText)")
-        raise AssertionError(f"docs did not render: {exc}\nbuttons: {labels}\npage text:\n"
-                             f"{page.inner_text('body')[:2000]}") from exc
+        raise AssertionError(
+            f"docs did not render: {exc}\nbuttons: {labels}\npage text:\n{page.inner_text('body')[:2000]}"
+        ) from exc

@@ -10,8 +10,13 @@ from cdc_lakehouse.identifiers import IdentifierError, check_ident, pg_ident, sp
 
 BASE = {
     "name": "block",
-    "source": {"table": "block", "shards": [{"conn_id": "pg_a", "schemas": ["s1", "s2"]},
-                                             {"conn_id": "pg_b", "database": "notion", "schemas": ["s1"]}]},
+    "source": {
+        "table": "block",
+        "shards": [
+            {"conn_id": "pg_a", "schemas": ["s1", "s2"]},
+            {"conn_id": "pg_b", "database": "notion", "schemas": ["s1"]},
+        ],
+    },
     "primary_key": ["id"],
 }
 
@@ -39,8 +44,11 @@ def test_defaults_and_derived_names():
     [
         ({"lake": {"write_mode": "mor"}}, "lake.write_mode", "merge-on-read"),
         ({"primary_key": ["id; DROP TABLE x"]}, "primary_key", "not a valid identifier"),
-        ({"source": {"table": "block", "shards": [{"conn_id": "pg_a", "schemas": ['s1"; drop']}]}},
-         "source.shards.0.schemas", "not a valid identifier"),
+        (
+            {"source": {"table": "block", "shards": [{"conn_id": "pg_a", "schemas": ['s1"; drop']}]}},
+            "source.shards.0.schemas",
+            "not a valid identifier",
+        ),
         ({"ingest": {"schedule": "every hour"}}, "ingest.schedule", "cron"),
         ({"lake": {"partition_by": ["id) --"]}}, "lake.partition_by", "bucket(N, col)"),
         ({"deletes": "sometimes"}, "deletes", "'hard' or 'soft'"),
@@ -70,13 +78,17 @@ def test_duplicate_shards_rejected():
 
 
 def test_one_broken_file_does_not_hide_the_others(tmp_path):
-    (tmp_path / "good.yaml").write_text(textwrap.dedent("""
+    (tmp_path / "good.yaml").write_text(
+        textwrap.dedent("""
         name: good
         source: {table: t, shards: [{conn_id: c, schemas: [s]}]}
         primary_key: [id]
-    """))
-    (tmp_path / "bad.yaml").write_text("name: bad\nsource: {table: t, shards: [{conn_id: c, schemas: [s]}]}\n"
-                                       "primary_key: [id]\nlake: {write_mode: sideways}\n")
+    """)
+    )
+    (tmp_path / "bad.yaml").write_text(
+        "name: bad\nsource: {table: t, shards: [{conn_id: c, schemas: [s]}]}\n"
+        "primary_key: [id]\nlake: {write_mode: sideways}\n"
+    )
     (tmp_path / "broken.yaml").write_text("name: [unclosed\n")
     cs = load_table_configs(tmp_path)
     assert sorted(cs.tables) == ["good"]
@@ -97,8 +109,10 @@ def test_duplicate_table_names(tmp_path):
 
 def test_load_single_file_raises_with_every_problem(tmp_path):
     p = tmp_path / "t.yaml"
-    p.write_text("name: t\nsource: {table: t, shards: [{conn_id: c, schemas: [s]}]}\nprimary_key: [id]\n"
-                 "deletes: maybe\nlake: {format_version: 7}\n")
+    p.write_text(
+        "name: t\nsource: {table: t, shards: [{conn_id: c, schemas: [s]}]}\nprimary_key: [id]\n"
+        "deletes: maybe\nlake: {format_version: 7}\n"
+    )
     with pytest.raises(ValueError) as exc:
         load_table_config(p)
     assert "deletes" in str(exc.value) and "lake.format_version" in str(exc.value)
@@ -136,12 +150,15 @@ def test_one_endpoint_in_two_shard_groups_is_rejected():
 def test_two_configs_reading_one_source_shard_collide(tmp_path):
     body = "source: {table: t, shards: [{conn_id: c, schemas: [s1, s2]}]}\nprimary_key: [id]\n"
     (tmp_path / "a.yaml").write_text("name: a\n" + body)
-    (tmp_path / "b.yaml").write_text("name: b\nsource: {table: t, shards: [{conn_id: c, schemas: [s2]}]}\n"
-                                     "primary_key: [id]\n")
-    (tmp_path / "c.yaml").write_text("name: c\nsource: {table: t, shards: [{conn_id: c, schemas: [s3]}]}\n"
-                                     "primary_key: [other]\n")
-    (tmp_path / "d.yaml").write_text("name: d\nsource: {table: t, shards: [{conn_id: c, schemas: [s4]}]}\n"
-                                     "primary_key: [id]\n")
+    (tmp_path / "b.yaml").write_text(
+        "name: b\nsource: {table: t, shards: [{conn_id: c, schemas: [s2]}]}\nprimary_key: [id]\n"
+    )
+    (tmp_path / "c.yaml").write_text(
+        "name: c\nsource: {table: t, shards: [{conn_id: c, schemas: [s3]}]}\nprimary_key: [other]\n"
+    )
+    (tmp_path / "d.yaml").write_text(
+        "name: d\nsource: {table: t, shards: [{conn_id: c, schemas: [s4]}]}\nprimary_key: [id]\n"
+    )
     cs = load_table_configs(tmp_path)
     assert sorted(cs.tables) == ["a", "d"]
     text = "\n".join(str(e) for e in cs.errors)

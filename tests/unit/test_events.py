@@ -23,8 +23,12 @@ from tests.conftest import make_config
         ("decimal(10,2)", "12.50", Decimal("12.50"), ["1.239", "123456789.1", "NaN"]),
         ("decimal(38,18)", "1.500000000000000000000", Decimal("1.5"), ["1." + "1" * 19]),
         ("date", "2026-11-22", date(2026, 11, 22), ["2026-11-22 BC", "infinity", "22/11/2026"]),
-        ("timestamp", "2026-11-22 10:00:00.5+02", datetime(2026, 11, 22, 8, 0, 0, 500000),
-         ["infinity", "0001-01-01 00:00:00+00 BC", "yesterday"]),
+        (
+            "timestamp",
+            "2026-11-22 10:00:00.5+02",
+            datetime(2026, 11, 22, 8, 0, 0, 500000),
+            ["infinity", "0001-01-01 00:00:00+00 BC", "yesterday"],
+        ),
         ("array<string>", '["a",null]', ["a", None], ["\x00unparseable-array:x:{{1}}"]),
         ("array<int>", '["1","2"]', [1, 2], ['["1","x"]']),
         ("binary", "\\x4869", b"Hi", ["4869", "\\xZZ"]),
@@ -41,10 +45,26 @@ def test_cast_text_guards(spark, lake_type, good, value, bad):
 
 
 BASE = {
-    "op": "u", "before": None, "after": {"id": "1", "title": "a", "n": "1.00"}, "unavailable": None,
-    "source": {"connector": "postgresql", "endpoint": "ep", "host": "h", "db": "d", "schema": "s1", "table": "block",
-               "commit_lsn": 100, "lsn": 90, "xid": 5, "seq": 1, "commit_ts": datetime(2026, 1, 1)},
-    "table_schema": "[]", "ts_ms": 0, "run_id": "r1",
+    "op": "u",
+    "before": None,
+    "after": {"id": "1", "title": "a", "n": "1.00"},
+    "unavailable": None,
+    "source": {
+        "connector": "postgresql",
+        "endpoint": "ep",
+        "host": "h",
+        "db": "d",
+        "schema": "s1",
+        "table": "block",
+        "commit_lsn": 100,
+        "lsn": 90,
+        "xid": 5,
+        "seq": 1,
+        "commit_ts": datetime(2026, 1, 1),
+    },
+    "table_schema": "[]",
+    "ts_ms": 0,
+    "run_id": "r1",
 }
 
 
@@ -88,7 +108,8 @@ def test_typed_events_quarantine_reasons(spark):
 def test_latest_per_key_orders_by_commit_lsn_then_seq(spark):
     df = spark.createDataFrame(
         [("s1", 1, "old", 100, 4), ("s1", 1, "new", 100, 6), ("s1", 1, "older", 90, 8), ("s2", 1, "other", 50, 2)],
-        f"{SHARD_COL} string, id bigint, title string, {LSN_COL} bigint, {SEQ_COL} bigint")
+        f"{SHARD_COL} string, id bigint, title string, {LSN_COL} bigint, {SEQ_COL} bigint",
+    )
     assertDataFrameEqual(
         latest_per_key(df, [SHARD_COL, "id"]),
         spark.createDataFrame([("s1", 1, "new", 100, 6), ("s2", 1, "other", 50, 2)], df.schema),
@@ -97,9 +118,14 @@ def test_latest_per_key_orders_by_commit_lsn_then_seq(spark):
 
 def test_primary_key_change_becomes_delete_then_upsert(spark):
     cfg = make_config("ev", ["s1"])
-    df = events(spark, {"before": {"id": "1"}, "after": {"id": "9", "title": "moved", "n": "1.00"},
-                        "source": {"seq": 3}})
+    df = events(
+        spark, {"before": {"id": "1"}, "after": {"id": "9", "title": "moved", "n": "1.00"}, "source": {"seq": 3}}
+    )
     typed = typed_events(df, cfg, COLS, {("ep", "s1"): "s1"})
     out = split_pk_changes(typed.drop(REASONS, "_raw"), cfg).select("id", OP_COL, SEQ_COL, "title")
-    assertDataFrameEqual(out, spark.createDataFrame([(1, "d", 6, None), (9, "u", 7, "moved")],
-                                                    "id bigint, _cdc_op string, _cdc_seq bigint, title string"))
+    assertDataFrameEqual(
+        out,
+        spark.createDataFrame(
+            [(1, "d", 6, None), (9, "u", 7, "moved")], "id bigint, _cdc_op string, _cdc_seq bigint, title string"
+        ),
+    )
