@@ -129,6 +129,7 @@ def capture_run(
 
     slot = src.slot_name(ep.endpoint_id)
     mpath = manifest_path(ep.endpoint_id, run_id)
+    store.verify()  # before the slot is touched: an unwritable landing zone must cost nothing
     if store.exists(mpath):
         manifest = store.read_json(mpath)
         _confirm(dsn, slot, manifest["end_lsn"], None)

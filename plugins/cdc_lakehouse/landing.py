@@ -99,6 +99,10 @@ def manifest_path(endpoint: str, run_id: str) -> str:
 # --- stores ------------------------------------------------------------------------------------
 
 
+class LandingUnavailable(RuntimeError):
+    """The landing zone cannot be written: raised before a capture reads anything from its slot."""
+
+
 class LocalLanding:
     """A landing zone on the local filesystem (the embedded default)."""
 
@@ -107,6 +111,13 @@ class LocalLanding:
         self.uri = uri.rstrip("/")
         self.root = Path(u.path if u.scheme == "file" else uri)
         self.root.mkdir(parents=True, exist_ok=True)
+
+    def verify(self) -> None:
+        if not os.access(self.root, os.W_OK | os.X_OK):
+            raise LandingUnavailable(
+                f"landing zone {self.uri}: {self.root} is not writable by this user; fix its "
+                "owner or mode, or point the lake connection's landing_uri elsewhere"
+            )
 
     def staging_dir(self) -> Path:
         d = self.root / "_staging" / uuid.uuid4().hex
@@ -174,6 +185,16 @@ class S3Landing:
 
             hook = S3Hook(aws_conn_id=aws_conn_id)
         self.hook = hook
+        self.aws_conn_id = aws_conn_id
+
+    def verify(self) -> None:
+        # check_for_bucket is False for a missing bucket and for one these keys may not see (403).
+        if not self.hook.check_for_bucket(self.bucket):
+            raise LandingUnavailable(
+                f"landing zone {self.uri}: bucket {self.bucket!r} does not exist or the AWS connection "
+                f"{self.aws_conn_id!r} cannot reach it; create the bucket, or fix the lake connection's "
+                "landing_uri / landing_conn_id, or the AWS connection's keys, region and endpoint_url"
+            )
 
     def _key(self, rel: str) -> str:
         return f"{self.prefix}/{rel}" if self.prefix else rel

@@ -8,7 +8,6 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import psycopg2
 import pyarrow.parquet as pq
@@ -450,51 +449,48 @@ def test_wal_level_and_invalidated_slot(small_cluster, tmp_path):
     assert "invalidated" in str(exc.value) and "re-bootstrap" in str(exc.value)
 
 
-def test_s3_landing_through_the_amazon_provider(db, tmp_path):
-    """Capture to a local S3-compatible server (moto) through S3Hook: objects, manifest, readable Parquet."""
+def test_s3_landing_through_the_amazon_provider(db, s3_server, monkeypatch):
+    """Capture to a local S3-compatible server (moto) through S3Hook: objects, manifest, readable Parquet.
+
+    A landing bucket that does not exist stops the capture before its slot is touched, naming the
+    bucket, the connection and the fix; once the bucket exists the next run captures everything."""
     import io
 
-    from cdc_lakehouse.landing import S3Landing
-    from cdc_lakehouse.localstack import free_port
+    from airflow.providers.amazon.aws.hooks.s3 import S3Hook
+    from cdc_lakehouse.landing import LandingUnavailable, S3Landing
 
-    port = free_port()
-    server = subprocess.Popen(
-        [str(Path(sys.executable).parent / "moto_server"), "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        os.environ["AIRFLOW_CONN_CDC_TEST_S3"] = json.dumps(
+    monkeypatch.setenv(
+        "AIRFLOW_CONN_CDC_TEST_S3_CAPTURE",
+        json.dumps(
             {
                 "conn_type": "aws",
                 "login": "test",
                 "password": "test",
-                "extra": {"endpoint_url": f"http://127.0.0.1:{port}", "region_name": "us-east-1"},
+                "extra": {"endpoint_url": s3_server.endpoint, "region_name": s3_server.REGION},
             }
-        )
-        from airflow.providers.amazon.aws.hooks.s3 import S3Hook
-
-        hook = S3Hook(aws_conn_id="cdc_test_s3")
-        for _ in range(50):
-            try:
-                hook.create_bucket("lake")
-                break
-            except Exception:  # noqa: BLE001 - server still starting
-                time.sleep(0.2)
-        dsn, conn = db
-        store = S3Landing("s3://lake/landing", "cdc_test_s3")
-        ep = endpoint(schemas=("s0",))
+        ),
+    )
+    dsn, conn = db
+    store = S3Landing("s3://cdc-capture-lake/landing", "cdc_test_s3_capture")
+    ep = endpoint(schemas=("s0",))
+    with conn.cursor() as cur:
+        cur.execute("INSERT INTO s0.items (id, title) VALUES (1, 'via s3')")
+    with pytest.raises(LandingUnavailable) as exc:
         capture_run(ep, dsn, store, "r1")
-        with conn.cursor() as cur:
-            cur.execute("INSERT INTO s0.items (id, title) VALUES (1, 'via s3'), (2, 'too')")
-        m = capture_run(ep, dsn, store, "r2")
-        assert store.exists(manifest_path("ep", "r2"))
-        assert [x["run_id"] for x in list_manifests(store, "ep")] == ["r1", "r2"]
-        key = f"landing/{m['tables'][0]['dir']}/{m['tables'][0]['files'][0]['name']}"
-        body = hook.get_key(key, bucket_name="lake").get()["Body"].read()
-        rows = pq.read_table(io.BytesIO(body)).to_pylist()
-        assert sorted(kv(r["after"])["title"] for r in rows) == ["too", "via s3"]
-        assert capture_run(ep, dsn, store, "r2")["reused"]
-    finally:
-        server.terminate()
-        server.wait()
+    assert "'cdc-capture-lake'" in str(exc.value) and "'cdc_test_s3_capture'" in str(exc.value)
+    with conn.cursor() as cur:
+        cur.execute("SELECT count(*) FROM pg_replication_slots WHERE slot_name = %s", (src.slot_name("ep"),))
+        assert cur.fetchone()[0] == 0  # the slot was never created
+
+    s3_server.create_bucket("cdc-capture-lake")
+    capture_run(ep, dsn, store, "r1")
+    with conn.cursor() as cur:
+        cur.execute("INSERT INTO s0.items (id, title) VALUES (2, 'too')")
+    m = capture_run(ep, dsn, store, "r2")
+    assert store.exists(manifest_path("ep", "r2"))
+    assert [x["run_id"] for x in list_manifests(store, "ep")] == ["r1", "r2"]
+    key = f"landing/{m['tables'][0]['dir']}/{m['tables'][0]['files'][0]['name']}"
+    body = S3Hook(aws_conn_id="cdc_test_s3_capture").get_key(key, bucket_name="cdc-capture-lake").get()["Body"].read()
+    rows = pq.read_table(io.BytesIO(body)).to_pylist()
+    assert sorted(kv(r["after"])["title"] for r in rows) == ["too"]
+    assert capture_run(ep, dsn, store, "r2")["reused"]
