@@ -125,3 +125,26 @@ def init_airflow_home(env: dict[str, str]) -> None:
         check=False,
     )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+
+
+def lake_connection_json(pg, lake, password: str | None = None) -> str:
+    """AIRFLOW_CONN_CDC_LAKE for `lake`: its JDBC catalog in the session's PostgreSQL."""
+    extra = {
+        "catalog_type": "jdbc",
+        "catalog_name": lake.catalog_name,
+        "warehouse": lake.warehouse,
+        "landing_uri": lake.landing_uri,
+    }
+    if lake.landing_conn_id:
+        extra["landing_conn_id"] = lake.landing_conn_id
+    conn = {
+        "conn_type": "generic",
+        "host": "127.0.0.1",
+        "port": pg.port,
+        "schema": "lake_catalog",
+        "login": "postgres",
+        "extra": extra,
+    }
+    if password:
+        conn["password"] = password
+    return json.dumps(conn)

@@ -160,10 +160,7 @@ class LakeSettings:
         `spark.hadoop.` prefix: the caller adds it for a SparkConf."""
         if not self.uses_s3:
             return {}
-        conf = {
-            "fs.s3.impl": "org.apache.hadoop.fs.s3a.S3AFileSystem",
-            "fs.s3a.impl": "org.apache.hadoop.fs.s3a.S3AFileSystem",
-        }
+        conf = {"fs.s3.impl": "org.apache.hadoop.fs.s3a.S3AFileSystem"}  # s3a:// is S3A by default
         if self.s3_endpoint:
             conf["fs.s3a.endpoint"] = self.s3_endpoint
             conf["fs.s3a.connection.ssl.enabled"] = str(self.s3_endpoint.startswith("https")).lower()

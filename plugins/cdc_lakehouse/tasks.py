@@ -27,6 +27,13 @@ def lake_settings() -> LakeSettings:
     return with_aws_connection(lake) if lake.uses_s3 else lake
 
 
+def _path_style(extra: dict[str, Any]) -> bool:
+    """Path-style addressing asked for by an AWS connection's extra: our `s3_path_style`, or
+    botocore's own `config_kwargs: {s3: {addressing_style: path}}`."""
+    botocore_s3 = (extra.get("config_kwargs") or {}).get("s3") or {}
+    return bool(extra.get("s3_path_style")) or botocore_s3.get("addressing_style") == "path"
+
+
 def with_aws_connection(lake: LakeSettings) -> LakeSettings:
     """Fill the S3 endpoint, region and credentials from the lake's AWS connection (the Amazon
     provider resolves keys, assumed roles and profiles); settings given on the lake connection win."""
@@ -40,11 +47,7 @@ def with_aws_connection(lake: LakeSettings) -> LakeSettings:
     return lake.with_(
         s3_endpoint=lake.s3_endpoint or cfg.get_service_endpoint_url("s3"),
         s3_region=lake.s3_region or hook.conn_region_name,
-        s3_path_style=lake.s3_path_style
-        or bool(
-            cfg.extra_config.get("s3_path_style")
-            or (cfg.extra_config.get("config_kwargs") or {}).get("s3", {}).get("addressing_style") == "path"
-        ),
+        s3_path_style=lake.s3_path_style or _path_style(cfg.extra_config),
         s3_credentials=S3Credentials(creds.access_key, creds.secret_key, creds.token) if creds.access_key else None,
     )
 

@@ -19,8 +19,8 @@ from cdc_lakehouse.landing import open_landing
 from cdc_lakehouse.localstack import LocalSparkCluster
 from cdc_lakehouse.spark_session import attach_lake
 
-from tests.helpers import assert_lake_equals_source
-from tests.integration.conftest import S3_AWS_CONN, S3_KEY_ID, S3_SECRET, Source
+from tests.helpers import assert_lake_equals_source, lake_connection_json
+from tests.integration.conftest import S3_KEY_ID, S3_SECRET, Source
 
 pytestmark = pytest.mark.slow
 
@@ -66,25 +66,7 @@ def test_ingest_job_on_a_standalone_cluster_with_the_s3_lake(
 
         # The connections a deployment has: the lake (S3 warehouse and landing, keys in the AWS
         # connection), the cluster, the source.
-        monkeypatch.setenv(
-            "AIRFLOW_CONN_CDC_LAKE",
-            json.dumps(
-                {
-                    "conn_type": "generic",
-                    "host": "127.0.0.1",
-                    "port": pg.port,
-                    "schema": "lake_catalog",
-                    "login": "postgres",
-                    "extra": {
-                        "catalog_type": "jdbc",
-                        "catalog_name": lake_s3.catalog_name,
-                        "warehouse": lake_s3.warehouse,
-                        "landing_uri": lake_s3.landing_uri,
-                        "landing_conn_id": S3_AWS_CONN,
-                    },
-                }
-            ),
-        )
+        monkeypatch.setenv("AIRFLOW_CONN_CDC_LAKE", lake_connection_json(pg, lake_s3))
         host, port = cluster.master_url.rsplit(":", 1)
         monkeypatch.setenv(
             "AIRFLOW_CONN_SPARK_TEST_CLUSTER",

@@ -15,6 +15,7 @@ from cdc_lakehouse.localstack import LocalPostgres, free_port
 from cdc_lakehouse.settings import LakeSettings, SourceEndpoint
 
 from tests.conftest import ROOT
+from tests.helpers import lake_connection_json
 from tests.unit.test_secrets_transport import LAKE_MARKER, SRC_MARKER, leaks
 
 CONN = "cdc_secret_probe_src"
@@ -35,20 +36,7 @@ def test_spark_submit_on_local_gets_its_secrets_and_shows_none(pg, lake, monkeyp
     monkeypatch.delenv("CDC_CATALOG_PASSWORD", raising=False)
     # The session's PostgreSQL trusts local connections, so these passwords are accepted as given.
     monkeypatch.setenv("AIRFLOW_CONN_SPARK_SECRETS_PROBE", json.dumps({"conn_type": "spark", "host": "local[2]"}))
-    monkeypatch.setenv(
-        "AIRFLOW_CONN_CDC_LAKE",
-        json.dumps(
-            {
-                "conn_type": "generic",
-                "host": "127.0.0.1",
-                "port": pg.port,
-                "schema": "lake_catalog",
-                "login": "postgres",
-                "password": LAKE_MARKER,
-                "extra": {"catalog_type": "jdbc", "warehouse": lake.warehouse, "landing_uri": lake.landing_uri},
-            }
-        ),
-    )
+    monkeypatch.setenv("AIRFLOW_CONN_CDC_LAKE", lake_connection_json(pg, lake, password=LAKE_MARKER))
     monkeypatch.setenv(
         f"AIRFLOW_CONN_{CONN.upper()}",
         json.dumps(
