@@ -9,22 +9,22 @@ setup:
 	@scripts/setup.sh
 
 pg-start: setup
-	@$(ENV) python -m cdc_lakehouse.localstack start
+	@$(ENV) python -m cdc_lakehouse.dev.localstack start
 
 pg-stop:
-	@$(ENV) python -m cdc_lakehouse.localstack stop
+	@$(ENV) python -m cdc_lakehouse.dev.localstack stop
 
 pg-status:
-	@$(ENV) python -m cdc_lakehouse.localstack status
+	@$(ENV) python -m cdc_lakehouse.dev.localstack status
 
 airflow-init: pg-start
 	@$(ENV) scripts/airflow_init.sh
 
 demo: airflow-init
-	@$(ENV) python -m cdc_lakehouse.demo run $(DEMO_ARGS)
+	@$(ENV) python -m cdc_lakehouse.dev.demo run $(DEMO_ARGS)
 
 airflow: airflow-init
-	@$(ENV) python -m cdc_lakehouse.demo prepare && $(ENV) scripts/airflow_ui.sh
+	@$(ENV) python -m cdc_lakehouse.dev.demo prepare && $(ENV) scripts/airflow_ui.sh
 
 test: setup
 	@$(ENV) python -m pytest $(PYTEST_ARGS)
@@ -42,5 +42,5 @@ bench: pg-start
 	@$(ENV) python bench/run.py $(BENCH_ARGS)
 
 clean:
-	@$(ENV) python -m cdc_lakehouse.localstack stop || true
+	@$(ENV) python -m cdc_lakehouse.dev.localstack stop || true
 	rm -rf .local build

@@ -4,7 +4,7 @@
 
 Engines, each on the same base table and the same batch, each checked against the same
 expected final state (computed by DuckDB from the inputs):
-  ours-mor / ours-cow   cdc_lakehouse.ingest (validate, changelog, pre-combine, LSN-guarded MERGE)
+  ours-mor / ours-cow   cdc_lakehouse.ingest.run (validate, changelog, pre-combine, LSN-guarded MERGE)
                         on Spark + Iceberg, merge-on-read / copy-on-write
   pyiceberg             pyiceberg table.upsert + delete of the pre-combined batch
   delta                 delta-rs (deltalake) MERGE of the pre-combined batch
@@ -80,10 +80,11 @@ def prepare(rows: int, changes: int) -> dict:
 
 def run_ours(mode: str, prep: dict, rows: int, repeat: int) -> list[dict]:
     from cdc_lakehouse.config import parse_table_config
-    from cdc_lakehouse.ingest import ingest_table
-    from cdc_lakehouse.lake import create_lake_tables, ensure_meta_tables
+    from cdc_lakehouse.ingest.run import ingest_table
+    from cdc_lakehouse.lake.meta import ensure_meta_tables
+    from cdc_lakehouse.lake.tables import create_lake_tables
+    from cdc_lakehouse.runtime.session import get_spark
     from cdc_lakehouse.settings import LakeSettings
-    from cdc_lakehouse.spark_session import get_spark
     from pyspark.sql import functions as F
 
     lake = LakeSettings.from_env().with_(

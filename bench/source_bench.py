@@ -2,7 +2,7 @@
 
     python bench/source_bench.py --blocks 1000000 [--what bootstrap,audit,capture] [--changes 200000]
 
-  bootstrap  rows/s of cdc_lakehouse.bootstrap (snapshot -> Spark JDBC -> Iceberg) against the
+  bootstrap  rows/s of cdc_lakehouse.bootstrap.snapshot (snapshot -> Spark JDBC -> Iceberg) against the
              practical limit, `COPY (SELECT <same columns>) TO STDOUT` of the same rows with the
              same number of connections per host
   audit      time and peak memory (this process and its JVM) of the key-set audit of the table,
@@ -46,7 +46,7 @@ def _admin_dsn(db: str = "postgres") -> str:
 
 def prepare_source(blocks: int):
     import psycopg2
-    from cdc_lakehouse.workload import NotionWorkload
+    from cdc_lakehouse.dev.workload import NotionWorkload
 
     global CONN_ID  # noqa: PLW0603
     CONN_ID = f"bench_source_{blocks}"
@@ -94,9 +94,9 @@ def table_config(name: str, **over):
 def copy_rate(dsn: str, columns, connections: int) -> dict:
     """COPY of every shard with the bootstrap's select list, `connections` shards at a time."""
     import psycopg2
-    from cdc_lakehouse.bootstrap import _select_list
+    from cdc_lakehouse.bootstrap.snapshot import select_list
 
-    sel = _select_list(columns)
+    sel = select_list(columns)
     counts: dict[str, int] = {}
 
     class Sink:
@@ -132,10 +132,11 @@ def copy_rate(dsn: str, columns, connections: int) -> dict:
 
 
 def bench_bootstrap(spark, lake, dsn: str, blocks: int, repeat: int) -> dict:
-    from cdc_lakehouse.bootstrap import _endpoints, bootstrap_table, preflight
+    from cdc_lakehouse.bootstrap.run import bootstrap_table
+    from cdc_lakehouse.bootstrap.snapshot import endpoints, preflight
 
     cfg = table_config(f"boot_{blocks}")
-    columns = preflight(cfg, _endpoints(cfg, None))
+    columns = preflight(cfg, endpoints(cfg, None))
     conns = cfg.bootstrap.max_connections_per_host
     copies, ours = [], []
     for i in range(repeat):
@@ -179,7 +180,7 @@ def bench_bootstrap(spark, lake, dsn: str, blocks: int, repeat: int) -> dict:
 
 
 def bench_audit(spark, lake, blocks: int, repeat: int) -> dict:
-    from cdc_lakehouse.audit import audit_table
+    from cdc_lakehouse.audit.run import audit_table
 
     cfg = table_config(f"boot_{blocks}")
     out: dict[str, list] = {}
@@ -212,9 +213,10 @@ def bench_audit(spark, lake, blocks: int, repeat: int) -> dict:
 
 def bench_capture(dsn: str, wl, changes: int, repeat: int) -> dict:
     import psycopg2
-    from cdc_lakehouse import source as src
-    from cdc_lakehouse.capture import capture_run
-    from cdc_lakehouse.landing import LocalLanding
+    from cdc_lakehouse.capture.run import capture_run
+    from cdc_lakehouse.landing.stores import LocalLanding
+    from cdc_lakehouse.source.catalog import EndpointTables
+    from cdc_lakehouse.source.publication import PUBLICATION
 
     recv = shutil.which("pg_recvlogical") or next(
         iter(sorted(Path("/usr/lib/postgresql").glob("*/bin/pg_recvlogical"))), None
@@ -222,7 +224,7 @@ def bench_capture(dsn: str, wl, changes: int, repeat: int) -> dict:
     work = HERE / ".work" / "capture"
     shutil.rmtree(work, ignore_errors=True)
     store = LocalLanding(f"file://{work}")
-    ep = src.EndpointTables(
+    ep = EndpointTables(
         f"{CONN_ID}_capture",
         CONN_ID,
         {"block": (SHARDS, ["id"]), "space": (SHARDS, ["id"]), "permission": (SHARDS, ["block_id", "user_id"])},
@@ -270,7 +272,7 @@ def bench_capture(dsn: str, wl, changes: int, repeat: int) -> dict:
                     "-o",
                     "proto_version=1",
                     "-o",
-                    f"publication_names={src.PUBLICATION}",
+                    f"publication_names={PUBLICATION}",
                     "-f",
                     "/dev/null",
                     "--no-loop",
@@ -330,9 +332,9 @@ def main() -> int:
         print("capture:", flush=True)
         results["capture"] = bench_capture(dsn, wl, args.changes, args.repeat)
     if "bootstrap" in what or "audit" in what:
-        from cdc_lakehouse.lake import ensure_meta_tables
+        from cdc_lakehouse.lake.meta import ensure_meta_tables
+        from cdc_lakehouse.runtime.session import get_spark
         from cdc_lakehouse.settings import LakeSettings
-        from cdc_lakehouse.spark_session import get_spark
 
         lake = LakeSettings.from_env().with_(
             warehouse=f"file://{HERE / '.work' / 'warehouse'}", landing_uri=f"file://{HERE / '.work' / 'landing'}"

@@ -30,9 +30,9 @@ CONN_ID = "bench_tables"
 
 def main() -> int:
     import psycopg2
-    from cdc_lakehouse import source as src
-    from cdc_lakehouse.capture import capture_run
-    from cdc_lakehouse.landing import LocalLanding
+    from cdc_lakehouse.capture.run import capture_run
+    from cdc_lakehouse.landing.stores import LocalLanding
+    from cdc_lakehouse.source.catalog import EndpointTables
 
     from bench.source_bench import _admin_dsn
 
@@ -93,13 +93,13 @@ def main() -> int:
     cs = load_table_configs(cfg_dir)
     assert not cs.errors, cs.errors
     endpoint = cs.tables[names[0]].source.shards[0].endpoint_id
-    ep = src.EndpointTables(endpoint, CONN_ID, {t: (SHARDS, ["id"]) for t in names})
+    ep = EndpointTables(endpoint, CONN_ID, {t: (SHARDS, ["id"]) for t in names})
     store = LocalLanding(f"file://{work}/landing")
     capture_run(ep, dsn, store, "20260101T000000Z")  # slot and publication
     # Bootstrap every table in one Spark application (not what is measured).
-    from cdc_lakehouse.bootstrap import bootstrap_table
-    from cdc_lakehouse.lake import ensure_meta_tables
-    from cdc_lakehouse.spark_session import get_spark
+    from cdc_lakehouse.bootstrap.run import bootstrap_table
+    from cdc_lakehouse.lake.meta import ensure_meta_tables
+    from cdc_lakehouse.runtime.session import get_spark
 
     lake = LakeSettings.from_env()
     spark = get_spark("bench-tables-bootstrap", lake)

@@ -135,7 +135,7 @@ def change_batch(rows: int, changes: int, seed: int = 2, toast_share: float = 0.
             unav.append(None)
         afters.append(row)
         befores.append(None)
-    from cdc_lakehouse.landing import landing_arrow_schema
+    from cdc_lakehouse.landing.format import landing_arrow_schema
 
     schema = landing_arrow_schema()
     source = pa.StructArray.from_arrays(

@@ -50,6 +50,6 @@ fi
 
 # --- jars, package, local folders ---------------------------------------------------------
 PYTHON="$ROOT/.venv/bin/python" scripts/fetch_jars.sh | sed 's/^/[setup] /'
-PYTHONPATH="$ROOT/plugins" .venv/bin/python -m cdc_lakehouse.packaging >/dev/null
+PYTHONPATH="$ROOT/plugins" .venv/bin/python -m cdc_lakehouse.runtime.packaging >/dev/null
 mkdir -p .local
 log "done"

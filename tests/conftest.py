@@ -28,7 +28,7 @@ def tmp_root():
 
 @pytest.fixture(scope="session")
 def pg(tmp_root):
-    from cdc_lakehouse.localstack import LocalPostgres, free_port
+    from cdc_lakehouse.dev.localstack import LocalPostgres, free_port
 
     server = LocalPostgres(tmp_root / "pg", free_port(), fast=True)
     server.start()
@@ -70,7 +70,7 @@ def lake(pg, tmp_root):
 @pytest.fixture(scope="session")
 def s3_server(tmp_root):
     """A local S3-compatible server (moto, server mode) for the session; started on first use."""
-    from cdc_lakehouse.localstack import LocalS3, free_port
+    from cdc_lakehouse.dev.localstack import LocalS3, free_port
 
     server = LocalS3(free_port())
     server.start()
@@ -80,8 +80,8 @@ def s3_server(tmp_root):
 
 @pytest.fixture(scope="session")
 def spark(lake):
-    from cdc_lakehouse.lake import ensure_meta_tables
-    from cdc_lakehouse.spark_session import get_spark
+    from cdc_lakehouse.lake.meta import ensure_meta_tables
+    from cdc_lakehouse.runtime.session import get_spark
 
     session = get_spark(
         "cdc-tests",

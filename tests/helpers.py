@@ -11,12 +11,13 @@ from pathlib import Path
 import psycopg2
 import pyarrow as pa
 import pyarrow.parquet as pq
-from cdc_lakehouse import source as src
 from cdc_lakehouse.config import SHARD_COL, TableConfig
-from cdc_lakehouse.events import cast_text
 from cdc_lakehouse.identifiers import pg_qualified
-from cdc_lakehouse.lake import source_columns_of
-from cdc_lakehouse.maintenance import latest_rows
+from cdc_lakehouse.ingest.validate import cast_text
+from cdc_lakehouse.lake.tables import source_columns_of
+from cdc_lakehouse.source.catalog import describe_table, text_select
+from cdc_lakehouse.source.session import SESSION_OPTIONS
+from cdc_lakehouse.views import latest_rows
 from pyspark.sql import functions as F
 from pyspark.testing import assertDataFrameEqual
 
@@ -24,13 +25,13 @@ from pyspark.testing import assertDataFrameEqual
 def source_df(spark, cfg: TableConfig, dsn: str, columns: list[tuple[str, str]]):
     """Every row of every shard, as the lake should hold it (text from PostgreSQL, typed like the lake)."""
     rows = []
-    conn = psycopg2.connect(dsn, options=src.SESSION_OPTIONS)
+    conn = psycopg2.connect(dsn, options=SESSION_OPTIONS)
     try:
         with conn.cursor() as cur:
             for _, schema, shard in cfg.shards():
-                info = src.describe_table(cur, schema, cfg.source.table)
+                info = describe_table(cur, schema, cfg.source.table)
                 pg_types = {c.name: c.pg_type for c in info.columns}
-                sel = ", ".join(src.text_select(c, pg_types.get(c, ""), t) for c, t in columns)
+                sel = ", ".join(text_select(c, pg_types.get(c, ""), t) for c, t in columns)
                 cur.execute(f"SELECT {sel} FROM {pg_qualified(schema, cfg.source.table)}")
                 rows += [(shard, *r) for r in cur.fetchall()]
     finally:

@@ -12,8 +12,8 @@ import argparse
 import json
 import sys
 
-from .config import load_table_configs
-from .settings import tables_dir
+from cdc_lakehouse.config import load_table_configs
+from cdc_lakehouse.settings import tables_dir
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,15 +34,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{len(cs.tables)} valid table config(s): {', '.join(sorted(cs.tables))}")
         return 1 if cs.errors else 0
     if args.cmd == "pools":
-        from .dag_factory import pools
+        from cdc_lakehouse.orchestration.dag_factory import pools
 
         print(json.dumps(pools(), indent=2, sort_keys=True))
         return 0
-    from .identifiers import check_lake_ident
-    from .job_secrets import load_job_secrets
-    from .lake import ensure_meta_tables
-    from .settings import LakeSettings
-    from .spark_session import get_spark
+    from cdc_lakehouse.identifiers import check_lake_ident
+    from cdc_lakehouse.lake.meta import ensure_meta_tables
+    from cdc_lakehouse.runtime.secrets import load_job_secrets
+    from cdc_lakehouse.runtime.session import get_spark
+    from cdc_lakehouse.settings import LakeSettings
 
     table = check_lake_ident(args.table, "table")
     load_job_secrets()

@@ -25,7 +25,7 @@ from pydantic import (
     model_validator,
 )
 
-from .identifiers import IdentifierError, check_ident, check_lake_ident
+from cdc_lakehouse.identifiers import IdentifierError, check_ident, check_lake_ident
 
 # Columns the pipeline adds to lake tables. Source columns may not use the prefix.
 META_PREFIX = "_cdc_"

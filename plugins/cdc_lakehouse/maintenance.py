@@ -11,23 +11,16 @@ import time
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
-from .config import COMMIT_TS_COL, LSN_COL, OP_COL, SEQ_COL, SHARD_COL, TableConfig
-from .identifiers import spark_ident
-from .lake import (
-    UNAVAILABLE_COL,
-    WATERMARK_PROP,
-    SparkLanding,
-    meta_append,
-    props_sql,
-    read_watermark,
-    source_columns_of,
-    table_exists,
-    table_stats,
-)
-from .settings import LakeSettings
+from cdc_lakehouse.config import TableConfig
+from cdc_lakehouse.lake.meta import meta_append
+from cdc_lakehouse.lake.tables import table_exists, table_stats
+from cdc_lakehouse.lake.watermark import WATERMARK_PROP, read_watermark
+from cdc_lakehouse.landing.reader import SparkLanding
+from cdc_lakehouse.settings import LakeSettings
 
 if TYPE_CHECKING:
-    from pyspark.sql import DataFrame, SparkSession
+    from pyspark.sql import SparkSession
+from cdc_lakehouse.views import publish_latest
 
 
 def _ts(dt: datetime) -> str:
@@ -115,124 +108,6 @@ def expire(spark: SparkSession, lake: LakeSettings, table: str, cfg: TableConfig
     return {"expired_data_files": int(r[0][0]) if r else 0, "orphan_files_removed": len(o)}
 
 
-def _toast_columns(spark: SparkSession, changelog: str) -> list[str]:
-    from pyspark.sql import functions as F
-
-    return sorted(r[0] for r in spark.table(changelog).select(F.explode(UNAVAILABLE_COL)).distinct().collect())
-
-
-def latest_rows(spark: SparkSession, lake: LakeSettings, cfg: TableConfig) -> DataFrame:
-    """The latest row per key over the changelog, without deleted keys (Netflix's view).
-
-    A changelog row lists in `_cdc_unavailable` the unchanged TOAST columns its event did not
-    carry; where the ingest could not fill one from its own batch the value is NULL there, and
-    here it comes from the key's latest earlier row that carried it."""
-    from pyspark.sql import Window
-    from pyspark.sql import functions as F
-
-    cl = lake.qualified(cfg.changelog_table)
-    cur = lake.qualified(cfg.current_table)
-    cols = [c for c, _ in source_columns_of(spark, cur, cfg)]
-    events = spark.table(cl)
-    toast = _toast_columns(spark, cl)
-    trunc = (
-        events.filter(F.col(OP_COL) == "t")
-        .groupBy(SHARD_COL)
-        .agg(F.max(F.struct(F.col(LSN_COL).alias("l"), F.col(SEQ_COL).alias("s"))).alias("_t"))
-    )
-    key = [SHARD_COL, *cfg.primary_key]
-    ev = events.filter(F.col(OP_COL) != "t")
-    if toast:
-        upto = Window.partitionBy(*key).orderBy(LSN_COL, SEQ_COL).rowsBetween(Window.unboundedPreceding, 0)
-        unav = F.coalesce(F.col(UNAVAILABLE_COL), F.array().cast("array<string>"))
-        for c in toast:
-            carried = (F.col(OP_COL) != "d") & ~(F.array_contains(unav, c) & F.col(c).isNull())
-            ev = ev.withColumn(
-                c, F.last(F.when(carried, F.struct(F.col(c).alias("v"))), ignorenulls=True).over(upto)["v"]
-            )
-    w = Window.partitionBy(*key).orderBy(F.col(LSN_COL).desc(), F.col(SEQ_COL).desc())
-    latest = ev.withColumn("_rn", F.row_number().over(w)).filter("_rn = 1")
-    latest = latest.join(F.broadcast(trunc), SHARD_COL, "left")
-    after_trunc = (
-        F.col("_t").isNull()
-        | (F.col(LSN_COL) > F.col("_t.l"))
-        | ((F.col(LSN_COL) == F.col("_t.l")) & (F.col(SEQ_COL) > F.col("_t.s")))
-    )
-    return latest.filter((F.col(OP_COL) != "d") & after_trunc).select(
-        SHARD_COL,
-        *cols,
-        F.when(F.col(OP_COL) == "r", F.lit("c")).otherwise(F.col(OP_COL)).alias(OP_COL),
-        LSN_COL,
-        SEQ_COL,
-        COMMIT_TS_COL,
-    )
-
-
-def publish_latest(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, log=print) -> dict[str, Any]:
-    """As an Iceberg table replaced atomically (CREATE OR REPLACE ... AS SELECT), or as an Iceberg view."""
-    name = lake.qualified(cfg.latest_view)
-    mode = cfg.maintenance.latest_view
-    if mode == "none":
-        return {}
-    t = time.time()
-    df = latest_rows(spark, lake, cfg)
-    if mode == "table":
-        if _is_view(spark, name):
-            spark.sql(f"DROP VIEW {name}")
-        view = f"cdc_latest_{cfg.name}"
-        df.createOrReplaceTempView(view)
-        part = f"PARTITIONED BY ({SHARD_COL})" if SHARD_COL in cfg.lake.partition_by else ""
-        props = props_sql({"format-version": "2", "cdc.table": cfg.name, "cdc.kind": "latest-per-key"})
-        spark.sql(f"CREATE OR REPLACE TABLE {name} USING iceberg {part} {props} AS SELECT * FROM {view}")
-        rows = spark.table(name).count()
-    else:
-        if table_exists(spark, name) and not _is_view(spark, name):
-            spark.sql(f"DROP TABLE {name}")
-        spark.sql(f"CREATE OR REPLACE VIEW {name} AS {_latest_sql(spark, lake, cfg)}")
-        rows = spark.table(name).count()
-    log(f"maintenance {cfg.name}: latest-per-key {mode} {name}: {rows} rows in {time.time() - t:.1f}s")
-    return {"latest_rows": rows, "latest_mode": mode}
-
-
-def _is_view(spark: SparkSession, name: str) -> bool:
-    cat, ns, tbl = name.split(".")
-    try:
-        return any(r["viewName"] == tbl for r in spark.sql(f"SHOW VIEWS IN {cat}.{ns}").collect())
-    except Exception:  # noqa: BLE001 - catalogs without views
-        return False
-
-
-def _latest_sql(spark: SparkSession, lake: LakeSettings, cfg: TableConfig) -> str:
-    """The same query as latest_rows, as SQL text (an Iceberg view stores SQL)."""
-    cl = lake.qualified(cfg.changelog_table)
-    cols = [c for c, _ in source_columns_of(spark, lake.qualified(cfg.current_table), cfg)]
-    toast = set(_toast_columns(spark, cl))
-    key = ", ".join(spark_ident(c) for c in [SHARD_COL, *cfg.primary_key])
-    unav = f"coalesce({UNAVAILABLE_COL}, array())"
-    sel = []
-    for c in cols:
-        q = spark_ident(c)
-        if c in toast:
-            carried = f"{OP_COL} <> 'd' AND NOT (array_contains({unav}, '{c}') AND {q} IS NULL)"
-            sel.append(
-                f"last(CASE WHEN {carried} THEN named_struct('v', {q}) END, true) OVER (PARTITION BY {key} "
-                f"ORDER BY {LSN_COL}, {SEQ_COL} ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW).v AS {q}"
-            )
-        else:
-            sel.append(q)
-    return (
-        f"WITH t AS (SELECT {SHARD_COL}, max(named_struct('l', {LSN_COL}, 's', {SEQ_COL})) AS tr FROM {cl} "
-        f"WHERE {OP_COL} = 't' GROUP BY {SHARD_COL}), "
-        f"f AS (SELECT {SHARD_COL}, {', '.join(sel)}, {OP_COL}, {LSN_COL}, {SEQ_COL}, {COMMIT_TS_COL} FROM {cl} "
-        f"WHERE {OP_COL} <> 't'), "
-        f"e AS (SELECT *, row_number() OVER (PARTITION BY {key} ORDER BY {LSN_COL} DESC, {SEQ_COL} DESC) AS rn FROM f) "
-        f"SELECT e.{SHARD_COL}, {', '.join('e.' + spark_ident(c) for c in cols)}, "
-        f"CASE WHEN e.{OP_COL} = 'r' THEN 'c' ELSE e.{OP_COL} END AS {OP_COL}, e.{LSN_COL}, e.{SEQ_COL}, "
-        f"e.{COMMIT_TS_COL} FROM e LEFT JOIN t ON e.{SHARD_COL} = t.{SHARD_COL} WHERE e.rn = 1 AND e.{OP_COL} <> 'd' "
-        f"AND (t.tr IS NULL OR e.{LSN_COL} > t.tr.l OR (e.{LSN_COL} = t.tr.l AND e.{SEQ_COL} > t.tr.s))"
-    )
-
-
 def prune_landing(
     spark: SparkSession, lake: LakeSettings, cfg: TableConfig, consumers: list[TableConfig], now: datetime, log=print
 ) -> dict[str, Any]:
@@ -243,8 +118,8 @@ def prune_landing(
     its current table and its changelog), and the endpoint's newest run is always kept (the next
     capture reads its schemas and position). A table whose config is broken for longer than the
     retention finds a landing gap when it comes back, which stops it with the re-bootstrap fix."""
-    from .ingest import shard_endpoints
-    from .landing import MANIFEST_DIR, list_manifests, manifest_path
+    from cdc_lakehouse.landing.format import MANIFEST_DIR, manifest_path
+    from cdc_lakehouse.landing.reader import list_manifests, shard_endpoints
 
     landing = SparkLanding(spark, lake.landing_uri)
     removed: dict[str, list[str]] = {}
@@ -275,7 +150,7 @@ def prune_landing(
 
 def _applied_floor(spark: SparkSession, lake: LakeSettings, endpoint: str, consumers: list[TableConfig]) -> int | None:
     """The lowest position any consuming table holds for a shard on the endpoint (None: unknown)."""
-    from .ingest import shard_endpoints
+    from cdc_lakehouse.landing.reader import shard_endpoints
 
     floor = None
     for c in consumers:

@@ -52,14 +52,14 @@ def test_every_table_has_its_four_dags(dagbag):
 
 
 def _dag_ids() -> list[str]:
-    from cdc_lakehouse.dag_factory import build_dags
+    from cdc_lakehouse.orchestration.dag_factory import build_dags
 
     return sorted(build_dags(str(TABLES)))
 
 
 @pytest.mark.parametrize("dag_id", _dag_ids())
 def test_dag_policy(dagbag, dag_id):
-    from cdc_lakehouse.alerts import CdcFailureNotifier
+    from cdc_lakehouse.orchestration.alerts import CdcFailureNotifier
 
     dag = dagbag.dags[dag_id]
     doc = dag.doc_md or ""
@@ -83,7 +83,7 @@ def test_dag_policy(dagbag, dag_id):
 def test_writers_of_one_table_share_a_single_slot_pool(dagbag):
     """Ingest, bootstrap and maintenance of a table never run at once: they queue on one pool."""
     from cdc_lakehouse.config import load_table_configs
-    from cdc_lakehouse.dag_factory import pools, table_pool
+    from cdc_lakehouse.orchestration.dag_factory import pools, table_pool
 
     cs = load_table_configs(TABLES)
     declared = pools(str(TABLES))

@@ -84,7 +84,7 @@ def _lake_versions(env) -> dict[tuple[str, int], int]:
 
 
 def _source_versions(pg) -> dict[tuple[str, int], int]:
-    from cdc_lakehouse.demo import SHARDS
+    from cdc_lakehouse.dev.demo import SHARDS
 
     out = {}
     conn = psycopg2.connect(pg.dsn("notion"))
@@ -100,7 +100,18 @@ def _source_versions(pg) -> dict[tuple[str, int], int]:
 
 def test_demo_through_airflow_is_clean_and_a_rerun_converges(pg, demo_env):
     r = subprocess.run(
-        [sys.executable, "-m", "cdc_lakehouse.demo", "run", "--blocks", "400", "--changes", "400", "--intervals", "2"],
+        [
+            sys.executable,
+            "-m",
+            "cdc_lakehouse.dev.demo",
+            "run",
+            "--blocks",
+            "400",
+            "--changes",
+            "400",
+            "--intervals",
+            "2",
+        ],
         env=demo_env,
         capture_output=True,
         text=True,

@@ -29,7 +29,7 @@ from pathlib import Path
 import psutil
 import psycopg2
 import pytest
-from cdc_lakehouse.localstack import free_port
+from cdc_lakehouse.dev.localstack import free_port
 
 from tests.conftest import ROOT
 from tests.helpers import init_airflow_home

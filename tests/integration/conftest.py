@@ -7,12 +7,12 @@ import os
 
 import psycopg2
 import pytest
-from cdc_lakehouse import source as src
-from cdc_lakehouse.bootstrap import bootstrap_table
-from cdc_lakehouse.capture import capture_run
-from cdc_lakehouse.ingest import ingest_table
-from cdc_lakehouse.landing import LocalLanding
-from cdc_lakehouse.workload import NotionWorkload
+from cdc_lakehouse.bootstrap.run import bootstrap_table
+from cdc_lakehouse.capture.run import capture_run
+from cdc_lakehouse.dev.workload import NotionWorkload
+from cdc_lakehouse.ingest.run import ingest_table
+from cdc_lakehouse.landing.stores import LocalLanding
+from cdc_lakehouse.source.catalog import EndpointTables
 
 from tests.conftest import make_config
 
@@ -48,7 +48,7 @@ class Source:
     def capture(self, run_id=None):
         self.runs += 1
         run_id = run_id or f"20260101T{self.runs:02d}0000Z"
-        ep = src.EndpointTables(self.endpoint, "cdc_test_source", self.tables())
+        ep = EndpointTables(self.endpoint, "cdc_test_source", self.tables())
         return capture_run(ep, self.dsn, self.store, run_id)
 
     def bootstrap(self, cfg, **kw):
@@ -88,8 +88,8 @@ S3_KEY_ID, S3_SECRET = "AKIDCDCTEST", "s3-secret/for+test"
 def lake_s3(s3_server, pg):
     """A second lake, catalog `lake_s3`, whose warehouse and landing are on the local S3 server;
     endpoint, region and keys come from an Airflow AWS connection, as in the tasks."""
+    from cdc_lakehouse.orchestration.tasks import with_aws_connection
     from cdc_lakehouse.settings import LakeSettings
-    from cdc_lakehouse.tasks import with_aws_connection
 
     s3_server.create_bucket(S3_BUCKET)
     os.environ[f"AIRFLOW_CONN_{S3_AWS_CONN.upper()}"] = json.dumps(

@@ -73,7 +73,7 @@ class _Sink:
 @pytest.fixture(scope="module")
 def smtp():
     from aiosmtpd.controller import Controller
-    from cdc_lakehouse.localstack import free_port
+    from cdc_lakehouse.dev.localstack import free_port
 
     sink = _Sink()
     controller = Controller(sink, hostname="127.0.0.1", port=free_port())
@@ -86,7 +86,7 @@ def smtp():
 def sns(tmp_path_factory):
     """A moto server of its own; a topic whose messages land in an SQS queue."""
     import boto3
-    from cdc_lakehouse.localstack import free_port
+    from cdc_lakehouse.dev.localstack import free_port
     from moto.server import ThreadedMotoServer
 
     port = free_port()
@@ -210,13 +210,13 @@ def alert_env(pg, lake, smtp, sns, tmp_path_factory):
 
 
 def _closed_port() -> int:
-    from cdc_lakehouse.localstack import free_port
+    from cdc_lakehouse.dev.localstack import free_port
 
     return free_port()  # bound and released: nothing listens there
 
 
 def _dags():
-    from cdc_lakehouse.dag_factory import build_dags
+    from cdc_lakehouse.orchestration.dag_factory import build_dags
 
     return build_dags()
 
@@ -280,7 +280,7 @@ def test_failed_task_alert_through_the_dags_callback(alert_env):
 def test_wal_alert_from_a_real_capture(alert_env, spark):
     """capture_endpoint as the capture task runs it: the slot's retained WAL is over 1 byte; the first
     run alerts, the next one (still over) is quiet, as the storm rule says."""
-    from cdc_lakehouse.tasks import capture_endpoint
+    from cdc_lakehouse.orchestration.tasks import capture_endpoint
 
     dag_id, task_id = "cdc_ingest__al_wal", "capture__cdc_alert_src"
     conn = psycopg2.connect(alert_env.env["AIRFLOW_CONN_CDC_ALERT_SRC"].replace("postgres://", "postgresql://"))
@@ -310,7 +310,7 @@ def test_wal_alert_from_a_real_capture(alert_env, spark):
 
 
 def _meta_append(spark, lake, name, rows):
-    from cdc_lakehouse.lake import meta_append
+    from cdc_lakehouse.lake.meta import meta_append
 
     meta_append(spark, lake, name, rows)
 
@@ -423,7 +423,7 @@ def test_freshness_alert_from_cdc_meta(alert_env, spark, lake):
 
 def test_a_channel_that_cannot_deliver_fails_the_check_and_names_it(alert_env, spark, lake, monkeypatch):
     """SMTP down: SNS still gets the alert, and the check task fails naming the channel."""
-    from cdc_lakehouse.alerts import AlertDeliveryError
+    from cdc_lakehouse.orchestration.alerts import AlertDeliveryError
 
     monkeypatch.setenv(
         "AIRFLOW_CONN_SMTP_DEFAULT",

@@ -4,7 +4,7 @@ mismatches, and opt-in repair heals the lake through the ingest's merge path."""
 from __future__ import annotations
 
 import pytest
-from cdc_lakehouse.audit import audit_table
+from cdc_lakehouse.audit.run import audit_table
 from pyspark.sql import functions as F
 
 from tests.helpers import assert_lake_equals_source, landing_root

@@ -5,9 +5,9 @@ from __future__ import annotations
 import threading
 
 import pytest
-from cdc_lakehouse import source as src
-from cdc_lakehouse.lake import read_watermark
+from cdc_lakehouse.lake.watermark import read_watermark
 from cdc_lakehouse.maintenance import content_checksum
+from cdc_lakehouse.source.errors import PreflightError
 
 from tests.helpers import assert_lake_equals_source
 
@@ -69,7 +69,7 @@ def test_preflight_stops_before_writing(source, spark, lake):
     s = source
     s.capture()
     missing = s.block.model_copy(update={"source": s.block.source.model_copy(update={"table": "nope"})})
-    with pytest.raises(src.PreflightError) as exc:
+    with pytest.raises(PreflightError) as exc:
         s.bootstrap(missing)
     assert "nope" in str(exc.value)
     # A declared key that is not unique in the source.
@@ -83,7 +83,7 @@ def test_preflight_stops_before_writing(source, spark, lake):
     dup = s.block.model_copy(
         update={"name": s.block.name + "_dup", "source": s.block.source.model_copy(update={"table": "dupkey"})}
     )
-    with pytest.raises(src.PreflightError) as exc:
+    with pytest.raises(PreflightError) as exc:
         s.bootstrap(dup)
     assert "unique" in str(exc.value) and "primary_key" in str(exc.value)
     assert not spark.catalog.tableExists(lake.qualified(dup.current_table)), "nothing may be written"

@@ -12,9 +12,14 @@ import time
 import psycopg2
 import pyarrow.parquet as pq
 import pytest
-from cdc_lakehouse import source as src
-from cdc_lakehouse.capture import CaptureLimits, capture_run
-from cdc_lakehouse.landing import LocalLanding, list_manifests, manifest_path
+from cdc_lakehouse.capture.run import CaptureLimits, capture_run
+from cdc_lakehouse.landing.format import manifest_path
+from cdc_lakehouse.landing.reader import list_manifests
+from cdc_lakehouse.landing.stores import LocalLanding
+from cdc_lakehouse.source.catalog import EndpointTables
+from cdc_lakehouse.source.errors import PreflightError, SlotConflictError, SlotLostError
+from cdc_lakehouse.source.slots import slot_name as source_slot_name
+from cdc_lakehouse.source.slots import slot_state
 
 from tests.conftest import ROOT
 
@@ -47,7 +52,7 @@ def db(pg, unique):
 
 
 def endpoint(tables=("items",), schemas=("s0", "s1"), eid="ep"):
-    return src.EndpointTables(
+    return EndpointTables(
         eid, "cdc_test_source", {t: (list(schemas), ["id"] if t == "items" else ["k"]) for t in tables}
     )
 
@@ -132,7 +137,7 @@ def test_row_changes_types_toast_truncate_and_multi_table_transactions(db, tmp_p
     assert items[-1]["op"] == "t" and items[-1]["before"] is None
     # Commit LSNs order transactions; the slot now stands at the run's end.
     assert [e["source"]["commit_lsn"] for e in items] == sorted(e["source"]["commit_lsn"] for e in items)
-    st = src.slot_state(conn, src.slot_name("ep"))
+    st = slot_state(conn, source_slot_name("ep"))
     assert st.confirmed_flush == m["end_lsn"] and m["start_lsn"] == first["end_lsn"]
     assert m["slot_after"]["retained_wal_bytes"] is not None and m["slot_after"]["lag_bytes"] >= 0
 
@@ -212,10 +217,10 @@ def test_large_transaction_keeps_memory_bounded(db, tmp_path):
     script = tmp_path / "cap.py"
     script.write_text(f"""
 import resource, sys
-from cdc_lakehouse import source as src
-from cdc_lakehouse.capture import capture_run, CaptureLimits
-from cdc_lakehouse.landing import LocalLanding
-ep = src.EndpointTables("ep", "c", {{"items": (["s0"], ["id"])}})
+from cdc_lakehouse.source.catalog import EndpointTables
+from cdc_lakehouse.capture.run import capture_run, CaptureLimits
+from cdc_lakehouse.landing.stores import LocalLanding
+ep = EndpointTables("ep", "c", {{"items": (["s0"], ["id"])}})
 store = LocalLanding("file://{tmp_path}/landing")
 m = capture_run(ep, {dsn!r}, store, sys.argv[1], limits=CaptureLimits(batch_rows=5000))
 print(m["events"], resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024)
@@ -251,19 +256,19 @@ def test_crash_before_confirming_loses_nothing(db, tmp_path, point):
     capture_run(ep, dsn, store, "r1")
     with conn.cursor() as cur:
         cur.execute("INSERT INTO s0.items (id, title) SELECT g, 'x' FROM generate_series(1, 50) g")
-    before = src.slot_state(conn, src.slot_name("ep")).confirmed_flush
+    before = slot_state(conn, source_slot_name("ep")).confirmed_flush
     code = f"""
-from cdc_lakehouse import source as src
-from cdc_lakehouse.capture import capture_run
-from cdc_lakehouse.landing import LocalLanding
-capture_run(src.EndpointTables("ep", "c", {{"items": (["s0"], ["id"])}}), {dsn!r},
+from cdc_lakehouse.source.catalog import EndpointTables
+from cdc_lakehouse.capture.run import capture_run
+from cdc_lakehouse.landing.stores import LocalLanding
+capture_run(EndpointTables("ep", "c", {{"items": (["s0"], ["id"])}}), {dsn!r},
             LocalLanding("file://{tmp_path}/landing"), "r2")
 """
     env = {**os.environ, "PYTHONPATH": str(ROOT / "plugins"), "CDC_TEST_CRASH_AT": point}
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, check=False)
     assert r.returncode == 137, r.stderr
     time.sleep(0.5)
-    assert src.slot_state(conn, src.slot_name("ep")).confirmed_flush == before  # not confirmed
+    assert slot_state(conn, source_slot_name("ep")).confirmed_flush == before  # not confirmed
     assert store.exists("ep/items/run=r2")  # the files were written
     assert store.exists(manifest_path("ep", "r2")) == (point == "after_manifest")
     m3 = capture_run(ep, dsn, store, "r3")
@@ -272,7 +277,7 @@ capture_run(src.EndpointTables("ep", "c", {{"items": (["s0"], ["id"])}}), {dsn!r
         assert m3["events"] == 50  # re-delivered: at least once
     else:
         assert runs["r2"]["events"] == 50 and m3["events"] == 0  # r3 confirmed r2 first, nothing twice
-    assert src.slot_state(conn, src.slot_name("ep")).confirmed_flush == m3["end_lsn"]
+    assert slot_state(conn, source_slot_name("ep")).confirmed_flush == m3["end_lsn"]
 
 
 def test_retry_of_a_captured_run_reuses_its_manifest(db, tmp_path):
@@ -331,8 +336,8 @@ def test_table_without_key_or_identity_is_refused(db, tmp_path):
     dsn, conn = db
     with conn.cursor() as cur:
         cur.execute("CREATE TABLE s0.nokey (a int, b text)")
-    ep = src.EndpointTables("ep", "cdc_test_source", {"nokey": (["s0"], ["a"])})
-    with pytest.raises(src.PreflightError) as exc:
+    ep = EndpointTables("ep", "cdc_test_source", {"nokey": (["s0"], ["a"])})
+    with pytest.raises(PreflightError) as exc:
         capture_run(ep, dsn, LocalLanding(f"file://{tmp_path}/l"), "r1")
     msg = str(exc.value)
     assert "s0.nokey" in msg and "REPLICA IDENTITY FULL" in msg and "cdc_test_source" in msg
@@ -345,8 +350,8 @@ def test_missing_table_and_missing_privileges(db, pg, tmp_path, unique):
         cur.execute(f"CREATE ROLE {role} LOGIN")
         cur.execute(f"GRANT USAGE ON SCHEMA s0 TO {role}")
     weak = dsn.replace("user='postgres'", f"user='{role}'")
-    ep = src.EndpointTables("ep", "cdc_test_source", {"items": (["s0", "nope"], ["id"])})
-    with pytest.raises(src.PreflightError) as exc:
+    ep = EndpointTables("ep", "cdc_test_source", {"items": (["s0", "nope"], ["id"])})
+    with pytest.raises(PreflightError) as exc:
         capture_run(ep, weak, LocalLanding(f"file://{tmp_path}/l"), "r1")
     msg = str(exc.value)
     assert "REPLICATION" in msg and f'ALTER ROLE "{role}" REPLICATION' in msg
@@ -367,8 +372,8 @@ def test_publication_missing_a_table_names_the_fix(db, tmp_path, unique):
         )
         cur.execute(f"GRANT ALL ON s0._cdc_heartbeat TO {role}")
         cur.execute("CREATE PUBLICATION cdc_lakehouse FOR TABLE s0._cdc_heartbeat")  # owned by postgres
-    ep = src.EndpointTables("ep", "cdc_test_source", {"items": (["s0"], ["id"])})
-    with pytest.raises(src.PreflightError) as exc:
+    ep = EndpointTables("ep", "cdc_test_source", {"items": (["s0"], ["id"])})
+    with pytest.raises(PreflightError) as exc:
         capture_run(ep, dsn.replace("user='postgres'", f"user='{role}'"), LocalLanding(f"file://{tmp_path}/l"), "r1")
     assert 'ALTER PUBLICATION "cdc_lakehouse" ADD TABLE "s0"."items"' in str(exc.value)
 
@@ -379,8 +384,8 @@ def test_dropped_slot_asks_for_a_rebootstrap(db, tmp_path):
     ep = endpoint(schemas=("s0",))
     capture_run(ep, dsn, store, "r1")
     with conn.cursor() as cur:
-        cur.execute("SELECT pg_drop_replication_slot(%s)", (src.slot_name("ep"),))
-    with pytest.raises(src.SlotLostError) as exc:
+        cur.execute("SELECT pg_drop_replication_slot(%s)", (source_slot_name("ep"),))
+    with pytest.raises(SlotLostError) as exc:
         capture_run(ep, dsn, store, "r2")
     assert "re-bootstrap" in str(exc.value) and "cdc_bootstrap__" in str(exc.value)
 
@@ -396,12 +401,12 @@ def test_slot_of_the_same_endpoint_id_in_another_database_is_refused(db, pg, uni
         conn2 = psycopg2.connect(pg.dsn(other))
         conn2.autocommit = True
         with conn2.cursor() as cur:
-            cur.execute("SELECT pg_create_logical_replication_slot(%s, 'pgoutput')", (src.slot_name(eid),))
+            cur.execute("SELECT pg_create_logical_replication_slot(%s, 'pgoutput')", (source_slot_name(eid),))
         conn2.close()
-        with pytest.raises(src.SlotConflictError) as exc:
+        with pytest.raises(SlotConflictError) as exc:
             capture_run(endpoint(schemas=("s0",), eid=eid), dsn, LocalLanding(f"file://{tmp_path}/l"), "r1")
         msg = str(exc.value)
-        assert src.slot_name(eid) in msg and other in msg and "connection id" in msg
+        assert source_slot_name(eid) in msg and other in msg and "connection id" in msg
     finally:
         pg.execute(f"SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE database = '{other}'")
         pg.execute(f"DROP DATABASE {other} WITH (FORCE)")
@@ -410,7 +415,7 @@ def test_slot_of_the_same_endpoint_id_in_another_database_is_refused(db, pg, uni
 @pytest.fixture(scope="module")
 def small_cluster(tmp_root):
     """A second server: wal_level=replica first, then a tiny max_slot_wal_keep_size."""
-    from cdc_lakehouse.localstack import LocalPostgres, free_port
+    from cdc_lakehouse.dev.localstack import LocalPostgres, free_port
 
     server = LocalPostgres(tmp_root / "pg_small", free_port(), fast=True)
     server.init()
@@ -424,9 +429,9 @@ def small_cluster(tmp_root):
 def test_wal_level_and_invalidated_slot(small_cluster, tmp_path):
     dsn = small_cluster.dsn()
     small_cluster.execute("CREATE TABLE items (id bigint PRIMARY KEY, v text)")
-    ep = src.EndpointTables("small", "cdc_small", {"items": (["public"], ["id"])})
+    ep = EndpointTables("small", "cdc_small", {"items": (["public"], ["id"])})
     store = LocalLanding(f"file://{tmp_path}/landing")
-    with pytest.raises(src.PreflightError) as exc:
+    with pytest.raises(PreflightError) as exc:
         capture_run(ep, dsn, store, "r1")
     assert "wal_level is 'replica'" in str(exc.value) and "wal_level = logical" in str(exc.value)
     # Now logical, with room for only ~2 MB of WAL behind a slot.
@@ -444,7 +449,7 @@ def test_wal_level_and_invalidated_slot(small_cluster, tmp_path):
         small_cluster.execute("CHECKPOINT")
     status = small_cluster.execute("SELECT wal_status FROM pg_replication_slots")[0][0]
     assert status == "lost"
-    with pytest.raises(src.SlotLostError) as exc:
+    with pytest.raises(SlotLostError) as exc:
         capture_run(ep, dsn, store, "r2")
     assert "invalidated" in str(exc.value) and "re-bootstrap" in str(exc.value)
 
@@ -457,7 +462,7 @@ def test_s3_landing_through_the_amazon_provider(db, s3_server, monkeypatch):
     import io
 
     from airflow.providers.amazon.aws.hooks.s3 import S3Hook
-    from cdc_lakehouse.landing import LandingUnavailable, S3Landing
+    from cdc_lakehouse.landing.stores import LandingUnavailable, S3Landing
 
     monkeypatch.setenv(
         "AIRFLOW_CONN_CDC_TEST_S3_CAPTURE",
@@ -479,7 +484,7 @@ def test_s3_landing_through_the_amazon_provider(db, s3_server, monkeypatch):
         capture_run(ep, dsn, store, "r1")
     assert "'cdc-capture-lake'" in str(exc.value) and "'cdc_test_s3_capture'" in str(exc.value)
     with conn.cursor() as cur:
-        cur.execute("SELECT count(*) FROM pg_replication_slots WHERE slot_name = %s", (src.slot_name("ep"),))
+        cur.execute("SELECT count(*) FROM pg_replication_slots WHERE slot_name = %s", (source_slot_name("ep"),))
         assert cur.fetchone()[0] == 0  # the slot was never created
 
     s3_server.create_bucket("cdc-capture-lake")

@@ -14,10 +14,10 @@ import urllib.request
 
 import pytest
 import yaml
-from cdc_lakehouse.lake import ensure_meta_tables
-from cdc_lakehouse.landing import open_landing
-from cdc_lakehouse.localstack import LocalSparkCluster
-from cdc_lakehouse.spark_session import attach_lake
+from cdc_lakehouse.dev.localstack import LocalSparkCluster
+from cdc_lakehouse.lake.meta import ensure_meta_tables
+from cdc_lakehouse.landing.stores import open_landing
+from cdc_lakehouse.runtime.session import attach_lake
 
 from tests.helpers import assert_lake_equals_source, lake_connection_json
 from tests.integration.conftest import S3_KEY_ID, S3_SECRET, Source
@@ -52,7 +52,7 @@ def _table_yaml(directory, s: Source) -> str:
 def test_ingest_job_on_a_standalone_cluster_with_the_s3_lake(
     pg, source_uri, spark, lake_s3, cluster, unique, tmp_path, monkeypatch, caplog
 ):
-    from cdc_lakehouse.operators import CdcSparkSubmitOperator
+    from cdc_lakehouse.orchestration.operators import CdcSparkSubmitOperator
 
     attach_lake(spark, lake_s3)
     ensure_meta_tables(spark, lake_s3)

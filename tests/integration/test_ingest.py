@@ -7,9 +7,10 @@ import subprocess
 import sys
 
 import pytest
-from cdc_lakehouse.ingest import ErrorBudgetExceeded, LandingGap, SchemaChangeError, ingest_table
-from cdc_lakehouse.jobs import run_tables
-from cdc_lakehouse.lake import read_watermark
+from cdc_lakehouse.ingest.errors import ErrorBudgetExceeded, LandingGap, SchemaChangeError
+from cdc_lakehouse.ingest.run import ingest_table
+from cdc_lakehouse.lake.watermark import read_watermark
+from cdc_lakehouse.runtime.jobs import run_tables
 from cdc_lakehouse.settings import SourceEndpoint
 from pyspark.sql import functions as F
 

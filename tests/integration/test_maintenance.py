@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import psycopg2
 from cdc_lakehouse.config import SHARD_COL
-from cdc_lakehouse.lake import source_columns_of, table_stats
+from cdc_lakehouse.lake.tables import source_columns_of, table_stats
 from cdc_lakehouse.maintenance import content_checksum, maintain_table
 from pyspark.sql import functions as F
 from pyspark.testing import assertDataFrameEqual

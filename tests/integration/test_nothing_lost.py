@@ -7,12 +7,15 @@ import time
 
 import psycopg2
 import pytest
-from cdc_lakehouse import source as src
-from cdc_lakehouse.bootstrap import bootstrap_table
-from cdc_lakehouse.capture import capture_run
-from cdc_lakehouse.ingest import CoverageError, SourceIdentityChanged
-from cdc_lakehouse.lake import read_watermark
-from cdc_lakehouse.landing import LocalLanding
+from cdc_lakehouse.bootstrap.run import bootstrap_table
+from cdc_lakehouse.capture.run import capture_run
+from cdc_lakehouse.ingest.errors import CoverageError, SourceIdentityChanged
+from cdc_lakehouse.lake.watermark import read_watermark
+from cdc_lakehouse.landing.stores import LocalLanding
+from cdc_lakehouse.source.catalog import EndpointTables
+from cdc_lakehouse.source.errors import PreflightError, SourceError
+from cdc_lakehouse.source.slots import slot_name as source_slot_name
+from cdc_lakehouse.source.slots import slot_state
 from pyspark.sql import functions as F
 
 from tests.conftest import make_config
@@ -25,7 +28,7 @@ BIG = "(SELECT string_agg(md5(g::text || '{tag}'), '') FROM generate_series(1, 8
 def capture_with(s: Source, tables: dict) -> dict:
     """A capture driven by other configs than the fixture's (one broken, one shard removed, ...)."""
     s.runs += 1
-    ep = src.EndpointTables(s.endpoint, "cdc_test_source", tables)
+    ep = EndpointTables(s.endpoint, "cdc_test_source", tables)
     return capture_run(ep, s.dsn, s.store, f"20260101T{s.runs:02d}0000Z")
 
 
@@ -112,7 +115,7 @@ def test_positions_never_compare_across_servers_or_endpoints(source, source_uri,
     monkeypatch.setenv("AIRFLOW_CONN_CDC_TEST_ALIAS", source_uri)
     group = {"conn_id": "cdc_test_alias", "database": s.db, "schemas": s.schemas}
     moved = make_config(s.block.name, [], source={"table": "block", "shards": [group]})
-    ep = src.EndpointTables(moved.source.shards[0].endpoint_id, "cdc_test_alias", s.tables())
+    ep = EndpointTables(moved.source.shards[0].endpoint_id, "cdc_test_alias", s.tables())
     capture_run(ep, s.dsn, s.store, "20260101T500000Z")
     s.wl.step(100)
     m = capture_run(ep, s.dsn, s.store, "20260101T510000Z")
@@ -182,7 +185,7 @@ def test_publication_that_drops_changes_is_fixed_or_refused(scratch_db, tmp_path
         cur.execute("CREATE TABLE public.items (id bigint PRIMARY KEY, v text, w text)")
         cur.execute("INSERT INTO public.items SELECT g, 'x', 'y' FROM generate_series(1, 10) g")
         cur.execute("CREATE PUBLICATION cdc_lakehouse FOR TABLE public.items WITH (publish = 'insert, update')")
-    ep = src.EndpointTables("pubep", "cdc_test_source", {"items": (["public"], ["id"])})
+    ep = EndpointTables("pubep", "cdc_test_source", {"items": (["public"], ["id"])})
     capture_run(ep, dsn, store, "r1")
     with conn.cursor() as cur:
         cur.execute("DELETE FROM public.items WHERE id = 3")
@@ -197,12 +200,12 @@ def test_publication_that_drops_changes_is_fixed_or_refused(scratch_db, tmp_path
     assert ops == ["d", "t"]
     with conn.cursor() as cur:
         cur.execute("ALTER PUBLICATION cdc_lakehouse SET TABLE public.items WHERE (id > 5), public._cdc_heartbeat")
-    with pytest.raises(src.PreflightError) as exc:
+    with pytest.raises(PreflightError) as exc:
         capture_run(ep, dsn, store, "r3")
     assert "row filter" in str(exc.value) and "DROP TABLE" in str(exc.value) and "public.items" in str(exc.value)
     with conn.cursor() as cur:
         cur.execute("ALTER PUBLICATION cdc_lakehouse SET TABLE public.items (id, v), public._cdc_heartbeat")
-    with pytest.raises(src.PreflightError) as exc:
+    with pytest.raises(PreflightError) as exc:
         capture_run(ep, dsn, store, "r3")
     assert "column list" in str(exc.value)
     with conn.cursor() as cur:
@@ -211,8 +214,8 @@ def test_publication_that_drops_changes_is_fixed_or_refused(scratch_db, tmp_path
             "CREATE TABLE public.events_2026 PARTITION OF public.events "
             "FOR VALUES FROM ('2026-01-01') TO ('2027-01-01')"
         )
-    ep2 = src.EndpointTables("pubep", "cdc_test_source", {"events": (["public"], ["id", "at"])})
-    with pytest.raises(src.PreflightError) as exc:
+    ep2 = EndpointTables("pubep", "cdc_test_source", {"events": (["public"], ["id", "at"])})
+    with pytest.raises(PreflightError) as exc:
         capture_run(ep2, dsn, store, "r4")
     assert "partitioned" in str(exc.value) and "leaf partition" in str(exc.value)
 
@@ -268,8 +271,8 @@ def test_a_second_writer_fences_out_a_zombie_run(source, spark, lake, monkeypatc
     """While one run sits between reading the watermark and committing, another deployment
     commits: the same batch (the zombie must not append it twice) or a newer one (the zombie must
     not move the watermark back)."""
-    import cdc_lakehouse.ingest as ingest_mod
-    from cdc_lakehouse.lake import ConcurrentWriterError
+    import cdc_lakehouse.ingest.run as ingest_mod
+    from cdc_lakehouse.lake.commits import ConcurrentWriterError
 
     s = source
     s.capture()
@@ -317,7 +320,7 @@ def test_a_second_writer_fences_out_a_zombie_run(source, spark, lake, monkeypatc
 def test_every_schema_decision_keeps_bootstrap_ingest_repair_and_audit_working(source, spark, lake):
     """Columns dropped under `drop` and `keep_null`, one of them added back: the changelog append,
     the re-bootstrap and the audit's repair all keep working."""
-    from cdc_lakehouse.audit import audit_table
+    from cdc_lakehouse.audit.run import audit_table
 
     s = source
     policy = s.block.schema_changes.model_copy(
@@ -404,7 +407,7 @@ def test_added_column_defaults_reach_the_rows_that_predate_them(source, spark, l
     """ADD COLUMN ... DEFAULT writes no events for existing rows: a constant default lives in the
     catalog, a volatile one rewrites the table. The lake must show the source's values, also when
     the run dies between its MERGE and the backfill."""
-    import cdc_lakehouse.ingest as ingest_mod
+    import cdc_lakehouse.ingest.run as ingest_mod
 
     s = source
     s.capture()
@@ -453,8 +456,9 @@ def test_audit_reads_one_snapshot_fails_loudly_and_counts_retries_once(source, s
     """A change committed after the keys in flight were computed is not a mismatch; a slot that
     cannot be peeked stops the audit instead of counting nothing as in flight; a retry of the same
     audit run does not extend a mismatch streak."""
-    import cdc_lakehouse.audit as audit_mod
-    from cdc_lakehouse.audit import AuditFailed, audit_table
+    import cdc_lakehouse.audit.run as audit_mod
+    from cdc_lakehouse.audit.errors import AuditFailed
+    from cdc_lakehouse.audit.run import audit_table
 
     s = source
     cfg = s.block.model_copy(
@@ -503,8 +507,8 @@ def test_keepalive_advance_of_a_failed_capture_is_no_landing_gap(source, spark, 
     """psycopg2 reports a keepalive's position as flushed before the session's first data
     message: a capture that dies waiting moves the slot past the last manifest without skipping
     anything. That must not read as a lost landing run; a foreign advance still must."""
-    from cdc_lakehouse.capture import CaptureLimits
-    from cdc_lakehouse.ingest import LandingGap
+    from cdc_lakehouse.capture.run import CaptureLimits
+    from cdc_lakehouse.ingest.errors import LandingGap
 
     s = source
     s.capture()
@@ -514,13 +518,13 @@ def test_keepalive_advance_of_a_failed_capture_is_no_landing_gap(source, spark, 
     s.execute(
         "CREATE TABLE s0.unpublished (id int PRIMARY KEY)", "INSERT INTO s0.unpublished SELECT generate_series(1, 500)"
     )
-    monkeypatch.setattr(src, "write_heartbeat", lambda conn, schemas, run_id: 4_000_000_000)  # never arrives
-    ep = src.EndpointTables(s.endpoint, "cdc_test_source", s.tables())
-    with pytest.raises(src.SourceError, match="nothing left to decode"):
+    monkeypatch.setattr("cdc_lakehouse.capture.run.write_heartbeat", lambda conn, schemas, run_id: 4_000_000_000)  # never arrives
+    ep = EndpointTables(s.endpoint, "cdc_test_source", s.tables())
+    with pytest.raises(SourceError, match="nothing left to decode"):
         capture_run(ep, s.dsn, s.store, "20260101T300000Z", limits=CaptureLimits(idle_timeout_s=14))
     monkeypatch.undo()
     with psycopg2.connect(s.dsn) as c:
-        assert src.slot_state(c, src.slot_name(s.endpoint)).confirmed_flush > m["end_lsn"]  # the keepalive moved it
+        assert slot_state(c, source_slot_name(s.endpoint)).confirmed_flush > m["end_lsn"]  # the keepalive moved it
     s.wl.step(100)
     m2 = capture_run(ep, s.dsn, s.store, "20260101T310000Z")
     assert m2["start_lsn"] == m["end_lsn"] and m2["keepalive_advance"]["attempts"] == ["20260101T300000Z"]
@@ -529,7 +533,7 @@ def test_keepalive_advance_of_a_failed_capture_is_no_landing_gap(source, spark, 
     # An advance nobody recorded (another consumer, a manual pg_replication_slot_advance) is a gap.
     s.execute(
         "INSERT INTO s0.unpublished SELECT generate_series(501, 600)",
-        f"SELECT pg_replication_slot_advance('{src.slot_name(s.endpoint)}', pg_current_wal_lsn())",
+        f"SELECT pg_replication_slot_advance('{source_slot_name(s.endpoint)}', pg_current_wal_lsn())",
     )
     m3 = capture_run(ep, s.dsn, s.store, "20260101T320000Z")
     with pytest.raises(LandingGap):
@@ -556,11 +560,11 @@ def test_a_shard_quiet_since_a_column_was_added_is_not_a_dropped_column(source, 
 def test_a_long_decode_without_output_is_waited_for_not_failed(scratch_db, tmp_path):
     """A large transaction of an unpublished table makes the server decode for a while without
     sending anything: the capture asks whether the walsender is still busy instead of failing."""
-    from cdc_lakehouse.capture import CaptureLimits
+    from cdc_lakehouse.capture.run import CaptureLimits
 
     dsn, conn = scratch_db
     store = LocalLanding(f"file://{tmp_path}/landing")
-    ep = src.EndpointTables("decep", "cdc_test_source", {"items": (["public"], ["id"])})
+    ep = EndpointTables("decep", "cdc_test_source", {"items": (["public"], ["id"])})
     with conn.cursor() as cur:
         cur.execute("CREATE TABLE public.items (id bigint PRIMARY KEY, v text)")
         cur.execute("CREATE TABLE public.bulk (id int)")
@@ -580,8 +584,8 @@ def test_a_database_that_is_not_utf8_is_refused_before_a_slot_exists(pg, unique,
     try:
         dsn = pg.dsn(name)
         pg.execute("CREATE TABLE public.items (id bigint PRIMARY KEY)", dbname=name)
-        ep = src.EndpointTables("encep", "cdc_test_source", {"items": (["public"], ["id"])})
-        with pytest.raises(src.PreflightError, match="encoding LATIN1"):
+        ep = EndpointTables("encep", "cdc_test_source", {"items": (["public"], ["id"])})
+        with pytest.raises(PreflightError, match="encoding LATIN1"):
             capture_run(ep, dsn, LocalLanding(f"file://{tmp_path}/landing"), "r1")
         assert pg.execute(f"SELECT count(*) FROM pg_replication_slots WHERE database = '{name}'")[0][0] == 0
     finally:

@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import psycopg2
 import pytest
-from cdc_lakehouse import source as src
-from cdc_lakehouse.audit import audit_table, pg_canonical, spark_canonical
-from cdc_lakehouse.bootstrap import bootstrap_table
-from cdc_lakehouse.capture import capture_run
+from cdc_lakehouse.audit.hashing import pg_canonical, spark_canonical
+from cdc_lakehouse.audit.run import audit_table
+from cdc_lakehouse.bootstrap.run import bootstrap_table
+from cdc_lakehouse.capture.run import capture_run
 from cdc_lakehouse.identifiers import pg_qualified
-from cdc_lakehouse.ingest import ingest_table
-from cdc_lakehouse.lake import source_columns_of
-from cdc_lakehouse.landing import LocalLanding
+from cdc_lakehouse.ingest.run import ingest_table
+from cdc_lakehouse.lake.tables import source_columns_of
+from cdc_lakehouse.landing.stores import LocalLanding
+from cdc_lakehouse.source.catalog import EndpointTables, describe_table
+from cdc_lakehouse.source.session import SESSION_OPTIONS
 from pyspark.sql import functions as F
 
 from tests.conftest import make_config
@@ -168,8 +170,8 @@ def column_diffs(spark, lake, cfg, dsn) -> list[str]:
 def canonical_diffs(spark, lake, cfg, dsn) -> list[str]:
     """(id, column) pairs whose canonical text differs between PostgreSQL and the lake."""
     cols = [(c, t) for c, t in source_columns_of(spark, lake.qualified(cfg.current_table), cfg) if c != "id"]
-    with psycopg2.connect(dsn, options=src.SESSION_OPTIONS) as conn, conn.cursor() as cur:
-        info = src.describe_table(cur, "public", "edge")
+    with psycopg2.connect(dsn, options=SESSION_OPTIONS) as conn, conn.cursor() as cur:
+        info = describe_table(cur, "public", "edge")
         pg_types = {c.name: c.pg_type for c in info.columns}
         sel = ", ".join(pg_canonical(c, t, pg_types[c]) for c, t in cols)
         cur.execute(f"SELECT id, {sel} FROM {pg_qualified('public', 'edge')}")
@@ -199,7 +201,7 @@ def test_every_type_same_value_through_snapshot_and_stream_and_the_audit_agrees(
         ingest={"error_budget": {"max_fraction": 1.0, "max_quarantined": 1000}},
     )
     endpoint = cfg.source.shards[0].endpoint_id
-    ep = src.EndpointTables(endpoint, "cdc_test_source", {"edge": (["public"], ["id"])})
+    ep = EndpointTables(endpoint, "cdc_test_source", {"edge": (["public"], ["id"])})
     store = LocalLanding(lake.landing_uri)
     with conn.cursor() as cur:
         insert_rows(cur, 1)  # through the snapshot

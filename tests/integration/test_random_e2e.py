@@ -42,15 +42,17 @@ from typing import Any
 import psycopg2
 import pytest
 import yaml
-from cdc_lakehouse.audit import audit_table
-from cdc_lakehouse.bootstrap import bootstrap_table
-from cdc_lakehouse.capture import capture_run
+from cdc_lakehouse.audit.run import audit_table
+from cdc_lakehouse.bootstrap.run import bootstrap_table
+from cdc_lakehouse.capture.run import capture_run
 from cdc_lakehouse.config import SHARD_COL
-from cdc_lakehouse.ingest import ingest_table
-from cdc_lakehouse.lake import source_columns_of
-from cdc_lakehouse.landing import LocalLanding, manifest_path
-from cdc_lakehouse.maintenance import latest_rows, maintain_table
-from cdc_lakehouse.source import EndpointTables
+from cdc_lakehouse.ingest.run import ingest_table
+from cdc_lakehouse.lake.tables import source_columns_of
+from cdc_lakehouse.landing.format import manifest_path
+from cdc_lakehouse.landing.stores import LocalLanding
+from cdc_lakehouse.maintenance import maintain_table
+from cdc_lakehouse.source.catalog import EndpointTables
+from cdc_lakehouse.views import latest_rows
 from pyspark.sql import functions as F
 from pyspark.testing import assertDataFrameEqual
 
@@ -72,9 +74,9 @@ CAPTURE_POINTS = ["after_files", "after_manifest"]
 # A capture in a child process: capture has no Spark, so killing it costs about a second.
 CAPTURE_CHILD = (
     "import json, sys\n"
-    "from cdc_lakehouse.capture import capture_run\n"
-    "from cdc_lakehouse.landing import LocalLanding\n"
-    "from cdc_lakehouse.source import EndpointTables\n"
+    "from cdc_lakehouse.capture.run import capture_run\n"
+    "from cdc_lakehouse.landing.format import LocalLanding\n"
+    "from cdc_lakehouse.source.catalog import EndpointTables\n"
     "a = json.loads(sys.argv[1])\n"
     "capture_run(EndpointTables(a['endpoint'], a['conn_id'], a['tables']), a['dsn'], LocalLanding(a['landing']), "
     "a['run_id'])\n"
@@ -84,7 +86,7 @@ CAPTURE_CHILD = (
 @pytest.fixture(scope="module")
 def pg_b(tmp_root):
     """Server B: a second cluster of its own (LocalPostgres sets wal_level=logical)."""
-    from cdc_lakehouse.localstack import LocalPostgres, free_port
+    from cdc_lakehouse.dev.localstack import LocalPostgres, free_port
 
     server = LocalPostgres(tmp_root / "pg_rand_b", free_port(), fast=True)
     server.init()

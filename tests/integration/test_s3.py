@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-from cdc_lakehouse.audit import audit_table
-from cdc_lakehouse.lake import ensure_meta_tables
-from cdc_lakehouse.landing import S3Landing, open_landing
+from cdc_lakehouse.audit.run import audit_table
+from cdc_lakehouse.lake.meta import ensure_meta_tables
+from cdc_lakehouse.landing.stores import S3Landing, open_landing
 from cdc_lakehouse.maintenance import maintain_table
+from cdc_lakehouse.runtime.session import attach_lake
 from cdc_lakehouse.settings import LakeSettings
-from cdc_lakehouse.spark_session import attach_lake
 
 from tests.helpers import assert_lake_equals_source
 from tests.integration.conftest import S3_BUCKET, S3_KEY_ID, S3_SECRET, Source

@@ -11,7 +11,7 @@ from pathlib import Path
 import psycopg2
 import pytest
 import structlog
-from cdc_lakehouse.localstack import LocalPostgres, free_port
+from cdc_lakehouse.dev.localstack import LocalPostgres, free_port
 from cdc_lakehouse.settings import LakeSettings, SourceEndpoint
 
 from tests.conftest import ROOT
@@ -27,7 +27,7 @@ def sha(value: str) -> str:
 
 @pytest.mark.slow
 def test_spark_submit_on_local_gets_its_secrets_and_shows_none(pg, lake, monkeypatch, tmp_path, unique):
-    from cdc_lakehouse.operators import CdcSparkSubmitOperator
+    from cdc_lakehouse.orchestration.operators import CdcSparkSubmitOperator
 
     secrets_dir = tmp_path / "secrets"
     secrets_dir.mkdir()

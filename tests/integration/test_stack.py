@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from cdc_lakehouse.localstack import free_port
+from cdc_lakehouse.dev.localstack import free_port
 
 from tests.conftest import ROOT
 
@@ -45,8 +45,8 @@ def _wait_port(port: int, proc: subprocess.Popen, what: str, log: Path, timeout:
 
 @pytest.mark.slow
 def test_a_job_runs_on_a_standalone_spark_cluster(lake, tmp_path, unique):
-    from cdc_lakehouse.packaging import pyfiles_zip
-    from cdc_lakehouse.spark_session import default_jars
+    from cdc_lakehouse.runtime.packaging import pyfiles_zip
+    from cdc_lakehouse.runtime.session import default_jars
     from pyiceberg.catalog import load_catalog
 
     bin_dir = Path(sys.executable).parent
@@ -117,7 +117,7 @@ def test_a_job_runs_on_a_standalone_spark_cluster(lake, tmp_path, unique):
         job.write_text(
             textwrap.dedent(f"""
             from cdc_lakehouse.settings import LakeSettings
-            from cdc_lakehouse.spark_session import get_spark
+            from cdc_lakehouse.runtime.session import get_spark
 
             spark = get_spark("cdc-cluster-test", LakeSettings.from_env())
             sc = spark.sparkContext

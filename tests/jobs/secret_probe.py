@@ -9,10 +9,10 @@ import sys
 import urllib.request
 from urllib.parse import quote
 
-from cdc_lakehouse.job_secrets import load_job_secrets
-from cdc_lakehouse.lake import props_sql
+from cdc_lakehouse.lake.tables import props_sql
+from cdc_lakehouse.runtime.secrets import load_job_secrets
+from cdc_lakehouse.runtime.session import get_spark
 from cdc_lakehouse.settings import LakeSettings, SourceEndpoint, source_uri
-from cdc_lakehouse.spark_session import get_spark
 
 NOTE = "it's a \\ 'quoted' value"
 

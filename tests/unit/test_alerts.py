@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from cdc_lakehouse.alerts import (
+from cdc_lakehouse.config import parse_table_config
+from cdc_lakehouse.orchestration.alerts import (
     AlertConfigError,
     AlertingConfig,
     CdcFailureNotifier,
@@ -26,7 +27,6 @@ from cdc_lakehouse.alerts import (
     redact,
     rules_for,
 )
-from cdc_lakehouse.config import parse_table_config
 
 ROOT = Path(__file__).resolve().parents[2]
 SECRET = "Hunter2-marker-pw"
@@ -298,7 +298,7 @@ def test_wal_alert_uses_the_smallest_threshold_of_the_slots_tables():
 
 
 def test_dag_alert_wiring_is_cheap_to_parse(tmp_path):
-    from cdc_lakehouse.dag_factory import build_dags
+    from cdc_lakehouse.orchestration.dag_factory import build_dags
 
     (tmp_path / "t.yaml").write_text(
         textwrap.dedent("""

@@ -7,7 +7,8 @@ from decimal import Decimal
 
 import pytest
 from cdc_lakehouse.config import LSN_COL, OP_COL, SEQ_COL, SHARD_COL
-from cdc_lakehouse.events import REASONS, cast_text, latest_per_key, split_pk_changes, typed_events
+from cdc_lakehouse.ingest.reduce import latest_per_key, split_pk_changes
+from cdc_lakehouse.ingest.validate import REASONS, cast_text, typed_events
 from pyspark.sql import functions as F
 from pyspark.testing import assertDataFrameEqual
 
@@ -69,7 +70,7 @@ BASE = {
 
 
 def events(spark, *overrides):
-    from cdc_lakehouse.events import landing_spark_schema
+    from cdc_lakehouse.ingest.validate import landing_spark_schema
 
     rows = []
     for o in overrides:

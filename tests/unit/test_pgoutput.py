@@ -5,7 +5,8 @@ from __future__ import annotations
 import struct
 
 import pytest
-from cdc_lakehouse.pgoutput import (
+from cdc_lakehouse.source.catalog import lake_type
+from cdc_lakehouse.source.pgoutput import (
     UNCHANGED,
     Begin,
     Change,
@@ -17,7 +18,6 @@ from cdc_lakehouse.pgoutput import (
     lsn_to_str,
     parse_pg_array,
 )
-from cdc_lakehouse.source import lake_type
 
 
 def tup(*vals) -> bytes:

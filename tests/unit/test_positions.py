@@ -3,16 +3,12 @@
 from __future__ import annotations
 
 import pytest
-from cdc_lakehouse import source as src
-from cdc_lakehouse.capture import ATTEMPTS_DIR, start_position
-from cdc_lakehouse.ingest import (
-    CoverageError,
-    Plan,
-    SourceIdentityChanged,
-    check_coverage,
-    columns_to_backfill,
-    same_source_manifests,
-)
+from cdc_lakehouse.capture.positions import ATTEMPTS_DIR, start_position
+from cdc_lakehouse.ingest.backfill import columns_to_backfill
+from cdc_lakehouse.ingest.errors import CoverageError, SourceIdentityChanged
+from cdc_lakehouse.landing.reader import Plan, check_coverage, same_source_manifests
+from cdc_lakehouse.source.publication import identity_mismatch
+from cdc_lakehouse.source.slots import SlotState
 
 from tests.conftest import make_config
 
@@ -46,9 +42,9 @@ SHARDS = [("s0", "db.s0")]
 
 
 def test_identity_mismatch_names_what_changed():
-    assert src.identity_mismatch(IDENT, dict(IDENT)) is None
-    assert src.identity_mismatch(IDENT, None) is None  # unknown: older manifests
-    assert src.identity_mismatch(IDENT, {**IDENT, "timeline": 2}) == "timeline 1 -> 2"
+    assert identity_mismatch(IDENT, dict(IDENT)) is None
+    assert identity_mismatch(IDENT, None) is None  # unknown: older manifests
+    assert identity_mismatch(IDENT, {**IDENT, "timeline": 2}) == "timeline 1 -> 2"
 
 
 def test_runs_of_another_server_stop_the_shard_but_older_history_is_skipped():
@@ -108,7 +104,7 @@ class Store:
 
 
 def slot(confirmed):
-    return src.SlotState("s", True, confirmed_flush=confirmed)
+    return SlotState("s", True, confirmed_flush=confirmed)
 
 
 def test_a_keepalive_advance_of_failed_attempts_is_explained_anything_else_is_a_gap():
@@ -122,7 +118,7 @@ def test_a_keepalive_advance_of_failed_attempts_is_explained_anything_else_is_a_
 
 
 def test_a_quiet_shard_missing_a_column_added_elsewhere_is_no_drop():
-    from cdc_lakehouse.ingest import schema_actions
+    from cdc_lakehouse.ingest.schema import schema_actions
 
     c = cfg()
     lake = [("id", "bigint"), ("note", "string")]
@@ -137,7 +133,7 @@ def test_a_quiet_shard_missing_a_column_added_elsewhere_is_no_drop():
 
 def test_the_landing_buffer_is_bounded_in_bytes_not_only_rows(tmp_path):
     """A few events with huge TOAST values must not wait for batch_rows before reaching disk."""
-    from cdc_lakehouse.landing import TableWriter
+    from cdc_lakehouse.landing.writer import TableWriter
 
     consts = {"connector": "postgresql", "endpoint": "e", "host": "h", "db": "d", "ts_ms": 0, "run_id": "r"}
     w = TableWriter(tmp_path, consts, batch_rows=20_000, batch_bytes=3_000_000)

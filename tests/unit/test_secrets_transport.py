@@ -18,9 +18,9 @@ import psycopg2.extensions
 import pytest
 import structlog
 from airflow.providers.apache.spark.hooks import spark_submit as ss
-from cdc_lakehouse import job_secrets
-from cdc_lakehouse.job_secrets import SecretsTransportError, load_job_secrets
-from cdc_lakehouse.lake import props_sql, sql_string
+from cdc_lakehouse.runtime import secrets as job_secrets
+from cdc_lakehouse.lake.tables import props_sql, sql_string
+from cdc_lakehouse.runtime.secrets import SecretsTransportError, load_job_secrets
 from cdc_lakehouse.settings import LakeSettings, SourceEndpoint, is_secret_key, libpq_dsn, source_uri
 
 SRC_MARKER = "M4rker-'pw \"x\\y z"
@@ -131,7 +131,7 @@ class Run:
 
 
 def run_operator(monkeypatch, master: str, tmp_path: Path, **op_kw) -> Run:
-    from cdc_lakehouse.operators import CdcSparkSubmitOperator
+    from cdc_lakehouse.orchestration.operators import CdcSparkSubmitOperator
 
     monkeypatch.setenv("AIRFLOW_CONN_SPARK_SECRETS_TEST", json.dumps(MASTERS[master]))
     run = Run()
@@ -281,7 +281,7 @@ def test_the_file_is_removed_when_the_run_fails(env, monkeypatch, tmp_path):
         self._build_spark_submit_command(application)
         raise RuntimeError("spark-submit failed")
 
-    from cdc_lakehouse.operators import CdcSparkSubmitOperator
+    from cdc_lakehouse.orchestration.operators import CdcSparkSubmitOperator
 
     monkeypatch.setenv("AIRFLOW_CONN_SPARK_SECRETS_TEST", json.dumps(MASTERS["local"]))
     monkeypatch.setattr(ss.SparkSubmitHook, "submit", failing)
@@ -372,8 +372,8 @@ def test_table_property_values_are_escaped():
 @pytest.mark.parametrize("master", ["local", "yarn-cluster", "k8s-cluster"])
 def test_a_failed_run_leaves_no_secret_in_the_alert_file(master, env, monkeypatch, tmp_path):
     from airflow.providers.common.compat.sdk import AirflowException
-    from cdc_lakehouse.alerts import on_task_failure
-    from cdc_lakehouse.operators import CdcSparkSubmitOperator
+    from cdc_lakehouse.orchestration.alerts import on_task_failure
+    from cdc_lakehouse.orchestration.operators import CdcSparkSubmitOperator
 
     def failing(self, application="", **kw):  # what the hook raises when spark-submit exits non-zero
         cmd = self._build_spark_submit_command(application)

@@ -1,0 +1,297 @@
+"""Snapshot bootstrap: a consistent copy of every shard, handed to the change stream with no gap.
+
+The handoff, per endpoint (one database):
+  1. the endpoint's capture slot exists (created first if needed), so the WAL from now on
+     stays available to the incremental path;
+  2. a TEMPORARY logical slot is created with an exported snapshot. PostgreSQL guarantees
+     that this snapshot sees exactly the transactions that committed before the slot's
+     consistent point P, and none at or after it;
+  3. every shard of the endpoint is read under that snapshot (parallel ctid ranges, a cap on
+     connections per host), while the temporary slot's connection holds the snapshot;
+  4. the rows are written with the table's watermark for those shards set to P in the same
+     Iceberg commit; the ingest applies exactly the transactions with commit LSN >= P.
+Reading `pg_current_wal_lsn()` next to a plain snapshot would not do: a transaction can have
+its commit record before that LSN and still be invisible to the snapshot, and be lost.
+
+The rows also go to the changelog as op 'r' after a 't' marker for each shard (so the
+latest-per-key view forgets keys that vanished while the shard was not replicated).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from cdc_lakehouse.config import SHARD_COL, ShardGroup, TableConfig
+from cdc_lakehouse.identifiers import pg_ident, pg_qualified
+from cdc_lakehouse.ingest.validate import cast_text
+from cdc_lakehouse.settings import SourceEndpoint, source_uri
+from cdc_lakehouse.source.catalog import (
+    EndpointTables,
+    SourceTable,
+    describe_table,
+    key_is_enforced,
+    key_violations,
+    text_select,
+)
+from cdc_lakehouse.source.errors import PreflightError, SlotLostError
+from cdc_lakehouse.source.publication import check_publication, source_identity
+from cdc_lakehouse.source.publication import preflight as source_preflight
+from cdc_lakehouse.source.slots import create_slot, ensure_heartbeat_tables, slot_name, slot_state
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame, SparkSession
+
+
+class BootstrapError(RuntimeError):
+    pass
+
+
+@dataclass
+class ShardSource:
+    group: ShardGroup
+    schema: str
+    shard: str
+    endpoint: SourceEndpoint
+
+
+def shards_by_endpoint(cfg: TableConfig, shards: list[str] | None) -> dict[str, list[ShardSource]]:
+    out: dict[str, list[ShardSource]] = {}
+    known = {s for _, _, s in cfg.shards()}
+    unknown = sorted(set(shards or []) - known)
+    if unknown:
+        raise BootstrapError(f"{cfg.name}: shard(s) {unknown} are not in the table config (known: {sorted(known)})")
+    for g, schema, shard in cfg.shards():
+        if shards and shard not in shards:
+            continue
+        ep = SourceEndpoint.from_uri(source_uri(g.conn_id), g.database)
+        out.setdefault(g.endpoint_id, []).append(ShardSource(g, schema, shard, ep))
+    return out
+
+
+def source_schema(cfg: TableConfig, table: SourceTable) -> list[tuple[str, str]]:
+    return [(c.name, cfg.column_types.get(c.name) or c.lake_type or "") for c in table.columns]
+
+
+def preflight(
+    cfg: TableConfig, endpoints: dict[str, list[ShardSource]]
+) -> tuple[list[tuple[str, str]], dict[str, str]]:
+    """Everything that must hold before a byte is written; returns the source columns (name, lake
+    type) and their PostgreSQL types."""
+    import psycopg2
+
+    problems: list[str] = []
+    columns: list[tuple[str, str]] | None = None
+    pg_types: dict[str, str] = {}
+    first = ""
+    for endpoint_id, shard_sources in endpoints.items():
+        ep = shard_sources[0].endpoint
+        eptables = EndpointTables(
+            endpoint_id,
+            shard_sources[0].group.conn_id,
+            {cfg.source.table: ([s.schema for s in shard_sources], cfg.primary_key)},
+        )
+        try:
+            conn = psycopg2.connect(ep.dsn(), connect_timeout=15, application_name="cdc_lakehouse bootstrap")
+        except psycopg2.OperationalError as exc:
+            problems.append(
+                f"{cfg.name}: cannot connect to source {shard_sources[0].group.conn_id} ({ep.label}): "
+                f"{str(exc).strip()}; check the Airflow connection and that the host is reachable"
+            )
+            continue
+        try:
+            problems += source_preflight(conn, eptables)
+            conn.commit()
+            with conn.cursor() as cur:
+                for s in shard_sources:
+                    info = describe_table(cur, s.schema, cfg.source.table)
+                    if info is None:
+                        continue  # reported by source_preflight
+                    cols = source_schema(cfg, info)
+                    bad = [f"{n} ({c.pg_type})" for (n, t), c in zip(cols, info.columns) if not t]
+                    if bad:
+                        continue  # reported by source_preflight, with the fix
+                    if columns is None:
+                        columns, first = cols, f"{s.schema}.{cfg.source.table} on {ep.label}"
+                        pg_types = {c.name: c.pg_type for c in info.columns}
+                    elif cols != columns:
+                        diff = sorted(set(cols) ^ set(columns))
+                        problems.append(
+                            f"{cfg.name}: shard {s.shard} has columns that differ from {first}: {diff}; "
+                            "all shards of a table must have the same columns and types"
+                        )
+                    if not key_is_enforced(cur, s.schema, cfg.source.table, cfg.primary_key):
+                        v = key_violations(cur, s.schema, cfg.source.table, cfg.primary_key)
+                        if v:
+                            problems.append(
+                                f"{cfg.name}: {v}; the lake key must be unique and not null: fix the data "
+                                "or set primary_key to the table's real key"
+                            )
+            conn.commit()
+        finally:
+            conn.close()
+    if problems:
+        raise PreflightError(sorted(set(problems)))
+    assert columns is not None
+    return columns, pg_types
+
+
+def prepare_endpoint(
+    endpoint_id: str,
+    shard_sources: list[ShardSource],
+    cfg: TableConfig,
+    all_tables: dict[str, tuple[list[str], list[str]]] | None,
+) -> None:
+    """Heartbeat tables, publication membership and the capture slot, before any snapshot."""
+    import psycopg2
+
+    ep = shard_sources[0].endpoint
+    tables = dict(all_tables or {})
+    schemas = sorted(set(tables.get(cfg.source.table, ([], []))[0]) | {s.schema for s in shard_sources})
+    tables[cfg.source.table] = (schemas, cfg.primary_key)
+    eptables = EndpointTables(endpoint_id, shard_sources[0].group.conn_id, tables)
+    conn = psycopg2.connect(ep.dsn(), application_name="cdc_lakehouse bootstrap")
+    try:
+        ensure_heartbeat_tables(conn, eptables.schemas)
+        conn.commit()
+        problems = check_publication(conn, eptables)
+        conn.commit()
+        if problems:
+            raise PreflightError(problems)
+        slot = slot_name(endpoint_id)
+        state = slot_state(conn, slot)
+        if state.exists and state.wal_status == "lost":
+            raise SlotLostError(
+                f"{cfg.name}: capture slot {slot} was invalidated; drop it "
+                f"(SELECT pg_drop_replication_slot('{slot}')) and re-bootstrap every table on "
+                f"endpoint {endpoint_id}"
+            )
+        if not state.exists:
+            create_slot(conn, slot)
+    finally:
+        conn.close()
+
+
+def export_snapshot(ep: SourceEndpoint, endpoint_id: str, run_id: str):
+    """A temporary slot with an exported snapshot; returns (connection to keep open, P, snapshot name,
+    the server's identity)."""
+    import psycopg2
+    from psycopg2.extras import LogicalReplicationConnection
+
+    from cdc_lakehouse.source.pgoutput import lsn_to_int
+
+    conn = psycopg2.connect(
+        ep.dsn(), connection_factory=LogicalReplicationConnection, application_name="cdc_lakehouse bootstrap snapshot"
+    )
+    name = slot_name(f"boot_{endpoint_id}_{run_id}")[:63]
+    cur = conn.cursor()
+    identity = source_identity(cur)
+    cur.execute(f"CREATE_REPLICATION_SLOT {pg_ident(name)} TEMPORARY LOGICAL pgoutput (SNAPSHOT 'export')")
+    _, consistent_point, snapshot_name, _ = cur.fetchone()
+    return conn, lsn_to_int(consistent_point), snapshot_name, identity
+
+
+def ctid_ranges(ep: SourceEndpoint, schema: str, table: str, parts: int) -> list[str]:
+    """ctid ranges over the table's blocks: each partition reads only its blocks (TID range scan)."""
+    import psycopg2
+
+    conn = psycopg2.connect(ep.dsn())
+    try:
+        with conn.cursor() as cur:
+            cur.execute(
+                "SELECT pg_relation_size(%s::regclass) / current_setting('block_size')::bigint",
+                (pg_qualified(schema, table),),
+            )
+            blocks = int(cur.fetchone()[0])
+    finally:
+        conn.close()
+    if blocks < parts * 8 or parts <= 1:
+        return [""]
+    step = -(-blocks // parts)
+    preds = []
+    for i in range(parts):
+        lo, hi = i * step, (i + 1) * step
+        cond = f"ctid >= '({lo},0)'::tid" + (f" AND ctid < '({hi},0)'::tid" if i < parts - 1 else "")
+        preds.append(cond)
+    return preds
+
+
+def select_list(columns: list[tuple[str, str]], pg_types: dict[str, str] | None = None) -> str:
+    # Text, as the change stream carries it: both paths then share one set of casts.
+    pg_types = pg_types or {}
+    return ", ".join(f"{text_select(n, pg_types.get(n, ''), t)} AS {pg_ident(n)}" for n, t in columns)
+
+
+def read_shards(
+    spark: SparkSession,
+    cfg: TableConfig,
+    shard_sources: list[ShardSource],
+    snapshot: str,
+    columns: list[tuple[str, str]],
+    pg_types: dict[str, str] | None = None,
+) -> DataFrame:
+    """All shards of one endpoint under one exported snapshot, at most N connections at once."""
+    from functools import reduce
+
+    from pyspark.sql import functions as F
+
+    ep = shard_sources[0].endpoint
+    init = (
+        f"SET TRANSACTION ISOLATION LEVEL REPEATABLE READ; SET TRANSACTION SNAPSHOT '{snapshot}'; "
+        "SET TimeZone='UTC'; SET DateStyle='ISO'; SET IntervalStyle='iso_8601'; SET extra_float_digits=3; "
+        "SET bytea_output='hex'"
+    )
+    props = {
+        "user": ep.user,
+        "driver": "org.postgresql.Driver",
+        "fetchsize": str(cfg.bootstrap.fetch_size),
+        "sessionInitStatement": init,
+    }
+    if ep.password:
+        props["password"] = ep.password
+    frames = []
+    for s in shard_sources:
+        for pred in ctid_ranges(ep, s.schema, cfg.source.table, cfg.bootstrap.partitions_per_shard):
+            where = f" WHERE {pred}" if pred else ""
+            query = (
+                f"(SELECT {select_list(columns, pg_types)} FROM {pg_qualified(s.schema, cfg.source.table)}{where}) q"
+            )
+            df = spark.read.jdbc(ep.jdbc_url(), query, properties=props).withColumn(SHARD_COL, F.lit(s.shard))
+            frames.append(df)
+    df = reduce(lambda a, b: a.unionByName(b), frames)
+    # coalesce merges partitions without a shuffle: at most N tasks (connections) per host.
+    return df.coalesce(min(cfg.bootstrap.max_connections_per_host, len(frames)))
+
+
+def typed_rows(df: DataFrame, cfg: TableConfig, columns: list[tuple[str, str]]) -> DataFrame:
+    """Text -> lake types with the ingest's casts; a value that does not fit fails the job (nothing written)."""
+    from pyspark.sql import functions as F
+
+    out = [F.col(SHARD_COL)]
+    checks = []
+    for name, typ in columns:
+        raw = F.col(name)
+        typed = cast_text(raw, typ)
+        out.append(typed.alias(name))
+        checks.append(
+            F.when(
+                raw.isNotNull() & typed.isNull(),
+                F.concat(F.lit(f"column {name}: value '"), F.substring(raw, 1, 60), F.lit(f"' does not fit {typ}")),
+            )
+        )
+    problem = F.concat_ws("; ", *checks)
+    keydesc = F.to_json(F.struct(*[F.col(k) for k in [SHARD_COL, *cfg.primary_key]]))
+    guarded = F.when(
+        problem != "",
+        F.raise_error(
+            F.concat(
+                F.lit(f"{cfg.name}: bootstrap stopped, nothing was written: row "),
+                keydesc,
+                F.lit(": "),
+                problem,
+                F.lit(". Set column_types in the table config to a type that holds these values."),
+            )
+        ),
+    )
+    # A filter (not a dropped column) so the optimizer cannot prune the check away.
+    return df.select(*out, guarded.alias("_guard")).filter(F.col("_guard").isNull()).drop("_guard")

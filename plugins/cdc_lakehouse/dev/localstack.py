@@ -1,0 +1,343 @@
+"""A private PostgreSQL cluster for development, the demo and tests.
+
+Its own data directory and port, `wal_level=logical`. When run as root the server runs as
+the `postgres` OS user (PostgreSQL refuses to run as root).
+
+    python -m cdc_lakehouse.dev.localstack {init,start,stop,status}
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import pwd
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+SERVER_SETTINGS = {
+    "wal_level": "logical",
+    "max_replication_slots": "32",
+    "max_wal_senders": "32",
+    "listen_addresses": "'127.0.0.1'",
+    "max_connections": "200",
+    "shared_buffers": "256MB",
+    "logical_decoding_work_mem": "64MB",
+    "max_slot_wal_keep_size": "10GB",
+    "timezone": "'UTC'",
+    "log_min_messages": "warning",
+}
+
+
+def find_bindir() -> Path:
+    env = os.environ.get("CDC_PG_BINDIR")
+    if env:
+        return Path(env)
+    candidates = sorted(glob.glob("/usr/lib/postgresql/*/bin"), key=lambda p: int(p.split("/")[-2]))
+    if candidates:
+        return Path(candidates[-1])
+    initdb = shutil.which("initdb")
+    if initdb:
+        return Path(initdb).parent
+    raise RuntimeError("PostgreSQL server binaries not found: install postgresql (apt) or set CDC_PG_BINDIR")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LocalPostgres:
+    def __init__(
+        self,
+        datadir: str | Path,
+        port: int,
+        *,
+        password: str | None = None,
+        fast: bool = False,
+        bindir: Path | None = None,
+    ):
+        self.datadir = Path(datadir).resolve()
+        self.port = port
+        self.password = password
+        self.fast = fast  # fsync off: throwaway test clusters only
+        self.bindir = bindir or find_bindir()
+        self.as_postgres = os.geteuid() == 0
+
+    # --- process plumbing ------------------------------------------------------------
+    def _run(self, *args: str, check: bool = True, capture: bool = True) -> subprocess.CompletedProcess:
+        cmd = [str(self.bindir / args[0]), *args[1:]]
+        if self.as_postgres:
+            cmd = ["runuser", "-u", "postgres", "--", *cmd]
+        return subprocess.run(cmd, check=check, text=True, capture_output=capture)
+
+    def _chown(self, path: Path) -> None:
+        if self.as_postgres:
+            pw = pwd.getpwnam("postgres")
+            os.chown(path, pw.pw_uid, pw.pw_gid)
+
+    # --- lifecycle -----------------------------------------------------------------------
+    @property
+    def initialized(self) -> bool:
+        return (self.datadir / "PG_VERSION").exists()
+
+    def init(self) -> None:
+        if self.initialized:
+            return
+        self.datadir.mkdir(parents=True, exist_ok=True)
+        self._chown(self.datadir)
+        os.chmod(self.datadir, 0o700)
+        args = ["initdb", "-D", str(self.datadir), "-U", "postgres", "-E", "UTF8", "--locale=C.UTF-8"]
+        if self.password:
+            pwfile = self.datadir.parent / f".{self.datadir.name}.pw"
+            pwfile.write_text(self.password + "\n")
+            self._chown(pwfile)
+            args += ["--auth-host=scram-sha-256", "--auth-local=trust", f"--pwfile={pwfile}"]
+        else:
+            args += ["--auth=trust"]
+        try:
+            self._run(*args)
+        finally:
+            if self.password:
+                pwfile.unlink(missing_ok=True)
+        settings = dict(SERVER_SETTINGS, port=str(self.port), unix_socket_directories=f"'{self.datadir}'")
+        if self.fast:
+            settings.update(fsync="off", synchronous_commit="off", full_page_writes="off")
+        with open(self.datadir / "postgresql.auto.conf", "a") as f:
+            for k, v in settings.items():
+                f.write(f"{k} = {v}\n")
+        method = "scram-sha-256" if self.password else "trust"
+        with open(self.datadir / "pg_hba.conf", "a") as f:
+            f.write(f"host replication all 127.0.0.1/32 {method}\n")
+
+    def is_running(self) -> bool:
+        if not self.initialized:
+            return False
+        return self._run("pg_ctl", "status", "-D", str(self.datadir), check=False).returncode == 0
+
+    def start(self) -> None:
+        self.init()
+        if self.is_running():
+            return
+        log = self.datadir / "server.log"
+        r = self._run("pg_ctl", "start", "-w", "-t", "60", "-D", str(self.datadir), "-l", str(log), check=False)
+        if r.returncode != 0:
+            tail = log.read_text()[-2000:] if log.exists() else ""
+            raise RuntimeError(f"PostgreSQL did not start on port {self.port}: {r.stderr}\n{tail}")
+        self.wait_ready()
+
+    def wait_ready(self, timeout: float = 30) -> None:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self._run("pg_isready", "-h", "127.0.0.1", "-p", str(self.port), check=False).returncode == 0:
+                return
+            time.sleep(0.2)
+        raise RuntimeError(f"PostgreSQL on port {self.port} is not accepting connections")
+
+    def stop(self) -> None:
+        if self.is_running():
+            self._run("pg_ctl", "stop", "-w", "-m", "fast", "-D", str(self.datadir), check=False)
+
+    def destroy(self) -> None:
+        self.stop()
+        shutil.rmtree(self.datadir, ignore_errors=True)
+
+    # --- access --------------------------------------------------------------------------
+    def dsn(self, dbname: str = "postgres", user: str = "postgres", password: str | None = None) -> str:
+        from cdc_lakehouse.settings import libpq_dsn
+
+        pw = password if password is not None else (self.password if user == "postgres" else None)
+        return libpq_dsn(host="127.0.0.1", port=self.port, dbname=dbname, user=user, password=pw)
+
+    def uri(self, dbname: str = "postgres", user: str = "postgres", password: str | None = None) -> str:
+        from urllib.parse import quote
+
+        pw = password if password is not None else (self.password if user == "postgres" else None)
+        auth = f"{quote(user, safe='')}:{quote(pw, safe='')}" if pw else quote(user, safe="")
+        return f"postgresql://{auth}@127.0.0.1:{self.port}/{dbname}"
+
+    def execute(self, sql: str, dbname: str = "postgres", autocommit: bool = True) -> list[tuple]:
+        import psycopg2
+
+        conn = psycopg2.connect(self.dsn(dbname))
+        conn.autocommit = autocommit
+        try:
+            with conn.cursor() as cur:
+                cur.execute(sql)
+                rows = cur.fetchall() if cur.description else []
+            if not autocommit:
+                conn.commit()
+            return rows
+        finally:
+            conn.close()
+
+    def ensure_database(self, name: str) -> None:
+        from cdc_lakehouse.identifiers import pg_ident
+
+        if not self.execute(f"SELECT 1 FROM pg_database WHERE datname = '{name}'"):
+            self.execute(f"CREATE DATABASE {pg_ident(name)}")
+
+
+class LocalS3:
+    """A local S3-compatible server (moto's server mode, in this process) for tests.
+
+    Any access key is accepted; buckets live in memory and end with the process. Running in
+    process lets a test age an object (S3 has no way to back-date one), which orphan-file
+    cleanup needs: Iceberg refuses to remove files younger than a day."""
+
+    REGION = "us-east-1"
+
+    def __init__(self, port: int):
+        self.port = port
+        self.server = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        from moto.server import ThreadedMotoServer
+
+        self.server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
+        self.server.start()
+
+    def stop(self) -> None:
+        if self.server:
+            self.server.stop()
+
+    def client(self, service: str = "s3"):
+        import boto3
+
+        return boto3.client(
+            service,
+            endpoint_url=self.endpoint,
+            region_name=self.REGION,
+            aws_access_key_id="local",
+            aws_secret_access_key="local",
+        )
+
+    def create_bucket(self, name: str) -> None:
+        self.client().create_bucket(Bucket=name)
+
+    @staticmethod
+    def age_object(bucket: str, key: str, by) -> None:
+        """Move an object's LastModified back by the timedelta `by`."""
+        from moto.core import DEFAULT_ACCOUNT_ID
+        from moto.s3.models import s3_backends
+
+        obj = s3_backends[DEFAULT_ACCOUNT_ID]["aws"].buckets[bucket].keys[key]
+        obj.last_modified = obj.last_modified - by
+
+
+class LocalSparkCluster:
+    """A Spark standalone cluster (one master, one worker) from pyspark's own launcher, to run
+    jobs the way a cluster does: executors in another JVM, code shipped with --py-files."""
+
+    def __init__(self, workdir: Path, *, cores: int = 1, memory: str = "1536m"):
+        self.workdir = Path(workdir)
+        self.port, self.ui_port, self.worker_ui_port = free_port(), free_port(), free_port()
+        self.cores, self.memory = cores, memory
+        self.procs: list[subprocess.Popen] = []
+
+    @property
+    def master_url(self) -> str:
+        return f"spark://127.0.0.1:{self.port}"
+
+    def _spark_class(self, *args: str, log: str) -> subprocess.Popen:
+        import pyspark
+
+        spark_class = Path(pyspark.__file__).parent / "bin" / "spark-class"
+        out = open(self.workdir / log, "wb")
+        env = {**os.environ, "SPARK_LOCAL_IP": "127.0.0.1", "SPARK_WORKER_DIR": str(self.workdir / "work")}
+        return subprocess.Popen(
+            [str(spark_class), *args], stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+
+    def start(self, timeout: float = 90) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.procs.append(
+            self._spark_class(
+                "org.apache.spark.deploy.master.Master",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--webui-port",
+                str(self.ui_port),
+                log="master.log",
+            )
+        )
+        self.procs.append(
+            self._spark_class(
+                "org.apache.spark.deploy.worker.Worker",
+                self.master_url,
+                "--cores",
+                str(self.cores),
+                "--memory",
+                self.memory,
+                "--webui-port",
+                str(self.worker_ui_port),
+                log="worker.log",
+            )
+        )
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if "Successfully registered with master" in (self.workdir / "worker.log").read_text(errors="replace"):
+                return
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"the Spark standalone cluster did not start: see {self.workdir}/master.log, worker.log")
+
+    def stop(self) -> None:
+        import signal
+
+        for p in reversed(self.procs):
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+                try:
+                    p.wait(20)
+                except subprocess.TimeoutExpired:
+                    os.killpg(p.pid, signal.SIGKILL)
+
+
+def local_stack_postgres() -> LocalPostgres:
+    """The project's dev/demo cluster, as configured by scripts/env.sh."""
+    from cdc_lakehouse.settings import local_paths
+
+    return LocalPostgres(
+        local_paths()["pgdata"],
+        int(os.environ.get("CDC_LOCAL_PG_PORT", "55432")),
+        password=os.environ.get("CDC_LOCAL_PG_PASSWORD") or None,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    cmd = argv[0] if argv else "status"
+    pg = local_stack_postgres()
+    if cmd == "init":
+        pg.init()
+    elif cmd == "start":
+        pg.start()
+        for db in ("lake_catalog", "notion"):
+            pg.ensure_database(db)
+        print(f"postgres: running on 127.0.0.1:{pg.port} (data {pg.datadir})")
+    elif cmd == "stop":
+        pg.stop()
+        print("postgres: stopped")
+    elif cmd == "status":
+        running = pg.is_running()
+        print(f"postgres: {'running' if running else 'stopped'} on 127.0.0.1:{pg.port} (data {pg.datadir})")
+        return 0 if running else 3
+    else:
+        print("usage: python -m cdc_lakehouse.dev.localstack {init,start,stop,status}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,249 @@
+"""Values of columns added at the source, for the rows that existed before the ALTER.
+
+`ALTER TABLE ... ADD COLUMN c ... DEFAULT x` writes no change events for existing rows: with a
+constant default PostgreSQL records the value once in the catalog (`attmissingval`, the "fast
+default") and every old row reads it; a volatile default (`DEFAULT random()`) rewrites the table,
+again without events. Left alone, the lake would show NULL for those rows forever.
+
+For each shard whose change events announce the new column (the capture's schema change, at the
+commit LSN L of the first transaction that used it), the rows the lake holds at a position below
+L get the source's value:
+  - nothing to do when the column has no default (the rows are NULL at the source too);
+  - the catalog's missing value when it has one (exact, no scan);
+  - otherwise the column re-read from the source for those keys (its current value; a row
+    changed since has events at or after L, which the ingest applies afterwards).
+Each backfilled row is also written to the changelog at (L, -1), between its last event and
+any later one, so the changelog's latest-per-key view agrees.
+
+It runs after the batch's MERGE (rows updated by the batch's events from before the ALTER need
+the value too), so the MERGE's watermark lists the pending backfill and the next ingest run
+finishes it if this one dies first; every step is idempotent.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from cdc_lakehouse.config import LSN_COL, OP_COL, SEQ_COL, SHARD_COL, TableConfig
+from cdc_lakehouse.identifiers import pg_qualified, spark_ident
+from cdc_lakehouse.ingest.validate import cast_text
+from cdc_lakehouse.lake.columns import INGESTED_COL, LSN_EVENT_COL, RUN_COL, UNAVAILABLE_COL, XID_COL
+from cdc_lakehouse.lake.commits import with_commit_retries
+from cdc_lakehouse.lake.tables import conform_to
+from cdc_lakehouse.settings import LakeSettings, SourceEndpoint, source_uri
+from cdc_lakehouse.source.catalog import describe_table, text_select
+from cdc_lakehouse.source.session import SESSION_OPTIONS
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame, SparkSession
+
+
+from typing import TYPE_CHECKING
+
+from cdc_lakehouse.lake.commits import fenced_commit
+from cdc_lakehouse.lake.tables import source_columns_of
+from cdc_lakehouse.lake.watermark import watermark_json
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame, SparkSession
+from cdc_lakehouse.ingest.schema import BACKFILL
+from cdc_lakehouse.landing.reader import Plan
+
+
+def columns_to_backfill(cfg: TableConfig, plan: Plan, wm: dict[str, Any]) -> list[dict[str, Any]]:
+    """The batch's schema changes that added columns to a shard, each with the columns it added.
+
+    A shard's known columns are kept in its watermark (set by the bootstrap): a column seen for
+    the first time since is new even when the capture had no earlier schema to diff with (no
+    events of the shard since its bootstrap). Updates the new watermark's known columns."""
+    shard_of = {(g.endpoint_id, schema): shard for g, schema, shard in cfg.shards()}
+    known = {s: set(v["columns"]) for s, v in wm.get("shards", {}).items() if "columns" in v}
+    out = []
+    for ch in plan.schema_changes:
+        shard = shard_of.get((ch.get("endpoint"), ch["table"].rpartition(".")[0]))
+        if shard is None:
+            continue
+        cols = ch.get("columns")
+        if shard in known and cols is not None:
+            new = [c for c in cols if c not in known[shard]]
+        else:
+            new = list(ch.get("added") or [])
+        if cols is not None:
+            known[shard] = set(cols)
+        if new:
+            out.append({**ch, "added": new})
+    for shard, cols in known.items():
+        if shard in plan.new_watermark.get("shards", {}):
+            plan.new_watermark["shards"][shard]["columns"] = sorted(cols)
+    return out
+
+
+def finish_backfill(
+    spark: SparkSession,
+    lake: LakeSettings,
+    cfg: TableConfig,
+    cur: str,
+    plan: Plan,
+    added: list[dict[str, Any]],
+    ingest_run: str,
+) -> int:
+    """Fill the columns the batch added for rows that predate them, then clear the pending mark."""
+    lake_cols = source_columns_of(spark, cur, cfg)
+    n = backfill_added_columns(spark, lake, cfg, added, lake_cols, ingest_run)
+    done = {k: v for k, v in plan.new_watermark.items() if k != BACKFILL}
+
+    def clear() -> None:
+        spark.createDataFrame([], spark.table(cur).schema).writeTo(cur).option(
+            "snapshot-property.cdc.watermark", watermark_json(done)
+        ).append()
+
+    fenced_commit(spark, cur, plan.new_watermark, done, clear, what=f"{cfg.name} backfill done")
+    plan.new_watermark = done
+    return n
+
+
+log = logging.getLogger(__name__)
+
+
+def added_column_source(conn, schema: str, table: str, column: str) -> tuple[str, Any]:
+    """How the rows that predate `column` get their value: ("none", None), ("missing", text) or
+    ("reread", None)."""
+    with conn.cursor() as cur:
+        cur.execute(
+            """
+            SELECT a.atthasmissing, (a.attmissingval::text::text[])[1], d.adbin IS NOT NULL
+            FROM pg_attribute a LEFT JOIN pg_attrdef d ON d.adrelid = a.attrelid AND d.adnum = a.attnum
+            WHERE a.attrelid = %s::regclass AND a.attname = %s AND NOT a.attisdropped
+            """,
+            (pg_qualified(schema, table), column),
+        )
+        row = cur.fetchone()
+    if row is None:
+        return "none", None  # dropped again since: nothing to fill
+    has_missing, missing, has_default = row
+    if has_missing:
+        return "missing", missing
+    return ("reread", None) if has_default else ("none", None)
+
+
+def backfill_added_columns(
+    spark: SparkSession,
+    lake: LakeSettings,
+    cfg: TableConfig,
+    changes: list[dict[str, Any]],
+    lake_cols: list[tuple[str, str]],
+    run_label: str,
+) -> int:
+    """Fill columns added by `changes` (the batch's schema changes); returns rows backfilled."""
+    import psycopg2
+
+    types = dict(lake_cols)
+    groups = {(g.endpoint_id, schema): (g, shard) for g, schema, shard in cfg.shards()}
+    total = 0
+    for ch in changes:
+        schema = ch["table"].rpartition(".")[0]
+        target = groups.get((ch.get("endpoint"), schema))
+        added = [c for c in ch.get("added") or [] if c in types]
+        if target is None or not added or ch.get("at_commit_lsn") is None:
+            continue
+        group, shard = target
+        ep = SourceEndpoint.from_uri(source_uri(group.conn_id), group.database)
+        conn = psycopg2.connect(ep.dsn(), options=SESSION_OPTIONS, application_name="cdc_lakehouse backfill")
+        try:
+            how = {c: added_column_source(conn, schema, cfg.source.table, c) for c in added}
+            wanted = {c: v for c, v in how.items() if v[0] != "none"}
+            if not wanted:
+                continue
+            values = _values(spark, cfg, conn, schema, shard, wanted, types)
+        finally:
+            conn.close()
+        total += _apply(spark, lake, cfg, shard, int(ch["at_commit_lsn"]), values, list(wanted), run_label)
+    return total
+
+
+def _values(
+    spark: SparkSession,
+    cfg: TableConfig,
+    conn,
+    schema: str,
+    shard: str,
+    wanted: dict[str, tuple[str, Any]],
+    types: dict[str, str],
+) -> DataFrame | dict[str, Any]:
+    """Constants (catalog missing values) as a dict, or the re-read columns as a DataFrame by key."""
+    from pyspark.sql import functions as F
+
+    if all(kind == "missing" for kind, _ in wanted.values()):
+        return {c: v for c, (_, v) in wanted.items()}
+    with conn.cursor() as cur:
+        info = describe_table(cur, schema, cfg.source.table)
+        info_types = {c.name: c.pg_type for c in info.columns} if info else {}
+        cols = [*cfg.primary_key, *wanted]
+        sel = ", ".join(text_select(c, info_types.get(c, ""), types[c]) for c in cols)
+        cur.execute(f"SELECT {sel} FROM {pg_qualified(schema, cfg.source.table)}")
+        rows = cur.fetchall()
+    df = spark.createDataFrame(rows, ", ".join(f"{spark_ident(c)} string" for c in cols))
+    return df.select(F.lit(shard).alias(SHARD_COL), *[cast_text(F.col(c), types[c]).alias(c) for c in cols])
+
+
+def _apply(
+    spark: SparkSession,
+    lake: LakeSettings,
+    cfg: TableConfig,
+    shard: str,
+    at_lsn: int,
+    values: DataFrame | dict[str, Any],
+    columns: list[str],
+    run_label: str,
+) -> int:
+    from pyspark.sql import functions as F
+
+    cur = lake.qualified(cfg.current_table)
+    cl = lake.qualified(cfg.changelog_table)
+    key = [SHARD_COL, *cfg.primary_key]
+    types = {f.name: f.dataType.simpleString() for f in spark.table(cur).schema.fields}
+    older = spark.table(cur).filter((F.col(SHARD_COL) == shard) & (F.col(LSN_COL) < at_lsn))
+    if cfg.deletes == "soft":
+        older = older.filter(~F.col(cfg.soft_delete_columns.flag))
+    if isinstance(values, dict):
+        filled = older
+        for c, text in values.items():
+            filled = filled.withColumn(c, cast_text(F.lit(text), types[c]))
+    else:
+        filled = older.drop(*columns).join(
+            values.drop(*[c for c in values.columns if c not in key + columns]), key, "inner"
+        )
+    filled = filled.localCheckpoint(eager=True)
+    n = filled.count()
+    if n == 0:
+        return 0
+    # The changelog first (history of the value), then the current table; both idempotent.
+    at = F.lit(at_lsn).cast("bigint")
+    events = (
+        filled.withColumn(OP_COL, F.lit("r"))
+        .withColumn(LSN_COL, at)
+        .withColumn(SEQ_COL, F.lit(-1).cast("bigint"))
+        .withColumn(LSN_EVENT_COL, at)
+        .withColumn(XID_COL, F.lit(None).cast("bigint"))
+        .withColumn(UNAVAILABLE_COL, F.lit(None).cast("array<string>"))
+        .withColumn(RUN_COL, F.lit(f"backfill-{run_label}"))
+        .withColumn(INGESTED_COL, F.current_timestamp())
+    )
+    done = spark.table(cl).filter((F.col(SHARD_COL) == shard) & (F.col(LSN_COL) == at_lsn) & (F.col(SEQ_COL) == -1))
+    events = events.join(done.select(*key), key, "left_anti")
+    with_commit_retries(
+        lambda: conform_to(events, spark.table(cl).schema).writeTo(cl).append(), what=f"{cfg.name} backfill changelog"
+    )
+    view = f"cdc_backfill_{cfg.name}"
+    filled.select(*key, *columns).createOrReplaceTempView(view)
+    on = " AND ".join(f"t.{spark_ident(k)} = s.{spark_ident(k)}" for k in key)
+    sets = ", ".join(f"t.{spark_ident(c)} = s.{spark_ident(c)}" for c in columns)
+    with_commit_retries(
+        lambda: spark.sql(
+            f"MERGE INTO {cur} t USING {view} s ON {on} AND t.{LSN_COL} < {at_lsn} WHEN MATCHED THEN UPDATE SET {sets}"
+        ),
+        what=f"{cfg.name} backfill",
+    )
+    log.info("%s: %d row(s) of shard %s got the source's value of added column(s) %s", cfg.name, n, shard, columns)
+    return n

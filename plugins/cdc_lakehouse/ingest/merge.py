@@ -1,0 +1,81 @@
+"""ingest.merge: split out of ingest.py."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from cdc_lakehouse.config import COMMIT_TS_COL, LSN_COL, OP_COL, SEQ_COL, SHARD_COL, TableConfig
+from cdc_lakehouse.identifiers import spark_ident
+
+if TYPE_CHECKING:
+    pass
+from cdc_lakehouse.ingest.toast import UNAV_LEFT
+
+# --- the run ---------------------------------------------------------------------------------------
+
+
+def merge_sql(
+    cfg: TableConfig,
+    target: str,
+    view: str,
+    columns: list[str],
+    truncated: list[str],
+    toast_columns: list[str] | None = None,
+) -> str:
+    key = [SHARD_COL, *cfg.primary_key]
+    on = " AND ".join(f"t.{spark_ident(k)} = s.{spark_ident(k)}" for k in key)
+    newer = f"(s.{LSN_COL} > t.{LSN_COL} OR (s.{LSN_COL} = t.{LSN_COL} AND s.{SEQ_COL} > t.{SEQ_COL}))"
+    toast = set(toast_columns or [])
+
+    def value(c: str) -> str:
+        # An unchanged TOAST value the batch could not supply: keep the table's.
+        q = spark_ident(c)
+        return f"CASE WHEN array_contains(s.{UNAV_LEFT}, '{c}') THEN t.{q} ELSE s.{q} END" if c in toast else f"s.{q}"
+
+    sets = ", ".join(f"t.{spark_ident(c)} = {value(c)}" for c in columns)
+    ins_cols = ", ".join(spark_ident(c) for c in columns)
+    ins_vals = ", ".join(f"s.{spark_ident(c)}" for c in columns)
+    insertable = f"s.{OP_COL} <> 'd'" + (f" AND size(s.{UNAV_LEFT}) = 0" if toast else "")
+    trunc = ", ".join(f"'{s}'" for s in truncated)
+    if cfg.deletes == "hard":
+        sql = (
+            f"MERGE INTO {target} t USING {view} s ON {on} "
+            f"WHEN MATCHED AND {newer} AND s.{OP_COL} = 'd' THEN DELETE "
+            f"WHEN MATCHED AND {newer} THEN UPDATE SET {sets} "
+            f"WHEN NOT MATCHED AND {insertable} THEN INSERT ({ins_cols}) VALUES ({ins_vals})"
+        )
+        if truncated:
+            sql += f" WHEN NOT MATCHED BY SOURCE AND t.{SHARD_COL} IN ({trunc}) THEN DELETE"
+        return sql
+    flag, ts = spark_ident(cfg.soft_delete_columns.flag), spark_ident(cfg.soft_delete_columns.timestamp)
+    meta = (
+        f"t.{OP_COL} = 'd', t.{LSN_COL} = s.{LSN_COL}, t.{SEQ_COL} = s.{SEQ_COL}, t.{COMMIT_TS_COL} = s.{COMMIT_TS_COL}"
+    )
+    sql = (
+        f"MERGE INTO {target} t USING {view} s ON {on} "
+        f"WHEN MATCHED AND {newer} AND s.{OP_COL} = 'd' THEN UPDATE SET t.{flag} = true, "
+        f"t.{ts} = s.{COMMIT_TS_COL}, {meta} "
+        f"WHEN MATCHED AND {newer} THEN UPDATE SET {sets}, t.{flag} = false, t.{ts} = NULL "
+        f"WHEN NOT MATCHED AND {insertable} THEN INSERT ({ins_cols}, {flag}, {ts}) "
+        f"VALUES ({ins_vals}, false, NULL)"
+    )
+    if truncated:
+        sql += (
+            f" WHEN NOT MATCHED BY SOURCE AND t.{SHARD_COL} IN ({trunc}) AND NOT t.{flag} THEN UPDATE SET "
+            f"t.{flag} = true, t.{ts} = current_timestamp()"
+        )
+    return sql
+
+
+def lsn_newer(lsn_a, seq_a, lsn_b, seq_b):
+    """(lsn_a, seq_a) > (lsn_b, seq_b)"""
+    return (lsn_a > lsn_b) | ((lsn_a == lsn_b) & (seq_a > seq_b))
+
+
+def wm_map(wm: dict[str, Any]):
+    from pyspark.sql import functions as F
+
+    pairs = []
+    for shard, v in sorted(wm.get("shards", {}).items()):
+        pairs += [F.lit(shard), F.lit(int(v["lsn"]))]
+    return F.create_map(*pairs) if pairs else F.create_map().cast("map<string,bigint>")

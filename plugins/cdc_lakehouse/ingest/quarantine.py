@@ -1,0 +1,180 @@
+"""ingest.quarantine: split out of ingest.py."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from cdc_lakehouse.config import LSN_COL, OP_COL, SEQ_COL, SHARD_COL, TableConfig
+from cdc_lakehouse.ingest.validate import FILE, RAW, REASONS
+from cdc_lakehouse.lake.columns import RUN_COL, UNAVAILABLE_COL
+from cdc_lakehouse.lake.commits import with_commit_retries
+from cdc_lakehouse.settings import LakeSettings
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame, SparkSession
+from cdc_lakehouse.ingest.merge import lsn_newer
+from cdc_lakehouse.ingest.toast import NO_TABLE, UNAV_LEFT
+
+
+def write_quarantine(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, bad: DataFrame, ingest_run: str) -> int:
+    """Idempotent: an event quarantined by an earlier attempt of the same data is not added twice."""
+    from pyspark.sql import functions as F
+
+    rows = bad.select(
+        F.lit(cfg.name).alias("table_name"),
+        F.col(SHARD_COL).alias("shard"),
+        F.array_join(REASONS, "; ").alias("reason"),
+        F.col(RAW).alias("raw"),
+        F.col(LSN_COL).alias("commit_lsn"),
+        F.col("_seq_raw").alias("seq"),
+        F.col(RUN_COL).alias("landing_run"),
+        F.col(FILE).alias("landing_file"),
+        F.lit(ingest_run).alias("ingest_run"),
+        F.current_timestamp().alias("quarantined_at"),
+    ).dropDuplicates(["commit_lsn", "seq", "landing_file", "reason"])
+    n = rows.count()
+    if n == 0:
+        return 0
+    view = f"cdc_quarantine_{cfg.name}"
+    rows.createOrReplaceTempView(view)
+    q = lake.qualified(lake.meta_table("quarantine"))
+    with_commit_retries(
+        lambda: spark.sql(
+            f"MERGE INTO {q} t USING {view} s ON t.table_name = s.table_name AND t.commit_lsn <=> s.commit_lsn "
+            "AND t.seq <=> s.seq AND t.landing_file <=> s.landing_file AND t.reason = s.reason "
+            "WHEN NOT MATCHED THEN INSERT *"
+        ),
+        what=f"{cfg.name} quarantine",
+    )
+    return n
+
+
+def held_back(
+    spark: SparkSession,
+    lake: LakeSettings,
+    cfg: TableConfig,
+    reduced: DataFrame,
+    tgt: DataFrame,
+    lake_cols: list[tuple[str, str]],
+    totals,
+) -> DataFrame | None:
+    """Rows whose unchanged TOAST value has no trustworthy source, as quarantine rows (or None).
+
+    The MERGE would take the table's value for them, which is wrong when (a) the key was deleted
+    or re-created by a key change earlier in the batch and the batch could not supply the value,
+    or (b) a quarantined event of the key (this batch or an earlier one) is newer than the table's
+    row: the value it carried never reached the table. Held rows keep the table's older row
+    (never a mix); the audit reports the key, and a fixed replay or a repair brings it back.
+    Only (b) reads the table's positions, and only when this table has quarantined events."""
+    from pyspark.sql import functions as F
+
+    key = [SHARD_COL, *cfg.primary_key]
+    needs_base = (F.col(OP_COL) != "d") & (F.size(UNAV_LEFT) > 0)
+    filled = (F.col(OP_COL) != "d") & (F.size(F.coalesce(UNAVAILABLE_COL, F.array())) > 0)
+    reason = F.when(
+        needs_base & F.col(NO_TABLE),
+        F.concat(
+            F.lit("unchanged TOAST column(s) "),
+            F.array_join(F.coalesce(UNAV_LEFT, F.array()), ", "),
+            F.lit(" follow a delete or key change of this key in the batch whose value the batch does not hold"),
+        ),
+    )
+    rows = reduced.filter(needs_base & F.col(NO_TABLE)) if totals["needs_base"] else None
+    if totals["filled"] and has_quarantine(spark, lake, cfg):
+        q = open_quarantine_keys(spark, lake, cfg, lake_cols)
+        rows = reduced.filter(needs_base | filled).join(F.broadcast(q), key, "inner").join(tgt, key, "left")
+        after_table = F.col("_t_lsn").isNull() | lsn_newer(
+            F.col("_q_lsn"), F.col("_q_seq"), F.col("_t_lsn"), F.col("_t_seq")
+        )
+        depends = filled & after_table & lsn_newer(F.col(LSN_COL), F.col(SEQ_COL), F.col("_q_lsn"), F.col("_q_seq"))
+        reason = reason.when(
+            depends,
+            F.concat(
+                F.lit("unchanged TOAST column(s) depend on quarantined event at commit LSN "),
+                F.col("_q_lsn").cast("string"),
+                F.lit(" of this key, whose values never reached the table"),
+            ),
+        )
+        rows = rows.unionByName(
+            reduced.filter(needs_base & F.col(NO_TABLE)).join(q, key, "left_anti"), allowMissingColumns=True
+        )
+    if rows is None:
+        return None
+    rows = rows.withColumn(REASONS, F.array(reason)).filter(F.col(REASONS)[0].isNotNull()).localCheckpoint(eager=True)
+    return None if rows.isEmpty() else as_held(rows, key)
+
+
+def as_held(rows: DataFrame, key: list[str]) -> DataFrame:
+    """Reduced rows with REASONS -> the shape quarantine takes (the key and position as payload)."""
+    from pyspark.sql import functions as F
+
+    return (
+        rows.withColumn(RAW, F.to_json(F.struct(*key, LSN_COL, SEQ_COL)))
+        .withColumn("_seq_raw", F.floor(F.col(SEQ_COL) / 2).cast("bigint"))
+        .withColumn(RUN_COL, F.lit(None).cast("string"))
+        .withColumn(FILE, F.lit(None).cast("string"))
+    )
+
+
+def hold_dependents(
+    spark: SparkSession,
+    lake: LakeSettings,
+    cfg: TableConfig,
+    held: DataFrame | None,
+    ingest_run: str,
+    metrics: dict[str, Any],
+    log,
+) -> int:
+    if held is None:
+        return 0
+    n = write_quarantine(spark, lake, cfg, held, ingest_run)
+    metrics["quarantined"] += n
+    if n:
+        log(f"WARNING {cfg.name}: {n} event(s) held back in quarantine: unchanged TOAST value unknown")
+    return n
+
+
+def has_quarantine(spark: SparkSession, lake: LakeSettings, cfg: TableConfig) -> bool:
+    """Any quarantined event of this table (one partition of the quarantine table, read lazily)."""
+    from pyspark.sql import functions as F
+
+    q = spark.table(lake.qualified(lake.meta_table("quarantine")))
+    return not q.filter(F.col("table_name") == cfg.name).limit(1).isEmpty()
+
+
+def open_quarantine_keys(
+    spark: SparkSession, lake: LakeSettings, cfg: TableConfig, lake_cols: list[tuple[str, str]]
+) -> DataFrame:
+    """Per key, the newest quarantined event of this table: (shard, key..., _q_lsn, _q_seq, _q_reason)."""
+    from pyspark.sql import functions as F
+
+    from cdc_lakehouse.ingest.validate import cast_text
+
+    types = dict(lake_cols)
+    q = spark.table(lake.qualified(lake.meta_table("quarantine"))).filter(F.col("table_name") == cfg.name)
+    after = F.from_json(F.get_json_object("raw", "$.after"), "map<string,string>")
+    before = F.from_json(F.get_json_object("raw", "$.before"), "map<string,string>")
+    cols = [F.col("shard").alias(SHARD_COL)]
+    for k in cfg.primary_key:
+        text = F.coalesce(after[k], before[k], F.get_json_object("raw", f"$.{k}"))
+        cols.append(cast_text(text, types[k]).alias(k))
+    # Lake order is 2*seq (+1 for the insert half of a key change): compare in lake order.
+    cols += [
+        F.col("commit_lsn").alias("_q_lsn"),
+        (F.col("seq") * 2 + 1).alias("_q_seq"),
+        F.col("reason").alias("_q_reason"),
+    ]
+    keyed = q.select(*cols).filter(F.col(SHARD_COL).isNotNull() & F.col("_q_lsn").isNotNull())
+    for k in cfg.primary_key:
+        keyed = keyed.filter(F.col(k).isNotNull())
+    key = [SHARD_COL, *cfg.primary_key]
+    return (
+        keyed.groupBy(*key)
+        .agg(F.max(F.struct("_q_lsn", "_q_seq", "_q_reason")).alias("_q"))
+        .select(
+            *key,
+            F.col("_q._q_lsn").alias("_q_lsn"),
+            F.col("_q._q_seq").alias("_q_seq"),
+            F.col("_q._q_reason").alias("_q_reason"),
+        )
+    )

@@ -1,0 +1,154 @@
+"""ingest.schema: split out of ingest.py."""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING
+
+from cdc_lakehouse.config import TableConfig
+from cdc_lakehouse.identifiers import spark_ident
+from cdc_lakehouse.lake.tables import add_column
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame, SparkSession
+from cdc_lakehouse.landing.reader import Plan
+
+WIDENINGS = {("int", "bigint"), ("float", "double")}
+BACKFILL = "backfill"  # watermark key: added columns whose older rows still need the source's value
+
+
+# --- schema -------------------------------------------------------------------------------------
+
+
+def manifest_schemas(plan: Plan, cfg: TableConfig) -> tuple[list[list[dict]], dict[str, list[dict]]]:
+    """The table's schemas as the capture saw them (relation messages), from the runs' manifests:
+    every schema of the batch, and the latest per shard. No scan of the events is needed."""
+    all_schemas: dict[str, list[dict]] = {}
+    latest: dict[str, list[dict]] = {}
+    for m in plan.manifests:
+        for key, cols in (m.get("schemas") or {}).items():
+            schema, _, table = key.rpartition(".")
+            if table != cfg.source.table:
+                continue
+            all_schemas.setdefault(json.dumps(cols, sort_keys=True), cols)
+            latest[schema] = cols
+    return list(all_schemas.values()), latest
+
+
+def event_schemas(raw: DataFrame) -> tuple[list[list[dict]], dict[str, list[dict]]]:
+    """All distinct event schemas, and the latest schema per source shard schema."""
+    from pyspark.sql import functions as F
+
+    rows = (
+        raw.groupBy(F.col("source.schema").alias("s"))
+        .agg(
+            F.max_by("table_schema", F.struct("source.commit_lsn", "source.seq")).alias("latest"),
+            F.collect_set("table_schema").alias("all"),
+        )
+        .collect()
+    )
+    all_schemas: dict[str, list[dict]] = {}
+    latest: dict[str, list[dict]] = {}
+    for r in rows:
+        if r["latest"]:
+            latest[r["s"]] = json.loads(r["latest"])
+        for s in r["all"] or []:
+            all_schemas.setdefault(s, json.loads(s))
+    return list(all_schemas.values()), latest
+
+
+def _dec(t: str) -> tuple[int, int] | None:
+    import re
+
+    m = re.match(r"^decimal\((\d+),\s*(\d+)\)$", t)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def schema_actions(
+    cfg: TableConfig,
+    lake_cols: list[tuple[str, str]],
+    schemas: list[list[dict]],
+    latest: dict[str, list[dict]],
+    file_hint: str = "",
+    known: dict[str, set[str]] | None = None,
+) -> tuple[list[str], list[str]]:
+    """DDL to run before the data (additive changes) and the errors that stop the table.
+
+    `known`: per shard schema, the columns the shard is known to have had (its watermark). A lake
+    column missing from a shard's latest schema is dropped there only if the shard had it: a shard
+    with no writes since a column was added elsewhere still shows its older schema."""
+    lake = dict(lake_cols)
+    ddl: list[str] = []
+    errors: list[str] = []
+    where = file_hint or f"include/tables/{cfg.name}.yaml"
+    seen_added: set[str] = set()
+    for sch in schemas:
+        for c in sch:
+            name = c["name"]
+            want = cfg.column_types.get(name) or c.get("lake_type")
+            if name not in lake:
+                if name in seen_added:
+                    continue
+                seen_added.add(name)
+                if not want:
+                    errors.append(
+                        f"{cfg.name}: new source column {name!r} has unsupported type {c.get('type')!r}; "
+                        f"set column_types: {{{name}: string}} in {where}"
+                    )
+                elif cfg.schema_changes.mode == "strict":
+                    errors.append(
+                        f"{cfg.name}: source column {name!r} ({c.get('type')}) was added and the table's "
+                        f"schema_changes.mode is strict; set it to additive in {where}, or re-bootstrap"
+                    )
+                else:
+                    ddl.append(f"ADD COLUMN {spark_ident(name)} {want}")
+            elif want and lake[name] != want:
+                old, new = lake[name], want
+                od, nd = _dec(old), _dec(new)
+                if (old, new) in WIDENINGS or (od and nd and nd[1] == od[1] and nd[0] > od[0]):
+                    if cfg.schema_changes.mode == "additive":
+                        ddl.append(f"ALTER COLUMN {spark_ident(name)} TYPE {new}")
+                        lake[name] = new
+                        continue
+                errors.append(
+                    f"{cfg.name}: source column {name!r} changed type from {old} to {new} ({c.get('type')}), which the lake "
+                    f"table cannot take in place. Choose: set column_types: {{{name}: {old}}} in {where} if the values "
+                    f"still fit (values that do not are quarantined), or re-bootstrap the table after setting the new type"
+                )
+    for shard_schema, sch in latest.items():
+        names = {c["name"] for c in sch}
+        had = (known or {}).get(shard_schema)
+        for name in lake:
+            if name in names or name in seen_added or (had is not None and name not in had):
+                continue
+            policy = cfg.schema_changes.dropped_columns.get(name)
+            if name in cfg.primary_key:
+                errors.append(
+                    f"{cfg.name}: primary key column {name!r} disappeared from the source (shard "
+                    f"{shard_schema}); re-bootstrap the table with the new key"
+                )
+            elif policy == "drop":
+                stmt = f"DROP COLUMN {spark_ident(name)}"
+                if stmt not in ddl:
+                    ddl.append(stmt)
+            elif policy != "keep_null":
+                errors.append(
+                    f"{cfg.name}: source column {name!r} was dropped (shard {shard_schema}) but the lake table keeps it, "
+                    f"so ingest stopped for this table. Choose in {where}: schema_changes.dropped_columns: "
+                    f"{{{name}: keep_null}} to keep it (NULL from now on), or {{{name}: drop}} to drop it from the "
+                    "current table (the changelog keeps its history); then rerun the failed task"
+                )
+    return ddl, sorted(set(errors))
+
+
+def apply_schema_actions(spark: SparkSession, cur: str, cl: str, ddl: list[str], log) -> None:
+    """Run the DDL on the current table, and what applies of it on the changelog: the changelog
+    keeps dropped columns (their history), so a column added back may already be there."""
+    for stmt in ddl:
+        log(f"schema change applied to {cur}: {stmt}")
+        spark.sql(f"ALTER TABLE {cur} {stmt}")
+        if stmt.startswith("ADD COLUMN "):
+            name, typ = stmt.removeprefix("ADD COLUMN ").split(" ", 1)
+            add_column(spark, cl, name.strip("`").replace("``", "`"), typ)
+        elif not stmt.startswith("DROP"):
+            spark.sql(f"ALTER TABLE {cl} {stmt}")

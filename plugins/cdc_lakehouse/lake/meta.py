@@ -1,0 +1,190 @@
+"""lake.meta: split out of lake.py."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from cdc_lakehouse.identifiers import spark_ident
+from cdc_lakehouse.settings import LakeSettings
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+from cdc_lakehouse.lake.tables import create_table_sql, ensure_namespace
+
+# --- meta tables ----------------------------------------------------------------------------------
+
+META_TABLES: dict[str, tuple[list[tuple[str, str]], str]] = {
+    "quarantine": (
+        [
+            ("table_name", "string"),
+            ("shard", "string"),
+            ("reason", "string"),
+            ("raw", "string"),
+            ("commit_lsn", "bigint"),
+            ("seq", "bigint"),
+            ("landing_run", "string"),
+            ("landing_file", "string"),
+            ("ingest_run", "string"),
+            ("quarantined_at", "timestamp"),
+        ],
+        "PARTITIONED BY (table_name)",
+    ),
+    "ingest_runs": (
+        [
+            ("table_name", "string"),
+            ("ingest_run", "string"),
+            ("interval_end", "string"),
+            ("landing_runs", "array<string>"),
+            ("events_read", "bigint"),
+            ("duplicates", "bigint"),
+            ("already_applied", "bigint"),
+            ("inserts", "bigint"),
+            ("updates", "bigint"),
+            ("deletes", "bigint"),
+            ("stale_skipped", "bigint"),
+            ("truncates", "bigint"),
+            ("quarantined", "bigint"),
+            ("changelog_rows", "bigint"),
+            ("data_files_added", "bigint"),
+            ("data_files_removed", "bigint"),
+            ("delete_files_added", "bigint"),
+            ("bytes_written", "bigint"),
+            ("bytes_removed", "bigint"),
+            ("changed_rows_bytes", "bigint"),
+            ("write_amplification", "double"),
+            ("lag_seconds_max", "double"),
+            ("lag_seconds_min", "double"),
+            ("freshness_seconds", "double"),
+            ("watermark", "string"),
+            ("write_mode", "string"),
+            ("apply_seconds", "double"),
+            ("total_seconds", "double"),
+            ("started_at", "timestamp"),
+            ("committed_at", "timestamp"),
+            ("status", "string"),
+            ("error", "string"),
+        ],
+        "PARTITIONED BY (table_name)",
+    ),
+    "capture_runs": (
+        [
+            ("endpoint", "string"),
+            ("run_id", "string"),
+            ("events", "bigint"),
+            ("bytes", "bigint"),
+            ("transactions", "bigint"),
+            ("capped", "boolean"),
+            ("start_lsn", "bigint"),
+            ("end_lsn", "bigint"),
+            ("retained_wal_bytes", "bigint"),
+            ("lag_bytes", "bigint"),
+            ("seconds", "double"),
+            ("started_at", "timestamp"),
+            ("finished_at", "timestamp"),
+        ],
+        "",
+    ),
+    "audit_results": (
+        [
+            ("table_name", "string"),
+            ("audit_run", "string"),
+            ("shard", "string"),
+            ("mode", "string"),
+            ("source_rows", "bigint"),
+            ("lake_rows", "bigint"),
+            ("missing", "bigint"),
+            ("extra", "bigint"),
+            ("different", "bigint"),
+            ("in_flight", "bigint"),
+            ("persistent", "bigint"),
+            ("buckets_compared", "bigint"),
+            ("buckets_differing", "bigint"),
+            ("sample_keys", "string"),
+            ("watermark_lsn", "bigint"),
+            ("repaired", "bigint"),
+            ("verdict", "string"),
+            ("seconds", "double"),
+            ("audited_at", "timestamp"),
+        ],
+        "PARTITIONED BY (table_name)",
+    ),
+    "audit_mismatches": (
+        [
+            ("table_name", "string"),
+            ("shard", "string"),
+            ("key_json", "string"),
+            ("kind", "string"),
+            ("first_seen", "timestamp"),
+            ("last_seen", "timestamp"),
+            ("times_seen", "int"),
+            ("resolved", "boolean"),
+            ("last_audit_run", "string"),
+        ],
+        "PARTITIONED BY (table_name)",
+    ),
+    "quality_results": (
+        [
+            ("table_name", "string"),
+            ("audit_run", "string"),
+            ("expectation", "string"),
+            ("success", "boolean"),
+            ("observed", "string"),
+            ("details", "string"),
+            ("checked_at", "timestamp"),
+        ],
+        "PARTITIONED BY (table_name)",
+    ),
+    "maintenance_runs": (
+        [
+            ("table_name", "string"),
+            ("run_id", "string"),
+            ("target", "string"),
+            ("phase", "string"),
+            ("data_files", "bigint"),
+            ("avg_file_bytes", "double"),
+            ("delete_files", "bigint"),
+            ("snapshots", "bigint"),
+            ("total_bytes", "bigint"),
+            ("records", "bigint"),
+            ("checksum", "string"),
+            ("seconds", "double"),
+            ("at", "timestamp"),
+        ],
+        "PARTITIONED BY (table_name)",
+    ),
+}
+
+
+def ensure_meta_tables(spark: SparkSession, lake: LakeSettings) -> None:
+    ensure_namespace(spark, lake, lake.meta_namespace)
+    for name, (cols, part) in META_TABLES.items():
+        table = lake.qualified(lake.meta_table(name))
+        spark.sql(
+            create_table_sql(
+                table,
+                cols,
+                part,
+                {
+                    "format-version": "2",
+                    "write.metadata.delete-after-commit.enabled": "true",
+                    "commit.retry.num-retries": "20",
+                },
+            )
+        )
+        # Columns added by later releases reach tables created by earlier ones.
+        have = set(spark.table(table).columns)
+        for c, t in cols:
+            if c not in have:
+                spark.sql(f"ALTER TABLE {table} ADD COLUMN {spark_ident(c)} {t}")
+
+
+def append_rows(spark: SparkSession, table: str, rows: list[dict[str, Any]], columns: list[tuple[str, str]]) -> None:
+    if not rows:
+        return
+    schema = ", ".join(f"{spark_ident(c)} {t}" for c, t in columns)
+    df = spark.createDataFrame([tuple(r.get(c) for c, _ in columns) for r in rows], schema)
+    df.writeTo(table).append()
+
+
+def meta_append(spark: SparkSession, lake: LakeSettings, name: str, rows: list[dict[str, Any]]) -> None:
+    append_rows(spark, lake.qualified(lake.meta_table(name)), rows, META_TABLES[name][0])

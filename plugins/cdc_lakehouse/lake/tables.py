@@ -1,0 +1,210 @@
+"""Spark-side plumbing for the lake: table DDL, watermarks, commit properties, file access.
+
+The watermark of a table is JSON in the `cdc.watermark` snapshot property, written in the
+same commit as the data it describes:
+
+    {"v": 1, "shards": {"<shard>": {"lsn": <int>, "ts": "<iso>"}}, "runs": {"<endpoint>": "<run_id>"}}
+
+`lsn` is exclusive: every source transaction of that shard whose commit LSN is below it is
+in the table, and none at or above it. Bootstrap sets it to the snapshot's consistent
+point; each ingest moves it to the end of the last capture run it applied.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from cdc_lakehouse.config import COMMIT_TS_COL, LSN_COL, OP_COL, SEQ_COL, SHARD_COL, TableConfig
+from cdc_lakehouse.identifiers import spark_ident
+from cdc_lakehouse.settings import LakeSettings
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame, SparkSession
+from cdc_lakehouse.lake.columns import INGESTED_COL, LSN_EVENT_COL, RUN_COL, UNAVAILABLE_COL, XID_COL
+
+
+def conform_to(df: DataFrame, table_schema) -> DataFrame:
+    """df with exactly the table's columns, in its order; columns df lacks are NULL.
+
+    Writers use this because a table can hold columns the batch does not: the changelog keeps a
+    column dropped from the current table (schema_changes.dropped_columns: drop), and a column
+    kept under keep_null no longer exists at the source that a bootstrap or repair reads."""
+    from pyspark.sql import functions as F
+
+    have = set(df.columns)
+    return df.select(
+        *[F.col(f.name) if f.name in have else F.lit(None).cast(f.dataType).alias(f.name) for f in table_schema.fields]
+    )
+
+
+def add_column(spark: SparkSession, table: str, name: str, typ: str) -> bool:
+    """ADD COLUMN unless the table already has it (a column dropped and added back at the source
+    is still in the changelog). False when it was already there."""
+    spark.sql(f"REFRESH TABLE {table}")
+    if name in spark.table(table).columns:
+        return False
+    spark.sql(f"ALTER TABLE {table} ADD COLUMN {spark_ident(name)} {typ}")
+    return True
+
+
+def table_exists(spark: SparkSession, table: str) -> bool:
+    return bool(spark.catalog.tableExists(table))
+
+
+# --- DDL -----------------------------------------------------------------------------------------
+
+
+def _partition_sql(cfg: TableConfig, time_partition: bool = False) -> str:
+    if time_partition:
+        return f"PARTITIONED BY (days({COMMIT_TS_COL}))"
+    parts = []
+    for p in cfg.lake.partition_by:
+        parts.append(p if "(" in p else spark_ident(p))
+    return f"PARTITIONED BY ({', '.join(parts)})" if parts else ""
+
+
+def table_properties(cfg: TableConfig, changelog: bool = False) -> dict[str, str]:
+    mode = "merge-on-read" if changelog else cfg.lake.write_mode
+    props = {
+        "format-version": str(cfg.lake.format_version),
+        "write.merge.mode": mode,
+        "write.update.mode": mode,
+        "write.delete.mode": mode,
+        "write.target-file-size-bytes": str(cfg.lake.target_file_size_mb * 1024 * 1024),
+        "write.parquet.compression-codec": "zstd",
+        "write.metadata.delete-after-commit.enabled": "true",
+        "write.metadata.previous-versions-max": "100",
+        "commit.retry.num-retries": "10",
+        "history.expire.max-snapshot-age-ms": str(cfg.maintenance.snapshot_retention_hours * 3600 * 1000),
+        "history.expire.min-snapshots-to-keep": str(cfg.maintenance.min_snapshots_to_keep),
+        "cdc.table": cfg.name,
+        "cdc.primary-key": ",".join(cfg.primary_key),
+    }
+    if not changelog:
+        props.update(cfg.lake.properties)
+    return props
+
+
+def sql_string(value: object) -> str:
+    """A Spark SQL string literal: single-quoted, backslash and single quote backslash-escaped
+    (Spark's default parser reads backslash escapes in string literals)."""
+    return "'" + str(value).replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def props_sql(props: dict[str, str]) -> str:
+    body = ", ".join(f"{sql_string(k)}={sql_string(v)}" for k, v in sorted(props.items()))
+    return f"TBLPROPERTIES ({body})"
+
+
+def current_table_columns(cfg: TableConfig, source_columns: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    cols = [(SHARD_COL, "string")] + list(source_columns)
+    cols += [(OP_COL, "string"), (LSN_COL, "bigint"), (SEQ_COL, "bigint"), (COMMIT_TS_COL, "timestamp")]
+    if cfg.deletes == "soft":
+        cols += [(cfg.soft_delete_columns.flag, "boolean"), (cfg.soft_delete_columns.timestamp, "timestamp")]
+    return cols
+
+
+def changelog_columns(source_columns: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    return (
+        [(SHARD_COL, "string")]
+        + list(source_columns)
+        + [
+            (OP_COL, "string"),
+            (LSN_COL, "bigint"),
+            (SEQ_COL, "bigint"),
+            (COMMIT_TS_COL, "timestamp"),
+            (LSN_EVENT_COL, "bigint"),
+            (XID_COL, "bigint"),
+            (UNAVAILABLE_COL, "array<string>"),
+            (RUN_COL, "string"),
+            (INGESTED_COL, "timestamp"),
+        ]
+    )
+
+
+def create_table_sql(
+    name: str,
+    columns: list[tuple[str, str]],
+    partition: str,
+    props: dict[str, str],
+    *,
+    replace: bool = False,
+    not_null: tuple[str, ...] = (),
+) -> str:
+    cols = ", ".join(f"{spark_ident(c)} {t}{' NOT NULL' if c in not_null else ''}" for c, t in columns)
+    verb = "CREATE OR REPLACE TABLE" if replace else "CREATE TABLE IF NOT EXISTS"
+    return f"{verb} {name} ({cols}) USING iceberg {partition} {props_sql(props)}"
+
+
+def ensure_namespace(spark: SparkSession, lake: LakeSettings, namespace: str) -> None:
+    spark.sql(f"CREATE NAMESPACE IF NOT EXISTS {lake.catalog_name}.{namespace}")
+
+
+def create_lake_tables(
+    spark: SparkSession, lake: LakeSettings, cfg: TableConfig, source_columns: list[tuple[str, str]]
+) -> None:
+    """Current table and changelog, if they do not exist yet."""
+    ensure_namespace(spark, lake, cfg.lake.namespace)
+    cur = lake.qualified(cfg.current_table)
+    spark.sql(
+        create_table_sql(
+            cur,
+            current_table_columns(cfg, source_columns),
+            _partition_sql(cfg),
+            table_properties(cfg),
+            not_null=(SHARD_COL, *cfg.primary_key),
+        )
+    )
+    order = ", ".join(spark_ident(c) for c in [SHARD_COL, *cfg.sort_by_columns] if c)
+    spark.sql(f"ALTER TABLE {cur} WRITE ORDERED BY {order}")
+    spark.sql(f"ALTER TABLE {cur} SET IDENTIFIER FIELDS {', '.join(spark_ident(c) for c in cfg.lake_key)}")
+    cl = lake.qualified(cfg.changelog_table)
+    spark.sql(
+        create_table_sql(
+            cl,
+            changelog_columns(source_columns),
+            _partition_sql(cfg, time_partition=True),
+            table_properties(cfg, changelog=True),
+        )
+    )
+
+
+def source_columns_of(spark: SparkSession, table: str, cfg: TableConfig) -> list[tuple[str, str]]:
+    """(name, Spark type) of the source columns in a lake table, in order."""
+    meta = {
+        SHARD_COL,
+        OP_COL,
+        LSN_COL,
+        SEQ_COL,
+        COMMIT_TS_COL,
+        LSN_EVENT_COL,
+        XID_COL,
+        UNAVAILABLE_COL,
+        RUN_COL,
+        INGESTED_COL,
+    }
+    if cfg.deletes == "soft":
+        meta |= {cfg.soft_delete_columns.flag, cfg.soft_delete_columns.timestamp}
+    return [(f.name, f.dataType.simpleString()) for f in spark.table(table).schema.fields if f.name not in meta]
+
+
+def table_stats(spark: SparkSession, table: str) -> dict[str, Any]:
+    """Files, delete files, snapshots and bytes of a table's current state."""
+    f = spark.sql(
+        f"SELECT count(*) n, coalesce(sum(file_size_in_bytes), 0) b, coalesce(sum(record_count), 0) r "
+        f"FROM {table}.data_files"
+    ).collect()[0]
+    d = spark.sql(f"SELECT count(*) n FROM {table}.delete_files").collect()[0]
+    s = spark.sql(f"SELECT count(*) n FROM {table}.snapshots").collect()[0]
+    return {
+        "data_files": int(f["n"]),
+        "total_bytes": int(f["b"]),
+        "records": int(f["r"]),
+        "avg_file_bytes": float(f["b"]) / f["n"] if f["n"] else 0.0,
+        "delete_files": int(d["n"]),
+        "snapshots": int(s["n"]),
+    }
+
+
+def df_columns(df: DataFrame) -> list[str]:
+    return list(df.columns)

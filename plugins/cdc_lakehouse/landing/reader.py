@@ -1,0 +1,273 @@
+"""landing.reader: split out of ingest.py, lake.py, landing.py."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+from cdc_lakehouse.config import TableConfig
+from cdc_lakehouse.source.publication import identity_mismatch
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+
+from collections.abc import Iterable
+
+from cdc_lakehouse.ingest.errors import CoverageError, NotBootstrapped, SourceIdentityChanged
+from cdc_lakehouse.landing.format import MANIFEST_DIR
+
+
+def list_manifests(store, endpoint: str) -> list[dict[str, Any]]:
+    """Every manifest of an endpoint, in capture order (by the slot position they start at)."""
+    names = [n for n in store.list_names(f"{endpoint}/{MANIFEST_DIR}") if n.endswith(".json")]
+    manifests = [store.read_json(f"{endpoint}/{MANIFEST_DIR}/{n}") for n in names]
+    return sorted(manifests, key=lambda m: (m["end_lsn"], m["run_id"]))
+
+
+def manifest_files(manifest: dict[str, Any], tables: Iterable[str] | None = None) -> list[tuple[str, str, dict]]:
+    """(source table, relative path, file info) of a manifest's files."""
+    out = []
+    for entry in manifest.get("tables", []):
+        if tables is not None and entry["table"] not in tables:
+            continue
+        for f in entry["files"]:
+            out.append((entry["table"], f"{entry['dir']}/{f['name']}", f))
+    return out
+
+
+@dataclass
+class Plan:
+    manifests: list[dict[str, Any]]
+    files: list[str]
+    new_watermark: dict[str, Any]
+    problems: list[str] = field(default_factory=list)
+    schema_changes: list[dict[str, Any]] = field(default_factory=list)
+
+
+def shard_endpoints(cfg: TableConfig) -> dict[str, list[tuple[str, str]]]:
+    """endpoint id -> [(schema, shard name)]"""
+    out: dict[str, list[tuple[str, str]]] = {}
+    for g, schema, shard in cfg.shards():
+        out.setdefault(g.endpoint_id, []).append((schema, shard))
+    return out
+
+
+def plan_landing(
+    landing: SparkLanding, cfg: TableConfig, watermark: dict[str, Any], upto_run: str | None, check_files: bool = True
+) -> Plan:
+    """Pending capture runs for this table, in slot order, stopping before any gap."""
+    shards_wm = watermark.get("shards", {})
+    new_wm = json.loads(json.dumps(watermark))
+    new_wm.setdefault("runs", {})
+    selected: list[dict[str, Any]] = []
+    files: list[str] = []
+    problems: list[str] = []
+    changes: list[dict[str, Any]] = []
+    for endpoint, shards in sorted(shard_endpoints(cfg).items()):
+        missing = [shard for _, shard in shards if shard not in shards_wm]
+        if missing:
+            raise NotBootstrapped(
+                f"{cfg.name}: shard(s) {missing} have no watermark, so they were never bootstrapped; trigger "
+                f'cdc_bootstrap__{cfg.name} (conf {{"shards": {missing}}}) before ingesting them'
+            )
+        manifests = same_source_manifests(cfg, endpoint, shards, shards_wm, list_manifests(landing, endpoint))
+        floor = min(shards_wm[shard]["lsn"] for _, shard in shards)
+        pending = [m for m in manifests if m["end_lsn"] > floor]
+        reached = floor
+        last = None
+        for m in pending:
+            if upto_run is not None and m["run_id"] > upto_run:
+                break  # a later interval's capture; never skip over it to reach an older-named run
+            start = m.get("start_lsn")
+            if start is not None and start > reached:
+                problems.append(
+                    f"{cfg.name}: landing gap on endpoint {endpoint}: changes between LSN {reached} and {start} are "
+                    f"in no manifest (run {m['run_id']} starts after the table's position); a landing run was lost or "
+                    "deleted before this table applied it"
+                )
+            check_coverage(cfg, endpoint, shards, shards_wm, m)
+            for _table, rel, info in manifest_files(m, {cfg.source.table}):
+                uri = landing.file_uri(rel)
+                if check_files:
+                    size = landing.fs.size(uri)
+                    if size is None or ("bytes" in info and size != info["bytes"]):
+                        state = "missing" if size is None else f"truncated ({size} of {info['bytes']} bytes)"
+                        problems.append(f"{cfg.name}: landing file {uri} listed by run {m['run_id']} is {state}")
+                        continue
+                files.append(uri)
+            for ch in m.get("schema_changes", []):
+                if ch["table"].split(".", 1)[-1] == cfg.source.table:
+                    changes.append({**ch, "endpoint": endpoint})
+            selected.append(m)
+            reached = max(reached, m["end_lsn"])
+            last = m
+        if last is not None:
+            for schema, shard in shards:
+                hb = last.get("heartbeats", {}).get(schema)
+                prev = shards_wm[shard]
+                if last["end_lsn"] > prev["lsn"]:
+                    # Keep what else the position records (its endpoint and server identity).
+                    new_wm["shards"][shard] = {
+                        **prev,
+                        "lsn": last["end_lsn"],
+                        "endpoint": endpoint,
+                        "source": prev.get("source") or last.get("source_identity"),
+                        "ts": hb["commit_ts"] if hb else last.get("last_commit_ts", prev.get("ts")),
+                    }
+            new_wm["runs"][endpoint] = last["run_id"]
+    return Plan(selected, files, new_wm, problems, changes)
+
+
+def same_source_manifests(
+    cfg: TableConfig,
+    endpoint: str,
+    shards: list[tuple[str, str]],
+    shards_wm: dict[str, Any],
+    manifests: list[dict[str, Any]],
+) -> list[dict[str, Any]]:
+    """The endpoint's runs whose LSNs may be compared with the shards' positions.
+
+    A position is only meaningful on the server (system, timeline, database) and endpoint that
+    produced it. A shard whose config now points at another endpoint, or whose endpoint now
+    delivers runs from another server, stops with the fix instead of comparing foreign LSNs
+    (which would drop changes as "already applied"). Runs of an older identity that finished
+    before the shard's position was taken (history from before a re-bootstrap) are skipped."""
+    fix = f're-bootstrap the shard: trigger cdc_bootstrap__{cfg.name} with conf {{"shards": [...]}}'
+    for _, shard in shards:
+        was = shards_wm[shard].get("endpoint")
+        if was is not None and was != endpoint:
+            raise SourceIdentityChanged(
+                f"{cfg.name}: shard {shard} is now read through endpoint {endpoint} but its lake position was taken "
+                f"on endpoint {was}; positions of two endpoints do not compare, so nothing was applied. Fix: "
+                + fix.replace("[...]", f'["{shard}"]')
+            )
+    out = []
+    for m in manifests:
+        seen = m.get("source_identity")
+        foreign = False
+        for _, shard in shards:
+            rec = shards_wm[shard]
+            why = identity_mismatch(rec.get("source"), seen)
+            if why is None:
+                continue
+            foreign = True
+            if _after(m.get("finished_at"), rec.get("ts")):
+                raise SourceIdentityChanged(
+                    f"{cfg.name}: shard {shard}: landing run {m['run_id']} on endpoint {endpoint} comes from another "
+                    f"source server than the shard's lake position ({why}); after a move or a failover LSNs of the "
+                    "two servers do not compare, so nothing was applied. Fix: " + fix.replace("[...]", f'["{shard}"]')
+                )
+        if not foreign:
+            out.append(m)
+    return out
+
+
+def _after(a: str | None, b: str | None) -> bool:
+    """ISO time a is later than b (unknown times count as later: refuse rather than guess)."""
+    if not a or not b:
+        return True
+    return datetime.fromisoformat(a) > datetime.fromisoformat(b)
+
+
+def check_coverage(
+    cfg: TableConfig, endpoint: str, shards: list[tuple[str, str]], shards_wm: dict[str, Any], m: dict[str, Any]
+) -> None:
+    """A run counts for a shard only if the shard's table was published for the whole run.
+
+    Runs written before manifests listed their publication (format 1) are trusted."""
+    if "published" not in m:
+        return
+    published = set(m["published"])
+    at_start = set(m["published_at_start"] if "published_at_start" in m else m["published"])
+    for schema, shard in shards:
+        name = f"{schema}.{cfg.source.table}"
+        if m["end_lsn"] <= shards_wm[shard]["lsn"]:
+            continue
+        # Added during the run is fine when the shard's position (its bootstrap) came after the add.
+        covered = name in published and (name in at_start or shards_wm[shard]["lsn"] >= (m.get("start_lsn") or 0))
+        if not covered:
+            raise CoverageError(
+                f"{cfg.name}: landing run {m['run_id']} on endpoint {endpoint} did not capture shard {shard}: "
+                f"{name} was not in publication {m.get('publication')} for the whole run, so its changes in that "
+                f"window were never read and the shard's position cannot move past it. Fix: make sure the table "
+                f"stays in the publication, then re-bootstrap the shard: trigger cdc_bootstrap__{cfg.name} with conf "
+                f'{{"shards": ["{shard}"]}}'
+            )
+
+
+# --- files through Hadoop's FileSystem (local paths, s3a://, hdfs:// alike) -----------------
+
+
+def spark_uri(uri: str) -> str:
+    return "s3a://" + uri[len("s3://") :] if uri.startswith("s3://") else uri
+
+
+class HadoopFS:
+    def __init__(self, spark: SparkSession):
+        self.jvm = spark._jvm
+        self.conf = spark._jsc.hadoopConfiguration()
+
+    def _fs(self, uri: str):
+        path = self.jvm.org.apache.hadoop.fs.Path(spark_uri(uri))
+        return path, path.getFileSystem(self.conf)
+
+    def exists(self, uri: str) -> bool:
+        path, fs = self._fs(uri)
+        return bool(fs.exists(path))
+
+    def size(self, uri: str) -> int | None:
+        path, fs = self._fs(uri)
+        return int(fs.getFileStatus(path).getLen()) if fs.exists(path) else None
+
+    def list_names(self, uri: str) -> list[str]:
+        path, fs = self._fs(uri)
+        if not fs.exists(path):
+            return []
+        return sorted(st.getPath().getName() for st in fs.listStatus(path))
+
+    def read_text(self, uri: str) -> str:
+        path, fs = self._fs(uri)
+        stream = fs.open(path)
+        try:
+            reader = self.jvm.java.io.BufferedReader(self.jvm.java.io.InputStreamReader(stream, "UTF-8"))
+            lines = []
+            line = reader.readLine()
+            while line is not None:
+                lines.append(line)
+                line = reader.readLine()
+            return "\n".join(lines)
+        finally:
+            stream.close()
+
+    def delete(self, uri: str, recursive: bool = True) -> bool:
+        path, fs = self._fs(uri)
+        return bool(fs.delete(path, recursive))
+
+
+class SparkLanding:
+    """Read-only view of the landing zone for Spark jobs (manifests + file URIs)."""
+
+    def __init__(self, spark: SparkSession, uri: str):
+        self.fs = HadoopFS(spark)
+        self.uri = spark_uri(uri.rstrip("/"))
+
+    def file_uri(self, rel: str) -> str:
+        return f"{self.uri}/{rel}"
+
+    def list_names(self, rel: str) -> list[str]:
+        return self.fs.list_names(self.file_uri(rel))
+
+    def read_json(self, rel: str) -> Any:
+        return json.loads(self.fs.read_text(self.file_uri(rel)))
+
+    def exists(self, rel: str) -> bool:
+        return self.fs.exists(self.file_uri(rel))

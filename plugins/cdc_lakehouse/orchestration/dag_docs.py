@@ -1,0 +1,134 @@
+"""doc_md of the generated DAGs: what each does and how to operate it."""
+
+from __future__ import annotations
+
+from cdc_lakehouse.config import TableConfig
+
+
+def _header(cfg: TableConfig) -> str:
+    shards = ", ".join(s for _, _, s in cfg.shards())
+    return (
+        f"**Table** `{cfg.name}` — source `{cfg.source.table}` in shards {shards}; "
+        f"key `{', '.join(cfg.primary_key)}`; lake `lake.{cfg.current_table}` "
+        f"({cfg.lake.write_mode}, format v{cfg.lake.format_version}, deletes {cfg.deletes}); "
+        f"owner {cfg.owner}.\n\n{cfg.description}\n"
+    )
+
+
+def ingest_doc(cfg: TableConfig) -> str:
+    return f"""# Incremental ingest: `{cfg.name}`
+
+{_header(cfg)}
+## What it does
+1. **capture__&lt;endpoint&gt;** — one bounded run of the endpoint's logical replication slot
+   (`pgoutput`): writes a heartbeat in every shard, reads every transaction committed before
+   it, writes Parquet change events and a manifest to the landing zone, then confirms the slot.
+2. **ingest** — Spark: validates the interval's events (malformed ones go to
+   `lake.cdc_meta.quarantine`), appends them to `lake.{cfg.changelog_table}`, keeps the latest
+   event per key and MERGEs it into `lake.{cfg.current_table}` with an LSN guard. The table's
+   watermark (per shard, the LSN reached) is committed with the data.
+3. **check_alerts** (teardown, runs even when the ingest failed) — the freshness alert when the
+   committed ingest left the table behind its SLA; the capture alerts on its slot's retained WAL.
+   Channels and thresholds: `include/alerting.yaml` and the table's `alerts:` (README, Alerts).
+
+Per-run figures: `SELECT * FROM lake.cdc_meta.ingest_runs WHERE table_name = '{cfg.name}' ORDER BY committed_at DESC`.
+
+## How to operate it
+- **Rerun an interval**: clear the run's tasks. Capture reuses the run's manifest; ingest
+  applies only what the watermark does not have yet, so reruns and backfills converge.
+- **Failed with a schema change**: the log names the column and the choices; set
+  `schema_changes` in `include/tables/{cfg.name}.yaml`, then clear the task.
+- **Failed on the error budget**: read the reasons with
+  `SELECT reason, count(*) FROM lake.cdc_meta.quarantine WHERE table_name = '{cfg.name}' GROUP BY 1`;
+  fix the source or `column_types`, or raise `ingest.error_budget`, then clear the task.
+  **Clearing a quarantine** after review: `python -m cdc_lakehouse.cli quarantine clear {cfg.name}`.
+- **Slot dropped or invalidated**: changes are gone from the WAL; trigger `cdc_bootstrap__{cfg.name}`.
+- Runs never overlap each other, the table's maintenance or its bootstrap (pool `{cfg.pool}`).
+"""
+
+
+def group_doc(group: str, cfgs: list[TableConfig]) -> str:
+    names = ", ".join(f"`{c.name}`" for c in cfgs)
+    return f"""# Grouped incremental ingest: `{group}`
+
+## What it does
+Captures each source endpoint's committed changes up to the interval's end, then ingests
+tables {names} in **one Spark application** per run, so many small tables do not each pay a
+JVM start. Each table is applied and committed on its own (landing -> changelog -> LSN-guarded
+MERGE, watermark in the same commit); a failing table is reported at the end and does not stop
+the others (the task then fails, naming it).
+
+## How to operate it
+- **Rerun an interval**: clear the run; each table continues from its own watermark, so a
+  rerun or a backfill converges to the same state.
+- **A table failed** (schema change, error budget): the task log names the table, the column
+  or reason and the choices; fix the config and clear the run.
+- **Quarantine**: `python -m cdc_lakehouse.cli quarantine list <table>`, then `clear` after review.
+- Bootstrap and audit: see each table's `cdc_bootstrap__*` and `cdc_audit__*` docs.
+"""
+
+
+def bootstrap_doc(cfg: TableConfig) -> str:
+    return f"""# Snapshot bootstrap: `{cfg.name}`
+
+{_header(cfg)}
+## What it does
+Makes sure the capture slot and publication exist, then per endpoint creates a temporary
+slot whose **exported snapshot** sees exactly the transactions committed before its
+consistent point P. Spark reads every shard under that snapshot (ctid ranges in parallel,
+at most {cfg.bootstrap.max_connections_per_host} connections per host), writes the rows to
+the changelog (op `r`) and replaces the shards in `lake.{cfg.current_table}` in one commit
+whose watermark is P. The incremental ingest continues from P: no gap, no overlap.
+
+## How to operate it
+- **First load / full re-bootstrap**: trigger with the default params.
+- **Re-bootstrap one shard**: trigger with conf `{{"shards": ["<shard>"]}}`. Readers see the
+  old rows or the new ones, never a mix; the changelog keeps its history.
+- It stops before writing anything if a table is missing, the key is not unique and not
+  null, a column type is unsupported, or the source lacks `wal_level=logical` or privileges.
+"""
+
+
+def maintenance_doc(cfg: TableConfig) -> str:
+    m = cfg.maintenance
+    return f"""# Daily maintenance: `{cfg.name}`
+
+{_header(cfg)}
+## What it does
+With Iceberg's own Spark procedures, on the current table and the changelog:
+`rewrite_data_files` ({m.compaction}), `rewrite_position_delete_files`, `rewrite_manifests`,
+`expire_snapshots` (older than {m.snapshot_retention_hours} h, keeping at least
+{m.min_snapshots_to_keep}, never the snapshot holding the watermark), `remove_orphan_files`
+(older than {m.orphan_file_age_hours} h). Then rebuilds `lake.{cfg.latest_view}`, the latest row
+per key over the changelog ({m.latest_view}). Before/after figures go to
+`lake.cdc_meta.maintenance_runs`.
+
+## How to operate it
+- It shares the table's pool with ingest, so the two never run at once.
+- A failed run leaves the table valid (each procedure commits atomically); clear to retry.
+"""
+
+
+def audit_doc(cfg: TableConfig) -> str:
+    a = cfg.audit
+    return f"""# Hourly audit: `{cfg.name}`
+
+{_header(cfg)}
+## What it does
+Compares the primary keys of every source shard with `lake.{cfg.current_table}` as of its
+watermark (mode `{a.mode}`: full key comparison, or per-bucket counts and hashes first with
+keys fetched only for differing buckets — which also finds changed values). Keys changed at
+the source after the watermark are in flight, not mismatches. A key that mismatches in
+{a.consecutive_mismatches} consecutive audits fails the audit and fires the alert. Great
+Expectations checks the lake table (key unique and not null, LSN not null, freshness within
+{a.freshness_sla_minutes} min from the heartbeats, row count vs source). Repair is
+{"on" if a.repair else "off"}: persistent mismatches are re-read from the source and merged
+through the ingest's LSN-guarded path. The **check_alerts** teardown alerts when the audit has
+failed several runs in a row (`alerts.audit_failed_runs`, see `include/alerting.yaml`).
+
+## How to read an audit
+`SELECT * FROM lake.cdc_meta.audit_results WHERE table_name = '{cfg.name}' ORDER BY audited_at DESC`
+gives one row per shard and run (missing, extra, different, in flight, verdict);
+`lake.cdc_meta.quality_results` the Great Expectations results; the task log links the
+stored Great Expectations report.
+"""

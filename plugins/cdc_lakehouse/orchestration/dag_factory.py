@@ -1,0 +1,341 @@
+"""Builds the per-table DAGs from the table configs (Airflow 3, airflow.sdk).
+
+Parse-time work is reading small YAML files: no Spark, pyiceberg, Great Expectations or
+pandas import, no connection lookups, no network. Everything that needs a connection
+happens in the tasks.
+
+For each table `T`:
+  cdc_bootstrap__T    manual; loads every shard (or the shards given) from a snapshot
+  cdc_ingest__T       interval-keyed; capture per endpoint, then the Spark ingest
+  cdc_maintenance__T  daily; compaction, expiry, orphans, latest-per-key view
+  cdc_audit__T        interval-keyed; key-set audit, Great Expectations, optional repair
+Tables with `ingest.group: G` are ingested together by cdc_ingest_group__G (one Spark
+application for the whole group) instead of cdc_ingest__T.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from cdc_lakehouse.config import ConfigSet, TableConfig, load_table_configs
+from cdc_lakehouse.orchestration.dag_docs import audit_doc, bootstrap_doc, group_doc, ingest_doc, maintenance_doc
+from cdc_lakehouse.settings import tables_dir
+
+START_DATE = datetime(2026, 1, 1, tzinfo=UTC)
+SPARK_CONN_ID = os.environ.get("CDC_SPARK_CONN_ID", "spark_default")
+PRESETS = {
+    "@hourly": "0 * * * *",
+    "@daily": "0 0 * * *",
+    "@weekly": "0 0 * * 0",
+    "@monthly": "0 0 1 * *",
+    "@yearly": "0 0 1 1 *",
+}
+INTERVAL_END = "{{ data_interval_end.strftime('%Y%m%dT%H%M%SZ') }}"
+
+
+def _timetable(schedule: str):
+    # A plain cron string gives a trigger timetable with an empty data interval in Airflow 3;
+    # these DAGs read their window from the data interval, so they need the interval timetable.
+    from airflow.sdk import CronDataIntervalTimetable
+
+    return CronDataIntervalTimetable(PRESETS.get(schedule, schedule), timezone="UTC")
+
+
+def asset(lake_table: str):
+    from airflow.sdk import Asset
+
+    ns, name = lake_table.split(".", 1)
+    return Asset(uri=f"iceberg://lake/{ns}/{name}", name=f"lake.{lake_table}")
+
+
+def default_args(
+    cfg: TableConfig | None, owner: str = "data-platform", retries: int = 2, tables: list[str] | None = None
+) -> dict[str, Any]:
+    from cdc_lakehouse.orchestration.alerts import CdcFailureNotifier
+
+    args: dict[str, Any] = {
+        "owner": cfg.owner if cfg else owner,
+        # CDC_TASK_RETRIES overrides (the demo and tests want failures at once, not after backoff).
+        "retries": int(os.environ.get("CDC_TASK_RETRIES", cfg.retries if cfg else retries)),
+        "retry_delay": timedelta(minutes=2),
+        "retry_exponential_backoff": True,
+        "max_retry_delay": timedelta(minutes=30),
+        # Alerts through the channels of include/alerting.yaml and the tables' alert_emails
+        # (cdc_lakehouse.orchestration.alerts); Airflow's own failure e-mail stays off so nothing arrives twice.
+        "on_failure_callback": CdcFailureNotifier(tables if tables is not None else [cfg.name] if cfg else []),
+    }
+    return args
+
+
+def alert_check_task(kind: str, tables: list[str]):
+    """check_alerts: after the DAG's work, the audit-streak or freshness alerts of its tables.
+
+    A teardown: it runs whatever the upstream state (all done) and is left out of the DAG run's
+    state, so a failed ingest or audit still fails the run."""
+    from airflow.sdk import task
+
+    @task(task_id="check_alerts", execution_timeout=timedelta(minutes=10))
+    def check_alerts(tables: list[str], **context: Any) -> dict[str, Any]:
+        """Alerts on the run history in cdc_meta (see cdc_lakehouse.orchestration.alerts)."""
+        from cdc_lakehouse.orchestration.alerts import run_checks
+
+        return run_checks(kind, tables, context["run_id"], context)
+
+    return check_alerts(tables).as_teardown()
+
+
+def spark_task(task_id: str, job: str, job_args: list[str], source_conn_ids: list[str], pool: str, **kw: Any):
+    from cdc_lakehouse.orchestration.operators import CdcSparkSubmitOperator
+
+    return CdcSparkSubmitOperator(
+        task_id=task_id,
+        job=job,
+        job_args=job_args,
+        source_conn_ids=source_conn_ids,
+        pool=pool,
+        conn_id=SPARK_CONN_ID,
+        **kw,
+    )
+
+
+def _capture_tasks(cs: ConfigSet, endpoint_ids: list[str]):
+    from airflow.sdk import task
+
+    @task(execution_timeout=timedelta(minutes=50))
+    def capture(endpoint_id: str, **context: Any) -> dict[str, Any]:
+        """One bounded capture run of the endpoint's replication slot into the landing zone."""
+        from cdc_lakehouse.orchestration.tasks import capture_endpoint
+
+        return capture_endpoint(endpoint_id, context["data_interval_end"], context=context)
+
+    return [capture.override(task_id=f"capture__{e}", pool=f"cdc_capture__{e}")(e) for e in endpoint_ids]
+
+
+def _tags(kind: str, cfg: TableConfig | None = None, group: str | None = None) -> list[str]:
+    tags = ["cdc", kind]
+    if cfg:
+        tags += [f"table:{cfg.name}", *cfg.tags]
+    if group:
+        tags.append(f"group:{group}")
+    return tags
+
+
+def ingest_dag(cfg: TableConfig, cs: ConfigSet):
+    from airflow.sdk import DAG
+
+    endpoints = sorted({g.endpoint_id for g in cfg.source.shards})
+    conn_ids = sorted({g.conn_id for g in cfg.source.shards})
+    with DAG(
+        dag_id=f"cdc_ingest__{cfg.name}",
+        schedule=_timetable(cfg.ingest.schedule),
+        start_date=START_DATE,
+        catchup=False,
+        max_active_runs=1,
+        default_args=default_args(cfg),
+        tags=_tags("ingest", cfg),
+        doc_md=ingest_doc(cfg),
+        description=f"Hourly CDC ingest of {cfg.name} into {cfg.current_table}",
+    ) as dag:
+        captures = _capture_tasks(cs, endpoints)
+        ingest = spark_task(
+            "ingest",
+            "ingest",
+            [
+                "--tables",
+                cfg.name,
+                "--upto-run",
+                INTERVAL_END,
+                "--ingest-run",
+                "{{ run_id }}",
+                "--interval-end",
+                "{{ data_interval_end.isoformat() }}",
+            ],
+            conn_ids,
+            table_pool(cfg),
+            outlets=[asset(cfg.current_table), asset(cfg.changelog_table)],
+            execution_timeout=timedelta(hours=2),
+        )
+        captures >> ingest >> alert_check_task("freshness", [cfg.name])
+    return dag
+
+
+def group_ingest_dag(group: str, cfgs: list[TableConfig], cs: ConfigSet):
+    from airflow.sdk import DAG
+
+    endpoints = sorted({g.endpoint_id for c in cfgs for g in c.source.shards})
+    conn_ids = sorted({g.conn_id for c in cfgs for g in c.source.shards})
+    schedule = cfgs[0].ingest.schedule
+    with DAG(
+        dag_id=f"cdc_ingest_group__{group}",
+        schedule=_timetable(schedule),
+        start_date=START_DATE,
+        catchup=False,
+        max_active_runs=1,
+        default_args=default_args(cfgs[0], tables=[c.name for c in cfgs]),
+        tags=_tags("ingest", group=group),
+        doc_md=group_doc(group, cfgs),
+        description=f"CDC ingest of {len(cfgs)} tables in one Spark application",
+    ) as dag:
+        captures = _capture_tasks(cs, endpoints)
+        outlets = [a for c in cfgs for a in (asset(c.current_table), asset(c.changelog_table))]
+        ingest = spark_task(
+            "ingest",
+            "ingest",
+            [
+                "--tables",
+                ",".join(c.name for c in cfgs),
+                "--upto-run",
+                INTERVAL_END,
+                "--ingest-run",
+                "{{ run_id }}",
+                "--interval-end",
+                "{{ data_interval_end.isoformat() }}",
+            ],
+            conn_ids,
+            group_pool(group),
+            outlets=outlets,
+            execution_timeout=timedelta(hours=3),
+        )
+        captures >> ingest >> alert_check_task("freshness", [c.name for c in cfgs])
+    return dag
+
+
+def group_pool(group: str) -> str:
+    return f"cdc_group__{group}"
+
+
+def table_pool(cfg: TableConfig) -> str:
+    """Writers of a table share one pool slot; grouped tables share their group's."""
+    return group_pool(cfg.ingest.group) if cfg.ingest.group else cfg.pool
+
+
+def bootstrap_dag(cfg: TableConfig):
+    from airflow.sdk import DAG, Param
+
+    conn_ids = sorted({g.conn_id for g in cfg.source.shards})
+    with DAG(
+        dag_id=f"cdc_bootstrap__{cfg.name}",
+        schedule=None,
+        start_date=START_DATE,
+        catchup=False,
+        max_active_runs=1,
+        default_args=default_args(cfg),
+        tags=_tags("bootstrap", cfg),
+        doc_md=bootstrap_doc(cfg),
+        description=f"Snapshot bootstrap of {cfg.name} (all shards, or those in the 'shards' param)",
+        params={"shards": Param([], type="array", description="shards to (re-)bootstrap; empty = all")},
+    ) as dag:
+        spark_task(
+            "bootstrap",
+            "bootstrap",
+            ["--tables", cfg.name, "--shards", "{{ params.shards | join(',') }}", "--run-id", "{{ ts_nodash }}"],
+            conn_ids,
+            table_pool(cfg),
+            outlets=[asset(cfg.current_table), asset(cfg.changelog_table)],
+            execution_timeout=timedelta(hours=24),
+        )
+    return dag
+
+
+def maintenance_dag(cfg: TableConfig):
+    from airflow.sdk import DAG
+
+    with DAG(
+        dag_id=f"cdc_maintenance__{cfg.name}",
+        schedule=_timetable(cfg.maintenance.schedule),
+        start_date=START_DATE,
+        catchup=False,
+        max_active_runs=1,
+        default_args=default_args(cfg),
+        tags=_tags("maintenance", cfg),
+        doc_md=maintenance_doc(cfg),
+        description=f"Daily maintenance of {cfg.name}",
+    ) as dag:
+        outlets = [asset(cfg.latest_view)] if cfg.maintenance.latest_view != "none" else []
+        spark_task(
+            "maintenance",
+            "maintenance",
+            ["--tables", cfg.name, "--run-id", "{{ ts_nodash }}"],
+            [],
+            table_pool(cfg),
+            inlets=[asset(cfg.current_table), asset(cfg.changelog_table)],
+            outlets=outlets,
+            execution_timeout=timedelta(hours=6),
+        )
+    return dag
+
+
+def audit_dag(cfg: TableConfig):
+    from airflow.sdk import DAG
+
+    conn_ids = sorted({g.conn_id for g in cfg.source.shards})
+    with DAG(
+        dag_id=f"cdc_audit__{cfg.name}",
+        schedule=_timetable(cfg.audit.schedule),
+        start_date=START_DATE,
+        catchup=False,
+        max_active_runs=1,
+        default_args=default_args(cfg),
+        tags=_tags("audit", cfg),
+        doc_md=audit_doc(cfg),
+        description=f"Hourly source-vs-lake audit of {cfg.name}",
+    ) as dag:
+        audit = spark_task(
+            "audit",
+            "audit",
+            ["--tables", cfg.name, "--audit-run", "{{ run_id }}"],
+            conn_ids,
+            table_pool(cfg),
+            inlets=[asset(cfg.current_table)],
+            execution_timeout=timedelta(hours=1),
+        )
+        audit >> alert_check_task("audit", [cfg.name])
+    return dag
+
+
+def build_dags(config_dir: str | None = None) -> dict[str, Any]:
+    """Every DAG of every valid table config; broken configs are reported by cdc_config_check.py."""
+    cs = load_table_configs(config_dir or tables_dir())
+    dags: dict[str, Any] = {}
+    groups: dict[str, list[TableConfig]] = {}
+    for cfg in cs.tables.values():
+        if cfg.ingest.group:
+            groups.setdefault(cfg.ingest.group, []).append(cfg)
+        else:
+            d = ingest_dag(cfg, cs)
+            dags[d.dag_id] = d
+        for build in (bootstrap_dag, maintenance_dag, audit_dag):
+            d = build(cfg)
+            dags[d.dag_id] = d
+    for group, cfgs in sorted(groups.items()):
+        d = group_ingest_dag(group, cfgs, cs)
+        dags[d.dag_id] = d
+    return dags
+
+
+def config_errors(config_dir: str | None = None) -> list[str]:
+    from cdc_lakehouse.orchestration.alerts import alerting_errors
+
+    cs = load_table_configs(config_dir or tables_dir())
+    return [str(e) for e in cs.errors] + alerting_errors(cs.tables)
+
+
+def pools(config_dir: str | None = None) -> dict[str, dict[str, Any]]:
+    """Airflow pools the DAGs use (for `airflow pools import`): one slot each."""
+    cs = load_table_configs(config_dir or tables_dir())
+    out: dict[str, dict[str, Any]] = {}
+    for cfg in cs.tables.values():
+        out[table_pool(cfg)] = {
+            "slots": 1,
+            "description": f"writers of {cfg.name} (one at a time)",
+            "include_deferred": False,
+        }
+    for endpoint in cs.endpoints():
+        out[f"cdc_capture__{endpoint}"] = {
+            "slots": 1,
+            "description": f"capture slot of endpoint {endpoint}",
+            "include_deferred": False,
+        }
+    return out

@@ -1,0 +1,96 @@
+"""The Spark submit operator of this project: the Apache Spark provider's, plus the lake and
+source settings resolved at run time (never at DAG parse time). Public settings travel in
+env_vars; secrets never do: job_secrets hands them to the driver by reference (a 0600 file
+on the worker, a YARN-localized file, or a Kubernetes secret), per master type. See
+docs/secrets.md."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOperator
+
+from cdc_lakehouse.settings import PROJECT_ROOT
+
+
+class CdcSparkSubmitOperator(SparkSubmitOperator):
+    ui_color = "#f4a261"
+
+    def __init__(self, *, job: str, job_args: list[str], source_conn_ids: list[str], **kwargs: Any) -> None:
+        kwargs.setdefault("name", f"cdc-{job}")
+        kwargs.setdefault("verbose", False)
+        super().__init__(
+            application=str(PROJECT_ROOT / "spark_jobs" / f"{job}.py"), application_args=job_args, **kwargs
+        )
+        self.job = job
+        self.source_conn_ids = list(source_conn_ids)
+        self._secrets_cleanup: Any = None
+
+    def _spark_conn_extra(self) -> dict[str, Any]:
+        from airflow.sdk import BaseHook
+
+        try:
+            return dict(BaseHook.get_connection(self._conn_id).extra_dejson)
+        except Exception:  # noqa: BLE001 - the provider then defaults to yarn; so do we
+            return {}
+
+    def execute(self, context: Any) -> None:
+        import os
+
+        from cdc_lakehouse.orchestration.tasks import spark_jars, spark_job_env
+        from cdc_lakehouse.runtime.packaging import pyfiles_zip
+        from cdc_lakehouse.runtime.secrets import K8S_MOUNT_EXTRA, K8S_SECRET_EXTRA, find_secrets, transport_for
+        from cdc_lakehouse.runtime.session import base_conf
+
+        self.py_files = str(pyfiles_zip())
+        self.jars = ",".join(spark_jars()) or None
+        self._driver_memory = self._driver_memory or os.environ.get("CDC_SPARK_DRIVER_MEMORY", "4g")
+        public, secrets = spark_job_env(self.source_conn_ids)
+        # The master and deploy mode exactly as the provider's hook resolves them.
+        probe = self._get_hook()
+        master, deploy_mode = probe._connection["master"], probe._connection["deploy_mode"]
+        extra = self._spark_conn_extra()
+        transport = transport_for(
+            master, deploy_mode, secrets, k8s_secret=extra.get(K8S_SECRET_EXTRA), k8s_mount=extra.get(K8S_MOUNT_EXTRA)
+        )
+        self._secrets_cleanup = transport.cleanup
+        saved_env: dict[str, str | None] = {}
+        try:
+            self.conf = {**base_conf(), **(self.conf or {}), **transport.conf}
+            self.files = ",".join([f for f in (self.files or "").split(",") if f] + transport.files) or None
+            self.env_vars = {**(self.env_vars or {}), **public, **transport.env}
+            leaked = find_secrets(
+                [
+                    *self.conf.values(),
+                    *self.env_vars.values(),
+                    *map(str, self.application_args or []),
+                    self.files or "",
+                    self.name or "",
+                ],
+                secrets,
+            )
+            if leaked:  # last-line check: a secret must never reach the command line
+                raise ValueError(f"secret(s) {leaked} would appear in the spark-submit command; refusing")
+            if transport.process_env:  # the driver is the spark-submit process itself (k8s client mode)
+                saved_env = {k: os.environ.get(k) for k in self.env_vars}
+                os.environ.update(self.env_vars)
+            self._hook = None
+            super().execute(context)
+        finally:
+            for k, v in saved_env.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+            self._remove_secrets()
+
+    def _remove_secrets(self) -> None:
+        cleanup, self._secrets_cleanup = self._secrets_cleanup, None
+        if cleanup:
+            cleanup()
+
+    def on_kill(self) -> None:
+        try:
+            super().on_kill()
+        finally:
+            self._remove_secrets()

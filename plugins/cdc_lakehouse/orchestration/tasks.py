@@ -1,0 +1,174 @@
+"""What Airflow tasks run. Imported by DAG files, so only light imports at module level;
+heavy ones (psycopg2, pyarrow, pyiceberg) happen inside the functions, at run time."""
+
+from __future__ import annotations
+
+import logging
+import os
+from datetime import UTC, datetime
+from typing import Any
+
+from cdc_lakehouse.config import ConfigSet, load_table_configs
+from cdc_lakehouse.settings import PROJECT_ROOT, LakeSettings, local_paths, source_uri_env, tables_dir
+
+log = logging.getLogger(__name__)
+LAKE_CONN_ID = os.environ.get("CDC_LAKE_CONN_ID", "cdc_lake")
+
+
+def run_id_for(interval_end: datetime) -> str:
+    """Capture run ids sort like the data intervals they belong to."""
+    return interval_end.astimezone(UTC).strftime("%Y%m%dT%H%M%SZ")
+
+
+def lake_settings() -> LakeSettings:
+    from airflow.sdk import BaseHook
+
+    lake = LakeSettings.from_airflow_connection(BaseHook.get_connection(LAKE_CONN_ID))
+    return with_aws_connection(lake) if lake.uses_s3 else lake
+
+
+def _path_style(extra: dict[str, Any]) -> bool:
+    """Path-style addressing asked for by an AWS connection's extra: our `s3_path_style`, or
+    botocore's own `config_kwargs: {s3: {addressing_style: path}}`."""
+    botocore_s3 = (extra.get("config_kwargs") or {}).get("s3") or {}
+    return bool(extra.get("s3_path_style")) or botocore_s3.get("addressing_style") == "path"
+
+
+def with_aws_connection(lake: LakeSettings) -> LakeSettings:
+    """Fill the S3 endpoint, region and credentials from the lake's AWS connection (the Amazon
+    provider resolves keys, assumed roles and profiles); settings given on the lake connection win."""
+    from airflow.providers.amazon.aws.hooks.base_aws import AwsBaseHook
+
+    from cdc_lakehouse.settings import S3Credentials
+
+    hook = AwsBaseHook(aws_conn_id=lake.aws_conn_id, client_type="s3")
+    cfg = hook.conn_config
+    creds = hook.get_credentials()
+    return lake.with_(
+        s3_endpoint=lake.s3_endpoint or cfg.get_service_endpoint_url("s3"),
+        s3_region=lake.s3_region or hook.conn_region_name,
+        s3_path_style=lake.s3_path_style or _path_style(cfg.extra_config),
+        s3_credentials=S3Credentials(creds.access_key, creds.secret_key, creds.token) if creds.access_key else None,
+    )
+
+
+def source_uri_from_connection(conn_id: str) -> str:
+    from airflow.sdk import BaseHook
+
+    conn = BaseHook.get_connection(conn_id)
+    uri = conn.get_uri()
+    return uri.replace("postgres://", "postgresql://", 1)
+
+
+def configs() -> ConfigSet:
+    return load_table_configs(tables_dir())
+
+
+def capture_endpoint(
+    endpoint_id: str, interval_end: datetime, context: dict[str, Any] | None = None, **_: Any
+) -> dict[str, Any]:
+    """Capture task: one bounded run of the endpoint's slot into the landing zone; then the
+    slot's retained-WAL alert (cdc_lakehouse.orchestration.alerts), which never fails the task."""
+    from cdc_lakehouse.capture.run import CaptureLimits, capture_run
+    from cdc_lakehouse.landing.stores import open_landing
+    from cdc_lakehouse.settings import SourceEndpoint
+    from cdc_lakehouse.source.catalog import EndpointTables
+
+    cs = configs()
+    members = cs.endpoints().get(endpoint_id)
+    if not members:
+        raise ValueError(f"endpoint {endpoint_id!r} is not used by any valid table config in {tables_dir()}")
+    group = members[0][1]
+    tables = cs.endpoint_tables()[endpoint_id]
+    limits = CaptureLimits(
+        max_events=min(t.ingest.max_events_per_run for t, _ in members),
+        max_bytes=min(t.ingest.max_bytes_per_run for t, _ in members),
+    )
+    ep = SourceEndpoint.from_uri(source_uri_from_connection(group.conn_id), group.database)
+    lake = lake_settings()
+    store = open_landing(lake.landing_uri, lake.landing_conn_id)
+    run_id = run_id_for(interval_end)
+    started = datetime.now(UTC)
+    manifest = capture_run(
+        EndpointTables(endpoint_id, group.conn_id, tables),
+        ep.dsn(),
+        store,
+        run_id,
+        host_label=ep.label,
+        database=ep.database,
+        limits=limits,
+    )
+    record_capture_metrics(lake, manifest, started)
+    from cdc_lakehouse.orchestration.alerts import notify_wal
+
+    notify_wal(manifest, [t for t, _ in members], lake, context)
+    return {k: manifest.get(k) for k in ("run_id", "events", "transactions", "bytes", "capped", "end_lsn", "reused")}
+
+
+def record_capture_metrics(lake: LakeSettings, manifest: dict[str, Any], started: datetime) -> None:
+    """Append one row to cdc_meta.capture_runs with pyiceberg (no Spark needed in the worker).
+
+    Best effort: the run is already durable and confirmed; a metrics failure is logged, not raised."""
+    if manifest.get("reused"):
+        return
+    try:
+        import pyarrow as pa
+        from pyiceberg.catalog import load_catalog
+        from pyiceberg.exceptions import NoSuchTableError
+
+        catalog = load_catalog(lake.catalog_name, **lake.pyiceberg_properties())
+        try:
+            table = catalog.load_table(lake.meta_table("capture_runs"))
+        except NoSuchTableError:
+            log.info(
+                "capture metrics: %s does not exist yet (created by the first Spark job)",
+                lake.meta_table("capture_runs"),
+            )
+            return
+        after = manifest.get("slot_after") or {}
+        finished = datetime.fromisoformat(manifest["finished_at"])
+        row = {
+            "endpoint": manifest["endpoint"],
+            "run_id": manifest["run_id"],
+            "events": manifest["events"],
+            "bytes": manifest["bytes"],
+            "transactions": manifest["transactions"],
+            "capped": manifest["capped"],
+            "start_lsn": manifest.get("start_lsn"),
+            "end_lsn": manifest["end_lsn"],
+            "retained_wal_bytes": after.get("retained_wal_bytes"),
+            "lag_bytes": after.get("lag_bytes"),
+            "seconds": (finished - started).total_seconds(),
+            "started_at": started,
+            "finished_at": finished,
+        }
+        schema = table.schema().as_arrow()
+        table.append(pa.Table.from_pylist([row], schema=schema))
+    except Exception as exc:  # noqa: BLE001 - metrics must never fail a confirmed capture
+        log.warning("capture metrics not recorded: %s", exc)
+
+
+def spark_job_env(source_conn_ids: list[str]) -> tuple[dict[str, str], dict[str, str]]:
+    """(public, secrets) environment of a Spark job. Public: lake settings without secrets and
+    PYTHONPATH, fit for env_vars (a --conf on YARN/Kubernetes). Secrets: catalog password,
+    credential-like catalog properties, S3 keys, source URIs; they go through job_secrets only."""
+    lake = lake_settings()
+    public, secrets = lake.public_env(), lake.secret_env()
+    for cid in sorted(set(source_conn_ids)):
+        secrets[source_uri_env(cid)] = source_uri_from_connection(cid)
+    # The job imports the package from --py-files (as on a cluster), not from this checkout.
+    plugins = str(PROJECT_ROOT / "plugins")
+    public["PYTHONPATH"] = os.pathsep.join(
+        p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and os.path.abspath(p) != plugins
+    )
+    return public, secrets
+
+
+def spark_jars() -> list[str]:
+    from cdc_lakehouse.runtime.session import default_jars
+
+    return default_jars()
+
+
+def jars_dir() -> str:
+    return str(local_paths()["jars"])

@@ -1,0 +1,192 @@
+"""Command lines of the Spark jobs (spark_jobs/*.py are thin wrappers around these).
+
+Each job takes table names and a config directory, builds the one SparkSession, runs the
+job's function per table and prints one JSON line of results per table. Secrets arrive by
+reference (CDC_SECRETS_FILE, see job_secrets) or through the environment of a job started by
+hand (CDC_CATALOG_PASSWORD, CDC_SOURCE_URI__<CONN>), never as arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from datetime import UTC, date, datetime
+from pathlib import Path
+from typing import Any
+
+from cdc_lakehouse.config import TableConfig, load_table_configs
+from cdc_lakehouse.runtime.secrets import load_job_secrets
+from cdc_lakehouse.settings import LakeSettings, tables_dir
+
+log = logging.getLogger("cdc_lakehouse.runtime.jobs")
+
+
+def _json_default(o: Any) -> Any:
+    if isinstance(o, (datetime, date)):
+        return o.isoformat()
+    return str(o)
+
+
+def _emit(kind: str, payload: dict[str, Any]) -> None:
+    print(f"CDC_RESULT {kind} " + json.dumps(payload, default=_json_default, sort_keys=True), flush=True)
+
+
+def _parser(description: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--tables", required=True, help="comma-separated table names (config 'name')")
+    p.add_argument("--config-dir", default=str(tables_dir()), help="directory of the table YAML files")
+    p.add_argument("--app-name", default=None)
+    return p
+
+
+def _configs(args: argparse.Namespace) -> tuple[list[TableConfig], dict[str, str]]:
+    cs = load_table_configs(args.config_dir)
+    names = [t for t in args.tables.split(",") if t]
+    missing = [n for n in names if n not in cs.tables]
+    if missing:
+        errs = [str(e) for e in cs.errors]
+        raise SystemExit(
+            f"table config(s) {missing} not found or invalid in {args.config_dir}"
+            + ("\n" + "\n".join(errs) if errs else "")
+        )
+    return [cs.tables[n] for n in names], cs.files
+
+
+def run_tables(
+    kind: str, spark, lake: LakeSettings, cfgs: list[TableConfig], fn: Callable[..., dict[str, Any]], *args: Any
+) -> tuple[dict[str, dict[str, Any]], list[tuple[str, Exception]]]:
+    """fn(spark, lake, cfg, *args) per table; one table's failure never stops the others."""
+    results: dict[str, dict[str, Any]] = {}
+    failures: list[tuple[str, Exception]] = []
+    for cfg in cfgs:
+        t = time.time()
+        try:
+            result = fn(spark, lake, cfg, *args)
+            results[cfg.name] = {"table": cfg.name, "status": "ok", "seconds": time.time() - t, **(result or {})}
+        except Exception as exc:  # noqa: BLE001 - reported per table, the run fails at the end
+            failures.append((cfg.name, exc))
+            log.error("%s %s failed: %s\n%s", kind, cfg.name, exc, traceback.format_exc())
+            results[cfg.name] = {"table": cfg.name, "status": "failed", "error": str(exc), "seconds": time.time() - t}
+        _emit(kind, results[cfg.name])
+    return results, failures
+
+
+def run_per_table(kind: str, args: argparse.Namespace, fn: Callable[..., dict[str, Any]]) -> int:
+    from cdc_lakehouse.lake.meta import ensure_meta_tables
+    from cdc_lakehouse.runtime.session import get_spark
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    load_job_secrets()  # before anything reads CDC_CATALOG_PASSWORD, CDC_SOURCE_URI__*, AWS_*
+    cfgs, files = _configs(args)
+    lake = LakeSettings.from_env()
+    t0 = time.time()
+    spark = get_spark(args.app_name or f"cdc-{kind}-{args.tables[:40]}", lake)
+    ensure_meta_tables(spark, lake)
+    log.info("%s: Spark session ready in %.1fs (package %s)", kind, time.time() - t0, Path(__file__).parent)
+    _, failures = run_tables(kind, spark, lake, cfgs, lambda s, lk, c: fn(s, lk, c, args, files.get(c.name)))
+    spark.stop()
+    if failures:
+        print(f"{kind}: {len(failures)} of {len(cfgs)} table(s) failed:", file=sys.stderr)
+        for name, exc in failures:
+            print(f"  {name}: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main_ingest(argv: list[str] | None = None) -> int:
+    p = _parser("Incremental ingest: landing -> changelog -> current table")
+    p.add_argument("--upto-run", default=None, help="apply capture runs up to this run id (the data interval end)")
+    p.add_argument("--ingest-run", default=None)
+    p.add_argument("--interval-end", default=None)
+    args = p.parse_args(argv)
+
+    def fn(spark, lake, cfg, a, file):
+        from cdc_lakehouse.ingest.run import ingest_table
+
+        run = a.ingest_run or datetime.now(UTC).strftime("manual-%Y%m%dT%H%M%S")
+        m = ingest_table(
+            spark,
+            lake,
+            cfg,
+            upto_run=a.upto_run,
+            ingest_run=run,
+            interval_end=a.interval_end,
+            log=log.info,
+            config_file=file,
+        )
+        return {
+            k: m.get(k)
+            for k in (
+                "events_read",
+                "inserts",
+                "updates",
+                "deletes",
+                "quarantined",
+                "write_amplification",
+                "apply_seconds",
+                "total_seconds",
+                "freshness_seconds",
+                "landing_runs",
+                "status",
+            )
+        }
+
+    return run_per_table("ingest", args, fn)
+
+
+def main_bootstrap(argv: list[str] | None = None) -> int:
+    p = _parser("Snapshot bootstrap of a table (all shards or some)")
+    p.add_argument("--shards", default="", help="comma-separated shard names; empty = all")
+    p.add_argument("--run-id", default=None)
+    args = p.parse_args(argv)
+
+    def fn(spark, lake, cfg, a, file):
+        from cdc_lakehouse.bootstrap.run import bootstrap_table
+        from cdc_lakehouse.config import load_table_configs
+
+        run = a.run_id or datetime.now(UTC).strftime("%Y%m%dT%H%M%S")
+        cs = load_table_configs(a.config_dir)
+        ep_tables = cs.endpoint_tables()
+        shards = [s for s in a.shards.split(",") if s] or None
+        return bootstrap_table(spark, lake, cfg, run_id=run, shards=shards, all_endpoint_tables=ep_tables, log=log.info)
+
+    return run_per_table("bootstrap", args, fn)
+
+
+def main_maintenance(argv: list[str] | None = None) -> int:
+    p = _parser("Daily maintenance: compaction, expiry, orphans, latest-per-key view")
+    p.add_argument("--run-id", default=None)
+    args = p.parse_args(argv)
+
+    def fn(spark, lake, cfg, a, file):
+        from cdc_lakehouse.config import load_table_configs
+        from cdc_lakehouse.maintenance import maintain_table
+
+        run = a.run_id or datetime.now(UTC).strftime("%Y%m%dT%H%M%S")
+        consumers = list(load_table_configs(a.config_dir).tables.values())
+        return maintain_table(spark, lake, cfg, run_id=run, consumers=consumers, log=log.info)
+
+    return run_per_table("maintenance", args, fn)
+
+
+def main_audit(argv: list[str] | None = None) -> int:
+    p = _parser("Audit: source keys vs lake keys, Great Expectations checks, optional repair")
+    p.add_argument("--audit-run", default=None)
+    args = p.parse_args(argv)
+
+    def fn(spark, lake, cfg, a, file):
+        from cdc_lakehouse.audit.errors import AuditFailed
+        from cdc_lakehouse.audit.run import audit_table
+
+        run = a.audit_run or datetime.now(UTC).strftime("manual-%Y%m%dT%H%M%S")
+        result = audit_table(spark, lake, cfg, audit_run=run, log=log.info)
+        if result["verdict"] == "fail":
+            raise AuditFailed(result["message"])
+        return result
+
+    return run_per_table("audit", args, fn)

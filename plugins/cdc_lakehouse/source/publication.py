@@ -1,0 +1,222 @@
+"""source.publication: split out of source.py."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from cdc_lakehouse.identifiers import pg_ident, pg_qualified
+from cdc_lakehouse.source.catalog import EndpointTables, describe_table
+from cdc_lakehouse.source.slots import HEARTBEAT_TABLE
+
+PUBLICATION = "cdc_lakehouse"
+
+
+def preflight(conn, ep: EndpointTables, *, need_replication: bool = True) -> list[str]:
+    """Problems that stop capture on this endpoint, each with its fix. Empty when fine."""
+    problems: list[str] = []
+    where = f"source {ep.conn_id!r} (endpoint {ep.endpoint_id})"
+    with conn.cursor() as cur:
+        cur.execute("SHOW wal_level")
+        level = cur.fetchone()[0]
+        if level != "logical":
+            problems.append(
+                f"{where}: wal_level is {level!r}; set wal_level = logical in postgresql.conf and restart "
+                "the server (Amazon RDS/Aurora: rds.logical_replication = 1 in the parameter group)"
+            )
+        cur.execute("SELECT pg_encoding_to_char(encoding), datname FROM pg_database WHERE datname = current_database()")
+        encoding, dbname = cur.fetchone()
+        if encoding != "UTF8":
+            problems.append(
+                f"{where}: database {dbname!r} uses encoding {encoding}; logical replication sends text in the "
+                "database encoding and the capture reads UTF-8, so values could be misread or fail. Fix: replicate "
+                "from a UTF8 database (CREATE DATABASE ... ENCODING 'UTF8' and migrate the data into it)"
+            )
+        cur.execute("SELECT rolsuper, rolreplication, current_user FROM pg_roles WHERE rolname = current_user")
+        is_super, can_repl, user = cur.fetchone()
+        if need_replication and not (is_super or can_repl):
+            problems.append(
+                f"{where}: role {user!r} lacks the REPLICATION attribute needed for a replication slot; "
+                f"run ALTER ROLE {pg_ident(user)} REPLICATION (RDS: GRANT rds_replication TO {pg_ident(user)})"
+            )
+        for table, (schemas, key) in ep.tables.items():
+            for schema in schemas:
+                fq = f"{schema}.{table}"
+                info = describe_table(cur, schema, table)
+                if info is None:
+                    problems.append(
+                        f"{where}: table {fq} does not exist; create it or remove shard {schema!r} from the config"
+                    )
+                    continue
+                if info.partitioned:
+                    problems.append(
+                        f"{where}: table {fq} is partitioned; its changes are published under the leaf partitions' "
+                        "names, and TRUNCATE, ATTACH and DETACH of a partition produce no change events through the "
+                        "root, so rows would vanish or appear unseen. Fix: configure each leaf partition as its own "
+                        "table (source.table), or replicate a non-partitioned table"
+                    )
+                    continue
+                if info.replica_identity == "n" or (info.replica_identity == "d" and not info.primary_key):
+                    problems.append(
+                        f"{where}: table {fq} has no primary key and no replica identity, so updates and "
+                        f"deletes cannot be identified; add a primary key or run ALTER TABLE {pg_qualified(schema, table)} "
+                        "REPLICA IDENTITY FULL"
+                    )
+                elif info.replica_identity != "f" and not set(key) <= set(info.identity_columns):
+                    problems.append(
+                        f"{where}: table {fq}: configured primary_key {key} is not covered by the source's replica "
+                        f"identity {info.identity_columns}; set primary_key to the source key or use REPLICA IDENTITY FULL"
+                    )
+                missing = [k for k in key if k not in info.column_names]
+                if missing:
+                    problems.append(f"{where}: table {fq}: primary_key column(s) {missing} do not exist")
+                bad = [f"{c.name} ({c.pg_type})" for c in info.columns if c.lake_type is None]
+                if bad:
+                    problems.append(
+                        f"{where}: table {fq}: unsupported column type(s) {', '.join(bad)}; "
+                        "set column_types in the table config to read them as a supported type (e.g. string)"
+                    )
+                cur.execute("SELECT has_table_privilege(%s, 'SELECT')", (pg_qualified(schema, table),))
+                if not cur.fetchone()[0]:
+                    problems.append(
+                        f"{where}: role {user!r} cannot SELECT {fq}; GRANT SELECT ON {pg_qualified(schema, table)} TO {pg_ident(user)}"
+                    )
+    return problems
+
+
+PUBLISH_ACTIONS = ("insert", "update", "delete", "truncate")
+
+
+def check_publication(conn, ep: EndpointTables, *, fix: bool = True) -> list[str]:
+    """Create the publication or add missing tables when we may; otherwise report the fix.
+
+    Membership is not enough: a publication that does not publish deletes or truncates, or that
+    filters rows or columns of one of our tables, silently drops changes, so those are problems."""
+    wanted = ep.qualified_tables() + [(s, HEARTBEAT_TABLE) for s in ep.schemas]
+    problems: list[str] = []
+    with conn.cursor() as cur:
+        cur.execute(
+            "SELECT pubowner::regrole::text, puballtables, pubinsert, pubupdate, pubdelete, pubtruncate "
+            "FROM pg_publication WHERE pubname = %s",
+            (PUBLICATION,),
+        )
+        row = cur.fetchone()
+        if row is None:
+            if not fix:
+                return [f"publication {PUBLICATION} does not exist on endpoint {ep.endpoint_id}"]
+            tables = ", ".join(pg_qualified(s, t) for s, t in wanted)
+            try:
+                cur.execute(f"CREATE PUBLICATION {pg_ident(PUBLICATION)} FOR TABLE {tables}")
+            except Exception as exc:  # noqa: BLE001 - reported with the fix
+                conn.rollback()
+                return [
+                    f"endpoint {ep.endpoint_id} ({ep.conn_id}): cannot create publication {PUBLICATION}: "
+                    f"{str(exc).strip()}; a superuser or the database owner must run: "
+                    f"CREATE PUBLICATION {PUBLICATION} FOR TABLE {tables}"
+                ]
+            return []
+        problems += _publish_actions(conn, cur, ep, dict(zip(PUBLISH_ACTIONS, row[2:6])), fix)
+        problems += _publication_filters(cur, ep, wanted)
+        cur.execute("SELECT schemaname, tablename FROM pg_publication_tables WHERE pubname = %s", (PUBLICATION,))
+        present = set(cur.fetchall())
+        for s, t in wanted:
+            if (s, t) in present:
+                continue
+            stmt = f"ALTER PUBLICATION {pg_ident(PUBLICATION)} ADD TABLE {pg_qualified(s, t)}"
+            if fix:
+                try:
+                    cur.execute(stmt)
+                    continue
+                except Exception as exc:  # noqa: BLE001
+                    conn.rollback()
+                    problems.append(
+                        f"endpoint {ep.endpoint_id} ({ep.conn_id}): publication {PUBLICATION} is missing "
+                        f"{s}.{t} and it cannot be added ({str(exc).strip()}); its owner must run: {stmt}"
+                    )
+                    continue
+            problems.append(f"endpoint {ep.endpoint_id}: publication {PUBLICATION} is missing {s}.{t}; run: {stmt}")
+    return problems
+
+
+def _publish_actions(conn, cur, ep: EndpointTables, actions: dict[str, bool], fix: bool) -> list[str]:
+    missing = [a for a, on in actions.items() if not on]
+    if not missing:
+        return []
+    stmt = f"ALTER PUBLICATION {pg_ident(PUBLICATION)} SET (publish = '{', '.join(PUBLISH_ACTIONS)}')"
+    if fix:
+        try:
+            cur.execute(stmt)
+            return []
+        except Exception:  # noqa: BLE001 - reported with the fix below
+            conn.rollback()
+    return [
+        f"endpoint {ep.endpoint_id} ({ep.conn_id}): publication {PUBLICATION} does not publish "
+        f"{', '.join(missing)}, so those changes would never reach the lake; its owner must run: {stmt}"
+    ]
+
+
+def _publication_filters(cur, ep: EndpointTables, wanted: list[tuple[str, str]]) -> list[str]:
+    """Row filters and column lists (PostgreSQL 15+) on our tables: refused, never fixed silently
+    (someone chose them), with the statements that remove them."""
+    cur.execute("SELECT current_setting('server_version_num')::int")
+    if cur.fetchone()[0] < 150000:
+        return []
+    cur.execute(
+        """
+        SELECT n.nspname, c.relname, pg_get_expr(pr.prqual, pr.prrelid), pr.prattrs IS NOT NULL
+        FROM pg_publication_rel pr JOIN pg_publication p ON p.oid = pr.prpubid
+        JOIN pg_class c ON c.oid = pr.prrelid JOIN pg_namespace n ON n.oid = c.relnamespace
+        WHERE p.pubname = %s AND (pr.prqual IS NOT NULL OR pr.prattrs IS NOT NULL)
+        """,
+        (PUBLICATION,),
+    )
+    want = set(wanted)
+    problems = []
+    for schema, table, rowfilter, collist in cur.fetchall():
+        if (schema, table) not in want:
+            continue
+        what = f"a row filter (WHERE {rowfilter})" if rowfilter else "a column list"
+        if rowfilter and collist:
+            what = f"a row filter (WHERE {rowfilter}) and a column list"
+        q = pg_qualified(schema, table)
+        problems.append(
+            f"endpoint {ep.endpoint_id} ({ep.conn_id}): publication {PUBLICATION} has {what} on {schema}.{table}, so "
+            f"changes outside it would never reach the lake; publish the whole table: ALTER PUBLICATION "
+            f"{pg_ident(PUBLICATION)} DROP TABLE {q}; ALTER PUBLICATION {pg_ident(PUBLICATION)} ADD TABLE {q}"
+        )
+    return problems
+
+
+def published_tables(conn) -> list[str]:
+    """'schema.table' of every table the publication sends (partition roots when via root)."""
+    with conn.cursor() as cur:
+        cur.execute(
+            "SELECT schemaname || '.' || tablename FROM pg_publication_tables WHERE pubname = %s ORDER BY 1",
+            (PUBLICATION,),
+        )
+        out = [r[0] for r in cur.fetchall()]
+    conn.commit()
+    return out
+
+
+def source_identity(repl_cursor) -> dict[str, Any]:
+    """Which server's LSNs these are, from IDENTIFY_SYSTEM on a replication connection.
+
+    Positions compare only within one identity. A shard moved to another cluster or database, or
+    a failover to a server on another timeline, yields a different identity; comparing its LSNs
+    with the old ones would drop or re-apply changes, so the ingest refuses and asks for a
+    re-bootstrap of the shard."""
+    repl_cursor.execute("IDENTIFY_SYSTEM")
+    system_id, timeline, _pos, database = repl_cursor.fetchone()
+    return {"system_identifier": str(system_id), "timeline": int(timeline), "database": database}
+
+
+def identity_mismatch(recorded: dict[str, Any] | None, seen: dict[str, Any] | None) -> str | None:
+    """Why two identities differ, or None when they may be compared (or one is unknown)."""
+    if not recorded or not seen:
+        return None
+    diffs = [
+        f"{k} {recorded.get(k)} -> {seen.get(k)}"
+        for k in ("system_identifier", "database", "timeline")
+        if recorded.get(k) != seen.get(k)
+    ]
+    return ", ".join(diffs) or None

@@ -1,0 +1,145 @@
+"""source.slots: split out of source.py."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from cdc_lakehouse.identifiers import pg_qualified
+from cdc_lakehouse.source.catalog import EndpointTables
+from cdc_lakehouse.source.errors import SlotConflictError, SlotLostError
+
+HEARTBEAT_TABLE = "_cdc_heartbeat"
+
+
+def slot_name(endpoint_id: str) -> str:
+    name = re.sub(r"[^a-z0-9_]", "_", f"cdc_lakehouse_{endpoint_id}".lower())
+    return name[:63]
+
+
+def ensure_heartbeat_tables(conn, schemas: list[str]) -> None:
+    with conn.cursor() as cur:
+        for s in schemas:
+            cur.execute(
+                f"CREATE TABLE IF NOT EXISTS {pg_qualified(s, HEARTBEAT_TABLE)} ("
+                " id smallint PRIMARY KEY DEFAULT 1 CHECK (id = 1),"
+                " beat_at timestamptz NOT NULL,"
+                " run_id text NOT NULL)"
+            )
+
+
+def write_heartbeat(conn, schemas: list[str], run_id: str) -> int:
+    """One transaction touching every shard; returns its 32-bit xid (what pgoutput reports)."""
+    with conn.cursor() as cur:
+        for s in schemas:
+            cur.execute(
+                f"INSERT INTO {pg_qualified(s, HEARTBEAT_TABLE)} AS h (id, beat_at, run_id) VALUES (1, now(), %s) "
+                "ON CONFLICT (id) DO UPDATE SET beat_at = excluded.beat_at, run_id = excluded.run_id",
+                (run_id,),
+            )
+        cur.execute("SELECT txid_current() & 4294967295")
+        xid = int(cur.fetchone()[0])
+    conn.commit()
+    return xid
+
+
+# --- slots -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SlotState:
+    name: str
+    exists: bool
+    confirmed_flush: int | None = None
+    restart_lsn: int | None = None
+    wal_status: str | None = None
+    active_pid: int | None = None
+    current_lsn: int | None = None
+
+    @property
+    def retained_bytes(self) -> int | None:
+        if self.restart_lsn is None or self.current_lsn is None:
+            return None
+        return self.current_lsn - self.restart_lsn
+
+    @property
+    def lag_bytes(self) -> int | None:
+        if self.confirmed_flush is None or self.current_lsn is None:
+            return None
+        return self.current_lsn - self.confirmed_flush
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "slot": self.name,
+            "confirmed_flush_lsn": self.confirmed_flush,
+            "restart_lsn": self.restart_lsn,
+            "wal_status": self.wal_status,
+            "retained_wal_bytes": self.retained_bytes,
+            "lag_bytes": self.lag_bytes,
+        }
+
+
+def slot_state(conn, name: str) -> SlotState:
+    with conn.cursor() as cur:
+        cur.execute(
+            """
+            SELECT (confirmed_flush_lsn - '0/0'::pg_lsn)::bigint, (restart_lsn - '0/0'::pg_lsn)::bigint,
+                   wal_status, active_pid, (pg_current_wal_lsn() - '0/0'::pg_lsn)::bigint,
+                   database, current_database()
+            FROM pg_replication_slots WHERE slot_name = %s
+            """,
+            (name,),
+        )
+        row = cur.fetchone()
+        if row is None:
+            cur.execute("SELECT (pg_current_wal_lsn() - '0/0'::pg_lsn)::bigint")
+            return SlotState(name, False, current_lsn=cur.fetchone()[0])
+    conn.commit()
+    if row[5] != row[6]:
+        # Slot names are per cluster, slots per database: two endpoints (connections) with the
+        # same id on one cluster would otherwise read each other's slot.
+        raise SlotConflictError(
+            f"replication slot {name} belongs to database {row[5]}, not {row[6]}: two endpoints on one PostgreSQL "
+            "cluster have the same id. Give one of them its own Airflow connection id (the slot is named after it), "
+            f"or drop the stale slot in {row[5]}: SELECT pg_drop_replication_slot('{name}')"
+        )
+    return SlotState(name, True, row[0], row[1], row[2], row[3], row[4])
+
+
+def check_slot_usable(state: SlotState, ep: EndpointTables, *, captured_before: bool) -> None:
+    fix = (
+        "the changes in between are gone from the WAL: re-bootstrap every table on this endpoint "
+        f"(trigger cdc_bootstrap__<table> for {sorted(ep.tables)})"
+    )
+    if not state.exists and captured_before:
+        raise SlotLostError(f"replication slot {state.name} on {ep.conn_id} was dropped after earlier captures; {fix}")
+    if state.exists and (state.wal_status == "lost" or state.restart_lsn is None):
+        raise SlotLostError(
+            f"replication slot {state.name} on {ep.conn_id} was invalidated (WAL removed, "
+            f"wal_status={state.wal_status}); {fix}"
+        )
+
+
+def create_slot(conn, name: str) -> int:
+    with conn.cursor() as cur:
+        cur.execute(
+            "SELECT (lsn - '0/0'::pg_lsn)::bigint FROM pg_create_logical_replication_slot(%s, 'pgoutput')", (name,)
+        )
+        lsn = cur.fetchone()[0]
+    conn.commit()
+    return lsn
+
+
+def advance_slot(conn, name: str, lsn: int) -> int:
+    """Confirm up to lsn (no-op when the slot is already there)."""
+    from cdc_lakehouse.source.pgoutput import lsn_to_str
+
+    with conn.cursor() as cur:
+        cur.execute(
+            "SELECT (end_lsn - '0/0'::pg_lsn)::bigint FROM pg_replication_slot_advance(%s, %s::pg_lsn)",
+            (name, lsn_to_str(lsn)),
+        )
+        out = cur.fetchone()[0]
+    conn.commit()
+    return out
