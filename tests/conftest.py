@@ -81,15 +81,10 @@ def s3_server(tmp_root):
 @pytest.fixture(scope="session")
 def spark(lake):
     from cdc_lakehouse.lake.meta import ensure_meta_tables
-    from cdc_lakehouse.runtime.session import get_spark
 
-    session = get_spark(
-        "cdc-tests",
-        lake,
-        master="local[2]",
-        driver_memory="3g",
-        extra={"spark.ui.enabled": "false", "spark.sql.shuffle.partitions": "4"},
-    )
+    from tests.helpers import suite_spark_session
+
+    session = suite_spark_session(lake)
     ensure_meta_tables(session, lake)
     yield session
     session.stop()

@@ -149,3 +149,20 @@ def lake_connection_json(pg, lake, password: str | None = None) -> str:
     if password:
         conn["password"] = password
     return json.dumps(conn)
+
+
+def suite_spark_session(lake):
+    """The suite's one SparkSession (getOrCreate), with `lake`'s catalog attached whether or not the
+    session already existed: unit tests (a Hadoop catalog, no PostgreSQL) and integration tests (a
+    JDBC catalog) share it in one run, whichever starts first."""
+    from cdc_lakehouse.runtime.session import attach_lake, get_spark
+
+    session = get_spark(
+        "cdc-tests",
+        lake,
+        master="local[2]",
+        driver_memory="3g",
+        extra={"spark.ui.enabled": "false", "spark.sql.shuffle.partitions": "4"},
+    )
+    attach_lake(session, lake)
+    return session

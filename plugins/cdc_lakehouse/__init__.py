@@ -1,11 +1,23 @@
 """CDC lakehouse: PostgreSQL logical replication -> Iceberg, run by Airflow.
 
-Data path (one module per stage):
-  capture   (source.py, pgoutput.py, capture.py, landing.py)  PostgreSQL WAL -> landing files
-  ingest    (events.py, ingest.py)                            landing -> changelog -> current table
-  bootstrap (bootstrap.py)                                    snapshot of every shard -> current table
-  audit     (audit.py), maintenance (maintenance.py)          keys and housekeeping
-Shared by DAGs (parse-time safe: no heavy imports here) and Spark jobs (shipped with --py-files).
+The package is laid out along the data path, one subpackage per stage:
+
+  source    PostgreSQL endpoints: catalog, types, session settings, publication, slots, pgoutput
+    -> capture    the slot's committed transactions -> landing files (Airflow worker)
+    -> landing    Parquet events + one manifest per run: the format, stores, writer, reader
+    -> ingest     landing -> changelog -> current table (Spark driver)
+    -> lake       Iceberg tables: metadata columns, DDL, watermark, commits, meta tables
+    -> views.py (latest-per-key view), maintenance.py (housekeeping), audit (source = lake?)
+  bootstrap  a consistent snapshot of every shard -> the lake, handed to the change stream
+
+Around it:
+  orchestration  the Airflow side: DAG factory, tasks, the Spark operator, alerts
+  runtime        the Spark side: SparkSession, job command lines, --py-files zip, secrets
+  dev            local stack, workload and demo: not shipped to Spark executors
+  config.py (table configs), settings.py (lake and source connections), identifiers.py, cli.py
+
+Shared by DAGs (parse-time safe: the __init__ files import nothing, config and settings stay
+light) and Spark jobs (shipped with --py-files, without dev/ and orchestration/).
 """
 
 __version__ = "0.1.0"

@@ -27,13 +27,16 @@ from pydantic import (
 
 from cdc_lakehouse.identifiers import IdentifierError, check_ident, check_lake_ident
 
-# Columns the pipeline adds to lake tables. Source columns may not use the prefix.
-META_PREFIX = "_cdc_"
-SHARD_COL = "_cdc_shard"
-LSN_COL = "_cdc_commit_lsn"
-SEQ_COL = "_cdc_seq"
-COMMIT_TS_COL = "_cdc_commit_ts"
-OP_COL = "_cdc_op"
+# Columns the pipeline adds to lake tables, defined in lake.columns (the registry) and re-exported
+# here under the names modules import. Source columns may not use the prefix.
+from cdc_lakehouse.lake.columns import (  # noqa: E402, F401  (re-exports)
+    COMMIT_TS_COL,
+    LSN_COL,
+    META_PREFIX,
+    OP_COL,
+    SEQ_COL,
+    SHARD_COL,
+)
 
 _CRON_FIELD = re.compile(r"^[0-9*/,\-A-Za-z?LW#]+$")
 _PRESETS = {"@hourly", "@daily", "@weekly", "@monthly", "@yearly", "@once", "@continuous"}

@@ -7,7 +7,9 @@ ingest reads it from the current snapshot's ancestry.
 
 from __future__ import annotations
 
-import time
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -15,12 +17,16 @@ from cdc_lakehouse.config import TableConfig
 from cdc_lakehouse.lake.meta import meta_append
 from cdc_lakehouse.lake.tables import table_exists, table_stats
 from cdc_lakehouse.lake.watermark import WATERMARK_PROP, read_watermark
+from cdc_lakehouse.landing.format import MANIFEST_DIR, manifest_path
 from cdc_lakehouse.landing.reader import SparkLanding
+from cdc_lakehouse.runtime.phases import PhaseClock
 from cdc_lakehouse.settings import LakeSettings
+from cdc_lakehouse.views import publish_latest
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
-from cdc_lakehouse.views import publish_latest
+
+log = logging.getLogger(__name__)
 
 
 def _ts(dt: datetime) -> str:
@@ -46,15 +52,22 @@ def watermark_snapshot_time(spark: SparkSession, table: str) -> datetime | None:
 
 
 def compact(
-    spark: SparkSession, lake: LakeSettings, table: str, cfg: TableConfig, *, sort: bool, format_version: int, log=print
+    spark: SparkSession, lake: LakeSettings, table: str, cfg: TableConfig, *, sort: bool, format_version: int
 ) -> dict[str, Any]:
     """rewrite_data_files (+ position deletes, manifests) through CALL statements."""
     cat = lake.catalog_name
     name = table.split(".", 1)[1]
-    target = str(cfg.lake.target_file_size_mb * 1024 * 1024)
+    out = _rewrite_data_files(spark, cat, name, cfg, sort)
+    if format_version == 2:
+        out.update(_rewrite_delete_files(spark, cat, name, cfg))
+    spark.sql(f"CALL {cat}.system.rewrite_manifests('{name}')").collect()
+    return out
+
+
+def _rewrite_data_files(spark: SparkSession, cat: str, name: str, cfg: TableConfig, sort: bool) -> dict[str, Any]:
     opts = {
         "min-input-files": str(cfg.maintenance.min_input_files),
-        "target-file-size-bytes": target,
+        "target-file-size-bytes": str(cfg.lake.target_file_size_mb * 1024 * 1024),
         # Any data file with deletes attached is worth rewriting on a CDC table.
         "delete-file-threshold": "1",
         "partial-progress.enabled": "true",
@@ -69,25 +82,24 @@ def compact(
     r = spark.sql(
         f"CALL {cat}.system.rewrite_data_files(table => '{name}', strategy => {strategy}, options => map({omap}))"
     ).collect()
-    out: dict[str, Any] = {"rewritten_data_files": int(r[0][0]), "added_data_files": int(r[0][1])} if r else {}
-    if format_version == 2:
-        try:
-            r = spark.sql(
-                f"CALL {cat}.system.rewrite_position_delete_files(table => '{name}', "
-                "options => map('rewrite-all', 'true'))"
-            ).collect()
-            if r:
-                out["rewritten_delete_files"] = int(r[0][0])
-        except Exception as exc:  # noqa: BLE001
-            if "Invalid partition field parent" not in str(exc):
-                raise
-            # Iceberg 1.10 fails here on tables with list columns (apache/iceberg#14619). The data
-            # file rewrite above already applied every delete file (delete-file-threshold=1) and
-            # removed the dangling ones, so only small leftover delete files stay until a fixed release.
-            log(f"maintenance {cfg.name}: rewrite_position_delete_files skipped (apache/iceberg#14619)")
-            out["rewritten_delete_files"] = None
-    spark.sql(f"CALL {cat}.system.rewrite_manifests('{name}')").collect()
-    return out
+    return {"rewritten_data_files": int(r[0][0]), "added_data_files": int(r[0][1])} if r else {}
+
+
+def _rewrite_delete_files(spark: SparkSession, cat: str, name: str, cfg: TableConfig) -> dict[str, Any]:
+    """Position delete files rewritten; None when Iceberg cannot (the data file rewrite covered it)."""
+    try:
+        r = spark.sql(
+            f"CALL {cat}.system.rewrite_position_delete_files(table => '{name}', options => map('rewrite-all', 'true'))"
+        ).collect()
+    except Exception as exc:  # noqa: BLE001
+        if "Invalid partition field parent" not in str(exc):
+            raise
+        # Iceberg 1.10 fails here on tables with list columns (apache/iceberg#14619). The data
+        # file rewrite above already applied every delete file (delete-file-threshold=1) and
+        # removed the dangling ones, so only small leftover delete files stay until a fixed release.
+        log.info("maintenance %s: rewrite_position_delete_files skipped (apache/iceberg#14619)", cfg.name)
+        return {"rewritten_delete_files": None}
+    return {"rewritten_delete_files": int(r[0][0])} if r else {}
 
 
 def expire(spark: SparkSession, lake: LakeSettings, table: str, cfg: TableConfig, now: datetime) -> dict[str, Any]:
@@ -109,7 +121,12 @@ def expire(spark: SparkSession, lake: LakeSettings, table: str, cfg: TableConfig
 
 
 def prune_landing(
-    spark: SparkSession, lake: LakeSettings, cfg: TableConfig, consumers: list[TableConfig], now: datetime, log=print
+    spark: SparkSession,
+    lake: LakeSettings,
+    cfg: TableConfig,
+    consumers: list[TableConfig],
+    now: datetime,
+    log: Callable[[str], object] | None = None,  # accepted for older callers, not used
 ) -> dict[str, Any]:
     """Remove landing runs of cfg's endpoints that every consuming table has applied and that are
     older than the retention (the longest any consumer asks for).
@@ -118,8 +135,7 @@ def prune_landing(
     its current table and its changelog), and the endpoint's newest run is always kept (the next
     capture reads its schemas and position). A table whose config is broken for longer than the
     retention finds a landing gap when it comes back, which stops it with the re-bootstrap fix."""
-    from cdc_lakehouse.landing.format import MANIFEST_DIR, manifest_path
-    from cdc_lakehouse.landing.reader import list_manifests, shard_endpoints
+    from cdc_lakehouse.landing.reader import shard_endpoints
 
     landing = SparkLanding(spark, lake.landing_uri)
     removed: dict[str, list[str]] = {}
@@ -128,24 +144,40 @@ def prune_landing(
         if floor is None:
             continue
         hours = max(c.maintenance.landing_retention_hours for c in consumers if endpoint in shard_endpoints(c))
-        cutoff = now - timedelta(hours=hours)
-        manifests = list_manifests(landing, endpoint)
-        for m in manifests[:-1]:
-            finished = datetime.fromisoformat(m["finished_at"])
-            if m["end_lsn"] > floor or finished > cutoff:
-                continue
-            for entry in m.get("tables", []):
-                landing.fs.delete(landing.file_uri(entry["dir"]))
-            # The manifest last: a crash in between leaves a manifest below every consumer's
-            # position, which no ingest reads, and the next run removes it.
-            landing.fs.delete(landing.file_uri(manifest_path(endpoint, m["run_id"])), recursive=False)
-            removed.setdefault(endpoint, []).append(m["run_id"])
-        if removed.get(endpoint):
-            log(
-                f"maintenance {cfg.name}: removed {len(removed[endpoint])} landing run(s) of {endpoint} "
-                f"applied by every table and older than {hours} h ({landing.file_uri(endpoint + '/' + MANIFEST_DIR)})"
-            )
+        runs = _prune_endpoint(landing, cfg, endpoint, floor, hours, now)
+        if runs:
+            removed[endpoint] = runs
     return {"landing_runs_removed": removed}
+
+
+def _prune_endpoint(
+    landing: SparkLanding, cfg: TableConfig, endpoint: str, floor: int, hours: int, now: datetime
+) -> list[str]:
+    """Remove the endpoint's runs ending at or below floor and older than `hours`, except its newest;
+    returns their ids."""
+    from cdc_lakehouse.landing.reader import list_manifests
+
+    cutoff = now - timedelta(hours=hours)
+    removed = []
+    for m in list_manifests(landing, endpoint)[:-1]:
+        if m["end_lsn"] > floor or datetime.fromisoformat(m["finished_at"]) > cutoff:
+            continue
+        for entry in m.get("tables", []):
+            landing.fs.delete(landing.file_uri(entry["dir"]))
+        # The manifest last: a crash in between leaves a manifest below every consumer's
+        # position, which no ingest reads, and the next run removes it.
+        landing.fs.delete(landing.file_uri(manifest_path(endpoint, m["run_id"])), recursive=False)
+        removed.append(m["run_id"])
+    if removed:
+        log.info(
+            "maintenance %s: removed %d landing run(s) of %s applied by every table and older than %s h (%s)",
+            cfg.name,
+            len(removed),
+            endpoint,
+            hours,
+            landing.file_uri(f"{endpoint}/{MANIFEST_DIR}"),
+        )
+    return removed
 
 
 def _applied_floor(spark: SparkSession, lake: LakeSettings, endpoint: str, consumers: list[TableConfig]) -> int | None:
@@ -169,6 +201,15 @@ def _applied_floor(spark: SparkSession, lake: LakeSettings, endpoint: str, consu
     return floor
 
 
+@dataclass(frozen=True)
+class _Observed:
+    """What maintenance must leave as it found it (content, watermark) and what it improves (stats)."""
+
+    stats: dict[str, Any]
+    checksum: str
+    watermark: dict[str, Any] | None
+
+
 def maintain_table(
     spark: SparkSession,
     lake: LakeSettings,
@@ -177,76 +218,104 @@ def maintain_table(
     run_id: str,
     now: datetime | None = None,
     consumers: list[TableConfig] | None = None,
-    log=print,
+    log: Callable[[str], object] | None = None,  # accepted for older callers, not used
 ) -> dict[str, Any]:
     """Compaction, expiry and orphan cleanup of both tables, the latest view, and landing retention.
 
     `consumers`: every valid table config (landing runs are shared by the tables of an endpoint);
-    default: this table alone."""
+    default: this table alone. Progress goes to this module's logger."""
     now = now or datetime.now(UTC)
     cur = lake.qualified(cfg.current_table)
     cl = lake.qualified(cfg.changelog_table)
     if not table_exists(spark, cur):
         raise RuntimeError(f"{cfg.name}: {cur} does not exist; bootstrap it first (cdc_bootstrap__{cfg.name})")
     result: dict[str, Any] = {"table": cfg.name, "run_id": run_id}
-    rows = []
-    for target, is_current in ((cur, True), (cl, False)):
-        t = time.time()
-        # The catalog caches loaded tables: another process (the ingest's spark-submit) may have
-        # committed since this session last read it, and a stale "before" would look like a
-        # concurrent writer.
-        spark.sql(f"REFRESH TABLE {target}")
-        cols = [f.name for f in spark.table(target).schema.fields]
-        before = table_stats(spark, target)
-        before_sum = content_checksum(spark, target, cols)
-        wm_before = read_watermark(spark, target)
-        comp = compact(
-            spark,
-            lake,
-            target,
-            cfg,
-            sort=is_current and cfg.maintenance.compaction == "sort",
-            format_version=cfg.lake.format_version if is_current else 2,
-            log=log,
-        )
-        exp = expire(spark, lake, target, cfg, now)
-        after = table_stats(spark, target)
-        after_sum = content_checksum(spark, target, cols)
-        if after_sum != before_sum:
-            raise RuntimeError(
-                f"{cfg.name}: content of {target} changed during maintenance "
-                f"({before_sum} -> {after_sum}); a writer ran concurrently? Check the pool settings"
-            )
-        if read_watermark(spark, target) != wm_before:
-            raise RuntimeError(f"{cfg.name}: the watermark of {target} changed during maintenance")
-        secs = time.time() - t
-        kind = "current" if is_current else "changelog"
-        for phase, st, cs in (("before", before, before_sum), ("after", after, after_sum)):
-            rows.append(
-                {
-                    "table_name": cfg.name,
-                    "run_id": run_id,
-                    "target": kind,
-                    "phase": phase,
-                    "data_files": st["data_files"],
-                    "avg_file_bytes": st["avg_file_bytes"],
-                    "delete_files": st["delete_files"],
-                    "snapshots": st["snapshots"],
-                    "total_bytes": st["total_bytes"],
-                    "records": st["records"],
-                    "checksum": cs,
-                    "seconds": secs,
-                    "at": now,
-                }
-            )
-        result[kind] = {"before": before, "after": after, **comp, **exp, "seconds": secs}
-        log(
-            f"maintenance {cfg.name} {kind}: data files {before['data_files']} -> {after['data_files']}, "
-            f"delete files {before['delete_files']} -> {after['delete_files']}, snapshots {before['snapshots']} -> "
-            f"{after['snapshots']}, avg file {before['avg_file_bytes'] / 1024:.0f} KiB -> "
-            f"{after['avg_file_bytes'] / 1024:.0f} KiB in {secs:.1f}s"
-        )
-    result.update(publish_latest(spark, lake, cfg, log))
-    result.update(prune_landing(spark, lake, cfg, consumers or [cfg], now, log))
+    rows: list[dict[str, Any]] = []
+    clock = PhaseClock()
+    for target, kind in ((cur, "current"), (cl, "changelog")):
+        with clock.phase(kind):
+            before, after, done = _maintain_target(spark, lake, cfg, target, kind == "current", now)
+        secs = clock.seconds[kind]
+        rows += [
+            _stats_row(cfg, run_id, kind, phase, o, secs, now) for phase, o in (("before", before), ("after", after))
+        ]
+        result[kind] = {"before": before.stats, "after": after.stats, **done, "seconds": secs}
+        _log_target(cfg, kind, before.stats, after.stats, secs)
+    result.update(publish_latest(spark, lake, cfg))
+    result.update(prune_landing(spark, lake, cfg, consumers or [cfg], now))
     meta_append(spark, lake, "maintenance_runs", rows)
     return result
+
+
+def _maintain_target(
+    spark: SparkSession, lake: LakeSettings, cfg: TableConfig, target: str, is_current: bool, now: datetime
+) -> tuple[_Observed, _Observed, dict[str, Any]]:
+    """Compact and expire one table; fails if its content or watermark changed meanwhile."""
+    # The catalog caches loaded tables: another process (the ingest's spark-submit) may have
+    # committed since this session last read it, and a stale "before" would look like a
+    # concurrent writer.
+    spark.sql(f"REFRESH TABLE {target}")
+    cols = [f.name for f in spark.table(target).schema.fields]
+    before = _observe(spark, target, cols)
+    comp = compact(
+        spark,
+        lake,
+        target,
+        cfg,
+        sort=is_current and cfg.maintenance.compaction == "sort",
+        format_version=cfg.lake.format_version if is_current else 2,
+    )
+    exp = expire(spark, lake, target, cfg, now)
+    after = _observe(spark, target, cols)
+    if after.checksum != before.checksum:
+        raise RuntimeError(
+            f"{cfg.name}: content of {target} changed during maintenance "
+            f"({before.checksum} -> {after.checksum}); a writer ran concurrently? Check the pool settings"
+        )
+    if after.watermark != before.watermark:
+        raise RuntimeError(f"{cfg.name}: the watermark of {target} changed during maintenance")
+    return before, after, {**comp, **exp}
+
+
+def _observe(spark: SparkSession, target: str, cols: list[str]) -> _Observed:
+    return _Observed(table_stats(spark, target), content_checksum(spark, target, cols), read_watermark(spark, target))
+
+
+def _stats_row(
+    cfg: TableConfig, run_id: str, kind: str, phase: str, o: _Observed, secs: float, now: datetime
+) -> dict[str, Any]:
+    """One row of cdc_meta.maintenance_runs."""
+    st = o.stats
+    return {
+        "table_name": cfg.name,
+        "run_id": run_id,
+        "target": kind,
+        "phase": phase,
+        "data_files": st["data_files"],
+        "avg_file_bytes": st["avg_file_bytes"],
+        "delete_files": st["delete_files"],
+        "snapshots": st["snapshots"],
+        "total_bytes": st["total_bytes"],
+        "records": st["records"],
+        "checksum": o.checksum,
+        "seconds": secs,
+        "at": now,
+    }
+
+
+def _log_target(cfg: TableConfig, kind: str, before: dict[str, Any], after: dict[str, Any], secs: float) -> None:
+    log.info(
+        "maintenance %s %s: data files %s -> %s, delete files %s -> %s, snapshots %s -> %s, "
+        "avg file %.0f KiB -> %.0f KiB in %.1fs",
+        cfg.name,
+        kind,
+        before["data_files"],
+        after["data_files"],
+        before["delete_files"],
+        after["delete_files"],
+        before["snapshots"],
+        after["snapshots"],
+        before["avg_file_bytes"] / 1024,
+        after["avg_file_bytes"] / 1024,
+        secs,
+    )

@@ -1,18 +1,40 @@
-"""views: split out of maintenance.py."""
+"""views: the latest-per-key view of a table, computed from its changelog (Spark driver, run by
+maintenance): as an Iceberg table replaced atomically, or as an Iceberg view (SQL text).
+
+Its columns are the current table's: the metadata columns of lake.columns (CURRENT) around the
+source columns, so the view and the current table line up column for column.
+"""
 
 from __future__ import annotations
 
+import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from cdc_lakehouse.config import COMMIT_TS_COL, LSN_COL, OP_COL, SEQ_COL, SHARD_COL, TableConfig
+from cdc_lakehouse.config import TableConfig
 from cdc_lakehouse.identifiers import spark_ident
-from cdc_lakehouse.lake.columns import UNAVAILABLE_COL
+from cdc_lakehouse.lake.columns import (
+    CURRENT,
+    LSN_COL,
+    OP_COL,
+    SEQ_COL,
+    SHARD_COL,
+    UNAVAILABLE,
+    UNAVAILABLE_COL,
+    names_of,
+)
 from cdc_lakehouse.lake.tables import props_sql, source_columns_of, table_exists
 from cdc_lakehouse.settings import LakeSettings
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
+
+logger = logging.getLogger(__name__)
+
+# The view's metadata columns, before and after the source columns (the current table's).
+_LEADING = names_of(CURRENT, leading=True)
+_TRAILING = names_of(CURRENT, leading=False)
 
 
 def _toast_columns(spark: SparkSession, changelog: str) -> list[str]:
@@ -44,7 +66,7 @@ def latest_rows(spark: SparkSession, lake: LakeSettings, cfg: TableConfig) -> Da
     ev = events.filter(F.col(OP_COL) != "t")
     if toast:
         upto = Window.partitionBy(*key).orderBy(LSN_COL, SEQ_COL).rowsBetween(Window.unboundedPreceding, 0)
-        unav = F.coalesce(F.col(UNAVAILABLE_COL), F.array().cast("array<string>"))
+        unav = F.coalesce(F.col(UNAVAILABLE_COL), F.array().cast(UNAVAILABLE.type))
         for c in toast:
             carried = (F.col(OP_COL) != "d") & ~(F.array_contains(unav, c) & F.col(c).isNull())
             ev = ev.withColumn(
@@ -58,18 +80,19 @@ def latest_rows(spark: SparkSession, lake: LakeSettings, cfg: TableConfig) -> Da
         | (F.col(LSN_COL) > F.col("_t.l"))
         | ((F.col(LSN_COL) == F.col("_t.l")) & (F.col(SEQ_COL) > F.col("_t.s")))
     )
+    # Snapshot rows ('r') read as inserts, as in the current table.
+    op = F.when(F.col(OP_COL) == "r", F.lit("c")).otherwise(F.col(OP_COL)).alias(OP_COL)
     return latest.filter((F.col(OP_COL) != "d") & after_trunc).select(
-        SHARD_COL,
-        *cols,
-        F.when(F.col(OP_COL) == "r", F.lit("c")).otherwise(F.col(OP_COL)).alias(OP_COL),
-        LSN_COL,
-        SEQ_COL,
-        COMMIT_TS_COL,
+        *_LEADING, *cols, *[op if c == OP_COL else c for c in _TRAILING]
     )
 
 
-def publish_latest(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, log=print) -> dict[str, Any]:
-    """As an Iceberg table replaced atomically (CREATE OR REPLACE ... AS SELECT), or as an Iceberg view."""
+def publish_latest(
+    spark: SparkSession, lake: LakeSettings, cfg: TableConfig, log: Callable[[str], Any] | None = None
+) -> dict[str, Any]:
+    """As an Iceberg table replaced atomically (CREATE OR REPLACE ... AS SELECT), or as an Iceberg view.
+    log: where the summary line goes (default: this module's logger)."""
+    log = log or logger.info
     name = lake.qualified(cfg.latest_view)
     mode = cfg.maintenance.latest_view
     if mode == "none":
@@ -120,14 +143,19 @@ def _latest_sql(spark: SparkSession, lake: LakeSettings, cfg: TableConfig) -> st
             )
         else:
             sel.append(q)
+    lead, trail = ", ".join(_LEADING), ", ".join(_TRAILING)
+    out = [f"e.{c}" for c in _LEADING] + [f"e.{spark_ident(c)}" for c in cols]
+    out += [
+        f"CASE WHEN e.{OP_COL} = 'r' THEN 'c' ELSE e.{OP_COL} END AS {OP_COL}" if c == OP_COL else f"e.{c}"
+        for c in _TRAILING
+    ]
     return (
         f"WITH t AS (SELECT {SHARD_COL}, max(named_struct('l', {LSN_COL}, 's', {SEQ_COL})) AS tr FROM {cl} "
         f"WHERE {OP_COL} = 't' GROUP BY {SHARD_COL}), "
-        f"f AS (SELECT {SHARD_COL}, {', '.join(sel)}, {OP_COL}, {LSN_COL}, {SEQ_COL}, {COMMIT_TS_COL} FROM {cl} "
+        f"f AS (SELECT {lead}, {', '.join(sel)}, {trail} FROM {cl} "
         f"WHERE {OP_COL} <> 't'), "
         f"e AS (SELECT *, row_number() OVER (PARTITION BY {key} ORDER BY {LSN_COL} DESC, {SEQ_COL} DESC) AS rn FROM f) "
-        f"SELECT e.{SHARD_COL}, {', '.join('e.' + spark_ident(c) for c in cols)}, "
-        f"CASE WHEN e.{OP_COL} = 'r' THEN 'c' ELSE e.{OP_COL} END AS {OP_COL}, e.{LSN_COL}, e.{SEQ_COL}, "
-        f"e.{COMMIT_TS_COL} FROM e LEFT JOIN t ON e.{SHARD_COL} = t.{SHARD_COL} WHERE e.rn = 1 AND e.{OP_COL} <> 'd' "
+        f"SELECT {', '.join(out)} "
+        f"FROM e LEFT JOIN t ON e.{SHARD_COL} = t.{SHARD_COL} WHERE e.rn = 1 AND e.{OP_COL} <> 'd' "
         f"AND (t.tr IS NULL OR e.{LSN_COL} > t.tr.l OR (e.{LSN_COL} = t.tr.l AND e.{SEQ_COL} > t.tr.s))"
     )

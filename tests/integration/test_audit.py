@@ -80,3 +80,25 @@ def test_audit_finds_every_fault_ignores_in_flight_and_repairs(source, spark, la
     assert r4["verdict"] == "ok" and not r4["persistent"], r4["message"]
     assert all(not st.get(k) for st in r4["shards"].values() for k in ("missing", "extra", "different"))
     assert_lake_equals_source(spark, lake, cfg, s.dsn, check_changelog=False)
+
+
+def test_repair_over_its_cap_never_deletes_keys_it_did_not_read(source, spark, lake):
+    """More persistent mismatches than max_repair_keys: the keys past the cap were never read from
+    the source, so they must stay as they are (still flagged), not be merged as deletes."""
+    s = source
+    cfg = _audit_cfg(s.block, mode="full", repair=True, consecutive_mismatches=1, max_repair_keys=2)
+    s.capture()
+    s.bootstrap(cfg)
+    cur = lake.qualified(cfg.current_table)
+    changed = _ids(spark, cur, "_cdc_shard LIKE '%s0' ORDER BY id LIMIT 5")
+    spark.sql(f"UPDATE {cur} SET version = -1 WHERE id IN ({','.join(map(str, changed))})")
+
+    r = audit_table(spark, lake, cfg, audit_run="cap1")
+    assert r["repaired"] == 2, r["message"]
+    # All five keys still exist in the lake: two repaired from the source, three left for later.
+    assert _ids(spark, cur, f"id IN ({','.join(map(str, changed))})") == changed
+    assert len(_ids(spark, cur, f"id IN ({','.join(map(str, changed))}) AND version = -1")) == 3
+    # The next audits repair the rest, two at a time, and the lake then equals the source.
+    audit_table(spark, lake, cfg, audit_run="cap2")
+    audit_table(spark, lake, cfg, audit_run="cap3")
+    assert_lake_equals_source(spark, lake, cfg, s.dsn, check_changelog=False)

@@ -518,7 +518,9 @@ def test_keepalive_advance_of_a_failed_capture_is_no_landing_gap(source, spark, 
     s.execute(
         "CREATE TABLE s0.unpublished (id int PRIMARY KEY)", "INSERT INTO s0.unpublished SELECT generate_series(1, 500)"
     )
-    monkeypatch.setattr("cdc_lakehouse.capture.run.write_heartbeat", lambda conn, schemas, run_id: 4_000_000_000)  # never arrives
+    monkeypatch.setattr(
+        "cdc_lakehouse.capture.run.write_heartbeat", lambda conn, schemas, run_id: 4_000_000_000
+    )  # never arrives
     ep = EndpointTables(s.endpoint, "cdc_test_source", s.tables())
     with pytest.raises(SourceError, match="nothing left to decode"):
         capture_run(ep, s.dsn, s.store, "20260101T300000Z", limits=CaptureLimits(idle_timeout_s=14))

@@ -18,8 +18,8 @@ import psycopg2.extensions
 import pytest
 import structlog
 from airflow.providers.apache.spark.hooks import spark_submit as ss
-from cdc_lakehouse.runtime import secrets as job_secrets
 from cdc_lakehouse.lake.tables import props_sql, sql_string
+from cdc_lakehouse.runtime import secrets as job_secrets
 from cdc_lakehouse.runtime.secrets import SecretsTransportError, load_job_secrets
 from cdc_lakehouse.settings import LakeSettings, SourceEndpoint, is_secret_key, libpq_dsn, source_uri
 

@@ -1,34 +1,19 @@
-"""audit.compare: split out of audit.py."""
+"""Both sides of the comparison: the source's (key, row hash) or bucket sums, read under one
+exported snapshot per database, and the join that names each mismatch."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from cdc_lakehouse.audit.hashing import pg_bucket, pg_hash_num, pg_row_hash
 from cdc_lakehouse.config import SHARD_COL, TableConfig
 from cdc_lakehouse.identifiers import pg_ident, pg_qualified
 from cdc_lakehouse.ingest.validate import cast_text
 from cdc_lakehouse.settings import SourceEndpoint
-from cdc_lakehouse.source.session import SESSION_OPTIONS
+from cdc_lakehouse.source.session import SESSION_OPTIONS, jdbc_properties
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
-from cdc_lakehouse.audit.hashing import pg_bucket, pg_hash_num, pg_row_hash
-
-# --- reading both sides -----------------------------------------------------------------------------
-
-
-def _jdbc_props(ep: SourceEndpoint, fetch: int, snapshot: str | None = None) -> dict[str, str]:
-    init = (
-        "SET TimeZone='UTC'; SET DateStyle='ISO'; SET IntervalStyle='iso_8601'; SET extra_float_digits=3; "
-        "SET bytea_output='hex'"
-    )
-    if snapshot:
-        # Every range of every shard on this database reads the same exported snapshot.
-        init = f"SET TRANSACTION ISOLATION LEVEL REPEATABLE READ; SET TRANSACTION SNAPSHOT '{snapshot}'; " + init
-    props = {"user": ep.user, "driver": "org.postgresql.Driver", "fetchsize": str(fetch), "sessionInitStatement": init}
-    if ep.password:
-        props["password"] = ep.password
-    return props
 
 
 def source_hashes(
@@ -61,7 +46,9 @@ def source_hashes(
             f"(SELECT {keys}, {pg_row_hash(columns, pg_types)} AS _h, {bucket} AS _b "
             f"FROM {pg_qualified(schema, cfg.source.table)}{where}) q"
         )
-        frames.append(spark.read.jdbc(ep.jdbc_url(), q, properties=_jdbc_props(ep, cfg.bootstrap.fetch_size, snapshot)))
+        frames.append(
+            spark.read.jdbc(ep.jdbc_url(), q, properties=jdbc_properties(ep, cfg.bootstrap.fetch_size, snapshot))
+        )
     df = reduce(lambda a, b: a.unionByName(b), frames).coalesce(cfg.bootstrap.max_connections_per_host)
     return df.select(F.lit(shard).alias(SHARD_COL), *[cast_text(F.col(c), t).alias(c) for c, t in key_cols], "_h", "_b")
 
@@ -99,24 +86,34 @@ def source_bucket_sums(
         conn.close()
 
 
-# --- the audit ------------------------------------------------------------------------------------------
-
-
 def export_snapshots(endpoints: dict[str, tuple[SourceEndpoint, dict[str, str]]]) -> dict[str, tuple[Any, str]]:
-    """endpoint id -> (open connection holding it, exported snapshot name)."""
+    """endpoint id -> (open connection holding it, exported snapshot name). On a failure the ones
+    already open are closed."""
     import psycopg2
 
-    out = {}
-    for endpoint_id, (ep, _) in endpoints.items():
-        conn = psycopg2.connect(ep.dsn(), options=SESSION_OPTIONS, application_name="cdc_lakehouse audit snapshot")
-        conn.set_session(isolation_level="REPEATABLE READ")
-        with conn.cursor() as cur:
-            cur.execute("SELECT pg_export_snapshot()")
-            out[endpoint_id] = (conn, cur.fetchone()[0])
+    out: dict[str, tuple[Any, str]] = {}
+    try:
+        for endpoint_id, (ep, _) in endpoints.items():
+            conn = psycopg2.connect(ep.dsn(), options=SESSION_OPTIONS, application_name="cdc_lakehouse audit snapshot")
+            out[endpoint_id] = (conn, "")
+            conn.set_session(isolation_level="REPEATABLE READ")
+            with conn.cursor() as cur:
+                cur.execute("SELECT pg_export_snapshot()")
+                out[endpoint_id] = (conn, cur.fetchone()[0])
+    except BaseException:
+        release_snapshots(out)
+        raise
     return out
 
 
+def release_snapshots(snapshots: dict[str, tuple[Any, str]]) -> None:
+    """Close the snapshot connections (closing twice is harmless)."""
+    for conn, _ in snapshots.values():
+        conn.close()
+
+
 def compare(src_df: DataFrame, lake_df: DataFrame, key: list[str]) -> DataFrame:
+    """(key..., kind) of every key whose hash differs: missing from the lake, extra in it, or different."""
     from pyspark.sql import functions as F
 
     j = src_df.alias("s").join(lake_df.alias("l"), key, "full_outer")

@@ -1,11 +1,6 @@
-"""audit.errors: split out of audit.py."""
+"""The audit's own failure: no trustworthy verdict could be reached, or the verdict is a fail."""
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    pass
 
 
 class AuditFailed(RuntimeError):

@@ -29,7 +29,8 @@ def pg_canonical(col: str, lake_type: str, pg_type: str = "") -> str:
     return f"coalesce({_pg_canon(pg_ident(col), lake_type, pg_type)}, E'\\\\N')"
 
 
-def _pg_canon(q: str, lake_type: str, pg_type: str) -> str:
+# One return per lake type: each line is the canonical text of that type, read side by side with spark_canonical.
+def _pg_canon(q: str, lake_type: str, pg_type: str) -> str:  # noqa: PLR0911
     t = lake_type.replace(" ", "")
     if t.startswith("array<"):
         elem = _pg_canon("u.e", t[6:-1], pg_type.removesuffix("[]"))
@@ -64,7 +65,8 @@ def spark_canonical(col: Column, lake_type: str) -> Column:
     return F.coalesce(_spark_canon(col, lake_type), F.lit(NULL))
 
 
-def _spark_canon(col: Column, lake_type: str) -> Column:
+# One return per lake type: each line is the canonical text of that type, read side by side with pg_canonical.
+def _spark_canon(col: Column, lake_type: str) -> Column:  # noqa: PLR0911
     from pyspark.sql import functions as F
 
     t = lake_type.replace(" ", "")

@@ -1,12 +1,18 @@
-"""audit.inflight: split out of audit.py."""
+"""Keys in flight: changed at the source after the lake's watermark, so not (yet) mismatches.
+
+Both sources yield frames of (shard, key..., _all); `_all` marks a truncate, which puts every key
+of its shard in flight.
+"""
 
 from __future__ import annotations
 
-import time
+import time  # time.sleep: tests patch it (through audit.run.time) to skip the back-off
 from typing import TYPE_CHECKING, Any
 
+from cdc_lakehouse.audit.errors import AuditFailed
 from cdc_lakehouse.config import SHARD_COL, TableConfig
 from cdc_lakehouse.ingest.validate import cast_text, landing_spark_schema
+from cdc_lakehouse.lake.watermark import shard_lsn_map
 from cdc_lakehouse.landing.reader import HadoopFS, SparkLanding
 from cdc_lakehouse.settings import LakeSettings, SourceEndpoint
 from cdc_lakehouse.source.publication import PUBLICATION
@@ -14,10 +20,10 @@ from cdc_lakehouse.source.session import SESSION_OPTIONS
 from cdc_lakehouse.source.slots import slot_name
 
 if TYPE_CHECKING:
-    from pyspark.sql import DataFrame, SparkSession
-from cdc_lakehouse.audit.errors import AuditFailed
+    from collections.abc import Iterator
 
-# --- in flight ---------------------------------------------------------------------------------------
+    import psycopg2.extensions
+    from pyspark.sql import DataFrame, SparkSession
 
 
 def inflight_from_landing(
@@ -38,7 +44,7 @@ def inflight_from_landing(
     for g, schema, shard in cfg.shards():
         shard_pairs += [F.lit(f"{g.endpoint_id}/{schema}"), F.lit(shard)]
     shard = F.create_map(*shard_pairs)[F.concat_ws("/", "source.endpoint", "source.schema")]
-    floor = F.create_map(*[x for s, v in wm["shards"].items() for x in (F.lit(s), F.lit(int(v["lsn"])))])
+    floor = shard_lsn_map(wm)
     ev = (
         spark.read.schema(landing_spark_schema())
         .parquet(*files)
@@ -77,8 +83,6 @@ def inflight_from_slot(
     """Keys changed after the last capture: peek the slot (decode without consuming)."""
     import psycopg2
 
-    from cdc_lakehouse.source.pgoutput import Change, Relation, Truncate, decode
-
     slot = slot_name(endpoint_id)
     key_names = [c for c, _ in key_cols]
     rows: list[tuple] = []
@@ -87,34 +91,11 @@ def inflight_from_slot(
     for attempt in range(attempts):
         conn = psycopg2.connect(ep.dsn(), options=SESSION_OPTIONS, application_name="cdc_lakehouse audit peek")
         try:
-            rels: dict[int, Relation] = {}
-            with conn.cursor(name="cdc_peek") as cur:
-                cur.itersize = 10_000
-                cur.execute(
-                    "SELECT data FROM pg_logical_slot_peek_binary_changes(%s, NULL, NULL, 'proto_version', '1', "
-                    "'publication_names', %s)",
-                    (slot, PUBLICATION),
-                )
-                for (data,) in cur:
-                    m = decode(bytes(data))
-                    if isinstance(m, Relation):
-                        rels[m.oid] = m
-                    elif isinstance(m, Change):
-                        r = rels.get(m.relid)
-                        if r is None or r.name != cfg.source.table or r.schema not in shards:
-                            continue
-                        idx = [r.names.index(k) for k in key_names if k in r.names]
-                        for tup in (m.new, m.old):
-                            if tup is not None and len(idx) == len(key_names):
-                                rows.append((shards[r.schema], *[tup[i] for i in idx], False))
-                    elif isinstance(m, Truncate):
-                        for relid in m.relids:
-                            r = rels.get(relid)
-                            if r is not None and r.name == cfg.source.table and r.schema in shards:
-                                rows.append((shards[r.schema], *[None] * len(key_names), True))
-                    if len(rows) >= chunk:
-                        frames.append(spark.createDataFrame(rows, schema_str))
-                        rows = []
+            for row in _peek_keys(conn, cfg, slot, shards, key_names):
+                rows.append(row)
+                if len(rows) >= chunk:  # bounds the driver's memory on a long backlog
+                    frames.append(spark.createDataFrame(rows, schema_str))
+                    rows = []
             break
         except psycopg2.errors.ObjectInUse:
             conn.rollback()
@@ -138,3 +119,41 @@ def inflight_from_slot(
 
     df = reduce(lambda a, b: a.unionByName(b), frames)
     return df.select(SHARD_COL, *[cast_text(F.col(c), t).alias(c) for c, t in key_cols], "_all")
+
+
+def _peek_keys(
+    conn: psycopg2.extensions.connection, cfg: TableConfig, slot: str, shards: dict[str, str], key_names: list[str]
+) -> Iterator[tuple]:
+    """(shard, key values as text..., _all) of every change of the table still in the slot."""
+    from cdc_lakehouse.source.pgoutput import Change, Relation, Truncate, decode
+
+    rels: dict[int, Relation] = {}
+
+    def ours(r: Relation | None) -> bool:
+        return r is not None and r.name == cfg.source.table and r.schema in shards
+
+    # A named (server-side) cursor streams the decoded backlog instead of holding it in memory.
+    with conn.cursor(name="cdc_peek") as cur:
+        cur.itersize = 10_000
+        cur.execute(
+            "SELECT data FROM pg_logical_slot_peek_binary_changes(%s, NULL, NULL, 'proto_version', '1', "
+            "'publication_names', %s)",
+            (slot, PUBLICATION),
+        )
+        for (data,) in cur:
+            m = decode(bytes(data))
+            if isinstance(m, Relation):  # precedes a relation's first change in each session
+                rels[m.oid] = m
+            elif isinstance(m, Change):
+                r = rels.get(m.relid)
+                if not ours(r):
+                    continue
+                idx = [r.names.index(k) for k in key_names if k in r.names]
+                for tup in (m.new, m.old):  # old: the key before an update changed it, or a delete's
+                    if tup is not None and len(idx) == len(key_names):
+                        yield (shards[r.schema], *[tup[i] for i in idx], False)
+            elif isinstance(m, Truncate):
+                for relid in m.relids:
+                    r = rels.get(relid)
+                    if ours(r):
+                        yield (shards[r.schema], *[None] * len(key_names), True)

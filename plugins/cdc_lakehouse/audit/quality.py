@@ -1,8 +1,11 @@
-"""audit.quality: split out of audit.py."""
+"""Great Expectations checks of an audited table: key uniqueness and completeness, the row count
+against the source's, and freshness against the SLA."""
 
 from __future__ import annotations
 
 import json
+import logging
+from collections.abc import Callable
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
@@ -14,8 +17,7 @@ from cdc_lakehouse.settings import LakeSettings
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
 
-
-# --- Great Expectations ---------------------------------------------------------------------------------
+logger = logging.getLogger(__name__)
 
 
 def quality_checks(
@@ -28,28 +30,62 @@ def quality_checks(
     lake_counts: dict[str, int],
     audit_run: str,
     now: datetime,
-    log=print,
+    log: Callable[[str], Any] | None = None,
 ) -> list[dict[str, Any]]:
     """Great Expectations 1.x on the lake table; results go to cdc_meta.quality_results and a JSON
     report next to the warehouse, whose path the task log prints."""
     import great_expectations as gx
+
+    say = log or logger.info
+    ds = gx.get_context(mode="ephemeral").data_sources.add_spark(f"lake_{cfg.name}")
+    flat = [
+        *_check_table(ds, cfg, lake_df, per_shard, lake_counts),
+        *_check_freshness(spark, ds, cfg, wm, now),
+    ]
+    meta_append(
+        spark,
+        lake,
+        "quality_results",
+        [
+            {"table_name": cfg.name, "audit_run": audit_run, **{k: r[k] for k in _RESULT_KEYS}, "checked_at": now}
+            for r in flat
+        ],
+    )
+    report = f"{lake.warehouse.rstrip('/')}/_quality/{cfg.name}/{audit_run.replace(':', '_').replace('+', '_')}.json"
+    try:
+        _write_text(spark, report, json.dumps(flat, indent=2, default=str))
+        say(f"audit {cfg.name}: Great Expectations report {report}")
+    except Exception as exc:  # noqa: BLE001 - the report is a convenience; the results are in cdc_meta
+        say(f"audit {cfg.name}: could not store the Great Expectations report: {exc}")
+    return flat
+
+
+_RESULT_KEYS = ("expectation", "success", "observed", "details")
+
+
+def _expected_rows(per_shard: dict[str, dict[str, Any]], lake_counts: dict[str, int]) -> int:
+    """The source's row count; in full mode (no source count) the lake's, corrected by the keys
+    the audit found missing and extra."""
+    total = sum(st["source_rows"] for st in per_shard.values() if st.get("source_rows") is not None) or None
+    if total is None:
+        total = sum(lake_counts.get(s, 0) + st.get("missing", 0) - st.get("extra", 0) for s, st in per_shard.items())
+    return total
+
+
+def _check_table(
+    ds, cfg: TableConfig, lake_df: DataFrame, per_shard: dict[str, dict[str, Any]], lake_counts: dict[str, int]
+) -> list[dict[str, Any]]:
+    import great_expectations as gx
     import great_expectations.expectations as gxe
 
-    ctx = gx.get_context(mode="ephemeral")
-    ds = ctx.data_sources.add_spark(f"lake_{cfg.name}")
-    asset = ds.add_dataframe_asset(cfg.name)
-    bd = asset.add_batch_definition_whole_dataframe("current")
+    bd = ds.add_dataframe_asset(cfg.name).add_batch_definition_whole_dataframe("current")
     suite = gx.ExpectationSuite(name=f"cdc_{cfg.name}")
     suite.add_expectation(gxe.ExpectCompoundColumnsToBeUnique(column_list=[SHARD_COL, *cfg.primary_key]))
     for k in [*cfg.primary_key, LSN_COL]:
         suite.add_expectation(gxe.ExpectColumnValuesToNotBeNull(column=k))
-    source_total = sum(st["source_rows"] for st in per_shard.values() if st.get("source_rows") is not None) or None
-    if source_total is None:
-        source_total = sum(
-            lake_counts.get(s, 0) + st.get("missing", 0) - st.get("extra", 0) for s, st in per_shard.items()
-        )
-    in_flight = sum(st.get("in_flight", 0) for st in per_shard.values())
-    slack = int(source_total * cfg.audit.row_count_tolerance) + in_flight
+    source_total = _expected_rows(per_shard, lake_counts)
+    # Keys in flight may be inserts or deletes the lake has not applied yet.
+    slack = int(source_total * cfg.audit.row_count_tolerance) + sum(st.get("in_flight", 0) for st in per_shard.values())
     suite.add_expectation(
         gxe.ExpectTableRowCountToBeBetween(min_value=max(0, source_total - slack), max_value=source_total + slack)
     )
@@ -57,12 +93,18 @@ def quality_checks(
     # BASIC results skip the queries that list sample rows of passing expectations.
     lake_df = lake_df.persist()
     try:
-        results = [
-            _gx_rows(bd.get_batch(batch_parameters={"dataframe": lake_df}).validate(suite, result_format="BASIC"))
-        ]
+        return _gx_rows(bd.get_batch(batch_parameters={"dataframe": lake_df}).validate(suite, result_format="BASIC"))
     finally:
         lake_df.unpersist()
-    # Freshness from the heartbeats: how old is the newest source commit the lake is known to hold.
+
+
+def _check_freshness(
+    spark: SparkSession, ds, cfg: TableConfig, wm: dict[str, Any], now: datetime
+) -> list[dict[str, Any]]:
+    """Freshness from the heartbeats: how old is the newest source commit the lake is known to hold."""
+    import great_expectations as gx
+    import great_expectations.expectations as gxe
+
     ts = [datetime.fromisoformat(v["ts"]) for v in wm.get("shards", {}).values() if v.get("ts")]
     fresh_min = (now - min(ts)).total_seconds() / 60 if ts else None
     fdf = spark.createDataFrame([(fresh_min,)], "freshness_minutes double")
@@ -73,32 +115,10 @@ def quality_checks(
             column="freshness_minutes", min_value=0, max_value=cfg.audit.freshness_sla_minutes
         )
     )
+    # No heartbeat at all is NULL, which the range check alone would let pass.
     fsuite.add_expectation(gxe.ExpectColumnValuesToNotBeNull(column="freshness_minutes"))
-    fres = (
-        fasset.add_batch_definition_whole_dataframe("f").get_batch(batch_parameters={"dataframe": fdf}).validate(fsuite)
-    )
-    results.append(_gx_rows(fres))
-    flat = [r for rs in results for r in rs]
-    rows = [
-        {
-            "table_name": cfg.name,
-            "audit_run": audit_run,
-            "expectation": r["expectation"],
-            "success": r["success"],
-            "observed": r["observed"],
-            "details": r["details"],
-            "checked_at": now,
-        }
-        for r in flat
-    ]
-    meta_append(spark, lake, "quality_results", rows)
-    report = f"{lake.warehouse.rstrip('/')}/_quality/{cfg.name}/{audit_run.replace(':', '_').replace('+', '_')}.json"
-    try:
-        _write_text(spark, report, json.dumps(flat, indent=2, default=str))
-        log(f"audit {cfg.name}: Great Expectations report {report}")
-    except Exception as exc:  # noqa: BLE001
-        log(f"audit {cfg.name}: could not store the Great Expectations report: {exc}")
-    return flat
+    fbatch = fasset.add_batch_definition_whole_dataframe("f").get_batch(batch_parameters={"dataframe": fdf})
+    return _gx_rows(fbatch.validate(fsuite))
 
 
 def _gx_rows(result) -> list[dict[str, Any]]:

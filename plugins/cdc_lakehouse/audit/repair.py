@@ -1,8 +1,14 @@
-"""audit.repair: split out of audit.py."""
+"""Repair of persistently mismatched keys: re-read from the source, merged like an ingest batch.
+
+The rows are merged at the watermark's LSN with seq 0: newer than the lake's row, older than
+any event still to come, so a change the stream delivers later still wins.
+"""
 
 from __future__ import annotations
 
 import json
+import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from cdc_lakehouse.config import COMMIT_TS_COL, LSN_COL, OP_COL, SEQ_COL, SHARD_COL, TableConfig
@@ -10,14 +16,18 @@ from cdc_lakehouse.identifiers import pg_ident, pg_qualified, spark_ident
 from cdc_lakehouse.ingest.validate import cast_text
 from cdc_lakehouse.lake.columns import INGESTED_COL, LSN_EVENT_COL, RUN_COL, UNAVAILABLE_COL, XID_COL
 from cdc_lakehouse.lake.commits import sql_with_commit_properties, with_commit_retries
-from cdc_lakehouse.lake.tables import changelog_columns, conform_to
-from cdc_lakehouse.lake.watermark import read_watermark, watermark_json
+from cdc_lakehouse.lake.tables import changelog_columns, conform_to, null_metadata
+from cdc_lakehouse.lake.watermark import read_watermark, shard_lsn_map, watermark_json
 from cdc_lakehouse.settings import LakeSettings, SourceEndpoint, source_uri
 from cdc_lakehouse.source.catalog import describe_table, text_select
 from cdc_lakehouse.source.session import SESSION_OPTIONS
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
+
+logger = logging.getLogger(__name__)
+
+_KEYS_PER_QUERY = 1000
 
 
 def repair_keys(
@@ -29,85 +39,127 @@ def repair_keys(
     lake_cols,
     wm: dict[str, Any],
     audit_run: str,
-    log=print,
+    log: Callable[[str], Any] | None = None,
 ) -> int:
     """Re-read the mismatched keys from the source and merge them at the watermark's LSN (seq 0):
-    newer than the lake's row, older than any event still to come."""
-    import psycopg2
+    newer than the lake's row, older than any event still to come. Returns the keys merged."""
     from pyspark.sql import functions as F
 
-    from cdc_lakehouse.ingest.merge import merge_sql
-
-    keys = keys_df.select(SHARD_COL, *cfg.primary_key).distinct().limit(cfg.audit.max_repair_keys).collect()
+    flagged = keys_df.select(SHARD_COL, *cfg.primary_key).distinct()
+    keys = flagged.limit(cfg.audit.max_repair_keys).collect()
+    # Only the keys read from the source may become deletes: a flagged key past the cap was never
+    # looked up, so "not found" would be a guess that deletes a live row.
+    checked = spark.createDataFrame(keys, flagged.schema) if keys else spark.createDataFrame([], flagged.schema)
     by_shard: dict[str, list[tuple]] = {}
     for r in keys:
         by_shard.setdefault(r[SHARD_COL], []).append(tuple(r[k] for k in cfg.primary_key))
-    found_rows: list[tuple] = []
-    names = [c for c, _ in lake_cols]
-    for g, schema, shard in cfg.shards():
-        if shard not in by_shard:
-            continue
-        ep = SourceEndpoint.from_uri(source_uri(g.conn_id), g.database)
-        kcols = ", ".join(pg_ident(k) for k in cfg.primary_key)
-        conn = psycopg2.connect(ep.dsn(), options=SESSION_OPTIONS)
-        try:
-            with conn.cursor() as cur:
-                info = describe_table(cur, schema, cfg.source.table)
-                pg_types = {c.name: c.pg_type for c in info.columns} if info else {}
-                # A column the lake keeps after the source dropped it (keep_null) reads as NULL.
-                sel = ", ".join(text_select(c, pg_types[c], t) if c in pg_types else "NULL::text" for c, t in lake_cols)
-                # Keys travel as JSON records and are cast to the source's own types (index-friendly).
-                rec = ", ".join(f"{pg_ident(k)} text" for k in cfg.primary_key)
-                casts = ", ".join(f"v.{pg_ident(k)}::{pg_types.get(k, 'text')}" for k in cfg.primary_key)
-                sql = (
-                    f"SELECT {sel} FROM {pg_qualified(schema, cfg.source.table)} WHERE ({kcols}) IN "
-                    f"(SELECT {casts} FROM jsonb_to_recordset(%s::jsonb) AS v({rec}))"
-                )
-                ks = by_shard[shard]
-                for i in range(0, len(ks), 1000):
-                    chunk = [dict(zip(cfg.primary_key, (str(v) for v in k))) for k in ks[i : i + 1000]]
-                    cur.execute(sql, (json.dumps(chunk),))
-                    for row in cur.fetchall():
-                        found_rows.append((shard, *row))
-        finally:
-            conn.close()
-    schema = f"{SHARD_COL} string, " + ", ".join(f"{spark_ident(c)} string" for c in names)
+    found_rows = [
+        (shard, *row)
+        for g, schema, shard in cfg.shards()
+        if shard in by_shard
+        for row in _read_source_rows(cfg, g, schema, lake_cols, by_shard[shard])
+    ]
+    batch = _repair_batch(spark, cfg, checked, found_rows, lake_cols, wm).persist()
+    n = batch.count()
+    if n == 0:
+        return 0
+    _append_changelog(spark, lake, cfg, batch, lake_cols, audit_run)
+    _merge_current(spark, lake, cfg, batch, lake_cols, wm, audit_run)
+    (log or logger.info)(
+        f"audit {cfg.name}: repaired {n} key(s) from the source ({batch.filter(F.col(OP_COL) == 'd').count()} deleted)"
+    )
+    batch.unpersist()
+    return n
+
+
+def _read_source_rows(cfg: TableConfig, g, schema: str, lake_cols, keys: list[tuple]) -> list[tuple]:
+    """The lake's columns, as text, of the given keys of one shard (keys the source no longer has
+    are absent)."""
+    import psycopg2
+
+    ep = SourceEndpoint.from_uri(source_uri(g.conn_id), g.database)
+    kcols = ", ".join(pg_ident(k) for k in cfg.primary_key)
+    out: list[tuple] = []
+    conn = psycopg2.connect(ep.dsn(), options=SESSION_OPTIONS)
+    try:
+        with conn.cursor() as cur:
+            info = describe_table(cur, schema, cfg.source.table)
+            pg_types = {c.name: c.pg_type for c in info.columns} if info else {}
+            # A column the lake keeps after the source dropped it (keep_null) reads as NULL.
+            sel = ", ".join(text_select(c, pg_types[c], t) if c in pg_types else "NULL::text" for c, t in lake_cols)
+            # Keys travel as JSON records and are cast to the source's own types (index-friendly).
+            rec = ", ".join(f"{pg_ident(k)} text" for k in cfg.primary_key)
+            casts = ", ".join(f"v.{pg_ident(k)}::{pg_types.get(k, 'text')}" for k in cfg.primary_key)
+            sql = (
+                f"SELECT {sel} FROM {pg_qualified(schema, cfg.source.table)} WHERE ({kcols}) IN "
+                f"(SELECT {casts} FROM jsonb_to_recordset(%s::jsonb) AS v({rec}))"
+            )
+            for i in range(0, len(keys), _KEYS_PER_QUERY):
+                chunk = [dict(zip(cfg.primary_key, (str(v) for v in k))) for k in keys[i : i + _KEYS_PER_QUERY]]
+                cur.execute(sql, (json.dumps(chunk),))
+                out.extend(cur.fetchall())
+    finally:
+        conn.close()
+    return out
+
+
+def _repair_batch(
+    spark: SparkSession, cfg: TableConfig, checked: DataFrame, found_rows: list[tuple], lake_cols, wm: dict[str, Any]
+) -> DataFrame:
+    """An ingest-shaped batch: an upsert per checked key the source has, a delete per checked key it
+    has not."""
+    from pyspark.sql import functions as F
+
+    schema = f"{SHARD_COL} string, " + ", ".join(f"{spark_ident(c)} string" for c, _ in lake_cols)
     found = spark.createDataFrame(found_rows, schema) if found_rows else spark.createDataFrame([], schema)
     typed = found.select(SHARD_COL, *[cast_text(F.col(c), t).alias(c) for c, t in lake_cols])
-    lsn = F.create_map(*[x for s, v in wm["shards"].items() for x in (F.lit(s), F.lit(int(v["lsn"])))])
+    lsn = shard_lsn_map(wm)
     upserts = typed.withColumn(OP_COL, F.lit("u"))
     present = typed.select(SHARD_COL, *cfg.primary_key)
-    gone = (
-        keys_df.select(SHARD_COL, *cfg.primary_key).distinct().join(present, [SHARD_COL, *cfg.primary_key], "left_anti")
-    )
+    gone = checked.join(present, [SHARD_COL, *cfg.primary_key], "left_anti")
     for c, t in lake_cols:
         if c not in cfg.primary_key:
             gone = gone.withColumn(c, F.lit(None).cast(t))
     batch = upserts.unionByName(gone.withColumn(OP_COL, F.lit("d")).select(*upserts.columns))
-    batch = (
+    return (
         batch.withColumn(LSN_COL, lsn[F.col(SHARD_COL)])
         .withColumn(SEQ_COL, F.lit(0).cast("bigint"))
         .withColumn(COMMIT_TS_COL, F.current_timestamp())
-    ).persist()
-    n = batch.count()
-    if n == 0:
-        return 0
+    )
+
+
+def _append_changelog(
+    spark: SparkSession, lake: LakeSettings, cfg: TableConfig, batch: DataFrame, lake_cols, audit_run: str
+) -> None:
+    """The changelog records the repair as snapshot reads ('r') and deletes, under run repair-<audit>."""
+    from pyspark.sql import functions as F
+
     cl = lake.qualified(cfg.changelog_table)
     cl_rows = (
         batch.withColumn(OP_COL, F.when(F.col(OP_COL) == "u", F.lit("r")).otherwise(F.col(OP_COL)))
         .withColumn(LSN_EVENT_COL, F.col(LSN_COL))
-        .withColumn(XID_COL, F.lit(None).cast("bigint"))
-        .withColumn(UNAVAILABLE_COL, F.lit(None).cast("array<string>"))
+        .withColumn(XID_COL, null_metadata(XID_COL))
+        .withColumn(UNAVAILABLE_COL, null_metadata(UNAVAILABLE_COL))
         .withColumn(RUN_COL, F.lit(f"repair-{audit_run}"))
         .withColumn(INGESTED_COL, F.current_timestamp())
         .select(*[c for c, _ in changelog_columns(lake_cols)])
     )
     cl_rows = conform_to(cl_rows, spark.table(cl).schema)
+    # The watermark is read from the newest snapshot: the repair's commit restates it unchanged.
     cwm = read_watermark(spark, cl)
     with_commit_retries(
         lambda: cl_rows.writeTo(cl).option("snapshot-property.cdc.watermark", watermark_json(cwm)).append(),
         what=f"{cfg.name} repair changelog",
     )
+
+
+def _merge_current(
+    spark: SparkSession, lake: LakeSettings, cfg: TableConfig, batch: DataFrame, lake_cols, wm, audit_run: str
+) -> None:
+    """Through the ingest's LSN-guarded merge, so a row the stream has since moved on is left alone."""
+    from cdc_lakehouse.ingest.merge import merge_sql
+
+    names = [c for c, _ in lake_cols]
     view = f"cdc_repair_{cfg.name}"
     batch.select(SHARD_COL, *names, OP_COL, LSN_COL, SEQ_COL, COMMIT_TS_COL).createOrReplaceTempView(view)
     cur_t = lake.qualified(cfg.current_table)
@@ -116,6 +168,3 @@ def repair_keys(
         lambda: sql_with_commit_properties(spark, sql, {"cdc.watermark": watermark_json(wm), "cdc.repair": audit_run}),
         what=f"{cfg.name} repair merge",
     )
-    log(f"audit {cfg.name}: repaired {n} key(s) from the source ({batch.filter(F.col(OP_COL) == 'd').count()} deleted)")
-    batch.unpersist()
-    return n

@@ -1,29 +1,18 @@
-"""bootstrap.run: split out of bootstrap.py."""
+"""Bootstrap of one table: its shards' consistent snapshots into the lake, handed to the change stream
+at each endpoint's consistent point (the handoff is described in cdc_lakehouse.bootstrap.snapshot)."""
 
 from __future__ import annotations
 
-import time
+import logging
+from collections.abc import Callable
 from contextlib import ExitStack
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
-from cdc_lakehouse.config import COMMIT_TS_COL, LSN_COL, OP_COL, SEQ_COL, SHARD_COL, TableConfig
-from cdc_lakehouse.lake.columns import INGESTED_COL, LSN_EVENT_COL, RUN_COL, UNAVAILABLE_COL, XID_COL
-from cdc_lakehouse.lake.tables import (
-    add_column,
-    changelog_columns,
-    conform_to,
-    create_lake_tables,
-    source_columns_of,
-    table_exists,
-)
-from cdc_lakehouse.lake.watermark import read_watermark, watermark_json
-from cdc_lakehouse.settings import LakeSettings
-
-if TYPE_CHECKING:
-    from pyspark.sql import SparkSession
 from cdc_lakehouse.bootstrap.snapshot import (
     BootstrapError,
+    ShardSource,
     export_snapshot,
     preflight,
     prepare_endpoint,
@@ -31,6 +20,54 @@ from cdc_lakehouse.bootstrap.snapshot import (
     shards_by_endpoint,
     typed_rows,
 )
+from cdc_lakehouse.config import COMMIT_TS_COL, LSN_COL, OP_COL, SEQ_COL, SHARD_COL, TableConfig
+from cdc_lakehouse.lake.columns import INGESTED_COL, LSN_EVENT_COL, RUN_COL, UNAVAILABLE_COL, XID_COL
+from cdc_lakehouse.lake.tables import (
+    add_column,
+    changelog_columns,
+    conform_to,
+    create_lake_tables,
+    null_metadata,
+    source_columns_of,
+    table_exists,
+)
+from cdc_lakehouse.lake.watermark import read_watermark, watermark_json
+from cdc_lakehouse.runtime.phases import PhaseClock
+from cdc_lakehouse.settings import LakeSettings
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame, SparkSession
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Target:
+    """The table's two lake tables and the source columns as the bootstrap writes them."""
+
+    current: str
+    changelog: str
+    existed: bool
+    columns: list[tuple[str, str]]
+
+
+@dataclass
+class _Snapshot:
+    """One bootstrap's snapshot: its time, each endpoint's consistent point and the new watermarks."""
+
+    run_id: str
+    time: datetime  # naive UTC, as Spark's timestamp literals want it
+    wm: dict[str, Any]
+    cwm: dict[str, Any]
+    per_endpoint: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def run_tag(self) -> str:
+        return f"bootstrap-{self.run_id}"
+
+    def points(self) -> list[tuple[str, int]]:
+        """(shard, consistent point) of every shard read."""
+        return [(s, ep["consistent_point"]) for ep in self.per_endpoint.values() for s in ep["shards"]]
 
 
 def bootstrap_table(
@@ -41,19 +78,36 @@ def bootstrap_table(
     run_id: str,
     shards: list[str] | None = None,
     all_endpoint_tables: dict[str, dict] | None = None,
-    log=print,
+    log: Callable[[str], object] | None = None,  # accepted for older callers, not used
 ) -> dict[str, Any]:
-    from pyspark.sql import functions as F
+    """Snapshot cfg's shards (all, or `shards`) into its current table and changelog.
 
-    t0 = time.time()
+    Progress goes to this module's logger; `log` is accepted for callers that still pass one."""
+    clock = PhaseClock()
     endpoints = shards_by_endpoint(cfg, shards)
     if not endpoints:
         raise BootstrapError(f"{cfg.name}: no shards selected")
     columns, pg_types = preflight(cfg, endpoints)
+    partial = bool(shards) and set(shards) != {s for _, _, s in cfg.shards()}
+    target = _prepare_tables(spark, lake, cfg, columns, partial)
+    snap = _new_snapshot(spark, target, run_id)
+    # The exported snapshots live as long as their connections: the changelog write reads under them.
+    with ExitStack() as stack:
+        frames = _export_and_read(spark, stack, cfg, endpoints, target, snap, pg_types, all_endpoint_tables)
+        with clock.phase("read_and_changelog"):
+            _write_changelog(spark, cfg, target, snap, frames)
+    with clock.phase("current_write"):
+        _write_current(spark, cfg, target, snap, partial)
+    return _result(spark, cfg, target, snap, clock)
+
+
+def _prepare_tables(
+    spark: SparkSession, lake: LakeSettings, cfg: TableConfig, columns: list[tuple[str, str]], partial: bool
+) -> _Target:
+    """Create the lake tables, or add the source's new columns to them; a retyped column stops here."""
     cur = lake.qualified(cfg.current_table)
     cl = lake.qualified(cfg.changelog_table)
     exists = table_exists(spark, cur)
-    partial = bool(shards) and set(shards) != {s for _, _, s in cfg.shards()}
     if partial and exists and SHARD_COL not in cfg.lake.partition_by:
         raise BootstrapError(
             f"{cfg.name}: re-bootstrapping single shards needs the table partitioned by {SHARD_COL} "
@@ -61,143 +115,169 @@ def bootstrap_table(
         )
     if not exists:
         create_lake_tables(spark, lake, cfg, columns)
-        log(f"bootstrap {cfg.name}: created {cur} and {cl}")
-    else:
-        lake_cols = dict(source_columns_of(spark, cur, cfg))
-        for name, typ in columns:
-            if name not in lake_cols:
-                add_column(spark, cur, name, typ)
-                add_column(spark, cl, name, typ)
-            elif lake_cols[name] != typ:
-                raise BootstrapError(
-                    f"{cfg.name}: column {name} is {lake_cols[name]} in the lake but {typ} at the "
-                    "source; drop the lake table to re-bootstrap with the new type, or set column_types"
-                )
-        columns = [(n, t) for n, t in source_columns_of(spark, cur, cfg) if n in dict(columns)]
+        log.info("bootstrap %s: created %s and %s", cfg.name, cur, cl)
+        return _Target(cur, cl, False, columns)
+    lake_cols = dict(source_columns_of(spark, cur, cfg))
+    for name, typ in columns:
+        if name not in lake_cols:
+            add_column(spark, cur, name, typ)
+            add_column(spark, cl, name, typ)
+        elif lake_cols[name] != typ:
+            raise BootstrapError(
+                f"{cfg.name}: column {name} is {lake_cols[name]} in the lake but {typ} at the "
+                "source; drop the lake table to re-bootstrap with the new type, or set column_types"
+            )
+    # The lake's column order, which the existing tables (and their readers) already have.
+    source = dict(columns)
+    return _Target(cur, cl, True, [(n, t) for n, t in source_columns_of(spark, cur, cfg) if n in source])
 
-    wm = (read_watermark(spark, cur) if exists else None) or {"v": 1, "shards": {}, "runs": {}}
-    cwm = (read_watermark(spark, cl) if exists else None) or {"v": 1, "shards": {}, "runs": {}}
-    snap_time = datetime.now(UTC).replace(tzinfo=None)
-    per_endpoint: dict[str, Any] = {}
+
+def _new_snapshot(spark: SparkSession, target: _Target, run_id: str) -> _Snapshot:
+    """Start from the tables' watermarks: shards not bootstrapped now keep their positions."""
+    wm = (read_watermark(spark, target.current) if target.existed else None) or {"v": 1, "shards": {}, "runs": {}}
+    cwm = (read_watermark(spark, target.changelog) if target.existed else None) or {"v": 1, "shards": {}, "runs": {}}
+    return _Snapshot(run_id, datetime.now(UTC).replace(tzinfo=None), wm, cwm)
+
+
+def _export_and_read(
+    spark: SparkSession,
+    stack: ExitStack,
+    cfg: TableConfig,
+    endpoints: dict[str, list[ShardSource]],
+    target: _Target,
+    snap: _Snapshot,
+    pg_types: dict[str, str],
+    all_endpoint_tables: dict[str, dict] | None,
+) -> list[DataFrame]:
+    """Per endpoint: slot and publication first, then an exported snapshot (its connection stays
+    open on `stack`) and the shards' rows under it, with the watermark set to its point."""
     frames = []
-    with ExitStack() as stack:
-        for endpoint_id, shard_sources in endpoints.items():
-            ep_tables = (all_endpoint_tables or {}).get(endpoint_id)
-            prepare_endpoint(endpoint_id, shard_sources, cfg, ep_tables)
-            conn, point, snapshot, identity = export_snapshot(shard_sources[0].endpoint, endpoint_id, run_id)
-            stack.callback(conn.close)
-            per_endpoint[endpoint_id] = {"consistent_point": point, "shards": [s.shard for s in shard_sources]}
-            log(f"bootstrap {cfg.name}: endpoint {endpoint_id} snapshot {snapshot} at LSN {point}")
-            df = read_shards(spark, cfg, shard_sources, snapshot, columns, pg_types)
-            frames.append(df)
-            for s in shard_sources:
-                # The position and the server it belongs to: positions of another identity never compare.
-                wm["shards"][s.shard] = {
-                    "lsn": point,
-                    "ts": snap_time.replace(tzinfo=UTC).isoformat(),
-                    "endpoint": endpoint_id,
-                    "source": identity,
-                    "columns": [n for n, _ in columns],
-                }
-                cwm["shards"][s.shard] = wm["shards"][s.shard]
-        from functools import reduce
+    for endpoint_id, shard_sources in endpoints.items():
+        prepare_endpoint(endpoint_id, shard_sources, cfg, (all_endpoint_tables or {}).get(endpoint_id))
+        conn, point, snapshot, identity = export_snapshot(shard_sources[0].endpoint, endpoint_id, snap.run_id)
+        stack.callback(conn.close)
+        snap.per_endpoint[endpoint_id] = {"consistent_point": point, "shards": [s.shard for s in shard_sources]}
+        log.info("bootstrap %s: endpoint %s snapshot %s at LSN %s", cfg.name, endpoint_id, snapshot, point)
+        frames.append(read_shards(spark, cfg, shard_sources, snapshot, target.columns, pg_types))
+        for s in shard_sources:
+            # The position and the server it belongs to: positions of another identity never compare.
+            snap.wm["shards"][s.shard] = {
+                "lsn": point,
+                "ts": snap.time.replace(tzinfo=UTC).isoformat(),
+                "endpoint": endpoint_id,
+                "source": identity,
+                "columns": [n for n, _ in target.columns],
+            }
+            snap.cwm["shards"][s.shard] = snap.wm["shards"][s.shard]
+    return frames
 
-        raw = reduce(lambda a, b: a.unionByName(b), frames)
-        typed = typed_rows(raw, cfg, columns)
-        # The snapshot rows, as changelog events: op 'r' at (P, -1), after a truncate marker at (P, -2).
-        lsn_map = F.create_map(
-            *[
-                x
-                for ep in per_endpoint.values()
-                for s in ep["shards"]
-                for x in (F.lit(s), F.lit(ep["consistent_point"]))
-            ]
-        )
-        rows = (
-            typed.withColumn(OP_COL, F.lit("r"))
-            .withColumn(LSN_COL, lsn_map[F.col(SHARD_COL)])
-            .withColumn(SEQ_COL, F.lit(-1).cast("bigint"))
-            .withColumn(COMMIT_TS_COL, F.lit(snap_time))
-            .withColumn(LSN_EVENT_COL, F.col(LSN_COL))
-            .withColumn(XID_COL, F.lit(None).cast("bigint"))
-            .withColumn(UNAVAILABLE_COL, F.lit(None).cast("array<string>"))
-            .withColumn(RUN_COL, F.lit(f"bootstrap-{run_id}"))
-            .withColumn(INGESTED_COL, F.current_timestamp())
-        )
-        cl_cols = [c for c, _ in changelog_columns(columns)]
-        markers = spark.createDataFrame(
-            [(s, ep["consistent_point"]) for ep in per_endpoint.values() for s in ep["shards"]],
-            f"{SHARD_COL} string, {LSN_COL} bigint",
-        )
-        for name, typ in columns:
-            markers = markers.withColumn(name, F.lit(None).cast(typ))
-        markers = (
-            markers.withColumn(OP_COL, F.lit("t"))
-            .withColumn(SEQ_COL, F.lit(-2).cast("bigint"))
-            .withColumn(COMMIT_TS_COL, F.lit(snap_time))
-            .withColumn(LSN_EVENT_COL, F.col(LSN_COL))
-            .withColumn(XID_COL, F.lit(None).cast("bigint"))
-            .withColumn(UNAVAILABLE_COL, F.lit(None).cast("array<string>"))
-            .withColumn(RUN_COL, F.lit(f"bootstrap-{run_id}"))
-            .withColumn(INGESTED_COL, F.current_timestamp())
-        )
-        t_read = time.time()
-        # 1) changelog (one read of the source), 2) current table from those rows, atomically per shard.
-        # No shuffle before the changelog write: every snapshot row goes to one day partition,
-        # and the JDBC tasks write as they read (10M rows: 207 s -> 183 s without the shuffle).
-        conform_to(markers.select(*cl_cols).unionByName(rows.select(*cl_cols)), spark.table(cl).schema).writeTo(
-            cl
-        ).option("distribution-mode", "none").option("snapshot-property.cdc.watermark", watermark_json(cwm)).option(
-            "snapshot-property.cdc.bootstrap", run_id
-        ).append()
-    read_s = time.time() - t_read
-    selected = [s for ep in per_endpoint.values() for s in ep["shards"]]
-    cur_cols = [SHARD_COL, *[n for n, _ in columns], OP_COL, LSN_COL, SEQ_COL, COMMIT_TS_COL]
-    snap = (
-        spark.table(cl)
-        .filter(
-            (F.col(RUN_COL) == f"bootstrap-{run_id}")
-            & (F.col(OP_COL) == "r")
-            & (F.col(COMMIT_TS_COL) == F.lit(snap_time))
-        )
+
+def _event_columns(df: DataFrame, snap: _Snapshot) -> DataFrame:
+    """The changelog columns every bootstrap event has alike."""
+    from pyspark.sql import functions as F
+
+    return (
+        df.withColumn(COMMIT_TS_COL, F.lit(snap.time))
+        .withColumn(LSN_EVENT_COL, F.col(LSN_COL))
+        .withColumn(XID_COL, null_metadata(XID_COL))
+        .withColumn(UNAVAILABLE_COL, null_metadata(UNAVAILABLE_COL))
+        .withColumn(RUN_COL, F.lit(snap.run_tag))
+        .withColumn(INGESTED_COL, F.current_timestamp())
+    )
+
+
+def _write_changelog(
+    spark: SparkSession, cfg: TableConfig, target: _Target, snap: _Snapshot, frames: list[DataFrame]
+) -> None:
+    """The snapshot rows as changelog events: op 'r' at (P, -1), after a truncate marker at (P, -2)
+    that makes the latest-per-key view forget keys that vanished while the shard was not replicated."""
+    from functools import reduce
+
+    from pyspark.sql import functions as F
+
+    typed = typed_rows(reduce(lambda a, b: a.unionByName(b), frames), cfg, target.columns)
+    lsn_map = F.create_map(*[x for shard, point in snap.points() for x in (F.lit(shard), F.lit(point))])
+    rows = _event_columns(
+        typed.withColumn(OP_COL, F.lit("r"))
+        .withColumn(LSN_COL, lsn_map[F.col(SHARD_COL)])
+        .withColumn(SEQ_COL, F.lit(-1).cast("bigint")),
+        snap,
+    )
+    markers = spark.createDataFrame(snap.points(), f"{SHARD_COL} string, {LSN_COL} bigint")
+    for name, typ in target.columns:
+        markers = markers.withColumn(name, F.lit(None).cast(typ))
+    markers = _event_columns(markers.withColumn(OP_COL, F.lit("t")).withColumn(SEQ_COL, F.lit(-2).cast("bigint")), snap)
+    cl_cols = [c for c, _ in changelog_columns(target.columns)]
+    events = conform_to(
+        markers.select(*cl_cols).unionByName(rows.select(*cl_cols)), spark.table(target.changelog).schema
+    )
+    # 1) changelog (one read of the source), 2) current table from those rows, atomically per shard.
+    # No shuffle before the changelog write: every snapshot row goes to one day partition,
+    # and the JDBC tasks write as they read (10M rows: 207 s -> 183 s without the shuffle).
+    events.writeTo(target.changelog).option("distribution-mode", "none").option(
+        "snapshot-property.cdc.watermark", watermark_json(snap.cwm)
+    ).option("snapshot-property.cdc.bootstrap", snap.run_id).append()
+
+
+def _write_current(spark: SparkSession, cfg: TableConfig, target: _Target, snap: _Snapshot, partial: bool) -> None:
+    """The current table from the changelog rows just written (the source is read once), replacing
+    the bootstrapped shards (a partial bootstrap) or the whole table in one commit."""
+    from pyspark.sql import functions as F
+
+    selected = [shard for shard, _ in snap.points()]
+    cur_cols = [SHARD_COL, *[n for n, _ in target.columns], OP_COL, LSN_COL, SEQ_COL, COMMIT_TS_COL]
+    rows = (
+        spark.table(target.changelog)
+        .filter((F.col(RUN_COL) == snap.run_tag) & (F.col(OP_COL) == "r") & (F.col(COMMIT_TS_COL) == F.lit(snap.time)))
         .select(*cur_cols)
     )
     if cfg.deletes == "soft":
-        snap = snap.withColumn(cfg.soft_delete_columns.flag, F.lit(False)).withColumn(
+        rows = rows.withColumn(cfg.soft_delete_columns.flag, F.lit(False)).withColumn(
             cfg.soft_delete_columns.timestamp, F.lit(None).cast("timestamp")
         )
     cond = F.col(SHARD_COL).isin(selected) if partial else F.lit(True)
-    t_write = time.time()
     # Columns the source no longer has (kept under keep_null) are NULL in the new snapshot.
-    snap = conform_to(snap, spark.table(cur).schema)
-    snap.writeTo(cur).option("snapshot-property.cdc.watermark", watermark_json(wm)).option(
-        "snapshot-property.cdc.bootstrap", run_id
+    rows = conform_to(rows, spark.table(target.current).schema)
+    rows.writeTo(target.current).option("snapshot-property.cdc.watermark", watermark_json(snap.wm)).option(
+        "snapshot-property.cdc.bootstrap", snap.run_id
     ).overwrite(cond)
-    write_s = time.time() - t_write
+
+
+def _result(
+    spark: SparkSession, cfg: TableConfig, target: _Target, snap: _Snapshot, clock: PhaseClock
+) -> dict[str, Any]:
+    from pyspark.sql import functions as F
+
+    selected = [shard for shard, _ in snap.points()]
     counts = {
         r[SHARD_COL]: r["n"]
-        for r in spark.table(cur)
+        for r in spark.table(target.current)
         .filter(F.col(SHARD_COL).isin(selected))
         .groupBy(SHARD_COL)
         .agg(F.count(F.lit(1)).alias("n"))
         .collect()
     }
     total = sum(counts.values())
-    elapsed = time.time() - t0
+    elapsed = clock.elapsed()
     result = {
         "table": cfg.name,
-        "run_id": run_id,
+        "run_id": snap.run_id,
         "shards": counts,
         "rows": total,
-        "endpoints": per_endpoint,
-        "read_and_changelog_seconds": read_s,
-        "current_write_seconds": write_s,
+        "endpoints": snap.per_endpoint,
+        "read_and_changelog_seconds": clock.seconds["read_and_changelog"],
+        "current_write_seconds": clock.seconds["current_write"],
         "seconds": elapsed,
         "rows_per_second": total / elapsed if elapsed else None,
-        "watermark": wm,
+        "watermark": snap.wm,
     }
-    log(
-        f"bootstrap {cfg.name}: {total} rows in {elapsed:.1f}s ({result['rows_per_second'] or 0:,.0f} rows/s) "
-        f"shards {counts}; handoff LSNs {[ep['consistent_point'] for ep in per_endpoint.values()]}"
+    log.info(
+        "bootstrap %s: %s rows in %.1fs (%s rows/s) shards %s; handoff LSNs %s",
+        cfg.name,
+        total,
+        elapsed,
+        f"{result['rows_per_second'] or 0:,.0f}",
+        counts,
+        [ep["consistent_point"] for ep in snap.per_endpoint.values()],
     )
     return result

@@ -32,11 +32,12 @@ from cdc_lakehouse.source.catalog import (
     describe_table,
     key_is_enforced,
     key_violations,
-    text_select,
+    text_select_list,
 )
 from cdc_lakehouse.source.errors import PreflightError, SlotLostError
 from cdc_lakehouse.source.publication import check_publication, source_identity
 from cdc_lakehouse.source.publication import preflight as source_preflight
+from cdc_lakehouse.source.session import jdbc_properties
 from cdc_lakehouse.source.slots import create_slot, ensure_heartbeat_tables, slot_name, slot_state
 
 if TYPE_CHECKING:
@@ -108,8 +109,7 @@ def preflight(
                     if info is None:
                         continue  # reported by source_preflight
                     cols = source_schema(cfg, info)
-                    bad = [f"{n} ({c.pg_type})" for (n, t), c in zip(cols, info.columns) if not t]
-                    if bad:
+                    if any(not t for _, t in cols):
                         continue  # reported by source_preflight, with the fix
                     if columns is None:
                         columns, first = cols, f"{s.schema}.{cfg.source.table} on {ep.label}"
@@ -120,13 +120,7 @@ def preflight(
                             f"{cfg.name}: shard {s.shard} has columns that differ from {first}: {diff}; "
                             "all shards of a table must have the same columns and types"
                         )
-                    if not key_is_enforced(cur, s.schema, cfg.source.table, cfg.primary_key):
-                        v = key_violations(cur, s.schema, cfg.source.table, cfg.primary_key)
-                        if v:
-                            problems.append(
-                                f"{cfg.name}: {v}; the lake key must be unique and not null: fix the data "
-                                "or set primary_key to the table's real key"
-                            )
+                    problems += _key_problems(cur, cfg, s)
             conn.commit()
         finally:
             conn.close()
@@ -134,6 +128,19 @@ def preflight(
         raise PreflightError(sorted(set(problems)))
     assert columns is not None
     return columns, pg_types
+
+
+def _key_problems(cur, cfg: TableConfig, s: ShardSource) -> list[str]:
+    """The lake key must identify rows; checked on the data when no constraint enforces it."""
+    if key_is_enforced(cur, s.schema, cfg.source.table, cfg.primary_key):
+        return []
+    v = key_violations(cur, s.schema, cfg.source.table, cfg.primary_key)
+    if not v:
+        return []
+    return [
+        f"{cfg.name}: {v}; the lake key must be unique and not null: fix the data "
+        "or set primary_key to the table's real key"
+    ]
 
 
 def prepare_endpoint(
@@ -216,12 +223,6 @@ def ctid_ranges(ep: SourceEndpoint, schema: str, table: str, parts: int) -> list
     return preds
 
 
-def select_list(columns: list[tuple[str, str]], pg_types: dict[str, str] | None = None) -> str:
-    # Text, as the change stream carries it: both paths then share one set of casts.
-    pg_types = pg_types or {}
-    return ", ".join(f"{text_select(n, pg_types.get(n, ''), t)} AS {pg_ident(n)}" for n, t in columns)
-
-
 def read_shards(
     spark: SparkSession,
     cfg: TableConfig,
@@ -236,26 +237,12 @@ def read_shards(
     from pyspark.sql import functions as F
 
     ep = shard_sources[0].endpoint
-    init = (
-        f"SET TRANSACTION ISOLATION LEVEL REPEATABLE READ; SET TRANSACTION SNAPSHOT '{snapshot}'; "
-        "SET TimeZone='UTC'; SET DateStyle='ISO'; SET IntervalStyle='iso_8601'; SET extra_float_digits=3; "
-        "SET bytea_output='hex'"
-    )
-    props = {
-        "user": ep.user,
-        "driver": "org.postgresql.Driver",
-        "fetchsize": str(cfg.bootstrap.fetch_size),
-        "sessionInitStatement": init,
-    }
-    if ep.password:
-        props["password"] = ep.password
+    props = jdbc_properties(ep, cfg.bootstrap.fetch_size, snapshot)
     frames = []
     for s in shard_sources:
         for pred in ctid_ranges(ep, s.schema, cfg.source.table, cfg.bootstrap.partitions_per_shard):
             where = f" WHERE {pred}" if pred else ""
-            query = (
-                f"(SELECT {select_list(columns, pg_types)} FROM {pg_qualified(s.schema, cfg.source.table)}{where}) q"
-            )
+            query = f"(SELECT {text_select_list(columns, pg_types)} FROM {pg_qualified(s.schema, cfg.source.table)}{where}) q"
             df = spark.read.jdbc(ep.jdbc_url(), query, properties=props).withColumn(SHARD_COL, F.lit(s.shard))
             frames.append(df)
     df = reduce(lambda a, b: a.unionByName(b), frames)

@@ -1,4 +1,5 @@
-"""capture.positions: split out of capture.py."""
+"""Slot positions of a capture: where a run starts (explaining a slot moved by a failed attempt's
+keepalive feedback) and confirming a run's end, which happens only after its manifest is durable."""
 
 from __future__ import annotations
 

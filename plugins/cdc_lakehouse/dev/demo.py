@@ -16,7 +16,7 @@ import time
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from cdc_lakehouse.config import load_table_configs
+from cdc_lakehouse.config import OP_COL, SHARD_COL, load_table_configs
 from cdc_lakehouse.dev.workload import NotionWorkload
 from cdc_lakehouse.settings import LakeSettings, tables_dir
 
@@ -84,33 +84,54 @@ def dags_test(dag_id: str, logical_date: datetime | None = None, conf: str | Non
 
 def _lake_summary(lake: LakeSettings, wl: NotionWorkload) -> list[str]:
     """Rows per layer and the latest figures, read with pyiceberg through the shared catalog."""
-    import pyarrow.compute as pc
     from pyiceberg.catalog import load_catalog
 
     cat = load_catalog(lake.catalog_name, **lake.pyiceberg_properties())
+    lines = _layer_lines(cat, wl)
+    lines.append("")
+    lines += _ingest_lines(cat, lake)
+    lines.append("")
+    audit, verdicts = _audit_lines(cat, lake)
+    lines += audit
+    lines.append("")
+    lines += _maintenance_lines(cat, lake)
+    overall = "clean" if verdicts and all(v == "clean" for v in verdicts) else "FAIL"
+    lines.insert(0, f"AUDIT VERDICT: {overall}")
+    return lines
+
+
+def _layer_lines(cat, wl: NotionWorkload) -> list[str]:
+    """Rows per table in the source, the changelog, the current table and the latest view."""
+    import pyarrow.compute as pc
+
     cs = load_table_configs(tables_dir())
     lines = [f"{'table':<11}{'source':>9}{'changelog':>11}{'current':>9}{'latest view':>13}"]
     for name, cfg in sorted(cs.tables.items()):
         src_rows = sum(wl.row_counts(cfg.source.table).values())
-        cl = cat.load_table(cfg.changelog_table).scan(selected_fields=("_cdc_op",)).to_arrow().num_rows
+        cl = cat.load_table(cfg.changelog_table).scan(selected_fields=(OP_COL,)).to_arrow().num_rows
         cur_t = (
             cat.load_table(cfg.current_table)
-            .scan(selected_fields=("_cdc_shard",) + ((cfg.soft_delete_columns.flag,) if cfg.deletes == "soft" else ()))
+            .scan(selected_fields=(SHARD_COL,) + ((cfg.soft_delete_columns.flag,) if cfg.deletes == "soft" else ()))
             .to_arrow()
         )
         if cfg.deletes == "soft":
             cur_t = cur_t.filter(pc.invert(cur_t[cfg.soft_delete_columns.flag]))
         try:
-            view = cat.load_table(cfg.latest_view).scan(selected_fields=("_cdc_shard",)).to_arrow().num_rows
+            view = cat.load_table(cfg.latest_view).scan(selected_fields=(SHARD_COL,)).to_arrow().num_rows
         except Exception:  # noqa: BLE001 - before the first maintenance
             view = "-"
         lines.append(f"{name:<11}{src_rows:>9}{cl:>11}{cur_t.num_rows:>9}{view!s:>13}")
+    return lines
+
+
+def _ingest_lines(cat, lake: LakeSettings) -> list[str]:
+    """The last ingest run of each table."""
     runs = cat.load_table(lake.meta_table("ingest_runs")).scan().to_arrow().to_pylist()
     latest: dict[str, dict[str, Any]] = {}
     for r in runs:
         if r["table_name"] not in latest or r["committed_at"] > latest[r["table_name"]]["committed_at"]:
             latest[r["table_name"]] = r
-    lines.append("")
+    lines = []
     for name, r in sorted(latest.items()):
         wa = r.get("write_amplification")
         lines.append(
@@ -119,6 +140,11 @@ def _lake_summary(lake: LakeSettings, wl: NotionWorkload) -> list[str]:
             f"{'n/a' if wa is None else f'{wa:.2f}'}, freshness {r.get('freshness_seconds') or 0:.0f}s, "
             f"apply {r.get('apply_seconds') or 0:.1f}s"
         )
+    return lines
+
+
+def _audit_lines(cat, lake: LakeSettings) -> tuple[list[str], list[str]]:
+    """The last audit of each table, and its verdicts."""
     audits = cat.load_table(lake.meta_table("audit_results")).scan().to_arrow().to_pylist()
     last_audit: dict[str, list[dict[str, Any]]] = {}
     for r in sorted(audits, key=lambda x: x["audited_at"]):
@@ -126,8 +152,7 @@ def _lake_summary(lake: LakeSettings, wl: NotionWorkload) -> list[str]:
         if last_audit[r["table_name"]] and last_audit[r["table_name"]][0]["audit_run"] != r["audit_run"]:
             last_audit[r["table_name"]] = []
         last_audit[r["table_name"]].append(r)
-    lines.append("")
-    verdicts = []
+    lines, verdicts = [], []
     for name, rows in sorted(last_audit.items()):
         v = "FAIL" if any(r["verdict"] == "fail" for r in rows) else "clean"
         verdicts.append(v)
@@ -136,8 +161,13 @@ def _lake_summary(lake: LakeSettings, wl: NotionWorkload) -> list[str]:
             f"missing {sum(r['missing'] for r in rows)}, extra {sum(r['extra'] for r in rows)}, different "
             f"{sum(r['different'] for r in rows)}, in flight {sum(r['in_flight'] for r in rows)} ({rows[0]['mode']})"
         )
+    return lines, verdicts
+
+
+def _maintenance_lines(cat, lake: LakeSettings) -> list[str]:
+    """Files and snapshots before and after each maintenance target."""
     maint = cat.load_table(lake.meta_table("maintenance_runs")).scan().to_arrow().to_pylist()
-    lines.append("")
+    lines = []
     for r in sorted(maint, key=lambda x: (x["table_name"], x["target"], x["phase"] != "before")):
         if r["phase"] == "before":
             before = r
@@ -147,8 +177,6 @@ def _lake_summary(lake: LakeSettings, wl: NotionWorkload) -> list[str]:
                 f"{r['data_files']}, delete files {before['delete_files']} -> {r['delete_files']}, "
                 f"snapshots {before['snapshots']} -> {r['snapshots']}"
             )
-    overall = "clean" if verdicts and all(v == "clean" for v in verdicts) else "FAIL"
-    lines.insert(0, f"AUDIT VERDICT: {overall}")
     return lines
 
 

@@ -152,77 +152,91 @@ class NotionWorkload:
             with conn.cursor() as cur:
                 per_shard = max(1, changes // len(self.schemas))
                 for s in self.schemas:
-                    t = lambda name, s=s: pg_qualified(s, name)  # noqa: E731
                     n_ins = max(1, int(per_shard * 0.08))
                     n_del = max(1, int(per_shard * 0.02))
                     n_upd = max(1, per_shard - n_ins - n_del)
-                    start = self.next_id[s]
-                    cur.execute(
-                        f"INSERT INTO {t('block')} (id, space_id, parent_id, type, properties, content, created_at, "
-                        "updated_at, tags, score, created_day, external_id) "
-                        f"SELECT g, {self.shard_no(s) * ID_STRIDE} + 1 + g %% 10, g - 1 - (g %% 5), "
-                        "(ARRAY['page','text','to_do','code'])[1 + g %% 4], jsonb_build_object('title', 'new ' || g), "
-                        f"{_content(self.long_content_share)}, now(), now(), ARRAY['new'], g %% 100, current_date, "
-                        "gen_random_uuid() FROM generate_series(%s, %s) g",
-                        (start, start + n_ins - 1),
-                    )
-                    cur.execute(
-                        f"INSERT INTO {t('permission')} (block_id, user_id, role) SELECT g, 1 + g %% 50, 'edit' "
-                        "FROM generate_series(%s, %s) g WHERE g %% 4 = 0 ON CONFLICT DO NOTHING",
-                        (start, start + n_ins - 1),
-                    )
-                    self.next_id[s] = start + n_ins
-                    counts["insert"] += n_ins
-                    conn.commit()
-                    ids = self._recent_ids(s, n_upd)
-                    for i in range(0, len(ids), chunk):
-                        part = ids[i : i + chunk]
-                        if self.rng.random() < toast_share:
-                            # Content untouched: its TOASTed value is not re-sent.
-                            cur.execute(
-                                f"UPDATE {t('block')} SET properties = properties || jsonb_build_object('rev', "
-                                "version + 1), updated_at = now(), version = version + 1, "
-                                "is_archived = (random() < 0.05) WHERE id = ANY(%s)",
-                                (part,),
-                            )
-                        else:
-                            cur.execute(
-                                f"UPDATE {t('block')} SET content = {_content(self.long_content_share)}, "
-                                "updated_at = now(), version = version + 1, score = score + 1 "
-                                "WHERE id = ANY(%s)",
-                                (part,),
-                            )
-                        counts["update"] += cur.rowcount
-                        conn.commit()
-                    lo = self.first_id[s]
-                    dels = [self.rng.randint(lo, self.next_id[s] - 1) for _ in range(n_del)]
-                    cur.execute(f"DELETE FROM {t('permission')} WHERE block_id = ANY(%s)", (dels,))
-                    cur.execute(f"DELETE FROM {t('block')} WHERE id = ANY(%s)", (dels,))
-                    counts["delete"] += cur.rowcount
-                    conn.commit()
-                    for _ in range(pk_changes):
-                        old = self._recent_ids(s, 1)[0]
-                        new = self.next_id[s]
-                        self.next_id[s] += 1
-                        cur.execute(
-                            f"UPDATE {t('block')} SET id = %s WHERE id = %s AND NOT EXISTS "
-                            f"(SELECT 1 FROM {t('permission')} WHERE block_id = %s)",
-                            (new, old, old),
-                        )
-                        counts["pk_change"] += cur.rowcount
-                        conn.commit()
+                    self._step_inserts(conn, cur, s, n_ins, counts)
+                    self._step_updates(conn, cur, s, n_upd, chunk, toast_share, counts)
+                    self._step_deletes(conn, cur, s, n_del, counts)
+                    self._step_key_changes(conn, cur, s, pk_changes, counts)
                     if self.rng.random() < 0.3:
-                        sp = self.shard_no(s) * ID_STRIDE + 1 + self.rng.randint(0, 9)
-                        cur.execute(
-                            f"UPDATE {t('space')} SET updated_at = now(), plan = (ARRAY['free','plus',"
-                            "'business'])[1 + floor(random() * 3)::int] WHERE id = %s",
-                            (sp,),
-                        )
-                        counts["space_update"] += cur.rowcount
-                        conn.commit()
+                        self._step_space_update(conn, cur, s, counts)
         finally:
             conn.close()
         return counts
+
+    def _step_inserts(self, conn, cur, s: str, n_ins: int, counts: Counter) -> None:
+        start = self.next_id[s]
+        cur.execute(
+            f"INSERT INTO {pg_qualified(s, 'block')} (id, space_id, parent_id, type, properties, content, created_at, "
+            "updated_at, tags, score, created_day, external_id) "
+            f"SELECT g, {self.shard_no(s) * ID_STRIDE} + 1 + g %% 10, g - 1 - (g %% 5), "
+            "(ARRAY['page','text','to_do','code'])[1 + g %% 4], jsonb_build_object('title', 'new ' || g), "
+            f"{_content(self.long_content_share)}, now(), now(), ARRAY['new'], g %% 100, current_date, "
+            "gen_random_uuid() FROM generate_series(%s, %s) g",
+            (start, start + n_ins - 1),
+        )
+        cur.execute(
+            f"INSERT INTO {pg_qualified(s, 'permission')} (block_id, user_id, role) SELECT g, 1 + g %% 50, 'edit' "
+            "FROM generate_series(%s, %s) g WHERE g %% 4 = 0 ON CONFLICT DO NOTHING",
+            (start, start + n_ins - 1),
+        )
+        self.next_id[s] = start + n_ins
+        counts["insert"] += n_ins
+        conn.commit()
+
+    def _step_updates(self, conn, cur, s: str, n_upd: int, chunk: int, toast_share: float, counts: Counter) -> None:
+        ids = self._recent_ids(s, n_upd)
+        for i in range(0, len(ids), chunk):
+            part = ids[i : i + chunk]
+            if self.rng.random() < toast_share:
+                # Content untouched: its TOASTed value is not re-sent.
+                cur.execute(
+                    f"UPDATE {pg_qualified(s, 'block')} SET properties = properties || jsonb_build_object('rev', "
+                    "version + 1), updated_at = now(), version = version + 1, "
+                    "is_archived = (random() < 0.05) WHERE id = ANY(%s)",
+                    (part,),
+                )
+            else:
+                cur.execute(
+                    f"UPDATE {pg_qualified(s, 'block')} SET content = {_content(self.long_content_share)}, "
+                    "updated_at = now(), version = version + 1, score = score + 1 "
+                    "WHERE id = ANY(%s)",
+                    (part,),
+                )
+            counts["update"] += cur.rowcount
+            conn.commit()
+
+    def _step_deletes(self, conn, cur, s: str, n_del: int, counts: Counter) -> None:
+        lo = self.first_id[s]
+        dels = [self.rng.randint(lo, self.next_id[s] - 1) for _ in range(n_del)]
+        cur.execute(f"DELETE FROM {pg_qualified(s, 'permission')} WHERE block_id = ANY(%s)", (dels,))
+        cur.execute(f"DELETE FROM {pg_qualified(s, 'block')} WHERE id = ANY(%s)", (dels,))
+        counts["delete"] += cur.rowcount
+        conn.commit()
+
+    def _step_key_changes(self, conn, cur, s: str, pk_changes: int, counts: Counter) -> None:
+        for _ in range(pk_changes):
+            old = self._recent_ids(s, 1)[0]
+            new = self.next_id[s]
+            self.next_id[s] += 1
+            cur.execute(
+                f"UPDATE {pg_qualified(s, 'block')} SET id = %s WHERE id = %s AND NOT EXISTS "
+                f"(SELECT 1 FROM {pg_qualified(s, 'permission')} WHERE block_id = %s)",
+                (new, old, old),
+            )
+            counts["pk_change"] += cur.rowcount
+            conn.commit()
+
+    def _step_space_update(self, conn, cur, s: str, counts: Counter) -> None:
+        sp = self.shard_no(s) * ID_STRIDE + 1 + self.rng.randint(0, 9)
+        cur.execute(
+            f"UPDATE {pg_qualified(s, 'space')} SET updated_at = now(), plan = (ARRAY['free','plus',"
+            "'business'])[1 + floor(random() * 3)::int] WHERE id = %s",
+            (sp,),
+        )
+        counts["space_update"] += cur.rowcount
+        conn.commit()
 
     def add_column(self, name: str, typ: str = "text", table: str = "block") -> None:
         conn = self._connect()

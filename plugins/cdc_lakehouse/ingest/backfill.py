@@ -27,10 +27,13 @@ from typing import TYPE_CHECKING, Any
 
 from cdc_lakehouse.config import LSN_COL, OP_COL, SEQ_COL, SHARD_COL, TableConfig
 from cdc_lakehouse.identifiers import pg_qualified, spark_ident
+from cdc_lakehouse.ingest.schema import BACKFILL
 from cdc_lakehouse.ingest.validate import cast_text
 from cdc_lakehouse.lake.columns import INGESTED_COL, LSN_EVENT_COL, RUN_COL, UNAVAILABLE_COL, XID_COL
-from cdc_lakehouse.lake.commits import with_commit_retries
-from cdc_lakehouse.lake.tables import conform_to
+from cdc_lakehouse.lake.commits import fenced_commit, with_commit_retries
+from cdc_lakehouse.lake.tables import conform_to, null_metadata, source_columns_of
+from cdc_lakehouse.lake.watermark import watermark_json
+from cdc_lakehouse.landing.reader import Plan
 from cdc_lakehouse.settings import LakeSettings, SourceEndpoint, source_uri
 from cdc_lakehouse.source.catalog import describe_table, text_select
 from cdc_lakehouse.source.session import SESSION_OPTIONS
@@ -38,17 +41,7 @@ from cdc_lakehouse.source.session import SESSION_OPTIONS
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
 
-
-from typing import TYPE_CHECKING
-
-from cdc_lakehouse.lake.commits import fenced_commit
-from cdc_lakehouse.lake.tables import source_columns_of
-from cdc_lakehouse.lake.watermark import watermark_json
-
-if TYPE_CHECKING:
-    from pyspark.sql import DataFrame, SparkSession
-from cdc_lakehouse.ingest.schema import BACKFILL
-from cdc_lakehouse.landing.reader import Plan
+log = logging.getLogger(__name__)
 
 
 def columns_to_backfill(cfg: TableConfig, plan: Plan, wm: dict[str, Any]) -> list[dict[str, Any]]:
@@ -101,9 +94,6 @@ def finish_backfill(
     fenced_commit(spark, cur, plan.new_watermark, done, clear, what=f"{cfg.name} backfill done")
     plan.new_watermark = done
     return n
-
-
-log = logging.getLogger(__name__)
 
 
 def added_column_source(conn, schema: str, table: str, column: str) -> tuple[str, Any]:
@@ -197,10 +187,31 @@ def _apply(
     columns: list[str],
     run_label: str,
 ) -> int:
-    from pyspark.sql import functions as F
-
     cur = lake.qualified(cfg.current_table)
     cl = lake.qualified(cfg.changelog_table)
+    filled = _filled_rows(spark, cfg, cur, shard, at_lsn, values, columns).localCheckpoint(eager=True)
+    n = filled.count()
+    if n == 0:
+        return 0
+    # The changelog first (history of the value), then the current table; both idempotent.
+    _backfill_changelog(spark, cfg, cl, shard, at_lsn, filled, run_label)
+    _backfill_current(spark, cfg, cur, at_lsn, filled, columns)
+    log.info("%s: %d row(s) of shard %s got the source's value of added column(s) %s", cfg.name, n, shard, columns)
+    return n
+
+
+def _filled_rows(
+    spark: SparkSession,
+    cfg: TableConfig,
+    cur: str,
+    shard: str,
+    at_lsn: int,
+    values: DataFrame | dict[str, Any],
+    columns: list[str],
+) -> DataFrame:
+    """The shard's live rows from before the ALTER, with the added columns' values."""
+    from pyspark.sql import functions as F
+
     key = [SHARD_COL, *cfg.primary_key]
     types = {f.name: f.dataType.simpleString() for f in spark.table(cur).schema.fields}
     older = spark.table(cur).filter((F.col(SHARD_COL) == shard) & (F.col(LSN_COL) < at_lsn))
@@ -210,23 +221,25 @@ def _apply(
         filled = older
         for c, text in values.items():
             filled = filled.withColumn(c, cast_text(F.lit(text), types[c]))
-    else:
-        filled = older.drop(*columns).join(
-            values.drop(*[c for c in values.columns if c not in key + columns]), key, "inner"
-        )
-    filled = filled.localCheckpoint(eager=True)
-    n = filled.count()
-    if n == 0:
-        return 0
-    # The changelog first (history of the value), then the current table; both idempotent.
+        return filled
+    return older.drop(*columns).join(values.drop(*[c for c in values.columns if c not in key + columns]), key, "inner")
+
+
+def _backfill_changelog(
+    spark: SparkSession, cfg: TableConfig, cl: str, shard: str, at_lsn: int, filled: DataFrame, run_label: str
+) -> None:
+    """Each filled row as an event at (L, -1), unless an earlier attempt wrote it already."""
+    from pyspark.sql import functions as F
+
+    key = [SHARD_COL, *cfg.primary_key]
     at = F.lit(at_lsn).cast("bigint")
     events = (
         filled.withColumn(OP_COL, F.lit("r"))
         .withColumn(LSN_COL, at)
         .withColumn(SEQ_COL, F.lit(-1).cast("bigint"))
         .withColumn(LSN_EVENT_COL, at)
-        .withColumn(XID_COL, F.lit(None).cast("bigint"))
-        .withColumn(UNAVAILABLE_COL, F.lit(None).cast("array<string>"))
+        .withColumn(XID_COL, null_metadata(XID_COL))
+        .withColumn(UNAVAILABLE_COL, null_metadata(UNAVAILABLE_COL))
         .withColumn(RUN_COL, F.lit(f"backfill-{run_label}"))
         .withColumn(INGESTED_COL, F.current_timestamp())
     )
@@ -235,6 +248,13 @@ def _apply(
     with_commit_retries(
         lambda: conform_to(events, spark.table(cl).schema).writeTo(cl).append(), what=f"{cfg.name} backfill changelog"
     )
+
+
+def _backfill_current(
+    spark: SparkSession, cfg: TableConfig, cur: str, at_lsn: int, filled: DataFrame, columns: list[str]
+) -> None:
+    """The values into the rows still below L: a row an event changed since keeps that event's."""
+    key = [SHARD_COL, *cfg.primary_key]
     view = f"cdc_backfill_{cfg.name}"
     filled.select(*key, *columns).createOrReplaceTempView(view)
     on = " AND ".join(f"t.{spark_ident(k)} = s.{spark_ident(k)}" for k in key)
@@ -245,5 +265,3 @@ def _apply(
         ),
         what=f"{cfg.name} backfill",
     )
-    log.info("%s: %d row(s) of shard %s got the source's value of added column(s) %s", cfg.name, n, shard, columns)
-    return n

@@ -1,11 +1,7 @@
-"""ingest.errors: split out of ingest.py."""
+"""Why a table's ingest stops. Each is raised with a message that names the table, the cause and
+the fix; the other tables of the job go on (runtime.jobs runs them one by one)."""
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    pass
 
 
 class IngestError(RuntimeError):

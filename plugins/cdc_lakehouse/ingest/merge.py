@@ -1,17 +1,14 @@
-"""ingest.merge: split out of ingest.py."""
+"""ingest.merge: the MERGE that applies a reduced batch to the current table (hard or soft deletes,
+truncates, unchanged TOAST values kept from the table), and the (LSN, seq) ordering predicates."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from cdc_lakehouse.config import COMMIT_TS_COL, LSN_COL, OP_COL, SEQ_COL, SHARD_COL, TableConfig
 from cdc_lakehouse.identifiers import spark_ident
-
-if TYPE_CHECKING:
-    pass
 from cdc_lakehouse.ingest.toast import UNAV_LEFT
-
-# --- the run ---------------------------------------------------------------------------------------
+from cdc_lakehouse.lake.watermark import shard_lsn_map
 
 
 def merge_sql(
@@ -73,9 +70,5 @@ def lsn_newer(lsn_a, seq_a, lsn_b, seq_b):
 
 
 def wm_map(wm: dict[str, Any]):
-    from pyspark.sql import functions as F
-
-    pairs = []
-    for shard, v in sorted(wm.get("shards", {}).items()):
-        pairs += [F.lit(shard), F.lit(int(v["lsn"]))]
-    return F.create_map(*pairs) if pairs else F.create_map().cast("map<string,bigint>")
+    """The watermark as a map column shard -> LSN: lake.watermark.shard_lsn_map (its one definition)."""
+    return shard_lsn_map(wm)

@@ -1,10 +1,14 @@
-"""ingest.quarantine: split out of ingest.py."""
+"""Quarantine: malformed events, and rows held back because their unchanged TOAST value has
+no trustworthy source. Kept in cdc_meta.quarantine so nothing is lost or silently NULLed."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import logging
+from typing import TYPE_CHECKING
 
 from cdc_lakehouse.config import LSN_COL, OP_COL, SEQ_COL, SHARD_COL, TableConfig
+from cdc_lakehouse.ingest.merge import lsn_newer
+from cdc_lakehouse.ingest.toast import NO_TABLE, UNAV_LEFT
 from cdc_lakehouse.ingest.validate import FILE, RAW, REASONS
 from cdc_lakehouse.lake.columns import RUN_COL, UNAVAILABLE_COL
 from cdc_lakehouse.lake.commits import with_commit_retries
@@ -12,8 +16,8 @@ from cdc_lakehouse.settings import LakeSettings
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
-from cdc_lakehouse.ingest.merge import lsn_newer
-from cdc_lakehouse.ingest.toast import NO_TABLE, UNAV_LEFT
+
+log = logging.getLogger(__name__)
 
 
 def write_quarantine(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, bad: DataFrame, ingest_run: str) -> int:
@@ -117,20 +121,14 @@ def as_held(rows: DataFrame, key: list[str]) -> DataFrame:
 
 
 def hold_dependents(
-    spark: SparkSession,
-    lake: LakeSettings,
-    cfg: TableConfig,
-    held: DataFrame | None,
-    ingest_run: str,
-    metrics: dict[str, Any],
-    log,
+    spark: SparkSession, lake: LakeSettings, cfg: TableConfig, held: DataFrame | None, ingest_run: str
 ) -> int:
+    """Write held-back rows (see held_back, as_held) to quarantine; returns how many were added."""
     if held is None:
         return 0
     n = write_quarantine(spark, lake, cfg, held, ingest_run)
-    metrics["quarantined"] += n
     if n:
-        log(f"WARNING {cfg.name}: {n} event(s) held back in quarantine: unchanged TOAST value unknown")
+        log.warning("%s: %d event(s) held back in quarantine: unchanged TOAST value unknown", cfg.name, n)
     return n
 
 

@@ -1,15 +1,16 @@
-"""ingest.reduce: split out of events.py."""
+"""ingest.reduce: typed events -> the lake's order (`_cdc_seq`, primary-key changes split in two)
+and the latest event per key."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from cdc_lakehouse.config import COMMIT_TS_COL, LSN_COL, OP_COL, SEQ_COL, SHARD_COL, TableConfig
-from cdc_lakehouse.lake.columns import LSN_EVENT_COL, RUN_COL, UNAVAILABLE_COL, XID_COL
+from cdc_lakehouse.config import LSN_COL, OP_COL, SEQ_COL, SHARD_COL, TableConfig
+from cdc_lakehouse.ingest.validate import BKEY, FILE, PKCHANGE, RAW, REASONS
+from cdc_lakehouse.lake.columns import METADATA_NAMES, UNAVAILABLE, UNAVAILABLE_COL
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame
-from cdc_lakehouse.ingest.validate import BKEY, FILE, PKCHANGE, RAW, REASONS
 
 
 def split_pk_changes(events: DataFrame, cfg: TableConfig) -> DataFrame:
@@ -34,7 +35,7 @@ def split_pk_changes(events: DataFrame, cfg: TableConfig) -> DataFrame:
             deletes = deletes.withColumn(c, F.lit(None).cast(events.schema[c].dataType))
     deletes = (
         deletes.withColumn(OP_COL, F.lit("d"))
-        .withColumn(UNAVAILABLE_COL, F.lit(None).cast("array<string>"))
+        .withColumn(UNAVAILABLE_COL, F.lit(None).cast(UNAVAILABLE.type))
         .withColumn(SEQ_COL, F.col("_seq_raw") * 2)
         .withColumn(PKCHANGE, F.lit(False))
     )
@@ -43,22 +44,8 @@ def split_pk_changes(events: DataFrame, cfg: TableConfig) -> DataFrame:
     return base.unionByName(deletes)
 
 
-_META_NON_SOURCE = {
-    SHARD_COL,
-    OP_COL,
-    LSN_COL,
-    "_seq_raw",
-    SEQ_COL,
-    COMMIT_TS_COL,
-    LSN_EVENT_COL,
-    XID_COL,
-    UNAVAILABLE_COL,
-    RUN_COL,
-    REASONS,
-    RAW,
-    FILE,
-    PKCHANGE,
-}
+# Columns of a typed event that are not source columns: the metadata columns and the ingest's own.
+_META_NON_SOURCE = METADATA_NAMES | {"_seq_raw", REASONS, RAW, FILE, PKCHANGE}
 
 
 def latest_per_key(events: DataFrame, key: list[str]) -> DataFrame:

@@ -1,23 +1,26 @@
-"""ingest.schema: split out of ingest.py."""
+"""Schema evolution: the events' schemas (from the capture's relation messages) against the lake
+table. Additive changes become DDL run before the data; anything the table cannot take in place
+stops the table with the choices spelled out."""
 
 from __future__ import annotations
 
 import json
+import logging
+import re
 from typing import TYPE_CHECKING
 
 from cdc_lakehouse.config import TableConfig
 from cdc_lakehouse.identifiers import spark_ident
 from cdc_lakehouse.lake.tables import add_column
+from cdc_lakehouse.landing.reader import Plan
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
-from cdc_lakehouse.landing.reader import Plan
+
+log = logging.getLogger(__name__)
 
 WIDENINGS = {("int", "bigint"), ("float", "double")}
 BACKFILL = "backfill"  # watermark key: added columns whose older rows still need the source's value
-
-
-# --- schema -------------------------------------------------------------------------------------
 
 
 def manifest_schemas(plan: Plan, cfg: TableConfig) -> tuple[list[list[dict]], dict[str, list[dict]]]:
@@ -58,8 +61,6 @@ def event_schemas(raw: DataFrame) -> tuple[list[list[dict]], dict[str, list[dict
 
 
 def _dec(t: str) -> tuple[int, int] | None:
-    import re
-
     m = re.match(r"^decimal\((\d+),\s*(\d+)\)$", t)
     return (int(m.group(1)), int(m.group(2))) if m else None
 
@@ -78,74 +79,104 @@ def schema_actions(
     column missing from a shard's latest schema is dropped there only if the shard had it: a shard
     with no writes since a column was added elsewhere still shows its older schema."""
     lake = dict(lake_cols)
+    where = file_hint or f"include/tables/{cfg.name}.yaml"
+    ddl, errors, added = _new_and_changed(cfg, lake, schemas, where)
+    for shard_schema, sch in latest.items():
+        names = {c["name"] for c in sch}
+        had = (known or {}).get(shard_schema)
+        for name in lake:
+            if name in names or name in added or (had is not None and name not in had):
+                continue
+            stmt, error = _dropped(cfg, name, shard_schema, where)
+            if error:
+                errors.append(error)
+            elif stmt and stmt not in ddl:
+                ddl.append(stmt)
+    return ddl, sorted(set(errors))
+
+
+def _new_and_changed(
+    cfg: TableConfig, lake: dict[str, str], schemas: list[list[dict]], where: str
+) -> tuple[list[str], list[str], set[str]]:
+    """DDL and errors for columns new to the lake or of another type; `lake` takes the widenings.
+    Also returns the names of the new columns."""
     ddl: list[str] = []
     errors: list[str] = []
-    where = file_hint or f"include/tables/{cfg.name}.yaml"
-    seen_added: set[str] = set()
+    added: set[str] = set()
     for sch in schemas:
         for c in sch:
             name = c["name"]
             want = cfg.column_types.get(name) or c.get("lake_type")
             if name not in lake:
-                if name in seen_added:
+                if name in added:
                     continue
-                seen_added.add(name)
-                if not want:
-                    errors.append(
-                        f"{cfg.name}: new source column {name!r} has unsupported type {c.get('type')!r}; "
-                        f"set column_types: {{{name}: string}} in {where}"
-                    )
-                elif cfg.schema_changes.mode == "strict":
-                    errors.append(
-                        f"{cfg.name}: source column {name!r} ({c.get('type')}) was added and the table's "
-                        f"schema_changes.mode is strict; set it to additive in {where}, or re-bootstrap"
-                    )
+                added.add(name)
+                if error := _added_error(cfg, c, want, where):
+                    errors.append(error)
                 else:
                     ddl.append(f"ADD COLUMN {spark_ident(name)} {want}")
             elif want and lake[name] != want:
-                old, new = lake[name], want
-                od, nd = _dec(old), _dec(new)
-                if (old, new) in WIDENINGS or (od and nd and nd[1] == od[1] and nd[0] > od[0]):
-                    if cfg.schema_changes.mode == "additive":
-                        ddl.append(f"ALTER COLUMN {spark_ident(name)} TYPE {new}")
-                        lake[name] = new
-                        continue
-                errors.append(
-                    f"{cfg.name}: source column {name!r} changed type from {old} to {new} ({c.get('type')}), which the lake "
-                    f"table cannot take in place. Choose: set column_types: {{{name}: {old}}} in {where} if the values "
-                    f"still fit (values that do not are quarantined), or re-bootstrap the table after setting the new type"
-                )
-    for shard_schema, sch in latest.items():
-        names = {c["name"] for c in sch}
-        had = (known or {}).get(shard_schema)
-        for name in lake:
-            if name in names or name in seen_added or (had is not None and name not in had):
-                continue
-            policy = cfg.schema_changes.dropped_columns.get(name)
-            if name in cfg.primary_key:
-                errors.append(
-                    f"{cfg.name}: primary key column {name!r} disappeared from the source (shard "
-                    f"{shard_schema}); re-bootstrap the table with the new key"
-                )
-            elif policy == "drop":
-                stmt = f"DROP COLUMN {spark_ident(name)}"
-                if stmt not in ddl:
-                    ddl.append(stmt)
-            elif policy != "keep_null":
-                errors.append(
-                    f"{cfg.name}: source column {name!r} was dropped (shard {shard_schema}) but the lake table keeps it, "
-                    f"so ingest stopped for this table. Choose in {where}: schema_changes.dropped_columns: "
-                    f"{{{name}: keep_null}} to keep it (NULL from now on), or {{{name}: drop}} to drop it from the "
-                    "current table (the changelog keeps its history); then rerun the failed task"
-                )
-    return ddl, sorted(set(errors))
+                if _widens(cfg, lake[name], want):
+                    ddl.append(f"ALTER COLUMN {spark_ident(name)} TYPE {want}")
+                    lake[name] = want
+                else:
+                    errors.append(
+                        f"{cfg.name}: source column {name!r} changed type from {lake[name]} to {want} ({c.get('type')}), "
+                        "which the lake table cannot take in place. Choose: set column_types: "
+                        f"{{{name}: {lake[name]}}} in {where} if the values still fit (values that do not are "
+                        "quarantined), or re-bootstrap the table after setting the new type"
+                    )
+    return ddl, errors, added
 
 
-def apply_schema_actions(spark: SparkSession, cur: str, cl: str, ddl: list[str], log) -> None:
+def _added_error(cfg: TableConfig, c: dict, want: str | None, where: str) -> str | None:
+    name = c["name"]
+    if not want:
+        return (
+            f"{cfg.name}: new source column {name!r} has unsupported type {c.get('type')!r}; "
+            f"set column_types: {{{name}: string}} in {where}"
+        )
+    if cfg.schema_changes.mode == "strict":
+        return (
+            f"{cfg.name}: source column {name!r} ({c.get('type')}) was added and the table's "
+            f"schema_changes.mode is strict; set it to additive in {where}, or re-bootstrap"
+        )
+    return None
+
+
+def _widens(cfg: TableConfig, old: str, new: str) -> bool:
+    """A type change Iceberg takes in place (int -> bigint, float -> double, a wider decimal of
+    the same scale), and the table accepts additive changes."""
+    od, nd = _dec(old), _dec(new)
+    widening = (old, new) in WIDENINGS or bool(od and nd and nd[1] == od[1] and nd[0] > od[0])
+    return widening and cfg.schema_changes.mode == "additive"
+
+
+def _dropped(cfg: TableConfig, name: str, shard_schema: str, where: str) -> tuple[str | None, str | None]:
+    """A lake column gone from a shard's schema: (DDL, None), (None, error) or (None, None) to keep it."""
+    policy = cfg.schema_changes.dropped_columns.get(name)
+    if name in cfg.primary_key:
+        return None, (
+            f"{cfg.name}: primary key column {name!r} disappeared from the source (shard "
+            f"{shard_schema}); re-bootstrap the table with the new key"
+        )
+    if policy == "drop":
+        return f"DROP COLUMN {spark_ident(name)}", None
+    if policy == "keep_null":
+        return None, None
+    return None, (
+        f"{cfg.name}: source column {name!r} was dropped (shard {shard_schema}) but the lake table keeps it, "
+        f"so ingest stopped for this table. Choose in {where}: schema_changes.dropped_columns: "
+        f"{{{name}: keep_null}} to keep it (NULL from now on), or {{{name}: drop}} to drop it from the "
+        "current table (the changelog keeps its history); then rerun the failed task"
+    )
+
+
+def apply_schema_actions(spark: SparkSession, cur: str, cl: str, ddl: list[str]) -> None:
     """Run the DDL on the current table, and what applies of it on the changelog: the changelog
     keeps dropped columns (their history), so a column added back may already be there."""
     for stmt in ddl:
-        log(f"schema change applied to {cur}: {stmt}")
+        log.info("schema change applied to %s: %s", cur, stmt)
         spark.sql(f"ALTER TABLE {cur} {stmt}")
         if stmt.startswith("ADD COLUMN "):
             name, typ = stmt.removeprefix("ADD COLUMN ").split(" ", 1)

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from cdc_lakehouse.config import COMMIT_TS_COL, LSN_COL, OP_COL, SHARD_COL, TableConfig
 from cdc_lakehouse.lake.columns import LSN_EVENT_COL, RUN_COL, UNAVAILABLE_COL, XID_COL
+from cdc_lakehouse.landing.format import EVENT_SCHEMA, EventField
 
 if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame
@@ -29,51 +30,32 @@ BKEY = "_bkey_"  # prefix of the before-image key columns (primary-key changes)
 PKCHANGE = "_pk_change"
 
 
-def landing_spark_schema():
-    from pyspark.sql.types import (
-        ArrayType,
-        LongType,
-        MapType,
-        StringType,
-        StructField,
-        StructType,
-        TimestampType,
-    )
+def _spark_type(f: EventField):
+    from pyspark.sql import types as T
 
-    kv = MapType(StringType(), StringType())
-    source = StructType(
-        [
-            StructField("connector", StringType()),
-            StructField("endpoint", StringType()),
-            StructField("host", StringType()),
-            StructField("db", StringType()),
-            StructField("schema", StringType()),
-            StructField("table", StringType()),
-            StructField("commit_lsn", LongType()),
-            StructField("lsn", LongType()),
-            StructField("xid", LongType()),
-            StructField("seq", LongType()),
-            StructField("commit_ts", TimestampType()),
-        ]
-    )
-    return StructType(
-        [
-            StructField("op", StringType()),
-            StructField("before", kv),
-            StructField("after", kv),
-            StructField("unavailable", ArrayType(StringType())),
-            StructField("source", source),
-            StructField("table_schema", StringType()),
-            StructField("ts_ms", LongType()),
-            StructField("run_id", StringType()),
-        ]
-    )
+    if f.type == "struct":
+        return T.StructType([T.StructField(c.name, _spark_type(c)) for c in f.fields])
+    return {
+        "string": T.StringType,
+        "int64": T.LongType,
+        "timestamp": T.TimestampType,
+        "map<string,string>": lambda: T.MapType(T.StringType(), T.StringType()),
+        "list<string>": lambda: T.ArrayType(T.StringType()),
+    }[f.type]()
+
+
+def landing_spark_schema():
+    """The Spark schema of a landing file, from the one event schema (landing.format.EVENT_SCHEMA)."""
+    from pyspark.sql.types import StructField, StructType
+
+    return StructType([StructField(f.name, _spark_type(f)) for f in EVENT_SCHEMA])
 
 
 _DEC = re.compile(r"^decimal\((\d+),\s*(\d+)\)$")
 
 
-def cast_text(raw: Column, lake_type: str) -> Column:
+# One return per lake type: the cast of PostgreSQL text to that type.
+def cast_text(raw: Column, lake_type: str) -> Column:  # noqa: PLR0911
     """PostgreSQL text -> lake type; NULL when the text does not fit (callers check)."""
     from pyspark.sql import functions as F
 
@@ -143,10 +125,40 @@ def typed_events(
     """
     from pyspark.sql import functions as F
 
-    pk = cfg.primary_key
-    types = dict(lake_columns)
-    # Step 1: each column's raw text once (after image for upserts, before image for deletes),
-    # so the casts and checks below reference columns instead of repeating the lookups.
+    stage = _raw_stage(df, cfg.primary_key, lake_columns)
+    op = F.col("op")
+    cols, reasons = _typed_columns(cfg.primary_key, lake_columns)
+    shard = shard_expr(shard_map)
+    reason_arr = F.filter(F.array(*reasons), lambda x: x.isNotNull())
+    # Step 2: typed values and reasons; step 3: the raw payload and file, kept only for malformed
+    # events (quarantine), cheap for the rest.
+    typed_df = stage.select(
+        shard.alias(SHARD_COL),
+        *[c.alias(n) for n, c in cols.items()],
+        F.when(op == "r", F.lit("c")).otherwise(op).alias(OP_COL),
+        F.col("source.commit_lsn").alias(LSN_COL),
+        F.col("source.seq").alias("_seq_raw"),
+        F.col("source.commit_ts").alias(COMMIT_TS_COL),
+        F.col("source.lsn").alias(LSN_EVENT_COL),
+        F.col("source.xid").alias(XID_COL),
+        F.when(F.size("unavailable") > 0, F.col("unavailable")).alias(UNAVAILABLE_COL),
+        F.col("run_id").alias(RUN_COL),
+        reason_arr.alias(REASONS),
+        F.struct("op", "before", "after", "unavailable", "source", "run_id").alias("_event"),
+    )
+    bad = F.size(REASONS) > 0
+    return (
+        typed_df.withColumn(RAW, F.when(bad, F.to_json("_event")))
+        .withColumn(FILE, F.when(bad, F.input_file_name()))
+        .drop("_event")
+    )
+
+
+def _raw_stage(df: DataFrame, pk: list[str], lake_columns: list[tuple[str, str]]) -> DataFrame:
+    """Step 1: each column's raw text once (after image for upserts, before image for deletes), so
+    the casts and checks reference columns instead of repeating the lookups."""
+    from pyspark.sql import functions as F
+
     op = F.col("op")
     is_upsert = op.isin("c", "u", "r")
     raw_cols = [
@@ -154,7 +166,7 @@ def typed_events(
         for c, _ in lake_columns
     ]
     bkey_raw = [F.when(op == "u", F.col("before")[k]).alias(f"_rb_{k}") for k in pk]
-    stage = df.select(
+    return df.select(
         "op",
         "before",
         "after",
@@ -166,6 +178,14 @@ def typed_events(
         *[F.col("after")[k].alias(f"_ak_{k}") for k in pk],
         *[F.col("before")[k].alias(f"_bk_{k}") for k in pk],
     )
+
+
+def _typed_columns(pk: list[str], lake_columns: list[tuple[str, str]]) -> tuple[dict[str, Column], list[Column]]:
+    """The typed value of every column (and of the before-image key) over _raw_stage's columns, and
+    the reasons an event is malformed (NULL where it is not)."""
+    from pyspark.sql import functions as F
+
+    types = dict(lake_columns)
     op = F.col("op")
     is_upsert = op.isin("c", "u", "r")
     reasons = [
@@ -207,27 +227,4 @@ def typed_events(
                 F.lit(f"before image key column {k} does not fit {types[k]}"),
             )
         )
-    shard = shard_expr(shard_map)
-    reason_arr = F.filter(F.array(*reasons), lambda x: x.isNotNull())
-    # Step 2: typed values and reasons; step 3: the raw payload and file, kept only for malformed
-    # events (quarantine), cheap for the rest.
-    typed_df = stage.select(
-        shard.alias(SHARD_COL),
-        *[c.alias(n) for n, c in cols.items()],
-        F.when(op == "r", F.lit("c")).otherwise(op).alias(OP_COL),
-        F.col("source.commit_lsn").alias(LSN_COL),
-        F.col("source.seq").alias("_seq_raw"),
-        F.col("source.commit_ts").alias(COMMIT_TS_COL),
-        F.col("source.lsn").alias(LSN_EVENT_COL),
-        F.col("source.xid").alias(XID_COL),
-        F.when(F.size("unavailable") > 0, F.col("unavailable")).alias(UNAVAILABLE_COL),
-        F.col("run_id").alias(RUN_COL),
-        reason_arr.alias(REASONS),
-        F.struct("op", "before", "after", "unavailable", "source", "run_id").alias("_event"),
-    )
-    bad = F.size(REASONS) > 0
-    return (
-        typed_df.withColumn(RAW, F.when(bad, F.to_json("_event")))
-        .withColumn(FILE, F.when(bad, F.input_file_name()))
-        .drop("_event")
-    )
+    return cols, reasons

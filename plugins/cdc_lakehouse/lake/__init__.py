@@ -1,0 +1,10 @@
+"""Stage 5, the lake: the Iceberg tables and what is written with their commits.
+
+Runs on the Spark driver. columns is pure Python (config re-exports it, DAG files reach it).
+
+  columns    the registry of the _cdc_* metadata columns (name, type, doc, tables that carry them)
+  commits    commits with snapshot properties, retries on conflicts, the watermark-fenced commit
+  meta       the pipeline's own tables (quarantine, run figures, audit results)
+  tables     DDL of the current table and the changelog, properties, adding columns
+  watermark  the cdc.watermark snapshot property: read, JSON, typed model, as a Spark map
+"""

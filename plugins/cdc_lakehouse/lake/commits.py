@@ -1,13 +1,19 @@
-"""lake.commits: split out of lake.py."""
+"""lake.commits: Iceberg commits (Spark driver) that carry snapshot properties, retries on commit
+conflicts, and the commit fenced on the table's watermark (optimistic concurrency between writers)."""
 
 from __future__ import annotations
 
+import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
+
+from cdc_lakehouse.lake.watermark import read_watermark, watermark_json
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
-from cdc_lakehouse.lake.watermark import read_watermark, watermark_json
+
+logger = logging.getLogger(__name__)
 
 # --- commits that carry snapshot properties ---------------------------------------------------
 
@@ -63,8 +69,10 @@ def is_commit_conflict(exc: BaseException) -> bool:
     )
 
 
-def with_commit_retries(fn, *, attempts: int = 5, what: str = "commit", log=print):
-    """Retry fn on Iceberg commit conflicts (a concurrent writer won); fn must recompute from scratch."""
+def with_commit_retries(fn, *, attempts: int = 5, what: str = "commit", log: Callable[[str], Any] | None = None):
+    """Retry fn on Iceberg commit conflicts (a concurrent writer won); fn must recompute from scratch.
+    log: where retry notices go (default: this module's logger, as warnings)."""
+    log = log or logger.warning
     for i in range(1, attempts + 1):
         try:
             return fn()

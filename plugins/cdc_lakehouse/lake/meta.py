@@ -1,15 +1,19 @@
-"""lake.meta: split out of lake.py."""
+"""lake.meta: the pipeline's own Iceberg tables in the meta namespace (Spark driver): quarantine,
+per-run figures of capture, ingest, audit and maintenance, audit mismatches and quality results.
+Created (and given columns added by later releases) by ensure_meta_tables; appended by meta_append."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
 from cdc_lakehouse.identifiers import spark_ident
+from cdc_lakehouse.ingest.metrics import INGEST_RUN_COLUMNS
+from cdc_lakehouse.lake.columns import COMMIT_LSN, RUN_ID, SHARD
+from cdc_lakehouse.lake.tables import create_table_sql, ensure_namespace
 from cdc_lakehouse.settings import LakeSettings
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
-from cdc_lakehouse.lake.tables import create_table_sql, ensure_namespace
 
 # --- meta tables ----------------------------------------------------------------------------------
 
@@ -17,12 +21,12 @@ META_TABLES: dict[str, tuple[list[tuple[str, str]], str]] = {
     "quarantine": (
         [
             ("table_name", "string"),
-            ("shard", "string"),
+            (SHARD.quarantine, SHARD.type),  # the metadata columns it carries, under their names here
             ("reason", "string"),
             ("raw", "string"),
-            ("commit_lsn", "bigint"),
-            ("seq", "bigint"),
-            ("landing_run", "string"),
+            (COMMIT_LSN.quarantine, COMMIT_LSN.type),
+            ("seq", "bigint"),  # the source's seq (not _cdc_seq)
+            (RUN_ID.quarantine, RUN_ID.type),
             ("landing_file", "string"),
             ("ingest_run", "string"),
             ("quarantined_at", "timestamp"),
@@ -30,40 +34,7 @@ META_TABLES: dict[str, tuple[list[tuple[str, str]], str]] = {
         "PARTITIONED BY (table_name)",
     ),
     "ingest_runs": (
-        [
-            ("table_name", "string"),
-            ("ingest_run", "string"),
-            ("interval_end", "string"),
-            ("landing_runs", "array<string>"),
-            ("events_read", "bigint"),
-            ("duplicates", "bigint"),
-            ("already_applied", "bigint"),
-            ("inserts", "bigint"),
-            ("updates", "bigint"),
-            ("deletes", "bigint"),
-            ("stale_skipped", "bigint"),
-            ("truncates", "bigint"),
-            ("quarantined", "bigint"),
-            ("changelog_rows", "bigint"),
-            ("data_files_added", "bigint"),
-            ("data_files_removed", "bigint"),
-            ("delete_files_added", "bigint"),
-            ("bytes_written", "bigint"),
-            ("bytes_removed", "bigint"),
-            ("changed_rows_bytes", "bigint"),
-            ("write_amplification", "double"),
-            ("lag_seconds_max", "double"),
-            ("lag_seconds_min", "double"),
-            ("freshness_seconds", "double"),
-            ("watermark", "string"),
-            ("write_mode", "string"),
-            ("apply_seconds", "double"),
-            ("total_seconds", "double"),
-            ("started_at", "timestamp"),
-            ("committed_at", "timestamp"),
-            ("status", "string"),
-            ("error", "string"),
-        ],
+        list(INGEST_RUN_COLUMNS),  # one definition: the fields of ingest.metrics.IngestMetrics
         "PARTITIONED BY (table_name)",
     ),
     "capture_runs": (

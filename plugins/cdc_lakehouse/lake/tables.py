@@ -1,26 +1,21 @@
-"""Spark-side plumbing for the lake: table DDL, watermarks, commit properties, file access.
+"""Lake table DDL and plumbing (Spark driver): create the current table and the changelog,
+their properties, add columns, conform a batch to a table's schema, table stats.
 
-The watermark of a table is JSON in the `cdc.watermark` snapshot property, written in the
-same commit as the data it describes:
-
-    {"v": 1, "shards": {"<shard>": {"lsn": <int>, "ts": "<iso>"}}, "runs": {"<endpoint>": "<run_id>"}}
-
-`lsn` is exclusive: every source transaction of that shard whose commit LSN is below it is
-in the table, and none at or above it. Bootstrap sets it to the snapshot's consistent
-point; each ingest moves it to the end of the last capture run it applied.
+Column lists come from the metadata column registry (lake.columns) around the source's columns.
+The watermark is in lake.watermark, commit properties and fencing in lake.commits.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from cdc_lakehouse.config import COMMIT_TS_COL, LSN_COL, OP_COL, SEQ_COL, SHARD_COL, TableConfig
+from cdc_lakehouse.config import TableConfig
 from cdc_lakehouse.identifiers import spark_ident
+from cdc_lakehouse.lake.columns import BY_NAME, CHANGELOG, COMMIT_TS_COL, CURRENT, METADATA_NAMES, SHARD_COL, ddl_of
 from cdc_lakehouse.settings import LakeSettings
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
-from cdc_lakehouse.lake.columns import INGESTED_COL, LSN_EVENT_COL, RUN_COL, UNAVAILABLE_COL, XID_COL
 
 
 def conform_to(df: DataFrame, table_schema) -> DataFrame:
@@ -97,29 +92,24 @@ def props_sql(props: dict[str, str]) -> str:
 
 
 def current_table_columns(cfg: TableConfig, source_columns: list[tuple[str, str]]) -> list[tuple[str, str]]:
-    cols = [(SHARD_COL, "string")] + list(source_columns)
-    cols += [(OP_COL, "string"), (LSN_COL, "bigint"), (SEQ_COL, "bigint"), (COMMIT_TS_COL, "timestamp")]
+    """(name, Spark type) of the current table: metadata columns (lake.columns) around the source's."""
+    cols = ddl_of(CURRENT, leading=True) + list(source_columns) + ddl_of(CURRENT, leading=False)
     if cfg.deletes == "soft":
         cols += [(cfg.soft_delete_columns.flag, "boolean"), (cfg.soft_delete_columns.timestamp, "timestamp")]
     return cols
 
 
+def null_metadata(name: str):
+    """A NULL of a metadata column's type (lake.columns): for rows no event produced, such as
+    snapshot, repair and backfill rows (`_cdc_xid`, `_cdc_unavailable`)."""
+    from pyspark.sql import functions as F
+
+    return F.lit(None).cast(BY_NAME[name].type)
+
+
 def changelog_columns(source_columns: list[tuple[str, str]]) -> list[tuple[str, str]]:
-    return (
-        [(SHARD_COL, "string")]
-        + list(source_columns)
-        + [
-            (OP_COL, "string"),
-            (LSN_COL, "bigint"),
-            (SEQ_COL, "bigint"),
-            (COMMIT_TS_COL, "timestamp"),
-            (LSN_EVENT_COL, "bigint"),
-            (XID_COL, "bigint"),
-            (UNAVAILABLE_COL, "array<string>"),
-            (RUN_COL, "string"),
-            (INGESTED_COL, "timestamp"),
-        ]
-    )
+    """(name, Spark type) of the changelog: metadata columns (lake.columns) around the source's."""
+    return ddl_of(CHANGELOG, leading=True) + list(source_columns) + ddl_of(CHANGELOG, leading=False)
 
 
 def create_table_sql(
@@ -171,18 +161,7 @@ def create_lake_tables(
 
 def source_columns_of(spark: SparkSession, table: str, cfg: TableConfig) -> list[tuple[str, str]]:
     """(name, Spark type) of the source columns in a lake table, in order."""
-    meta = {
-        SHARD_COL,
-        OP_COL,
-        LSN_COL,
-        SEQ_COL,
-        COMMIT_TS_COL,
-        LSN_EVENT_COL,
-        XID_COL,
-        UNAVAILABLE_COL,
-        RUN_COL,
-        INGESTED_COL,
-    }
+    meta = set(METADATA_NAMES)
     if cfg.deletes == "soft":
         meta |= {cfg.soft_delete_columns.flag, cfg.soft_delete_columns.timestamp}
     return [(f.name, f.dataType.simpleString()) for f in spark.table(table).schema.fields if f.name not in meta]

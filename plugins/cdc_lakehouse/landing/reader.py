@@ -1,29 +1,22 @@
-"""landing.reader: split out of ingest.py, lake.py, landing.py."""
+"""landing.reader: the landing zone as the ingest reads it (Spark driver): the manifests of an
+endpoint in capture order, the plan of pending runs for a table (gaps, coverage, server identity,
+missing files) and its new watermark, and files through Hadoop's FileSystem."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from cdc_lakehouse.config import TableConfig
+from cdc_lakehouse.ingest.errors import CoverageError, NotBootstrapped, SourceIdentityChanged
+from cdc_lakehouse.landing.format import MANIFEST_DIR, Manifest, parse_manifest
 from cdc_lakehouse.source.publication import identity_mismatch
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
-
-
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from pyspark.sql import SparkSession
-
-
-from collections.abc import Iterable
-
-from cdc_lakehouse.ingest.errors import CoverageError, NotBootstrapped, SourceIdentityChanged
-from cdc_lakehouse.landing.format import MANIFEST_DIR
 
 
 def list_manifests(store, endpoint: str) -> list[dict[str, Any]]:
@@ -31,6 +24,11 @@ def list_manifests(store, endpoint: str) -> list[dict[str, Any]]:
     names = [n for n in store.list_names(f"{endpoint}/{MANIFEST_DIR}") if n.endswith(".json")]
     manifests = [store.read_json(f"{endpoint}/{MANIFEST_DIR}/{n}") for n in names]
     return sorted(manifests, key=lambda m: (m["end_lsn"], m["run_id"]))
+
+
+def read_manifests(store, endpoint: str) -> list[Manifest]:
+    """list_manifests, typed."""
+    return [parse_manifest(m) for m in list_manifests(store, endpoint)]
 
 
 def manifest_files(manifest: dict[str, Any], tables: Iterable[str] | None = None) -> list[tuple[str, str, dict]]:
@@ -95,15 +93,7 @@ def plan_landing(
                     "deleted before this table applied it"
                 )
             check_coverage(cfg, endpoint, shards, shards_wm, m)
-            for _table, rel, info in manifest_files(m, {cfg.source.table}):
-                uri = landing.file_uri(rel)
-                if check_files:
-                    size = landing.fs.size(uri)
-                    if size is None or ("bytes" in info and size != info["bytes"]):
-                        state = "missing" if size is None else f"truncated ({size} of {info['bytes']} bytes)"
-                        problems.append(f"{cfg.name}: landing file {uri} listed by run {m['run_id']} is {state}")
-                        continue
-                files.append(uri)
+            files += _run_files(landing, cfg, m, check_files, problems)
             for ch in m.get("schema_changes", []):
                 if ch["table"].split(".", 1)[-1] == cfg.source.table:
                     changes.append({**ch, "endpoint": endpoint})
@@ -111,20 +101,49 @@ def plan_landing(
             reached = max(reached, m["end_lsn"])
             last = m
         if last is not None:
-            for schema, shard in shards:
-                hb = last.get("heartbeats", {}).get(schema)
-                prev = shards_wm[shard]
-                if last["end_lsn"] > prev["lsn"]:
-                    # Keep what else the position records (its endpoint and server identity).
-                    new_wm["shards"][shard] = {
-                        **prev,
-                        "lsn": last["end_lsn"],
-                        "endpoint": endpoint,
-                        "source": prev.get("source") or last.get("source_identity"),
-                        "ts": hb["commit_ts"] if hb else last.get("last_commit_ts", prev.get("ts")),
-                    }
-            new_wm["runs"][endpoint] = last["run_id"]
+            _advance(new_wm, endpoint, shards, shards_wm, last)
     return Plan(selected, files, new_wm, problems, changes)
+
+
+def _run_files(
+    landing: SparkLanding, cfg: TableConfig, m: dict[str, Any], check_files: bool, problems: list[str]
+) -> list[str]:
+    """URIs of the table's files in run m; a listed file that is missing or truncated is a problem
+    (and left out) when check_files."""
+    out = []
+    for _table, rel, info in manifest_files(m, {cfg.source.table}):
+        uri = landing.file_uri(rel)
+        if check_files:
+            size = landing.fs.size(uri)
+            if size is None or ("bytes" in info and size != info["bytes"]):
+                state = "missing" if size is None else f"truncated ({size} of {info['bytes']} bytes)"
+                problems.append(f"{cfg.name}: landing file {uri} listed by run {m['run_id']} is {state}")
+                continue
+        out.append(uri)
+    return out
+
+
+def _advance(
+    new_wm: dict[str, Any],
+    endpoint: str,
+    shards: list[tuple[str, str]],
+    shards_wm: dict[str, Any],
+    last: dict[str, Any],
+) -> None:
+    """Move the endpoint's shards in new_wm to the end of `last`, the last run applied."""
+    for schema, shard in shards:
+        hb = last.get("heartbeats", {}).get(schema)
+        prev = shards_wm[shard]
+        if last["end_lsn"] > prev["lsn"]:
+            # Keep what else the position records (its endpoint and server identity).
+            new_wm["shards"][shard] = {
+                **prev,
+                "lsn": last["end_lsn"],
+                "endpoint": endpoint,
+                "source": prev.get("source") or last.get("source_identity"),
+                "ts": hb["commit_ts"] if hb else last.get("last_commit_ts", prev.get("ts")),
+            }
+    new_wm["runs"][endpoint] = last["run_id"]
 
 
 def same_source_manifests(

@@ -1,4 +1,6 @@
-"""landing.stores: split out of landing.py."""
+"""landing.stores: where landing files live, written by the capture (Airflow worker): a local
+directory (files and directories fsynced, manifests replaced atomically) or an s3:// prefix
+through the Amazon provider's S3Hook. open_landing picks one from the landing URI."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from cdc_lakehouse.landing.format import dump_json
 from cdc_lakehouse.landing.writer import FILE_MODE, fsync_dir, fsync_file, mkdirs
 
 # --- stores ------------------------------------------------------------------------------------
@@ -62,7 +65,7 @@ class LocalLanding:
         mkdirs(path.parent, self.root)
         tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
         with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE), "w") as f:
-            json.dump(obj, f, separators=(",", ":"), sort_keys=True)
+            f.write(dump_json(obj))
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -130,7 +133,7 @@ class S3Landing:
 
     def write_json(self, rel: str, obj: Any) -> None:
         self.hook.load_string(
-            json.dumps(obj, separators=(",", ":"), sort_keys=True),
+            dump_json(obj),
             key=self._key(rel),
             bucket_name=self.bucket,
             replace=True,

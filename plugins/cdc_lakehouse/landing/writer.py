@@ -1,4 +1,6 @@
-"""landing.writer: split out of landing.py."""
+"""landing.writer: Parquet landing files of one capture run (Airflow worker): TableWriter buffers a
+source table's events and writes them in the landing event schema (landing.format), bounded in
+rows and bytes; file and directory modes and fsync helpers."""
 
 from __future__ import annotations
 

@@ -45,7 +45,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from cdc_lakehouse.config import AlertKind, AlertThresholds, TableConfig, load_table_configs
 from cdc_lakehouse.settings import PROJECT_ROOT, tables_dir
 
-log = logging.getLogger("cdc_lakehouse.orchestration.alerts")
+log = logging.getLogger(__name__)
 
 KINDS: tuple[str, ...] = ("task_failed", "audit_failing", "wal_retained", "freshness")
 # Used when neither the table nor include/alerting.yaml sets a threshold (freshness: the
@@ -672,6 +672,19 @@ def check_wal(
     state = decide(flags, 1, every)
     if state is None:
         return None
+    return _wal_alert(manifest, members, state, threshold, _streak(flags))
+
+
+def _wal_alert(
+    manifest: dict[str, Any],
+    members: list[TableConfig],
+    state: Literal["firing", "resolved"],
+    threshold: int,
+    streak: int,
+) -> Alert:
+    after = manifest.get("slot_after") or {}
+    retained = after.get("retained_wal_bytes")
+    run_id = manifest.get("run_id")
     endpoint, slot = manifest.get("endpoint"), after.get("slot") or manifest.get("slot")
     tables = sorted(c.name for c in members)
     if state == "resolved":
@@ -686,7 +699,7 @@ def check_wal(
         "threshold": f"{fmt_bytes(threshold)} ({threshold} bytes, alerts.retained_wal_bytes)",
         "unconfirmed (lag)": fmt_bytes(after.get("lag_bytes")),
         "wal_status": after.get("wal_status"),
-        "runs over the threshold in a row": _streak(flags),
+        "runs over the threshold in a row": streak,
         "capture run": run_id,
     }
     fix = (
@@ -718,20 +731,33 @@ def check_audit(
             "audit %s: run %s recorded no results (a failed audit job is alerted as a failed task)", cfg.name, audit_run
         )
         return None
-
-    def failed(run: str) -> bool:
-        return any(r.get("verdict") == "fail" and not r.get("repaired") for r in res.get(run, [])) or any(
-            q.get("success") is False for q in qual.get(run, [])
-        )
-
     runs = sorted(res, key=lambda r: res[r][0]["audited_at"], reverse=True)
-    flags = [failed(r) for r in runs]
+    flags = [bool(_bad_shards(res.get(r, [])) or _bad_quality(qual.get(r, []))) for r in runs]
     state = decide(flags, rules.audit_failed_runs, rules.renotify_every_runs)
     if state is None:
         return None
-    streak = _streak(flags)
-    bad_shards = [r for r in res[audit_run] if r.get("verdict") == "fail" and not r.get("repaired")]
-    bad_quality = [q for q in qual.get(audit_run, []) if q.get("success") is False]
+    return _audit_alert(cfg, audit_run, rules, state, _streak(flags), res[audit_run], qual.get(audit_run, []))
+
+
+def _bad_shards(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [r for r in rows if r.get("verdict") == "fail" and not r.get("repaired")]
+
+
+def _bad_quality(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [q for q in rows if q.get("success") is False]
+
+
+def _audit_alert(
+    cfg: TableConfig,
+    audit_run: str,
+    rules: Rules,
+    state: Literal["firing", "resolved"],
+    streak: int,
+    results: list[dict[str, Any]],
+    quality: list[dict[str, Any]],
+) -> Alert:
+    """The alert of one audit run; results/quality: that run's rows."""
+    bad_shards = _bad_shards(results)
     if state == "resolved":
         summary = f"audit of {cfg.name} passes again (run {audit_run})"
     else:
@@ -749,7 +775,7 @@ def check_audit(
             f"{r.get('extra')}, different {r.get('different')}; source rows {r.get('source_rows')}, lake rows "
             f"{r.get('lake_rows')}; sample {r.get('sample_keys')}"
         )
-    for q in bad_quality:
+    for q in _bad_quality(quality):
         details[f"quality {q.get('expectation')}"] = f"failed (observed {q.get('observed')})"
     shards = [r.get("shard") for r in bad_shards]
     fix = (
@@ -790,17 +816,33 @@ def check_freshness(cfg: TableConfig, ingest_run: str, ac: AlertingConfig, runs:
     state = decide(flags, 1, rules.renotify_every_runs)
     if state is None:
         return None
-    row = per_run[ingest_run][0]
-    fresh = row.get("freshness_seconds")
-    stalest, stalest_ts = None, None
+    return _freshness_alert(cfg, ingest_run, rules, state, _streak(flags), per_run[ingest_run][0])
+
+
+def _stalest_shard(row: dict[str, Any]) -> tuple[str | None, str | None]:
+    """(shard, ts) of the oldest position in an ingest run's watermark; (None, None) if unreadable."""
     try:
         shards = json.loads(row.get("watermark") or "{}").get("shards") or {}
         ts = {s: v["ts"] for s, v in shards.items() if v.get("ts")}
         if ts:
             stalest = min(ts, key=lambda s: datetime.fromisoformat(ts[s]))
-            stalest_ts = ts[stalest]
+            return stalest, ts[stalest]
     except (ValueError, TypeError, AttributeError):
         pass
+    return None, None
+
+
+def _freshness_alert(
+    cfg: TableConfig,
+    ingest_run: str,
+    rules: Rules,
+    state: Literal["firing", "resolved"],
+    streak: int,
+    row: dict[str, Any],
+) -> Alert:
+    """The alert of one ingest run; row: that run's cdc_meta.ingest_runs row."""
+    fresh = row.get("freshness_seconds")
+    stalest, stalest_ts = _stalest_shard(row)
     if state == "resolved":
         summary = f"{cfg.name} is fresh again: {fmt_seconds(fresh)} behind its sources"
     else:
@@ -811,7 +853,7 @@ def check_freshness(cfg: TableConfig, ingest_run: str, ac: AlertingConfig, runs:
         "freshness": f"{fmt_seconds(fresh)} ({fresh:.0f} s)" if fresh is not None else None,
         "SLA": f"{fmt_seconds(rules.freshness_sla)} ({rules.freshness_sla:.0f} s, alerts.freshness_sla)",
         "stalest shard": f"{stalest} (last change or heartbeat applied: {stalest_ts})" if stalest else None,
-        "runs over the SLA in a row": _streak(flags),
+        "runs over the SLA in a row": streak,
         "ingest run": ingest_run,
         "events read": row.get("events_read"),
     }
@@ -847,6 +889,7 @@ def run_checks(
         from cdc_lakehouse.orchestration.tasks import lake_settings
 
         lake = lake_settings()
+    check = _audit_from_history if kind == "audit" else _freshness_from_history
     out: dict[str, Any] = {}
     errors: list[str] = []
     for name in tables:
@@ -855,47 +898,7 @@ def run_checks(
             log.error("alert check: table %r has no valid config in %s", name, tables_dir())
             continue
         try:
-            if kind == "audit":
-                results = _meta_rows(
-                    lake,
-                    "audit_results",
-                    "table_name",
-                    name,
-                    (
-                        "audit_run",
-                        "shard",
-                        "verdict",
-                        "repaired",
-                        "persistent",
-                        "missing",
-                        "extra",
-                        "different",
-                        "source_rows",
-                        "lake_rows",
-                        "sample_keys",
-                        "audited_at",
-                    ),
-                )
-                quality = (
-                    _meta_rows(
-                        lake,
-                        "quality_results",
-                        "table_name",
-                        name,
-                        ("audit_run", "expectation", "success", "observed", "checked_at"),
-                    )
-                    or []
-                )
-                alert = check_audit(cfg, run_id, ac, results or [], quality)
-            else:
-                rows = _meta_rows(
-                    lake,
-                    "ingest_runs",
-                    "table_name",
-                    name,
-                    ("ingest_run", "freshness_seconds", "committed_at", "watermark", "events_read"),
-                )
-                alert = check_freshness(cfg, run_id, ac, rows or [])
+            alert = check(lake, name, cfg, run_id, ac)
         except Exception as exc:  # noqa: BLE001 - the history is unreadable: say so, do not invent an alert
             log.warning("alert check %s of %s: run history not readable: %s", kind, name, redact(exc))
             out[name] = "history not readable"
@@ -903,13 +906,47 @@ def run_checks(
         if alert is None:
             out[name] = "no alert"
             continue
-        ti = (context or {}).get("ti") or (context or {}).get("task_instance")
-        alert.dag_id, alert.task_id, alert.run_id = getattr(ti, "dag_id", None), getattr(ti, "task_id", None), run_id
+        _stamp(alert, context, run_id)
         errors += deliver(alert, channels_for([cfg], ac), context, ac)
         out[name] = f"{alert.kind} {alert.state}"
     if errors:
         raise AlertDeliveryError("alert(s) not delivered: " + "; ".join(errors))
     return out
+
+
+_AUDIT_FIELDS = (
+    "audit_run",
+    "shard",
+    "verdict",
+    "repaired",
+    "persistent",
+    "missing",
+    "extra",
+    "different",
+    "source_rows",
+    "lake_rows",
+    "sample_keys",
+    "audited_at",
+)
+_QUALITY_FIELDS = ("audit_run", "expectation", "success", "observed", "checked_at")
+_INGEST_FIELDS = ("ingest_run", "freshness_seconds", "committed_at", "watermark", "events_read")
+
+
+def _audit_from_history(lake, name: str, cfg: TableConfig, run_id: str, ac: AlertingConfig) -> Alert | None:
+    results = _meta_rows(lake, "audit_results", "table_name", name, _AUDIT_FIELDS)
+    quality = _meta_rows(lake, "quality_results", "table_name", name, _QUALITY_FIELDS) or []
+    return check_audit(cfg, run_id, ac, results or [], quality)
+
+
+def _freshness_from_history(lake, name: str, cfg: TableConfig, run_id: str, ac: AlertingConfig) -> Alert | None:
+    rows = _meta_rows(lake, "ingest_runs", "table_name", name, _INGEST_FIELDS)
+    return check_freshness(cfg, run_id, ac, rows or [])
+
+
+def _stamp(alert: Alert, context: dict[str, Any] | None, run_id: str | None) -> None:
+    """Where the alert comes from: the task instance in the Airflow context, and the run."""
+    ti = (context or {}).get("ti") or (context or {}).get("task_instance")
+    alert.dag_id, alert.task_id, alert.run_id = getattr(ti, "dag_id", None), getattr(ti, "task_id", None), run_id
 
 
 def notify_wal(
@@ -941,9 +978,7 @@ def notify_wal(
         alert = check_wal(manifest, members, ac, history)
         if alert is None:
             return None
-        ti = (context or {}).get("ti") or (context or {}).get("task_instance")
-        alert.dag_id, alert.task_id = getattr(ti, "dag_id", None), getattr(ti, "task_id", None)
-        alert.run_id = (context or {}).get("run_id")
+        _stamp(alert, context, (context or {}).get("run_id"))
         deliver(alert, channels_for(members, ac), context, ac)
         return alert
     except Exception:  # noqa: BLE001

@@ -122,37 +122,61 @@ def _tags(kind: str, cfg: TableConfig | None = None, group: str | None = None) -
     return tags
 
 
-def ingest_dag(cfg: TableConfig, cs: ConfigSet):
+def _dag(dag_id: str, schedule, cfg: TableConfig, tags: list[str], doc_md: str, description: str, **extra: Any):
+    """The DAG settings every CDC DAG shares: one run at a time, no catch-up, the table's retries
+    and alert callbacks (default_args)."""
     from airflow.sdk import DAG
 
-    endpoints = sorted({g.endpoint_id for g in cfg.source.shards})
-    conn_ids = sorted({g.conn_id for g in cfg.source.shards})
-    with DAG(
-        dag_id=f"cdc_ingest__{cfg.name}",
-        schedule=_timetable(cfg.ingest.schedule),
+    return DAG(
+        dag_id=dag_id,
+        schedule=schedule,
         start_date=START_DATE,
         catchup=False,
         max_active_runs=1,
-        default_args=default_args(cfg),
-        tags=_tags("ingest", cfg),
-        doc_md=ingest_doc(cfg),
-        description=f"Hourly CDC ingest of {cfg.name} into {cfg.current_table}",
+        default_args=extra.pop("default_args", None) or default_args(cfg),
+        tags=tags,
+        doc_md=doc_md,
+        description=description,
+        **extra,
+    )
+
+
+def _ingest_args(cfgs: list[TableConfig]) -> list[str]:
+    return [
+        "--tables",
+        ",".join(c.name for c in cfgs),
+        "--upto-run",
+        INTERVAL_END,
+        "--ingest-run",
+        "{{ run_id }}",
+        "--interval-end",
+        "{{ data_interval_end.isoformat() }}",
+    ]
+
+
+def _endpoint_ids(cfgs: list[TableConfig]) -> list[str]:
+    return sorted({g.endpoint_id for c in cfgs for g in c.source.shards})
+
+
+def _conn_ids(cfgs: list[TableConfig]) -> list[str]:
+    return sorted({g.conn_id for c in cfgs for g in c.source.shards})
+
+
+def ingest_dag(cfg: TableConfig, cs: ConfigSet):
+    with _dag(
+        f"cdc_ingest__{cfg.name}",
+        _timetable(cfg.ingest.schedule),
+        cfg,
+        _tags("ingest", cfg),
+        ingest_doc(cfg),
+        f"Hourly CDC ingest of {cfg.name} into {cfg.current_table}",
     ) as dag:
-        captures = _capture_tasks(cs, endpoints)
+        captures = _capture_tasks(cs, _endpoint_ids([cfg]))
         ingest = spark_task(
             "ingest",
             "ingest",
-            [
-                "--tables",
-                cfg.name,
-                "--upto-run",
-                INTERVAL_END,
-                "--ingest-run",
-                "{{ run_id }}",
-                "--interval-end",
-                "{{ data_interval_end.isoformat() }}",
-            ],
-            conn_ids,
+            _ingest_args([cfg]),
+            _conn_ids([cfg]),
             table_pool(cfg),
             outlets=[asset(cfg.current_table), asset(cfg.changelog_table)],
             execution_timeout=timedelta(hours=2),
@@ -162,38 +186,22 @@ def ingest_dag(cfg: TableConfig, cs: ConfigSet):
 
 
 def group_ingest_dag(group: str, cfgs: list[TableConfig], cs: ConfigSet):
-    from airflow.sdk import DAG
-
-    endpoints = sorted({g.endpoint_id for c in cfgs for g in c.source.shards})
-    conn_ids = sorted({g.conn_id for c in cfgs for g in c.source.shards})
-    schedule = cfgs[0].ingest.schedule
-    with DAG(
-        dag_id=f"cdc_ingest_group__{group}",
-        schedule=_timetable(schedule),
-        start_date=START_DATE,
-        catchup=False,
-        max_active_runs=1,
+    with _dag(
+        f"cdc_ingest_group__{group}",
+        _timetable(cfgs[0].ingest.schedule),
+        cfgs[0],
+        _tags("ingest", group=group),
+        group_doc(group, cfgs),
+        f"CDC ingest of {len(cfgs)} tables in one Spark application",
         default_args=default_args(cfgs[0], tables=[c.name for c in cfgs]),
-        tags=_tags("ingest", group=group),
-        doc_md=group_doc(group, cfgs),
-        description=f"CDC ingest of {len(cfgs)} tables in one Spark application",
     ) as dag:
-        captures = _capture_tasks(cs, endpoints)
+        captures = _capture_tasks(cs, _endpoint_ids(cfgs))
         outlets = [a for c in cfgs for a in (asset(c.current_table), asset(c.changelog_table))]
         ingest = spark_task(
             "ingest",
             "ingest",
-            [
-                "--tables",
-                ",".join(c.name for c in cfgs),
-                "--upto-run",
-                INTERVAL_END,
-                "--ingest-run",
-                "{{ run_id }}",
-                "--interval-end",
-                "{{ data_interval_end.isoformat() }}",
-            ],
-            conn_ids,
+            _ingest_args(cfgs),
+            _conn_ids(cfgs),
             group_pool(group),
             outlets=outlets,
             execution_timeout=timedelta(hours=3),
@@ -212,26 +220,22 @@ def table_pool(cfg: TableConfig) -> str:
 
 
 def bootstrap_dag(cfg: TableConfig):
-    from airflow.sdk import DAG, Param
+    from airflow.sdk import Param
 
-    conn_ids = sorted({g.conn_id for g in cfg.source.shards})
-    with DAG(
-        dag_id=f"cdc_bootstrap__{cfg.name}",
-        schedule=None,
-        start_date=START_DATE,
-        catchup=False,
-        max_active_runs=1,
-        default_args=default_args(cfg),
-        tags=_tags("bootstrap", cfg),
-        doc_md=bootstrap_doc(cfg),
-        description=f"Snapshot bootstrap of {cfg.name} (all shards, or those in the 'shards' param)",
+    with _dag(
+        f"cdc_bootstrap__{cfg.name}",
+        None,
+        cfg,
+        _tags("bootstrap", cfg),
+        bootstrap_doc(cfg),
+        f"Snapshot bootstrap of {cfg.name} (all shards, or those in the 'shards' param)",
         params={"shards": Param([], type="array", description="shards to (re-)bootstrap; empty = all")},
     ) as dag:
         spark_task(
             "bootstrap",
             "bootstrap",
             ["--tables", cfg.name, "--shards", "{{ params.shards | join(',') }}", "--run-id", "{{ ts_nodash }}"],
-            conn_ids,
+            _conn_ids([cfg]),
             table_pool(cfg),
             outlets=[asset(cfg.current_table), asset(cfg.changelog_table)],
             execution_timeout=timedelta(hours=24),
@@ -240,18 +244,13 @@ def bootstrap_dag(cfg: TableConfig):
 
 
 def maintenance_dag(cfg: TableConfig):
-    from airflow.sdk import DAG
-
-    with DAG(
-        dag_id=f"cdc_maintenance__{cfg.name}",
-        schedule=_timetable(cfg.maintenance.schedule),
-        start_date=START_DATE,
-        catchup=False,
-        max_active_runs=1,
-        default_args=default_args(cfg),
-        tags=_tags("maintenance", cfg),
-        doc_md=maintenance_doc(cfg),
-        description=f"Daily maintenance of {cfg.name}",
+    with _dag(
+        f"cdc_maintenance__{cfg.name}",
+        _timetable(cfg.maintenance.schedule),
+        cfg,
+        _tags("maintenance", cfg),
+        maintenance_doc(cfg),
+        f"Daily maintenance of {cfg.name}",
     ) as dag:
         outlets = [asset(cfg.latest_view)] if cfg.maintenance.latest_view != "none" else []
         spark_task(
@@ -268,25 +267,19 @@ def maintenance_dag(cfg: TableConfig):
 
 
 def audit_dag(cfg: TableConfig):
-    from airflow.sdk import DAG
-
-    conn_ids = sorted({g.conn_id for g in cfg.source.shards})
-    with DAG(
-        dag_id=f"cdc_audit__{cfg.name}",
-        schedule=_timetable(cfg.audit.schedule),
-        start_date=START_DATE,
-        catchup=False,
-        max_active_runs=1,
-        default_args=default_args(cfg),
-        tags=_tags("audit", cfg),
-        doc_md=audit_doc(cfg),
-        description=f"Hourly source-vs-lake audit of {cfg.name}",
+    with _dag(
+        f"cdc_audit__{cfg.name}",
+        _timetable(cfg.audit.schedule),
+        cfg,
+        _tags("audit", cfg),
+        audit_doc(cfg),
+        f"Hourly source-vs-lake audit of {cfg.name}",
     ) as dag:
         audit = spark_task(
             "audit",
             "audit",
             ["--tables", cfg.name, "--audit-run", "{{ run_id }}"],
-            conn_ids,
+            _conn_ids([cfg]),
             table_pool(cfg),
             inlets=[asset(cfg.current_table)],
             execution_timeout=timedelta(hours=1),

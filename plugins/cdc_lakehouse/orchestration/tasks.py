@@ -125,27 +125,29 @@ def record_capture_metrics(lake: LakeSettings, manifest: dict[str, Any], started
                 lake.meta_table("capture_runs"),
             )
             return
-        after = manifest.get("slot_after") or {}
-        finished = datetime.fromisoformat(manifest["finished_at"])
-        row = {
-            "endpoint": manifest["endpoint"],
-            "run_id": manifest["run_id"],
-            "events": manifest["events"],
-            "bytes": manifest["bytes"],
-            "transactions": manifest["transactions"],
-            "capped": manifest["capped"],
-            "start_lsn": manifest.get("start_lsn"),
-            "end_lsn": manifest["end_lsn"],
-            "retained_wal_bytes": after.get("retained_wal_bytes"),
-            "lag_bytes": after.get("lag_bytes"),
-            "seconds": (finished - started).total_seconds(),
-            "started_at": started,
-            "finished_at": finished,
-        }
-        schema = table.schema().as_arrow()
-        table.append(pa.Table.from_pylist([row], schema=schema))
+        table.append(pa.Table.from_pylist([_capture_metrics_row(manifest, started)], schema=table.schema().as_arrow()))
     except Exception as exc:  # noqa: BLE001 - metrics must never fail a confirmed capture
         log.warning("capture metrics not recorded: %s", exc)
+
+
+def _capture_metrics_row(manifest: dict[str, Any], started: datetime) -> dict[str, Any]:
+    after = manifest.get("slot_after") or {}
+    finished = datetime.fromisoformat(manifest["finished_at"])
+    return {
+        "endpoint": manifest["endpoint"],
+        "run_id": manifest["run_id"],
+        "events": manifest["events"],
+        "bytes": manifest["bytes"],
+        "transactions": manifest["transactions"],
+        "capped": manifest["capped"],
+        "start_lsn": manifest.get("start_lsn"),
+        "end_lsn": manifest["end_lsn"],
+        "retained_wal_bytes": after.get("retained_wal_bytes"),
+        "lag_bytes": after.get("lag_bytes"),
+        "seconds": (finished - started).total_seconds(),
+        "started_at": started,
+        "finished_at": finished,
+    }
 
 
 def spark_job_env(source_conn_ids: list[str]) -> tuple[dict[str, str], dict[str, str]]:

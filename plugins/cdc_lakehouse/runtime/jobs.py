@@ -116,7 +116,6 @@ def main_ingest(argv: list[str] | None = None) -> int:
             upto_run=a.upto_run,
             ingest_run=run,
             interval_end=a.interval_end,
-            log=log.info,
             config_file=file,
         )
         return {
@@ -184,9 +183,9 @@ def main_audit(argv: list[str] | None = None) -> int:
         from cdc_lakehouse.audit.run import audit_table
 
         run = a.audit_run or datetime.now(UTC).strftime("manual-%Y%m%dT%H%M%S")
-        result = audit_table(spark, lake, cfg, audit_run=run, log=log.info)
-        if result["verdict"] == "fail":
-            raise AuditFailed(result["message"])
-        return result
+        result = audit_table(spark, lake, cfg, audit_run=run)
+        if result.verdict == "fail":
+            raise AuditFailed(result.message)
+        return result.as_dict()
 
     return run_per_table("audit", args, fn)

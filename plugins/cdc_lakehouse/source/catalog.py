@@ -1,8 +1,7 @@
-"""The source side: what a PostgreSQL host must provide, and the objects we keep there.
-
-Each endpoint (one database on one host) gets one publication and one logical replication
-slot covering every configured table in every shard schema, plus a small heartbeat table
-per shard. Preflight checks name the host, the table and the fix.
+"""source.catalog: what a source table is, read from PostgreSQL's catalog (Airflow worker and
+Spark driver): PostgreSQL types -> lake types, describe_table (columns, key, replica identity),
+every column as the text the change stream carries (text_select, text_select_list), and the
+preflight checks of a configured primary key.
 """
 
 from __future__ import annotations
@@ -95,6 +94,16 @@ def text_select(name: str, pg_type: str, lake_type: str) -> str:
             return f"to_json({q})::text"
         return f"to_json({q}::text[])::text"
     return pg_text(q, pg_type)
+
+
+def text_select_list(columns: list[tuple[str, str]], pg_types: dict[str, str] | None = None) -> str:
+    """Every column as text (text_select), each under its own name: the select list of a source
+    query whose rows go through the ingest's casts, so a snapshot and the change stream share them.
+
+    columns: (name, lake type); pg_types: name -> PostgreSQL format_type (for arrays, character(n),
+    inet and cidr, whose text differs from a plain cast)."""
+    pg_types = pg_types or {}
+    return ", ".join(f"{text_select(n, pg_types.get(n, ''), t)} AS {pg_ident(n)}" for n, t in columns)
 
 
 def cast_differs(pg_type: str) -> bool:

@@ -1,4 +1,4 @@
-"""source.errors: split out of source.py."""
+"""What can go wrong at the source, as exceptions whose text names the endpoint, the table and the fix."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""source.publication: split out of source.py."""
+"""Is the source ready to replicate: preflight checks (server, role, each shard's table) and the
+publication that carries the configured tables, kept in step with the configs."""
 
 from __future__ import annotations
 
@@ -13,73 +14,82 @@ PUBLICATION = "cdc_lakehouse"
 
 def preflight(conn, ep: EndpointTables, *, need_replication: bool = True) -> list[str]:
     """Problems that stop capture on this endpoint, each with its fix. Empty when fine."""
-    problems: list[str] = []
     where = f"source {ep.conn_id!r} (endpoint {ep.endpoint_id})"
     with conn.cursor() as cur:
-        cur.execute("SHOW wal_level")
-        level = cur.fetchone()[0]
-        if level != "logical":
-            problems.append(
-                f"{where}: wal_level is {level!r}; set wal_level = logical in postgresql.conf and restart "
-                "the server (Amazon RDS/Aurora: rds.logical_replication = 1 in the parameter group)"
-            )
-        cur.execute("SELECT pg_encoding_to_char(encoding), datname FROM pg_database WHERE datname = current_database()")
-        encoding, dbname = cur.fetchone()
-        if encoding != "UTF8":
-            problems.append(
-                f"{where}: database {dbname!r} uses encoding {encoding}; logical replication sends text in the "
-                "database encoding and the capture reads UTF-8, so values could be misread or fail. Fix: replicate "
-                "from a UTF8 database (CREATE DATABASE ... ENCODING 'UTF8' and migrate the data into it)"
-            )
-        cur.execute("SELECT rolsuper, rolreplication, current_user FROM pg_roles WHERE rolname = current_user")
-        is_super, can_repl, user = cur.fetchone()
-        if need_replication and not (is_super or can_repl):
-            problems.append(
-                f"{where}: role {user!r} lacks the REPLICATION attribute needed for a replication slot; "
-                f"run ALTER ROLE {pg_ident(user)} REPLICATION (RDS: GRANT rds_replication TO {pg_ident(user)})"
-            )
+        problems, user = _server_problems(cur, where, need_replication)
         for table, (schemas, key) in ep.tables.items():
             for schema in schemas:
-                fq = f"{schema}.{table}"
-                info = describe_table(cur, schema, table)
-                if info is None:
-                    problems.append(
-                        f"{where}: table {fq} does not exist; create it or remove shard {schema!r} from the config"
-                    )
-                    continue
-                if info.partitioned:
-                    problems.append(
-                        f"{where}: table {fq} is partitioned; its changes are published under the leaf partitions' "
-                        "names, and TRUNCATE, ATTACH and DETACH of a partition produce no change events through the "
-                        "root, so rows would vanish or appear unseen. Fix: configure each leaf partition as its own "
-                        "table (source.table), or replicate a non-partitioned table"
-                    )
-                    continue
-                if info.replica_identity == "n" or (info.replica_identity == "d" and not info.primary_key):
-                    problems.append(
-                        f"{where}: table {fq} has no primary key and no replica identity, so updates and "
-                        f"deletes cannot be identified; add a primary key or run ALTER TABLE {pg_qualified(schema, table)} "
-                        "REPLICA IDENTITY FULL"
-                    )
-                elif info.replica_identity != "f" and not set(key) <= set(info.identity_columns):
-                    problems.append(
-                        f"{where}: table {fq}: configured primary_key {key} is not covered by the source's replica "
-                        f"identity {info.identity_columns}; set primary_key to the source key or use REPLICA IDENTITY FULL"
-                    )
-                missing = [k for k in key if k not in info.column_names]
-                if missing:
-                    problems.append(f"{where}: table {fq}: primary_key column(s) {missing} do not exist")
-                bad = [f"{c.name} ({c.pg_type})" for c in info.columns if c.lake_type is None]
-                if bad:
-                    problems.append(
-                        f"{where}: table {fq}: unsupported column type(s) {', '.join(bad)}; "
-                        "set column_types in the table config to read them as a supported type (e.g. string)"
-                    )
-                cur.execute("SELECT has_table_privilege(%s, 'SELECT')", (pg_qualified(schema, table),))
-                if not cur.fetchone()[0]:
-                    problems.append(
-                        f"{where}: role {user!r} cannot SELECT {fq}; GRANT SELECT ON {pg_qualified(schema, table)} TO {pg_ident(user)}"
-                    )
+                problems += _table_problems(cur, where, user, schema, table, key)
+    return problems
+
+
+def _server_problems(cur, where: str, need_replication: bool) -> tuple[list[str], str]:
+    """WAL level, encoding and the role's replication right; returns the problems and the role."""
+    problems: list[str] = []
+    cur.execute("SHOW wal_level")
+    level = cur.fetchone()[0]
+    if level != "logical":
+        problems.append(
+            f"{where}: wal_level is {level!r}; set wal_level = logical in postgresql.conf and restart "
+            "the server (Amazon RDS/Aurora: rds.logical_replication = 1 in the parameter group)"
+        )
+    cur.execute("SELECT pg_encoding_to_char(encoding), datname FROM pg_database WHERE datname = current_database()")
+    encoding, dbname = cur.fetchone()
+    if encoding != "UTF8":
+        problems.append(
+            f"{where}: database {dbname!r} uses encoding {encoding}; logical replication sends text in the "
+            "database encoding and the capture reads UTF-8, so values could be misread or fail. Fix: replicate "
+            "from a UTF8 database (CREATE DATABASE ... ENCODING 'UTF8' and migrate the data into it)"
+        )
+    cur.execute("SELECT rolsuper, rolreplication, current_user FROM pg_roles WHERE rolname = current_user")
+    is_super, can_repl, user = cur.fetchone()
+    if need_replication and not (is_super or can_repl):
+        problems.append(
+            f"{where}: role {user!r} lacks the REPLICATION attribute needed for a replication slot; "
+            f"run ALTER ROLE {pg_ident(user)} REPLICATION (RDS: GRANT rds_replication TO {pg_ident(user)})"
+        )
+    return problems, user
+
+
+def _table_problems(cur, where: str, user: str, schema: str, table: str, key: list[str]) -> list[str]:
+    """One shard's table: exists, not partitioned, identifiable rows, the key, types, privileges."""
+    fq = f"{schema}.{table}"
+    info = describe_table(cur, schema, table)
+    if info is None:
+        return [f"{where}: table {fq} does not exist; create it or remove shard {schema!r} from the config"]
+    if info.partitioned:
+        return [
+            f"{where}: table {fq} is partitioned; its changes are published under the leaf partitions' "
+            "names, and TRUNCATE, ATTACH and DETACH of a partition produce no change events through the "
+            "root, so rows would vanish or appear unseen. Fix: configure each leaf partition as its own "
+            "table (source.table), or replicate a non-partitioned table"
+        ]
+    problems: list[str] = []
+    if info.replica_identity == "n" or (info.replica_identity == "d" and not info.primary_key):
+        problems.append(
+            f"{where}: table {fq} has no primary key and no replica identity, so updates and "
+            f"deletes cannot be identified; add a primary key or run ALTER TABLE {pg_qualified(schema, table)} "
+            "REPLICA IDENTITY FULL"
+        )
+    elif info.replica_identity != "f" and not set(key) <= set(info.identity_columns):
+        problems.append(
+            f"{where}: table {fq}: configured primary_key {key} is not covered by the source's replica "
+            f"identity {info.identity_columns}; set primary_key to the source key or use REPLICA IDENTITY FULL"
+        )
+    missing = [k for k in key if k not in info.column_names]
+    if missing:
+        problems.append(f"{where}: table {fq}: primary_key column(s) {missing} do not exist")
+    bad = [f"{c.name} ({c.pg_type})" for c in info.columns if c.lake_type is None]
+    if bad:
+        problems.append(
+            f"{where}: table {fq}: unsupported column type(s) {', '.join(bad)}; "
+            "set column_types in the table config to read them as a supported type (e.g. string)"
+        )
+    cur.execute("SELECT has_table_privilege(%s, 'SELECT')", (pg_qualified(schema, table),))
+    if not cur.fetchone()[0]:
+        problems.append(
+            f"{where}: role {user!r} cannot SELECT {fq}; GRANT SELECT ON {pg_qualified(schema, table)} TO {pg_ident(user)}"
+        )
     return problems
 
 

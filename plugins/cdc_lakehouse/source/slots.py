@@ -1,4 +1,5 @@
-"""source.slots: split out of source.py."""
+"""Replication slots (one per endpoint: create, inspect, advance, check usable) and heartbeats, the
+writes that prove a quiet source is alive and give every capture a commit to stop at."""
 
 from __future__ import annotations
 

@@ -1,0 +1,371 @@
+"""The streaming half of a capture run: the slot's messages up to the run's bound -> staged landing
+files, then files, manifest and slot position, in the order that makes a crash at any point safe
+(see cdc_lakehouse.capture.run)."""
+
+from __future__ import annotations
+
+import logging
+import select
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from cdc_lakehouse.capture.events import Rel, key_pairs, row_pairs, schema_diff
+from cdc_lakehouse.capture.positions import ATTEMPTS_DIR, confirm
+from cdc_lakehouse.landing.format import manifest_path, run_dir
+from cdc_lakehouse.landing.writer import TableWriter
+from cdc_lakehouse.runtime.failpoints import crash_point
+from cdc_lakehouse.source.catalog import EndpointTables
+from cdc_lakehouse.source.errors import SourceError
+from cdc_lakehouse.source.pgoutput import Begin, Change, Commit, Relation, Truncate, decode, pg_time
+from cdc_lakehouse.source.publication import PUBLICATION
+from cdc_lakehouse.source.publication import source_identity as source_source_identity
+from cdc_lakehouse.source.session import SESSION_OPTIONS
+from cdc_lakehouse.source.slots import HEARTBEAT_TABLE, SlotState
+
+log = logging.getLogger(__name__)
+PG_EPOCH_US = 946_684_800_000_000  # 2000-01-01 in Unix microseconds
+
+
+@dataclass(frozen=True)
+class CaptureLimits:
+    max_events: int = 2_000_000
+    max_bytes: int = 2 * 1024**3
+    idle_timeout_s: float = 300.0  # silence after which the capture asks the server whether it is still decoding
+    max_wait_s: float = 6 * 3600.0  # waiting longer than this for the run's bound stops the run
+    batch_rows: int = 20_000
+    batch_bytes: int = 64 * 1024**2  # buffered event bytes per table before a row group is written
+    file_rows: int = 2_000_000
+
+
+@dataclass(frozen=True)
+class RunStart:
+    """What the run settled before streaming: the slot as it stood, the bound (the heartbeat's
+    xid) and what the manifest needs to prove coverage."""
+
+    slot: str
+    state: SlotState
+    hb_xid: int
+    type_lookup: Callable
+    known_schemas: dict[str, list]
+    start_lsn: int | None
+    keepalive_advance: dict[str, Any] | None
+    published_at_start: Any
+    published: Callable[[], Any]  # the publication's tables now (read again at the end of the run)
+
+
+class Stream:
+    """One run's walk over the slot: each message updates this state; run() ends at the bound or a cap."""
+
+    def __init__(
+        self,
+        ep: EndpointTables,
+        dsn: str,
+        store,
+        run_id: str,
+        start: RunStart,
+        limits: CaptureLimits,
+        *,
+        host_label: str = "",
+        database: str = "",
+    ):
+        self.ep, self.dsn, self.store, self.run_id, self.start, self.limits = ep, dsn, store, run_id, start, limits
+        self.started = datetime.now(UTC)
+        self.staging = store.staging_dir()
+        self.consts = {
+            "connector": "postgresql",
+            "endpoint": ep.endpoint_id,
+            "host": host_label,
+            "db": database,
+            "ts_ms": int(self.started.timestamp() * 1000),
+            "run_id": run_id,
+        }
+        self.writers: dict[str, TableWriter] = {}
+        self.rels: dict[int, Rel] = {}
+        self.schemas_seen: dict[str, list] = {}
+        self.schema_changes: list[dict[str, Any]] = []
+        self.heartbeats: dict[str, dict[str, Any]] = {}
+        self.events = self.nbytes = self.txs = 0
+        self.capped = self.done = False
+        self.last_commit: Commit | None = None
+        # The open transaction: its BEGIN, commit time, event sequence and heartbeat rows.
+        self.tx: Begin | None = None
+        self.tx_commit_us = 0
+        self.seq = 0
+        self.tx_heartbeat_schemas: list[str] = []
+        # Keepalive tracking: the server's last reported position and when anything last moved.
+        self.server_pos = 0
+        self.last_activity = self.waiting_since = 0.0
+
+    def run(self) -> dict[str, Any]:
+        """Stream up to the bound, then publish; returns the manifest. Staged files never outlive a failure."""
+        import psycopg2
+        from psycopg2.extras import LogicalReplicationConnection
+
+        repl = psycopg2.connect(
+            self.dsn,
+            connection_factory=LogicalReplicationConnection,
+            options=SESSION_OPTIONS,
+            application_name="cdc_lakehouse capture stream",
+        )
+        cur = repl.cursor()
+        try:
+            identity = source_source_identity(cur)
+            cur.start_replication(
+                slot_name=self.start.slot,
+                decode=False,
+                status_interval=10,
+                options={"proto_version": "1", "publication_names": PUBLICATION},
+            )
+            self.last_activity = self.waiting_since = time.monotonic()
+            self.server_pos = getattr(cur, "wal_end", 0)
+            while not self.done:
+                msg = cur.read_message()
+                if msg is None:
+                    self._keepalive(cur)
+                else:
+                    self._handle(msg)
+            return self._finish(cur, identity)
+        except BaseException:
+            self.store.discard(self.staging)
+            raise
+        finally:
+            try:
+                repl.close()
+            except Exception:  # noqa: BLE001
+                pass
+
+    # --- while streaming ---------------------------------------------------------------------
+
+    def _keepalive(self, cur) -> None:
+        """No message. Keepalives are answered inside psycopg2; one whose position moved means the
+        server is still reading WAL (a large transaction of other tables), not stuck."""
+        pos = getattr(cur, "wal_end", 0)
+        if pos != self.server_pos:
+            self.server_pos, self.last_activity = pos, time.monotonic()
+        elif time.monotonic() - self.last_activity > self.limits.idle_timeout_s:
+            waited = time.monotonic() - self.waiting_since
+            _check_still_decoding(self.ep, self.dsn, self.start.slot, self.start.hb_xid, self.limits, waited)
+            self.last_activity = time.monotonic()
+        select.select([cur], [], [], 1.0)
+
+    def _handle(self, msg) -> None:
+        self.last_activity = time.monotonic()
+        payload = msg.payload
+        self.nbytes += len(payload)
+        m = decode(payload)
+        if isinstance(m, Change):
+            self._on_change(m, msg.data_start, len(payload))
+        elif isinstance(m, Begin):
+            self.tx, self.seq, self.tx_heartbeat_schemas = m, 0, []
+            self.tx_commit_us = m.commit_ts + PG_EPOCH_US
+        elif isinstance(m, Commit):
+            self._on_commit(m)
+        elif isinstance(m, Relation):
+            self._on_relation(m)
+        elif isinstance(m, Truncate):
+            self._on_truncate(m, msg.data_start)
+        # Type messages and those decode() does not know carry nothing the landing needs.
+
+    def _on_change(self, m: Change, data_start: int, size: int) -> None:
+        r = self.rels[m.relid]
+        if r.heartbeat:
+            self.tx_heartbeat_schemas.append(r.rel.schema)
+            return
+        if m.kind == "I":
+            op, before = "c", None
+            after, unavailable = row_pairs(r, m.new)
+        elif m.kind == "U":
+            op = "u"
+            before = key_pairs(r, m.old, m.old_is_key) if m.old is not None else None
+            after, unavailable = row_pairs(r, m.new)
+        else:
+            op, after, unavailable = "d", None, None
+            before = key_pairs(r, m.old, m.old_is_key)
+        self._add(r, op, before, after, unavailable, data_start, size)
+
+    def _on_truncate(self, m: Truncate, data_start: int) -> None:
+        for relid in m.relids:
+            r = self.rels.get(relid)
+            if r is None or r.heartbeat:
+                continue
+            self._add(r, "t", None, None, None, data_start, 0)
+
+    def _add(self, r: Rel, op: str, before, after, unavailable, data_start: int, size: int) -> None:
+        self.seq += 1
+        name = r.rel.name
+        w = self.writers.get(name) or self._writer_for(name)
+        tx = self.tx
+        w.add(
+            op,
+            before,
+            after,
+            unavailable,
+            r.rel.schema,
+            name,
+            tx.final_lsn,
+            data_start,
+            tx.xid,
+            self.seq,
+            self.tx_commit_us,
+            r.schema_json,
+            size,
+        )
+        self.events += 1
+
+    def _writer_for(self, table: str) -> TableWriter:
+        d = self.staging / table
+        d.mkdir()
+        lim = self.limits
+        self.writers[table] = TableWriter(d, self.consts, lim.batch_rows, lim.file_rows, lim.batch_bytes)
+        return self.writers[table]
+
+    def _on_commit(self, m: Commit) -> None:
+        self.txs += 1
+        self.last_commit = m
+        for s in self.tx_heartbeat_schemas:
+            self.heartbeats[s] = {
+                "commit_lsn": m.commit_lsn,
+                "end_lsn": m.end_lsn,
+                "commit_ts": pg_time(m.commit_ts).isoformat(),
+                "xid": self.tx.xid,
+            }
+        if self.tx.xid == self.start.hb_xid:
+            self.done = True  # the run's bound: everything committed before it is in
+        elif self.events >= self.limits.max_events or self.nbytes >= self.limits.max_bytes:
+            # Checked at COMMIT only: a transaction is never split across runs.
+            self.capped = self.done = True
+        self.tx = None
+
+    def _on_relation(self, m: Relation) -> None:
+        r = Rel(m, self.start.type_lookup)
+        self.rels[m.oid] = r
+        if r.heartbeat:
+            return
+        prev = self.schemas_seen.get(r.key) or self.start.known_schemas.get(r.key)
+        at = {
+            "table": r.key,
+            "at_commit_lsn": self.tx.final_lsn if self.tx else None,
+            "columns": [c["name"] for c in r.columns],
+        }
+        if prev is None:
+            # No earlier schema to diff with: the ingest compares these columns with
+            # the shard's known ones (columns added since its bootstrap need values).
+            self.schema_changes.append({**at, "first_seen": True, "added": [], "dropped": [], "retyped": []})
+        else:
+            diff = schema_diff(prev, r.columns)
+            if diff:
+                self.schema_changes.append({**at, **diff})
+                log.warning("capture %s: schema change on %s: %s", self.ep.endpoint_id, r.key, diff)
+        self.schemas_seen[r.key] = r.columns
+
+    # --- at the bound ------------------------------------------------------------------------
+
+    def _finish(self, cur, identity: dict[str, Any]) -> dict[str, Any]:
+        """Files first, durably; then the manifest; then the slot. Confirming earlier would lose the
+        run's events to a crash; the failpoints let the crash tests stop between the steps."""
+        tables = self._publish_files()
+        crash_point("after_files")
+        manifest = self._manifest(tables, identity)
+        self.store.write_json(manifest_path(self.ep.endpoint_id, self.run_id), manifest)
+        crash_point("after_manifest")
+        confirm(self.dsn, self.start.slot, self.last_commit.end_lsn, cur)
+        attempts = f"{self.ep.endpoint_id}/{ATTEMPTS_DIR}"
+        for name in self.store.list_names(attempts):  # resolved by this manifest
+            self.store.delete(f"{attempts}/{name}")
+        return manifest
+
+    def _publish_files(self) -> list[dict[str, Any]]:
+        tables = []
+        for name, w in sorted(self.writers.items()):
+            files = w.close()
+            rel = run_dir(self.ep.endpoint_id, name, self.run_id)
+            self.store.publish_dir(self.staging / name, rel)
+            tables.append(
+                {
+                    "table": name,
+                    "dir": rel,
+                    "files": files,
+                    "events": w.rows,
+                    "min_commit_lsn": w.min_commit_lsn,
+                    "max_commit_lsn": w.max_commit_lsn,
+                    "shards": sorted(w.shards),
+                }
+            )
+        self.store.discard(self.staging)
+        return tables
+
+    def _manifest(self, tables: list[dict[str, Any]], identity: dict[str, Any]) -> dict[str, Any]:
+        last, start = self.last_commit, self.start
+        assert last is not None
+        # What the run covered: a table's changes are in this run only if it was published for the
+        # whole run. The ingest checks its shards against this before moving their watermark.
+        published_end = start.published()
+        manifest = {
+            "format": 1,
+            "run_id": self.run_id,
+            "endpoint": self.ep.endpoint_id,
+            "conn_id": self.ep.conn_id,
+            "slot": start.slot,
+            "publication": PUBLICATION,
+            "started_at": self.started.isoformat(),
+            "finished_at": datetime.now(UTC).isoformat(),
+            "start_lsn": start.start_lsn,
+            "end_lsn": last.end_lsn,
+            "last_commit_lsn": last.commit_lsn,
+            "last_commit_ts": pg_time(last.commit_ts).isoformat(),
+            "capped": self.capped,
+            "heartbeat_xid": start.hb_xid,
+            "events": self.events,
+            "bytes": self.nbytes,
+            "transactions": self.txs,
+            "tables": tables,
+            "heartbeats": self.heartbeats,
+            "schemas": {**start.known_schemas, **self.schemas_seen},
+            "schema_changes": self.schema_changes,
+            "slot_before": start.state.to_json(),
+            "source_identity": identity,
+            "published": published_end,
+            "published_at_start": start.published_at_start,
+        }
+        if start.keepalive_advance:
+            manifest["keepalive_advance"] = start.keepalive_advance
+        return manifest
+
+
+def _check_still_decoding(
+    ep: EndpointTables, dsn: str, slot: str, hb_xid: int, limits: CaptureLimits, waited: float
+) -> None:
+    """Silence for idle_timeout_s: go on while the slot's walsender is decoding (replaying a large
+    transaction sends nothing for a long time), stop when it waits for WAL with the run's
+    heartbeat still missing (that cannot recover) or when the run waited max_wait_s in all."""
+    import psycopg2
+
+    conn = psycopg2.connect(dsn, application_name="cdc_lakehouse capture check")
+    try:
+        with conn.cursor() as c:
+            c.execute(
+                "SELECT a.state, a.wait_event FROM pg_replication_slots s "
+                "JOIN pg_stat_activity a ON a.pid = s.active_pid WHERE s.slot_name = %s",
+                (slot,),
+            )
+            row = c.fetchone()
+    finally:
+        conn.close()
+    state, wait_event = row if row else (None, None)
+    where = (
+        f"capture {ep.endpoint_id}: the run's heartbeat transaction (xid {hb_xid}) has not arrived after {waited:.0f}s"
+    )
+    if wait_event in ("WalSenderWaitForWAL", "WalSenderMain"):  # idle: everything decoded was sent
+        raise SourceError(
+            f"{where} and the server has nothing left to decode; check that {HEARTBEAT_TABLE} "
+            f"is in publication {PUBLICATION}"
+        )
+    if waited > limits.max_wait_s:
+        raise SourceError(
+            f"{where} (the server is still {state or 'busy'}, {wait_event or 'on CPU'}); raise "
+            "the capture's max_wait_s if a transaction this large is expected"
+        )
+    log.info("%s; the server is still decoding (%s, %s), waiting", where, state, wait_event or "on CPU")

@@ -1,0 +1,121 @@
+"""The figures of one table's ingest run.
+
+One typed record instead of a dict whose keys were spelled in several places: the fields that
+carry a column type are, in this order, the columns of cdc_meta.ingest_runs (lake.meta derives
+the table from INGEST_RUN_COLUMNS), and callers get the record as a plain dict (`as_dict`).
+No imports from the rest of the package, so lake.meta can read the columns without a cycle.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import MISSING, dataclass, field, fields
+from datetime import UTC, datetime
+from typing import Any
+
+
+def _col(sql_type: str, default: Any = MISSING, default_factory: Any = MISSING) -> Any:
+    return field(default=default, default_factory=default_factory, metadata={"sql": sql_type})
+
+
+@dataclass(kw_only=True)
+class IngestMetrics:
+    # Column order of cdc_meta.ingest_runs: tables created by earlier releases have it.
+    table_name: str = _col("string")
+    ingest_run: str = _col("string")
+    interval_end: str | None = _col("string", None)
+    landing_runs: list[str] = _col("array<string>", default_factory=list)
+    events_read: int = _col("bigint", 0)
+    duplicates: int = _col("bigint", 0)
+    already_applied: int = _col("bigint", 0)
+    inserts: int = _col("bigint", 0)
+    updates: int = _col("bigint", 0)
+    deletes: int = _col("bigint", 0)
+    stale_skipped: int = _col("bigint", 0)
+    truncates: int = _col("bigint", 0)
+    quarantined: int = _col("bigint", 0)
+    changelog_rows: int = _col("bigint", 0)
+    data_files_added: int | None = _col("bigint", None)
+    data_files_removed: int | None = _col("bigint", None)
+    delete_files_added: int | None = _col("bigint", None)
+    bytes_written: int | None = _col("bigint", None)
+    bytes_removed: int | None = _col("bigint", None)
+    changed_rows_bytes: int | None = _col("bigint", None)
+    write_amplification: float | None = _col("double", None)
+    lag_seconds_max: float | None = _col("double", None)
+    lag_seconds_min: float | None = _col("double", None)
+    freshness_seconds: float | None = _col("double", None)
+    watermark: str | None = _col("string", None)
+    write_mode: str = _col("string")
+    apply_seconds: float | None = _col("double", None)
+    total_seconds: float | None = _col("double", None)
+    started_at: datetime = _col("timestamp", default_factory=lambda: datetime.now(UTC))
+    committed_at: datetime | None = _col("timestamp", None)
+    status: str = _col("string", "ok")
+    error: str | None = _col("string", None)
+    # Returned to callers, not stored in the meta table.
+    backfilled: int | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+    _t0: float = field(default_factory=time.time, init=False, repr=False, compare=False)
+
+    @contextmanager
+    def timed(self, phase: str) -> Iterator[None]:
+        """Seconds spent in `phase`, kept in `timings` (logged, and returned to the bench)."""
+        t = time.time()
+        yield
+        self.timings[phase] = time.time() - t
+
+    def elapsed(self) -> float:
+        return time.time() - self._t0
+
+    def add_commit_stats(self, pre: dict[str, str], post: dict[str, str]) -> None:
+        """Files and bytes of the MERGE's snapshot; write amplification against the bytes the
+        changed rows take in the table before it (average row size times rows changed)."""
+
+        def n(d: dict[str, str], k: str) -> int:
+            return int(d.get(k, 0) or 0)
+
+        self.data_files_added = n(post, "added-data-files")
+        self.data_files_removed = n(post, "deleted-data-files")
+        self.delete_files_added = n(post, "added-delete-files")
+        self.bytes_written = n(post, "added-files-size")
+        self.bytes_removed = n(post, "removed-files-size")
+        records, size = n(pre, "total-records"), n(pre, "total-files-size")
+        changed = self.inserts + self.updates + self.deletes
+        if records and changed:
+            self.changed_rows_bytes = int(size / records * changed)
+            self.write_amplification = self.bytes_written / self.changed_rows_bytes if self.changed_rows_bytes else None
+
+    def set_lag(self, min_ts: datetime | None, max_ts: datetime | None) -> None:
+        """Commit timestamps of the batch's oldest and newest events (naive UTC) -> lag now."""
+        now = datetime.now(UTC)
+        if min_ts is not None:
+            self.lag_seconds_max = (now - min_ts.replace(tzinfo=UTC)).total_seconds()
+            self.lag_seconds_min = (now - max_ts.replace(tzinfo=UTC)).total_seconds()
+
+    def as_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("_")}
+
+    def meta_row(self) -> dict[str, Any]:
+        return {c: getattr(self, c) for c, _ in INGEST_RUN_COLUMNS}
+
+    def summary(self) -> str:
+        wa = self.write_amplification
+        return (
+            f"ingest {self.table_name}: runs {self.landing_runs} events {self.events_read} "
+            f"(applied before {self.already_applied}, duplicates {self.duplicates}) inserts "
+            f"{self.inserts} updates {self.updates} deletes {self.deletes} stale "
+            f"{self.stale_skipped} truncates {self.truncates} quarantined {self.quarantined}; "
+            f"files +{self.data_files_added or 0}/-{self.data_files_removed or 0} deletes "
+            f"+{self.delete_files_added or 0}, bytes written {self.bytes_written or 0}, write amplification "
+            f"{'n/a' if wa is None else f'{wa:.2f}'}; apply {self.apply_seconds or 0:.1f}s total "
+            f"{self.total_seconds or 0:.1f}s; freshness {self.freshness_seconds or 0:.0f}s; phases "
+            + ", ".join(f"{k} {v:.1f}s" for k, v in self.timings.items())
+        )
+
+
+INGEST_RUN_COLUMNS: list[tuple[str, str]] = [
+    (f.name, f.metadata["sql"]) for f in fields(IngestMetrics) if "sql" in f.metadata
+]

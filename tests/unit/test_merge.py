@@ -1,0 +1,203 @@
+"""The MERGE that applies a reduced batch: its SQL text, the LSN guard, and the statement run
+against two tiny Iceberg tables (filesystem catalog, no PostgreSQL)."""
+
+from __future__ import annotations
+
+import re
+from datetime import UTC, datetime
+
+import pytest
+from cdc_lakehouse.config import COMMIT_TS_COL, LSN_COL, OP_COL, SEQ_COL, SHARD_COL
+from cdc_lakehouse.identifiers import IdentifierError
+from cdc_lakehouse.ingest.merge import lsn_newer, merge_sql
+from pyspark.sql import functions as F
+from pyspark.testing import assertDataFrameEqual
+
+from tests.conftest import make_config
+from tests.unit.conftest import UNIT_CATALOG
+
+NEWER = f"(s.{LSN_COL} > t.{LSN_COL} OR (s.{LSN_COL} = t.{LSN_COL} AND s.{SEQ_COL} > t.{SEQ_COL}))"
+DATA = ["order", "title"]  # `order` is a SQL keyword: it only works quoted
+COLUMNS = [SHARD_COL, "id", *DATA, OP_COL, LSN_COL, SEQ_COL, COMMIT_TS_COL]
+
+
+def hard_cfg():
+    return make_config("mg", ["s1", "s2"])
+
+
+def soft_cfg():
+    return make_config("mg", ["s1", "s2"], deletes="soft")
+
+
+# --- the SQL text ----------------------------------------------------------------------------------
+
+
+def test_hard_merge_guards_both_matched_clauses_with_the_lsn_order():
+    sql = merge_sql(hard_cfg(), "cat.ns.cur", "batch", COLUMNS, [])
+    assert sql.startswith(
+        "MERGE INTO cat.ns.cur t USING batch s ON t.`_cdc_shard` = s.`_cdc_shard` AND t.`id` = s.`id` "
+    )
+    matched = re.findall(r"WHEN MATCHED AND (.*?) THEN", sql)
+    assert len(matched) == 2
+    assert all(m.startswith(NEWER) for m in matched)
+    assert sql.count(NEWER) == 2
+    # The delete clause comes first: a matched delete must not fall through to the update.
+    assert sql.index(f"{NEWER} AND s.{OP_COL} = 'd' THEN DELETE") < sql.index(f"{NEWER} THEN UPDATE SET")
+    assert f"WHEN NOT MATCHED AND s.{OP_COL} <> 'd' THEN INSERT" in sql
+    assert "NOT MATCHED BY SOURCE" not in sql
+
+
+def test_every_column_is_quoted_in_set_insert_and_values():
+    sql = merge_sql(hard_cfg(), "cur", "batch", COLUMNS, [])
+    for c in COLUMNS:
+        assert f"t.`{c}` = s.`{c}`" in sql
+    ins_cols = re.search(r"THEN INSERT \((.*?)\) VALUES \((.*?)\)", sql)
+    assert ins_cols.group(1) == ", ".join(f"`{c}`" for c in COLUMNS)
+    assert ins_cols.group(2) == ", ".join(f"s.`{c}`" for c in COLUMNS)
+
+
+def test_invalid_column_name_is_refused_not_spliced():
+    with pytest.raises(IdentifierError):
+        merge_sql(hard_cfg(), "cur", "batch", [*COLUMNS, "x = 1 --"], [])
+
+
+def test_truncated_shards_delete_rows_the_batch_did_not_touch():
+    sql = merge_sql(hard_cfg(), "cur", "batch", COLUMNS, ["s1", "s2"])
+    assert sql.endswith(f" WHEN NOT MATCHED BY SOURCE AND t.{SHARD_COL} IN ('s1', 's2') THEN DELETE")
+
+
+def test_soft_merge_flags_deletes_and_clears_the_flag_on_upsert():
+    sql = merge_sql(soft_cfg(), "cur", "batch", COLUMNS, [])
+    assert sql.count(NEWER) == 2
+    assert "THEN DELETE" not in sql
+    assert (
+        f"WHEN MATCHED AND {NEWER} AND s.{OP_COL} = 'd' THEN UPDATE SET t.`is_deleted` = true, "
+        f"t.`deleted_at` = s.{COMMIT_TS_COL}, t.{OP_COL} = 'd', t.{LSN_COL} = s.{LSN_COL}, "
+        f"t.{SEQ_COL} = s.{SEQ_COL}, t.{COMMIT_TS_COL} = s.{COMMIT_TS_COL} "
+    ) in sql
+    assert "t.`is_deleted` = false, t.`deleted_at` = NULL WHEN NOT MATCHED" in sql
+    assert sql.endswith(
+        "`is_deleted`, `deleted_at`) VALUES (" + ", ".join(f"s.`{c}`" for c in COLUMNS) + ", false, NULL)"
+    )
+
+
+def test_soft_merge_of_truncated_shards_flags_only_live_rows():
+    cfg = make_config("mg", ["s1"], deletes="soft", soft_delete_columns={"flag": "gone", "timestamp": "gone_at"})
+    sql = merge_sql(cfg, "cur", "batch", COLUMNS, ["s1"])
+    assert sql.endswith(
+        f" WHEN NOT MATCHED BY SOURCE AND t.{SHARD_COL} IN ('s1') AND NOT t.`gone` THEN UPDATE SET "
+        "t.`gone` = true, t.`gone_at` = current_timestamp()"
+    )
+
+
+def test_toast_columns_keep_the_table_value_and_are_never_inserted_incomplete():
+    sql = merge_sql(hard_cfg(), "cur", "batch", COLUMNS, [], toast_columns=["title"])
+    assert "t.`title` = CASE WHEN array_contains(s._unav_left, 'title') THEN t.`title` ELSE s.`title` END" in sql
+    assert "t.`order` = s.`order`" in sql  # not a TOAST column
+    assert f"WHEN NOT MATCHED AND s.{OP_COL} <> 'd' AND size(s._unav_left) = 0 THEN INSERT" in sql
+
+
+# --- the LSN order -----------------------------------------------------------------------------------
+
+
+def test_lsn_newer_orders_by_commit_lsn_then_seq(spark):
+    df = spark.createDataFrame(
+        [
+            ("later commit", 101, 0, 100, 9, True),
+            ("same commit, later seq", 100, 5, 100, 4, True),
+            ("same event", 100, 4, 100, 4, False),
+            ("same commit, earlier seq", 100, 3, 100, 4, False),
+            ("earlier commit", 99, 9, 100, 0, False),
+            ("no row in the table", 100, 4, None, None, None),
+        ],
+        "case string, a_lsn bigint, a_seq bigint, b_lsn bigint, b_seq bigint, expected boolean",
+    )
+    got = df.select("case", lsn_newer(F.col("a_lsn"), F.col("a_seq"), F.col("b_lsn"), F.col("b_seq")).alias("newer"))
+    assertDataFrameEqual(got, df.select("case", F.col("expected").alias("newer")))
+
+
+# --- the statement run on Iceberg --------------------------------------------------------------------
+
+SCHEMA = (
+    f"{SHARD_COL} string, id bigint, `order` int, title string, {OP_COL} string, "
+    f"{LSN_COL} bigint, {SEQ_COL} bigint, {COMMIT_TS_COL} timestamp"
+)
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
+T1 = datetime(2026, 1, 2, tzinfo=UTC)
+
+TARGET = [
+    ("s1", 1, 1, "a", "u", 100, 2, T0),
+    ("s1", 2, 2, "b", "u", 100, 2, T0),
+    ("s1", 3, 3, "c", "u", 100, 2, T0),
+    ("s1", 5, 5, "e", "u", 100, 2, T0),
+    ("s2", 1, 1, "x", "u", 50, 2, T0),
+    ("s2", 2, 2, "y", "u", 50, 2, T0),
+]
+BATCH = [
+    ("s1", 1, 10, "a2", "u", 100, 4, T1),  # same commit, later seq: update
+    ("s1", 2, 20, "stale", "u", 100, 2, T1),  # the event the table has: ignored
+    ("s1", 3, None, None, "d", 101, 0, T1),  # later commit: delete
+    ("s1", 4, 40, "new", "c", 100, 2, T1),  # new key: insert
+    ("s1", 6, None, None, "d", 100, 2, T1),  # delete of a key the table lacks: nothing
+    ("s2", 1, None, None, "d", 40, 0, T1),  # older than the table's row: ignored
+]
+
+
+def _tables(spark, unique, extra_cols=""):
+    ns = f"{UNIT_CATALOG}.merge_{unique}"
+    spark.sql(f"CREATE NAMESPACE IF NOT EXISTS {ns}")
+    cur = f"{ns}.cur"
+    spark.sql(f"CREATE TABLE {cur} ({SCHEMA}{extra_cols}) USING iceberg")
+    return cur
+
+
+def _run(spark, cfg, cur, target_rows, truncated, unique):
+    spark.createDataFrame(target_rows, spark.table(cur).schema).writeTo(cur).append()
+    view = f"batch_{unique}"
+    spark.createDataFrame(BATCH, SCHEMA).createOrReplaceTempView(view)
+    spark.sql(merge_sql(cfg, cur, view, COLUMNS, truncated))
+    return spark.table(cur)
+
+
+def test_hard_merge_applies_only_newer_events(spark, unique):
+    cur = _tables(spark, unique)
+    out = _run(spark, hard_cfg(), cur, TARGET, ["s2"], unique)
+    expected = [
+        ("s1", 1, 10, "a2", "u", 100, 4, T1),
+        ("s1", 2, 2, "b", "u", 100, 2, T0),
+        ("s1", 4, 40, "new", "c", 100, 2, T1),
+        ("s1", 5, 5, "e", "u", 100, 2, T0),  # untouched: s1 was not truncated
+        ("s2", 1, 1, "x", "u", 50, 2, T0),  # s2 was truncated, but the batch has this key
+    ]
+    assertDataFrameEqual(out, spark.createDataFrame(expected, SCHEMA))
+
+
+def test_soft_merge_flags_instead_of_deleting(spark, unique):
+    cur = _tables(spark, unique, ", is_deleted boolean, deleted_at timestamp")
+    target = [(*r, False, None) for r in TARGET]
+    out = _run(spark, soft_cfg(), cur, target, ["s2"], unique)
+    truncated = out.filter("_cdc_shard = 's2' AND id = 2").collect()
+    assert len(truncated) == 1
+    assert truncated[0]["is_deleted"] is True
+    assert truncated[0]["deleted_at"] is not None  # the MERGE's current_timestamp()
+    expected = [
+        ("s1", 1, 10, "a2", "u", 100, 4, T1, False, None),
+        ("s1", 2, 2, "b", "u", 100, 2, T0, False, None),
+        ("s1", 3, 3, "c", "d", 101, 0, T1, True, T1),  # values kept, flagged at the commit time
+        ("s1", 4, 40, "new", "c", 100, 2, T1, False, None),
+        ("s1", 5, 5, "e", "u", 100, 2, T0, False, None),
+        ("s2", 1, 1, "x", "u", 50, 2, T0, False, None),
+    ]
+    assertDataFrameEqual(out.filter("NOT (_cdc_shard = 's2' AND id = 2)"), spark.createDataFrame(expected, out.schema))
+
+
+def test_soft_deleted_row_comes_back_on_a_newer_upsert(spark, unique):
+    cur = _tables(spark, unique, ", is_deleted boolean, deleted_at timestamp")
+    spark.createDataFrame([("s1", 7, 7, "g", "d", 90, 2, T0, True, T0)], spark.table(cur).schema).writeTo(cur).append()
+    view = f"batch_{unique}"
+    spark.createDataFrame([("s1", 7, 8, "back", "c", 95, 0, T1)], SCHEMA).createOrReplaceTempView(view)
+    spark.sql(merge_sql(soft_cfg(), cur, view, COLUMNS, []))
+    assertDataFrameEqual(
+        spark.table(cur),
+        spark.createDataFrame([("s1", 7, 8, "back", "c", 95, 0, T1, False, None)], spark.table(cur).schema),
+    )
