@@ -143,13 +143,15 @@ def run_ours(mode: str, prep: dict, rows: int, repeat: int) -> list[dict]:
                 "bytes_written": m.get("bytes_written"),
                 "changed_rows_bytes": m.get("changed_rows_bytes"),
                 "timings": m.get("timings"),
+                "spark_jobs": m.get("spark_jobs"),
                 "verified": ok,
                 "got": got,
             }
         )
         print(
-            f"  {mode} repeat {i + 1}: {secs:.1f}s (merge {m['apply_seconds']:.1f}s) "
-            f"WA {m.get('write_amplification') or 0:.2f} phases {m.get('timings')} verified={ok}",
+            f"  {mode} repeat {i + 1}: {secs:.1f}s (merge {m['apply_seconds'] or 0:.1f}s) "
+            f"WA {m.get('write_amplification') or 0:.2f} Spark jobs {m.get('spark_jobs')} "
+            f"phases {m.get('timings')} verified={ok}",
             flush=True,
         )
     spark.stop()

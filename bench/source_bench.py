@@ -91,12 +91,12 @@ def table_config(name: str, **over):
     return cfg
 
 
-def copy_rate(dsn: str, columns, connections: int) -> dict:
+def copy_rate(dsn: str, columns, connections: int, pg_types: dict[str, str] | None = None) -> dict:
     """COPY of every shard with the bootstrap's select list, `connections` shards at a time."""
     import psycopg2
-    from cdc_lakehouse.bootstrap.snapshot import select_list
+    from cdc_lakehouse.source.catalog import text_select_list
 
-    sel = select_list(columns)
+    sel = text_select_list(columns, pg_types)
     counts: dict[str, int] = {}
 
     class Sink:
@@ -133,14 +133,14 @@ def copy_rate(dsn: str, columns, connections: int) -> dict:
 
 def bench_bootstrap(spark, lake, dsn: str, blocks: int, repeat: int) -> dict:
     from cdc_lakehouse.bootstrap.run import bootstrap_table
-    from cdc_lakehouse.bootstrap.snapshot import endpoints, preflight
+    from cdc_lakehouse.bootstrap.snapshot import preflight, shards_by_endpoint
 
     cfg = table_config(f"boot_{blocks}")
-    columns = preflight(cfg, endpoints(cfg, None))
+    columns, pg_types = preflight(cfg, shards_by_endpoint(cfg, None))
     conns = cfg.bootstrap.max_connections_per_host
     copies, ours = [], []
     for i in range(repeat):
-        copies.append(copy_rate(dsn, columns, conns))
+        copies.append(copy_rate(dsn, columns, conns, pg_types))
         print(
             f"  COPY ({conns} connections): {copies[-1]['rows']} rows in {copies[-1]['seconds']:.1f}s "
             f"= {copies[-1]['rows_per_second']:,.0f} rows/s",
@@ -148,7 +148,7 @@ def bench_bootstrap(spark, lake, dsn: str, blocks: int, repeat: int) -> dict:
         )
         with PeakRSS() as mem:
             t = time.time()
-            r = bootstrap_table(spark, lake, cfg, run_id=f"bench{i}", log=lambda *_: None)
+            r = bootstrap_table(spark, lake, cfg, run_id=f"bench{i}")
             secs = time.time() - t
         ours.append(
             {
@@ -189,9 +189,7 @@ def bench_audit(spark, lake, blocks: int, repeat: int) -> dict:
         for i in range(repeat):
             with PeakRSS() as mem:
                 t = time.time()
-                r = audit_table(
-                    spark, lake, cfg, audit_run=f"bench-{mode}-{i}", mode=mode, repair=False, log=lambda *_: None
-                )
+                r = audit_table(spark, lake, cfg, audit_run=f"bench-{mode}-{i}", mode=mode, repair=False)
                 secs = time.time() - t
             out[mode].append(
                 {"seconds": secs, "peak_rss_mb": mem.peak_mb, "verdict": r["verdict"], "timings": r.get("timings")}

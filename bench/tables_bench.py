@@ -108,9 +108,7 @@ def main() -> int:
     for name in names:
         for tbl in (cs.tables[name].current_table, cs.tables[name].changelog_table):
             spark.sql(f"DROP TABLE IF EXISTS {lake.qualified(tbl)} PURGE")
-        bootstrap_table(
-            spark, lake, cs.tables[name], run_id="b", all_endpoint_tables={endpoint: ep.tables}, log=lambda *_: None
-        )
+        bootstrap_table(spark, lake, cs.tables[name], run_id="b", all_endpoint_tables={endpoint: ep.tables})
     print(f"bootstrapped {n} tables in {time.time() - t:.0f}s", flush=True)
     spark.stop()
 

@@ -8,7 +8,6 @@ ingest reads it from the current snapshot's ancestry.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
@@ -126,7 +125,6 @@ def prune_landing(
     cfg: TableConfig,
     consumers: list[TableConfig],
     now: datetime,
-    log: Callable[[str], object] | None = None,  # accepted for older callers, not used
 ) -> dict[str, Any]:
     """Remove landing runs of cfg's endpoints that every consuming table has applied and that are
     older than the retention (the longest any consumer asks for).
@@ -218,7 +216,6 @@ def maintain_table(
     run_id: str,
     now: datetime | None = None,
     consumers: list[TableConfig] | None = None,
-    log: Callable[[str], object] | None = None,  # accepted for older callers, not used
 ) -> dict[str, Any]:
     """Compaction, expiry and orphan cleanup of both tables, the latest view, and landing retention.
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from cdc_lakehouse.config import TableConfig
@@ -87,12 +86,8 @@ def latest_rows(spark: SparkSession, lake: LakeSettings, cfg: TableConfig) -> Da
     )
 
 
-def publish_latest(
-    spark: SparkSession, lake: LakeSettings, cfg: TableConfig, log: Callable[[str], Any] | None = None
-) -> dict[str, Any]:
-    """As an Iceberg table replaced atomically (CREATE OR REPLACE ... AS SELECT), or as an Iceberg view.
-    log: where the summary line goes (default: this module's logger)."""
-    log = log or logger.info
+def publish_latest(spark: SparkSession, lake: LakeSettings, cfg: TableConfig) -> dict[str, Any]:
+    """As an Iceberg table replaced atomically (CREATE OR REPLACE ... AS SELECT), or as an Iceberg view."""
     name = lake.qualified(cfg.latest_view)
     mode = cfg.maintenance.latest_view
     if mode == "none":
@@ -113,7 +108,7 @@ def publish_latest(
             spark.sql(f"DROP TABLE {name}")
         spark.sql(f"CREATE OR REPLACE VIEW {name} AS {_latest_sql(spark, lake, cfg)}")
         rows = spark.table(name).count()
-    log(f"maintenance {cfg.name}: latest-per-key {mode} {name}: {rows} rows in {time.time() - t:.1f}s")
+    logger.info(f"maintenance {cfg.name}: latest-per-key {mode} {name}: {rows} rows in {time.time() - t:.1f}s")
     return {"latest_rows": rows, "latest_mode": mode}
 
 

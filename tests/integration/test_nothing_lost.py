@@ -391,9 +391,9 @@ def test_landing_runs_go_once_every_table_applied_them_and_are_private(source, s
     files = [p for p in root.rglob("*") if p.is_file()]
     assert files and all(not (p.stat().st_mode & stat.S_IROTH) for p in files)
     now = datetime.now(UTC)
-    assert prune_landing(spark, lake, s.block, [s.block, s.perm], now, log=print)["landing_runs_removed"] == {}
+    assert prune_landing(spark, lake, s.block, [s.block, s.perm], now)["landing_runs_removed"] == {}
     later = now + timedelta(hours=s.block.maintenance.landing_retention_hours + 1)
-    out = prune_landing(spark, lake, s.block, [s.block, s.perm], later, log=print)["landing_runs_removed"]
+    out = prune_landing(spark, lake, s.block, [s.block, s.perm], later)["landing_runs_removed"]
     removed = out[s.endpoint]
     assert runs[0] in removed and runs[1] not in removed and runs[2] not in removed
     assert not (root / "_manifests" / f"{runs[0]}.json").exists()

@@ -75,7 +75,7 @@ CAPTURE_POINTS = ["after_files", "after_manifest"]
 CAPTURE_CHILD = (
     "import json, sys\n"
     "from cdc_lakehouse.capture.run import capture_run\n"
-    "from cdc_lakehouse.landing.format import LocalLanding\n"
+    "from cdc_lakehouse.landing.stores import LocalLanding\n"
     "from cdc_lakehouse.source.catalog import EndpointTables\n"
     "a = json.loads(sys.argv[1])\n"
     "capture_run(EndpointTables(a['endpoint'], a['conn_id'], a['tables']), a['dsn'], LocalLanding(a['landing']), "
@@ -519,7 +519,7 @@ def test_random_batches_on_two_servers_converge_exactly(pg, pg_b, spark, lake, u
         problems = lake_problems(spark, lake, cfg, servers)
         timings["compare"] += time.time() - t
         t = time.time()
-        audit = audit_table(spark, lake, cfg, audit_run=f"audit-{unique}-{what}", mode="full", log=lambda *_: None)
+        audit = audit_table(spark, lake, cfg, audit_run=f"audit-{unique}-{what}", mode="full")
         timings["audit"] += time.time() - t
         flagged = {
             shard: {k: st.get(k, 0) for k in ("missing", "extra", "different", "in_flight") if st.get(k)}
@@ -642,7 +642,7 @@ def test_random_batches_on_two_servers_converge_exactly(pg, pg_b, spark, lake, u
             if b in maintenance_batches:
                 # With runs pending (and, after a kill, perhaps a changelog ahead of the current table).
                 t = time.time()
-                maintain_table(spark, lake, cfg, run_id=f"m{b}", consumers=[cfg], log=lambda *_: None)
+                maintain_table(spark, lake, cfg, run_id=f"m{b}", consumers=[cfg])
                 timings["maintenance"] += time.time() - t
             ingest(run_id, f"i{b}")
             print(f"batch {b}: {dict(src.counts)} (runs up to {run_id})")
@@ -654,7 +654,7 @@ def test_random_batches_on_two_servers_converge_exactly(pg, pg_b, spark, lake, u
                 src.batch(rng.randint(20, 50))
                 capture(next_run())
                 src.batch(rng.randint(20, 50))
-                audit = audit_table(spark, lake, cfg, audit_run=f"audit-{unique}-lag", mode="full", log=lambda *_: None)
+                audit = audit_table(spark, lake, cfg, audit_run=f"audit-{unique}-lag", mode="full")
                 wrong = {
                     sh: st
                     for sh, st in audit["shards"].items()

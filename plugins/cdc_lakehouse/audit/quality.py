@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
@@ -30,13 +29,11 @@ def quality_checks(
     lake_counts: dict[str, int],
     audit_run: str,
     now: datetime,
-    log: Callable[[str], Any] | None = None,
 ) -> list[dict[str, Any]]:
     """Great Expectations 1.x on the lake table; results go to cdc_meta.quality_results and a JSON
     report next to the warehouse, whose path the task log prints."""
     import great_expectations as gx
 
-    say = log or logger.info
     ds = gx.get_context(mode="ephemeral").data_sources.add_spark(f"lake_{cfg.name}")
     flat = [
         *_check_table(ds, cfg, lake_df, per_shard, lake_counts),
@@ -54,9 +51,9 @@ def quality_checks(
     report = f"{lake.warehouse.rstrip('/')}/_quality/{cfg.name}/{audit_run.replace(':', '_').replace('+', '_')}.json"
     try:
         _write_text(spark, report, json.dumps(flat, indent=2, default=str))
-        say(f"audit {cfg.name}: Great Expectations report {report}")
+        logger.info("audit %s: Great Expectations report %s", cfg.name, report)
     except Exception as exc:  # noqa: BLE001 - the report is a convenience; the results are in cdc_meta
-        say(f"audit {cfg.name}: could not store the Great Expectations report: {exc}")
+        logger.warning("audit %s: could not store the Great Expectations report: %s", cfg.name, exc)
     return flat
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from cdc_lakehouse.config import COMMIT_TS_COL, LSN_COL, OP_COL, SEQ_COL, SHARD_COL, TableConfig
@@ -39,7 +38,6 @@ def repair_keys(
     lake_cols,
     wm: dict[str, Any],
     audit_run: str,
-    log: Callable[[str], Any] | None = None,
 ) -> int:
     """Re-read the mismatched keys from the source and merge them at the watermark's LSN (seq 0):
     newer than the lake's row, older than any event still to come. Returns the keys merged."""
@@ -65,7 +63,7 @@ def repair_keys(
         return 0
     _append_changelog(spark, lake, cfg, batch, lake_cols, audit_run)
     _merge_current(spark, lake, cfg, batch, lake_cols, wm, audit_run)
-    (log or logger.info)(
+    logger.info(
         f"audit {cfg.name}: repaired {n} key(s) from the source ({batch.filter(F.col(OP_COL) == 'd').count()} deleted)"
     )
     batch.unpersist()

@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import logging
 import time  # noqa: F401 - tests patch audit.run.time.sleep to skip the slot peek's back-off
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -103,10 +102,8 @@ def audit_table(
     audit_run: str,
     mode: str | None = None,
     repair: bool | None = None,
-    log: Callable[[str], Any] | None = None,
 ) -> AuditResult:
     """One audit of one table, phase by phase; it records a row per shard in cdc_meta.audit_results."""
-    say = log or logger.info
     clock = PhaseClock()
     now = datetime.now(UTC)
     with clock.phase("describe"):
@@ -121,17 +118,17 @@ def audit_table(
         do_repair = cfg.audit.repair if repair is None else repair
         repaired = 0
         if do_repair and persistent:
-            repaired = repair_keys(spark, lake, cfg, streak_df, t.key_cols, t.lake_cols, t.wm, audit_run, say)
+            repaired = repair_keys(spark, lake, cfg, streak_df, t.key_cols, t.lake_cols, t.wm, audit_run)
     with clock.phase("quality"):
         live = t.lake_df.select(SHARD_COL, *cfg.primary_key, LSN_COL)
-        quality = quality_checks(spark, lake, cfg, live, t.wm, per_shard, lake_counts, audit_run, now, say)
+        quality = quality_checks(spark, lake, cfg, live, t.wm, per_shard, lake_counts, audit_run, now)
     samples = _samples(cfg, streak_df) if flagged is not None and persistent else {}
     rows = _result_rows(t, audit_run, now, per_shard, lake_counts, persistent, repaired, samples, clock.elapsed())
     meta_append(spark, lake, "audit_results", rows)
     failed_quality = [q for q in quality if not q["success"]]
     verdict = "fail" if (persistent and not repaired) or failed_quality else "ok"
     msg = _message(lake, cfg, mode, verdict, repaired, rows, failed_quality, quarantined)
-    say(msg)
+    logger.info("%s", msg)
     return AuditResult(
         verdict=verdict,
         message=msg,

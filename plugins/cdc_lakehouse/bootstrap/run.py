@@ -4,7 +4,6 @@ at each endpoint's consistent point (the handoff is described in cdc_lakehouse.b
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -78,11 +77,8 @@ def bootstrap_table(
     run_id: str,
     shards: list[str] | None = None,
     all_endpoint_tables: dict[str, dict] | None = None,
-    log: Callable[[str], object] | None = None,  # accepted for older callers, not used
 ) -> dict[str, Any]:
-    """Snapshot cfg's shards (all, or `shards`) into its current table and changelog.
-
-    Progress goes to this module's logger; `log` is accepted for callers that still pass one."""
+    """Snapshot cfg's shards (all, or `shards`) into its current table and changelog."""
     clock = PhaseClock()
     endpoints = shards_by_endpoint(cfg, shards)
     if not endpoints:

@@ -38,6 +38,7 @@ from cdc_lakehouse.lake.tables import conform_to, source_columns_of, table_exist
 from cdc_lakehouse.lake.watermark import read_watermark, watermark_json
 from cdc_lakehouse.landing.reader import HadoopFS, Plan, SparkLanding, plan_landing
 from cdc_lakehouse.runtime.failpoints import crash_point
+from cdc_lakehouse.runtime.phases import SparkJobs
 from cdc_lakehouse.settings import LakeSettings
 
 if TYPE_CHECKING:
@@ -54,10 +55,27 @@ def ingest_table(
     upto_run: str | None,
     ingest_run: str,
     interval_end: str | None = None,
-    log=None,  # deprecated and ignored: messages go to this module's logger
     config_file: str | None = None,
 ) -> dict[str, Any]:
-    """Apply every pending capture run (up to `upto_run`) to the table; returns the run's metrics."""
+    """Apply every pending capture run (up to `upto_run`) to the table; returns the run's metrics,
+    with the number of Spark jobs it took (`spark_jobs`)."""
+    with SparkJobs(spark, f"ingest {cfg.name} {ingest_run}") as jobs:
+        out = apply_pending(spark, lake, cfg, upto_run, ingest_run, interval_end, config_file)
+    log.info("ingest %s: %d Spark jobs", cfg.name, jobs.count)
+    return {**out, "spark_jobs": jobs.count}
+
+
+def apply_pending(
+    spark: SparkSession,
+    lake: LakeSettings,
+    cfg: TableConfig,
+    upto_run: str | None,
+    ingest_run: str,
+    interval_end: str | None,
+    config_file: str | None,
+) -> dict[str, Any]:
+    """The ingest's phases, in order: plan, validate, quarantine, changelog, reduce, MERGE (the
+    watermark in the same commit), record."""
     m = IngestMetrics(
         table_name=cfg.name, ingest_run=ingest_run, interval_end=interval_end, write_mode=cfg.lake.write_mode
     )

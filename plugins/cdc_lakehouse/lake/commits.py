@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from cdc_lakehouse.lake.watermark import read_watermark, watermark_json
@@ -69,10 +68,8 @@ def is_commit_conflict(exc: BaseException) -> bool:
     )
 
 
-def with_commit_retries(fn, *, attempts: int = 5, what: str = "commit", log: Callable[[str], Any] | None = None):
-    """Retry fn on Iceberg commit conflicts (a concurrent writer won); fn must recompute from scratch.
-    log: where retry notices go (default: this module's logger, as warnings)."""
-    log = log or logger.warning
+def with_commit_retries(fn, *, attempts: int = 5, what: str = "commit"):
+    """Retry fn on Iceberg commit conflicts (a concurrent writer won); fn must recompute from scratch."""
     for i in range(1, attempts + 1):
         try:
             return fn()
@@ -80,7 +77,7 @@ def with_commit_retries(fn, *, attempts: int = 5, what: str = "commit", log: Cal
             if i == attempts or not is_commit_conflict(exc):
                 raise
             wait = min(30.0, 0.5 * 2**i)
-            log(f"{what}: commit conflict ({type(exc).__name__}); retry {i}/{attempts - 1} in {wait:.1f}s")
+            logger.warning(f"{what}: commit conflict ({type(exc).__name__}); retry {i}/{attempts - 1} in {wait:.1f}s")
             time.sleep(wait)
 
 

@@ -152,7 +152,7 @@ def main_bootstrap(argv: list[str] | None = None) -> int:
         cs = load_table_configs(a.config_dir)
         ep_tables = cs.endpoint_tables()
         shards = [s for s in a.shards.split(",") if s] or None
-        return bootstrap_table(spark, lake, cfg, run_id=run, shards=shards, all_endpoint_tables=ep_tables, log=log.info)
+        return bootstrap_table(spark, lake, cfg, run_id=run, shards=shards, all_endpoint_tables=ep_tables)
 
     return run_per_table("bootstrap", args, fn)
 
@@ -168,7 +168,7 @@ def main_maintenance(argv: list[str] | None = None) -> int:
 
         run = a.run_id or datetime.now(UTC).strftime("%Y%m%dT%H%M%S")
         consumers = list(load_table_configs(a.config_dir).tables.values())
-        return maintain_table(spark, lake, cfg, run_id=run, consumers=consumers, log=log.info)
+        return maintain_table(spark, lake, cfg, run_id=run, consumers=consumers)
 
     return run_per_table("maintenance", args, fn)
 
