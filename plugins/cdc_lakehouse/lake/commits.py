@@ -7,6 +7,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
+from cdc_lakehouse.lake.snapshots import current_snapshot, summary_of
 from cdc_lakehouse.lake.watermark import read_watermark, watermark_json
 
 if TYPE_CHECKING:
@@ -116,16 +117,11 @@ def fenced_commit(
 
 
 def current_snapshot_id(spark: SparkSession, table: str) -> int | None:
-    rows = spark.sql(
-        f"SELECT snapshot_id FROM {table}.history WHERE is_current_ancestor ORDER BY made_current_at DESC LIMIT 1"
-    ).collect()
-    return rows[0][0] if rows else None
+    snap = current_snapshot(spark, table)
+    return None if snap is None else int(snap.snapshotId())
 
 
 def snapshot_summary(spark: SparkSession, table: str) -> dict[str, str]:
     """Summary of the table's current snapshot."""
-    sid = current_snapshot_id(spark, table)
-    if sid is None:
-        return {}
-    rows = spark.sql(f"SELECT summary FROM {table}.snapshots WHERE snapshot_id = {int(sid)}").collect()
-    return dict(rows[0]["summary"]) if rows else {}
+    snap = current_snapshot(spark, table)
+    return {} if snap is None else summary_of(snap)

@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from cdc_lakehouse.lake.snapshots import current_ancestors
+
 if TYPE_CHECKING:
     from pyspark.sql import Column, SparkSession
 
@@ -82,15 +84,14 @@ class Watermark(BaseModel):
 def read_watermark(spark: SparkSession, table: str) -> dict[str, Any] | None:
     """The newest `cdc.watermark` among the current snapshot and its ancestors."""
     # Iceberg's catalog caches loaded tables; another process (a killed run, maintenance) may have
-    # committed since, and a stale watermark would re-apply events the table already has.
+    # committed since, and a stale watermark would re-apply events the table already has. The
+    # Java table is refreshed (lake.snapshots); REFRESH drops Spark's cached plans of the table too.
     spark.sql(f"REFRESH TABLE {table}")
-    rows = spark.sql(
-        f"SELECT s.summary['{WATERMARK_PROP}'] AS wm FROM {table}.snapshots s "
-        f"JOIN {table}.history h ON s.snapshot_id = h.snapshot_id "
-        f"WHERE h.is_current_ancestor AND s.summary['{WATERMARK_PROP}'] IS NOT NULL "
-        "ORDER BY h.made_current_at DESC LIMIT 1"
-    ).collect()
-    return json.loads(rows[0]["wm"]) if rows else None
+    for snap in current_ancestors(spark, table):
+        wm = snap.summary().get(WATERMARK_PROP)
+        if wm is not None:
+            return json.loads(wm)
+    return None
 
 
 def read_watermark_model(spark: SparkSession, table: str) -> Watermark | None:
