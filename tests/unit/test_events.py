@@ -13,6 +13,7 @@ from pyspark.sql import functions as F
 from pyspark.testing import assertDataFrameEqual
 
 from tests.conftest import make_config
+from tests.unit.conftest import BASE_EVENT
 
 
 @pytest.mark.parametrize(
@@ -45,28 +46,8 @@ def test_cast_text_guards(spark, lake_type, good, value, bad):
     assert [r["v"] for r in out[1:]] == [None] * len(bad), "a value that does not fit must not be coerced"
 
 
-BASE = {
-    "op": "u",
-    "before": None,
-    "after": {"id": "1", "title": "a", "n": "1.00"},
-    "unavailable": None,
-    "source": {
-        "connector": "postgresql",
-        "endpoint": "ep",
-        "host": "h",
-        "db": "d",
-        "schema": "s1",
-        "table": "block",
-        "commit_lsn": 100,
-        "lsn": 90,
-        "xid": 5,
-        "seq": 1,
-        "commit_ts": datetime(2026, 1, 1),
-    },
-    "table_schema": "[]",
-    "ts_ms": 0,
-    "run_id": "r1",
-}
+# The shared base landing event, with a commit time.
+BASE = {**BASE_EVENT, "source": {**BASE_EVENT["source"], "commit_ts": datetime(2026, 1, 1)}}
 
 
 def events(spark, *overrides):

@@ -3,17 +3,18 @@
 One typed record instead of a dict whose keys were spelled in several places: the fields that
 carry a column type are, in this order, the columns of cdc_meta.ingest_runs (lake.meta derives
 the table from INGEST_RUN_COLUMNS), and callers get the record as a plain dict (`as_dict`).
-No imports from the rest of the package, so lake.meta can read the columns without a cycle.
+Imports nothing of the package but runtime.phases (which imports nothing), so lake.meta can read
+the columns without a cycle.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from dataclasses import MISSING, dataclass, field, fields
 from datetime import UTC, datetime
 from typing import Any
+
+from cdc_lakehouse.runtime.phases import PhaseClock
 
 
 def _col(sql_type: str, default: Any = MISSING, default_factory: Any = MISSING) -> Any:
@@ -58,17 +59,17 @@ class IngestMetrics:
     # Returned to callers, not stored in the meta table.
     backfilled: int | None = None
     timings: dict[str, float] = field(default_factory=dict)
-    _t0: float = field(default_factory=time.time, init=False, repr=False, compare=False)
+    _clock: PhaseClock = field(default_factory=PhaseClock, init=False, repr=False, compare=False)
 
-    @contextmanager
-    def timed(self, phase: str) -> Iterator[None]:
+    def __post_init__(self) -> None:
+        self.timings = self._clock.seconds  # the clock fills the returned `timings` in place
+
+    def timed(self, phase: str) -> AbstractContextManager[None]:
         """Seconds spent in `phase`, kept in `timings` (logged, and returned to the bench)."""
-        t = time.time()
-        yield
-        self.timings[phase] = time.time() - t
+        return self._clock.phase(phase)
 
     def elapsed(self) -> float:
-        return time.time() - self._t0
+        return self._clock.elapsed()
 
     def add_commit_stats(self, pre: dict[str, str], post: dict[str, str]) -> None:
         """Files and bytes of the MERGE's snapshot; write amplification against the bytes the
