@@ -46,6 +46,11 @@ def assert_lake_equals_source(
 ) -> int:
     """Every row and column of the lake equals the source's (`skip`: lake columns the source dropped)."""
     cur = lake.qualified(cfg.current_table)
+    # Another application (a cluster job, an Airflow task) may have committed: Iceberg's catalog
+    # cache would otherwise serve this session's older snapshot of either table until it expires
+    # 30 s after its last use, so the comparison would pass or fail with the job's duration.
+    for table in (cur, lake.qualified(cfg.changelog_table)) if check_changelog else (cur,):
+        spark.sql(f"REFRESH TABLE {table}")
     cols = [(c, t) for c, t in source_columns_of(spark, cur, cfg) if c not in skip]
     expected = source_df(spark, cfg, dsn, cols)
     actual = spark.table(cur)

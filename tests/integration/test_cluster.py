@@ -95,7 +95,6 @@ def test_ingest_job_on_a_standalone_cluster_with_the_s3_lake(
         with caplog.at_level(logging.INFO):
             op.execute({})
 
-        spark.sql(f"REFRESH TABLE {lake_s3.qualified(s.block.current_table)}")
         assert_lake_equals_source(spark, lake_s3, s.block, s.dsn)
         # It ran on the cluster, not in a local JVM.
         with urllib.request.urlopen(f"http://127.0.0.1:{cluster.ui_port}/json/", timeout=10) as resp:
