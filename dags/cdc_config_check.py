@@ -7,4 +7,4 @@ from cdc_lakehouse.orchestration.dag_factory import config_errors
 
 _errors = config_errors()
 if _errors:
-    raise ValueError("invalid table config(s):\n" + "\n".join(_errors))
+    raise ValueError("invalid table or derived config(s):\n" + "\n".join(_errors))

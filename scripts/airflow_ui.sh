@@ -7,7 +7,7 @@ set -euo pipefail
 export AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS="${AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS:-True}"
 export AIRFLOW__CORE__AUTH_MANAGER="${AIRFLOW__CORE__AUTH_MANAGER:-airflow.api_fastapi.auth.managers.simple.simple_auth_manager.SimpleAuthManager}"
 airflow dags reserialize >/dev/null 2>&1
-for dag in $(airflow dags list -o plain 2>/dev/null | awk '{print $1}' | grep -E '^cdc_(ingest|audit|maintenance)'); do
+for dag in $(airflow dags list -o plain 2>/dev/null | awk '{print $1}' | grep -E '^cdc_(ingest|audit|maintenance|derived)'); do
   airflow dags unpause "$dag" >/dev/null 2>&1 || true
 done
 echo "[airflow] UI at http://localhost:${AIRFLOW__API__PORT:-8080} (Ctrl-C stops scheduler and UI)"

@@ -330,6 +330,16 @@ def tables_dir(root: Path = PROJECT_ROOT) -> Path:
     return Path(os.environ.get("CDC_TABLES_DIR", root / "include" / "tables"))
 
 
+def derived_dir(root: Path = PROJECT_ROOT) -> Path:
+    """The derived tables' configs (docs/derived-trees.md); absent = no derived tables.
+
+    Default: `derived/` next to the tables dir, i.e. include/derived. Next to it rather than under
+    PROJECT_ROOT because a Spark job imports this module from the --py-files zip, where
+    PROJECT_ROOT is the build dir, and CDC_TABLES_DIR (set wherever jobs run) still points home."""
+    env = os.environ.get("CDC_DERIVED_DIR")
+    return Path(env) if env else tables_dir(root).parent / "derived"
+
+
 # --- source connections ------------------------------------------------------------------------
 
 

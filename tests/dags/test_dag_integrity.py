@@ -14,6 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 DAGS = ROOT / "dags"
 TABLES = ROOT / "include" / "tables"
+DERIVED = ROOT / "include" / "derived"
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -30,7 +31,7 @@ def _env(**extra: str) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def dagbag():
-    os.environ.setdefault("CDC_TABLES_DIR", str(TABLES))
+    os.environ.setdefault("CDC_TABLES_DIR", str(TABLES))  # DERIVED is its sibling: settings.derived_dir
     from airflow.dag_processing.dagbag import DagBag
 
     return DagBag(dag_folder=str(DAGS))
@@ -54,7 +55,7 @@ def test_every_table_has_its_four_dags(dagbag):
 def _dag_ids() -> list[str]:
     from cdc_lakehouse.orchestration.dag_factory import build_dags
 
-    return sorted(build_dags(str(TABLES)))
+    return sorted(build_dags(str(TABLES), str(DERIVED)))
 
 
 @pytest.mark.parametrize("dag_id", _dag_ids())
@@ -99,6 +100,33 @@ def test_writers_of_one_table_share_a_single_slot_pool(dagbag):
         assert writers, f"{name}: no writer task uses pool {pool}"
 
 
+def test_derived_tables_run_on_their_inputs_assets(dagbag):
+    """A derived DAG per derived config: scheduled by either input's current-table asset, reading
+    those assets, producing its output's asset, in its own one-slot pool, with a mode param."""
+    from cdc_lakehouse.config import load_table_configs
+    from cdc_lakehouse.derived.config import load_derived_configs
+    from cdc_lakehouse.orchestration.dag_factory import asset, pools
+
+    cs = load_table_configs(TABLES)
+    ds = load_derived_configs(DERIVED, cs.tables)
+    assert "block_tree" in ds.derived and not ds.errors, ds.errors
+    declared = pools(str(TABLES), str(DERIVED))
+    for name, dcfg in ds.derived.items():
+        dag = dagbag.dags[f"cdc_derived__{name}"]
+        inputs = {asset(cs.tables[t].current_table) for t in dcfg.input_names}
+        condition = dag.timetable.asset_condition
+        assert type(condition).__name__ == "AssetAny" and set(condition.objects) == inputs, condition
+        (task,) = dag.tasks
+        assert task.task_id == "derive" and task.job == "derive"
+        assert set(task.inlets) == inputs and task.outlets == [asset(dcfg.output_table)]
+        assert task.pool == dcfg.pool == f"cdc_derived__{name}" and declared[task.pool]["slots"] == 1
+        assert task.application_args[:2] == ["--derived", name]
+        assert task.application_args[-2:] == ["--mode", "{{ params.mode }}"]
+        mode = dag.params.get_param("mode")
+        assert mode.value == "auto" and mode.schema["enum"] == ["auto", "full"]
+        assert "derived" in dag.tags and task.source_conn_ids == []
+
+
 def test_parse_imports_nothing_heavy():
     """DAG parsing must not import Spark, pyiceberg, Great Expectations or pandas."""
     code = textwrap.dedent(f"""
@@ -106,13 +134,14 @@ def test_parse_imports_nothing_heavy():
         from airflow.dag_processing.dagbag import DagBag
         bag = DagBag(dag_folder={str(DAGS)!r})
         assert not bag.import_errors, bag.import_errors
+        assert "cdc_derived__block_tree" in bag.dags, sorted(bag.dags)
         heavy = sorted(m for m in ("pyspark", "pyiceberg", "great_expectations", "pandas", "psycopg2")
                        if m in sys.modules)
         print("HEAVY=" + ",".join(heavy))
     """)
     r = subprocess.run(
         [sys.executable, "-c", code],
-        env=_env(CDC_TABLES_DIR=str(TABLES)),
+        env=_env(CDC_TABLES_DIR=str(TABLES), CDC_DERIVED_DIR=str(DERIVED)),
         capture_output=True,
         text=True,
         timeout=300,
@@ -135,6 +164,33 @@ def test_a_broken_config_is_an_import_error_naming_the_field(tmp_path):
         primary_key: []
     """)
     )
+    out = _dagbag_in_subprocess(CDC_TABLES_DIR=str(tmp_path))
+    errors = out["errors"]
+    assert len(errors) == 1 and next(iter(errors)).endswith("cdc_config_check.py"), errors
+    msg = next(iter(errors.values()))
+    assert "broken.yaml" in msg and "primary_key" in msg and "source.table" in msg, msg
+    assert "cdc_ingest__block" in out["dags"] and "cdc_bootstrap__broken" not in out["dags"]
+
+
+def test_a_broken_derived_config_is_an_import_error_naming_the_field(tmp_path):
+    """A derived file naming a table that is not configured: cdc_config_check.py names the file,
+    the field and the fix; the good derived config and every table DAG still load."""
+    for f in DERIVED.glob("*.yaml"):
+        (tmp_path / f.name).write_text(f.read_text())
+    (tmp_path / "broken.yaml").write_text("name: broken_tree\nnodes: {table: blocks}\n")
+    out = _dagbag_in_subprocess(CDC_TABLES_DIR=str(TABLES), CDC_DERIVED_DIR=str(tmp_path))
+    errors = out["errors"]
+    assert len(errors) == 1 and next(iter(errors)).endswith("cdc_config_check.py"), errors
+    msg = next(iter(errors.values()))
+    assert "broken.yaml" in msg and "nodes.table" in msg and "not a configured table" in msg and "Fix:" in msg, msg
+    assert "cdc_derived__block_tree" in out["dags"] and "cdc_ingest__block" in out["dags"]
+    assert "cdc_derived__broken_tree" not in out["dags"]
+
+
+def _dagbag_in_subprocess(**env: str) -> dict:
+    """Import errors and DAG ids of the dags/ folder, parsed in a fresh interpreter with env."""
+    import json
+
     code = textwrap.dedent(f"""
         import json
         from airflow.dag_processing.dagbag import DagBag
@@ -142,19 +198,7 @@ def test_a_broken_config_is_an_import_error_naming_the_field(tmp_path):
         print("RESULT=" + json.dumps({{"errors": bag.import_errors, "dags": sorted(bag.dags)}}))
     """)
     r = subprocess.run(
-        [sys.executable, "-c", code],
-        env=_env(CDC_TABLES_DIR=str(tmp_path)),
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
+        [sys.executable, "-c", code], env=_env(**env), capture_output=True, text=True, timeout=300, check=False
     )
     assert r.returncode == 0, r.stderr[-3000:]
-    import json
-
-    out = json.loads([line for line in r.stdout.splitlines() if line.startswith("RESULT=")][-1][len("RESULT=") :])
-    errors = out["errors"]
-    assert len(errors) == 1 and next(iter(errors)).endswith("cdc_config_check.py"), errors
-    msg = next(iter(errors.values()))
-    assert "broken.yaml" in msg and "primary_key" in msg and "source.table" in msg, msg
-    assert "cdc_ingest__block" in out["dags"] and "cdc_bootstrap__broken" not in out["dags"]
+    return json.loads([line for line in r.stdout.splitlines() if line.startswith("RESULT=")][-1][len("RESULT=") :])

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -122,6 +123,9 @@ def test_demo_through_airflow_is_clean_and_a_rerun_converges(pg, demo_env):
     assert r.returncode == 0, out[-5000:]
     assert "AUDIT VERDICT: clean" in out, out[-3000:]
     assert "maintenance block current" in out, out[-3000:]
+    # The derived tree ran through its DAG (full after interval 1, incremental after 2) and placed the blocks.
+    tree = re.search(r"derived block_tree: (\d+) nodes resolved", out)
+    assert tree and int(tree.group(1)) > 1000, out[-3000:]
     source = _source_versions(pg)
     assert len(source) > 1000
     assert _lake_versions(demo_env) == source

@@ -12,7 +12,7 @@ from cdc_lakehouse.runtime.packaging import NOT_SHIPPED, PACKAGE_DIR, pyfiles_zi
 
 MODULES = sorted(p for p in PACKAGE_DIR.rglob("*.py") if "__pycache__" not in p.parts)
 # Packages whose code runs on the Spark driver or executors (shipped with --py-files).
-SPARK_SIDE = ("source", "capture", "landing", "ingest", "lake", "bootstrap", "audit", "runtime")
+SPARK_SIDE = ("source", "capture", "landing", "ingest", "lake", "bootstrap", "audit", "derived", "runtime")
 MAX_LINES = 60
 # A longer function says why in a comment starting with this, in or just above it.
 LONG_MARK = "# Long because"

@@ -1,8 +1,9 @@
 """The demo: a Notion-like source on the local PostgreSQL, replicated through Airflow.
 
 python -m cdc_lakehouse.dev.demo prepare   create and load the source if missing
-python -m cdc_lakehouse.dev.demo run       prepare, then bootstrap, workload, ingest intervals,
-                                       audit and maintenance via `airflow dags test`, then a summary
+python -m cdc_lakehouse.dev.demo run       prepare, then bootstrap, workload, ingest intervals (the
+                                       first and last followed by the derived trees), audit and maintenance via
+                                       `airflow dags test`, then a summary
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from cdc_lakehouse.config import OP_COL, SHARD_COL, load_table_configs
+from cdc_lakehouse.derived.config import TreeConfig, load_derived_configs
 from cdc_lakehouse.dev.workload import NotionWorkload
-from cdc_lakehouse.settings import LakeSettings, tables_dir
+from cdc_lakehouse.settings import LakeSettings, derived_dir, tables_dir
 
 SHARDS = ["shard_00", "shard_01", "shard_02", "shard_03"]
 
@@ -95,6 +97,8 @@ def _lake_summary(lake: LakeSettings, wl: NotionWorkload) -> list[str]:
     lines += audit
     lines.append("")
     lines += _maintenance_lines(cat, lake)
+    for dcfg in _derived().values():
+        lines += ["", *_tree_lines(cat, dcfg)]
     overall = "clean" if verdicts and all(v == "clean" for v in verdicts) else "FAIL"
     lines.insert(0, f"AUDIT VERDICT: {overall}")
     return lines
@@ -180,6 +184,48 @@ def _maintenance_lines(cat, lake: LakeSettings) -> list[str]:
     return lines
 
 
+def _derived() -> dict[str, TreeConfig]:
+    return load_derived_configs(derived_dir(), load_table_configs(tables_dir()).tables).derived
+
+
+def _tree_lines(cat, dcfg: TreeConfig) -> list[str]:
+    """Resolved and unresolved counts of a derived tree, and three of its deepest nodes with grants."""
+    from collections import Counter
+
+    import pyarrow.compute as pc
+
+    # Columnar until the three examples: the whole tree as Python objects would be hundreds of MB.
+    t = cat.load_table(dcfg.output_table).scan(selected_fields=(SHARD_COL, dcfg.nodes.id, "depth", "path", "grants"))
+    rows = t.to_arrow()
+    reasons = Counter(
+        cat.load_table(dcfg.unresolved_table).scan(selected_fields=("reason",)).to_arrow()["reason"].to_pylist()
+    )
+    lines = [
+        f"derived {dcfg.name}: {rows.num_rows} nodes resolved, max depth {pc.max(rows['depth']).as_py() or 0}; "
+        f"{sum(reasons.values())} unresolved {dict(sorted(reasons.items()))}"
+    ]
+    granted = rows.filter(pc.greater(pc.list_value_length(rows["grants"]), 0))
+    examples = granted.sort_by([("depth", "descending"), (dcfg.nodes.id, "ascending")]).slice(0, 3)
+    return lines + [f"  {_node_line(dcfg, r)}" for r in examples.to_pylist()]
+
+
+def _node_line(dcfg: TreeConfig, r: dict[str, Any]) -> str:
+    node, path = r[dcfg.nodes.id], r["path"] or []
+
+    def up(g: dict[str, Any]) -> str:  # levels above the node, from the path (root first, parent last)
+        on = g["granted_on"]
+        return "own" if on == node else f"{len(path) - path.index(on)} up" if on in path else f"on {on}"
+
+    grants = sorted(r["grants"], key=lambda g: (g["granted_on"] != node, str(g["principal"])))
+    shown = path if len(path) <= 4 else [*path[:2], "...", *path[-2:]]
+    listed = ", ".join(f"{g['principal']}: {g['grant']} ({up(g)})" for g in grants[:3])
+    more = f" +{len(grants) - 3} more" if len(grants) > 3 else ""
+    return (
+        f"{dcfg.nodes.id} {node} ({r[SHARD_COL]}): depth {r['depth']}, "
+        f"path {' > '.join(map(str, shown))}, grants {listed}{more}"
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     t0 = time.time()
     wl = prepare(args.blocks)
@@ -208,6 +254,10 @@ def run(args: argparse.Namespace) -> int:
         _say(f"interval {i}/{len(hours)} [{hour:%H:%M}-{hour + timedelta(hours=1):%H:%M}]: workload {dict(counts)}")
         for dag in ingest_dags:
             _say(f"  {dag}: done in {dags_test(dag, hour):.0f}s")
+        # The scheduler starts these on the ingests' asset events; `dags test` does not. Run after
+        # the first interval (a full build) and the last (incremental), not after each: demo time.
+        for name in sorted(_derived()) if i in (1, len(hours)) else []:
+            _say(f"  cdc_derived__{name}: done in {dags_test(f'cdc_derived__{name}'):.0f}s")
     audit_at = hours[-1] + timedelta(minutes=30)
     for name in sorted(cs.tables):
         _say(f"audit {name}: done in {dags_test(f'cdc_audit__{name}', audit_at):.0f}s")

@@ -3,8 +3,10 @@
 Shape of the changes, after Notion's published figures: about 90% updates, recent blocks far
 more likely to change than old ones, 8% inserts, 2% deletes, some keys changed several
 times per interval, most updates leaving the long (TOASTed) content untouched, a rare
-primary-key change, and now and then an added column. Used by the demo, the tests and the
-benchmarks; the random choices are seeded.
+primary-key change, and now and then an added column. Blocks form trees: a root page every
+200 blocks of a shard, 0-30 levels deep below it (Notion's run "from a few to dozens"), for the
+derived block tree (docs/derived-trees.md). Used by the demo, the tests and the benchmarks;
+the random choices are seeded.
 """
 
 from __future__ import annotations
@@ -47,6 +49,19 @@ def _content(long_share: float = 0.25) -> str:
         f"CASE WHEN random() < {long_share} THEN (SELECT string_agg(md5(random()::text || g::text), ' ') "
         "FROM generate_series(1, 90) g) ELSE 'line ' || md5(random()::text) END"
     )
+
+
+PAGE_GROUP = 200  # blocks per root page
+
+
+def _parent_sql(g: str, base: int = 0) -> str:
+    """parent_id of block `base + g`: a root page (NULL) every PAGE_GROUP ids, below it chains
+    stepping back 1-7 ids, never past the group's root. Notion's trees run "from a few to dozens"
+    deep; this gives 0-30 (about 15 on average) whatever the table's size. ID_STRIDE is a
+    multiple of PAGE_GROUP, so roots fall on the same ids whether g is shard-local or global."""
+    root = f"{g} - ({g} - 1) %% {PAGE_GROUP}"
+    offset = f"{base} + " if base else ""
+    return f"CASE WHEN ({g} - 1) %% {PAGE_GROUP} <> 0 THEN {offset}greatest({root}, {g} - 1 - {g} %% 7) END"
 
 
 @dataclass
@@ -101,8 +116,8 @@ class NotionWorkload:
                     cur.execute(
                         f"INSERT INTO {t('block')} (id, space_id, parent_id, type, properties, content, created_at, "
                         "updated_at, version, tags, score, created_day, external_id) "
-                        f"SELECT {base} + g, {base} + 1 + g %% %s, CASE WHEN g > 1 THEN {base} + greatest(1, g - 1 - "
-                        "(g %% 7)) END, (ARRAY['page','text','to_do','heading'])[1 + g %% 4], "
+                        f"SELECT {base} + g, {base} + 1 + g %% %s, {_parent_sql('g', base)}, "
+                        "(ARRAY['page','text','to_do','heading'])[1 + g %% 4], "
                         "jsonb_build_object('title', 'block ' || g, 'checked', g %% 2 = 0), "
                         f"{_content(self.long_content_share)}, now() - make_interval(secs => (%s - g)), "
                         "now() - make_interval(secs => (%s - g)), 1, ARRAY['t' || (g %% 5), 'x'], (g %% 1000) / 7.0, "
@@ -170,7 +185,7 @@ class NotionWorkload:
         cur.execute(
             f"INSERT INTO {pg_qualified(s, 'block')} (id, space_id, parent_id, type, properties, content, created_at, "
             "updated_at, tags, score, created_day, external_id) "
-            f"SELECT g, {self.shard_no(s) * ID_STRIDE} + 1 + g %% 10, g - 1 - (g %% 5), "
+            f"SELECT g, {self.shard_no(s) * ID_STRIDE} + 1 + g %% 10, {_parent_sql('g')}, "
             "(ARRAY['page','text','to_do','code'])[1 + g %% 4], jsonb_build_object('title', 'new ' || g), "
             f"{_content(self.long_content_share)}, now(), now(), ARRAY['new'], g %% 100, current_date, "
             "gen_random_uuid() FROM generate_series(%s, %s) g",

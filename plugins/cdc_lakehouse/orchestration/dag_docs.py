@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from cdc_lakehouse.config import TableConfig
+from cdc_lakehouse.derived.config import TreeConfig
 
 
 def _header(cfg: TableConfig) -> str:
@@ -131,4 +132,43 @@ failed several runs in a row (`alerts.audit_failed_runs`, see `include/alerting.
 gives one row per shard and run (missing, extra, different, in flight, verdict);
 `lake.cdc_meta.quality_results` the Great Expectations results; the task log links the
 stored Great Expectations report.
+"""
+
+
+def derived_doc(dcfg: TreeConfig, inputs: list[TableConfig]) -> str:
+    n, g = dcfg.nodes, dcfg.grants
+    names = ", ".join(f"`lake.{t.current_table}`" for t in inputs)
+    root = f"the root's `{n.root_attribute}`, " if n.root_attribute else ""
+    grants = (
+        f"the effective grants (`{g.principal}` -> `{g.grant}` from `{g.table}.{g.node}`: per principal\n"
+        "the nearest explicit grant, the node's own first, then its parent's, up to the root)"
+        if g
+        else "no grants (none configured)"
+    )
+    return f"""# Derived tree: `{dcfg.name}`
+
+**Derived table** `{dcfg.name}` from {names}; owner {dcfg.owner}.
+
+{dcfg.description}
+
+## What it does
+Runs when any of {names} is updated (their assets; it never reads a
+source). Spark places every node of `{n.table}` (`{n.id}` -> `{n.parent}`) in its tree, per shard,
+and writes `lake.{dcfg.output_table}`: root, {root}depth, ancestor path (root first) and
+{grants}.
+Mode `auto` recomputes only the nodes changed since the output's watermark, their descendants
+and the unresolved nodes; `full` recomputes every node. Nodes that cannot be placed (parent
+missing or in another shard, a cycle, deeper than {dcfg.max_depth}) go to
+`lake.{dcfg.unresolved_table}` with the reason and are retried every run.
+Details: docs/derived-trees.md.
+
+## How to operate it
+- **Unresolved nodes**: `SELECT reason, count(*) FROM lake.{dcfg.unresolved_table} GROUP BY 1`;
+  a missing parent usually arrives with a later ingest and resolves by itself; a cycle or a
+  too-deep chain is source data to fix (or raise `max_depth` in its file in include/derived/).
+- **Recompute everything** (after a config change, or to rule out drift): trigger with
+  `{{"mode": "full"}}`.
+- **Failed**: the task log names the cause; fix it and clear the task. The next run starts
+  from the output's watermark, so nothing is skipped.
+- Runs never overlap (pool `{dcfg.pool}`); the inputs' ingests are not blocked.
 """

@@ -11,17 +11,33 @@ For each table `T`:
   cdc_audit__T        interval-keyed; key-set audit, Great Expectations, optional repair
 Tables with `ingest.group: G` are ingested together by cdc_ingest_group__G (one Spark
 application for the whole group) instead of cdc_ingest__T.
+
+For each derived table `D` (include/derived/*.yaml, cdc_lakehouse.derived.config):
+  cdc_derived__D      when any of its input tables changes (their current tables' assets)
 """
 
 from __future__ import annotations
 
+import functools
+import operator
 import os
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from cdc_lakehouse.config import ConfigSet, TableConfig, load_table_configs
-from cdc_lakehouse.orchestration.dag_docs import audit_doc, bootstrap_doc, group_doc, ingest_doc, maintenance_doc
-from cdc_lakehouse.settings import tables_dir
+from cdc_lakehouse.derived.config import DerivedSet, TreeConfig, load_derived_configs
+from cdc_lakehouse.orchestration.dag_docs import (
+    audit_doc,
+    bootstrap_doc,
+    derived_doc,
+    group_doc,
+    ingest_doc,
+    maintenance_doc,
+)
+from cdc_lakehouse.settings import derived_dir, tables_dir
+
+# What default_args, _tags and _dag need of a config: name, owner, retries, tags.
+AnyConfig = TableConfig | TreeConfig
 
 START_DATE = datetime(2026, 1, 1, tzinfo=UTC)
 SPARK_CONN_ID = os.environ.get("CDC_SPARK_CONN_ID", "spark_default")
@@ -51,7 +67,7 @@ def asset(lake_table: str):
 
 
 def default_args(
-    cfg: TableConfig | None, owner: str = "data-platform", retries: int = 2, tables: list[str] | None = None
+    cfg: AnyConfig | None, owner: str = "data-platform", retries: int = 2, tables: list[str] | None = None
 ) -> dict[str, Any]:
     from cdc_lakehouse.orchestration.alerts import CdcFailureNotifier
 
@@ -113,7 +129,7 @@ def _capture_tasks(cs: ConfigSet, endpoint_ids: list[str]):
     return [capture.override(task_id=f"capture__{e}", pool=f"cdc_capture__{e}")(e) for e in endpoint_ids]
 
 
-def _tags(kind: str, cfg: TableConfig | None = None, group: str | None = None) -> list[str]:
+def _tags(kind: str, cfg: AnyConfig | None = None, group: str | None = None) -> list[str]:
     tags = ["cdc", kind]
     if cfg:
         tags += [f"table:{cfg.name}", *cfg.tags]
@@ -122,7 +138,7 @@ def _tags(kind: str, cfg: TableConfig | None = None, group: str | None = None) -
     return tags
 
 
-def _dag(dag_id: str, schedule, cfg: TableConfig, tags: list[str], doc_md: str, description: str, **extra: Any):
+def _dag(dag_id: str, schedule, cfg: AnyConfig, tags: list[str], doc_md: str, description: str, **extra: Any):
     """The DAG settings every CDC DAG shares: one run at a time, no catch-up, the table's retries
     and alert callbacks (default_args)."""
     from airflow.sdk import DAG
@@ -288,9 +304,46 @@ def audit_dag(cfg: TableConfig):
     return dag
 
 
-def build_dags(config_dir: str | None = None) -> dict[str, Any]:
-    """Every DAG of every valid table config; broken configs are reported by cdc_config_check.py."""
+def derived_dag(dcfg: TreeConfig, tables: dict[str, TableConfig]):
+    from airflow.sdk import Param
+
+    inputs = [tables[n] for n in dict.fromkeys(dcfg.input_names)]
+    inlets = [asset(t.current_table) for t in inputs]
+    with _dag(
+        f"cdc_derived__{dcfg.name}",
+        # Asset-driven (AssetAny): a new snapshot of either input's current table triggers a run.
+        functools.reduce(operator.or_, inlets),
+        dcfg,
+        _tags("derived", dcfg),
+        derived_doc(dcfg, inputs),
+        f"Derived tree {dcfg.output_table} from {', '.join(t.current_table for t in inputs)}",
+        params={
+            "mode": Param(
+                "auto", type="string", enum=["auto", "full"], description="auto: incremental; full: recompute all"
+            )
+        },
+    ) as dag:
+        spark_task(
+            "derive",
+            "derive",
+            ["--derived", dcfg.name, "--mode", "{{ params.mode }}"],
+            [],  # reads the lake only, never a source
+            dcfg.pool,
+            inlets=inlets,
+            outlets=[asset(dcfg.output_table)],
+            execution_timeout=timedelta(hours=2),
+        )
+    return dag
+
+
+def _load(config_dir: str | None, derived_config_dir: str | None) -> tuple[ConfigSet, DerivedSet]:
     cs = load_table_configs(config_dir or tables_dir())
+    return cs, load_derived_configs(derived_config_dir or derived_dir(), cs.tables)
+
+
+def build_dags(config_dir: str | None = None, derived_config_dir: str | None = None) -> dict[str, Any]:
+    """Every DAG of every valid table and derived config; broken configs are reported by cdc_config_check.py."""
+    cs, ds = _load(config_dir, derived_config_dir)
     dags: dict[str, Any] = {}
     groups: dict[str, list[TableConfig]] = {}
     for cfg in cs.tables.values():
@@ -305,19 +358,22 @@ def build_dags(config_dir: str | None = None) -> dict[str, Any]:
     for group, cfgs in sorted(groups.items()):
         d = group_ingest_dag(group, cfgs, cs)
         dags[d.dag_id] = d
+    for dcfg in ds.derived.values():
+        d = derived_dag(dcfg, cs.tables)
+        dags[d.dag_id] = d
     return dags
 
 
-def config_errors(config_dir: str | None = None) -> list[str]:
+def config_errors(config_dir: str | None = None, derived_config_dir: str | None = None) -> list[str]:
     from cdc_lakehouse.orchestration.alerts import alerting_errors
 
-    cs = load_table_configs(config_dir or tables_dir())
-    return [str(e) for e in cs.errors] + alerting_errors(cs.tables)
+    cs, ds = _load(config_dir, derived_config_dir)
+    return [str(e) for e in cs.errors + ds.errors] + alerting_errors(cs.tables)
 
 
-def pools(config_dir: str | None = None) -> dict[str, dict[str, Any]]:
+def pools(config_dir: str | None = None, derived_config_dir: str | None = None) -> dict[str, dict[str, Any]]:
     """Airflow pools the DAGs use (for `airflow pools import`): one slot each."""
-    cs = load_table_configs(config_dir or tables_dir())
+    cs, ds = _load(config_dir, derived_config_dir)
     out: dict[str, dict[str, Any]] = {}
     for cfg in cs.tables.values():
         out[table_pool(cfg)] = {
@@ -329,6 +385,12 @@ def pools(config_dir: str | None = None) -> dict[str, dict[str, Any]]:
         out[f"cdc_capture__{endpoint}"] = {
             "slots": 1,
             "description": f"capture slot of endpoint {endpoint}",
+            "include_deferred": False,
+        }
+    for dcfg in ds.derived.values():
+        out[dcfg.pool] = {
+            "slots": 1,
+            "description": f"writer of derived table {dcfg.name} (one at a time)",
             "include_deferred": False,
         }
     return out

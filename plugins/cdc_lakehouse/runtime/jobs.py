@@ -1,9 +1,9 @@
 """Command lines of the Spark jobs (spark_jobs/*.py are thin wrappers around these).
 
-Each job takes table names and a config directory, builds the one SparkSession, runs the
-job's function per table and prints one JSON line of results per table. Secrets arrive by
-reference (CDC_SECRETS_FILE, see job_secrets) or through the environment of a job started by
-hand (CDC_CATALOG_PASSWORD, CDC_SOURCE_URI__<CONN>), never as arguments.
+Each job takes table names (derive: derived table names) and a config directory, builds the one
+SparkSession, runs the job's function per table and prints one JSON line of results per table.
+Secrets arrive by reference (CDC_SECRETS_FILE, see job_secrets) or through the environment of a
+job started by hand (CDC_CATALOG_PASSWORD, CDC_SOURCE_URI__<CONN>), never as arguments.
 """
 
 from __future__ import annotations
@@ -17,11 +17,14 @@ import traceback
 from collections.abc import Callable
 from datetime import UTC, date, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cdc_lakehouse.config import TableConfig, load_table_configs
 from cdc_lakehouse.runtime.secrets import load_job_secrets
-from cdc_lakehouse.settings import LakeSettings, tables_dir
+from cdc_lakehouse.settings import LakeSettings, derived_dir, tables_dir
+
+if TYPE_CHECKING:
+    from cdc_lakehouse.derived.config import TreeConfig
 
 log = logging.getLogger("cdc_lakehouse.runtime.jobs")
 
@@ -36,9 +39,9 @@ def _emit(kind: str, payload: dict[str, Any]) -> None:
     print(f"CDC_RESULT {kind} " + json.dumps(payload, default=_json_default, sort_keys=True), flush=True)
 
 
-def _parser(description: str) -> argparse.ArgumentParser:
+def _parser(description: str, target: str = "tables") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=description)
-    p.add_argument("--tables", required=True, help="comma-separated table names (config 'name')")
+    p.add_argument(f"--{target}", required=True, help=f"comma-separated {target} names (config 'name')")
     p.add_argument("--config-dir", default=str(tables_dir()), help="directory of the table YAML files")
     p.add_argument("--app-name", default=None)
     return p
@@ -57,10 +60,26 @@ def _configs(args: argparse.Namespace) -> tuple[list[TableConfig], dict[str, str
     return [cs.tables[n] for n in names], cs.files
 
 
+def _derived_configs(args: argparse.Namespace) -> tuple[list[TreeConfig], dict[str, str]]:
+    from cdc_lakehouse.derived.config import load_derived_configs
+
+    cs = load_table_configs(args.config_dir)
+    ds = load_derived_configs(args.derived_dir, cs.tables)
+    names = [n for n in args.derived.split(",") if n]
+    missing = [n for n in names if n not in ds.derived]
+    if missing:
+        errs = [str(e) for e in cs.errors + ds.errors]
+        raise SystemExit(
+            f"derived config(s) {missing} not found or invalid in {args.derived_dir}"
+            + ("\n" + "\n".join(errs) if errs else "")
+        )
+    return [ds.derived[n] for n in names], ds.files
+
+
 def run_tables(
-    kind: str, spark, lake: LakeSettings, cfgs: list[TableConfig], fn: Callable[..., dict[str, Any]], *args: Any
+    kind: str, spark, lake: LakeSettings, cfgs: list[Any], fn: Callable[..., dict[str, Any]], *args: Any
 ) -> tuple[dict[str, dict[str, Any]], list[tuple[str, Exception]]]:
-    """fn(spark, lake, cfg, *args) per table; one table's failure never stops the others."""
+    """fn(spark, lake, cfg, *args) per table (or derived table); one's failure never stops the others."""
     results: dict[str, dict[str, Any]] = {}
     failures: list[tuple[str, Exception]] = []
     for cfg in cfgs:
@@ -76,16 +95,24 @@ def run_tables(
     return results, failures
 
 
-def run_per_table(kind: str, args: argparse.Namespace, fn: Callable[..., dict[str, Any]]) -> int:
+def run_per_table(
+    kind: str,
+    args: argparse.Namespace,
+    fn: Callable[..., dict[str, Any]],
+    configs: Callable[[argparse.Namespace], tuple[list[Any], dict[str, str]]] = _configs,
+) -> int:
+    """fn(spark, lake, cfg, args, config_file) per config `configs` loads from the command line,
+    in one Spark session; 1 when any failed. Configs load before Spark starts: a bad one costs no JVM."""
     from cdc_lakehouse.lake.meta import ensure_meta_tables
     from cdc_lakehouse.runtime.session import get_spark
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     load_job_secrets()  # before anything reads CDC_CATALOG_PASSWORD, CDC_SOURCE_URI__*, AWS_*
-    cfgs, files = _configs(args)
+    cfgs, files = configs(args)
     lake = LakeSettings.from_env()
     t0 = time.time()
-    spark = get_spark(args.app_name or f"cdc-{kind}-{args.tables[:40]}", lake)
+    names = ",".join(c.name for c in cfgs)
+    spark = get_spark(args.app_name or f"cdc-{kind}-{names[:40]}", lake)
     ensure_meta_tables(spark, lake)
     log.info("%s: Spark session ready in %.1fs (package %s)", kind, time.time() - t0, Path(__file__).parent)
     _, failures = run_tables(kind, spark, lake, cfgs, lambda s, lk, c: fn(s, lk, c, args, files.get(c.name)))
@@ -189,3 +216,20 @@ def main_audit(argv: list[str] | None = None) -> int:
         return result.as_dict()
 
     return run_per_table("audit", args, fn)
+
+
+def main_derive(argv: list[str] | None = None) -> int:
+    p = _parser("Derived tables: trees over current lake tables (docs/derived-trees.md)", target="derived")
+    p.add_argument("--derived-dir", default=str(derived_dir()), help="directory of the derived YAML files")
+    p.add_argument(
+        "--mode", choices=["auto", "full"], default="auto", help="auto: incremental when possible; full: recompute"
+    )
+    args = p.parse_args(argv)
+
+    def fn(spark, lake, dcfg, a, file):
+        from cdc_lakehouse.derived.run import derive_tree
+
+        tables = load_table_configs(a.config_dir).tables
+        return derive_tree(spark, lake, dcfg, tables, full=a.mode == "full")
+
+    return run_per_table("derive", args, fn, _derived_configs)

@@ -1,0 +1,487 @@
+"""One run of a derived tree (docs/derived-trees.md): current lake tables in, the tree table and
+its unresolved nodes out.
+
+    pin       the inputs' current snapshots and watermarks: what this run reads, and its watermark
+    plan      full (first run, `full`, a changed max_depth, a truncated shard), incremental, or nothing
+    affected  nodes whose parent, existence or root attribute changed, nodes whose grants changed,
+              every unresolved node, and their descendants in the previous output
+    resolve   pointer jumping over those nodes; their other ancestors come from the previous output
+    grants    each grant holder's effective grants; other nodes take their nearest holder's
+    commit    the unresolved table, then the output with the new watermark, fenced on the old one
+
+A crash between the two commits leaves the output's old watermark: the next run recomputes the
+same nodes (and the newly unresolved ones again), so runs converge.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from cdc_lakehouse.config import LSN_COL, OP_COL, SEQ_COL, SHARD_COL, TableConfig
+from cdc_lakehouse.derived.config import TreeConfig
+from cdc_lakehouse.derived.tree import (
+    ATTR,
+    ID,
+    PARENT,
+    classify,
+    detail,
+    grant_sets,
+    initial_state,
+    jump,
+    known_state,
+    max_passes,
+    other_shard_parents,
+)
+from cdc_lakehouse.identifiers import spark_ident
+from cdc_lakehouse.lake.commits import fenced_commit, sql_with_commit_properties
+from cdc_lakehouse.lake.snapshots import current_ancestors, iceberg_table
+from cdc_lakehouse.lake.tables import ensure_namespace, table_exists
+from cdc_lakehouse.lake.watermark import WATERMARK_PROP, read_watermark, watermark_json
+from cdc_lakehouse.runtime.failpoints import crash_point
+from cdc_lakehouse.runtime.phases import PhaseClock, SparkJobs
+from cdc_lakehouse.settings import LakeSettings
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame, SparkSession
+
+log = logging.getLogger(__name__)
+
+TREE_WATERMARK_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Pinned:
+    """An input as this run reads it: its current snapshot and that snapshot's shard positions."""
+
+    cfg: TableConfig
+    table: str  # catalog-qualified current table
+    snapshot: int | None
+    shards: dict[str, int]
+
+    def position(self) -> dict[str, Any]:
+        return {"snapshot": self.snapshot, "shards": self.shards}
+
+
+@dataclass
+class TreeRun:
+    """What the phases share."""
+
+    dcfg: TreeConfig
+    lake: LakeSettings
+    nodes: Pinned
+    grants: Pinned | None
+    out: str
+    unresolved: str
+    previous: dict[str, Any] | None  # the output's watermark before this run
+    mode: str = "full"
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def watermark(self) -> dict[str, Any]:
+        inputs = {p.cfg.name: p.position() for p in (self.nodes, self.grants) if p is not None}
+        return {"v": TREE_WATERMARK_VERSION, "max_depth": self.dcfg.max_depth, "inputs": inputs}
+
+
+def derive_tree(
+    spark: SparkSession,
+    lake: LakeSettings,
+    dcfg: TreeConfig,
+    tables: dict[str, TableConfig],
+    *,
+    full: bool = False,
+) -> dict[str, Any]:
+    """Bring the tree table up to its inputs' current snapshots; returns the run's metrics."""
+    clock = PhaseClock()
+    with SparkJobs(spark, f"derive {dcfg.name}") as jobs:
+        with clock.phase("pin"):
+            r = pin_run(spark, lake, dcfg, tables, full=full)
+        if r.mode != "noop":
+            nodes, grants, previous = read_inputs(spark, r)
+            with clock.phase("affected"):
+                affected = affected_nodes(spark, r, nodes, previous) if r.mode == "incremental" else None
+            with clock.phase("resolve"):
+                state = resolve(r, nodes, grants, affected, previous)
+            with clock.phase("commit"):
+                rows = output_rows(r, state, grants, previous, affected)
+                commit(spark, r, rows, unresolved_rows(r, state, nodes), affected)
+    r.metrics.update(mode=r.mode, spark_jobs=jobs.count, seconds=round(clock.elapsed(), 1), phases=clock.rounded())
+    log.info("derived %s: %s", dcfg.name, json.dumps(r.metrics, sort_keys=True))
+    return r.metrics
+
+
+# --- pin and plan ---------------------------------------------------------------------------------
+
+
+def pin_input(spark: SparkSession, lake: LakeSettings, cfg: TableConfig) -> Pinned:
+    """The current snapshot and the watermark it carries (its own or its nearest ancestor's)."""
+    table = lake.qualified(cfg.current_table)
+    if not table_exists(spark, table):
+        raise RuntimeError(f"input table {table} of a derived table does not exist: bootstrap {cfg.name} first")
+    spark.sql(f"REFRESH TABLE {table}")
+    snapshot, shards = None, {}
+    for snap in current_ancestors(spark, table):
+        snapshot = snapshot if snapshot is not None else int(snap.snapshotId())
+        wm = snap.summary().get(WATERMARK_PROP)
+        if wm is not None:
+            shards = {s: int(p["lsn"]) for s, p in json.loads(wm).get("shards", {}).items()}
+            break
+    return Pinned(cfg, table, snapshot, shards)
+
+
+def pin_run(
+    spark: SparkSession, lake: LakeSettings, dcfg: TreeConfig, tables: dict[str, TableConfig], *, full: bool
+) -> TreeRun:
+    grants = pin_input(spark, lake, tables[dcfg.grants.table]) if dcfg.grants else None
+    r = TreeRun(
+        dcfg,
+        lake,
+        pin_input(spark, lake, tables[dcfg.nodes.table]),
+        grants,
+        lake.qualified(dcfg.output_table),
+        lake.qualified(dcfg.unresolved_table),
+        read_watermark(spark, lake.qualified(dcfg.output_table))
+        if table_exists(spark, lake.qualified(dcfg.output_table))
+        else None,
+    )
+    r.mode = plan_mode(r, full=full)
+    return r
+
+
+def plan_mode(r: TreeRun, *, full: bool) -> str:
+    prev = r.previous
+    if full or prev is None or prev.get("max_depth") != r.dcfg.max_depth:
+        return "full"
+    if set(prev.get("inputs", {})) != set(r.watermark["inputs"]):
+        return "full"  # an input was added or removed: nothing to diff against
+    if prev["inputs"] == r.watermark["inputs"]:
+        return "noop"
+    return "incremental"
+
+
+# --- read -----------------------------------------------------------------------------------------
+
+
+def _at(spark: SparkSession, p: Pinned) -> DataFrame:
+    """The input at its pinned snapshot, without soft-deleted rows."""
+    from pyspark.sql import functions as F
+
+    df = spark.sql(f"SELECT * FROM {p.table} VERSION AS OF {p.snapshot}") if p.snapshot else spark.table(p.table)
+    if p.cfg.deletes == "soft":
+        df = df.filter(~F.col(p.cfg.soft_delete_columns.flag))
+    return df
+
+
+def read_inputs(spark: SparkSession, r: TreeRun) -> tuple[DataFrame, DataFrame | None, DataFrame | None]:
+    """Nodes (shard, _n, _p, _a), grants (shard, _n, principal, grant) and the previous output in
+    internal names (None on a full run)."""
+    from pyspark.sql import functions as F
+
+    n = r.dcfg.nodes
+    attr = F.col(n.root_attribute) if n.root_attribute else F.lit(None).cast("string")
+    nodes = _at(spark, r.nodes).select(
+        SHARD_COL, F.col(n.id).alias(ID), F.col(n.parent).alias(PARENT), attr.alias(ATTR)
+    )
+    grants = None
+    if r.grants is not None:
+        g = r.dcfg.grants
+        grants = _at(spark, r.grants).select(
+            SHARD_COL,
+            F.col(g.node).alias(ID),
+            F.col(g.principal).cast("string").alias("principal"),
+            F.col(g.grant).cast("string").alias("grant"),
+        )
+    previous = None
+    if r.mode == "incremental":
+        root = F.col(root_attr_column(r.dcfg)) if n.root_attribute else F.lit(None).cast("string")
+        previous = spark.table(r.out).select(
+            SHARD_COL,
+            F.col(n.id).alias(ID),
+            F.col(n.parent).alias(PARENT),
+            "path",
+            "grants",
+            "grants_from",
+            "grants_above",
+            root.alias("root_attr"),
+        )
+    return nodes, grants, previous
+
+
+def root_attr_column(dcfg: TreeConfig) -> str:
+    return f"root_{dcfg.nodes.root_attribute}"
+
+
+# --- affected -------------------------------------------------------------------------------------
+
+
+def _lsn_map(shards: dict[str, int]):
+    from pyspark.sql import functions as F
+
+    pairs = [x for s, lsn in sorted(shards.items()) for x in (F.lit(s), F.lit(lsn).cast("bigint"))]
+    return F.create_map(*pairs) if pairs else F.create_map().cast("map<string,bigint>")
+
+
+def changed_keys(spark: SparkSession, r: TreeRun, p: Pinned, key: str) -> DataFrame:
+    """(shard, _n, op) of every changelog row the input gained between the previous run's
+    positions and this run's. A watermark is exclusive, except for the snapshot rows and
+    markers a bootstrap writes at its position (seq < 0): those are in the table at it."""
+    from pyspark.sql import functions as F
+
+    before = r.previous["inputs"][p.cfg.name]["shards"]
+    lo, hi = _lsn_map(before), _lsn_map(p.shards)
+    cl = spark.table(r.lake.qualified(p.cfg.changelog_table))
+    lsn, snapshot_row = F.col(LSN_COL), F.col(SEQ_COL) < 0
+    lo_s, hi_s = F.coalesce(lo[F.col(SHARD_COL)], F.lit(-1)), F.coalesce(hi[F.col(SHARD_COL)], F.lit(-1))
+    after_lo = (lsn > lo_s) | ((lsn == lo_s) & ~snapshot_row)
+    upto_hi = (lsn < hi_s) | ((lsn == hi_s) & snapshot_row)
+    return cl.filter(after_lo & upto_hi).select(SHARD_COL, F.col(key).alias(ID), F.col(OP_COL).alias("op"))
+
+
+def structural(node_changes: DataFrame, nodes: DataFrame, previous: DataFrame) -> DataFrame:
+    """Changed nodes whose place in the tree may differ: deleted, new (or unresolved before), moved,
+    or a root whose root attribute changed. Most changes are updates of other columns: those
+    change nothing in the tree and are not recomputed."""
+    from pyspark.sql import functions as F
+
+    keys = node_changes.select(SHARD_COL, ID).distinct()
+    now = nodes.join(keys, [SHARD_COL, ID], "left_semi").withColumn("_now", F.lit(True))
+    was = previous.select(SHARD_COL, ID, F.col(PARENT).alias("_pp"), "root_attr", F.lit(True).alias("_was"))
+    j = keys.join(now, [SHARD_COL, ID], "left").join(was, [SHARD_COL, ID], "left")
+    moved = ~F.col(PARENT).eqNullSafe(F.col("_pp"))
+    new_root_attr = F.col(PARENT).isNull() & ~F.col(ATTR).cast("string").eqNullSafe(F.col("root_attr").cast("string"))
+    return j.filter(F.col("_now").isNull() | F.col("_was").isNull() | moved | new_root_attr).select(SHARD_COL, ID)
+
+
+def affected_nodes(spark: SparkSession, r: TreeRun, nodes: DataFrame, previous: DataFrame) -> DataFrame | None:
+    """The nodes to recompute (shard, _n), checkpointed; None switches the run to full (a shard
+    was truncated or re-bootstrapped from empty: every key may have changed)."""
+    from pyspark.sql import functions as F
+
+    changes = changed_keys(spark, r, r.nodes, r.dcfg.nodes.id)
+    grant_changes = changed_keys(spark, r, r.grants, r.dcfg.grants.node) if r.grants else None
+    everything = changes if grant_changes is None else changes.unionByName(grant_changes)
+    if not everything.filter(F.col("op") == "t").isEmpty():
+        log.info("derived %s: an input shard was truncated; recomputing the whole tree", r.dcfg.name)
+        r.mode = "full"
+        return None
+    seeds = structural(changes, nodes, previous)
+    if grant_changes is not None:
+        seeds = seeds.unionByName(grant_changes.select(SHARD_COL, ID))
+    unresolved = unresolved_at_watermark(spark, r)
+    if unresolved is None:
+        log.info("derived %s: no unresolved snapshot matches the output's watermark; recomputing all", r.dcfg.name)
+        r.mode = "full"
+        return None
+    seeds = seeds.unionByName(unresolved.select(SHARD_COL, F.col(r.dcfg.nodes.id).alias(ID)))
+    seeds = seeds.filter(F.col(ID).isNotNull()).distinct().localCheckpoint(eager=True)
+    below = previous.select(SHARD_COL, ID, F.explode("path").alias("_anc"))
+    descendants = below.join(seeds.select(SHARD_COL, F.col(ID).alias("_anc")), [SHARD_COL, "_anc"], "left_semi").select(
+        SHARD_COL, ID
+    )
+    affected = seeds.unionByName(descendants).distinct().localCheckpoint(eager=True)
+    r.metrics.update(changed=seeds.count(), affected=affected.count())
+    return affected
+
+
+def unresolved_at_watermark(spark: SparkSession, r: TreeRun) -> DataFrame | None:
+    """The unresolved table as it was committed with the output's current watermark. Not its
+    current state: a run killed between its two commits has already removed from it the nodes
+    it resolved, and only its output commit (which did not land) would have placed them."""
+    if not table_exists(spark, r.unresolved):
+        return None
+    for snap in current_ancestors(spark, r.unresolved):
+        wm = snap.summary().get(WATERMARK_PROP)
+        if wm is not None and json.loads(wm) == r.previous:
+            return spark.sql(f"SELECT * FROM {r.unresolved} VERSION AS OF {int(snap.snapshotId())}")
+    return None
+
+
+# --- resolve --------------------------------------------------------------------------------------
+
+
+def resolve(
+    r: TreeRun, nodes: DataFrame, grants: DataFrame | None, affected: DataFrame | None, previous: DataFrame | None
+) -> DataFrame:
+    """Resolver state of every node to recompute, classified (docs/derived-trees.md)."""
+    from pyspark.sql import functions as F
+
+    pending = nodes if affected is None else nodes.join(affected, [SHARD_COL, ID], "left_semi")
+    holders = grants.select(SHARD_COL, ID).distinct() if grants is not None else nodes.limit(0).select(SHARD_COL, ID)
+    state = initial_state(pending, holders).localCheckpoint(eager=True)
+    known = None
+    if previous is not None and affected is not None:
+        # Only the previous output's rows that are parents of recomputed nodes can be pointed at:
+        # pointers only ever move to a parent of some pending node.
+        parents = pending.select(SHARD_COL, F.col(PARENT).alias(ID)).distinct()
+        unaffected = previous.join(affected, [SHARD_COL, ID], "left_anti").join(parents, [SHARD_COL, ID], "left_semi")
+        known = known_state(unaffected).localCheckpoint(eager=True)
+    passes = 0
+    while passes < max_passes(r.dcfg.max_depth) and not state.filter(~F.col("done")).isEmpty():
+        lookup = state if known is None else state.unionByName(known, allowMissingColumns=True)
+        state = jump(state, lookup, r.dcfg.max_depth).localCheckpoint(eager=True)
+        passes += 1
+    r.metrics["passes"] = passes
+    return classify(state, r.dcfg.max_depth).localCheckpoint(eager=True)
+
+
+# --- outputs --------------------------------------------------------------------------------------
+
+
+def output_rows(
+    r: TreeRun, state: DataFrame, grants: DataFrame | None, previous: DataFrame | None, affected: DataFrame | None
+) -> DataFrame:
+    """Resolved nodes in the output's columns."""
+    from pyspark.sql import functions as F
+
+    n = r.dcfg.nodes
+    resolved = state.filter(F.col("reason").isNull())
+    id_type = state.schema[ID].dataType.simpleString()
+    entry = f"struct<principal:string,grant:string,granted_on:{id_type}>"
+    rows = resolved.withColumn("grants_from", F.when(F.col("holder"), F.col(ID)).otherwise(F.col("above")))
+    if grants is not None:
+        sets = grant_sets(resolved, grants)
+        if previous is not None and affected is not None:
+            # Holders outside the affected set keep their grant sets: take those of the holders the
+            # recomputed nodes point at (filters first: the previous output is the big side).
+            needed = resolved.filter(~F.col("holder")).select(SHARD_COL, F.col("above").alias(ID)).distinct()
+            kept = (
+                previous.filter(F.col("grants_from") == F.col(ID))
+                .join(needed, [SHARD_COL, ID], "left_semi")
+                .join(affected, [SHARD_COL, ID], "left_anti")
+            )
+            sets = sets.unionByName(kept.select(SHARD_COL, F.col(ID).alias("_holder"), "grants"))
+        rows = rows.join(
+            sets.withColumnRenamed(SHARD_COL, "_gs"),
+            (F.col(SHARD_COL) == F.col("_gs")) & (F.col("grants_from") == F.col("_holder")),
+            "left",
+        )
+    else:
+        rows = rows.withColumn("grants", F.lit(None))
+    extra = [F.col("root_attr").alias(root_attr_column(r.dcfg))] if n.root_attribute else []
+    return rows.select(
+        SHARD_COL,
+        F.col(ID).alias(n.id),
+        F.col(PARENT).alias(n.parent),
+        F.when(F.size("seg") > 0, F.element_at("seg", -1)).otherwise(F.col(ID)).alias("root_id"),
+        *extra,
+        F.size("seg").alias("depth"),
+        F.reverse("seg").alias("path"),
+        F.coalesce(F.col("grants"), F.array().cast(f"array<{entry}>")).cast(f"array<{entry}>").alias("grants"),
+        F.col("grants_from"),
+        F.col("above").alias("grants_above"),
+        F.current_timestamp().alias("_derived_at"),
+    )
+
+
+def unresolved_rows(r: TreeRun, state: DataFrame, nodes: DataFrame) -> DataFrame:
+    """Nodes that cannot be placed, with the reason and what would resolve them."""
+    from pyspark.sql import functions as F
+
+    n = r.dcfg.nodes
+    bad = other_shard_parents(state.filter(F.col("reason").isNotNull()), nodes)
+    return bad.select(
+        SHARD_COL,
+        F.col(ID).alias(n.id),
+        F.col(PARENT).alias(n.parent),
+        F.col("reason"),
+        detail(r.dcfg.max_depth).alias("detail"),
+        F.current_timestamp().alias("_derived_at"),
+    )
+
+
+# --- commit ---------------------------------------------------------------------------------------
+
+
+def _ensure_table(spark: SparkSession, table: str, like: DataFrame) -> None:
+    from pyspark.sql import functions as F
+
+    if not table_exists(spark, table):
+        w = spark.createDataFrame([], like.schema).writeTo(table).using("iceberg").partitionedBy(F.col(SHARD_COL))
+        # Incremental runs replace scattered keys (a subtree is spread over the table): merge-on-read
+        # writes delete files for them instead of rewriting every data file that holds one. A full
+        # run rewrites the table, and with it the delete files.
+        for k, v in {
+            "format-version": "2",
+            **{f"write.{op}.mode": "merge-on-read" for op in ("merge", "update", "delete")},
+        }.items():
+            w = w.tableProperty(k, v)
+        w.create()
+
+
+def commit(spark: SparkSession, r: TreeRun, rows: DataFrame, unresolved: DataFrame, affected: DataFrame | None) -> None:
+    """Unresolved first, then the output with the watermark: the output's commit is the run's.
+    Both commits carry the watermark (unresolved_at_watermark finds the matching pair)."""
+    props = {WATERMARK_PROP: watermark_json(r.watermark)}
+    ensure_namespace(spark, r.lake, r.dcfg.lake.namespace)
+    for table, df in ((r.unresolved, unresolved), (r.out, rows)):
+        _ensure_table(spark, table, df)
+    rows = rows.localCheckpoint(eager=True)
+    unresolved = unresolved.localCheckpoint(eager=True)
+    r.metrics.update(resolved=rows.count(), unresolved=unresolved.count())
+    crash_point("derive_before_unresolved")
+    _replace(spark, r, r.unresolved, unresolved, affected, props)
+    crash_point("derive_after_unresolved")
+    fenced_commit(
+        spark,
+        r.out,
+        r.previous,
+        r.watermark,
+        lambda: _replace(spark, r, r.out, rows, affected, props),
+        what=f"derived {r.dcfg.name}",
+    )
+
+
+def _replace(
+    spark: SparkSession, r: TreeRun, table: str, rows: DataFrame, affected: DataFrame | None, props: dict[str, str]
+) -> None:
+    """Full: the table becomes `rows`. Incremental: the affected keys' rows become `rows`."""
+    value = props[WATERMARK_PROP]
+    if affected is None:
+        rows.writeTo(table).option(f"snapshot-property.{WATERMARK_PROP}", value).overwrite(_true())
+    elif r.metrics.get("affected"):
+        keys = [SHARD_COL, r.dcfg.nodes.id]
+        sql_with_commit_properties(spark, merge_sql(table, _keyed(affected, rows, keys), keys, rows), props)
+    stamp(spark, table, WATERMARK_PROP, value)
+
+
+def stamp(spark: SparkSession, table: str, key: str, value: str) -> None:
+    """Make sure the current snapshot carries key=value: a write that changed nothing (no affected
+    node, an empty table overwritten with nothing) commits no snapshot, and the watermark must
+    still move. An empty append, through Iceberg's API: a commit, no Spark job."""
+    t = iceberg_table(spark, table)
+    snap = t.currentSnapshot()
+    if snap is None or snap.summary().get(key) != value:
+        t.newAppend().set(key, value).commit()
+
+
+def _true():
+    from pyspark.sql import functions as F
+
+    return F.lit(True)
+
+
+def _keyed(affected: DataFrame, rows: DataFrame, keys: list[str]) -> str:
+    """A temp view: every affected key, with its new row where it has one (`_present`)."""
+    from pyspark.sql import functions as F
+
+    view = f"derived_src_{uuid.uuid4().hex[:10]}"
+    a = affected.withColumnRenamed(ID, keys[1])
+    a.join(rows.withColumn("_present", F.lit(True)), keys, "left").createOrReplaceTempView(view)
+    return view
+
+
+def merge_sql(target: str, view: str, keys: list[str], like: DataFrame) -> str:
+    """Affected keys replace their rows: deleted where there is no new row, updated or inserted."""
+    cols = [spark_ident(c) for c in like.columns]
+    on = " AND ".join(f"t.{spark_ident(k)} = s.{spark_ident(k)}" for k in keys)
+    update = ", ".join(f"t.{c} = s.{c}" for c in cols)
+    return (
+        f"MERGE INTO {target} t USING {view} s ON {on} "
+        "WHEN MATCHED AND s._present IS NULL THEN DELETE "
+        f"WHEN MATCHED THEN UPDATE SET {update} "
+        f"WHEN NOT MATCHED AND s._present IS NOT NULL THEN INSERT ({', '.join(cols)}) "
+        f"VALUES ({', '.join('s.' + c for c in cols)})"
+    )
