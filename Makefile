@@ -3,7 +3,7 @@
 SHELL := /bin/bash
 ENV := source scripts/env.sh &&
 
-.PHONY: setup pg-start pg-stop pg-status airflow-init demo airflow test test-fast lint format bench clean
+.PHONY: setup pg-start pg-stop pg-status airflow-init demo airflow test test-fast lint format bench bench-tree clean
 
 setup:
 	@scripts/setup.sh
@@ -40,6 +40,12 @@ format: setup
 
 bench: pg-start
 	@$(ENV) python bench/run.py $(BENCH_ARGS)
+
+# Derived trees (#17): ours full and incremental vs a naive level loop, per size in TREE_BLOCKS
+# (no PostgreSQL; about 30 min on 2 cores for both sizes). BENCHMARKS.md, "Derived trees".
+TREE_BLOCKS ?= 1000000 10000000
+bench-tree: setup
+	@$(ENV) for n in $(TREE_BLOCKS); do python bench/tree_bench.py --blocks $$n $(BENCH_TREE_ARGS) || exit 1; done
 
 clean:
 	@$(ENV) python -m cdc_lakehouse.dev.localstack stop || true

@@ -95,7 +95,9 @@ def change_batch(rows: int, changes: int, seed: int = 2, toast_share: float = 0.
     recent_lo = max(1, rows - rows // 10)
     upd_ids = np.where(hot, rng.integers(recent_lo, rows + 1, n_upd), rng.integers(1, rows + 1, n_upd))
     ins_ids = np.arange(rows + 1, rows + 1 + n_ins, dtype=np.int64)
-    del_ids = rng.integers(1, rows + 1, n_del)
+    # A deleted row is never updated later at the source (an update after a delete of the same key
+    # would need a re-insert): delete rows this batch does not update, each once.
+    del_ids = rng.choice(np.setdiff1d(np.arange(1, rows + 1, dtype=np.int64), upd_ids), n_del, replace=False)
     ops = np.concatenate([np.full(n_upd, "u"), np.full(n_ins, "c"), np.full(n_del, "d")])
     ids = np.concatenate([upd_ids, ins_ids, del_ids]).astype(np.int64)
     order = rng.permutation(len(ids))
