@@ -42,7 +42,7 @@ bench: pg-start
 	@$(ENV) python bench/run.py $(BENCH_ARGS)
 
 # Derived trees (#17): ours full and incremental vs a naive level loop, per size in TREE_BLOCKS
-# (no PostgreSQL; about 30 min on 2 cores for both sizes). BENCHMARKS.md, "Derived trees".
+# (no PostgreSQL; about 25 min on 2 cores for both sizes). BENCHMARKS.md, "Derived trees".
 TREE_BLOCKS ?= 1000000 10000000
 bench-tree: setup
 	@$(ENV) for n in $(TREE_BLOCKS); do python bench/tree_bench.py --blocks $$n $(BENCH_TREE_ARGS) || exit 1; done
