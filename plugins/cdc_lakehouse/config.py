@@ -435,6 +435,19 @@ def _fix_for(loc: str, err: dict[str, Any]) -> str:
     return "correct the value as the message says (see the configuration reference in README.md)"
 
 
+def validation_errors(exc: ValidationError, file: str, reference: str = "README.md") -> list[ConfigError]:
+    """One ConfigError per pydantic error: the field's dotted path, the message (with the value
+    given) and the fix; `reference` is the document that lists the fields."""
+    errors = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"]) or "<root>"
+        msg = err["msg"].removeprefix("Value error, ")
+        if "input" in err and err.get("type") not in ("missing",) and not isinstance(err["input"], dict):
+            msg += f" (got {err['input']!r})"
+        errors.append(ConfigError(file, loc, msg, _fix_for(loc, err).replace("README.md", reference)))
+    return errors
+
+
 def parse_table_config(data: Any, file: str) -> tuple[TableConfig | None, list[ConfigError]]:
     if not isinstance(data, dict):
         return None, [
@@ -443,14 +456,7 @@ def parse_table_config(data: Any, file: str) -> tuple[TableConfig | None, list[C
     try:
         return TableConfig.model_validate(data), []
     except ValidationError as exc:
-        errors = []
-        for err in exc.errors():
-            loc = ".".join(str(p) for p in err["loc"]) or "<root>"
-            msg = err["msg"].removeprefix("Value error, ")
-            if "input" in err and err.get("type") not in ("missing",) and not isinstance(err["input"], dict):
-                msg += f" (got {err['input']!r})"
-            errors.append(ConfigError(file, loc, msg, _fix_for(loc, err)))
-        return None, errors
+        return None, validation_errors(exc, file)
     except IdentifierError as exc:  # raised from model validators
         return None, [ConfigError(file, "<identifier>", str(exc), "rename it")]
 

@@ -18,7 +18,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import Field, ValidationError, field_validator
 
-from cdc_lakehouse.config import ConfigError, TableConfig, _fix_for, _Model
+from cdc_lakehouse.config import ConfigError, TableConfig, _Model, validation_errors
 from cdc_lakehouse.identifiers import check_ident, check_lake_ident
 
 
@@ -140,16 +140,7 @@ def parse_derived_config(
     try:
         cfg = TreeConfig.model_validate(data)
     except ValidationError as exc:
-        return None, [
-            ConfigError(
-                file,
-                ".".join(str(p) for p in err["loc"]) or "<root>",
-                err["msg"].removeprefix("Value error, "),
-                # The table configs' fixes point at README's reference; this file's is in the docs.
-                _fix_for(".".join(str(p) for p in err["loc"]), err).replace("README.md", "docs/derived-trees.md"),
-            )
-            for err in exc.errors()
-        ]
+        return None, validation_errors(exc, file, reference="docs/derived-trees.md")
     errors = _check_inputs(cfg, tables, file)
     return (None, errors) if errors else (cfg, [])
 

@@ -40,7 +40,7 @@ from cdc_lakehouse.identifiers import spark_ident
 from cdc_lakehouse.lake.commits import fenced_commit, sql_with_commit_properties
 from cdc_lakehouse.lake.snapshots import current_ancestors, iceberg_table
 from cdc_lakehouse.lake.tables import ensure_namespace, table_exists
-from cdc_lakehouse.lake.watermark import WATERMARK_PROP, read_watermark, watermark_json
+from cdc_lakehouse.lake.watermark import WATERMARK_PROP, read_watermark, shard_lsn_map, watermark_json
 from cdc_lakehouse.runtime.failpoints import crash_point
 from cdc_lakehouse.runtime.phases import PhaseClock, SparkJobs
 from cdc_lakehouse.settings import LakeSettings
@@ -78,6 +78,7 @@ class TreeRun:
     unresolved: str
     previous: dict[str, Any] | None  # the output's watermark before this run
     mode: str = "full"
+    affected_count: int = 0  # nodes an incremental run recomputes (0: only the watermark moves)
     metrics: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -217,13 +218,6 @@ def root_attr_column(dcfg: TreeConfig) -> str:
 # --- affected -------------------------------------------------------------------------------------
 
 
-def _lsn_map(shards: dict[str, int]):
-    from pyspark.sql import functions as F
-
-    pairs = [x for s, lsn in sorted(shards.items()) for x in (F.lit(s), F.lit(lsn).cast("bigint"))]
-    return F.create_map(*pairs) if pairs else F.create_map().cast("map<string,bigint>")
-
-
 def changed_keys(spark: SparkSession, r: TreeRun, p: Pinned, key: str) -> DataFrame:
     """(shard, _n, op) of every changelog row the input gained between the previous run's
     positions and this run's. A watermark is exclusive, except for the snapshot rows and
@@ -231,7 +225,7 @@ def changed_keys(spark: SparkSession, r: TreeRun, p: Pinned, key: str) -> DataFr
     from pyspark.sql import functions as F
 
     before = r.previous["inputs"][p.cfg.name]["shards"]
-    lo, hi = _lsn_map(before), _lsn_map(p.shards)
+    lo, hi = (shard_lsn_map({"shards": {s: {"lsn": lsn} for s, lsn in d.items()}}) for d in (before, p.shards))
     cl = spark.table(r.lake.qualified(p.cfg.changelog_table))
     lsn, snapshot_row = F.col(LSN_COL), F.col(SEQ_COL) < 0
     lo_s, hi_s = F.coalesce(lo[F.col(SHARD_COL)], F.lit(-1)), F.coalesce(hi[F.col(SHARD_COL)], F.lit(-1))
@@ -282,7 +276,8 @@ def affected_nodes(spark: SparkSession, r: TreeRun, nodes: DataFrame, previous: 
         SHARD_COL, ID
     )
     affected = seeds.unionByName(descendants).distinct().localCheckpoint(eager=True)
-    r.metrics.update(changed=seeds.count(), affected=affected.count())
+    r.affected_count = affected.count()
+    r.metrics.update(changed=seeds.count(), affected=r.affected_count)
     return affected
 
 
@@ -438,10 +433,12 @@ def _replace(
     spark: SparkSession, r: TreeRun, table: str, rows: DataFrame, affected: DataFrame | None, props: dict[str, str]
 ) -> None:
     """Full: the table becomes `rows`. Incremental: the affected keys' rows become `rows`."""
+    from pyspark.sql import functions as F
+
     value = props[WATERMARK_PROP]
     if affected is None:
-        rows.writeTo(table).option(f"snapshot-property.{WATERMARK_PROP}", value).overwrite(_true())
-    elif r.metrics.get("affected"):
+        rows.writeTo(table).option(f"snapshot-property.{WATERMARK_PROP}", value).overwrite(F.lit(True))
+    elif r.affected_count:
         keys = [SHARD_COL, r.dcfg.nodes.id]
         sql_with_commit_properties(spark, merge_sql(table, _keyed(affected, rows, keys), keys, rows), props)
     stamp(spark, table, WATERMARK_PROP, value)
@@ -455,12 +452,6 @@ def stamp(spark: SparkSession, table: str, key: str, value: str) -> None:
     snap = t.currentSnapshot()
     if snap is None or snap.summary().get(key) != value:
         t.newAppend().set(key, value).commit()
-
-
-def _true():
-    from pyspark.sql import functions as F
-
-    return F.lit(True)
 
 
 def _keyed(affected: DataFrame, rows: DataFrame, keys: list[str]) -> str:
