@@ -32,6 +32,9 @@ export CDC_TABLES_DIR="${CDC_TABLES_DIR:-$CDC_ROOT/include/tables}"
 # Connections, from the environment (Airflow reads AIRFLOW_CONN_<ID>).
 _pg="127.0.0.1:$CDC_LOCAL_PG_PORT"
 export AIRFLOW_CONN_CDC_SOURCE_LOCAL="${AIRFLOW_CONN_CDC_SOURCE_LOCAL:-postgresql://postgres:$CDC_LOCAL_PG_PASSWORD@$_pg/notion}"
+# The serving export's local default store (redis-server, started with PostgreSQL by make pg-start).
+export CDC_LOCAL_REDIS_PORT="${CDC_LOCAL_REDIS_PORT:-56379}"
+export AIRFLOW_CONN_CDC_REDIS="${AIRFLOW_CONN_CDC_REDIS:-redis://127.0.0.1:$CDC_LOCAL_REDIS_PORT/0}"
 export AIRFLOW_CONN_SPARK_DEFAULT="${AIRFLOW_CONN_SPARK_DEFAULT:-{\"conn_type\": \"spark\", \"host\": \"local[*]\"\}}"
 export AIRFLOW_CONN_CDC_LAKE="${AIRFLOW_CONN_CDC_LAKE:-{\"conn_type\": \"generic\", \"host\": \"127.0.0.1\", \"port\": $CDC_LOCAL_PG_PORT, \"schema\": \"lake_catalog\", \"login\": \"postgres\", \"password\": \"$CDC_LOCAL_PG_PASSWORD\", \"extra\": {\"catalog_type\": \"jdbc\", \"warehouse\": \"file://$CDC_LOCAL_DIR/warehouse\", \"landing_uri\": \"file://$CDC_LOCAL_DIR/landing\"\}\}}"
 

@@ -9,7 +9,7 @@ cd "$ROOT"
 log() { echo "[setup] $*"; }
 
 # --- system packages ---------------------------------------------------------------
-APT_PKGS=(postgresql-15 libjarjar-java libpostgresql-jdbc-java unzip curl zip)
+APT_PKGS=(postgresql-15 redis-server libjarjar-java libpostgresql-jdbc-java unzip curl zip)
 command -v java >/dev/null 2>&1 || APT_PKGS+=(openjdk-17-jre-headless)
 [[ "${CDC_WITH_BROWSER:-1}" == "1" ]] && APT_PKGS+=(chromium)
 if [[ "${CDC_SKIP_APT:-0}" != "1" ]]; then

@@ -79,6 +79,17 @@ def s3_server(tmp_root):
 
 
 @pytest.fixture(scope="session")
+def redis_server(tmp_root):
+    """A private redis-server for the session (the serving export's local default store)."""
+    from cdc_lakehouse.dev.localstack import LocalRedis, free_port
+
+    server = LocalRedis(tmp_root / "redis", free_port())
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
 def spark(lake):
     from cdc_lakehouse.lake.meta import ensure_meta_tables
 

@@ -1,6 +1,6 @@
 """Operator commands.
 
-python -m cdc_lakehouse.cli validate              check every table and derived config (exit 1 on errors)
+python -m cdc_lakehouse.cli validate              check every table, derived and export config (exit 1 on errors)
 python -m cdc_lakehouse.cli pools                 the Airflow pools, as JSON for `airflow pools import`
 python -m cdc_lakehouse.cli quarantine list T     quarantined events of table T
 python -m cdc_lakehouse.cli quarantine clear T    delete T's quarantined events after review
@@ -29,15 +29,18 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.cmd == "validate":
         from cdc_lakehouse.derived.config import load_derived_configs
-        from cdc_lakehouse.settings import derived_dir
+        from cdc_lakehouse.serving.config import load_export_configs
+        from cdc_lakehouse.settings import derived_dir, exports_dir
 
         cs = load_table_configs(tables_dir())
         ds = load_derived_configs(derived_dir(), cs.tables)
-        for e in cs.errors + ds.errors:
+        es = load_export_configs(exports_dir(), cs.tables, ds.derived)
+        for e in cs.errors + ds.errors + es.errors:
             print(e, file=sys.stderr)
         print(f"{len(cs.tables)} valid table config(s): {', '.join(sorted(cs.tables))}")
         print(f"{len(ds.derived)} valid derived table config(s): {', '.join(sorted(ds.derived))}")
-        return 1 if cs.errors or ds.errors else 0
+        print(f"{len(es.exports)} valid export config(s): {', '.join(sorted(es.exports))}")
+        return 1 if cs.errors or ds.errors or es.errors else 0
     if args.cmd == "pools":
         from cdc_lakehouse.orchestration.dag_factory import pools
 

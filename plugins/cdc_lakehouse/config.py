@@ -7,6 +7,7 @@ still load, so one broken table never takes the other tables' DAGs down.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -461,23 +462,27 @@ def parse_table_config(data: Any, file: str) -> tuple[TableConfig | None, list[C
         return None, [ConfigError(file, "<identifier>", str(exc), "rename it")]
 
 
+def yaml_files(directory: str | Path, errors: list[ConfigError]) -> Iterator[tuple[str, Any]]:
+    """(file, parsed YAML) of every *.yaml/*.yml under directory, sorted (none if it does not
+    exist); a file that is not valid YAML becomes a ConfigError naming its line instead."""
+    directory = Path(directory)
+    for path in sorted(directory.glob("*.y*ml")) if directory.is_dir() else []:
+        try:
+            yield str(path), yaml.safe_load(path.read_text())
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f"line {mark.line + 1}" if mark else "<yaml>"
+            problem = getattr(exc, "problem", None) or exc
+            errors.append(ConfigError(str(path), where, f"not valid YAML: {problem}", "fix the YAML syntax"))
+
+
 def load_table_configs(directory: str | Path) -> ConfigSet:
     """Every *.yaml under directory; errors are collected per file, never raised."""
     directory = Path(directory)
     tables: dict[str, TableConfig] = {}
     files: dict[str, str] = {}
     errors: list[ConfigError] = []
-    for path in sorted(directory.glob("*.y*ml")):
-        rel = str(path)
-        try:
-            data = yaml.safe_load(path.read_text())
-        except yaml.YAMLError as exc:
-            mark = getattr(exc, "problem_mark", None)
-            where = f"line {mark.line + 1}" if mark else "<yaml>"
-            errors.append(
-                ConfigError(rel, where, f"not valid YAML: {getattr(exc, 'problem', exc)}", "fix the YAML syntax")
-            )
-            continue
+    for rel, data in yaml_files(directory, errors):
         cfg, errs = parse_table_config(data, rel)
         errors.extend(errs)
         if cfg is None:

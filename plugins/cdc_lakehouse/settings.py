@@ -340,6 +340,12 @@ def derived_dir(root: Path = PROJECT_ROOT) -> Path:
     return Path(env) if env else tables_dir(root).parent / "derived"
 
 
+def exports_dir(root: Path = PROJECT_ROOT) -> Path:
+    """The serving exports' configs (docs/serving-export.md): include/exports, beside the tables dir."""
+    env = os.environ.get("CDC_EXPORTS_DIR")
+    return Path(env) if env else tables_dir(root).parent / "exports"
+
+
 # --- source connections ------------------------------------------------------------------------
 
 

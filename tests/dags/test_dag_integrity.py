@@ -127,6 +127,32 @@ def test_derived_tables_run_on_their_inputs_assets(dagbag):
         assert "derived" in dag.tags and task.source_conn_ids == []
 
 
+def test_exports_run_on_their_source_asset_with_the_store_secret_resolved_at_run_time(dagbag):
+    """An export DAG per export config: scheduled by its source's asset, in its own one-slot pool,
+    with a mode param (auto, full, rollback) and the store connection named, not resolved."""
+    from cdc_lakehouse.config import load_table_configs
+    from cdc_lakehouse.derived.config import load_derived_configs
+    from cdc_lakehouse.orchestration.dag_factory import asset, pools
+    from cdc_lakehouse.serving.config import load_export_configs, resolve_source
+
+    cs = load_table_configs(TABLES)
+    ds = load_derived_configs(DERIVED, cs.tables)
+    es = load_export_configs(ROOT / "include" / "exports", cs.tables, ds.derived)
+    assert "block_tree_serving" in es.exports and not es.errors, es.errors
+    declared = pools(str(TABLES), str(DERIVED))
+    for name, ecfg in es.exports.items():
+        dag = dagbag.dags[f"cdc_export__{name}"]
+        source = asset(resolve_source(ecfg, cs.tables, ds.derived).table)
+        assert dag.timetable.asset_condition == source, dag.timetable
+        (task,) = dag.tasks
+        assert task.job == "export" and task.inlets == [source]
+        assert task.pool == ecfg.pool and declared[task.pool]["slots"] == 1
+        assert task.application_args == ["--exports", name, "--mode", "{{ params.mode }}"]
+        assert task.store_conns == [(ecfg.store.kind, ecfg.store.conn_id)] and task.source_conn_ids == []
+        assert dag.params.get_param("mode").schema["enum"] == ["auto", "full", "rollback"]
+        assert "rollback" in dag.doc_md and "full" in dag.doc_md
+
+
 def test_parse_imports_nothing_heavy():
     """DAG parsing must not import Spark, pyiceberg, Great Expectations or pandas."""
     code = textwrap.dedent(f"""

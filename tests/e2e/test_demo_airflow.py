@@ -26,7 +26,7 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def demo_env(pg, tmp_path_factory):
+def demo_env(pg, redis_server, tmp_path_factory):
     base = tmp_path_factory.mktemp("demo")
     for db in ("notion", "e2e_catalog"):
         pg.ensure_database(db)
@@ -49,6 +49,7 @@ def demo_env(pg, tmp_path_factory):
         "CDC_LOCAL_PG_PASSWORD": "",
         "AIRFLOW_CONN_CDC_SOURCE_LOCAL": pg.uri("notion"),
         "AIRFLOW_CONN_SPARK_DEFAULT": json.dumps({"conn_type": "spark", "host": "local[2]"}),
+        "AIRFLOW_CONN_CDC_REDIS": redis_server.uri,
         "AIRFLOW_CONN_CDC_LAKE": json.dumps(
             {
                 "conn_type": "generic",
@@ -126,6 +127,9 @@ def test_demo_through_airflow_is_clean_and_a_rerun_converges(pg, demo_env):
     # The derived tree ran through its DAG (full after interval 1, incremental after 2) and placed the blocks.
     tree = re.search(r"derived block_tree: (\d+) nodes resolved", out)
     assert tree and int(tree.group(1)) > 1000, out[-3000:]
+    # So did the export (full, then incremental into the same version): one key per resolved node.
+    exported = re.search(r"export block_tree_serving: redis namespace block_tree version (\d+) .*?, (\d+) keys", out)
+    assert exported and exported.group(1) == "1" and exported.group(2) == tree.group(1), out[-3000:]
     source = _source_versions(pg)
     assert len(source) > 1000
     assert _lake_versions(demo_env) == source

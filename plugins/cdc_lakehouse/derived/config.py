@@ -15,10 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import Field, ValidationError, field_validator
 
-from cdc_lakehouse.config import ConfigError, TableConfig, _Model, validation_errors
+from cdc_lakehouse.config import ConfigError, TableConfig, _Model, validation_errors, yaml_files
 from cdc_lakehouse.identifiers import check_ident, check_lake_ident
 
 
@@ -147,27 +146,18 @@ def parse_derived_config(
 
 def load_derived_configs(directory: str | Path, tables: dict[str, TableConfig]) -> DerivedSet:
     """Every *.yaml under directory (none if it does not exist); errors collected, never raised."""
-    directory = Path(directory)
     out = DerivedSet({}, [], {})
-    for path in sorted(directory.glob("*.y*ml")) if directory.is_dir() else []:
-        try:
-            data = yaml.safe_load(path.read_text())
-        except yaml.YAMLError as exc:
-            mark = getattr(exc, "problem_mark", None)
-            where = f"line {mark.line + 1}" if mark else "<yaml>"
-            problem = getattr(exc, "problem", None) or exc
-            out.errors.append(ConfigError(str(path), where, f"not valid YAML: {problem}", "fix the YAML syntax"))
-            continue
-        cfg, errs = parse_derived_config(data, str(path), tables)
+    for path, data in yaml_files(directory, out.errors):
+        cfg, errs = parse_derived_config(data, path, tables)
         out.errors.extend(errs)
         if cfg is None:
             continue
         if cfg.name in out.derived or cfg.name in tables:
             other = out.files.get(cfg.name, "include/tables/")
             out.errors.append(
-                ConfigError(str(path), "name", f"{cfg.name!r} is already defined in {other}", "use a unique name")
+                ConfigError(path, "name", f"{cfg.name!r} is already defined in {other}", "use a unique name")
             )
             continue
         out.derived[cfg.name] = cfg
-        out.files[cfg.name] = str(path)
+        out.files[cfg.name] = path
     return out

@@ -21,7 +21,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from cdc_lakehouse.config import LSN_COL, OP_COL, SEQ_COL, SHARD_COL, TableConfig
+from cdc_lakehouse.config import OP_COL, SHARD_COL, TableConfig
 from cdc_lakehouse.derived.config import TreeConfig
 from cdc_lakehouse.derived.tree import (
     ATTR,
@@ -37,10 +37,11 @@ from cdc_lakehouse.derived.tree import (
     other_shard_parents,
 )
 from cdc_lakehouse.identifiers import spark_ident
+from cdc_lakehouse.lake.changelog import changes_between
 from cdc_lakehouse.lake.commits import fenced_commit, sql_with_commit_properties
 from cdc_lakehouse.lake.snapshots import current_ancestors, iceberg_table
 from cdc_lakehouse.lake.tables import ensure_namespace, table_exists
-from cdc_lakehouse.lake.watermark import WATERMARK_PROP, read_watermark, shard_lsn_map, watermark_json
+from cdc_lakehouse.lake.watermark import WATERMARK_PROP, read_watermark, watermark_json
 from cdc_lakehouse.runtime.failpoints import crash_point
 from cdc_lakehouse.runtime.phases import PhaseClock, SparkJobs
 from cdc_lakehouse.settings import LakeSettings
@@ -220,18 +221,12 @@ def root_attr_column(dcfg: TreeConfig) -> str:
 
 def changed_keys(spark: SparkSession, r: TreeRun, p: Pinned, key: str) -> DataFrame:
     """(shard, _n, op) of every changelog row the input gained between the previous run's
-    positions and this run's. A watermark is exclusive, except for the snapshot rows and
-    markers a bootstrap writes at its position (seq < 0): those are in the table at it."""
+    positions and this run's."""
     from pyspark.sql import functions as F
 
     before = r.previous["inputs"][p.cfg.name]["shards"]
-    lo, hi = (shard_lsn_map({"shards": {s: {"lsn": lsn} for s, lsn in d.items()}}) for d in (before, p.shards))
-    cl = spark.table(r.lake.qualified(p.cfg.changelog_table))
-    lsn, snapshot_row = F.col(LSN_COL), F.col(SEQ_COL) < 0
-    lo_s, hi_s = F.coalesce(lo[F.col(SHARD_COL)], F.lit(-1)), F.coalesce(hi[F.col(SHARD_COL)], F.lit(-1))
-    after_lo = (lsn > lo_s) | ((lsn == lo_s) & ~snapshot_row)
-    upto_hi = (lsn < hi_s) | ((lsn == hi_s) & snapshot_row)
-    return cl.filter(after_lo & upto_hi).select(SHARD_COL, F.col(key).alias(ID), F.col(OP_COL).alias("op"))
+    rows = changes_between(spark, r.lake, p.cfg, before, p.shards)
+    return rows.select(SHARD_COL, F.col(key).alias(ID), F.col(OP_COL).alias("op"))
 
 
 def structural(node_changes: DataFrame, nodes: DataFrame, previous: DataFrame) -> DataFrame:

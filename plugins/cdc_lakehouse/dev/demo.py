@@ -2,7 +2,8 @@
 
 python -m cdc_lakehouse.dev.demo prepare   create and load the source if missing
 python -m cdc_lakehouse.dev.demo run       prepare, then bootstrap, workload, ingest intervals (the
-                                       first and last followed by the derived trees), audit and maintenance via
+                                       first and last followed by the derived trees and serving exports),
+                                       audit and maintenance via
                                        `airflow dags test`, then a summary
 """
 
@@ -99,6 +100,8 @@ def _lake_summary(lake: LakeSettings, wl: NotionWorkload) -> list[str]:
     lines += _maintenance_lines(cat, lake)
     for dcfg in _derived().values():
         lines += ["", *_tree_lines(cat, dcfg)]
+    for ecfg in _exports().values():
+        lines += ["", _export_line(ecfg)]
     overall = "clean" if verdicts and all(v == "clean" for v in verdicts) else "FAIL"
     lines.insert(0, f"AUDIT VERDICT: {overall}")
     return lines
@@ -188,6 +191,34 @@ def _derived() -> dict[str, TreeConfig]:
     return load_derived_configs(derived_dir(), load_table_configs(tables_dir()).tables).derived
 
 
+def _exports() -> dict[str, Any]:
+    from cdc_lakehouse.serving.config import load_export_configs
+    from cdc_lakehouse.settings import exports_dir
+
+    tables = load_table_configs(tables_dir()).tables
+    return load_export_configs(exports_dir(), tables, load_derived_configs(derived_dir(), tables).derived).exports
+
+
+def _export_line(ecfg) -> str:
+    """What an online reader sees: the alias's version and its key count."""
+    from cdc_lakehouse.orchestration.tasks import store_uri_from_connection
+    from cdc_lakehouse.serving.stores import open_store
+
+    st = ecfg.store
+    store = open_store(st.kind, store_uri_from_connection(st.kind, st.conn_id), buckets=st.buckets)
+    try:
+        alias, metas = store.alias(st.namespace), store.resolve(st.namespace)
+        if not metas:
+            return f"export {ecfg.name}: no complete version yet"
+        count = store.count(st.namespace, metas[0].version)
+        return (
+            f"export {ecfg.name}: {st.kind} namespace {st.namespace} version {alias.current} "
+            f"(previous {alias.previous}), {count} keys, source snapshot {metas[0].snapshot}"
+        )
+    finally:
+        store.close()
+
+
 def _tree_lines(cat, dcfg: TreeConfig) -> list[str]:
     """Resolved and unresolved counts of a derived tree, and three of its deepest nodes with grants."""
     from collections import Counter
@@ -258,6 +289,8 @@ def run(args: argparse.Namespace) -> int:
         # the first interval (a full build) and the last (incremental), not after each: demo time.
         for name in sorted(_derived()) if i in (1, len(hours)) else []:
             _say(f"  cdc_derived__{name}: done in {dags_test(f'cdc_derived__{name}'):.0f}s")
+        for name in sorted(_exports()) if i in (1, len(hours)) else []:  # full, then incremental
+            _say(f"  cdc_export__{name}: done in {dags_test(f'cdc_export__{name}'):.0f}s")
     audit_at = hours[-1] + timedelta(minutes=30)
     for name in sorted(cs.tables):
         _say(f"audit {name}: done in {dags_test(f'cdc_audit__{name}', audit_at):.0f}s")

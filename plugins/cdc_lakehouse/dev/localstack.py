@@ -233,6 +233,68 @@ class LocalS3:
         obj.last_modified = obj.last_modified - by
 
 
+class LocalRedis:
+    """A private Redis server (Debian's redis-server): the serving export's local default store.
+
+    In memory only (no RDB or AOF file), its own port, bound to 127.0.0.1."""
+
+    def __init__(self, workdir: Path, port: int):
+        self.workdir = Path(workdir)
+        self.port = port
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def uri(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def is_running(self) -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
+                s.sendall(b"PING\r\n")
+                return s.recv(16).startswith(b"+PONG")
+        except OSError:
+            return False
+
+    def start(self, *, daemonize: bool = False, timeout: float = 15) -> None:
+        if self.is_running():
+            return
+        exe = shutil.which("redis-server")
+        if not exe:
+            raise RuntimeError("redis-server is not installed: run `make setup` (it installs Debian's redis-server)")
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        args = [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+        args += ["--dir", str(self.workdir), "--logfile", str(self.workdir / "redis.log")]
+        if daemonize:
+            args += ["--daemonize", "yes", "--pidfile", str(self.workdir / "redis.pid")]
+            subprocess.run(args, check=True)
+        else:
+            self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.time() + timeout
+        while not self.is_running():
+            if time.time() > deadline:
+                raise RuntimeError(f"redis-server did not start on port {self.port}: see {self.workdir}/redis.log")
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(10)
+            self.proc = None
+            return
+        pidfile = self.workdir / "redis.pid"
+        if pidfile.exists():
+            try:
+                os.kill(int(pidfile.read_text().strip()), 15)
+            except (OSError, ValueError):
+                pass
+
+
+def local_stack_redis() -> LocalRedis:
+    from cdc_lakehouse.settings import local_paths
+
+    return LocalRedis(local_paths()["local"] / "redis", int(os.environ.get("CDC_LOCAL_REDIS_PORT", "56379")))
+
+
 class LocalSparkCluster:
     """A Spark standalone cluster (one master, one worker) from pyspark's own launcher, to run
     jobs the way a cluster does: executors in another JVM, code shipped with --py-files."""
@@ -326,9 +388,13 @@ def main(argv: list[str] | None = None) -> int:
         for db in ("lake_catalog", "notion"):
             pg.ensure_database(db)
         print(f"postgres: running on 127.0.0.1:{pg.port} (data {pg.datadir})")
+        rd = local_stack_redis()
+        rd.start(daemonize=True)
+        print(f"redis: running on 127.0.0.1:{rd.port}")
     elif cmd == "stop":
         pg.stop()
-        print("postgres: stopped")
+        local_stack_redis().stop()
+        print("postgres, redis: stopped")
     elif cmd == "status":
         running = pg.is_running()
         print(f"postgres: {'running' if running else 'stopped'} on 127.0.0.1:{pg.port} (data {pg.datadir})")

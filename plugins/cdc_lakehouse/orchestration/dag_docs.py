@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from cdc_lakehouse.config import TableConfig
 from cdc_lakehouse.derived.config import TreeConfig
+from cdc_lakehouse.serving.config import ExportConfig
 
 
 def _header(cfg: TableConfig) -> str:
@@ -171,4 +172,34 @@ Details: docs/derived-trees.md.
 - **Failed**: the task log names the cause; fix it and clear the task. The next run starts
   from the output's watermark, so nothing is skipped.
 - Runs never overlap (pool `{dcfg.pool}`); the inputs' ingests are not blocked.
+"""
+
+
+def export_doc(ecfg: ExportConfig, source_table: str) -> str:
+    st = ecfg.store
+    trigger = (
+        f"on schedule `{ecfg.schedule}`" if ecfg.schedule else f"when `lake.{source_table}` is updated (its asset)"
+    )
+    return f"""# Serving export: `{ecfg.name}`
+
+**Export** of `lake.{source_table}` into {st.kind} namespace `{st.namespace}` (connection
+`{st.conn_id}`); owner {ecfg.owner}.
+
+{ecfg.description}
+
+## What it does
+Runs {trigger}. The first run (and `full`) writes a new version of the namespace from Spark's
+executors, checks it (one key per source row, {ecfg.validate_sample} values decoded and compared), then
+switches the alias to it in one atomic step: readers never see a half-written version and fall
+back to the previous one. Later runs are incremental: only keys whose values changed since the
+version's exported snapshot are upserted, deleted keys are deleted, and the position moves only
+after every write succeeded. {ecfg.keep_versions} complete versions are kept. Details: docs/serving-export.md.
+
+## How to operate it
+- **Force a full export** (new version, e.g. after a suspected drift): trigger with `{{"mode": "full"}}`.
+- **Roll the alias back** to the previous version: trigger with `{{"mode": "rollback"}}`; a second
+  rollback rolls forward again. The next incremental run keeps the version readers now use current.
+- **Failed**: the alias (full) or the position (incremental) did not move; fix the cause and clear
+  the task. A version left half-written by a failed full run is dropped by the next successful full run.
+- Runs never overlap (pool `{ecfg.pool}`).
 """

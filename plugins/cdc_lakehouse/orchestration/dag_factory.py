@@ -14,6 +14,9 @@ application for the whole group) instead of cdc_ingest__T.
 
 For each derived table `D` (include/derived/*.yaml, cdc_lakehouse.derived.config):
   cdc_derived__D      when any of its input tables changes (their current tables' assets)
+
+For each serving export `E` (include/exports/*.yaml, cdc_lakehouse.serving.config):
+  cdc_export__E       when its source table changes (its asset), or on its own schedule
 """
 
 from __future__ import annotations
@@ -30,14 +33,16 @@ from cdc_lakehouse.orchestration.dag_docs import (
     audit_doc,
     bootstrap_doc,
     derived_doc,
+    export_doc,
     group_doc,
     ingest_doc,
     maintenance_doc,
 )
-from cdc_lakehouse.settings import derived_dir, tables_dir
+from cdc_lakehouse.serving.config import ExportConfig, ExportSet, load_export_configs, resolve_source
+from cdc_lakehouse.settings import derived_dir, exports_dir, tables_dir
 
 # What default_args, _tags and _dag need of a config: name, owner, retries, tags.
-AnyConfig = TableConfig | TreeConfig
+AnyConfig = TableConfig | TreeConfig | ExportConfig
 
 START_DATE = datetime(2026, 1, 1, tzinfo=UTC)
 SPARK_CONN_ID = os.environ.get("CDC_SPARK_CONN_ID", "spark_default")
@@ -336,14 +341,50 @@ def derived_dag(dcfg: TreeConfig, tables: dict[str, TableConfig]):
     return dag
 
 
-def _load(config_dir: str | None, derived_config_dir: str | None) -> tuple[ConfigSet, DerivedSet]:
+def export_dag(ecfg: ExportConfig, tables: dict[str, TableConfig], derived: dict[str, TreeConfig]):
+    from airflow.sdk import Param
+
+    source = resolve_source(ecfg, tables, derived).table
+    with _dag(
+        f"cdc_export__{ecfg.name}",
+        _timetable(ecfg.schedule) if ecfg.schedule else asset(source),
+        ecfg,
+        _tags("export", ecfg),
+        export_doc(ecfg, source),
+        f"Serving export of {source} into {ecfg.store.kind} namespace {ecfg.store.namespace}",
+        params={
+            "mode": Param(
+                "auto",
+                type="string",
+                enum=["auto", "full", "rollback"],
+                description="auto: incremental; full: a new version; rollback: alias back to the previous version",
+            )
+        },
+    ) as dag:
+        spark_task(
+            "export",
+            "export",
+            ["--exports", ecfg.name, "--mode", "{{ params.mode }}"],
+            [],  # reads the lake only
+            ecfg.pool,
+            store_conns=[(ecfg.store.kind, ecfg.store.conn_id)],
+            inlets=[asset(source)],
+            execution_timeout=timedelta(hours=2),
+        )
+    return dag
+
+
+def load_configs(
+    config_dir: str | None, derived_config_dir: str | None, exports_config_dir: str | None = None
+) -> tuple[ConfigSet, DerivedSet, ExportSet]:
     cs = load_table_configs(config_dir or tables_dir())
-    return cs, load_derived_configs(derived_config_dir or derived_dir(), cs.tables)
+    ds = load_derived_configs(derived_config_dir or derived_dir(), cs.tables)
+    return cs, ds, load_export_configs(exports_config_dir or exports_dir(), cs.tables, ds.derived)
 
 
 def build_dags(config_dir: str | None = None, derived_config_dir: str | None = None) -> dict[str, Any]:
     """Every DAG of every valid table and derived config; broken configs are reported by cdc_config_check.py."""
-    cs, ds = _load(config_dir, derived_config_dir)
+    cs, ds, es = load_configs(config_dir, derived_config_dir)
     dags: dict[str, Any] = {}
     groups: dict[str, list[TableConfig]] = {}
     for cfg in cs.tables.values():
@@ -361,19 +402,22 @@ def build_dags(config_dir: str | None = None, derived_config_dir: str | None = N
     for dcfg in ds.derived.values():
         d = derived_dag(dcfg, cs.tables)
         dags[d.dag_id] = d
+    for ecfg in es.exports.values():
+        d = export_dag(ecfg, cs.tables, ds.derived)
+        dags[d.dag_id] = d
     return dags
 
 
 def config_errors(config_dir: str | None = None, derived_config_dir: str | None = None) -> list[str]:
     from cdc_lakehouse.orchestration.alerts import alerting_errors
 
-    cs, ds = _load(config_dir, derived_config_dir)
-    return [str(e) for e in cs.errors + ds.errors] + alerting_errors(cs.tables)
+    cs, ds, es = load_configs(config_dir, derived_config_dir)
+    return [str(e) for e in cs.errors + ds.errors + es.errors] + alerting_errors(cs.tables)
 
 
 def pools(config_dir: str | None = None, derived_config_dir: str | None = None) -> dict[str, dict[str, Any]]:
     """Airflow pools the DAGs use (for `airflow pools import`): one slot each."""
-    cs, ds = _load(config_dir, derived_config_dir)
+    cs, ds, es = load_configs(config_dir, derived_config_dir)
     out: dict[str, dict[str, Any]] = {}
     for cfg in cs.tables.values():
         out[table_pool(cfg)] = {
@@ -391,6 +435,12 @@ def pools(config_dir: str | None = None, derived_config_dir: str | None = None) 
         out[dcfg.pool] = {
             "slots": 1,
             "description": f"writer of derived table {dcfg.name} (one at a time)",
+            "include_deferred": False,
+        }
+    for ecfg in es.exports.values():
+        out[ecfg.pool] = {
+            "slots": 1,
+            "description": f"writer of serving namespace {ecfg.store.namespace} (one at a time)",
             "include_deferred": False,
         }
     return out

@@ -16,7 +16,15 @@ from cdc_lakehouse.settings import PROJECT_ROOT
 class CdcSparkSubmitOperator(SparkSubmitOperator):
     ui_color = "#f4a261"
 
-    def __init__(self, *, job: str, job_args: list[str], source_conn_ids: list[str], **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *,
+        job: str,
+        job_args: list[str],
+        source_conn_ids: list[str],
+        store_conns: list[tuple[str, str]] = (),
+        **kwargs: Any,
+    ) -> None:
         kwargs.setdefault("name", f"cdc-{job}")
         kwargs.setdefault("verbose", False)
         super().__init__(
@@ -24,6 +32,7 @@ class CdcSparkSubmitOperator(SparkSubmitOperator):
         )
         self.job = job
         self.source_conn_ids = list(source_conn_ids)
+        self.store_conns = [tuple(c) for c in store_conns]  # (kind, conn_id) of serving stores
         self._secrets_cleanup: Any = None
 
     def _spark_conn_extra(self) -> dict[str, Any]:
@@ -45,7 +54,7 @@ class CdcSparkSubmitOperator(SparkSubmitOperator):
         self.py_files = str(pyfiles_zip())
         self.jars = ",".join(spark_jars()) or None
         self._driver_memory = self._driver_memory or os.environ.get("CDC_SPARK_DRIVER_MEMORY", "4g")
-        public, secrets = spark_job_env(self.source_conn_ids)
+        public, secrets = spark_job_env(self.source_conn_ids, self.store_conns)
         # The master and deploy mode exactly as the provider's hook resolves them.
         probe = self._get_hook()
         master, deploy_mode = probe._connection["master"], probe._connection["deploy_mode"]

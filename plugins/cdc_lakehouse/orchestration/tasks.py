@@ -7,6 +7,7 @@ import logging
 import os
 from datetime import UTC, datetime
 from typing import Any
+from urllib.parse import urlsplit
 
 from cdc_lakehouse.config import ConfigSet, load_table_configs
 from cdc_lakehouse.settings import PROJECT_ROOT, LakeSettings, local_paths, source_uri_env, tables_dir
@@ -150,14 +151,47 @@ def _capture_metrics_row(manifest: dict[str, Any], started: datetime) -> dict[st
     }
 
 
-def spark_job_env(source_conn_ids: list[str]) -> tuple[dict[str, str], dict[str, str]]:
+def store_uri_from_connection(kind: str, conn_id: str) -> str:
+    """A serving store's URI (a secret) from its Airflow connection: a Redis connection, or an AWS
+    connection for DynamoDB (keys, role and endpoint resolved by the Amazon provider's hook)."""
+    from urllib.parse import quote
+
+    if kind == "redis":
+        from airflow.sdk import BaseHook
+
+        c = BaseHook.get_connection(conn_id)
+        auth = f"{quote(c.login or '', safe='')}:{quote(c.password, safe='')}@" if c.password else ""
+        scheme = "rediss" if c.extra_dejson.get("ssl") else "redis"
+        return f"{scheme}://{auth}{c.host or '127.0.0.1'}:{c.port or 6379}/{c.extra_dejson.get('db', c.schema or 0)}"
+    from airflow.providers.amazon.aws.hooks.base_aws import AwsBaseHook
+
+    hook = AwsBaseHook(aws_conn_id=conn_id, client_type="dynamodb")
+    creds = hook.get_credentials()
+    endpoint = urlsplit(hook.conn_config.get_service_endpoint_url("dynamodb") or "")
+    auth = f"{quote(creds.access_key, safe='')}:{quote(creds.secret_key, safe='')}@" if creds.access_key else ""
+    query = {"region": hook.conn_region_name or "us-east-1", "scheme": endpoint.scheme or "https"}
+    if creds.token:
+        query["session_token"] = creds.token
+    return f"dynamodb://{auth}{endpoint.netloc.rpartition('@')[2]}/?" + "&".join(
+        f"{k}={quote(v, safe='')}" for k, v in query.items()
+    )
+
+
+def spark_job_env(
+    source_conn_ids: list[str], store_conns: list[tuple[str, str]] = ()
+) -> tuple[dict[str, str], dict[str, str]]:
     """(public, secrets) environment of a Spark job. Public: lake settings without secrets and
     PYTHONPATH, fit for env_vars (a --conf on YARN/Kubernetes). Secrets: catalog password,
-    credential-like catalog properties, S3 keys, source URIs; they go through job_secrets only."""
+    credential-like catalog properties, S3 keys, source URIs, serving store URIs; they go through
+    job_secrets only."""
+    from cdc_lakehouse.serving.stores import store_uri_env
+
     lake = lake_settings()
     public, secrets = lake.public_env(), lake.secret_env()
     for cid in sorted(set(source_conn_ids)):
         secrets[source_uri_env(cid)] = source_uri_from_connection(cid)
+    for kind, cid in sorted(set(store_conns)):
+        secrets[store_uri_env(cid)] = store_uri_from_connection(kind, cid)
     # The job imports the package from --py-files (as on a cluster), not from this checkout.
     plugins = str(PROJECT_ROOT / "plugins")
     public["PYTHONPATH"] = os.pathsep.join(

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from cdc_lakehouse.config import TableConfig, load_table_configs
 from cdc_lakehouse.runtime.secrets import load_job_secrets
-from cdc_lakehouse.settings import LakeSettings, derived_dir, tables_dir
+from cdc_lakehouse.settings import LakeSettings, derived_dir, exports_dir, tables_dir
 
 if TYPE_CHECKING:
     from cdc_lakehouse.derived.config import TreeConfig
@@ -233,3 +233,44 @@ def main_derive(argv: list[str] | None = None) -> int:
         return derive_tree(spark, lake, dcfg, tables, full=a.mode == "full")
 
     return run_per_table("derive", args, fn, _derived_configs)
+
+
+def _export_configs(args: argparse.Namespace) -> tuple[list[Any], dict[str, str]]:
+    from cdc_lakehouse.derived.config import load_derived_configs
+    from cdc_lakehouse.serving.config import load_export_configs
+
+    cs = load_table_configs(args.config_dir)
+    ds = load_derived_configs(args.derived_dir, cs.tables)
+    es = load_export_configs(args.exports_dir, cs.tables, ds.derived)
+    names = [n for n in args.exports.split(",") if n]
+    missing = [n for n in names if n not in es.exports]
+    if missing:
+        errs = [str(e) for e in cs.errors + ds.errors + es.errors]
+        raise SystemExit(
+            f"export config(s) {missing} not found or invalid in {args.exports_dir}"
+            + ("\n" + "\n".join(errs) if errs else "")
+        )
+    args.tables_by_name, args.derived_by_name = cs.tables, ds.derived
+    return [es.exports[n] for n in names], es.files
+
+
+def main_export(argv: list[str] | None = None) -> int:
+    p = _parser("Serving exports: lake tables into key-value stores (docs/serving-export.md)", target="exports")
+    p.add_argument("--derived-dir", default=str(derived_dir()), help="directory of the derived YAML files")
+    p.add_argument("--exports-dir", default=str(exports_dir()), help="directory of the export YAML files")
+    p.add_argument(
+        "--mode",
+        choices=["auto", "full", "rollback"],
+        default="auto",
+        help="auto: incremental when possible; full: a new version; rollback: alias back to the previous version",
+    )
+    args = p.parse_args(argv)
+
+    def fn(spark, lake, ecfg, a, file):
+        from cdc_lakehouse.serving.run import export, rollback_export
+
+        if a.mode == "rollback":
+            return rollback_export(ecfg)
+        return export(spark, lake, ecfg, a.tables_by_name, a.derived_by_name, mode=a.mode)
+
+    return run_per_table("export", args, fn, _export_configs)

@@ -161,11 +161,19 @@ def find_secrets(values: list[str], secrets: dict[str, str]) -> list[str]:
     return sorted(name for name, v in secrets.items() if len(v) >= 4 and any(v in s for s in values))
 
 
+def _store_conns() -> list[tuple[str, str]]:
+    """(kind, conn_id) of every serving export's store (docs/serving-export.md)."""
+    from cdc_lakehouse.orchestration.dag_factory import load_configs
+
+    _, _, es = load_configs(None, None)
+    return sorted({(e.store.kind, e.store.conn_id) for e in es.exports.values()})
+
+
 def main(argv: list[str] | None = None) -> int:
     """python -m cdc_lakehouse.runtime.secrets write --out FILE [--conn ID ...]
 
     Writes the secrets every configured job needs (lake connection, AWS keys, every source
-    connection of the table configs, or the --conn ones) to FILE, mode 0600, for
+    connection of the table configs and every export's store, or the --conn ones) to FILE, mode 0600, for
     `kubectl create secret generic NAME --from-file=cdc-secrets.json=FILE`. Prints names only."""
     p = argparse.ArgumentParser(prog="python -m cdc_lakehouse.runtime.secrets")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -177,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     from cdc_lakehouse.orchestration.tasks import configs, spark_job_env
 
     conns = args.conn or sorted({s.conn_id for t in configs().tables.values() for s in t.source.shards})
-    _, secrets = spark_job_env(conns)
+    _, secrets = spark_job_env(conns, [] if args.conn else _store_conns())
     fd = os.open(args.out, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
         json.dump(secrets, f)

@@ -1,0 +1,422 @@
+"""One run of a serving export (docs/serving-export.md): a lake table in, a store namespace out.
+
+    pin        the source's current snapshot, the alias and its current version's metadata
+    plan       full (no version yet, `full`, a changed key/value schema, an expired position),
+               incremental, or nothing (the version already holds this snapshot)
+    full       write version N+1 from executors, validate it (key count, a sample decoded and
+               compared), mark it complete, switch the alias atomically, drop old versions
+    incremental  mark the target snapshot pending in the live version's metadata, upsert the
+               keys whose values changed and delete the keys that went, then move the
+               version's position to the snapshot (compare-and-set on the metadata)
+
+The position moves only after every write succeeded: a run killed mid-write leaves the alias
+(full) or the position (incremental) where it was, and the next run rewrites what it may have
+touched, so runs converge.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
+
+from cdc_lakehouse.derived.config import TreeConfig
+from cdc_lakehouse.lake.changelog import changes_between
+from cdc_lakehouse.lake.columns import META_PREFIX, OP_COL
+from cdc_lakehouse.lake.snapshots import current_ancestors, current_snapshot, iceberg_table
+from cdc_lakehouse.lake.tables import table_exists
+from cdc_lakehouse.lake.watermark import WATERMARK_PROP, Watermark
+from cdc_lakehouse.runtime.phases import PhaseClock, SparkJobs
+from cdc_lakehouse.serving.config import ExportConfig, ResolvedSource, resolve_source
+from cdc_lakehouse.serving.encoding import decoder, encoder, key_string, record_schema
+from cdc_lakehouse.serving.stores import Alias, Store, VersionMeta, open_store, store_uri
+from cdc_lakehouse.settings import LakeSettings
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame, SparkSession
+
+    from cdc_lakehouse.config import TableConfig
+
+log = logging.getLogger(__name__)
+
+CRASH_ENV = "CDC_TEST_CRASH_AT"  # `export_write:<n>`: a writer task fails after n items (kill tests)
+
+
+@dataclass
+class ExportRun:
+    """What the phases share."""
+
+    ecfg: ExportConfig
+    lake: LakeSettings
+    store: Store
+    uri: str
+    source: ResolvedSource
+    table: str  # catalog-qualified source table
+    snapshot: int | None
+    key: list[str]
+    values: list[str]
+    value_schema: str
+    alias: Alias | None
+    live: VersionMeta | None  # the alias's current version
+    mode: str = "full"
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ns(self) -> str:
+        return self.ecfg.store.namespace
+
+
+def export(
+    spark: SparkSession,
+    lake: LakeSettings,
+    ecfg: ExportConfig,
+    tables: dict[str, TableConfig],
+    derived: dict[str, TreeConfig],
+    *,
+    mode: str = "auto",
+) -> dict[str, Any]:
+    """Bring the export's namespace up to the source's current snapshot; returns the run's metrics."""
+    clock = PhaseClock()
+    uri = store_uri(ecfg.store.conn_id)
+    store = open_store(ecfg.store.kind, uri, buckets=ecfg.store.buckets, table_prefix=ecfg.store.table_prefix)
+    try:
+        with SparkJobs(spark, f"export {ecfg.name}") as jobs:
+            with clock.phase("pin"):
+                r = pin_run(spark, lake, ecfg, tables, derived, store, uri)
+                r.mode = plan_mode(spark, r, full=mode == "full")
+            if r.mode == "full":
+                with clock.phase("write"):
+                    version = write_full(spark, r)
+                with clock.phase("validate"):
+                    validate(spark, r, version)
+                with clock.phase("switch"):
+                    switch(r, version)
+                    retain(r)
+            elif r.mode == "incremental":
+                with clock.phase("write"):
+                    write_changes(spark, r)
+    finally:
+        store.close()
+    r.metrics.update(mode=r.mode, spark_jobs=jobs.count, seconds=round(clock.elapsed(), 1), phases=clock.rounded())
+    log.info("export %s: %s", ecfg.name, r.metrics)
+    return r.metrics
+
+
+# --- pin and plan ---------------------------------------------------------------------------------
+
+
+def pin_run(
+    spark: SparkSession,
+    lake: LakeSettings,
+    ecfg: ExportConfig,
+    tables: dict[str, TableConfig],
+    derived: dict[str, TreeConfig],
+    store: Store,
+    uri: str,
+) -> ExportRun:
+    src = resolve_source(ecfg, tables, derived)
+    table = lake.qualified(src.table)
+    if not table_exists(spark, table):
+        raise RuntimeError(f"export {ecfg.name}: source table {table} does not exist yet; run what writes it first")
+    snap = current_snapshot(spark, table)
+    snapshot = int(snap.snapshotId()) if snap is not None else None
+    cols = [f.name for f in spark.table(table).schema.fields]
+    key = list(ecfg.key or src.default_key or [])
+    values = list(ecfg.values or [c for c in cols if c not in key and not c.startswith(META_PREFIX)])
+    missing = [c for c in key + values if c not in cols]
+    if missing:
+        raise RuntimeError(
+            f"export {ecfg.name}: column(s) {missing} are not in {table} (columns: {cols}); fix key/values"
+        )
+    schema = spark.table(table).select(*values).schema
+    alias = store.alias(ecfg.store.namespace)
+    live = store.meta(ecfg.store.namespace, alias.current) if alias else None
+    return ExportRun(
+        ecfg, lake, store, uri, src, table, snapshot, key, values, json.dumps(record_schema(schema)), alias, live
+    )
+
+
+def plan_mode(spark: SparkSession, r: ExportRun, *, full: bool) -> str:
+    live = r.live
+    if full or live is None or live.state != "complete":
+        return "full"
+    layout = r.ecfg.store.kind != "redis" or live.buckets in (None, r.ecfg.store.buckets)
+    if live.value_schema != r.value_schema or live.key_columns != r.key or live.source != r.table or not layout:
+        log.info("export %s: key, values, schema or layout changed; writing a new version", r.ecfg.name)
+        return "full"
+    if live.snapshot == r.snapshot and not live.pending:
+        return "noop"
+    if live.snapshot is None:
+        return "full"  # exported while the source had no snapshot: nothing to diff against
+    known = {int(s.snapshotId()) for s in iceberg_table(spark, r.table).snapshots()}
+    if any(s is not None and s not in known for s in [live.snapshot, *live.pending]):
+        log.info("export %s: the exported snapshot was expired; writing a new version", r.ecfg.name)
+        return "full"
+    return "incremental"
+
+
+# --- read -----------------------------------------------------------------------------------------
+
+
+def rows_at(spark: SparkSession, r: ExportRun, snapshot: int | None) -> DataFrame:
+    """The source at a snapshot, without soft-deleted rows: those are deletes for a reader."""
+    from pyspark.sql import functions as F
+
+    df = spark.sql(f"SELECT * FROM {r.table} VERSION AS OF {snapshot}") if snapshot else spark.table(r.table)
+    cfg = r.source.table_cfg
+    if cfg is not None and cfg.deletes == "soft" and cfg.soft_delete_columns.flag in df.columns:
+        df = df.filter(~F.coalesce(F.col(cfg.soft_delete_columns.flag), F.lit(False)))
+    return df
+
+
+def _fingerprint(df: DataFrame, r: ExportRun) -> DataFrame:
+    from pyspark.sql import functions as F
+
+    return df.select(*r.key, F.sha2(F.to_json(F.struct(*r.values)), 256).alias("_h"))
+
+
+def changed_keys(spark: SparkSession, r: ExportRun, since: list[int]) -> DataFrame:
+    """Every key the store may hold a wrong value for: from the changelog when the source is a
+    table's current rows (cheap: the changes, not the table), else from a diff of snapshots."""
+    keys = changelog_keys(spark, r, since)
+    r.metrics["keys_from"] = "changelog" if keys is not None else "snapshot_diff"
+    return keys if keys is not None else diff_keys(spark, r, since)
+
+
+def changelog_keys(spark: SparkSession, r: ExportRun, since: list[int]) -> DataFrame | None:
+    """Keys the table's changelog gained from the exported snapshot's watermark to this run's.
+    None (diff instead) when the source is not a current table, a snapshot of `since` is not an
+    ancestor of this run's (the table was rolled back), a watermark is missing, or a shard was
+    truncated or re-bootstrapped from empty in between (its vanished keys are in no changelog row)."""
+    from pyspark.sql import functions as F
+
+    cfg = r.source.table_cfg
+    if cfg is None or r.ecfg.source.read != "current":
+        return None
+    chain = {}  # ancestor id -> its watermark's shard positions (None until one is found)
+    for snap in current_ancestors(spark, r.table):
+        wm = snap.summary().get(WATERMARK_PROP)
+        chain[int(snap.snapshotId())] = Watermark.from_json(wm).shard_lsns() if wm else None
+        if int(snap.snapshotId()) == r.live.snapshot:
+            break
+    if any(s not in chain for s in since):
+        return None
+    lo, hi = _positions(chain, r.live.snapshot), _positions(chain, r.snapshot)
+    if lo is None or hi is None:
+        return None
+    rows = changes_between(spark, r.lake, cfg, lo, hi).select(*r.key, OP_COL).localCheckpoint(eager=True)
+    if not rows.filter(F.col(OP_COL) == "t").isEmpty():
+        return None
+    return rows.filter(F.col(r.key[-1]).isNotNull()).select(*r.key).distinct()
+
+
+def _positions(chain: dict[int, dict[str, int] | None], snapshot: int | None) -> dict[str, int] | None:
+    """The watermark a snapshot carries, or its nearest ancestor's (a compaction commits none)."""
+    ids = list(chain)
+    for sid in ids[ids.index(snapshot) :] if snapshot in chain else []:
+        if chain[sid] is not None:
+            return chain[sid]
+    return None
+
+
+def _fingerprint(df: DataFrame, r: ExportRun) -> DataFrame:
+    from pyspark.sql import functions as F
+
+    return df.select(*r.key, F.sha2(F.to_json(F.struct(*r.values)), 256).alias("_h"))
+
+
+def diff_keys(spark: SparkSession, r: ExportRun, since: list[int]) -> DataFrame:
+    """Keys whose value at this run's snapshot differs from their value at any of `since` (the
+    exported position and the pending snapshots of runs that did not commit), or that exist in
+    only one of the two."""
+    from pyspark.sql import functions as F
+
+    now = _fingerprint(rows_at(spark, r, r.snapshot), r).withColumnRenamed("_h", "_now")
+    keys = None
+    for s in since:
+        was = _fingerprint(rows_at(spark, r, s), r).withColumnRenamed("_h", "_was")
+        diff = now.join(was, r.key, "full_outer").filter(~F.col("_now").eqNullSafe(F.col("_was"))).select(*r.key)
+        keys = diff if keys is None else keys.unionByName(diff)
+    return keys.distinct()
+
+
+# --- write (on the executors) ---------------------------------------------------------------------
+
+
+def _fail_after() -> int | None:
+    point = os.environ.get(CRASH_ENV, "")
+    return int(point.split(":", 1)[1]) if point.startswith("export_write:") else None
+
+
+def _write_partition(rows, *, kind, uri, options, ns, version, key, values, value_schema, fail_after, counters):
+    """Executor side: encode and write one partition in batches; rows without values are deletes."""
+    store = open_store(kind, uri, **options)
+    encode = encoder(value_schema)
+    upserts = deletes = 0
+
+    def items():
+        nonlocal upserts, deletes
+        for n, row in enumerate(rows):
+            if fail_after is not None and n >= fail_after:
+                raise RuntimeError(f"{CRASH_ENV}: export_write failpoint after {n} items")
+            d = row.asDict(recursive=True)
+            present = d.pop("_present", True)
+            if present:
+                upserts += 1
+                yield key_string([d[k] for k in key]), encode({c: d[c] for c in values})
+            else:
+                deletes += 1
+                yield key_string([d[k] for k in key]), None
+
+    try:
+        store.write(ns, version, items())
+    finally:
+        store.close()
+    counters[0].add(upserts)
+    counters[1].add(deletes)
+
+
+def write_rows(spark: SparkSession, r: ExportRun, df: DataFrame, version: int) -> tuple[int, int]:
+    """(upserts, deletes) written by the executors in one Spark job."""
+    counters = (spark.sparkContext.accumulator(0), spark.sparkContext.accumulator(0))
+    fn = functools.partial(
+        _write_partition,
+        kind=r.ecfg.store.kind,
+        uri=r.uri,  # a secret: it travels inside the task closure, never in the Spark conf or UI
+        options={"buckets": r.ecfg.store.buckets, "table_prefix": r.ecfg.store.table_prefix},
+        ns=r.ns,
+        version=version,
+        key=r.key,
+        values=r.values,
+        value_schema=r.value_schema,
+        fail_after=_fail_after(),
+        counters=counters,
+    )
+    df.foreachPartition(fn)
+    return counters[0].value, counters[1].value
+
+
+def write_full(spark: SparkSession, r: ExportRun) -> int:
+    version = max([0, *r.store.versions(r.ns)]) + 1
+    meta = VersionMeta(
+        version=version,
+        value_schema=r.value_schema,
+        key_columns=r.key,
+        source=r.table,
+        snapshot=r.snapshot,
+        created_at=datetime.now(UTC).isoformat(timespec="seconds"),
+    )
+    r.store.new_version(r.ns, meta)
+    upserts, _ = write_rows(spark, r, rows_at(spark, r, r.snapshot).select(*r.key, *r.values), version)
+    r.metrics.update(version=version, snapshot=r.snapshot, rows_written=upserts)
+    return version
+
+
+def write_changes(spark: SparkSession, r: ExportRun) -> None:
+    """Incremental: pending first (so a kill leaves a trace), then the writes, then the position."""
+    from pyspark.sql import functions as F
+
+    live = r.live
+    since = [s for s in dict.fromkeys([live.snapshot, *live.pending]) if s is not None]
+    marked = live.model_copy(update={"pending": sorted({*live.pending, r.snapshot} - {None})})
+    r.store.put_meta(r.ns, live, marked)
+    now = rows_at(spark, r, r.snapshot).select(*r.key, *r.values).withColumn("_present", F.lit(True))
+    rows = changed_keys(spark, r, since).join(now, r.key, "left").fillna(False, subset=["_present"])
+    upserts, deletes = write_rows(spark, r, rows, live.version)
+    count = r.store.count(r.ns, live.version)
+    expected = rows_at(spark, r, r.snapshot).count()
+    if count != expected:
+        raise RuntimeError(
+            f"export {r.ecfg.name}: version {live.version} holds {count} keys after the changes, the source "
+            f"{expected} rows: the key {r.key} is not unique, or another writer changed the namespace. "
+            "The position did not move; run a full export (DAG param mode=full)."
+        )
+    crash_point("export_before_position")
+    done = marked.model_copy(update={"snapshot": r.snapshot, "pending": [], "count": count})
+    r.store.put_meta(r.ns, marked, done)
+    r.metrics.update(version=live.version, snapshot=r.snapshot, upserts=upserts, deletes=deletes, keys=count)
+
+
+# --- validate, switch, retain ----------------------------------------------------------------------
+
+
+def validate(spark: SparkSession, r: ExportRun, version: int) -> None:
+    """The new version holds one key per source row, and a sample decodes to the source's values."""
+    written = r.metrics["rows_written"]
+    count = r.store.count(r.ns, version)
+    if count != written:
+        raise RuntimeError(
+            f"export {r.ecfg.name}: version {version} holds {count} keys for {written} source rows: the key "
+            f"{r.key} is not unique in {r.table}. Set `key` to unique columns; the alias did not move."
+        )
+    sample = rows_at(spark, r, r.snapshot).select(*r.key, *r.values).limit(r.ecfg.validate_sample).collect()
+    encode, decode = encoder(r.value_schema), decoder(r.value_schema)
+    keys = [key_string([row[k] for k in r.key]) for row in sample]
+    stored = r.store.read(r.ns, version, keys)
+    for row, k, got in zip(sample, keys, stored):
+        d = row.asDict(recursive=True)
+        want = decode(encode({c: d[c] for c in r.values}))
+        if got is None or decode(got) != want:
+            raise RuntimeError(f"export {r.ecfg.name}: version {version} key {k} does not match the source row")
+    r.metrics.update(keys=count, validated_sample=len(sample))
+
+
+def switch(r: ExportRun, version: int) -> None:
+    meta = r.store.meta(r.ns, version)
+    r.store.put_meta(r.ns, meta, meta.model_copy(update={"state": "complete", "count": r.metrics["keys"]}))
+    crash_point("export_before_switch")
+    r.store.switch_alias(r.ns, r.alias, Alias(current=version, previous=r.alias.current if r.alias else None))
+
+
+def retain(r: ExportRun) -> None:
+    """Keep the alias's two versions and the newest `keep_versions` complete ones; drop the rest
+    (older versions, and versions of runs that failed before their switch)."""
+    alias = r.store.alias(r.ns)
+    keep = {alias.current, alias.previous} - {None}
+    complete = [v for v in sorted(r.store.versions(r.ns), reverse=True) if _complete(r.store, r.ns, v)]
+    keep |= set(complete[: r.ecfg.keep_versions])
+    dropped = [v for v in r.store.versions(r.ns) if v not in keep]
+    for v in dropped:
+        r.store.drop_version(r.ns, v)
+    r.metrics["dropped_versions"] = dropped
+
+
+def _complete(store: Store, ns: str, version: int) -> bool:
+    m = store.meta(ns, version)
+    return m is not None and m.state == "complete"
+
+
+def crash_point(name: str) -> None:
+    from cdc_lakehouse.runtime.failpoints import crash_point as fail
+
+    fail(name)
+
+
+# --- operations -----------------------------------------------------------------------------------
+
+
+def rollback(store: Store, ns: str) -> Alias:
+    """Point the alias back at the previous version (kept complete by retention); the version rolled
+    back from becomes the previous one, so rolling forward again is one more rollback."""
+    alias = store.alias(ns)
+    if alias is None or alias.previous is None or not _complete(store, ns, alias.previous):
+        raise RuntimeError(f"namespace {ns!r}: no complete previous version to roll back to (alias: {alias})")
+    new = Alias(current=alias.previous, previous=alias.current)
+    store.switch_alias(ns, alias, new)
+    return new
+
+
+def rollback_export(ecfg: ExportConfig) -> dict[str, Any]:
+    store = open_store(
+        ecfg.store.kind, store_uri(ecfg.store.conn_id), buckets=ecfg.store.buckets, table_prefix=ecfg.store.table_prefix
+    )
+    try:
+        alias = rollback(store, ecfg.store.namespace)
+    finally:
+        store.close()
+    log.info("export %s: alias of %s rolled back to version %s", ecfg.name, ecfg.store.namespace, alias.current)
+    return {"mode": "rollback", "version": alias.current, "previous": alias.previous}

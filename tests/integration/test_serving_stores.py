@@ -1,0 +1,117 @@
+"""The serving stores' contract, run against each store for real: a private redis-server and
+DynamoDB on the local moto server. The export and the reader rely on exactly these behaviours."""
+
+from __future__ import annotations
+
+import pytest
+from cdc_lakehouse.serving.dynamodb import DynamoStore
+from cdc_lakehouse.serving.stores import Alias, AliasMoved, RedisStore, VersionMeta
+
+
+@pytest.fixture(params=["redis", "dynamodb"])
+def store(request, unique):
+    # getfixturevalue: a redis-only run starts no moto server, and the reverse.
+    if request.param == "redis":
+        s = RedisStore(request.getfixturevalue("redis_server").uri, buckets=8)
+    else:
+        port = request.getfixturevalue("s3_server").port
+        uri = f"dynamodb://local:local@127.0.0.1:{port}/?region=us-east-1&scheme=http"
+        s = DynamoStore(uri, table_prefix=f"t{unique}_")
+        s.client.meta.events.register("before-parameter-build.dynamodb.BatchWriteItem", _as_strict_as_dynamodb)
+    yield s
+    s.close()
+
+
+def _as_strict_as_dynamodb(params, **_):
+    # moto applies batches that DynamoDB refuses: more than 25 requests, or a key twice.
+    for requests in params["RequestItems"].values():
+        keys = [r["PutRequest"]["Item"]["k"] if "PutRequest" in r else r["DeleteRequest"]["Key"]["k"] for r in requests]
+        keys = [k["S"] for k in keys]
+        assert len(keys) <= 25 and len(set(keys)) == len(keys), keys
+
+
+@pytest.fixture
+def ns(unique):
+    return f"ns_{unique}"
+
+
+def meta(version: int, state: str = "writing") -> VersionMeta:
+    # buckets as the redis fixture's: RedisStore records its layout in the metadata it creates.
+    return VersionMeta(
+        version=version, state=state, value_schema="{}", key_columns=["id"], source="lake.t.block", buckets=8
+    )
+
+
+def test_alias_switches_only_from_the_expected_one(store, ns):
+    assert store.alias(ns) is None
+    store.switch_alias(ns, None, Alias(current=1))
+    assert store.alias(ns) == Alias(current=1)
+    for stale in (None, Alias(current=7)):
+        with pytest.raises(AliasMoved):
+            store.switch_alias(ns, stale, Alias(current=2, previous=1))
+    assert store.alias(ns) == Alias(current=1)
+    store.switch_alias(ns, Alias(current=1), Alias(current=2, previous=1))
+    assert store.alias(ns) == Alias(current=2, previous=1)
+
+
+def test_write_upserts_and_deletes(store, ns):
+    store.new_version(ns, meta(1))
+    assert store.write(ns, 1, [("a", b"1"), ("b", b"2"), ("c", b"3"), ("bin", bytes(range(256)))]) == 4
+    # A delete of a missing key, and two keys given twice in one call: the last one wins.
+    changes = [("b", None), ("never", None), ("c", b"x"), ("c", None), ("a", b"old"), ("a", b"new")]
+    assert store.write(ns, 1, changes) == 6
+    got = store.read(ns, 1, ["c", "a", "b", "never", "bin", "a"])
+    assert got == [None, b"new", None, None, bytes(range(256)), b"new"]
+    assert store.count(ns, 1) == 2
+
+
+def test_large_write_crosses_batches(store, ns):
+    store.new_version(ns, meta(1))
+    items = [(f"k{i}", i.to_bytes(2, "big")) for i in range(2500)]
+    assert store.write(ns, 1, iter(items)) == 2500
+    assert store.count(ns, 1) == 2500
+    assert store.read(ns, 1, [k for k, _ in items]) == [v for _, v in items]
+
+
+def test_drop_version_removes_data_meta_and_listing(store, ns):
+    for v in (1, 2):
+        store.new_version(ns, meta(v))
+        store.write(ns, v, [("a", b"1")])
+    store.drop_version(ns, 1)
+    assert store.versions(ns) == [2]
+    assert store.meta(ns, 1) is None and store.meta(ns, 2) == meta(2)
+    assert store.count(ns, 1) == 0 and store.read(ns, 1, ["a"]) == [None]
+    assert store.read(ns, 2, ["a"]) == [b"1"]
+
+
+def test_put_meta_refuses_a_stale_expected(store, ns):
+    store.new_version(ns, meta(1))
+    done = meta(1, "complete").model_copy(update={"count": 3})
+    store.put_meta(ns, meta(1), done)
+    for stale in (None, meta(1)):
+        with pytest.raises(AliasMoved):
+            store.put_meta(ns, stale, meta(1).model_copy(update={"count": 9}))
+    assert store.meta(ns, 1) == done
+
+
+def test_resolve_returns_complete_current_then_previous(store, ns):
+    assert store.resolve(ns) == []
+    for v in (1, 2):
+        store.new_version(ns, meta(v))
+    store.put_meta(ns, meta(1), meta(1, "complete"))
+    store.switch_alias(ns, None, Alias(current=2, previous=1))
+    assert store.resolve(ns) == [meta(1, "complete")]  # the current one is still writing
+    store.put_meta(ns, meta(2), meta(2, "complete"))
+    assert store.resolve(ns) == [meta(2, "complete"), meta(1, "complete")]
+
+
+def test_a_reused_version_number_starts_empty(store, ns):
+    store.new_version(ns, meta(1))
+    store.write(ns, 1, [("a", b"1"), ("b", b"2")])
+    store.drop_version(ns, 1)
+    store.new_version(ns, meta(1))
+    assert store.count(ns, 1) == 0 and store.read(ns, 1, ["a"]) == [None]
+    # Reused without a drop (a failed run's number taken again): create_data empties it too.
+    store.write(ns, 1, [("c", b"3")])
+    store.new_version(ns, meta(1))
+    assert store.count(ns, 1) == 0 and store.versions(ns) == [1]
