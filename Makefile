@@ -3,7 +3,7 @@
 SHELL := /bin/bash
 ENV := source scripts/env.sh &&
 
-.PHONY: setup pg-start pg-stop pg-status airflow-init demo airflow test test-fast lint format bench bench-tree clean
+.PHONY: setup pg-start pg-stop pg-status airflow-init demo airflow test test-fast lint format bench bench-tree bench-serving clean
 
 setup:
 	@scripts/setup.sh
@@ -46,6 +46,13 @@ bench: pg-start
 TREE_BLOCKS ?= 1000000 10000000
 bench-tree: setup
 	@$(ENV) for n in $(TREE_BLOCKS); do python bench/tree_bench.py --blocks $$n $(BENCH_TREE_ARGS) || exit 1; done
+
+# Serving export: ours full and incremental into the local Redis vs Redis's own bulk-load rate,
+# per rows:repeats in SERVING_RUNS (catalog in the local PostgreSQL, redis db 1; about 7 min on 2
+# cores for both). BENCHMARKS.md, "Serving export".
+SERVING_RUNS ?= 1000000:3 10000000:1
+bench-serving: pg-start
+	@$(ENV) for nr in $(SERVING_RUNS); do python bench/serving_bench.py --rows $${nr%:*} --repeat $${nr#*:} $(BENCH_SERVING_ARGS) || exit 1; done
 
 clean:
 	@$(ENV) python -m cdc_lakehouse.dev.localstack stop || true

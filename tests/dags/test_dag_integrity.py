@@ -149,7 +149,7 @@ def test_exports_run_on_their_source_asset_with_the_store_secret_resolved_at_run
         assert task.pool == ecfg.pool and declared[task.pool]["slots"] == 1
         assert task.application_args == ["--exports", name, "--mode", "{{ params.mode }}"]
         assert task.store_conns == [(ecfg.store.kind, ecfg.store.conn_id)] and task.source_conn_ids == []
-        assert dag.params.get_param("mode").schema["enum"] == ["auto", "full", "rollback"]
+        assert dag.params.get_param("mode").schema["enum"] == ["auto", "full", "rollback", "resume"]
         assert "rollback" in dag.doc_md and "full" in dag.doc_md
 
 
@@ -161,8 +161,9 @@ def test_parse_imports_nothing_heavy():
         bag = DagBag(dag_folder={str(DAGS)!r})
         assert not bag.import_errors, bag.import_errors
         assert "cdc_derived__block_tree" in bag.dags, sorted(bag.dags)
-        heavy = sorted(m for m in ("pyspark", "pyiceberg", "great_expectations", "pandas", "psycopg2")
-                       if m in sys.modules)
+        assert "cdc_export__block_tree_serving" in bag.dags, sorted(bag.dags)
+        heavy = sorted(m for m in ("pyspark", "pyiceberg", "great_expectations", "pandas", "psycopg2",
+                                   "redis", "fastavro") if m in sys.modules)
         print("HEAVY=" + ",".join(heavy))
     """)
     r = subprocess.run(

@@ -111,7 +111,8 @@ def test_a_reused_version_number_starts_empty(store, ns):
     store.drop_version(ns, 1)
     store.new_version(ns, meta(1))
     assert store.count(ns, 1) == 0 and store.read(ns, 1, ["a"]) == [None]
-    # Reused without a drop (a failed run's number taken again): create_data empties it too.
+    # A number whose metadata exists is claimed by another run: refused, its data untouched.
     store.write(ns, 1, [("c", b"3")])
-    store.new_version(ns, meta(1))
-    assert store.count(ns, 1) == 0 and store.versions(ns) == [1]
+    with pytest.raises(AliasMoved):
+        store.new_version(ns, meta(1))
+    assert store.count(ns, 1) == 1 and store.versions(ns) == [1]

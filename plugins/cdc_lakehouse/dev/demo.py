@@ -205,7 +205,9 @@ def _export_line(ecfg) -> str:
     from cdc_lakehouse.serving.stores import open_store
 
     st = ecfg.store
-    store = open_store(st.kind, store_uri_from_connection(st.kind, st.conn_id), buckets=st.buckets)
+    store = open_store(
+        st.kind, store_uri_from_connection(st.kind, st.conn_id), buckets=st.buckets, table_prefix=st.table_prefix
+    )
     try:
         alias, metas = store.alias(st.namespace), store.resolve(st.namespace)
         if not metas:

@@ -198,7 +198,9 @@ after every write succeeded. {ecfg.keep_versions} complete versions are kept. De
 ## How to operate it
 - **Force a full export** (new version, e.g. after a suspected drift): trigger with `{{"mode": "full"}}`.
 - **Roll the alias back** to the previous version: trigger with `{{"mode": "rollback"}}`; a second
-  rollback rolls forward again. The next incremental run keeps the version readers now use current.
+  rollback rolls forward again. The alias is then held: scheduled runs change nothing (state
+  `held` in the log) until you trigger `{{"mode": "full"}}` (a new version from the source as it is)
+  or `{{"mode": "resume"}}` (the version readers now use catches up incrementally).
 - **Failed**: the alias (full) or the position (incremental) did not move; fix the cause and clear
   the task. A version left half-written by a failed full run is dropped by the next successful full run.
 - Runs never overlap (pool `{ecfg.pool}`).

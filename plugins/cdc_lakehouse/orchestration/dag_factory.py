@@ -356,8 +356,9 @@ def export_dag(ecfg: ExportConfig, tables: dict[str, TableConfig], derived: dict
             "mode": Param(
                 "auto",
                 type="string",
-                enum=["auto", "full", "rollback"],
-                description="auto: incremental; full: a new version; rollback: alias back to the previous version",
+                enum=["auto", "full", "rollback", "resume"],
+                description="auto: incremental; full: a new version; rollback: alias back to the previous "
+                "version, held there; resume: release the hold",
             )
         },
     ) as dag:

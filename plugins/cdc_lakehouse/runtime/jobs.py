@@ -260,9 +260,10 @@ def main_export(argv: list[str] | None = None) -> int:
     p.add_argument("--exports-dir", default=str(exports_dir()), help="directory of the export YAML files")
     p.add_argument(
         "--mode",
-        choices=["auto", "full", "rollback"],
+        choices=["auto", "full", "rollback", "resume"],
         default="auto",
-        help="auto: incremental when possible; full: a new version; rollback: alias back to the previous version",
+        help="auto: incremental when possible; full: a new version; rollback: alias back to the previous "
+        "version, held there; resume: release a held alias and catch up incrementally",
     )
     args = p.parse_args(argv)
 

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 from cdc_lakehouse.derived.config import TreeConfig
 from cdc_lakehouse.lake.changelog import changes_between
 from cdc_lakehouse.lake.columns import META_PREFIX, OP_COL
-from cdc_lakehouse.lake.snapshots import current_ancestors, current_snapshot, iceberg_table
+from cdc_lakehouse.lake.snapshots import current_snapshot, iceberg_table
 from cdc_lakehouse.lake.tables import table_exists
 from cdc_lakehouse.lake.watermark import WATERMARK_PROP, Watermark
 from cdc_lakehouse.runtime.phases import PhaseClock, SparkJobs
@@ -53,7 +53,7 @@ class ExportRun:
     ecfg: ExportConfig
     lake: LakeSettings
     store: Store
-    uri: str
+    uri: str = field(repr=False)  # a secret
     source: ResolvedSource
     table: str  # catalog-qualified source table
     snapshot: int | None
@@ -87,7 +87,7 @@ def export(
         with SparkJobs(spark, f"export {ecfg.name}") as jobs:
             with clock.phase("pin"):
                 r = pin_run(spark, lake, ecfg, tables, derived, store, uri)
-                r.mode = plan_mode(spark, r, full=mode == "full")
+                r.mode = plan_mode(spark, r, full=mode == "full", resume=mode == "resume")
             if r.mode == "full":
                 with clock.phase("write"):
                     version = write_full(spark, r)
@@ -99,6 +99,8 @@ def export(
             elif r.mode == "incremental":
                 with clock.phase("write"):
                     write_changes(spark, r)
+            if mode == "resume" and r.alias and r.alias.held:
+                r.store.switch_alias(r.ns, r.alias, r.alias.model_copy(update={"held": False}))
     finally:
         store.close()
     r.metrics.update(mode=r.mode, spark_jobs=jobs.count, seconds=round(clock.elapsed(), 1), phases=clock.rounded())
@@ -140,23 +142,41 @@ def pin_run(
     )
 
 
-def plan_mode(spark: SparkSession, r: ExportRun, *, full: bool) -> str:
+def plan_mode(spark: SparkSession, r: ExportRun, *, full: bool, resume: bool = False) -> str:
     live = r.live
     if full or live is None or live.state != "complete":
         return "full"
-    layout = r.ecfg.store.kind != "redis" or live.buckets in (None, r.ecfg.store.buckets)
-    if live.value_schema != r.value_schema or live.key_columns != r.key or live.source != r.table or not layout:
-        log.info("export %s: key, values, schema or layout changed; writing a new version", r.ecfg.name)
-        return "full"
-    if live.snapshot == r.snapshot and not live.pending:
+    if r.alias.held and not resume:
+        # A rollback holds the alias: moving the version it points at to the source's current
+        # snapshot would bring back what the rollback took away.
+        log.warning("export %s: alias held by a rollback; trigger mode=full or mode=resume", r.ecfg.name)
+        return "held"
+    reason = _changed_shape(r)
+    if reason is None and live.snapshot == r.snapshot and not live.pending:
         return "noop"
-    if live.snapshot is None:
-        return "full"  # exported while the source had no snapshot: nothing to diff against
-    known = {int(s.snapshotId()) for s in iceberg_table(spark, r.table).snapshots()}
-    if any(s is not None and s not in known for s in [live.snapshot, *live.pending]):
-        log.info("export %s: the exported snapshot was expired; writing a new version", r.ecfg.name)
+    reason = reason or _unreadable_position(spark, r)
+    if reason is not None:
+        log.info("export %s: %s; writing a new version", r.ecfg.name, reason)
         return "full"
     return "incremental"
+
+
+def _changed_shape(r: ExportRun) -> str | None:
+    live = r.live
+    if live.value_schema != r.value_schema or live.key_columns != r.key or live.source != r.table:
+        return "key, values, their types or the source changed"
+    if r.ecfg.store.kind == "redis" and live.buckets not in (None, r.ecfg.store.buckets):
+        return "store.buckets changed"
+    return None
+
+
+def _unreadable_position(spark: SparkSession, r: ExportRun) -> str | None:
+    if r.live.snapshot is None:
+        return "the version was exported while the source had no snapshot"
+    known = {int(s.snapshotId()) for s in iceberg_table(spark, r.table).snapshots()}
+    if any(s not in known for s in [r.live.snapshot, *r.live.pending]):
+        return "the exported snapshot was expired"
+    return None
 
 
 # --- read -----------------------------------------------------------------------------------------
@@ -188,45 +208,58 @@ def changed_keys(spark: SparkSession, r: ExportRun, since: list[int]) -> DataFra
 
 
 def changelog_keys(spark: SparkSession, r: ExportRun, since: list[int]) -> DataFrame | None:
-    """Keys the table's changelog gained from the exported snapshot's watermark to this run's.
-    None (diff instead) when the source is not a current table, a snapshot of `since` is not an
-    ancestor of this run's (the table was rolled back), a watermark is missing, or a shard was
-    truncated or re-bootstrapped from empty in between (its vanished keys are in no changelog row)."""
+    """Keys the table's changelog gained from the exported snapshot's watermark to this run's, or
+    None (diff snapshots instead) whenever the changelog may not name every changed key:
+    see `_changelog_range` and docs/serving-export.md."""
     from pyspark.sql import functions as F
 
     cfg = r.source.table_cfg
-    if cfg is None or r.ecfg.source.read != "current":
+    if cfg is None or r.ecfg.source.read != "current" or r.key != cfg.lake_key:
+        # Another key: a change of a non-key column that is in it, or a delete (whose event
+        # carries only the primary key), leaves the old key in no changelog row.
         return None
-    chain = {}  # ancestor id -> its watermark's shard positions (None until one is found)
-    for snap in current_ancestors(spark, r.table):
-        wm = snap.summary().get(WATERMARK_PROP)
-        chain[int(snap.snapshotId())] = Watermark.from_json(wm).shard_lsns() if wm else None
-        if int(snap.snapshotId()) == r.live.snapshot:
-            break
-    if any(s not in chain for s in since):
+    span = _changelog_range(spark, r, since)
+    if span is None:
         return None
-    lo, hi = _positions(chain, r.live.snapshot), _positions(chain, r.snapshot)
-    if lo is None or hi is None:
-        return None
-    rows = changes_between(spark, r.lake, cfg, lo, hi).select(*r.key, OP_COL).localCheckpoint(eager=True)
+    rows = changes_between(spark, r.lake, cfg, *span).select(*r.key, OP_COL).localCheckpoint(eager=True)
     if not rows.filter(F.col(OP_COL) == "t").isEmpty():
-        return None
+        return None  # a truncated or re-bootstrapped shard: its vanished keys are in no changelog row
     return rows.filter(F.col(r.key[-1]).isNotNull()).select(*r.key).distinct()
 
 
-def _positions(chain: dict[int, dict[str, int] | None], snapshot: int | None) -> dict[str, int] | None:
-    """The watermark a snapshot carries, or its nearest ancestor's (a compaction commits none)."""
-    ids = list(chain)
-    for sid in ids[ids.index(snapshot) :] if snapshot in chain else []:
-        if chain[sid] is not None:
-            return chain[sid]
-    return None
-
-
-def _fingerprint(df: DataFrame, r: ExportRun) -> DataFrame:
-    from pyspark.sql import functions as F
-
-    return df.select(*r.key, F.sha2(F.to_json(F.struct(*r.values)), 256).alias("_h"))
+def _changelog_range(spark: SparkSession, r: ExportRun, since: list[int]) -> tuple[dict, dict] | None:
+    """(lo, hi) shard positions of the exported snapshot E and this run's S, or None when:
+    a snapshot of `since` is not an ancestor of S (the table was rolled back); a snapshot in
+    (E, S] that is not a compaction carries no watermark (a backfill MERGE or a repair: rows
+    below the watermark); a watermark has a pending backfill; a shard's position went back or
+    moved to another endpoint or server (positions of two servers never compare)."""
+    table = iceberg_table(spark, r.table)
+    snap = table.snapshot(r.snapshot) if r.snapshot is not None else None
+    seen, hi, lo = set(), None, None
+    while snap is not None:
+        sid, wm = int(snap.snapshotId()), snap.summary().get(WATERMARK_PROP)
+        inside = r.live.snapshot not in seen and sid != r.live.snapshot  # in (E, S]
+        if wm is None and inside and snap.operation() != "replace":
+            return None
+        if wm is not None:
+            w = Watermark.from_json(wm)
+            if "backfill" in w.to_dict():
+                return None
+            if hi is None:
+                hi = w
+            if not inside:
+                lo = w
+                break
+        seen.add(sid)
+        parent = snap.parentId()
+        snap = table.snapshot(parent) if parent is not None else None
+    if lo is None or hi is None or any(s not in seen | {r.live.snapshot} for s in since):
+        return None
+    for shard, pos in lo.shards.items():
+        now = hi.shards.get(shard)
+        if now is None or now.lsn < pos.lsn or (now.endpoint, now.source) != (pos.endpoint, pos.source):
+            return None
+    return lo.shard_lsns(), hi.shard_lsns()
 
 
 def diff_keys(spark: SparkSession, r: ExportRun, since: list[int]) -> DataFrame:
@@ -265,6 +298,11 @@ def _write_partition(rows, *, kind, uri, options, ns, version, key, values, valu
                 raise RuntimeError(f"{CRASH_ENV}: export_write failpoint after {n} items")
             d = row.asDict(recursive=True)
             present = d.pop("_present", True)
+            if any(d[k] is None for k in key):
+                raise ValueError(
+                    f"a source row has NULL in key column(s) {[k for k in key if d[k] is None]}: "
+                    "store keys must be non-null; choose key columns that are never NULL"
+                )
             if present:
                 upserts += 1
                 yield key_string([d[k] for k in key]), encode({c: d[c] for c in values})
@@ -296,8 +334,23 @@ def write_rows(spark: SparkSession, r: ExportRun, df: DataFrame, version: int) -
         fail_after=_fail_after(),
         counters=counters,
     )
-    df.foreachPartition(fn)
+    utc_naive(df).foreachPartition(fn)
     return counters[0].value, counters[1].value
+
+
+def utc_naive(df: DataFrame) -> DataFrame:
+    """Timestamps as naive UTC wall time: Python receives a TIMESTAMP as naive *local* time of the
+    worker, which Avro's timestamp-micros would read as UTC (the session's zone is UTC, so the
+    cast to TIMESTAMP_NTZ is the UTC wall time). Top-level columns only."""
+    from pyspark.sql import functions as F
+    from pyspark.sql.types import TimestampType
+
+    return df.select(
+        *[
+            F.col(f.name).cast("timestamp_ntz").alias(f.name) if isinstance(f.dataType, TimestampType) else f.name
+            for f in df.schema.fields
+        ]
+    )
 
 
 def write_full(spark: SparkSession, r: ExportRun) -> int:
@@ -353,7 +406,7 @@ def validate(spark: SparkSession, r: ExportRun, version: int) -> None:
             f"export {r.ecfg.name}: version {version} holds {count} keys for {written} source rows: the key "
             f"{r.key} is not unique in {r.table}. Set `key` to unique columns; the alias did not move."
         )
-    sample = rows_at(spark, r, r.snapshot).select(*r.key, *r.values).limit(r.ecfg.validate_sample).collect()
+    sample = utc_naive(rows_at(spark, r, r.snapshot).select(*r.key, *r.values)).limit(r.ecfg.validate_sample).collect()
     encode, decode = encoder(r.value_schema), decoder(r.value_schema)
     keys = [key_string([row[k] for k in r.key]) for row in sample]
     stored = r.store.read(r.ns, version, keys)
@@ -401,11 +454,12 @@ def crash_point(name: str) -> None:
 
 def rollback(store: Store, ns: str) -> Alias:
     """Point the alias back at the previous version (kept complete by retention); the version rolled
-    back from becomes the previous one, so rolling forward again is one more rollback."""
+    back from becomes the previous one, so rolling forward again is one more rollback. The alias
+    is then held: `auto` runs leave it alone until a `full` run (a new version) or a `resume`."""
     alias = store.alias(ns)
     if alias is None or alias.previous is None or not _complete(store, ns, alias.previous):
         raise RuntimeError(f"namespace {ns!r}: no complete previous version to roll back to (alias: {alias})")
-    new = Alias(current=alias.previous, previous=alias.current)
+    new = Alias(current=alias.previous, previous=alias.current, held=True)
     store.switch_alias(ns, alias, new)
     return new
 

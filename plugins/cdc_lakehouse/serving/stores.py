@@ -57,6 +57,7 @@ class Alias(_Doc):
 
     current: int
     previous: int | None = None
+    held: bool = Field(False, description="set by a rollback: auto runs leave the alias alone")
 
 
 class VersionMeta(_Doc):
@@ -181,7 +182,8 @@ class Store:
         if alias is not None and meta.version in (alias.current, alias.previous):
             raise AliasMoved(f"namespace {ns!r}: version {meta.version} is behind the alias ({alias}); not reused")
         self._set_versions(ns, lambda s: s | {meta.version})
-        self.put_meta(ns, self.meta(ns, meta.version), meta)
+        # Claimed, not overwritten: a second writer that picked the same number stops here.
+        self.put_meta(ns, None, meta)
         self.create_data(ns, meta.version)
 
     def drop_version(self, ns: str, version: int) -> None:
