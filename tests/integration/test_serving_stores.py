@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 from cdc_lakehouse.serving.dynamodb import DynamoStore
-from cdc_lakehouse.serving.stores import Alias, AliasMoved, RedisStore, VersionMeta
+from cdc_lakehouse.serving.stores import Alias, AliasMoved, RedisStore, VersionMeta, parse_dynamodb_uri
 
 
 @pytest.fixture(params=["redis", "dynamodb"])
@@ -116,3 +116,31 @@ def test_a_reused_version_number_starts_empty(store, ns):
     with pytest.raises(AliasMoved):
         store.new_version(ns, meta(1))
     assert store.count(ns, 1) == 1 and store.versions(ns) == [1]
+
+
+def test_a_redis_that_evicts_keys_is_refused(redis_server):
+    store = RedisStore(redis_server.uri)
+    try:
+        store.check()  # the local server: noeviction
+        store.client.config_set("maxmemory-policy", "allkeys-lru")
+        with pytest.raises(RuntimeError, match="maxmemory-policy allkeys-lru"):
+            store.check()
+    finally:
+        store.client.config_set("maxmemory-policy", "noeviction")
+        store.close()
+
+
+def test_a_malformed_dynamodb_uri_does_not_echo_its_secret():
+    with pytest.raises(ValueError) as err:
+        parse_dynamodb_uri("dynamodb://AKIAX:zq9/wv@127.0.0.1:5000/?region=us-east-1")  # `/` not encoded
+    assert "zq9" not in str(err.value) and "percent-encode" in str(err.value)
+    kw = parse_dynamodb_uri(
+        "dynamodb://AKIAX:se%2Fc%2Bret@127.0.0.1:5000/?region=eu-west-1&scheme=http&session_token=a+b%3D"
+    )
+    assert kw == {
+        "region_name": "eu-west-1",
+        "endpoint_url": "http://127.0.0.1:5000",
+        "aws_access_key_id": "AKIAX",
+        "aws_secret_access_key": "se/c+ret",
+        "aws_session_token": "a+b=",
+    }

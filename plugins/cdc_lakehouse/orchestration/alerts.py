@@ -541,6 +541,10 @@ _FIXES = {
     "bootstrap": "fix what the preflight or the error names, then trigger the DAG again (shards are replaced "
     "atomically).",
     "maintenance": "read the task log; maintenance never changes the table's content, the next run retries.",
+    "export": "read the task log. A failed full export never moved the alias, a failed incremental one never "
+    "moved the position: clear the task after the fix. A key-count mismatch means the key is not unique or "
+    'another writer touched the namespace: trigger cdc_export__{table} with {{"mode": "full"}}; '
+    '{{"mode": "rollback"}} points readers back at the previous version (docs/serving-export.md).',
     "check_alerts": "an alert could not be checked or delivered: read the task log (channel errors name the "
     "channel) and the connections of include/alerting.yaml.",
 }

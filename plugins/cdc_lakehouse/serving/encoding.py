@@ -86,9 +86,11 @@ def encoder(value_schema: str) -> Callable[[dict[str, Any]], bytes]:
     import fastavro
 
     parsed = fastavro.parse_schema(json.loads(value_schema))
+    buf = io.BytesIO()  # one buffer per encoder: getvalue() copies, so reusing it is safe
 
     def encode(record: dict[str, Any]) -> bytes:
-        buf = io.BytesIO()
+        buf.seek(0)
+        buf.truncate()
         fastavro.schemaless_writer(buf, parsed, record)
         return buf.getvalue()
 

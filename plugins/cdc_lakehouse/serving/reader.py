@@ -19,7 +19,9 @@ class Reader:
     def __init__(self, store: Store, namespace: str):
         self.store = store
         self.ns = namespace
-        self._decoders: dict[int, Callable[[bytes], dict[str, Any]]] = {}
+        # By schema text, not version number: a number can be reused (a store wiped or restarted
+        # empty), and a long-lived reader must not decode a new version with an old schema.
+        self._decoders: dict[str, Callable[[bytes], dict[str, Any]]] = {}
 
     def get_many(self, keys: list[list[Any] | tuple[Any, ...]]) -> tuple[int, list[dict[str, Any] | None]]:
         """(version read, one decoded value or None per key)."""
@@ -27,9 +29,9 @@ class Reader:
         if not metas:
             raise LookupError(f"namespace {self.ns!r} has no complete version behind its alias")
         meta = metas[0]
-        decode = self._decoders.get(meta.version)
+        decode = self._decoders.get(meta.value_schema)
         if decode is None:
-            decode = self._decoders[meta.version] = decoder(meta.value_schema)
+            decode = self._decoders[meta.value_schema] = decoder(meta.value_schema)
         raw = self.store.read(self.ns, meta.version, [key_string(k) for k in keys])
         return meta.version, [decode(v) if v is not None else None for v in raw]
 

@@ -129,6 +129,9 @@ class Store:
     def close(self) -> None:
         """Release connections."""
 
+    def check(self) -> None:
+        """Refuse a store that may drop what it holds (called before an export writes)."""
+
     # --- documents ----------------------------------------------------------------------------
     @staticmethod
     def alias_key(ns: str) -> str:
@@ -291,6 +294,20 @@ return 1
     def close(self) -> None:
         self.client.close()
 
+    def check(self) -> None:
+        import redis
+
+        try:
+            policy = self.client.config_get("maxmemory-policy").get("maxmemory-policy", "noeviction")
+        except redis.ResponseError:
+            return  # CONFIG is disabled on some managed Redis services: nothing to check with
+        # volatile-* policies evict only keys with a TTL, and ours have none.
+        if policy.startswith("allkeys-"):
+            raise RuntimeError(
+                f"the Redis server evicts keys under memory pressure (maxmemory-policy {policy}): an export "
+                "would lose keys silently. Set maxmemory-policy to noeviction (or a volatile-* policy) on it"
+            )
+
 
 def _batches(items: Iterable[Item], size: int) -> Iterator[list[Item]]:
     batch: list[Item] = []
@@ -320,8 +337,12 @@ def parse_dynamodb_uri(uri: str) -> dict[str, Any]:
     # unquote, not parse_qs: a session token's `+` is not a space (percent-encode `&` and `=`).
     q = {unquote(k): unquote(v) for k, _, v in (p.partition("=") for p in u.query.split("&") if p)}
     kw: dict[str, Any] = {"region_name": q.get("region", "us-east-1")}
+    try:
+        port = u.port
+    except ValueError:  # the message would quote part of the netloc, which holds the secret key
+        raise ValueError("malformed dynamodb:// store URI: percent-encode the key and secret") from None
     if u.hostname:
-        kw["endpoint_url"] = f"{q.get('scheme', 'https')}://{u.hostname}" + (f":{u.port}" if u.port else "")
+        kw["endpoint_url"] = f"{q.get('scheme', 'https')}://{u.hostname}" + (f":{port}" if port else "")
     if u.username:
         kw["aws_access_key_id"] = unquote(u.username)
         kw["aws_secret_access_key"] = unquote(u.password or "")
