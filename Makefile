@@ -3,7 +3,7 @@
 SHELL := /bin/bash
 ENV := source scripts/env.sh &&
 
-.PHONY: setup pg-start pg-stop pg-status airflow-init demo airflow test test-fast lint format bench bench-tree bench-serving clean
+.PHONY: setup pg-start pg-stop pg-status airflow-init demo airflow test test-fast lint format bench bench-tree bench-serving bench-feed clean
 
 setup:
 	@scripts/setup.sh
@@ -53,6 +53,12 @@ bench-tree: setup
 SERVING_RUNS ?= 1000000:3 10000000:1
 bench-serving: pg-start
 	@$(ENV) for nr in $(SERVING_RUNS); do python bench/serving_bench.py --rows $${nr%:*} --repeat $${nr#*:} $(BENCH_SERVING_ARGS) || exit 1; done
+
+# Change feed (#19): net changes of 1% changed keys vs a full scan, per size in FEED_ROWS
+# (no PostgreSQL). BENCHMARKS.md, "Change feed".
+FEED_ROWS ?= 10000000
+bench-feed: setup
+	@$(ENV) for n in $(FEED_ROWS); do python bench/feed_bench.py --rows $$n $(BENCH_FEED_ARGS) || exit 1; done
 
 clean:
 	@$(ENV) python -m cdc_lakehouse.dev.localstack stop || true

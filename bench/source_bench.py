@@ -1,10 +1,12 @@
 """Source-side costs on a Notion-like block table in the local PostgreSQL:
 
     python bench/source_bench.py --blocks 1000000 [--what bootstrap,audit,capture] [--changes 200000]
+                                 [--readers copy,jdbc]
 
-  bootstrap  rows/s of cdc_lakehouse.bootstrap.snapshot (snapshot -> Spark JDBC -> Iceberg) against the
-             practical limit, `COPY (SELECT <same columns>) TO STDOUT` of the same rows with the
-             same number of connections per host
+  bootstrap  rows/s of cdc_lakehouse.bootstrap (snapshot -> reader -> Iceberg) against the practical
+             limit, `COPY (SELECT <same columns>) TO STDOUT` of the same rows with the same number of
+             connections per host; per reader (--readers copy,jdbc): the read alone, then the whole
+             bootstrap
   audit      time and peak memory (this process and its JVM) of the key-set audit of the table,
              full comparison and checksum-first
   capture    events/s of one capture run against pg_recvlogical draining the same changes
@@ -131,52 +133,85 @@ def copy_rate(dsn: str, columns, connections: int, pg_types: dict[str, str] | No
     return {"rows": rows, "seconds": secs, "rows_per_second": rows / secs}
 
 
-def bench_bootstrap(spark, lake, dsn: str, blocks: int, repeat: int) -> dict:
+def read_alone(spark, cfg, columns, pg_types) -> dict:
+    """The source read only (text columns into Spark, nothing written), under an exported snapshot,
+    forced through every column by Spark's no-op sink."""
+    from cdc_lakehouse.bootstrap.snapshot import export_snapshot, read_shards, shards_by_endpoint
+
+    (endpoint_id, sources), *_ = shards_by_endpoint(cfg, None).items()
+    conn, _, snapshot, _ = export_snapshot(sources[0].endpoint, endpoint_id, f"read{int(time.time())}")
+    try:
+        t = time.time()
+        df = read_shards(spark, cfg, sources, snapshot, columns, pg_types)
+        df.write.format("noop").mode("overwrite").save()
+        secs = time.time() - t
+    finally:
+        conn.close()
+    return {"seconds": secs}
+
+
+def _one_bootstrap(spark, lake, cfg, run_id: str) -> dict:
     from cdc_lakehouse.bootstrap.run import bootstrap_table
+
+    with PeakRSS() as mem:
+        t = time.time()
+        r = bootstrap_table(spark, lake, cfg, run_id=run_id)
+        secs = time.time() - t
+    return {
+        "rows": r["rows"],
+        "seconds": secs,
+        "rows_per_second": r["rows"] / secs,
+        "peak_rss_mb": mem.peak_mb,
+        "read_and_changelog_seconds": r["read_and_changelog_seconds"],
+        "current_write_seconds": r["current_write_seconds"],
+    }
+
+
+def bench_bootstrap(spark, lake, dsn: str, blocks: int, repeat: int, readers: list[str]) -> dict:
+    """COPY, then per reader (bootstrap.reader): the read alone and the whole bootstrap, side by side
+    in each repeat."""
     from cdc_lakehouse.bootstrap.snapshot import preflight, shards_by_endpoint
 
-    cfg = table_config(f"boot_{blocks}")
-    columns, pg_types = preflight(cfg, shards_by_endpoint(cfg, None))
-    conns = cfg.bootstrap.max_connections_per_host
-    copies, ours = [], []
+    cfgs = {
+        r: table_config(f"boot_{blocks}" + ("" if r == "jdbc" else f"_{r}"), bootstrap={"reader": r}) for r in readers
+    }
+    cfg0 = next(iter(cfgs.values()))
+    columns, pg_types = preflight(cfg0, shards_by_endpoint(cfg0, None))
+    conns = cfg0.bootstrap.max_connections_per_host
+    copies: list[dict] = []
+    ours: dict[str, list[dict]] = {r: [] for r in readers}
     for i in range(repeat):
         copies.append(copy_rate(dsn, columns, conns, pg_types))
+        rows = copies[-1]["rows"]
         print(
-            f"  COPY ({conns} connections): {copies[-1]['rows']} rows in {copies[-1]['seconds']:.1f}s "
+            f"  COPY ({conns} connections): {rows} rows in {copies[-1]['seconds']:.1f}s "
             f"= {copies[-1]['rows_per_second']:,.0f} rows/s",
             flush=True,
         )
-        with PeakRSS() as mem:
-            t = time.time()
-            r = bootstrap_table(spark, lake, cfg, run_id=f"bench{i}")
-            secs = time.time() - t
-        ours.append(
-            {
-                "rows": r["rows"],
-                "seconds": secs,
-                "rows_per_second": r["rows"] / secs,
-                "peak_rss_mb": mem.peak_mb,
-                "read_and_changelog_seconds": r["read_and_changelog_seconds"],
-                "current_write_seconds": r["current_write_seconds"],
-            }
-        )
+        for reader, cfg in cfgs.items():
+            read = read_alone(spark, cfg, columns, pg_types)
+            one = _one_bootstrap(spark, lake, cfg, f"bench{i}")
+            one.update(read_seconds=read["seconds"], read_rows_per_second=rows / read["seconds"])
+            ours[reader].append(one)
+            print(
+                f"  [{reader}] read alone: {read['seconds']:.1f}s = {rows / read['seconds']:,.0f} rows/s; "
+                f"bootstrap: {one['rows']} rows in {one['seconds']:.1f}s = {one['rows_per_second']:,.0f} rows/s "
+                f"(read + changelog {one['read_and_changelog_seconds']:.1f}s, current table "
+                f"{one['current_write_seconds']:.1f}s; peak {one['peak_rss_mb']:.0f} MB)",
+                flush=True,
+            )
+    c = statistics.median(x["rows_per_second"] for x in copies)
+    out: dict = {"copy": copies, "median_copy_rps": c, "connections_per_host": conns, "readers": {}}
+    for reader, runs in ours.items():
+        o = statistics.median(x["rows_per_second"] for x in runs)
+        rd = statistics.median(x["read_rows_per_second"] for x in runs)
+        out["readers"][reader] = {"bootstrap": runs, "median_bootstrap_rps": o, "ratio": o / c, "read_ratio": rd / c}
         print(
-            f"  bootstrap: {r['rows']} rows in {secs:.1f}s = {r['rows'] / secs:,.0f} rows/s "
-            f"(read + changelog {r['read_and_changelog_seconds']:.1f}s, current table "
-            f"{r['current_write_seconds']:.1f}s; peak {mem.peak_mb:.0f} MB)",
+            f"bootstrap {blocks} rows [{reader}]: median {o:,.0f} rows/s vs COPY {c:,.0f} rows/s = {o / c:.2f} of COPY "
+            f"(read alone {rd / c:.2f} of COPY)",
             flush=True,
         )
-    c = statistics.median(x["rows_per_second"] for x in copies)
-    o = statistics.median(x["rows_per_second"] for x in ours)
-    print(f"bootstrap {blocks} rows: median {o:,.0f} rows/s vs COPY {c:,.0f} rows/s = {o / c:.2f} of COPY", flush=True)
-    return {
-        "copy": copies,
-        "bootstrap": ours,
-        "median_copy_rps": c,
-        "median_bootstrap_rps": o,
-        "ratio": o / c,
-        "connections_per_host": conns,
-    }
+    return out
 
 
 def bench_audit(spark, lake, blocks: int, repeat: int) -> dict:
@@ -322,6 +357,7 @@ def main() -> int:
     p.add_argument("--changes", type=int, default=200_000)
     p.add_argument("--what", default="bootstrap,audit,capture")
     p.add_argument("--repeat", type=int, default=2)
+    p.add_argument("--readers", default="copy,jdbc", help="bootstrap.reader values to run side by side")
     args = p.parse_args()
     what = args.what.split(",")
     db, dsn, wl = prepare_source(args.blocks)
@@ -341,7 +377,7 @@ def main() -> int:
         ensure_meta_tables(spark, lake)
         if "bootstrap" in what:
             print("bootstrap:", flush=True)
-            results["bootstrap"] = bench_bootstrap(spark, lake, dsn, args.blocks, args.repeat)
+            results["bootstrap"] = bench_bootstrap(spark, lake, dsn, args.blocks, args.repeat, args.readers.split(","))
         if "audit" in what:
             print("audit:", flush=True)
             results["audit"] = bench_audit(spark, lake, args.blocks, args.repeat)

@@ -178,6 +178,38 @@ class SchemaChangePolicy(_Model):
     )
 
 
+class ConsumedColumns(_Model):
+    """The source columns a table consumes (opt-out schema evolution): `include` lists them, or
+    `exclude` lists the ones it does not. Changes to the other columns (added, dropped, retyped)
+    never stop the table and never reach its lake tables."""
+
+    include: list[str] | None = Field(None, description="only these columns (the primary key among them)")
+    exclude: list[str] = Field(default_factory=list, description="every column but these")
+
+    @field_validator("include", "exclude")
+    @classmethod
+    def _idents(cls, v: list[str] | None) -> list[str] | None:
+        for c in v or []:
+            check_ident(c, "consumed column")
+        return v
+
+    @model_validator(mode="after")
+    def _one_way(self) -> ConsumedColumns:
+        if self.include is not None and self.exclude:
+            raise ValueError("set either columns.include or columns.exclude, not both")
+        if self.include is not None and not self.include:
+            raise ValueError("columns.include is empty; list the columns the table consumes, or remove it")
+        return self
+
+    def consumes(self, name: str) -> bool:
+        return name in self.include if self.include is not None else name not in self.exclude
+
+    @property
+    def all(self) -> bool:
+        """Every column (no list): the table follows every schema change of its source."""
+        return self.include is None and not self.exclude
+
+
 class IngestConfig(_Model):
     schedule: Schedule = "@hourly"
     group: str | None = Field(None, description="tables of one group share one Spark application")
@@ -220,6 +252,64 @@ class BootstrapConfig(_Model):
     max_connections_per_host: int = Field(2, ge=1, le=64)
     partitions_per_shard: int = Field(4, ge=1, le=1024)
     fetch_size: int = Field(10_000, ge=100)
+    # jdbc: Spark's JDBC reader; copy: COPY ... TO STDOUT (CSV) parsed into Arrow on the executors
+    # (bootstrap/copy_read.py). Same query, snapshot, cap and casts. jdbc is the default because it
+    # measured faster here (10M rows, read alone: 29.8 s vs 42.4 s, COPY 29.7 s; BENCHMARKS.md).
+    reader: Literal["jdbc", "copy"] = "jdbc"
+
+
+class LandingSource(_Model):
+    """Where the table's change events come from (docs/debezium.md). `capture`: our own capture
+    DAG and landing zone (the default). `debezium_s3`: the files Confluent's S3 sink connector
+    writes from the topics of Debezium's PostgreSQL connector; the capture DAG then skips it."""
+
+    kind: Literal["capture", "debezium_s3"] = "capture"
+    uri: str | None = Field(None, description="debezium_s3: the sink's bucket/prefix (s3://... or a local path)")
+    topics_dir: str = Field("topics", description="the sink's topics.dir")
+    topic_prefix: str | dict[str, str] | None = Field(
+        None, description="Debezium's topic.prefix; or conn_id -> prefix when shards are on several servers"
+    )
+    format: Literal["json", "avro"] = Field("json", description="json: JsonFormat with schemas.enable=true")
+    partitions: int = Field(1, ge=1, le=1024, description="partitions of each table topic")
+    unavailable_value: str = Field("__debezium_unavailable_value", description="unavailable.value.placeholder")
+    decimal_handling_mode: str = Field("precise", description="the connector's decimal.handling.mode")
+
+    @field_validator("decimal_handling_mode")
+    @classmethod
+    def _decimal_mode(cls, v: str) -> str:
+        if v not in ("precise", "string"):
+            raise ValueError(
+                f"decimal_handling_mode {v!r} is not supported: 'double' loses digits of numeric columns. "
+                "Fix: set decimal.handling.mode=precise (the default) or string on the Debezium connector "
+                "and the same value here"
+            )
+        return v
+
+    @field_validator("topics_dir")
+    @classmethod
+    def _topics_dir(cls, v: str) -> str:
+        if not re.match(r"^[A-Za-z0-9_.\-/]{1,200}$", v) or ".." in v.split("/"):
+            raise ValueError(f"topics_dir {v!r}: use letters, digits, '_', '-', '.' and '/'")
+        return v.strip("/")
+
+    @model_validator(mode="after")
+    def _debezium_needs(self) -> LandingSource:
+        if self.kind == "debezium_s3" and (not self.uri or not self.topic_prefix):
+            raise ValueError(
+                "landing kind debezium_s3 needs `uri` (the S3 sink's bucket/prefix) and `topic_prefix` "
+                "(the Debezium connector's topic.prefix)"
+            )
+        return self
+
+    def prefix_for(self, conn_id: str) -> str:
+        """The Debezium topic prefix of the shards reached through `conn_id`."""
+        if isinstance(self.topic_prefix, dict):
+            if conn_id not in self.topic_prefix:
+                raise ValueError(
+                    f"landing.topic_prefix has no entry for connection {conn_id!r}; add {conn_id}: <topic.prefix>"
+                )
+            return self.topic_prefix[conn_id]
+        return self.topic_prefix or ""
 
 
 class SoftDeleteColumns(_Model):
@@ -313,11 +403,13 @@ class TableConfig(_Model):
     deletes: Literal["hard", "soft"] = "hard"
     soft_delete_columns: SoftDeleteColumns = SoftDeleteColumns()
     schema_changes: SchemaChangePolicy = SchemaChangePolicy()
+    columns: ConsumedColumns = ConsumedColumns()
     lake: LakeTableConfig = LakeTableConfig()
     ingest: IngestConfig = IngestConfig()
     audit: AuditConfig = AuditConfig()
     maintenance: MaintenanceConfig = MaintenanceConfig()
     bootstrap: BootstrapConfig = BootstrapConfig()
+    landing: LandingSource = LandingSource()
     retries: int = Field(2, ge=0, le=10)
     alert_emails: list[str] = Field(default_factory=list, description="also e-mailed every alert of this table")
     alerts: TableAlerts = TableAlerts()
@@ -351,7 +443,21 @@ class TableConfig(_Model):
             check_ident(c, "soft delete column")
         for c in self.sort_by_columns:
             check_ident(c, "sort column")
+        self._check_consumed()
         return self
+
+    def _check_consumed(self) -> None:
+        """The key and the sort columns must be consumed: the lake table is keyed and sorted by them."""
+        fix = "add them to columns.include" if self.columns.include is not None else "remove them from columns.exclude"
+        for what, cols in (("primary_key", self.primary_key), ("lake.sort_by", self.sort_by_columns)):
+            left_out = [c for c in cols if not self.columns.consumes(c)]
+            if left_out:
+                raise ValueError(f"{what} column(s) {left_out} are not consumed (columns); {fix}")
+
+    def consumed(self, names: list[str]) -> list[str]:
+        """The names this table consumes, in their order: what the bootstrap reads, the ingest
+        evolves and the publication's column list carries."""
+        return [n for n in names if self.columns.consumes(n)]
 
     # --- derived names -------------------------------------------------------------
     @property

@@ -267,10 +267,13 @@ def test_source_endpoint_parsing():
 
 # Spark jobs one table's ingest may start on the common path (no quarantine, no schema change):
 # 54 measured on 2026-11-24 (~400 events, 2 shards); 40 once snapshot metadata was read through
-# Iceberg's Java API instead of SQL on the metadata tables. A ratchet, not the goal: issue #16 sets the goal at 5 (one fused plan materialized once; the
-# quarantine, changelog and MERGE read it). Lower it when the ingest gets cheaper; never raise it
-# without saying why in the commit.
-INGEST_JOB_BUDGET = 40
+# Iceberg's Java API; 12 with the fused plan of issue #16 (ingest.batch): the plan materialized
+# once (2: its shuffle and the result), the changelog append (1), the classification's broadcast
+# and scan (2), the MERGE (4, as many as a plain Spark MERGE of the same batch), the run record
+# (1), the freshness rows (1; +1 on a table's first run). #16 set the goal at 5, which the MERGE
+# alone nearly takes. A ratchet: lower it when the ingest gets cheaper; never raise it without
+# saying why in the commit.
+INGEST_JOB_BUDGET = 12
 
 
 def test_ingest_stays_within_its_spark_job_budget(source, spark, lake):
@@ -283,4 +286,5 @@ def test_ingest_stays_within_its_spark_job_budget(source, spark, lake):
     r = s.ingest(s.block, m["run_id"], run="budget")
     assert r["status"] == "ok" and r["quarantined"] == 0 and r["updates"] > 0, r
     print(f"ingest of {r['events_read']} events: {r['spark_jobs']} Spark jobs (budget {INGEST_JOB_BUDGET})")
+    print("\n".join(r["spark_job_sites"]))
     assert 0 < r["spark_jobs"] <= INGEST_JOB_BUDGET, r["spark_jobs"]

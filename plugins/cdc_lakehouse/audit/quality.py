@@ -37,7 +37,7 @@ def quality_checks(
     ds = gx.get_context(mode="ephemeral").data_sources.add_spark(f"lake_{cfg.name}")
     flat = [
         *_check_table(ds, cfg, lake_df, per_shard, lake_counts),
-        *_check_freshness(spark, ds, cfg, wm, now),
+        *_check_freshness(spark, lake, ds, cfg, wm, now),
     ]
     meta_append(
         spark,
@@ -96,15 +96,19 @@ def _check_table(
 
 
 def _check_freshness(
-    spark: SparkSession, ds, cfg: TableConfig, wm: dict[str, Any], now: datetime
+    spark: SparkSession, lake: LakeSettings, ds, cfg: TableConfig, wm: dict[str, Any], now: datetime
 ) -> list[dict[str, Any]]:
-    """Freshness from the heartbeats: how old is the newest source commit the lake is known to hold."""
+    """Freshness per shard, from cdc_meta.freshness (lake.freshness): how old each shard's lake
+    position (its last applied change or heartbeat) is now. A shard with no row yet (ingested
+    before that table existed) falls back to its watermark's time."""
     import great_expectations as gx
     import great_expectations.expectations as gxe
 
-    ts = [datetime.fromisoformat(v["ts"]) for v in wm.get("shards", {}).values() if v.get("ts")]
-    fresh_min = (now - min(ts)).total_seconds() / 60 if ts else None
-    fdf = spark.createDataFrame([(fresh_min,)], "freshness_minutes double")
+    ages = shard_ages(spark, lake, cfg, wm, now)
+    fdf = spark.createDataFrame(
+        [(shard, age) for shard, age in sorted(ages.items())] or [(None, None)],
+        "shard string, freshness_minutes double",
+    )
     fasset = ds.add_dataframe_asset(f"{cfg.name}_freshness")
     fsuite = gx.ExpectationSuite(name=f"cdc_{cfg.name}_freshness")
     fsuite.add_expectation(
@@ -115,7 +119,30 @@ def _check_freshness(
     # No heartbeat at all is NULL, which the range check alone would let pass.
     fsuite.add_expectation(gxe.ExpectColumnValuesToNotBeNull(column="freshness_minutes"))
     fbatch = fasset.add_batch_definition_whole_dataframe("f").get_batch(batch_parameters={"dataframe": fdf})
-    return _gx_rows(fbatch.validate(fsuite))
+    rows = _gx_rows(fbatch.validate(fsuite))
+    # GX lists the values out of range, not whose they are: name the shards and their ages.
+    stale = {s: a for s, a in ages.items() if a is None or a > cfg.audit.freshness_sla_minutes}
+    for r in rows:
+        if not r["success"]:
+            r["details"] = json.dumps({**json.loads(r["details"]), "stale_shards_minutes": stale}, default=str)
+    return rows
+
+
+def shard_ages(
+    spark: SparkSession, lake: LakeSettings, cfg: TableConfig, wm: dict[str, Any], now: datetime
+) -> dict[str, float | None]:
+    """shard -> minutes its lake position is behind `now` (None: no time known)."""
+    from cdc_lakehouse.lake.freshness import latest_freshness
+
+    rows = latest_freshness(spark, lake, cfg.name)
+    out: dict[str, float | None] = {}
+    for _, _, shard in cfg.shards():
+        f = rows.get(shard)
+        ts = f.fresh_to if f is not None else None
+        if ts is None and wm.get("shards", {}).get(shard, {}).get("ts"):
+            ts = datetime.fromisoformat(wm["shards"][shard]["ts"])
+        out[shard] = None if ts is None else (now - ts).total_seconds() / 60
+    return out
 
 
 def _gx_rows(result) -> list[dict[str, Any]]:

@@ -39,6 +39,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# How the current table's rows reach the writers. Its sort order (WRITE ORDERED BY shard, key)
+# would otherwise mean `range`: a sampling pass over the rows, then a range shuffle. `hash`
+# clusters by partition (the shard) and Iceberg still sorts each task's rows by the sort order.
+CURRENT_DISTRIBUTION = "hash"
+
 
 @dataclass
 class _Target:
@@ -234,9 +239,9 @@ def _write_current(spark: SparkSession, cfg: TableConfig, target: _Target, snap:
     cond = F.col(SHARD_COL).isin(selected) if partial else F.lit(True)
     # Columns the source no longer has (kept under keep_null) are NULL in the new snapshot.
     rows = conform_to(rows, spark.table(target.current).schema)
-    rows.writeTo(target.current).option("snapshot-property.cdc.watermark", watermark_json(snap.wm)).option(
-        "snapshot-property.cdc.bootstrap", snap.run_id
-    ).overwrite(cond)
+    rows.writeTo(target.current).option("distribution-mode", CURRENT_DISTRIBUTION).option(
+        "snapshot-property.cdc.watermark", watermark_json(snap.wm)
+    ).option("snapshot-property.cdc.bootstrap", snap.run_id).overwrite(cond)
 
 
 def _result(

@@ -93,6 +93,7 @@ def _lake_summary(lake: LakeSettings, wl: NotionWorkload) -> list[str]:
     lines = _layer_lines(cat, wl)
     lines.append("")
     lines += _ingest_lines(cat, lake)
+    lines += _freshness_lines(cat, lake)
     lines.append("")
     audit, verdicts = _audit_lines(cat, lake)
     lines += audit
@@ -147,6 +148,28 @@ def _ingest_lines(cat, lake: LakeSettings) -> list[str]:
             f"{'n/a' if wa is None else f'{wa:.2f}'}, freshness {r.get('freshness_seconds') or 0:.0f}s, "
             f"apply {r.get('apply_seconds') or 0:.1f}s"
         )
+    return lines
+
+
+def _freshness_lines(cat, lake: LakeSettings) -> list[str]:
+    """Per table and shard, its newest cdc_meta.freshness row: how far behind, the last heartbeat and
+    source commit, and the lake snapshot that made the position visible."""
+    from cdc_lakehouse.lake.freshness import latest_per_shard
+
+    rows = cat.load_table(lake.meta_table("freshness")).scan().to_arrow().to_pylist()
+    by_table: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        by_table.setdefault(r["table_name"], []).append(r)
+    lines = []
+    for name, trs in sorted(by_table.items()):
+        for shard, f in sorted(latest_per_shard(trs).items()):
+            behind = "n/a" if f.freshness_seconds is None else f"{f.freshness_seconds:.0f}s"
+            hb = f.last_heartbeat_ts.strftime("%H:%M:%S") if f.last_heartbeat_ts else "-"
+            src = f.last_source_commit_ts.strftime("%H:%M:%S") if f.last_source_commit_ts else "-"
+            lines.append(
+                f"freshness {name} {shard}: {behind} behind, last heartbeat {hb}, last change {src}, "
+                f"lake snapshot {f.lake_snapshot_id}"
+            )
     return lines
 
 

@@ -12,6 +12,7 @@ from cdc_lakehouse.ingest.toast import NO_TABLE, UNAV_LEFT
 from cdc_lakehouse.ingest.validate import FILE, RAW, REASONS
 from cdc_lakehouse.lake.columns import RUN_COL, UNAVAILABLE_COL
 from cdc_lakehouse.lake.commits import with_commit_retries
+from cdc_lakehouse.lake.snapshots import iceberg_table
 from cdc_lakehouse.settings import LakeSettings
 
 if TYPE_CHECKING:
@@ -83,7 +84,8 @@ def held_back(
             F.lit(" follow a delete or key change of this key in the batch whose value the batch does not hold"),
         ),
     )
-    rows = reduced.filter(needs_base & F.col(NO_TABLE)) if totals["needs_base"] else None
+    no_table = totals.get("needs_base_no_table", totals["needs_base"])
+    rows = reduced.filter(needs_base & F.col(NO_TABLE)) if no_table else None
     if totals["filled"] and has_quarantine(spark, lake, cfg):
         q = open_quarantine_keys(spark, lake, cfg, lake_cols)
         rows = reduced.filter(needs_base | filled).join(F.broadcast(q), key, "inner").join(tgt, key, "left")
@@ -133,10 +135,25 @@ def hold_dependents(
 
 
 def has_quarantine(spark: SparkSession, lake: LakeSettings, cfg: TableConfig) -> bool:
-    """Any quarantined event of this table (one partition of the quarantine table, read lazily)."""
+    """Any quarantined event of this table. Iceberg's file statistics answer on the driver
+    (a file whose table_name bounds exclude this table is pruned); only when some file may hold
+    one is the table read, a Spark job the common path (no quarantine) does not pay."""
     from pyspark.sql import functions as F
 
-    q = spark.table(lake.qualified(lake.meta_table("quarantine")))
+    name = lake.qualified(lake.meta_table("quarantine"))
+    jvm = spark._jvm
+    tasks = (
+        iceberg_table(spark, name)
+        .newScan()
+        .filter(jvm.org.apache.iceberg.expressions.Expressions.equal("table_name", cfg.name))
+        .planFiles()
+    )
+    try:
+        if not tasks.iterator().hasNext():
+            return False
+    finally:
+        tasks.close()
+    q = spark.table(name)
     return not q.filter(F.col("table_name") == cfg.name).limit(1).isEmpty()
 
 

@@ -10,38 +10,41 @@ from cdc_lakehouse.ingest.validate import BKEY, FILE, PKCHANGE, RAW, REASONS
 from cdc_lakehouse.lake.columns import METADATA_NAMES, UNAVAILABLE, UNAVAILABLE_COL
 
 if TYPE_CHECKING:
-    from pyspark.sql import DataFrame
+    from pyspark.sql import Column, DataFrame
 
 
-def split_pk_changes(events: DataFrame, cfg: TableConfig) -> DataFrame:
+def split_pk_changes(events: DataFrame, cfg: TableConfig, live: Column | None = None) -> DataFrame:
     """Lake order `_cdc_seq` = 2*seq; a primary-key change becomes delete(old) at 2*seq and
-    upsert(new) at 2*seq+1. `_fill_key_*` says whose prior state fills unavailable columns."""
+    upsert(new) at 2*seq+1. `_fill_key_*` says whose prior state fills unavailable columns.
+    With `live`, only rows where it holds are split (the others pass through with 2*seq).
+
+    One row becomes two through explode rather than a union of two filtered copies, so the
+    events are read once (a union would scan and validate the landing files twice)."""
     from pyspark.sql import functions as F
 
     pk = cfg.primary_key
     changed = F.lit(False)
     for k in pk:
         changed = changed | (F.col(BKEY + k).isNotNull() & ~F.col(BKEY + k).eqNullSafe(F.col(k)))
-    ev = events.withColumn(PKCHANGE, (F.col(OP_COL) == "u") & changed)
-    base = ev.withColumn(SEQ_COL, F.col("_seq_raw") * 2 + F.when(F.col(PKCHANGE), 1).otherwise(0))
-    for k in pk:
-        base = base.withColumn("_fill_key_" + k, F.when(F.col(PKCHANGE), F.col(BKEY + k)).otherwise(F.col(k)))
-    deletes = ev.filter(F.col(PKCHANGE))
-    source_cols = [c for c in events.columns if c not in _META_NON_SOURCE and not c.startswith(BKEY)]
-    for c in source_cols:
+    is_change = (F.col(OP_COL) == "u") & changed
+    if live is not None:
+        is_change = is_change & live
+    halves = F.when(is_change, F.array(F.lit(0), F.lit(1))).otherwise(F.array(F.lit(1)))
+    ev = events.withColumn(PKCHANGE, is_change).withColumn("_half", F.explode(halves))
+    old = F.col("_half") == 0  # the delete of the old key
+    cols = {}
+    for c in events.columns:
         if c in pk:
-            deletes = deletes.withColumn(c, F.col(BKEY + c))
-        elif c != SHARD_COL:
-            deletes = deletes.withColumn(c, F.lit(None).cast(events.schema[c].dataType))
-    deletes = (
-        deletes.withColumn(OP_COL, F.lit("d"))
-        .withColumn(UNAVAILABLE_COL, F.lit(None).cast(UNAVAILABLE.type))
-        .withColumn(SEQ_COL, F.col("_seq_raw") * 2)
-        .withColumn(PKCHANGE, F.lit(False))
-    )
+            cols[c] = F.when(old, F.col(BKEY + c)).otherwise(F.col(c))
+        elif c not in _META_NON_SOURCE and not c.startswith(BKEY) and c != SHARD_COL:
+            cols[c] = F.when(old, F.lit(None).cast(events.schema[c].dataType)).otherwise(F.col(c))
+    cols[OP_COL] = F.when(old, F.lit("d")).otherwise(F.col(OP_COL))
+    cols[UNAVAILABLE_COL] = F.when(old, F.lit(None).cast(UNAVAILABLE.type)).otherwise(F.col(UNAVAILABLE_COL))
+    cols[SEQ_COL] = F.col("_seq_raw") * 2 + F.when(F.col(PKCHANGE) & ~old, 1).otherwise(0)
     for k in pk:
-        deletes = deletes.withColumn("_fill_key_" + k, F.col(k))
-    return base.unionByName(deletes)
+        cols["_fill_key_" + k] = F.when(F.col(PKCHANGE), F.col(BKEY + k)).otherwise(F.col(k))
+    cols[PKCHANGE] = F.col(PKCHANGE) & ~old
+    return ev.withColumns(cols).drop("_half")
 
 
 # Columns of a typed event that are not source columns: the metadata columns and the ingest's own.

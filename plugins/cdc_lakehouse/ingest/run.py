@@ -23,26 +23,28 @@ from typing import TYPE_CHECKING, Any
 
 from cdc_lakehouse.config import COMMIT_TS_COL, LSN_COL, OP_COL, SEQ_COL, SHARD_COL, TableConfig
 from cdc_lakehouse.ingest.backfill import backfill_added_columns, columns_to_backfill, finish_backfill
+from cdc_lakehouse.ingest.batch import FusedBatch, fused_batch
 from cdc_lakehouse.ingest.errors import ErrorBudgetExceeded, LandingGap, NotBootstrapped, SchemaChangeError
 from cdc_lakehouse.ingest.merge import lsn_newer, merge_sql, wm_map
 from cdc_lakehouse.ingest.metrics import IngestMetrics
 from cdc_lakehouse.ingest.quarantine import as_held, held_back, hold_dependents, write_quarantine
-from cdc_lakehouse.ingest.reduce import latest_per_key, split_pk_changes
+from cdc_lakehouse.ingest.reduce import latest_per_key
 from cdc_lakehouse.ingest.schema import BACKFILL, apply_schema_actions, event_schemas, manifest_schemas, schema_actions
 from cdc_lakehouse.ingest.toast import BROADCAST_ROWS, NO_TABLE, UNAV_LEFT, fill_unavailable
-from cdc_lakehouse.ingest.validate import BKEY, FILE, RAW, REASONS, landing_spark_schema, typed_events
+from cdc_lakehouse.ingest.validate import REASONS, landing_spark_schema
 from cdc_lakehouse.lake.columns import INGESTED_COL, UNAVAILABLE_COL
 from cdc_lakehouse.lake.commits import fenced_commit, snapshot_summary, sql_with_commit_properties
+from cdc_lakehouse.lake.freshness import record_freshness
 from cdc_lakehouse.lake.meta import meta_append
 from cdc_lakehouse.lake.tables import conform_to, source_columns_of, table_exists
 from cdc_lakehouse.lake.watermark import read_watermark, watermark_json
 from cdc_lakehouse.landing.reader import HadoopFS, Plan, SparkLanding, plan_landing
 from cdc_lakehouse.runtime.failpoints import crash_point
-from cdc_lakehouse.runtime.phases import SparkJobs
+from cdc_lakehouse.runtime.phases import SparkJobs, observed_counts
 from cdc_lakehouse.settings import LakeSettings
 
 if TYPE_CHECKING:
-    from pyspark.sql import Column, DataFrame, Row, SparkSession
+    from pyspark.sql import Column, DataFrame, SparkSession
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +63,8 @@ def ingest_table(
     with the number of Spark jobs it took (`spark_jobs`)."""
     with SparkJobs(spark, f"ingest {cfg.name} {ingest_run}") as jobs:
         out = apply_pending(spark, lake, cfg, upto_run, ingest_run, interval_end, config_file)
-    log.info("ingest %s: %d Spark jobs", cfg.name, jobs.count)
-    return {**out, "spark_jobs": jobs.count}
+    log.info("ingest %s: %d Spark jobs: %s", cfg.name, jobs.count, "; ".join(jobs.sites))
+    return {**out, "spark_jobs": jobs.count, "spark_job_sites": jobs.sites}
 
 
 def apply_pending(
@@ -74,8 +76,9 @@ def apply_pending(
     interval_end: str | None,
     config_file: str | None,
 ) -> dict[str, Any]:
-    """The ingest's phases, in order: plan, validate, quarantine, changelog, reduce, MERGE (the
-    watermark in the same commit), record."""
+    """The ingest's phases, in order: plan, prepare (one fused plan: validate, dedupe, split key
+    changes, fill, reduce), quarantine, changelog, classify, MERGE (the watermark in the same
+    commit), record."""
     m = IngestMetrics(
         table_name=cfg.name, ingest_run=ingest_run, interval_end=interval_end, write_mode=cfg.lake.write_mode
     )
@@ -88,15 +91,13 @@ def apply_pending(
         return finish(spark, lake, cfg, m, b.plan)
     raw = read_events(spark, cfg, b.plan)
     b.lake_cols = evolve_schema(spark, cfg, b, raw, config_file)
-    with m.timed("validate"):
-        pending, counts = validate_events(cfg, b, raw)
-    m.events_read, m.already_applied = int(counts["n"] or 0), int(counts["applied"] or 0)
-    m.quarantined = quarantine_malformed(
-        spark, lake, cfg, pending, counts, m.events_read - m.already_applied, ingest_run
-    )
     with m.timed("prepare"):
-        ch = prepare_changes(spark, cfg, b, pending, counts)
-    m.duplicates, m.truncates = ch.duplicates, int(counts["truncates"] or 0)
+        fb = fused_batch(raw, cfg, b.lake_cols, b.wm)
+    m.events_read, m.already_applied = fb.counts["n"], fb.counts["applied"]
+    m.quarantined = quarantine_malformed(spark, lake, cfg, fb, m.events_read - m.already_applied, ingest_run)
+    with m.timed("fill"):
+        ch = prepare_changes(spark, cfg, b, fb)
+    m.duplicates, m.truncates = ch.duplicates, fb.counts["truncates"]
     crash_point("ingest_before_changelog")
     with m.timed("changelog"):
         m.changelog_rows = append_changelog(spark, cfg, b, ch)
@@ -115,7 +116,7 @@ def apply_pending(
     m.apply_seconds = m.timings["merge"]
     m.add_commit_stats(pre, snapshot_summary(spark, b.cur))
     m.set_lag(out.min_ts, out.max_ts)
-    return finish(spark, lake, cfg, m, b.plan)
+    return finish(spark, lake, cfg, m, b.plan, shard_commits=fb.counts["shard_commits"])
 
 
 # --- plan -----------------------------------------------------------------------------------------
@@ -142,7 +143,14 @@ def plan_batch(
     cur, cl = lake.qualified(cfg.current_table), lake.qualified(cfg.changelog_table)
     wm = start_position(spark, cfg, cur)
     cl_wm = read_watermark(spark, cl)
-    plan = plan_landing(SparkLanding(spark, lake.landing_uri), cfg, wm, upto_run)
+    from cdc_lakehouse.landing.debezium import plan_debezium  # a Debezium-fed table reads the S3 sink's objects
+
+    debezium = cfg.landing.kind == "debezium_s3"
+    plan = (
+        plan_debezium(spark, lake, cfg, wm)
+        if debezium
+        else plan_landing(SparkLanding(spark, lake.landing_uri), cfg, wm, upto_run)
+    )
     gaps = check_landing(cfg, plan)
     lake_cols = source_columns_of(spark, cur, cfg)
     # A backfill of added columns that an earlier run committed as pending but did not finish.
@@ -229,66 +237,14 @@ def evolve_schema(
     return source_columns_of(spark, b.cur, cfg) if ddl else b.lake_cols
 
 
-def validate_events(cfg: TableConfig, b: Batch, raw: DataFrame) -> tuple[DataFrame, Row]:
-    """Typed events not yet in the table (with their REASONS if malformed), and the batch's counts."""
-    from pyspark.sql import functions as F
-
-    shard_map = {(g.endpoint_id, schema): shard for g, schema, shard in cfg.shards()}
-    wm_floor = wm_map(b.wm)
-    typed = typed_events(raw, cfg, b.lake_cols, shard_map).filter(F.col(SHARD_COL).isNotNull())
-    # Events the table already has (replays, reruns) are dropped before validation, so an old
-    # malformed event is not quarantined twice.
-    typed = typed.withColumn("_applied", F.col(LSN_COL) < F.coalesce(wm_floor[F.col(SHARD_COL)], F.lit(0)))
-    # Local checkpoints at phase boundaries: computed once, and later queries plan against the
-    # stored rows instead of re-optimizing the wide validation expressions each time.
-    typed = typed.localCheckpoint(eager=True)
-    counts = batch_counts(typed, cfg)
-    return typed.filter(~F.col("_applied")).drop("_applied"), counts
-
-
-def batch_counts(typed: DataFrame, cfg: TableConfig) -> Row:
-    """Every figure the later phases need from the typed events, in one pass."""
-    from pyspark.sql import functions as F
-
-    pend = ~F.col("_applied")
-    ok = pend & (F.size(REASONS) == 0)
-    pk_change = F.lit(False)
-    for k in cfg.primary_key:
-        pk_change = pk_change | (F.col(BKEY + k).isNotNull() & ~F.col(BKEY + k).eqNullSafe(F.col(k)))
-    return (
-        typed.groupBy()
-        .agg(
-            F.count(F.lit(1)).alias("n"),
-            F.sum(F.col("_applied").cast("int")).alias("applied"),
-            F.sum((pend & (F.size(REASONS) > 0)).cast("int")).alias("bad"),
-            F.sum((ok & (F.col(OP_COL) != "t")).cast("int")).alias("valid"),
-            F.sum((ok & (F.col(OP_COL) == "u") & pk_change).cast("int")).alias("pk_changes"),
-            F.sum((ok & (F.col(OP_COL) == "t")).cast("int")).alias("truncates"),
-            F.collect_set(F.when(ok & (F.col(OP_COL) == "t"), F.col(SHARD_COL))).alias("truncated"),
-            F.array_distinct(F.flatten(F.collect_set(F.when(ok, F.col(UNAVAILABLE_COL))))).alias("unavailable"),
-            F.min(F.when(pend, F.col(COMMIT_TS_COL))).alias("min_ts"),
-            F.max(F.when(pend, F.col(COMMIT_TS_COL))).alias("max_ts"),
-        )
-        .collect()[0]
-    )
-
-
 def quarantine_malformed(
-    spark: SparkSession,
-    lake: LakeSettings,
-    cfg: TableConfig,
-    pending: DataFrame,
-    counts: Row,
-    n_new: int,
-    ingest_run: str,
+    spark: SparkSession, lake: LakeSettings, cfg: TableConfig, fb: FusedBatch, n_new: int, ingest_run: str
 ) -> int:
     """Malformed events to quarantine; over the error budget nothing is applied. Returns rows added."""
-    from pyspark.sql import functions as F
-
-    n_bad = int(counts["bad"] or 0)
+    n_bad = fb.counts["bad"]
     if not n_bad:
         return 0
-    bad = pending.filter(F.size(REASONS) > 0)
+    bad = fb.malformed()
     n = write_quarantine(spark, lake, cfg, bad, ingest_run)
     budget = cfg.ingest.error_budget
     if n_bad > budget.max_quarantined or (n_new and n_bad / n_new > budget.max_fraction):
@@ -320,29 +276,25 @@ class Changes:
     events: DataFrame  # row changes in lake order, with UNAV_LEFT and NO_TABLE
     truncs: DataFrame  # truncates
     current: DataFrame  # the current table as read before the changelog commit
+    latest: DataFrame  # the latest event per key (before truncates)
+    totals: dict[str, Any] | None  # latest's totals when the fused plan counted them (else counted later)
     toast_columns: list[str]  # unchanged TOAST columns somewhere in the batch
     truncated: list[str]  # shards truncated in the batch
     duplicates: int
 
 
-def prepare_changes(spark: SparkSession, cfg: TableConfig, b: Batch, pending: DataFrame, counts: Row) -> Changes:
-    from pyspark.sql import functions as F
-
-    valid = pending.filter(F.size(REASONS) == 0).drop(REASONS, RAW, FILE)
-    events = split_pk_changes(valid.filter(F.col(OP_COL) != "t"), cfg)
-    truncs = valid.filter(F.col(OP_COL) == "t").withColumn(SEQ_COL, F.col("_seq_raw") * 2)
-    events = events.dropDuplicates([SHARD_COL, LSN_COL, SEQ_COL])
-    truncs = truncs.dropDuplicates([SHARD_COL, LSN_COL, SEQ_COL])
-    events = events.localCheckpoint(eager=True)
-    # Every valid event, plus the delete half of each key change, minus what arrived twice.
-    duplicates = int(counts["valid"] or 0) + int(counts["pk_changes"] or 0) - events.count()
+def prepare_changes(spark: SparkSession, cfg: TableConfig, b: Batch, fb: FusedBatch) -> Changes:
+    """The fused plan's events; the multi-pass TOAST fill only where one pass could not decide
+    (a key change whose new key takes its unchanged TOAST value from the old key)."""
     current = spark.table(b.cur)
-    names = list(counts["unavailable"] or [])
-    if names:
-        events = fill_unavailable(events, current, cfg, names).localCheckpoint(eager=True)
-    else:
-        events = events.withColumn(UNAV_LEFT, F.array().cast("array<string>")).withColumn(NO_TABLE, F.lit(False))
-    return Changes(events, truncs, current, names, sorted(counts["truncated"] or []), duplicates)
+    names = fb.counts["unavailable"]
+    events, latest, totals = fb.events(), fb.latest(), fb.counts
+    if fb.needs_multipass_fill():
+        events = fill_unavailable(events.drop(UNAV_LEFT, NO_TABLE), current, cfg, names).localCheckpoint(eager=True)
+        latest, totals = latest_per_key(events, [SHARD_COL, *cfg.primary_key]), None
+    return Changes(
+        events, fb.truncates(), current, latest, totals, names, fb.counts["truncated"], fb.counts["duplicates"]
+    )
 
 
 def append_changelog(spark: SparkSession, cfg: TableConfig, b: Batch, ch: Changes) -> int:
@@ -357,7 +309,11 @@ def append_changelog(spark: SparkSession, cfg: TableConfig, b: Batch, ch: Change
             F.col(LSN_COL) >= F.coalesce(cl_floor[F.col(SHARD_COL)], F.lit(0))
         )
         rows = conform_to(rows.withColumn(INGESTED_COL, ingested), spark.table(b.cl).schema)
-        rows.writeTo(b.cl).option("snapshot-property.cdc.watermark", b.new_wm_json).append()
+        # The fused plan's rows are already hashed by key (shard first): no second shuffle to
+        # cluster them by partition; the fanout writer keeps one file open per partition instead.
+        rows.writeTo(b.cl).option("distribution-mode", "none").option("fanout-enabled", "true").option(
+            "snapshot-property.cdc.watermark", b.new_wm_json
+        ).append()
 
     committed = fenced_commit(spark, b.cl, b.cl_wm, b.plan.new_watermark, _append, what=f"{cfg.name} changelog")
     return int(snapshot_summary(spark, b.cl).get("added-records", 0)) if committed else 0
@@ -396,16 +352,12 @@ def reduce_and_classify(
     """Latest event per key, minus the rows held back; the counts of what the MERGE will do."""
     key = [SHARD_COL, *cfg.primary_key]
     reduced = reduce_batch(cfg, b, ch)
-    totals = reduced_totals(reduced)
+    totals = ch.totals if ch.totals is not None and not ch.truncated else reduced_totals(reduced)
     tgt = table_positions(cfg, ch.current)
     # Rows whose unchanged TOAST value has no trustworthy source are held back (see held_back);
     # the MERGE then never sees them. Orphans (no row in the table either) are found by the
     # classification below, which scans the table's keys anyway.
-    held = (
-        held_back(spark, lake, cfg, reduced, tgt, b.lake_cols, totals)
-        if totals["needs_base"] or totals["filled"]
-        else None
-    )
+    held = held_back(spark, lake, cfg, reduced, tgt, b.lake_cols, totals)
     n_held = hold_dependents(spark, lake, cfg, held, ingest_run)
     if n_held:
         reduced = reduced.join(held.select(*key), key, "left_anti").localCheckpoint(eager=True)
@@ -424,12 +376,14 @@ def reduce_and_classify(
 
 
 def reduce_batch(cfg: TableConfig, b: Batch, ch: Changes) -> DataFrame:
-    reduced = latest_per_key(ch.events, [SHARD_COL, *cfg.primary_key])
+    reduced = ch.latest
     if ch.truncated:
         reduced = apply_truncates(reduced, ch.truncs)
+    reduced = reduced.select(*current_columns(b.lake_cols), UNAV_LEFT, NO_TABLE, UNAVAILABLE_COL)
+    if ch.totals is not None and not ch.truncated:
+        return reduced  # a filter of the fused plan's materialized rows: computed, and deterministic
     # A local checkpoint: computed once, and a deterministic plan (copy-on-write MERGE requires it).
-    cols = current_columns(b.lake_cols)
-    return reduced.select(*cols, UNAV_LEFT, NO_TABLE, UNAVAILABLE_COL).localCheckpoint(eager=True)
+    return reduced.localCheckpoint(eager=True)
 
 
 def apply_truncates(reduced: DataFrame, truncs: DataFrame) -> DataFrame:
@@ -450,21 +404,20 @@ def apply_truncates(reduced: DataFrame, truncs: DataFrame) -> DataFrame:
     )
 
 
-def reduced_totals(reduced: DataFrame) -> Row:
+def reduced_totals(reduced: DataFrame) -> dict[str, Any]:
+    """What the fused plan counts (ingest.batch._out_counters), for a batch it could not reduce."""
     from pyspark.sql import functions as F
 
     filled = (F.col(OP_COL) != "d") & (F.size(F.coalesce(UNAVAILABLE_COL, F.array())) > 0)
-    return (
-        reduced.groupBy()
-        .agg(
-            F.count(F.lit(1)).alias("n"),
-            F.sum((F.col(OP_COL) != "d").cast("int")).alias("upserts"),
-            F.sum(needs_base().cast("int")).alias("needs_base"),
-            F.sum(filled.cast("int")).alias("filled"),
-            F.min(COMMIT_TS_COL).alias("min_ts"),
-            F.max(COMMIT_TS_COL).alias("max_ts"),
-        )
-        .collect()[0]
+    return observed_counts(
+        reduced,
+        F.count(F.lit(1)).alias("reduced"),
+        F.sum((F.col(OP_COL) != "d").cast("int")).alias("upserts"),
+        F.sum(needs_base().cast("int")).alias("needs_base"),
+        F.sum((needs_base() & F.col(NO_TABLE)).cast("int")).alias("needs_base_no_table"),
+        F.sum(filled.cast("int")).alias("filled"),
+        F.unix_micros(F.min(COMMIT_TS_COL)).alias("min_ts"),
+        F.unix_micros(F.max(COMMIT_TS_COL)).alias("max_ts"),
     )
 
 
@@ -477,27 +430,23 @@ def table_positions(cfg: TableConfig, current: DataFrame) -> DataFrame:
     return current.select(*key, F.col(LSN_COL).alias("_t_lsn"), F.col(SEQ_COL).alias("_t_seq"), live.alias("_t_live"))
 
 
-def classify(reduced: DataFrame, tgt: DataFrame, key: list[str], totals: Row) -> Row:
+def classify(reduced: DataFrame, tgt: DataFrame, key: list[str], totals: dict[str, Any]) -> dict[str, Any]:
     """Exact insert/update/delete counts: the batch's keys are broadcast and the table's key
     columns scanned once."""
     from pyspark.sql import functions as F
 
     keys = reduced.select(*key, LSN_COL, SEQ_COL, OP_COL, needs_base().alias("_needs_base"))
-    if (totals["n"] or 0) <= BROADCAST_ROWS:
+    if (totals["reduced"] or 0) <= BROADCAST_ROWS:
         keys = F.broadcast(keys)
     newer = lsn_newer(F.col(LSN_COL), F.col(SEQ_COL), F.col("_t_lsn"), F.col("_t_seq"))
     is_del = F.col(OP_COL) == "d"
-    return (
-        tgt.join(keys, key, "inner")
-        .groupBy()
-        .agg(
-            F.sum((~is_del).cast("int")).alias("matched_upserts"),
-            F.sum((~is_del & newer).cast("int")).alias("upd"),
-            F.sum((is_del & newer & F.col("_t_live")).cast("int")).alias("del"),
-            F.sum((~newer).cast("int")).alias("stale"),
-            F.sum(F.col("_needs_base").cast("int")).alias("based"),
-        )
-        .collect()[0]
+    return observed_counts(
+        tgt.join(keys, key, "inner"),
+        F.sum((~is_del).cast("int")).alias("matched_upserts"),
+        F.sum((~is_del & newer).cast("int")).alias("upd"),
+        F.sum((is_del & newer & F.col("_t_live")).cast("int")).alias("del"),
+        F.sum((~newer).cast("int")).alias("stale"),
+        F.sum(F.col("_needs_base").cast("int")).alias("based"),
     )
 
 
@@ -538,8 +487,17 @@ def commit_merge(spark: SparkSession, cfg: TableConfig, b: Batch, sql: str, inge
     )
 
 
-def finish(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, m: IngestMetrics, plan: Plan) -> dict[str, Any]:
-    """Record the run in cdc_meta.ingest_runs and log its summary; returns the metrics as a dict."""
+def finish(
+    spark: SparkSession,
+    lake: LakeSettings,
+    cfg: TableConfig,
+    m: IngestMetrics,
+    plan: Plan,
+    shard_commits: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Record the run in cdc_meta.ingest_runs and cdc_meta.freshness and log its summary; returns
+    the metrics as a dict. shard_commits: the newest source commit per shard in the batch, when
+    the fused plan observed it (else freshness reads the landing files for it)."""
     m.committed_at = datetime.now(UTC)
     m.total_seconds = m.elapsed()
     m.watermark = watermark_json(plan.new_watermark)
@@ -547,6 +505,7 @@ def finish(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, m: IngestM
     if ts:
         m.freshness_seconds = (m.committed_at - min(datetime.fromisoformat(t) for t in ts)).total_seconds()
     meta_append(spark, lake, "ingest_runs", [m.meta_row()])
+    record_freshness(spark, lake, cfg, plan, m.ingest_run, m.committed_at, shard_commits=shard_commits)
     log.info("%s", m.summary())
     return m.as_dict()
 

@@ -80,19 +80,30 @@ def schema_actions(
     with no writes since a column was added elsewhere still shows its older schema."""
     lake = dict(lake_cols)
     where = file_hint or f"include/tables/{cfg.name}.yaml"
+    # Consumed columns (columns.include/exclude): changes to the others never reach the table.
+    schemas = [consumed_schema(cfg, sch) for sch in schemas]
+    latest = {k: consumed_schema(cfg, sch) for k, sch in latest.items()}
     ddl, errors, added = _new_and_changed(cfg, lake, schemas, where)
     for shard_schema, sch in latest.items():
         names = {c["name"] for c in sch}
         had = (known or {}).get(shard_schema)
         for name in lake:
-            if name in names or name in added or (had is not None and name not in had):
+            # A lake column the table stopped consuming is gone for it, as if dropped: decided the
+            # same way (dropped_columns), never silently NULL.
+            consumed = cfg.columns.consumes(name)
+            if consumed and (name in names or name in added or (had is not None and name not in had)):
                 continue
-            stmt, error = _dropped(cfg, name, shard_schema, where)
+            stmt, error = _dropped(cfg, name, shard_schema, where, consumed)
             if error:
                 errors.append(error)
             elif stmt and stmt not in ddl:
                 ddl.append(stmt)
     return ddl, sorted(set(errors))
+
+
+def consumed_schema(cfg: TableConfig, sch: list[dict]) -> list[dict]:
+    """A relation's columns (capture's schema JSON) that the table consumes."""
+    return sch if cfg.columns.all else [c for c in sch if cfg.columns.consumes(c["name"])]
 
 
 def _new_and_changed(
@@ -152,8 +163,11 @@ def _widens(cfg: TableConfig, old: str, new: str) -> bool:
     return widening and cfg.schema_changes.mode == "additive"
 
 
-def _dropped(cfg: TableConfig, name: str, shard_schema: str, where: str) -> tuple[str | None, str | None]:
-    """A lake column gone from a shard's schema: (DDL, None), (None, error) or (None, None) to keep it."""
+def _dropped(
+    cfg: TableConfig, name: str, shard_schema: str, where: str, consumed: bool = True
+) -> tuple[str | None, str | None]:
+    """A lake column gone from a shard's schema (or no longer consumed): (DDL, None), (None, error)
+    or (None, None) to keep it."""
     policy = cfg.schema_changes.dropped_columns.get(name)
     if name in cfg.primary_key:
         return None, (
@@ -165,7 +179,9 @@ def _dropped(cfg: TableConfig, name: str, shard_schema: str, where: str) -> tupl
     if policy == "keep_null":
         return None, None
     return None, (
-        f"{cfg.name}: source column {name!r} was dropped (shard {shard_schema}) but the lake table keeps it, "
+        f"{cfg.name}: source column {name!r} "
+        + (f"was dropped (shard {shard_schema})" if consumed else "is no longer consumed (columns in the config)")
+        + " but the lake table keeps it, "
         f"so ingest stopped for this table. Choose in {where}: schema_changes.dropped_columns: "
         f"{{{name}: keep_null}} to keep it (NULL from now on), or {{{name}: drop}} to drop it from the "
         "current table (the changelog keeps its history); then rerun the failed task"

@@ -130,6 +130,7 @@ def typed_events(
     cols, reasons = _typed_columns(cfg.primary_key, lake_columns)
     shard = shard_expr(shard_map)
     reason_arr = F.filter(F.array(*reasons), lambda x: x.isNotNull())
+    unavailable = F.array_intersect(F.col("unavailable"), F.array(*[F.lit(c) for c, _ in lake_columns]))
     # Step 2: typed values and reasons; step 3: the raw payload and file, kept only for malformed
     # events (quarantine), cheap for the rest.
     typed_df = stage.select(
@@ -141,7 +142,9 @@ def typed_events(
         F.col("source.commit_ts").alias(COMMIT_TS_COL),
         F.col("source.lsn").alias(LSN_EVENT_COL),
         F.col("source.xid").alias(XID_COL),
-        F.when(F.size("unavailable") > 0, F.col("unavailable")).alias(UNAVAILABLE_COL),
+        # Only the lake's columns: an unconsumed column (config `columns:`) the source left
+        # unchanged is none of the table's business.
+        F.when(F.size(unavailable) > 0, unavailable).alias(UNAVAILABLE_COL),
         F.col("run_id").alias(RUN_COL),
         reason_arr.alias(REASONS),
         F.struct("op", "before", "after", "unavailable", "source", "run_id").alias("_event"),

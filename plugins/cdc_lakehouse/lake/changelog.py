@@ -30,4 +30,20 @@ def changes_between(
     hi_s = F.coalesce(hi_map[F.col(SHARD_COL)], F.lit(-1))
     after_lo = (lsn > lo_s) | ((lsn == lo_s) & ~snapshot_row)
     upto_hi = (lsn < hi_s) | ((lsn == hi_s) & snapshot_row)
-    return cl.filter(after_lo & upto_hi)
+    return cl.filter(_coarse_bounds(lo, hi)).filter(after_lo & upto_hi)
+
+
+def _coarse_bounds(lo: dict[str, int], hi: dict[str, int]):
+    """A looser filter than the exact one, made of plain column-literal comparisons only, which
+    Iceberg evaluates against each file's column stats: the per-shard map lookups above cannot be
+    pushed down, and without this every read scans the whole changelog (a bootstrap's snapshot
+    files, at LSN = lo with seq < 0, are then skipped unopened). It never drops a row the exact
+    filter keeps, so results are unchanged."""
+    from pyspark.sql import functions as F
+
+    if not hi:
+        return F.lit(False)
+    floor = min(lo.get(s, -1) for s in set(hi) | set(lo))
+    ceil = max(hi.values())
+    lsn, seq = F.col(LSN_COL), F.col(SEQ_COL)
+    return ((lsn > floor) | ((lsn == floor) & (seq >= 0))) & ((lsn < ceil) | ((lsn == ceil) & (seq < 0)))

@@ -1,5 +1,6 @@
 """lake.meta: the pipeline's own Iceberg tables in the meta namespace (Spark driver): quarantine,
-per-run figures of capture, ingest, audit and maintenance, audit mismatches and quality results.
+per-run figures of capture, ingest, audit and maintenance, audit mismatches, quality results and
+per-shard freshness (lake.freshness).
 Created (and given columns added by later releases) by ensure_meta_tables; appended by meta_append."""
 
 from __future__ import annotations
@@ -105,6 +106,27 @@ META_TABLES: dict[str, tuple[list[tuple[str, str]], str]] = {
         ],
         "PARTITIONED BY (table_name)",
     ),
+    # Per table and shard, one row per ingest run: see lake.freshness.
+    "freshness": (
+        [
+            ("table_name", "string"),
+            ("shard", "string"),
+            ("endpoint", "string"),
+            ("source_schema", "string"),
+            ("last_source_commit_lsn", "bigint"),
+            ("last_source_commit_ts", "timestamp"),
+            ("last_heartbeat_lsn", "bigint"),
+            ("last_heartbeat_ts", "timestamp"),
+            ("watermark_lsn", "bigint"),
+            ("fresh_to", "timestamp"),
+            ("lake_snapshot_id", "bigint"),
+            ("lake_committed_at", "timestamp"),
+            ("freshness_seconds", "double"),
+            ("ingest_run", "string"),
+            ("updated_at", "timestamp"),
+        ],
+        "PARTITIONED BY (table_name)",
+    ),
     "maintenance_runs": (
         [
             ("table_name", "string"),
@@ -149,13 +171,27 @@ def ensure_meta_tables(spark: SparkSession, lake: LakeSettings) -> None:
                 spark.sql(f"ALTER TABLE {table} ADD COLUMN {spark_ident(c)} {t}")
 
 
-def append_rows(spark: SparkSession, table: str, rows: list[dict[str, Any]], columns: list[tuple[str, str]]) -> None:
+def append_rows(
+    spark: SparkSession,
+    table: str,
+    rows: list[dict[str, Any]],
+    columns: list[tuple[str, str]],
+    props: dict[str, str] | None = None,
+) -> None:
+    """Append rows built on the driver; props become snapshot properties of the commit."""
     if not rows:
         return
     schema = ", ".join(f"{spark_ident(c)} {t}" for c, t in columns)
     df = spark.createDataFrame([tuple(r.get(c) for c, _ in columns) for r in rows], schema)
-    df.writeTo(table).append()
+    # A few rows from the driver: no shuffle to cluster them by partition first (Iceberg's
+    # default for a partitioned table, a Spark job of its own); the fanout writer takes them as they come.
+    w = df.writeTo(table).option("distribution-mode", "none").option("fanout-enabled", "true")
+    for k, v in (props or {}).items():
+        w = w.option(f"snapshot-property.{k}", v)
+    w.append()
 
 
-def meta_append(spark: SparkSession, lake: LakeSettings, name: str, rows: list[dict[str, Any]]) -> None:
-    append_rows(spark, lake.qualified(lake.meta_table(name)), rows, META_TABLES[name][0])
+def meta_append(
+    spark: SparkSession, lake: LakeSettings, name: str, rows: list[dict[str, Any]], props: dict[str, str] | None = None
+) -> None:
+    append_rows(spark, lake.qualified(lake.meta_table(name)), rows, META_TABLES[name][0], props)

@@ -873,6 +873,89 @@ def _freshness_alert(
     )
 
 
+def check_shard_freshness(
+    cfg: TableConfig, ingest_run: str, ac: AlertingConfig, rows: list[dict[str, Any]]
+) -> Alert | None:
+    """freshness, per shard: a shard whose position in the lake (fresh_to: its last applied change or
+    heartbeat) was older than the SLA when the ingest run finished. rows: the table's
+    cdc_meta.freshness rows (one per shard and run)."""
+    rules = rules_for(cfg, ac)
+    if rules.freshness_sla <= 0:
+        return None
+    per_run = _latest_per_run(rows, "ingest_run", "updated_at")
+    if ingest_run not in per_run:
+        log.info(
+            "freshness %s: ingest run %s recorded no freshness (a failed ingest fails its task)", cfg.name, ingest_run
+        )
+        return None
+    # This run and the ones before it, newest first (a check of an older run ignores later ones).
+    at = per_run[ingest_run][0]["updated_at"]
+    order = sorted((r for r in per_run if per_run[r][0]["updated_at"] <= at), key=lambda r: per_run[r][0]["updated_at"])
+    flags = [bool(_stale_shards(per_run[r], rules.freshness_sla)) for r in reversed(order)]
+    state = decide(flags, 1, rules.renotify_every_runs)
+    if state is None:
+        return None
+    return _shard_freshness_alert(cfg, ingest_run, rules, state, _streak(flags), per_run[ingest_run])
+
+
+def _stale_shards(rows: list[dict[str, Any]], sla: float) -> list[dict[str, Any]]:
+    """The run's shards beyond the SLA, stalest first."""
+    stale = [r for r in rows if (r.get("freshness_seconds") or 0) > sla]
+    return sorted(stale, key=lambda r: -(r.get("freshness_seconds") or 0))
+
+
+def _shard_line(r: dict[str, Any]) -> str:
+    fresh = r.get("freshness_seconds")
+    return (
+        f"{fmt_seconds(fresh)} behind ({fresh:.0f} s) on endpoint {r.get('endpoint')} (schema "
+        f"{r.get('source_schema')}); lake position {r.get('fresh_to')}, last heartbeat {r.get('last_heartbeat_ts')}, "
+        f"last source commit {r.get('last_source_commit_ts')}, made visible by lake snapshot "
+        f"{r.get('lake_snapshot_id')} at {r.get('lake_committed_at')}"
+    )
+
+
+def _shard_freshness_alert(
+    cfg: TableConfig,
+    ingest_run: str,
+    rules: Rules,
+    state: Literal["firing", "resolved"],
+    streak: int,
+    rows: list[dict[str, Any]],
+) -> Alert:
+    """The alert of one ingest run; rows: that run's cdc_meta.freshness rows (one per shard)."""
+    stale = _stale_shards(rows, rules.freshness_sla)
+    worst = max((r.get("freshness_seconds") or 0 for r in rows), default=0.0)
+    sla = fmt_seconds(rules.freshness_sla)
+    if state == "resolved":
+        summary = f"{cfg.name} is fresh again: every shard within {sla} of its source"
+    elif len(stale) == 1:
+        summary = f"{cfg.name} shard {stale[0]['shard']} is {fmt_seconds(worst)} behind its source (SLA {sla})"
+    else:
+        summary = f"{cfg.name}: {len(stale)} shards up to {fmt_seconds(worst)} behind their sources (SLA {sla})"
+    details: dict[str, Any] = {
+        "table": cfg.name,
+        "lake table": cfg.current_table,
+        "SLA": f"{sla} ({rules.freshness_sla:.0f} s, alerts.freshness_sla)",
+        "runs over the SLA in a row": streak,
+        "ingest run": ingest_run,
+    }
+    for r in stale:
+        details[f"shard {r.get('shard')}"] = _shard_line(r)
+    endpoints = sorted({str(r.get("endpoint")) for r in stale})
+    fix = (
+        f"a shard's lake position only moves when a capture of its endpoint ({', '.join(endpoints) or '-'}) lands a "
+        "run and this ingest applies it; the capture's heartbeat moves it on quiet shards. Check that "
+        + ", ".join(f"capture__{e}" for e in endpoints)
+        + " runs and succeeds (source reachable, slot active), that it is not capped by ingest.max_events_per_run / "
+        "max_bytes_per_run, that the ingest DAG is not paused or queued behind a maintenance or bootstrap in the "
+        "table's pool, and that the shard's _cdc_heartbeat table takes writes. Per-shard history: "
+        f"cdc_meta.freshness (table_name = '{cfg.name}')."
+    )
+    return Alert(
+        "freshness", summary, [cfg.name], details, fix, state=state, figure=worst, threshold=rules.freshness_sla
+    )
+
+
 # --- what the tasks call -------------------------------------------------------------------------------
 
 
@@ -942,7 +1025,27 @@ def _audit_from_history(lake, name: str, cfg: TableConfig, run_id: str, ac: Aler
     return check_audit(cfg, run_id, ac, results or [], quality)
 
 
+_SHARD_FRESHNESS_FIELDS = (
+    "ingest_run",
+    "shard",
+    "endpoint",
+    "source_schema",
+    "last_source_commit_ts",
+    "last_heartbeat_ts",
+    "fresh_to",
+    "lake_snapshot_id",
+    "lake_committed_at",
+    "freshness_seconds",
+    "updated_at",
+)
+
+
 def _freshness_from_history(lake, name: str, cfg: TableConfig, run_id: str, ac: AlertingConfig) -> Alert | None:
+    """Per shard from cdc_meta.freshness; runs recorded before that table existed (no rows for
+    the run) are judged on the table-level figure of cdc_meta.ingest_runs."""
+    shard_rows = _meta_rows(lake, "freshness", "table_name", name, _SHARD_FRESHNESS_FIELDS) or []
+    if any(r.get("ingest_run") == run_id for r in shard_rows):
+        return check_shard_freshness(cfg, run_id, ac, shard_rows)
     rows = _meta_rows(lake, "ingest_runs", "table_name", name, _INGEST_FIELDS)
     return check_freshness(cfg, run_id, ac, rows or [])
 

@@ -71,6 +71,14 @@ def asset(lake_table: str):
     return Asset(uri=f"iceberg://lake/{ns}/{name}", name=f"lake.{lake_table}")
 
 
+def announce_snapshots(cfgs: list[TableConfig]):
+    """The ingest task's post_execute: its current tables' Asset events carry the new complete
+    snapshot id and watermark (orchestration.tasks.AnnounceLakeSnapshots, docs/change-feed.md)."""
+    from cdc_lakehouse.orchestration.tasks import AnnounceLakeSnapshots
+
+    return AnnounceLakeSnapshots({c.current_table: asset(c.current_table) for c in cfgs})
+
+
 def default_args(
     cfg: AnyConfig | None, owner: str = "data-platform", retries: int = 2, tables: list[str] | None = None
 ) -> dict[str, Any]:
@@ -176,7 +184,9 @@ def _ingest_args(cfgs: list[TableConfig]) -> list[str]:
 
 
 def _endpoint_ids(cfgs: list[TableConfig]) -> list[str]:
-    return sorted({g.endpoint_id for c in cfgs for g in c.source.shards})
+    """Endpoints to capture before the ingest; a Debezium-fed table has none (its events come
+    from the Kafka Connect S3 sink, and a slot of ours would only retain WAL)."""
+    return sorted({g.endpoint_id for c in cfgs if c.landing.kind == "capture" for g in c.source.shards})
 
 
 def _conn_ids(cfgs: list[TableConfig]) -> list[str]:
@@ -200,6 +210,7 @@ def ingest_dag(cfg: TableConfig, cs: ConfigSet):
             _conn_ids([cfg]),
             table_pool(cfg),
             outlets=[asset(cfg.current_table), asset(cfg.changelog_table)],
+            post_execute=announce_snapshots([cfg]),
             execution_timeout=timedelta(hours=2),
         )
         captures >> ingest >> alert_check_task("freshness", [cfg.name])
@@ -225,6 +236,7 @@ def group_ingest_dag(group: str, cfgs: list[TableConfig], cs: ConfigSet):
             _conn_ids(cfgs),
             group_pool(group),
             outlets=outlets,
+            post_execute=announce_snapshots(cfgs),
             execution_timeout=timedelta(hours=3),
         )
         captures >> ingest >> alert_check_task("freshness", [c.name for c in cfgs])
@@ -259,6 +271,7 @@ def bootstrap_dag(cfg: TableConfig):
             _conn_ids([cfg]),
             table_pool(cfg),
             outlets=[asset(cfg.current_table), asset(cfg.changelog_table)],
+            post_execute=announce_snapshots([cfg]),
             execution_timeout=timedelta(hours=24),
         )
     return dag
@@ -373,6 +386,68 @@ def export_dag(ecfg: ExportConfig, tables: dict[str, TableConfig], derived: dict
             execution_timeout=timedelta(hours=2),
         )
     return dag
+
+
+# The newest triggering Asset event's snapshot id ('' when the run was not triggered by one, or
+# the event carries none): the consumer then reads exactly up to what that ingest completed.
+FEED_UPTO = (
+    "{% set evs = (triggering_asset_events.values() | list) if triggering_asset_events else [] %}"
+    "{{ ((evs[0][-1].extra or {}).get('snapshot_id', '')) if evs and evs[0] else '' }}"
+)
+
+
+def feed_consumer_dag(table: str, consumer: str, job: str, output: str, about: str, config_dir: str | None = None):
+    """`cdc_feed__<consumer>`: a change-feed consumer (cdc_lakehouse.feed) of one table, run by
+    spark_jobs/<job>.py whenever the table's ingest or bootstrap completes a snapshot."""
+    cs = load_table_configs(config_dir or tables_dir())
+    cfg = cs.tables.get(table)
+    if cfg is None:
+        raise ValueError(
+            f"feed consumer {consumer}: table config {table!r} is missing or invalid in {config_dir or tables_dir()}; "
+            "fix the table's YAML (python -m cdc_lakehouse.cli validate) or point the consumer at another table"
+        )
+    source = asset(cfg.current_table)
+    with _dag(
+        f"cdc_feed__{consumer}",
+        source,
+        cfg,
+        _tags("feed", cfg),
+        feed_doc(cfg, consumer, output, about),
+        f"Change-feed consumer {consumer} of {cfg.current_table} into {output}",
+    ) as dag:
+        spark_task(
+            "consume",
+            job,
+            ["--tables", table, "--consumer", consumer, "--output", output, "--upto", FEED_UPTO],
+            [],  # reads the lake only
+            "default_pool",  # writes only its own output; max_active_runs=1 keeps its runs apart
+            inlets=[source],
+            outlets=[asset(output)],
+            execution_timeout=timedelta(hours=1),
+        )
+    return dag
+
+
+def feed_doc(cfg: TableConfig, consumer: str, output: str, about: str) -> str:
+    return f"""# Change-feed consumer: `{consumer}`
+
+{about}
+
+## What it does
+Runs when `lake.{cfg.current_table}` gets a complete snapshot (its ingest's or bootstrap's
+Asset event, which carries the snapshot id). It reads the table's net changes since the offset
+committed with `lake.{output}` (one row per key: upsert or delete), applies them, and commits
+the output and the new offset in one Iceberg commit: a run killed anywhere neither skips nor
+repeats a change. Contract: docs/change-feed.md.
+
+## How to operate it
+- **Where it is**: the offset is the `cdc.feed.offsets` property of the output's newest
+  snapshot: `SELECT committed_at, summary['cdc.feed.offsets'] FROM lake.{output}.snapshots`.
+- **Failed**: the task log names the cause; fix it and clear the task (it starts from the
+  committed offset). An `OffsetConflictError` means another run committed first: look for a
+  second deployment; nothing was written by the failed run.
+- **Start over**: drop `lake.{output}`; the next run rebuilds it from every live row.
+"""
 
 
 def load_configs(

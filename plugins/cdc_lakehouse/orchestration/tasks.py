@@ -208,3 +208,34 @@ def spark_jars() -> list[str]:
 
 def jars_dir() -> str:
     return str(local_paths()["jars"])
+
+
+class AnnounceLakeSnapshots:
+    """post_execute of an ingest task: each current table's Asset event carries the snapshot the
+    run left complete (the newest carrying a `cdc.watermark`) and that watermark's shard positions,
+    so a DAG scheduled on the Asset reads exactly up to it (cdc_lakehouse.feed; docs/change-feed.md).
+
+    A failure here only leaves the event without them (logged): the data is committed, and failing
+    the task would re-run the ingest for nothing; a consumer then reads up to the newest complete
+    snapshot, which includes this run's."""
+
+    def __init__(self, assets: dict[str, Any]) -> None:
+        self.assets = assets  # lake table (namespace.name) -> its Asset
+
+    def __call__(self, context: Any, result: Any = None) -> None:
+        from cdc_lakehouse.feed.arrow import load_catalog_for, pyiceberg_snapshots
+        from cdc_lakehouse.feed.plan import complete_head
+        from cdc_lakehouse.lake.watermark import Watermark
+
+        try:
+            catalog = load_catalog_for(lake_settings())
+            for table, asset in self.assets.items():
+                snaps, current = pyiceberg_snapshots(catalog.load_table(table))
+                head = complete_head(table, snaps, current, None)
+                context["outlet_events"][asset].extra = {
+                    "table": table,
+                    "snapshot_id": head.snapshot_id,
+                    "watermark": Watermark.from_dict(head.watermark).shard_lsns(),
+                }
+        except Exception as exc:  # noqa: BLE001 - see the docstring
+            log.warning("asset events of %s go without their snapshot: %s", sorted(self.assets), exc)

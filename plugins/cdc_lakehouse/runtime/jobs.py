@@ -179,6 +179,10 @@ def main_bootstrap(argv: list[str] | None = None) -> int:
         cs = load_table_configs(a.config_dir)
         ep_tables = cs.endpoint_tables()
         shards = [s for s in a.shards.split(",") if s] or None
+        if cfg.landing.kind == "debezium_s3":  # Debezium's own snapshot ('r' events) loads it
+            from cdc_lakehouse.landing.debezium import bootstrap_debezium
+
+            return bootstrap_debezium(spark, lake, cfg)
         return bootstrap_table(spark, lake, cfg, run_id=run, shards=shards, all_endpoint_tables=ep_tables)
 
     return run_per_table("bootstrap", args, fn)

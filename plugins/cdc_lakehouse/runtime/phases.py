@@ -7,10 +7,11 @@ import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from datetime import UTC, datetime, timedelta
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from pyspark.sql import SparkSession
+    from pyspark.sql import Column, DataFrame, SparkSession
 
 
 class PhaseClock:
@@ -47,6 +48,7 @@ class SparkJobs:
         self.label = label
         self.group = f"cdc-{uuid.uuid4().hex[:12]}"
         self.count = 0
+        self.sites: list[str] = []
         self._previous: str | None = None
 
     def __enter__(self) -> SparkJobs:
@@ -55,7 +57,40 @@ class SparkJobs:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.count = len(self.sc.statusTracker().getJobIdsForGroup(self.group))
+        tracker = self.sc.statusTracker()
+        ids = sorted(tracker.getJobIdsForGroup(self.group))
+        self.count = len(ids)
+        # What started each job (its last stage's call site, e.g. "save at .../run.py:255"):
+        # where a budget regressed, this says which line did it.
+        self.sites = [_call_site(tracker, j) for j in ids]
         # Leave the thread as it was: a job group outlives the block otherwise.
         self.sc.setLocalProperty("spark.jobGroup.id", self._previous)  # type: ignore[arg-type]
         self.sc.setLocalProperty("spark.job.description", None)  # type: ignore[arg-type]
+
+
+def _call_site(tracker: Any, job_id: int) -> str:
+    job = tracker.getJobInfo(job_id)
+    stages = [tracker.getStageInfo(s) for s in (job.stageIds if job else [])]
+    names = [st.name for st in stages if st is not None]
+    return names[-1] if names else "?"
+
+
+def observed_counts(df: DataFrame, *exprs: Column) -> dict[str, Any]:
+    """Aggregates over df, computed while a no-op write scans it: one Spark job, where
+    `df.groupBy().agg(...).collect()` takes two under adaptive execution (its shuffle stage runs
+    as a job of its own). Returns {alias: value}."""
+    from pyspark.sql import Observation
+
+    obs = Observation(f"cdc_{uuid.uuid4().hex[:8]}")
+    df.observe(obs, *exprs).write.format("noop").mode("overwrite").save()
+    return timestamps_from_micros(obs.get)
+
+
+def timestamps_from_micros(values: dict[str, Any]) -> dict[str, Any]:
+    """Observed metrics reach Python as JVM objects unless primitive: timestamps are therefore
+    observed as `unix_micros(...)` under a name ending in `_ts`, and turned back here into naive
+    UTC datetimes (what collect() gives in a UTC session)."""
+    epoch = datetime(1970, 1, 1, tzinfo=UTC).replace(tzinfo=None)
+    return {
+        k: (epoch + timedelta(microseconds=v) if k.endswith("_ts") and v is not None else v) for k, v in values.items()
+    }

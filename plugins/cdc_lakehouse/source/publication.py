@@ -96,12 +96,18 @@ def _table_problems(cur, where: str, user: str, schema: str, table: str, key: li
 PUBLISH_ACTIONS = ("insert", "update", "delete", "truncate")
 
 
-def check_publication(conn, ep: EndpointTables, *, fix: bool = True) -> list[str]:
+def check_publication(
+    conn, ep: EndpointTables, *, fix: bool = True, column_lists: dict[tuple[str, str], list[str]] | None = None
+) -> list[str]:
     """Create the publication or add missing tables when we may; otherwise report the fix.
 
     Membership is not enough: a publication that does not publish deletes or truncates, or that
-    filters rows or columns of one of our tables, silently drops changes, so those are problems."""
+    filters rows or columns of one of our tables, silently drops changes, so those are problems.
+    column_lists: (schema, table) -> the columns every table config reading it consumes (see
+    column_list_for); tables are created or added with that list, and an existing list is
+    accepted when it carries at least those columns."""
     wanted = ep.qualified_tables() + [(s, HEARTBEAT_TABLE) for s in ep.schemas]
+    lists = column_lists or {}
     problems: list[str] = []
     with conn.cursor() as cur:
         cur.execute(
@@ -113,7 +119,7 @@ def check_publication(conn, ep: EndpointTables, *, fix: bool = True) -> list[str
         if row is None:
             if not fix:
                 return [f"publication {PUBLICATION} does not exist on endpoint {ep.endpoint_id}"]
-            tables = ", ".join(pg_qualified(s, t) for s, t in wanted)
+            tables = ", ".join(_published(s, t, lists) for s, t in wanted)
             try:
                 cur.execute(f"CREATE PUBLICATION {pg_ident(PUBLICATION)} FOR TABLE {tables}")
             except Exception as exc:  # noqa: BLE001 - reported with the fix
@@ -125,13 +131,13 @@ def check_publication(conn, ep: EndpointTables, *, fix: bool = True) -> list[str
                 ]
             return []
         problems += _publish_actions(conn, cur, ep, dict(zip(PUBLISH_ACTIONS, row[2:6])), fix)
-        problems += _publication_filters(cur, ep, wanted)
+        problems += _publication_filters(cur, ep, wanted, lists)
         cur.execute("SELECT schemaname, tablename FROM pg_publication_tables WHERE pubname = %s", (PUBLICATION,))
         present = set(cur.fetchall())
         for s, t in wanted:
             if (s, t) in present:
                 continue
-            stmt = f"ALTER PUBLICATION {pg_ident(PUBLICATION)} ADD TABLE {pg_qualified(s, t)}"
+            stmt = f"ALTER PUBLICATION {pg_ident(PUBLICATION)} ADD TABLE {_published(s, t, lists)}"
             if fix:
                 try:
                     cur.execute(stmt)
@@ -164,15 +170,20 @@ def _publish_actions(conn, cur, ep: EndpointTables, actions: dict[str, bool], fi
     ]
 
 
-def _publication_filters(cur, ep: EndpointTables, wanted: list[tuple[str, str]]) -> list[str]:
+def _publication_filters(
+    cur, ep: EndpointTables, wanted: list[tuple[str, str]], lists: dict[tuple[str, str], list[str]]
+) -> list[str]:
     """Row filters and column lists (PostgreSQL 15+) on our tables: refused, never fixed silently
-    (someone chose them), with the statements that remove them."""
+    (someone chose them), with the statements that remove them. A column list is fine when it
+    carries every column the table's configs consume (lists)."""
     cur.execute("SELECT current_setting('server_version_num')::int")
     if cur.fetchone()[0] < 150000:
         return []
     cur.execute(
         """
-        SELECT n.nspname, c.relname, pg_get_expr(pr.prqual, pr.prrelid), pr.prattrs IS NOT NULL
+        SELECT n.nspname, c.relname, pg_get_expr(pr.prqual, pr.prrelid), pr.prattrs IS NOT NULL,
+               ARRAY(SELECT a.attname::text FROM pg_attribute a
+                     WHERE a.attrelid = pr.prrelid AND a.attnum = ANY(pr.prattrs::int2[]))
         FROM pg_publication_rel pr JOIN pg_publication p ON p.oid = pr.prpubid
         JOIN pg_class c ON c.oid = pr.prrelid JOIN pg_namespace n ON n.oid = c.relnamespace
         WHERE p.pubname = %s AND (pr.prqual IS NOT NULL OR pr.prattrs IS NOT NULL)
@@ -181,10 +192,13 @@ def _publication_filters(cur, ep: EndpointTables, wanted: list[tuple[str, str]])
     )
     want = set(wanted)
     problems = []
-    for schema, table, rowfilter, collist in cur.fetchall():
+    for schema, table, rowfilter, collist, listed in cur.fetchall():
         if (schema, table) not in want:
             continue
-        what = f"a row filter (WHERE {rowfilter})" if rowfilter else "a column list"
+        need = lists.get((schema, table))
+        if not rowfilter and need is not None and set(need) <= set(listed):
+            continue  # a column list of consumed columns: what the configs asked for
+        what = f"a row filter (WHERE {rowfilter})" if rowfilter else f"a column list ({', '.join(listed)})"
         if rowfilter and collist:
             what = f"a row filter (WHERE {rowfilter}) and a column list"
         q = pg_qualified(schema, table)
@@ -194,6 +208,32 @@ def _publication_filters(cur, ep: EndpointTables, wanted: list[tuple[str, str]])
             f"{pg_ident(PUBLICATION)} DROP TABLE {q}; ALTER PUBLICATION {pg_ident(PUBLICATION)} ADD TABLE {q}"
         )
     return problems
+
+
+def _published(schema: str, table: str, lists: dict[tuple[str, str], list[str]]) -> str:
+    """The table as a publication lists it: with its column list when it has one."""
+    cols = lists.get((schema, table))
+    q = pg_qualified(schema, table)
+    return q if cols is None else f"{q} ({', '.join(pg_ident(c) for c in cols)})"
+
+
+def column_list_for(
+    cfgs: list[Any], columns: list[str], identity: list[str], replica_identity: str
+) -> list[str] | None:
+    """The publication's column list for one source table (PostgreSQL 15+), or None: publish every
+    column. cfgs: every table config reading it on this endpoint (TableConfig); columns: the
+    table's columns in order; identity: its replica identity columns.
+
+    Only when every config consumes a subset (columns.include/exclude): the union of what they
+    consume, plus the replica identity (PostgreSQL requires it for UPDATE and DELETE). Never with
+    REPLICA IDENTITY FULL (the list would have to hold every column), and never when a config
+    consumes everything."""
+    if replica_identity == "f" or not cfgs or any(c.columns.all for c in cfgs):
+        return None
+    keep = set(identity)
+    for c in cfgs:
+        keep |= set(c.consumed(columns)) | set(c.primary_key)
+    return [c for c in columns if c in keep]
 
 
 def published_tables(conn) -> list[str]:

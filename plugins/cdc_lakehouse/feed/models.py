@@ -1,0 +1,92 @@
+"""Typed models of the change feed: what crosses from the planner to the readers, the offset
+stores and the consumers. Pure Python (pydantic), no Spark: DAG files import it."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from cdc_lakehouse.identifiers import IdentifierError, check_lake_ident
+
+FeedMode = Literal["noop", "changelog", "diff", "full"]
+OP_UPSERT, OP_DELETE = "upsert", "delete"
+FEED_OP_COL = "_feed_op"  # upsert | delete
+BEFORE_COL = "_feed_before"  # the key's row at the consumer's offset (with_before=True), else absent
+
+
+class FeedError(ValueError):
+    """A feed read or offset commit that cannot go on; the message names table, consumer and fix."""
+
+
+class OffsetConflictError(RuntimeError):
+    """Another run of the same consumer committed an offset since this run read its own."""
+
+
+class FeedOffset(BaseModel):
+    """How far a consumer has read one table: a snapshot of the table's current table that
+    carries a `cdc.watermark` (a complete position), and that watermark's shard positions."""
+
+    model_config = ConfigDict(frozen=True)
+
+    consumer: str = Field(description="the consumer's name, [a-z0-9_]")
+    table: str = Field(description="the lake table read, namespace.name (a current table)")
+    snapshot_id: int = Field(description="the snapshot read up to, inclusive")
+    watermark: dict[str, int] = Field(default_factory=dict, description="shard -> exclusive LSN at that snapshot")
+
+    def to_json(self) -> str:
+        return json.dumps(self.model_dump(), separators=(",", ":"), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> FeedOffset:
+        return cls.model_validate_json(text)
+
+
+def check_consumer_name(consumer: str) -> str:
+    """Consumers name Iceberg snapshot properties and meta rows: the identifier rules apply."""
+    try:
+        return check_lake_ident(consumer, "feed consumer name")
+    except IdentifierError as exc:
+        raise FeedError(str(exc)) from None
+
+
+@dataclass(frozen=True)
+class SnapshotInfo:
+    """One snapshot of a table, as the planner needs it (from Spark's Java API or pyiceberg)."""
+
+    snapshot_id: int
+    parent_id: int | None
+    operation: str | None
+    watermark: dict[str, Any] | None  # the parsed `cdc.watermark`, when the snapshot carries one
+
+
+@dataclass(frozen=True)
+class FeedRange:
+    """What one read covers: the changes after `since` up to and including snapshot `snapshot_id`.
+
+    mode: noop (nothing new), changelog (keys from the changelog between the two watermarks),
+    diff (keys whose rows differ between the two snapshots: a rollback, a backfill or repair
+    commit, a shard moved or re-bootstrapped, a truncate), full (no offset yet, or the offset's
+    snapshot was expired: every live row, and the consumer replaces its state)."""
+
+    table: str
+    consumer: str
+    since: FeedOffset | None
+    snapshot_id: int
+    watermark: dict[str, int]
+    mode: FeedMode
+    reason: str = ""
+    lo_watermark: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def offset(self) -> FeedOffset:
+        """The offset to commit once this range is applied."""
+        return FeedOffset(
+            consumer=self.consumer, table=self.table, snapshot_id=self.snapshot_id, watermark=self.watermark
+        )
+
+    @property
+    def replaces_state(self) -> bool:
+        return self.mode == "full"

@@ -1,0 +1,165 @@
+"""Committed feed offsets, per consumer and per table, stored in the lake.
+
+Exactly once (output is an Iceberg table): the offsets ride in the `cdc.feed.offsets` snapshot
+property of the very commit that writes the output, as the ingest's watermark does. A run that
+dies before that commit leaves neither output nor offset (the next run reads the same range
+again); one that dies after it leaves both (the next run starts after it). The commit is fenced
+on the offsets the run started from, so a zombie or a second run of the consumer cannot apply a
+range twice.
+
+At least once (any other output): the offset is appended to `cdc_meta.feed_offsets` after the
+output was written. A crash in between makes the next run deliver the same range again, so such
+a sink must be idempotent (an upsert by key, or a replace of the range's partitions).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from cdc_lakehouse.feed.models import FeedError, FeedOffset, OffsetConflictError, check_consumer_name
+from cdc_lakehouse.lake.commits import with_commit_retries
+from cdc_lakehouse.lake.snapshots import current_ancestors
+from cdc_lakehouse.lake.tables import create_table_sql, ensure_namespace
+from cdc_lakehouse.runtime.failpoints import crash_point
+from cdc_lakehouse.settings import LakeSettings
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+OFFSETS_PROP = "cdc.feed.offsets"
+META_NAME = "feed_offsets"
+META_COLUMNS = [
+    ("consumer", "string"),
+    ("table_name", "string"),
+    ("snapshot_id", "bigint"),
+    ("watermark", "string"),  # shard -> exclusive LSN, JSON
+    ("seq", "bigint"),  # 1, 2, ... per consumer and table: the newest row wins, clocks never decide
+    ("committed_at", "timestamp"),
+]
+
+# --- exactly once: in the output's own commit -------------------------------------------------------
+
+
+def offsets_property(consumer: str, offsets: list[FeedOffset]) -> dict[str, str]:
+    """The snapshot property to commit with the output: {consumer, tables: {table: offset}}."""
+    tables = {o.table: {"snapshot_id": o.snapshot_id, "watermark": o.watermark} for o in offsets}
+    if any(o.consumer != consumer for o in offsets):
+        raise ValueError(f"offsets of another consumer given to {consumer}")
+    return {OFFSETS_PROP: json.dumps({"consumer": consumer, "tables": tables}, separators=(",", ":"), sort_keys=True)}
+
+
+def output_offsets(spark: SparkSession, output_table: str, consumer: str) -> dict[str, FeedOffset]:
+    """The offsets committed with the output table's newest snapshot that carries them (later
+    compactions or expiry carry none); {} when the table or its offsets do not exist yet."""
+    check_consumer_name(consumer)
+    if not spark.catalog.tableExists(output_table):
+        return {}
+    spark.sql(f"REFRESH TABLE {output_table}")
+    for snap in current_ancestors(spark, output_table):
+        raw = snap.summary().get(OFFSETS_PROP)
+        if raw is None:
+            continue
+        data = json.loads(raw)
+        if data.get("consumer") != consumer:
+            raise FeedError(
+                f"{output_table}: its offsets belong to consumer {data.get('consumer')!r}, not {consumer!r}; "
+                "give each consumer its own output table"
+            )
+        return {
+            t: FeedOffset(consumer=consumer, table=t, snapshot_id=o["snapshot_id"], watermark=o["watermark"])
+            for t, o in data["tables"].items()
+        }
+    return {}
+
+
+def commit_with_offsets(
+    spark: SparkSession,
+    output_table: str,
+    consumer: str,
+    expected: dict[str, FeedOffset],
+    new: list[FeedOffset],
+    write: Callable[[dict[str, str]], None],
+) -> bool:
+    """Run `write(props)`, which must make exactly one Iceberg commit of the output carrying
+    `props` (DataFrameWriterV2 `.option("snapshot-property.<k>", v)` or lake.commits.
+    sql_with_commit_properties). Fenced: only while the committed offsets are still `expected`.
+    Returns False when this very commit had already landed (a retry after an unknown outcome)."""
+    props = offsets_property(consumer, new)
+    want = {o.table: o for o in new}
+
+    def attempt() -> bool:
+        now = output_offsets(spark, output_table, consumer)
+        if now == {**expected, **want} and now != expected:
+            return False  # an earlier attempt of this commit landed (its outcome was unknown)
+        if now != expected:
+            raise OffsetConflictError(
+                f"consumer {consumer}: {output_table} was committed by another run since this one read its "
+                f"offsets ({_brief(expected)} -> {_brief(now)}); nothing was written by this run. Check for a "
+                "second deployment or a run that outlived its task, then rerun"
+            )
+        crash_point("feed_before_output_commit")
+        write(props)
+        crash_point("feed_after_output_commit")
+        return True
+
+    return with_commit_retries(attempt, what=f"feed {consumer} -> {output_table}")
+
+
+def _brief(offsets: dict[str, FeedOffset]) -> str:
+    return json.dumps({t: o.snapshot_id for t, o in sorted(offsets.items())})
+
+
+# --- at least once: cdc_meta.feed_offsets ------------------------------------------------------------
+
+
+def ensure_offsets_table(spark: SparkSession, lake: LakeSettings) -> str:
+    ensure_namespace(spark, lake, lake.meta_namespace)
+    table = lake.qualified(lake.meta_table(META_NAME))
+    props = {"format-version": "2", "commit.retry.num-retries": "20"}
+    spark.sql(create_table_sql(table, META_COLUMNS, "", props))
+    return table
+
+
+def meta_offset(spark: SparkSession, lake: LakeSettings, consumer: str, table: str) -> tuple[FeedOffset | None, int]:
+    """(the consumer's committed offset of `table`, its seq); (None, 0) before its first commit."""
+    from pyspark.sql import functions as F
+
+    check_consumer_name(consumer)
+    t = ensure_offsets_table(spark, lake)
+    spark.sql(f"REFRESH TABLE {t}")
+    rows = spark.table(t).filter((F.col("consumer") == consumer) & (F.col("table_name") == table))
+    top = rows.orderBy(F.col("seq").desc()).limit(1).collect()
+    if not top:
+        return None, 0
+    r = top[0]
+    offset = FeedOffset(
+        consumer=consumer, table=table, snapshot_id=r["snapshot_id"], watermark=json.loads(r["watermark"])
+    )
+    return offset, int(r["seq"])
+
+
+def commit_meta_offset(
+    spark: SparkSession, lake: LakeSettings, offset: FeedOffset, expected: FeedOffset | None
+) -> None:
+    """Record `offset` after the output was written (at least once). Fenced on `expected`: a
+    second run of the consumer that committed in between makes this one fail loudly."""
+    from datetime import UTC, datetime
+
+    def attempt() -> None:
+        now, seq = meta_offset(spark, lake, offset.consumer, offset.table)
+        if now == offset:
+            return
+        if now != expected:
+            raise OffsetConflictError(
+                f"consumer {offset.consumer}: its offset of {offset.table} moved since this run read it "
+                f"({expected and expected.snapshot_id} -> {now and now.snapshot_id}); the output of this run "
+                "is already written (at-least-once sink): rerun, and the range is delivered again"
+            )
+        row = (offset.consumer, offset.table, offset.snapshot_id, json.dumps(offset.watermark, sort_keys=True))
+        schema = ", ".join(f"{c} {t}" for c, t in META_COLUMNS)
+        df = spark.createDataFrame([(*row, seq + 1, datetime.now(UTC).replace(tzinfo=None))], schema)
+        df.writeTo(lake.qualified(lake.meta_table(META_NAME))).append()
+
+    with_commit_retries(attempt, what=f"feed offset {offset.consumer}/{offset.table}")

@@ -1,0 +1,226 @@
+"""The batch as one Spark plan (issue #16): the landing files are read once, and validation, casts,
+deduplication, key-change splitting, the TOAST fill and the choice of the latest event per key
+are one DataFrame plan, materialized once. The quarantine, the changelog append and the MERGE
+read that result; the counters the phases need are observed while it is materialized, so they
+cost no extra pass.
+
+Rows of the result, told apart by flags:
+    LIVE      a valid row change not yet in the table (one row per half of a key change)
+    DUP       a repeated delivery of the event before it (same shard, commit LSN, seq)
+    LATEST    the key's latest event: what the MERGE applies
+    malformed rows (REASONS not empty) and truncates (op 't') are not LIVE
+
+Every per-key step is a window over (LIVE, shard, key) in (commit LSN, seq) order, so the plan
+shuffles the batch once. What one pass cannot decide (an unchanged TOAST value that must come
+from the old key of a key change, or a column of an unexpected type) is counted here and left to
+the multi-pass fill in ingest.toast.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from cdc_lakehouse.config import COMMIT_TS_COL, LSN_COL, OP_COL, SEQ_COL, SHARD_COL, TableConfig
+from cdc_lakehouse.ingest.reduce import split_pk_changes
+from cdc_lakehouse.ingest.toast import NO_TABLE, UNAV_LEFT
+from cdc_lakehouse.ingest.validate import BKEY, PKCHANGE, REASONS, typed_events
+from cdc_lakehouse.lake.columns import UNAVAILABLE_COL
+from cdc_lakehouse.lake.watermark import shard_lsn_map
+from cdc_lakehouse.runtime.phases import timestamps_from_micros
+
+if TYPE_CHECKING:
+    from pyspark.sql import Column, DataFrame
+
+LIVE = "_live"
+DUP = "_dup"
+LATEST = "_latest"
+_GEN = "_gen"
+# Lake types PostgreSQL never TOASTs (fixed width): the one-pass fill skips them.
+_FIXED = ("bigint", "int", "smallint", "tinyint", "boolean", "float", "double", "date", "timestamp", "timestamp_ntz")
+
+
+@dataclass
+class FusedBatch:
+    rows: DataFrame  # materialized: every pending event of the batch, flagged (see the module doc)
+    counts: dict[str, Any]  # the observed counters (see _in_counters, _out_counters)
+    filled_columns: list[str]  # the columns the one-pass fill looked at
+
+    def malformed(self) -> DataFrame:
+        from pyspark.sql import functions as F
+
+        return self.rows.filter(F.size(REASONS) > 0)
+
+    def events(self) -> DataFrame:
+        """Valid row changes, each once, TOAST-filled: what the changelog appends."""
+        from pyspark.sql import functions as F
+
+        return self.rows.filter(F.col(LIVE) & ~F.col(DUP))
+
+    def truncates(self) -> DataFrame:
+        from pyspark.sql import functions as F
+
+        return self.rows.filter((F.size(REASONS) == 0) & (F.col(OP_COL) == "t") & ~F.col(DUP))
+
+    def latest(self) -> DataFrame:
+        from pyspark.sql import functions as F
+
+        return self.rows.filter(F.col(LATEST))
+
+    def needs_multipass_fill(self) -> bool:
+        """A key change whose new key lacks a TOAST value (it comes from the old key), or an
+        unavailable column the one pass did not look at."""
+        names = set(self.counts["unavailable"])
+        return bool(self.counts["pk_unresolved"]) or not names <= set(self.filled_columns)
+
+
+def fused_batch(
+    raw: DataFrame,
+    cfg: TableConfig,
+    lake_cols: list[tuple[str, str]],
+    watermark: dict[str, Any],
+) -> FusedBatch:
+    """Landing rows -> the batch's flagged events, materialized once, with its counters."""
+    from pyspark.sql import Observation
+    from pyspark.sql import functions as F
+
+    shard_map = {(g.endpoint_id, schema): shard for g, schema, shard in cfg.shards()}
+    typed = typed_events(raw, cfg, lake_cols, shard_map).filter(F.col(SHARD_COL).isNotNull())
+    # Events the table already has (replays, reruns) are dropped before validation, so an old
+    # malformed event is not quarantined twice.
+    floor = shard_lsn_map(watermark)
+    typed = typed.withColumn("_applied", F.col(LSN_COL) < F.coalesce(floor[F.col(SHARD_COL)], F.lit(0)))
+    seen = Observation("cdc_batch_in")
+    typed = typed.observe(seen, *_in_counters(cfg)).filter(~F.col("_applied")).drop("_applied")
+    live = (F.size(REASONS) == 0) & (F.col(OP_COL) != "t")
+    events = split_pk_changes(typed, cfg, live=live).withColumn(LIVE, live)
+    names = [c for c, t in lake_cols if c not in cfg.primary_key and t.replace(" ", "") not in _FIXED]
+    flagged = _per_key(events, cfg, names)
+    out = Observation("cdc_batch_out")
+    rows = flagged.observe(out, *_out_counters()).localCheckpoint(eager=True)
+    # An input with no partitions never runs the observed node: its metrics are then empty.
+    counts = {**_plain(seen.get), **_plain(out.get)}
+    counts = {
+        **dict.fromkeys(_COUNTS, 0),
+        "unavailable": [],
+        "truncated": [],
+        "shard_commits": {},
+        "min_ts": None,
+        "max_ts": None,
+        **counts,
+    }
+    return FusedBatch(rows, counts, names)
+
+
+def _per_key(events: DataFrame, cfg: TableConfig, names: list[str]) -> DataFrame:
+    """DUP, the one-pass TOAST fill (UNAV_LEFT, NO_TABLE) and LATEST, all windows over the key."""
+    from pyspark.sql import Window
+    from pyspark.sql import functions as F
+
+    part = [LIVE, SHARD_COL, *cfg.primary_key]
+    w = Window.partitionBy(*part).orderBy(LSN_COL, SEQ_COL)
+    before = w.rowsBetween(Window.unboundedPreceding, -1)
+    same_as_prev = (F.lag(LSN_COL).over(w) == F.col(LSN_COL)) & (F.lag(SEQ_COL).over(w) == F.col(SEQ_COL))
+    first = F.col(LIVE) & ~F.col(DUP)
+    df = events.withColumn(DUP, F.coalesce(same_as_prev, F.lit(False)))
+    # A value never crosses a delete of its key: events after the key's n-th delete in the batch
+    # look back only within generation n (see ingest.toast._generations).
+    df = df.withColumn(
+        _GEN, F.coalesce(F.sum((first & (F.col(OP_COL) == "d")).cast("int")).over(before), F.lit(0))
+    ).withColumn(LATEST, F.col(LIVE) & F.lead(LSN_COL).over(w).isNull())
+    gen = Window.partitionBy(*part, _GEN).orderBy(LSN_COL, SEQ_COL)
+    work = F.coalesce(F.col(UNAVAILABLE_COL), F.array().cast("array<string>"))
+    prevs: dict[str, Column] = {}
+    for c in names:
+        # The key's latest earlier event (in its generation) that carried the value.
+        src = F.when(first & (F.col(OP_COL) != "d") & ~F.array_contains(work, c), F.struct(F.col(c).alias("v")))
+        prevs[f"_prev_{c}"] = F.last(src, ignorenulls=True).over(gen.rowsBetween(Window.unboundedPreceding, -1))
+    no_table = (F.col(_GEN) > 0) | F.max(F.col(PKCHANGE).cast("int")).over(
+        gen.rowsBetween(Window.unboundedPreceding, 0)
+    ).cast("boolean")
+    df = df.withColumns({**prevs, NO_TABLE: no_table})
+    # Then, per column, take the value where it was missing; the columns still missing are
+    # UNAV_LEFT. (Built from the _prev_ columns, not by nesting: a chain of when(.., left) per
+    # column would double the expression with every column.)
+    takes = {
+        c: F.col(LIVE) & F.array_contains(work, c) & ~F.col(PKCHANGE) & F.col(f"_prev_{c}").isNotNull() for c in names
+    }
+    taken = F.array(*[F.when(t, F.lit(c)) for c, t in takes.items()]) if names else F.array().cast("array<string>")
+    cols = {c: F.when(t, F.col(f"_prev_{c}")["v"]).otherwise(F.col(c)) for c, t in takes.items()}
+    return df.withColumns({**cols, UNAV_LEFT: F.array_except(work, taken)}).drop(_GEN, *prevs)
+
+
+def _in_counters(cfg: TableConfig) -> list[Column]:
+    """Per typed event, before anything is dropped (the old ingest.run.batch_counts)."""
+    from pyspark.sql import functions as F
+
+    pend = ~F.col("_applied")
+    ok = pend & (F.size(REASONS) == 0)
+    pk_change = F.lit(False)
+    for k in cfg.primary_key:
+        pk_change = pk_change | (F.col(BKEY + k).isNotNull() & ~F.col(BKEY + k).eqNullSafe(F.col(k)))
+    return [
+        F.count(F.lit(1)).alias("n"),
+        F.sum(F.col("_applied").cast("int")).alias("applied"),
+        F.sum((pend & (F.size(REASONS) > 0)).cast("int")).alias("bad"),
+        F.sum((ok & (F.col(OP_COL) != "t")).cast("int")).alias("valid"),
+        F.sum((ok & (F.col(OP_COL) == "u") & pk_change).cast("int")).alias("pk_changes"),
+        F.sum((ok & (F.col(OP_COL) == "t")).cast("int")).alias("truncates"),
+        # Arrays come back from the JVM as opaque objects: JSON text instead.
+        F.to_json(F.collect_set(F.when(ok & (F.col(OP_COL) == "t"), F.col(SHARD_COL)))).alias("truncated"),
+        F.to_json(F.array_distinct(F.flatten(F.collect_set(F.when(ok, F.col(UNAVAILABLE_COL)))))).alias("unavailable"),
+        # Per shard, the newest source commit seen (lake.freshness records it): one aggregate per
+        # configured shard, so the freshness table costs no pass over the landing files.
+        F.to_json(
+            F.struct(
+                *[
+                    F.max(
+                        F.when(
+                            F.col(SHARD_COL) == shard,
+                            F.struct(F.unix_micros(COMMIT_TS_COL).alias("ts"), F.col(LSN_COL).alias("lsn")),
+                        )
+                    ).alias(shard)
+                    for _, _, shard in cfg.shards()
+                ]
+            )
+        ).alias("shard_commits"),
+    ]
+
+
+def _out_counters() -> list[Column]:
+    """Over the flagged rows: duplicates, and the reduced batch's totals (ingest.run.reduced_totals)."""
+    from pyspark.sql import functions as F
+
+    latest, upsert = F.col(LATEST), F.col(OP_COL) != "d"
+    needs_base = latest & upsert & (F.size(UNAV_LEFT) > 0)
+    return [
+        F.sum((F.col(LIVE) & F.col(DUP)).cast("int")).alias("duplicates"),
+        F.sum(latest.cast("int")).alias("reduced"),
+        F.sum((latest & upsert).cast("int")).alias("upserts"),
+        F.sum(needs_base.cast("int")).alias("needs_base"),
+        F.sum((needs_base & F.col(NO_TABLE)).cast("int")).alias("needs_base_no_table"),
+        F.sum((latest & upsert & (F.size(F.coalesce(UNAVAILABLE_COL, F.array())) > 0)).cast("int")).alias("filled"),
+        F.sum((F.col(LIVE) & F.col(PKCHANGE) & (F.size(UNAV_LEFT) > 0)).cast("int")).alias("pk_unresolved"),
+        F.unix_micros(F.min(F.when(latest, F.col(COMMIT_TS_COL)))).alias("min_ts"),
+        F.unix_micros(F.max(F.when(latest, F.col(COMMIT_TS_COL)))).alias("max_ts"),
+    ]
+
+
+_COUNTS = ("n", "applied", "bad", "valid", "pk_changes", "truncates", "duplicates", "reduced", "upserts")
+_COUNTS += ("needs_base", "needs_base_no_table", "filled", "pk_unresolved")
+
+
+def _plain(observed: dict[str, Any]) -> dict[str, Any]:
+    """Observed values as Python: counts as int (a sum over no rows is NULL), JSON text decoded."""
+    out: dict[str, Any] = {}
+    for k, v in timestamps_from_micros(observed).items():
+        if k == "shard_commits":
+            out[k] = {s: c for s, c in json.loads(v or "{}").items() if c}
+        elif k in ("truncated", "unavailable"):
+            out[k] = sorted(json.loads(v)) if v else []
+        elif k.endswith("_ts"):
+            out[k] = v
+        else:
+            out[k] = int(v or 0)
+    return out

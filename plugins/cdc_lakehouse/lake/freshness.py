@@ -1,0 +1,274 @@
+"""lake.freshness: how fresh each shard of a table is in the lake, recorded as data (Spark driver).
+
+Every ingest run appends one row per shard to `cdc_meta.freshness` (record_freshness, called
+from the ingest's finish(), also on runs with no events where only heartbeats moved the
+watermark). A row says, for one table and shard:
+
+    last_source_commit_*   the newest source transaction of this table the pipeline has seen in
+                           the shard (an insert, update, delete or truncate in the landing files)
+    last_heartbeat_*       the newest `_cdc_heartbeat` commit of the shard (the capture writes one
+                           per run, so it moves on quiet shards too)
+    watermark_lsn/fresh_to the position committed in the lake: every source change of the shard
+                           committed before fresh_to is visible
+    lake_snapshot_id/...   the Iceberg commit of the current table that made that position visible
+    freshness_seconds      how far behind the source the shard was when the run finished
+
+The values are carried forward from the shard's previous row when a run saw no newer ones, so the
+latest row per shard is complete by itself (latest_freshness). Rows are appended (the history shows
+whether a quiet shard's heartbeat keeps moving while its last source commit stays put).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
+
+from cdc_lakehouse.config import TableConfig
+from cdc_lakehouse.lake.meta import META_TABLES, meta_append
+from cdc_lakehouse.lake.snapshots import current_ancestors
+from cdc_lakehouse.lake.watermark import WATERMARK_PROP
+from cdc_lakehouse.settings import LakeSettings
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame, SparkSession
+
+    from cdc_lakehouse.landing.reader import Plan
+
+FRESHNESS_TABLE = "freshness"
+
+
+@dataclass
+class ShardFreshness:
+    """One row of cdc_meta.freshness (the columns of META_TABLES['freshness'], in that order)."""
+
+    table_name: str
+    shard: str
+    endpoint: str
+    source_schema: str
+    last_source_commit_lsn: int | None
+    last_source_commit_ts: datetime | None
+    last_heartbeat_lsn: int | None
+    last_heartbeat_ts: datetime | None
+    watermark_lsn: int | None
+    fresh_to: datetime | None
+    lake_snapshot_id: int | None
+    lake_committed_at: datetime | None
+    freshness_seconds: float | None
+    ingest_run: str
+    updated_at: datetime
+
+    def stale_seconds(self, now: datetime) -> float | None:
+        """How far behind the source the shard is at `now` (None: no position time known)."""
+        return None if self.fresh_to is None else (now - self.fresh_to).total_seconds()
+
+
+@dataclass(frozen=True)
+class _Commit:
+    """A source commit (a heartbeat or a change): its LSN and time."""
+
+    lsn: int | None
+    ts: datetime | None
+
+
+def _ts(v: Any) -> datetime | None:
+    """ISO text, microseconds since the epoch (what Spark reads hand over, see _micros) or a
+    datetime (pyiceberg reads timestamptz as aware UTC) -> an aware UTC datetime."""
+    if v is None:
+        return None
+    if isinstance(v, int):
+        return datetime.fromtimestamp(v / 1_000_000, UTC)
+    t = datetime.fromisoformat(v) if isinstance(v, str) else v
+    return t.replace(tzinfo=UTC) if t.tzinfo is None else t.astimezone(UTC)
+
+
+def _newer(a: _Commit | None, b: _Commit | None) -> _Commit | None:
+    """The later of two commits, by commit time (LSNs of two servers do not compare; times do)."""
+    if a is None or a.ts is None:
+        return b if b is not None and b.ts is not None else a
+    if b is None or b.ts is None:
+        return a
+    return b if (b.ts, b.lsn or 0) > (a.ts, a.lsn or 0) else a
+
+
+# --- what the ingest calls ------------------------------------------------------------------------
+
+
+def record_freshness(
+    spark: SparkSession,
+    lake: LakeSettings,
+    cfg: TableConfig,
+    plan: Plan,
+    ingest_run: str,
+    now: datetime | None = None,
+    shard_commits: dict[str, Any] | None = None,
+) -> list[ShardFreshness]:
+    """Append this run's freshness row per shard to cdc_meta.freshness; returns the rows.
+
+    plan: the run's landing plan (its manifests carry the heartbeats, its files the changes).
+    shard_commits: shard -> {"ts": micros, "lsn"} of the newest change in the files, when the
+    ingest's fused plan observed it; otherwise the files are read here (one more Spark job)."""
+    now = _ts(now) or datetime.now(UTC)
+    cur = lake.qualified(cfg.current_table)
+    snap_id, snap_at, committed_wm = _visible_commit(spark, cur)
+    prev = previous_freshness(spark, lake, cfg.name)
+    if shard_commits is not None:
+        seen = {(g.endpoint_id, schema): _from_observed(shard_commits.get(shard)) for g, schema, shard in cfg.shards()}
+        seen = {k: c for k, c in seen.items() if c is not None}
+    else:
+        seen = _source_commits(spark, cfg, plan.files) if plan.files else {}
+    beats = _heartbeats(plan.manifests)
+    rows = []
+    for g, schema, shard in cfg.shards():
+        ep = g.endpoint_id
+        p = prev.get(shard)
+        last_src = _newer(
+            _Commit(p.last_source_commit_lsn, p.last_source_commit_ts) if p else None, seen.get((ep, schema))
+        )
+        last_hb = _newer(_Commit(p.last_heartbeat_lsn, p.last_heartbeat_ts) if p else None, beats.get((ep, schema)))
+        pos = committed_wm.get("shards", {}).get(shard, {})
+        fresh_to = _ts(pos.get("ts"))
+        rows.append(
+            ShardFreshness(
+                table_name=cfg.name,
+                shard=shard,
+                endpoint=ep,
+                source_schema=schema,
+                last_source_commit_lsn=last_src.lsn if last_src else None,
+                last_source_commit_ts=last_src.ts if last_src else None,
+                last_heartbeat_lsn=last_hb.lsn if last_hb else None,
+                last_heartbeat_ts=last_hb.ts if last_hb else None,
+                watermark_lsn=pos.get("lsn"),
+                fresh_to=fresh_to,
+                lake_snapshot_id=snap_id,
+                lake_committed_at=snap_at,
+                freshness_seconds=None if fresh_to is None else (now - fresh_to).total_seconds(),
+                ingest_run=ingest_run,
+                updated_at=now,
+            )
+        )
+    # Aware UTC datetimes: Spark converts them to instants whatever the session's time zone.
+    # The rows also ride in the commit's snapshot properties, so the next run finds its
+    # carry-forward values in metadata (previous_freshness) instead of a Spark read.
+    meta_append(spark, lake, FRESHNESS_TABLE, [asdict(r) for r in rows], {_prop(cfg.name): _rows_json(rows)})
+    return rows
+
+
+def _prop(table_name: str) -> str:
+    return f"cdc.freshness.{table_name}"
+
+
+def _rows_json(rows: list[ShardFreshness]) -> str:
+    import json
+
+    return json.dumps([asdict(r) for r in rows], default=lambda v: v.isoformat(), separators=(",", ":"))
+
+
+def _from_observed(c: dict[str, Any] | None) -> _Commit | None:
+    return None if not c else _Commit(c.get("lsn"), _ts(c.get("ts")))
+
+
+# How many of the freshness table's newest snapshots to search for a table's last rows before
+# reading the table instead (one commit per table and run: this covers many tables).
+_SNAPSHOTS_SEARCHED = 1000
+
+
+def previous_freshness(spark: SparkSession, lake: LakeSettings, table_name: str) -> dict[str, ShardFreshness]:
+    """shard -> the table's newest row, from the snapshot properties of the freshness table's
+    recent commits (driver metadata, no Spark job); read from the table when no recent commit
+    carries them (rows written before they did, or snapshots expired)."""
+    import json
+    from itertools import islice
+
+    name = lake.qualified(lake.meta_table(FRESHNESS_TABLE))
+    for snap in islice(current_ancestors(spark, name), _SNAPSHOTS_SEARCHED):
+        text = snap.summary().get(_prop(table_name))
+        if text is not None:
+            return latest_per_shard(json.loads(text))
+    return latest_freshness(spark, lake, table_name)
+
+
+def _micros(col: str):
+    """A timestamp column as microseconds since the epoch: Spark's collect() would hand back naive
+    datetimes in the driver's local zone, which _ts could not tell from UTC."""
+    from pyspark.sql import functions as F
+
+    return F.unix_micros(F.col(col))
+
+
+def _visible_commit(spark: SparkSession, table: str) -> tuple[int | None, datetime | None, dict[str, Any]]:
+    """(snapshot id, commit time, watermark) of the newest snapshot of the current table that
+    carries a watermark: the commit that made the table's positions visible (a later maintenance
+    snapshot carries none, and changes nothing a reader sees)."""
+    import json
+
+    for snap in current_ancestors(spark, table):
+        wm = snap.summary().get(WATERMARK_PROP)
+        if wm is not None:
+            at = datetime.fromtimestamp(int(snap.timestampMillis()) / 1000, UTC)
+            return int(snap.snapshotId()), at, json.loads(wm)
+    return None, None, {}
+
+
+def _heartbeats(manifests: list[dict[str, Any]]) -> dict[tuple[str, str], _Commit]:
+    """(endpoint, schema) -> the newest heartbeat in the run's manifests."""
+    out: dict[tuple[str, str], _Commit] = {}
+    for m in manifests:
+        for schema, hb in (m.get("heartbeats") or {}).items():
+            key = (m.get("endpoint") or "", schema)
+            out[key] = _newer(out.get(key), _Commit(hb.get("commit_lsn"), _ts(hb.get("commit_ts"))))
+    return out
+
+
+def _source_commits(spark: SparkSession, cfg: TableConfig, files: list[str]) -> dict[tuple[str, str], _Commit]:
+    """(endpoint, schema) -> the newest commit of this table's changes in the run's landing files
+    (one aggregation over the source struct only; Parquet reads just those columns)."""
+    from pyspark.sql import functions as F
+
+    from cdc_lakehouse.ingest.validate import landing_spark_schema
+
+    df = spark.read.schema(landing_spark_schema()).parquet(*files).filter(F.col("source.table") == cfg.source.table)
+    rows = (
+        df.groupBy(F.col("source.endpoint").alias("ep"), F.col("source.schema").alias("schema"))
+        .agg(
+            F.max(F.struct(_micros("source.commit_ts").alias("ts"), F.col("source.commit_lsn").alias("lsn"))).alias("c")
+        )
+        .collect()
+    )
+    return {(r["ep"], r["schema"]): _Commit(r["c"]["lsn"], _ts(r["c"]["ts"])) for r in rows}
+
+
+# --- what the audit, the alerts and the demo read -------------------------------------------------
+
+
+def latest_freshness(spark: SparkSession, lake: LakeSettings, table_name: str) -> dict[str, ShardFreshness]:
+    """shard -> the table's newest cdc_meta.freshness row (empty before the first ingest)."""
+    from pyspark.sql import functions as F
+
+    t = spark.table(lake.qualified(lake.meta_table(FRESHNESS_TABLE))).filter(F.col("table_name") == table_name)
+    t = t.select(*[_micros(c).alias(c) if k == "timestamp" else F.col(c) for c, k in META_TABLES[FRESHNESS_TABLE][0]])
+    return latest_per_shard([r.asDict() for r in _newest_rows(t).collect()])
+
+
+def _newest_rows(t: DataFrame) -> DataFrame:
+    from pyspark.sql import Window
+    from pyspark.sql import functions as F
+
+    w = Window.partitionBy("shard").orderBy(F.col("updated_at").desc(), F.col("ingest_run").desc())
+    return t.withColumn("_n", F.row_number().over(w)).filter("_n = 1").drop("_n")
+
+
+def latest_per_shard(rows: list[dict[str, Any]]) -> dict[str, ShardFreshness]:
+    """shard -> its newest row, from rows of one table (read by Spark or pyiceberg)."""
+    cols = [c for c, _ in META_TABLES[FRESHNESS_TABLE][0]]
+    out: dict[str, ShardFreshness] = {}
+    for r in rows:
+        f = from_row({c: r.get(c) for c in cols})
+        if f.shard not in out or (f.updated_at, f.ingest_run) > (out[f.shard].updated_at, out[f.shard].ingest_run):
+            out[f.shard] = f
+    return out
+
+
+def from_row(r: dict[str, Any]) -> ShardFreshness:
+    ts_cols = {c for c, k in META_TABLES[FRESHNESS_TABLE][0] if k == "timestamp"}
+    return ShardFreshness(**{k: (_ts(v) if k in ts_cols else v) for k, v in r.items()})

@@ -1,0 +1,662 @@
+"""landing.debezium: Debezium's PostgreSQL connector, through Confluent's S3 sink, as a landing source
+(docs/debezium.md).
+
+The sink writes one object per topic partition and offset range:
+
+    <uri>/<topics.dir>/<topic>/partition=<p>/<topic>+<p>+<startOffset>.<json|avro>
+
+with one record per Kafka record, in offset order (JsonFormat with schemas.enable=true: one
+`{"schema": ..., "payload": ...}` per line; AvroFormat: an Avro container file). Table topics are
+`<topic.prefix>.<schema>.<table>`, heartbeats `__debezium-heartbeat.<topic.prefix>`.
+
+This module turns those files into exactly the landing events of our own capture
+(landing.format.EVENT_SCHEMA), so validation, pre-combine, TOAST fill, MERGE and the watermark
+are unchanged. The pure conversion (record -> event row) runs on the executors; the planner runs
+on the driver, stages the batch's events as landing Parquet (read by the ingest like our capture's
+files) and keeps, in the table's watermark under `debezium`, the next Kafka offset of every topic
+partition (a rerun skips what is below it) and each partition's last commit position.
+
+Pure Python at import time: pyspark and fastavro are imported inside the functions that need them.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import math
+import re
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import UTC, date, datetime, time, timedelta
+from decimal import Decimal
+from typing import TYPE_CHECKING, Any
+
+from cdc_lakehouse.config import LandingSource, TableConfig
+from cdc_lakehouse.ingest.errors import NotBootstrapped
+from cdc_lakehouse.landing.reader import HadoopFS, Plan, spark_uri
+from cdc_lakehouse.source.catalog import lake_type, schema_json
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame, SparkSession
+
+WM_KEY = "debezium"
+FILE_RE = re.compile(r"^(?P<topic>.+)\+(?P<partition>\d+)\+(?P<start>\d+)\.(?P<ext>json|avro)$")
+# Naive UTC: Debezium's timestamps without time zone count from here.
+EPOCH = datetime(1970, 1, 1)  # noqa: DTZ001
+# Snapshot ('r') events get a seq from their Kafka position: offset * SNAPSHOT_PARTITIONS + partition.
+SNAPSHOT_PARTITIONS = 1024
+
+
+class DebeziumFormatError(ValueError):
+    """A record the conversion cannot turn into PostgreSQL text; the message names the fix."""
+
+
+# --- the Connect schema of a column ----------------------------------------------------------------
+
+# Connect schema (type, semantic name) -> PostgreSQL type, for the lake type (source.catalog.lake_type).
+_PG_TYPES = {
+    "int8": "smallint",
+    "int16": "smallint",
+    "int32": "integer",
+    "int64": "bigint",
+    "boolean": "boolean",
+    "float": "real",  # JsonConverter's names for Connect's FLOAT32/FLOAT64
+    "double": "double precision",
+    "float32": "real",
+    "float64": "double precision",
+    "string": "text",
+    "bytes": "bytea",
+}
+_PG_SEMANTIC = {
+    "io.debezium.data.VariableScaleDecimal": "numeric",
+    "io.debezium.time.Date": "date",
+    "org.apache.kafka.connect.data.Date": "date",
+    "io.debezium.time.Timestamp": "timestamp without time zone",
+    "io.debezium.time.MicroTimestamp": "timestamp without time zone",
+    "io.debezium.time.NanoTimestamp": "timestamp without time zone",
+    "org.apache.kafka.connect.data.Timestamp": "timestamp without time zone",
+    "io.debezium.time.ZonedTimestamp": "timestamp with time zone",
+    "io.debezium.time.Time": "time without time zone",
+    "io.debezium.time.MicroTime": "time without time zone",
+    "io.debezium.time.NanoTime": "time without time zone",
+    "org.apache.kafka.connect.data.Time": "time without time zone",
+    "io.debezium.time.ZonedTime": "time with time zone",
+    "io.debezium.data.Uuid": "uuid",
+    "io.debezium.data.Json": "jsonb",
+    "io.debezium.data.Xml": "xml",
+    "io.debezium.data.Enum": "text",
+    "io.debezium.data.Ltree": "text",
+}
+DECIMAL = "org.apache.kafka.connect.data.Decimal"
+UNSUPPORTED_FIX = {
+    "io.debezium.time.MicroDuration": "set interval.handling.mode=string on the connector is not enough either "
+    "(ISO 8601 text); map the column out with column.exclude.list or cast it in a view",
+    "io.debezium.data.Bits": "exclude the column (column.exclude.list) or store it as text",
+}
+
+
+def pg_type(col: dict[str, Any], where: str) -> str:
+    """The PostgreSQL type behind a Connect field schema."""
+    sem, typ = col.get("name"), col.get("type")
+    if typ == "array":
+        return pg_type(col["items"], where) + "[]"
+    if sem == DECIMAL:
+        params = col.get("parameters") or {}
+        prec = params.get("connect.decimal.precision")
+        return f"numeric({prec},{params.get('scale', 0)})" if prec else "numeric"
+    if sem in _PG_SEMANTIC:
+        return _PG_SEMANTIC[sem]
+    if sem is None and typ in _PG_TYPES:
+        return _PG_TYPES[typ]
+    fix = UNSUPPORTED_FIX.get(sem or "", "exclude the column (column.exclude.list) or cast it to text at the source")
+    raise DebeziumFormatError(f"{where}: Debezium type {sem or typ!r} is not supported. Fix: {fix}")
+
+
+def table_columns(value_schema: dict[str, Any], key: list[str], where: str) -> list[dict[str, Any]]:
+    """The row's columns as our events' table_schema lists them (name, type, lake_type, key)."""
+    cols = []
+    for f in value_schema.get("fields", []):
+        params = f.get("parameters") or {}
+        source_type = params.get("__debezium.source.column.type", "").upper()
+        if f.get("type") in ("double", "float64") and source_type in ("NUMERIC", "DECIMAL", "MONEY"):
+            raise DebeziumFormatError(
+                f"{where}: column {f['field']!r} is {source_type} sent as a double (decimal.handling.mode=double), "
+                "which loses digits. Fix: set decimal.handling.mode=precise or string on the connector"
+            )
+        pt = pg_type(f, f"{where}: column {f['field']!r}")
+        cols.append({"name": f["field"], "type": pt, "lake_type": lake_type(pt), "key": f["field"] in key})
+    return cols
+
+
+# --- values -> PostgreSQL text ---------------------------------------------------------------------
+
+
+def _unscaled(v: Any) -> int:
+    raw = base64.b64decode(v) if isinstance(v, str) else bytes(v)
+    return int.from_bytes(raw, "big", signed=True)
+
+
+def decimal_text(v: Any, scale: int) -> str:
+    """Connect Decimal (base64 or raw big-endian two's complement, or a Decimal) -> numeric text."""
+    d = v if isinstance(v, Decimal) else Decimal(_unscaled(v)).scaleb(-scale)
+    return f"{d:f}"
+
+
+def ts_text(micros: int) -> str:
+    """Microseconds since the epoch -> timestamp text as PostgreSQL prints it."""
+    dt = EPOCH + timedelta(microseconds=micros)
+    return _trim(dt.strftime("%Y-%m-%d %H:%M:%S.%f"))
+
+
+def time_text(micros: int) -> str:
+    day = datetime(2000, 1, 1)  # noqa: DTZ001 (only the time of day is printed)
+    return _trim((day + timedelta(microseconds=micros)).strftime("%H:%M:%S.%f"))
+
+
+def _trim(text: str) -> str:
+    """PostgreSQL prints fractions without trailing zeros, and none when whole."""
+    return text.rstrip("0").rstrip(".") if "." in text else text
+
+
+def zoned_text(v: str) -> str:
+    """ZonedTimestamp (ISO 8601, UTC from PostgreSQL) -> '2024-01-02 03:04:05.5+00'."""
+    dt = datetime.fromisoformat(v.replace("Z", "+00:00")).astimezone(UTC)
+    return _trim(dt.strftime("%Y-%m-%d %H:%M:%S.%f")) + "+00"
+
+
+def float_text(v: float, single: bool) -> str:
+    if math.isnan(v):
+        return "NaN"
+    if v in (float("inf"), float("-inf")):
+        return "Infinity" if v > 0 else "-Infinity"
+    if single:  # the shortest text that reads back as the same float4, as PostgreSQL prints it
+        f4 = struct.unpack("f", struct.pack("f", v))[0]
+        for p in range(1, 10):
+            s = f"{v:.{p}g}"
+            if struct.unpack("f", struct.pack("f", float(s)))[0] == f4:
+                return s
+    s = repr(float(v))
+    return s[:-2] if s.endswith(".0") else s
+
+
+_TIME_UNITS = {
+    "io.debezium.time.Timestamp": 1000,
+    "org.apache.kafka.connect.data.Timestamp": 1000,
+    "io.debezium.time.MicroTimestamp": 1,
+    "io.debezium.time.NanoTimestamp": -1000,
+    "io.debezium.time.Time": 1000,
+    "org.apache.kafka.connect.data.Time": 1000,
+    "io.debezium.time.MicroTime": 1,
+    "io.debezium.time.NanoTime": -1000,
+}
+
+
+def _micros(v: int, sem: str) -> int:
+    unit = _TIME_UNITS[sem]
+    return v * unit if unit > 0 else v // -unit
+
+
+def to_text(col: dict[str, Any], v: Any) -> str | None:  # noqa: PLR0911 (one return per type)
+    """A Debezium value -> the text PostgreSQL prints for it (what our capture lands)."""
+    if v is None:
+        return None
+    sem, typ = col.get("name"), col.get("type")
+    if typ == "array":
+        return json.dumps([to_text(col["items"], x) for x in v], separators=(",", ":"))
+    if sem == DECIMAL:
+        return decimal_text(v, int((col.get("parameters") or {}).get("scale", 0)))
+    if sem == "io.debezium.data.VariableScaleDecimal":
+        return f"{v:f}" if isinstance(v, Decimal) else decimal_text(v["value"], int(v["scale"]))
+    if sem in ("io.debezium.time.Date", "org.apache.kafka.connect.data.Date"):
+        return (v if isinstance(v, date) else date(1970, 1, 1) + timedelta(days=v)).isoformat()
+    if sem in _TIME_UNITS:
+        return _temporal_text(v, sem)
+    if sem == "io.debezium.time.ZonedTimestamp":
+        return zoned_text(v)
+    if sem == "io.debezium.time.ZonedTime":
+        return v[:-1] + "+00" if v.endswith("Z") else v
+    if typ == "boolean":
+        return "t" if v else "f"
+    if typ in ("float", "double", "float32", "float64"):
+        return float_text(v, typ in ("float", "float32"))
+    if typ == "bytes":
+        return "\\x" + (base64.b64decode(v) if isinstance(v, str) else bytes(v)).hex()
+    return str(v)
+
+
+def _temporal_text(v: Any, sem: str) -> str:
+    if isinstance(v, datetime):  # Avro logical types, decoded by fastavro
+        return ts_text(int((v.astimezone(UTC).replace(tzinfo=None) - EPOCH) / timedelta(microseconds=1)))
+    if isinstance(v, time):
+        return _trim(v.strftime("%H:%M:%S.%f"))
+    micros = _micros(int(v), sem)
+    return ts_text(micros) if "Timestamp" in sem else time_text(micros)
+
+
+def is_unavailable(col: dict[str, Any], v: Any, placeholder: str) -> bool:
+    """An unchanged TOASTed value Debezium did not have (unavailable.value.placeholder)."""
+    if v is None:
+        return False
+    if isinstance(v, str):
+        if col.get("type") == "bytes":
+            return v == base64.b64encode(placeholder.encode()).decode()
+        return v == placeholder
+    if isinstance(v, bytes):
+        return v == placeholder.encode()
+    if isinstance(v, list) and len(v) == 1:
+        return is_unavailable(col.get("items") or {}, v[0], placeholder)
+    return False
+
+
+def row_texts(schema: dict[str, Any], row: dict[str, Any] | None, placeholder: str):
+    """(column -> text, unavailable columns) of a before/after struct."""
+    if row is None:
+        return None, []
+    out, unavailable = {}, []
+    for f in schema.get("fields", []):
+        name = f["field"]
+        v = row.get(name)
+        if is_unavailable(f, v, placeholder):
+            unavailable.append(name)
+            continue
+        out[name] = to_text(f, v)
+    return out, unavailable
+
+
+# --- files and records -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SinkFile:
+    """One object of the S3 sink; records at offsets below `skip_below` are already applied."""
+
+    uri: str
+    topic: str
+    partition: int
+    start: int
+    skip_below: int = 0
+    heartbeat: bool = False
+
+    @property
+    def name(self) -> str:
+        return self.uri.rsplit("/", 1)[-1]
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the conversion (on the executors) needs to know about the table."""
+
+    table_name: str  # the config's name, for messages
+    table: str
+    key: tuple[str, ...]
+    placeholder: str
+    fmt: str
+    endpoints: tuple[tuple[str, str], ...]  # (topic, endpoint id)
+
+    def endpoint(self, topic: str) -> str:
+        return dict(self.endpoints)[topic]
+
+
+def shape_of(cfg: TableConfig) -> Shape:
+    src = cfg.landing
+    return Shape(
+        cfg.name, cfg.source.table, tuple(cfg.primary_key), src.unavailable_value, src.format,
+        tuple((table_topic(src, g.conn_id, schema, cfg.source.table), g.endpoint_id) for g, schema, _ in cfg.shards()),
+    )  # fmt: skip
+
+
+def table_topic(src: LandingSource, conn_id: str, schema: str, table: str) -> str:
+    return f"{src.prefix_for(conn_id)}.{schema}.{table}"
+
+
+def heartbeat_topic(prefix: str) -> str:
+    return f"__debezium-heartbeat.{prefix}"
+
+
+def avro_to_connect(s: Any, names: dict[str, Any]) -> dict[str, Any]:
+    """An Avro schema as written by Confluent's AvroConverter -> the Connect schema JsonConverter
+    writes (type, name, parameters, fields/items), so both formats share one conversion."""
+    if isinstance(s, list):
+        inner = [x for x in s if x != "null"]
+        return {**avro_to_connect(inner[0], names), "optional": True}
+    if isinstance(s, str):
+        if s in names:
+            return names[s]
+        s = {"type": s}
+    typ = s["type"]
+    if isinstance(typ, dict | list):
+        return avro_to_connect(typ, names)
+    out: dict[str, Any] = {"name": s.get("connect.name"), "parameters": s.get("connect.parameters")}
+    if typ == "record":
+        out["type"] = "struct"
+        out["name"] = s.get("connect.name") or s.get("name")
+        out["fields"] = [{**avro_to_connect(f["type"], names), "field": f["name"]} for f in s["fields"]]
+        full = f"{s['namespace']}.{s['name']}" if s.get("namespace") else s["name"]
+        names[full] = names[s["name"]] = out
+    elif typ == "array":
+        out.update(type="array", items=avro_to_connect(s["items"], names))
+    else:
+        avro = {"int": "int32", "long": "int64"}
+        out["type"] = s.get("connect.type") or avro.get(typ, typ)
+    return out
+
+
+def records(data: bytes, fmt: str, where: str) -> Iterator[tuple[dict | None, dict | None]]:
+    """(value schema, payload) of every record of a sink file, in offset order; (None, None) for a
+    tombstone (a null value)."""
+    if fmt == "avro":
+        import fastavro
+
+        reader = fastavro.reader(io.BytesIO(data))
+        schema = avro_to_connect(json.loads(reader.metadata["avro.schema"]), {})
+        for rec in reader:
+            yield (schema, rec) if rec is not None else (None, None)
+        return
+    for line in data.decode("utf-8").split("\n"):
+        if not line.strip():
+            continue
+        rec = json.loads(line)
+        if rec is None or (isinstance(rec, dict) and rec.get("payload") is None and "schema" in rec):
+            yield None, None
+        elif not isinstance(rec, dict) or "payload" not in rec or "schema" not in rec:
+            raise DebeziumFormatError(
+                f"{where}: a record has no schema/payload envelope. Fix: set value.converter.schemas.enable=true "
+                "on the S3 sink (JsonConverter with schemas), or landing.format: avro for Avro files"
+            )
+        else:
+            yield rec["schema"], rec["payload"]
+
+
+def _field(schema: dict[str, Any], name: str) -> dict[str, Any] | None:
+    return next((f for f in schema.get("fields", []) if f.get("field") == name), None)
+
+
+# --- one record -> one landing event -----------------------------------------------------------------
+
+
+@dataclass
+class FileState:
+    """Per file: the table_schema JSON of each value schema seen (records repeat the schema)."""
+
+    schemas: dict[str, str | None] = field(default_factory=dict)
+
+
+def commit_position(src: dict[str, Any], op: str, offset: int, partition: int) -> tuple[int, int]:
+    """(commit_lsn, seq) of an event: the order our ingest applies events in.
+
+    Streamed changes: source.sequence is [last commit LSN, event LSN]; the last commit LSN is the
+    same for every change of a transaction and grows with commit order, so it stands for the
+    transaction's commit (the first transaction after a start has none: its event LSN). seq is
+    the event LSN (changes of a transaction in WAL order). Snapshot ('r') rows all carry the
+    snapshot's LSN: they sort just before it, seq from their Kafka position."""
+    lsn = int(src["lsn"])
+    if op == "r" or src.get("snapshot") not in (None, "false", False):
+        return lsn - 1, offset * SNAPSHOT_PARTITIONS + partition + 1
+    seq = json.loads(src["sequence"]) if src.get("sequence") else []
+    return (int(seq[0]) if seq and seq[0] is not None else lsn), lsn
+
+
+def event_row(shape: Shape, sf: SinkFile, offset: int, schema: dict, payload: dict, st: FileState) -> tuple | None:
+    """A Debezium change event -> a landing event row (landing_spark_schema order); None for
+    records that are not row changes of the table."""
+    op = payload.get("op")
+    where = f"{shape.table_name}: {sf.uri} (offset {offset})"
+    if op not in ("c", "u", "d", "r", "t"):
+        raise DebeziumFormatError(f"{where}: unknown op {op!r}; is this a Debezium PostgreSQL topic?")
+    src = payload["source"]
+    if src.get("table") != shape.table:
+        return None
+    value_schema = _field(schema, "after") or _field(schema, "before") or {}
+    skey = json.dumps(value_schema, sort_keys=True)
+    if skey not in st.schemas:
+        cols = table_columns(value_schema, list(shape.key), where) if value_schema.get("fields") else None
+        st.schemas[skey] = schema_json(cols) if cols else None
+    before, _ = row_texts(value_schema, payload.get("before"), shape.placeholder)
+    after, unavailable = row_texts(value_schema, payload.get("after"), shape.placeholder)
+    commit_lsn, seq = commit_position(src, op, offset, sf.partition)
+    ts_us = src.get("ts_us") or src["ts_ms"] * 1000
+    source = (
+        "postgresql", shape.endpoint(sf.topic), src.get("name"), src.get("db"), src.get("schema"), src["table"],
+        commit_lsn, int(src["lsn"]), src.get("txId"), seq, EPOCH.replace(tzinfo=UTC) + timedelta(microseconds=ts_us),
+    )  # fmt: skip
+    return (op, before, after, unavailable or None, source, st.schemas[skey], payload.get("ts_ms"), sf.name)
+
+
+def file_events(shape: Shape, sf: SinkFile, data: bytes) -> Iterator[tuple]:
+    """The landing event rows of one sink file, from its `skip_below` offset on (tombstones and
+    records already applied are left out)."""
+    st = FileState()
+    for pos, (schema, payload) in enumerate(records(data, shape.fmt, f"{shape.table_name}: {sf.uri}")):
+        offset = sf.start + pos
+        if offset < sf.skip_below or payload is None or sf.heartbeat:
+            continue
+        row = event_row(shape, sf, offset, schema, payload, st)
+        if row is not None:
+            yield row
+
+
+def file_stats(shape: Shape, sf: SinkFile, data: bytes) -> dict[str, Any]:
+    """What the planner needs of a file: its record count (offsets it covers), the last commit
+    position and time of its events, the latest heartbeat; a conversion error as text."""
+    out: dict[str, Any] = {"name": sf.name, "records": 0, "events": 0, "last": None, "heartbeat": None, "error": None}
+    try:
+        if sf.heartbeat:
+            for _schema, payload in records(data, shape.fmt, f"{shape.table_name}: {sf.uri}"):
+                out["records"] += 1
+                if payload is not None and payload.get("ts_ms") is not None:
+                    out["heartbeat"] = max(out["heartbeat"] or 0, int(payload["ts_ms"]))
+            return out
+        out["records"] = sum(1 for _ in records(data, shape.fmt, f"{shape.table_name}: {sf.uri}"))
+        for row in file_events(shape, sf, data):
+            out["last"] = [row[4][6], row[4][10].isoformat()]
+            out["events"] += 1
+    except (DebeziumFormatError, ValueError, KeyError, TypeError) as exc:
+        out["error"] = f"{exc}" if isinstance(exc, DebeziumFormatError) else f"{shape.table_name}: {sf.uri}: {exc!r}"
+    return out
+
+
+# --- the plan (driver) -------------------------------------------------------------------------------
+
+
+@dataclass
+class DebeziumPlan(Plan):
+    """A Plan of a Debezium-fed table: `files` is the staged landing Parquet of the batch,
+    `sink_files` the sink objects it was converted from."""
+
+    sink_files: list[SinkFile] = field(default_factory=list)
+
+
+def pending_files(fs: HadoopFS, base: str, topic: str, committed: dict[str, int], heartbeat: bool) -> list[SinkFile]:
+    """The topic's objects not wholly below the committed offsets, per partition in offset order.
+    A file ends where the next one of its partition starts, so only a partition's last file below
+    the committed offset can straddle it; it is read from that offset on."""
+    out = []
+    for pdir in fs.list_names(f"{base}/{topic}"):
+        if not pdir.startswith("partition="):
+            continue
+        found = []
+        for name in fs.list_names(f"{base}/{topic}/{pdir}"):
+            m = FILE_RE.match(name)
+            if m and m["topic"] == topic and f"partition={m['partition']}" == pdir:
+                found.append((int(m["start"]), int(m["partition"]), f"{base}/{topic}/{pdir}/{name}"))
+        found.sort()
+        for i, (start, p, uri) in enumerate(found):
+            done = committed.get(str(p), 0)
+            if i + 1 < len(found) and found[i + 1][0] <= done:
+                continue  # the next file starts at or below the committed offset: this one is applied
+            out.append(SinkFile(uri, topic, p, start, max(done, start), heartbeat))
+    return out
+
+
+def read_bytes(fs: HadoopFS, uri: str) -> bytes:
+    """A (small) file's bytes, read on the driver."""
+    path, hfs = fs._fs(uri)
+    stream = hfs.open(path)
+    try:
+        return bytes(fs.jvm.org.apache.commons.io.IOUtils.toByteArray(stream))
+    finally:
+        stream.close()
+
+
+def _binary_files(spark: SparkSession, files: list[SinkFile]):
+    """(SinkFile, bytes) of every file, as an RDD (read on the executors)."""
+    by_name = {f.name: f for f in files}
+    rdd = spark.sparkContext.binaryFiles(",".join(f.uri for f in files))
+    return rdd.map(lambda kv: (by_name[kv[0].rsplit("/", 1)[-1]], kv[1]))
+
+
+def plan_debezium(spark: SparkSession, lake, cfg: TableConfig, watermark: dict[str, Any]) -> DebeziumPlan:
+    """The sink objects above the table's committed Kafka offsets, converted into landing events
+    (Parquet in the landing format, under `<landing>/_debezium/<table>/`), and the watermark
+    after them. The rest of the ingest reads those files like our own capture's."""
+    src = cfg.landing
+    shards_wm = watermark.get("shards", {})
+    missing = [shard for _, _, shard in cfg.shards() if shard not in shards_wm]
+    if missing:
+        raise NotBootstrapped(
+            f"{cfg.name}: shard(s) {missing} have no watermark; run the bootstrap (cdc_bootstrap__{cfg.name}), "
+            "which for a Debezium-fed table creates the tables and loads the connector's snapshot events"
+        )
+    fs, base = HadoopFS(spark), spark_uri(str(src.uri).rstrip("/")) + "/" + src.topics_dir
+    offsets = watermark.get(WM_KEY, {}).get("offsets", {})
+    shape = shape_of(cfg)
+    files = [f for topic, _ in shape.endpoints for f in pending_files(fs, base, topic, offsets.get(topic, {}), False)]
+    for prefix in sorted({src.prefix_for(g.conn_id) for g in cfg.source.shards}):
+        topic = heartbeat_topic(prefix)
+        files += pending_files(fs, base, topic, offsets.get(topic, {}), True)
+    tables = [f for f in files if not f.heartbeat]
+    stats = _binary_files(spark, tables).map(lambda fd: file_stats(shape, fd[0], fd[1])).collect() if tables else []
+    # Heartbeat topics start with '_', which Hadoop's input formats treat as hidden: read on the driver.
+    stats += [file_stats(shape, f, read_bytes(fs, f.uri)) for f in files if f.heartbeat]
+    errors = [s["error"] for s in stats if s["error"]]
+    if errors:
+        raise DebeziumFormatError("\n".join(sorted(set(errors))))
+    by_name = {s["name"]: s for s in stats}
+    new_wm = advance(cfg, watermark, [(f, by_name[f.name]) for f in files])
+    # Only files with events to apply are staged: a rerun re-lists each partition's last file (it
+    # may have grown), and an empty batch goes the quiet-shard way (the watermark only).
+    events = [f for f in files if not f.heartbeat and by_name[f.name]["events"]]
+    staged = stage_events(spark, lake, cfg, events) if events else []
+    manifests = [{"run_id": f.name} for f in events] + heartbeat_manifests(cfg, new_wm, files)
+    return DebeziumPlan(manifests, staged, new_wm, sink_files=events)
+
+
+def stage_events(spark: SparkSession, lake, cfg: TableConfig, events: list[SinkFile]) -> list[str]:
+    """Write the events of `events` as landing Parquet; returns the directory. One staging
+    directory per table, replaced by every plan: a batch that did not commit is planned again
+    from the offsets in the watermark."""
+    staging = f"{spark_uri(lake.landing_uri.rstrip('/'))}/_debezium/{cfg.name}"
+    HadoopFS(spark).delete(staging)
+    read_debezium(spark, cfg, events).write.mode("overwrite").parquet(staging)
+    return [staging]
+
+
+def heartbeat_manifests(cfg: TableConfig, new_wm: dict[str, Any], files: list[SinkFile]) -> list[dict[str, Any]]:
+    """The heartbeats read, in the manifest shape the freshness record reads (endpoint, schema ->
+    commit time; Debezium's heartbeat carries no LSN)."""
+    if not any(f.heartbeat for f in files):
+        return []
+    beats = new_wm.get(WM_KEY, {}).get("heartbeats", {})
+    out = []
+    for g in cfg.source.shards:
+        beat = beats.get(cfg.landing.prefix_for(g.conn_id))
+        if beat:
+            hb = {s: {"commit_lsn": None, "commit_ts": beat} for s in g.schemas}
+            out.append(
+                {
+                    "run_id": heartbeat_topic(cfg.landing.prefix_for(g.conn_id)),
+                    "endpoint": g.endpoint_id,
+                    "heartbeats": hb,
+                }
+            )
+    return out
+
+
+def advance(cfg: TableConfig, watermark: dict[str, Any], done: list[tuple[SinkFile, dict[str, Any]]]) -> dict:
+    """The watermark once `done` is applied: every partition's next offset and last commit
+    position; a shard's LSN moves to the lowest last position of its topic's partitions (a
+    partition behind the others may still deliver older transactions), once all of them were seen;
+    a heartbeat newer than the shard's time makes it that fresh."""
+    new = json.loads(json.dumps(watermark))
+    st = new.setdefault(WM_KEY, {})
+    offsets, last, beats = st.setdefault("offsets", {}), st.setdefault("last", {}), st.setdefault("heartbeats", {})
+    for f, s in sorted(done, key=lambda fs: (fs[0].topic, fs[0].partition, fs[0].start)):
+        po = offsets.setdefault(f.topic, {})
+        po[str(f.partition)] = max(po.get(str(f.partition), 0), f.start + s["records"])
+        if s["last"]:
+            last.setdefault(f.topic, {})[str(f.partition)] = s["last"]
+        if s["heartbeat"]:
+            prefix = f.topic[len(heartbeat_topic("")) :]
+            beat = (EPOCH.replace(tzinfo=UTC) + timedelta(milliseconds=s["heartbeat"])).isoformat()
+            beats[prefix] = max(beats.get(prefix, beat), beat)
+    for g, schema, shard in cfg.shards():
+        pos = new["shards"][shard]
+        parts = last.get(table_topic(cfg.landing, g.conn_id, schema, cfg.source.table), {})
+        if len(parts) >= cfg.landing.partitions:
+            commit, ts = min(parts.values())
+            if commit > pos["lsn"]:
+                pos.update(lsn=commit, ts=ts)
+        beat = beats.get(cfg.landing.prefix_for(g.conn_id))
+        if beat and (not pos.get("ts") or datetime.fromisoformat(beat) > datetime.fromisoformat(pos["ts"])):
+            pos["ts"] = beat
+    return new
+
+
+def read_debezium(spark: SparkSession, cfg: TableConfig, files: list[SinkFile]) -> DataFrame:
+    """Sink objects as landing events (landing_spark_schema), converted on the executors."""
+    from cdc_lakehouse.ingest.validate import landing_spark_schema
+
+    shape = shape_of(cfg)
+    rows = _binary_files(spark, files).flatMap(lambda fd: list(file_events(shape, fd[0], fd[1])))
+    return spark.createDataFrame(rows, landing_spark_schema())
+
+
+# --- bootstrap ---------------------------------------------------------------------------------------
+
+
+def first_columns(spark: SparkSession, cfg: TableConfig) -> list[dict[str, Any]]:
+    """The table's columns from the value schema of the first record of its topics (the snapshot's
+    'r' events when the connector took one)."""
+    src, shape = cfg.landing, shape_of(cfg)
+    fs, base = HadoopFS(spark), spark_uri(str(src.uri).rstrip("/")) + "/" + src.topics_dir
+    firsts = []
+    for topic, _ in shape.endpoints:
+        files = pending_files(fs, base, topic, {}, False)
+        firsts += sorted(files, key=lambda f: f.start)[:1]
+    for f, data in _binary_files(spark, firsts).collect() if firsts else []:
+        for schema, payload in records(data, shape.fmt, f.uri):
+            value_schema = schema and (_field(schema, "after") or _field(schema, "before"))
+            if payload is not None and value_schema and value_schema.get("fields"):
+                return table_columns(value_schema, cfg.primary_key, f"{cfg.name}: {f.uri}")
+    raise NotBootstrapped(
+        f"{cfg.name}: no Debezium record of the table under {src.uri}/{src.topics_dir} to take its columns from; "
+        "start the connector (snapshot.mode=initial) and the S3 sink, then run the bootstrap again"
+    )
+
+
+def bootstrap_debezium(spark: SparkSession, lake, cfg: TableConfig) -> dict[str, Any]:
+    """Create the lake tables of a Debezium-fed table, with every shard at the start of its topics:
+    the first ingest then loads the connector's snapshot ('r' events) and the changes after it."""
+    from cdc_lakehouse.lake.tables import create_lake_tables, table_exists
+    from cdc_lakehouse.lake.watermark import watermark_json
+
+    cur = lake.qualified(cfg.current_table)
+    if table_exists(spark, cur):
+        raise ValueError(f"{cfg.name}: lake table {cur} exists already; drop it first to bootstrap again")
+    cols = first_columns(spark, cfg)
+    bad = [c["name"] for c in cols if not (cfg.column_types.get(c["name"]) or c["lake_type"])]
+    if bad:
+        raise DebeziumFormatError(f"{cfg.name}: columns {bad} have no lake type; set column_types for them")
+    create_lake_tables(spark, lake, cfg, [(c["name"], cfg.column_types.get(c["name"]) or c["lake_type"]) for c in cols])
+    names = [c["name"] for c in cols]
+    wm = {
+        "v": 1,
+        "shards": {shard: {"lsn": 0, "endpoint": g.endpoint_id, "columns": names} for g, _, shard in cfg.shards()},
+        "runs": {},
+        WM_KEY: {"offsets": {}, "last": {}, "heartbeats": {}},
+    }
+    empty = spark.createDataFrame([], spark.table(cur).schema)
+    empty.writeTo(cur).option("snapshot-property.cdc.watermark", watermark_json(wm)).append()
+    return wm

@@ -1,0 +1,255 @@
+"""Debezium S3-sink files -> landing events: the pure conversion, the offsets, the config."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, date, datetime
+from decimal import Decimal
+
+import pytest
+from cdc_lakehouse.config import parse_table_config
+from cdc_lakehouse.landing.debezium import (
+    DebeziumFormatError,
+    SinkFile,
+    advance,
+    file_events,
+    file_stats,
+    pending_files,
+    shape_of,
+    table_columns,
+    to_text,
+)
+
+from tests.fixtures.debezium import (
+    PLACEHOLDER,
+    TOMBSTONE,
+    change,
+    envelope_schema,
+    json_line,
+    object_path,
+    write_avro,
+)
+
+TOPIC = "dbz.s1.orders"
+
+
+def cfg(**landing):
+    data = {
+        "name": "orders",
+        "source": {"table": "orders", "shards": [{"conn_id": "app_db", "schemas": ["s1"]}]},
+        "primary_key": ["id"],
+        "landing": {"kind": "debezium_s3", "uri": "file:///tmp/x", "topic_prefix": "dbz", **landing},
+    }
+    c, errors = parse_table_config(data, "orders.yaml")
+    assert not errors, errors
+    return c
+
+
+ROW = {
+    "id": 7,
+    "note": "héllo",
+    "price": Decimal("-12.50"),
+    "amount": Decimal("3.1400"),
+    "created": datetime(2024, 2, 29, 23, 59, 58, 120000),  # noqa: DTZ001
+    "updated_at": datetime(2024, 3, 1, 1, 2, 3, 456789, tzinfo=UTC),
+    "day": date(1999, 12, 31),
+    "active": True,
+    "ratio": 0.25,
+    "tags": ["a", None, 'q"uote'],
+    "data": b"\x00\xffA",
+}
+TEXT = {
+    "id": "7",
+    "note": "héllo",
+    "price": "-12.50",
+    "amount": "3.1400",
+    "created": "2024-02-29 23:59:58.12",
+    "updated_at": "2024-03-01 01:02:03.456789+00",
+    "day": "1999-12-31",
+    "active": "t",
+    "ratio": "0.25",
+    "tags": '["a",null,"q\\"uote"]',
+    "data": "\\x00ff41",
+}
+
+
+def ev(op="c", lsn=2000, last_commit=1900, before=None, after=None, **kw):
+    return change(
+        op, schema="s1", table="orders", lsn=lsn, last_commit=last_commit, txid=55, ts_ms=1_700_000_000_123,
+        before=before, after=after, **kw,
+    )  # fmt: skip
+
+
+def rows_of(lines: list[str], start=0, skip_below=0, fmt="json", data=None):
+    sf = SinkFile(f"file:///x/{TOPIC}+0+{start:010d}.{fmt}", TOPIC, 0, start, skip_below)
+    payload = data if data is not None else "".join(line + "\n" for line in lines).encode()
+    return list(file_events(shape_of(cfg(format=fmt)), sf, payload)), file_stats(shape_of(cfg(format=fmt)), sf, payload)
+
+
+def test_values_come_out_as_postgresql_text():
+    rows, stats = rows_of([json_line(ev(after=ROW))])
+    (op, before, after, unavailable, source, table_schema, ts_ms, run_id) = rows[0]
+    assert (op, before, unavailable) == ("c", None, None)
+    assert after == TEXT
+    assert source[:6] == ("postgresql", "app_db", "dbz", "app", "s1", "orders")
+    assert source[6:10] == (1900, 2000, 55, 2000)  # commit = sequence[0], seq = event LSN
+    assert source[10] == datetime(2023, 11, 14, 22, 13, 20, 123000, tzinfo=UTC)
+    assert ts_ms == 1_700_000_000_130 and run_id == f"{TOPIC}+0+0000000000.json"
+    types = {c["name"]: (c["type"], c["lake_type"], c["key"]) for c in json.loads(table_schema)}
+    assert types["id"] == ("integer", "int", True)
+    assert types["price"] == ("numeric(10,2)", "decimal(10,2)", False)
+    assert types["amount"][1] == "decimal(38,18)"
+    assert types["created"][1] == "timestamp_ntz" and types["updated_at"][1] == "timestamp"
+    assert types["tags"][1] == "array<string>" and types["data"][1] == "binary"
+    assert stats["records"] == 1 and stats["last"] == [1900, "2023-11-14T22:13:20.123000+00:00"]
+
+
+def test_avro_gives_the_same_events_as_json(tmp_path):
+    path = write_avro(tmp_path, TOPIC, 0, 0, [ev(after=ROW)])
+    rows, stats = rows_of([], fmt="avro", data=path.read_bytes())
+    json_rows, _ = rows_of([json_line(ev(after=ROW))])
+    assert rows[0][:5] == json_rows[0][:5]
+    assert json.loads(rows[0][5]) == json.loads(json_rows[0][5])
+    assert stats["records"] == 1
+
+
+def test_placeholder_tombstone_snapshot_truncate_and_offsets():
+    upd = ev("u", lsn=2100, last_commit=2050, after={**ROW, "note": PLACEHOLDER, "data": PLACEHOLDER})
+    snap = ev("r", lsn=1500, last_commit=None, after=ROW, snapshot="last")
+    dele = ev("d", lsn=2200, last_commit=2150, before={**{k: None for k in ROW}, "id": 7})
+    trunc = ev("t", lsn=2300, last_commit=2250)
+    lines = [json_line(snap), json_line(upd), json_line(dele), json_line(TOMBSTONE), json_line(trunc)]
+    rows, stats = rows_of(lines, start=40)
+    assert [r[0] for r in rows] == ["r", "u", "d", "t"]
+    assert rows[0][4][6:10] == (1499, 1500, 55, 40 * 1024 + 1)  # snapshot rows sort just before their LSN
+    assert rows[1][3] == ["note", "data"] and "note" not in rows[1][2] and rows[1][2]["price"] == "-12.50"
+    assert rows[2][1]["id"] == "7" and rows[2][2] is None
+    assert rows[3][1] is None and rows[3][2] is None and rows[3][4][6] == 2250
+    assert stats["records"] == 5 and stats["last"][0] == 2250  # the tombstone takes an offset too
+    later, _ = rows_of(lines, start=40, skip_below=42)  # a straddling file: offsets 40, 41 are applied
+    assert [r[0] for r in later] == ["d", "t"]
+
+
+def test_unsupported_type_and_lossy_decimals_name_table_field_and_fix():
+    schema = envelope_schema("s1", "orders")
+    value = next(f for f in schema["fields"] if f["field"] == "after")
+    dur = {"type": "int64", "optional": True, "name": "io.debezium.time.MicroDuration", "field": "wait"}
+    with pytest.raises(DebeziumFormatError, match=r"orders: column 'wait'.*MicroDuration.*Fix"):
+        table_columns({**value, "fields": [*value["fields"], dur]}, ["id"], "orders")
+    dbl = {
+        "type": "double",
+        "optional": True,
+        "field": "total",
+        "parameters": {"__debezium.source.column.type": "NUMERIC"},
+    }
+    with pytest.raises(DebeziumFormatError, match=r"'total'.*decimal.handling.mode=precise"):
+        table_columns({**value, "fields": [dbl]}, ["id"], "orders")
+    _c, errors = parse_table_config(
+        {
+            "name": "orders",
+            "source": {"table": "orders", "shards": [{"conn_id": "app_db", "schemas": ["s1"]}]},
+            "primary_key": ["id"],
+            "landing": {
+                "kind": "debezium_s3",
+                "uri": "file:///x",
+                "topic_prefix": "dbz",
+                "decimal_handling_mode": "double",
+            },
+        },
+        "orders.yaml",
+    )
+    text = " ".join(f"{e.field} {e.message} {e.fix}" for e in errors)
+    assert "decimal_handling_mode 'double'" in text and "decimal.handling.mode=precise" in text
+
+
+def test_a_record_without_schemas_is_refused():
+    line = json.dumps({"before": None, "after": {"id": 1}, "op": "c"})
+    sf = SinkFile(f"file:///x/{TOPIC}+0+0000000000.json", TOPIC, 0, 0)
+    stats = file_stats(shape_of(cfg()), sf, (line + "\n").encode())
+    assert "orders: file:///x/" in stats["error"] and "schemas.enable=true" in stats["error"]
+    with pytest.raises(DebeziumFormatError, match="schemas.enable=true"):
+        list(file_events(shape_of(cfg()), sf, (line + "\n").encode()))
+
+
+@pytest.mark.parametrize(
+    ("col", "value", "text"),
+    [
+        ({"type": "float"}, 1.100000023841858, "1.1"),
+        ({"type": "double"}, 100.0, "100"),
+        ({"type": "double"}, float("nan"), "NaN"),
+        ({"type": "int16"}, -3, "-3"),
+        ({"type": "boolean"}, False, "f"),
+        ({"type": "int64", "name": "io.debezium.time.NanoTimestamp"}, 1_000_000_001_500, "1970-01-01 00:16:40.000001"),
+        ({"type": "int64", "name": "io.debezium.time.MicroTime"}, 3_723_000_500, "01:02:03.0005"),
+        ({"type": "string", "name": "io.debezium.time.ZonedTime"}, "10:15:30Z", "10:15:30+00"),
+        ({"type": "int64", "name": "io.debezium.time.Timestamp"}, 86_400_000, "1970-01-02 00:00:00"),
+    ],
+)
+def test_scalar_texts(col, value, text):
+    assert to_text(col, value) == text
+
+
+class ListingFS:
+    """A directory listing (pending_files only lists names)."""
+
+    def __init__(self, names):
+        self.names = names
+
+    def list_names(self, uri):
+        return sorted(self.names.get(uri, []))
+
+
+def test_pending_files_skip_what_the_offsets_cover():
+    base = "file:///l/topics"
+    names = [object_path(__import__("pathlib").Path("/"), TOPIC, 0, s, "json").name for s in (0, 3, 5)]
+    fs = ListingFS({f"{base}/{TOPIC}": ["partition=0"], f"{base}/{TOPIC}/partition=0": [*names, "junk.tmp"]})
+    got = pending_files(fs, base, TOPIC, {"0": 4}, False)
+    # 0..2 is below offset 4; the file at 3 straddles it (read from 4 on); 5 is new.
+    assert [(f.start, f.skip_below) for f in got] == [(3, 4), (5, 5)]
+    assert [f.start for f in pending_files(fs, base, TOPIC, {}, False)] == [0, 3, 5]
+
+
+def test_the_shard_position_waits_for_every_partition():
+    c = cfg(partitions=2)
+    wm = {"v": 1, "shards": {"s1": {"lsn": 0, "endpoint": "app_db"}}, "runs": {}}
+    p0 = SinkFile("u0", TOPIC, 0, 0)
+    first = advance(c, wm, [(p0, {"records": 3, "last": [500, "2024-01-01T00:00:00+00:00"], "heartbeat": None})])
+    assert first["shards"]["s1"]["lsn"] == 0  # partition 1 not seen yet: it may hold older transactions
+    assert first["debezium"]["offsets"][TOPIC] == {"0": 3}
+    p1 = SinkFile("u1", TOPIC, 1, 0)
+    hb = SinkFile("h", "__debezium-heartbeat.dbz", 0, 0, heartbeat=True)
+    second = advance(
+        c,
+        first,
+        [
+            (p1, {"records": 2, "last": [300, "2023-12-31T00:00:00+00:00"], "heartbeat": None}),
+            (hb, {"records": 1, "last": None, "heartbeat": 1_704_153_600_000}),
+        ],
+    )
+    assert second["shards"]["s1"]["lsn"] == 300  # the lowest partition's last commit
+    assert second["shards"]["s1"]["ts"] == "2024-01-02T00:00:00+00:00"  # the heartbeat is newer
+    assert second["debezium"]["offsets"]["__debezium-heartbeat.dbz"] == {"0": 1}
+
+
+def test_config_needs_uri_and_prefix_and_capture_dags_skip_debezium_tables():
+    from cdc_lakehouse.orchestration.dag_factory import _endpoint_ids
+
+    _c, errors = parse_table_config(
+        {
+            "name": "orders",
+            "source": {"table": "orders", "shards": [{"conn_id": "app_db", "schemas": ["s1"]}]},
+            "primary_key": ["id"],
+            "landing": {"kind": "debezium_s3"},
+        },
+        "orders.yaml",
+    )
+    assert errors and "topic_prefix" in " ".join(e.message for e in errors)
+    own = parse_table_config(
+        {
+            "name": "items",
+            "source": {"table": "items", "shards": [{"conn_id": "other_db", "schemas": ["s1"]}]},
+            "primary_key": ["id"],
+        },
+        "items.yaml",
+    )[0]
+    assert _endpoint_ids([cfg(), own]) == ["other_db"]
