@@ -3,7 +3,7 @@
 SHELL := /bin/bash
 ENV := source scripts/env.sh &&
 
-.PHONY: setup pg-start pg-stop pg-status airflow-init demo airflow test test-fast lint format bench bench-tree bench-serving bench-feed clean
+.PHONY: setup pg-start pg-stop pg-status airflow-init demo airflow test test-fast lint format bench bench-tree bench-serving bench-feed bench-remap clean
 
 setup:
 	@scripts/setup.sh
@@ -59,6 +59,11 @@ bench-serving: pg-start
 FEED_ROWS ?= 10000000
 bench-feed: setup
 	@$(ENV) for n in $(FEED_ROWS); do python bench/feed_bench.py --rows $$n $(BENCH_FEED_ARGS) || exit 1; done
+
+# Key-change chains (#19): the TOAST fill's graph step vs the old pass-per-link fill (no
+# PostgreSQL). BENCHMARKS.md, "Key-change chains".
+bench-remap: setup
+	@$(ENV) python bench/remap_bench.py $(BENCH_REMAP_ARGS)
 
 clean:
 	@$(ENV) python -m cdc_lakehouse.dev.localstack stop || true

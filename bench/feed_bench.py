@@ -25,7 +25,6 @@ import argparse
 import json
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 from datetime import UTC, datetime
@@ -34,7 +33,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path[:0] = [str(ROOT / "plugins"), str(ROOT)]
-from bench.measure import machine  # noqa: E402
+from bench.measure import provenance  # noqa: E402
 
 WORK = HERE / ".work" / "feed"
 SHARDS = ["s0", "s1", "s2", "s3"]
@@ -214,13 +213,7 @@ def main() -> int:
         "rows": args.rows,
         "changed_share": args.changed,
         "batch": expect,
-        "command": " ".join(sys.argv),
-        "code": subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], check=False, capture_output=True, text=True, cwd=ROOT
-        ).stdout.strip(),
-        "at": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": machine(),
-        "spark": spark.version,
+        **provenance(spark.version),
         "timings": measure(spark, lake, cfg, since, head, args.repeat, expect),
     }
     tm = res["timings"]

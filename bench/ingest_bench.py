@@ -80,14 +80,49 @@ def prepare(rows: int, changes: int) -> dict:
 # --- engines (run inside a worker process) ------------------------------------------------------
 
 
+def bench_table_config(name: str, mode: str) -> dict:
+    """The table config of the bench table (as a YAML document would hold it)."""
+    return {
+        "name": name,
+        "source": {"table": "block", "shards": [{"conn_id": "bench", "schemas": ["s0", "s1", "s2", "s3"]}]},
+        "primary_key": ["id"],
+        "lake": {"namespace": "bench", "write_mode": mode},
+        "ingest": {"error_budget": {"max_quarantined": 0}},
+    }
+
+
+def load_base(spark, lake, cfg, prep: dict) -> None:
+    """(Re)creates cfg's current table with the base rows and an empty changelog, both at the
+    watermark the bench batch starts from (synthetic endpoint "bench", LSN 500)."""
+    from cdc_lakehouse.lake.tables import create_lake_tables
+
+    from bench.workload import COLUMNS
+
+    wm = {"v": 1, "shards": {s: {"lsn": 500, "ts": "2026-06-01T00:00:00+00:00"} for s in ["s0", "s1", "s2", "s3"]}}
+    for t in (cfg.current_table, cfg.changelog_table):
+        spark.sql(f"DROP TABLE IF EXISTS {lake.qualified(t)} PURGE")
+    # Quarantined events outlive a dropped table (held-back keys would carry over between runs).
+    spark.sql(f"DELETE FROM {lake.qualified(lake.meta_table('quarantine'))} WHERE table_name = '{cfg.name}'")
+    create_lake_tables(spark, lake, cfg, [(n, lt) for n, _, lt in COLUMNS])
+    base = spark.read.parquet(prep["base"])
+    base.writeTo(lake.qualified(cfg.current_table)).option("snapshot-property.cdc.watermark", json.dumps(wm)).append()
+    spark.createDataFrame([], spark.table(lake.qualified(cfg.changelog_table)).schema).writeTo(
+        lake.qualified(cfg.changelog_table)
+    ).option("snapshot-property.cdc.watermark", json.dumps(wm)).append()
+
+
+def table_checksum(spark, table: str) -> dict:
+    """What every engine's final table is checked on: rows, sums of id and version, content length."""
+    r = spark.sql(f"SELECT count(*), sum(id), sum(version), sum(length(content)) FROM {table}").collect()[0]
+    return {"rows": int(r[0]), "sum_id": int(r[1]), "sum_version": int(r[2]), "sum_content": int(r[3])}
+
+
 def run_ours(mode: str, prep: dict, rows: int, repeat: int) -> list[dict]:
     from cdc_lakehouse.config import parse_table_config
     from cdc_lakehouse.ingest.run import ingest_table
     from cdc_lakehouse.lake.meta import ensure_meta_tables
-    from cdc_lakehouse.lake.tables import create_lake_tables
     from cdc_lakehouse.runtime.session import get_spark
     from cdc_lakehouse.settings import LakeSettings
-    from pyspark.sql import functions as F
 
     lake = LakeSettings.from_env().with_(
         warehouse=f"file://{WORK}/warehouse", landing_uri=f"file://{prep['dir']}/landing"
@@ -95,50 +130,16 @@ def run_ours(mode: str, prep: dict, rows: int, repeat: int) -> list[dict]:
     spark = get_spark("bench-ingest", lake, driver_memory=os.environ.get("CDC_BENCH_DRIVER_MEMORY", "8g"))
     ensure_meta_tables(spark, lake)
     name = f"blk_{mode.replace('-', '_')}_{rows}"
-    cfg, errs = parse_table_config(
-        {
-            "name": name,
-            "source": {"table": "block", "shards": [{"conn_id": "bench", "schemas": ["s0", "s1", "s2", "s3"]}]},
-            "primary_key": ["id"],
-            "lake": {"namespace": "bench", "write_mode": mode},
-            "ingest": {"error_budget": {"max_quarantined": 0}},
-        },
-        "bench",
-    )
+    cfg, errs = parse_table_config(bench_table_config(name, mode), "bench")
     assert not errs, errs
-    # The watermark the bench base table starts from, for the synthetic endpoint "bench".
-    wm = {"v": 1, "shards": {s: {"lsn": 500, "ts": "2026-06-01T00:00:00+00:00"} for s in ["s0", "s1", "s2", "s3"]}}
     out = []
     for i in range(repeat):
-        for t in (cfg.current_table, cfg.changelog_table):
-            spark.sql(f"DROP TABLE IF EXISTS {lake.qualified(t)} PURGE")
-        # Quarantined events outlive a dropped table (held-back keys would carry over between runs).
-        spark.sql(f"DELETE FROM {lake.qualified(lake.meta_table('quarantine'))} WHERE table_name = '{name}'")
-        from bench.workload import COLUMNS
-
-        create_lake_tables(spark, lake, cfg, [(n, lt) for n, _, lt in COLUMNS])
-        base = spark.read.parquet(prep["base"])
-        base.writeTo(lake.qualified(cfg.current_table)).option(
-            "snapshot-property.cdc.watermark", json.dumps(wm)
-        ).append()
-        spark.createDataFrame([], spark.table(lake.qualified(cfg.changelog_table)).schema).writeTo(
-            lake.qualified(cfg.changelog_table)
-        ).option("snapshot-property.cdc.watermark", json.dumps(wm)).append()
+        load_base(spark, lake, cfg, prep)
         t = time.time()
         m = ingest_table(spark, lake, cfg, upto_run=None, ingest_run=f"bench-{i}")
         secs = time.time() - t
-        got = (
-            spark.table(lake.qualified(cfg.current_table))
-            .agg(
-                F.count(F.lit(1)).alias("rows"),
-                F.sum("id").alias("sum_id"),
-                F.sum("version").alias("sum_version"),
-                F.sum(F.length("content")).alias("sum_content"),
-            )
-            .collect()[0]
-            .asDict()
-        )
-        ok = {k: int(v) for k, v in got.items()} == prep["expected"]
+        got = table_checksum(spark, lake.qualified(cfg.current_table))
+        ok = got == prep["expected"]
         out.append(
             {
                 "seconds": secs,
@@ -172,33 +173,47 @@ def run_spark_merge(prep: dict, rows: int, repeat: int) -> list[dict]:
 
     lake = LakeSettings.from_env().with_(warehouse=f"file://{WORK}/warehouse")
     spark = get_spark("bench-spark-merge", lake, driver_memory=os.environ.get("CDC_BENCH_DRIVER_MEMORY", "8g"))
-    base = spark.read.parquet(prep["base"])
-    keep = [c for c in base.columns if not c.startswith("_cdc_") or c == "_cdc_shard"]
     table = lake.qualified(f"bench.plain_merge_{rows}")
-    spark.sql(f"CREATE NAMESPACE IF NOT EXISTS {lake.catalog_name}.bench")
-    sets = ", ".join(f"t.{c} = s.{c}" for c in keep if c not in ("_cdc_shard", "id"))
     out = []
     for i in range(repeat):
-        spark.sql(f"DROP TABLE IF EXISTS {table} PURGE")
-        base.select(keep).sortWithinPartitions("id").writeTo(table).partitionedBy(base["_cdc_shard"]).tableProperty(
-            "format-version", "2"
-        ).tableProperty("write.merge.mode", "merge-on-read").create()
+        create_plain_table(spark, lake, table, prep)
         t = time.time()
         with SparkJobs(spark, "plain merge") as jobs:
-            spark.read.parquet(f"{prep['dir']}/reduced.parquet").createOrReplaceTempView("batch")
-            spark.sql(
-                f"MERGE INTO {table} t USING batch s ON t._cdc_shard = s._cdc_shard AND t.id = s.id "
-                f"WHEN MATCHED AND s.op = 'd' THEN DELETE WHEN MATCHED THEN UPDATE SET {sets} "
-                f"WHEN NOT MATCHED AND s.op <> 'd' THEN INSERT ({', '.join(keep)}) "
-                f"VALUES ({', '.join('s.' + c for c in keep)})"
-            )
+            plain_merge(spark, table, prep)
         secs = time.time() - t
-        r = spark.sql(f"SELECT count(*), sum(id), sum(version), sum(length(content)) FROM {table}").collect()[0]
-        got = {"rows": int(r[0]), "sum_id": int(r[1]), "sum_version": int(r[2]), "sum_content": int(r[3])}
+        got = table_checksum(spark, table)
         out.append({"seconds": secs, "spark_jobs": jobs.count, "verified": got == prep["expected"], "got": got})
         print(f"  spark-merge repeat {i + 1}: {secs:.1f}s Spark jobs {jobs.count} verified={got == prep['expected']}")
     spark.stop()
     return out
+
+
+def _plain_columns(spark, prep: dict) -> list[str]:
+    return [c for c in spark.read.parquet(prep["base"]).columns if not c.startswith("_cdc_") or c == "_cdc_shard"]
+
+
+def create_plain_table(spark, lake, table: str, prep: dict) -> None:
+    """The plain MERGE's target: the base rows in the same Iceberg layout as ours (merge-on-read,
+    partitioned by shard, sorted by key), without our metadata columns."""
+    base = spark.read.parquet(prep["base"])
+    spark.sql(f"CREATE NAMESPACE IF NOT EXISTS {lake.catalog_name}.bench")
+    spark.sql(f"DROP TABLE IF EXISTS {table} PURGE")
+    base.select(_plain_columns(spark, prep)).sortWithinPartitions("id").writeTo(table).partitionedBy(
+        base["_cdc_shard"]
+    ).tableProperty("format-version", "2").tableProperty("write.merge.mode", "merge-on-read").create()
+
+
+def plain_merge(spark, table: str, prep: dict) -> None:
+    """One Spark MERGE of the already pre-combined batch (one row per key, deletes marked)."""
+    keep = _plain_columns(spark, prep)
+    sets = ", ".join(f"t.{c} = s.{c}" for c in keep if c not in ("_cdc_shard", "id"))
+    spark.read.parquet(f"{prep['dir']}/reduced.parquet").createOrReplaceTempView("batch")
+    spark.sql(
+        f"MERGE INTO {table} t USING batch s ON t._cdc_shard = s._cdc_shard AND t.id = s.id "
+        f"WHEN MATCHED AND s.op = 'd' THEN DELETE WHEN MATCHED THEN UPDATE SET {sets} "
+        f"WHEN NOT MATCHED AND s.op <> 'd' THEN INSERT ({', '.join(keep)}) "
+        f"VALUES ({', '.join('s.' + c for c in keep)})"
+    )
 
 
 def _checksum_arrow(table) -> dict:

@@ -54,3 +54,26 @@ def machine() -> dict:
         "python": platform.python_version(),
         "platform": platform.platform(),
     }
+
+
+def provenance(spark_version: str) -> dict:
+    """Where a result comes from: the command, the commit, when, the machine and Spark."""
+    import subprocess
+    import sys
+    from datetime import UTC, datetime
+    from pathlib import Path
+
+    code = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"],
+        check=False,
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parent.parent,
+    ).stdout.strip()
+    return {
+        "command": " ".join(sys.argv),
+        "code": code,
+        "at": datetime.now(UTC).isoformat(timespec="seconds"),
+        "machine": machine(),
+        "spark": spark_version,
+    }

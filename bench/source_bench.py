@@ -1,12 +1,15 @@
 """Source-side costs on a Notion-like block table in the local PostgreSQL:
 
     python bench/source_bench.py --blocks 1000000 [--what bootstrap,audit,capture] [--changes 200000]
-                                 [--readers copy,jdbc]
+                                 [--readers copy,jdbc,chunked] [--chunk-rows 50000]
 
   bootstrap  rows/s of cdc_lakehouse.bootstrap (snapshot -> reader -> Iceberg) against the practical
              limit, `COPY (SELECT <same columns>) TO STDOUT` of the same rows with the same number of
              connections per host; per reader (--readers copy,jdbc): the read alone, then the whole
-             bootstrap
+             bootstrap. `chunked` in --readers runs the online chunked mode (bootstrap.mode: chunked,
+             JDBC-free: driver COPY per chunk + MERGE) on a fresh table instead; for every mode a
+             sampler on pg_stat_activity records the longest time one transaction, and one
+             backend_xmin, was held open on the source while it ran
   audit      time and peak memory (this process and its JVM) of the key-set audit of the table,
              full comparison and checksum-first
   capture    events/s of one capture run against pg_recvlogical draining the same changes
@@ -150,10 +153,53 @@ def read_alone(spark, cfg, columns, pg_types) -> dict:
     return {"seconds": secs}
 
 
-def _one_bootstrap(spark, lake, cfg, run_id: str) -> dict:
+class HeldOpen:
+    """Samples pg_stat_activity of the source database every 20 ms: the longest age of a
+    transaction (clock - xact_start) and the longest time one backend kept the same backend_xmin
+    (what holds vacuum back), over every backend but this sampler's."""
+
+    def __init__(self, dsn: str):
+        self.dsn, self.stop = dsn, threading.Event()
+        self.longest_xact = self.longest_xmin = 0.0
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join(timeout=30)
+
+    def _run(self) -> None:
+        import psycopg2
+
+        conn = psycopg2.connect(self.dsn)
+        conn.autocommit = True
+        seen: dict[tuple[int, str], float] = {}
+        with conn.cursor() as cur:
+            while not self.stop.is_set():
+                cur.execute(
+                    "SELECT pid, backend_xmin::text, extract(epoch FROM clock_timestamp() - xact_start) "
+                    "FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()"
+                )
+                now = time.monotonic()
+                for pid, xmin, age in cur.fetchall():
+                    self.longest_xact = max(self.longest_xact, float(age or 0.0))
+                    if xmin is not None:
+                        first = seen.setdefault((pid, xmin), now)
+                        self.longest_xmin = max(self.longest_xmin, now - first)
+                time.sleep(0.02)
+        conn.close()
+
+
+def _one_bootstrap(spark, lake, cfg, run_id: str, dsn: str) -> dict:
     from cdc_lakehouse.bootstrap.run import bootstrap_table
 
-    with PeakRSS() as mem:
+    if cfg.bootstrap.mode == "chunked":  # a fresh table each time: a second run would be a re-sync
+        for t in (cfg.current_table, cfg.changelog_table):
+            spark.sql(f"DROP TABLE IF EXISTS {lake.qualified(t)} PURGE")
+    with PeakRSS() as mem, HeldOpen(dsn) as held:
         t = time.time()
         r = bootstrap_table(spark, lake, cfg, run_id=run_id)
         secs = time.time() - t
@@ -162,19 +208,30 @@ def _one_bootstrap(spark, lake, cfg, run_id: str) -> dict:
         "seconds": secs,
         "rows_per_second": r["rows"] / secs,
         "peak_rss_mb": mem.peak_mb,
-        "read_and_changelog_seconds": r["read_and_changelog_seconds"],
-        "current_write_seconds": r["current_write_seconds"],
+        "read_and_changelog_seconds": r.get("read_and_changelog_seconds"),
+        "current_write_seconds": r.get("current_write_seconds"),
+        "chunks": sum(r.get("chunks", {}).values()) or None,
+        "longest_xact_seconds": held.longest_xact,
+        "longest_xmin_held_seconds": held.longest_xmin,
     }
 
 
-def bench_bootstrap(spark, lake, dsn: str, blocks: int, repeat: int, readers: list[str]) -> dict:
+def _reader_config(blocks: int, reader: str, chunk_rows: int):
+    if reader == "chunked":
+        return table_config(f"boot_{blocks}_chunked", bootstrap={"mode": "chunked", "chunk_rows": chunk_rows})
+    return table_config(
+        f"boot_{blocks}" + ("" if reader == "jdbc" else f"_{reader}"), bootstrap={"reader": reader, "mode": "snapshot"}
+    )
+
+
+def bench_bootstrap(
+    spark, lake, dsn: str, blocks: int, repeat: int, readers: list[str], chunk_rows: int = 50_000
+) -> dict:
     """COPY, then per reader (bootstrap.reader): the read alone and the whole bootstrap, side by side
     in each repeat."""
     from cdc_lakehouse.bootstrap.snapshot import preflight, shards_by_endpoint
 
-    cfgs = {
-        r: table_config(f"boot_{blocks}" + ("" if r == "jdbc" else f"_{r}"), bootstrap={"reader": r}) for r in readers
-    }
+    cfgs = {r: _reader_config(blocks, r, chunk_rows) for r in readers}
     cfg0 = next(iter(cfgs.values()))
     columns, pg_types = preflight(cfg0, shards_by_endpoint(cfg0, None))
     conns = cfg0.bootstrap.max_connections_per_host
@@ -189,26 +246,40 @@ def bench_bootstrap(spark, lake, dsn: str, blocks: int, repeat: int, readers: li
             flush=True,
         )
         for reader, cfg in cfgs.items():
-            read = read_alone(spark, cfg, columns, pg_types)
-            one = _one_bootstrap(spark, lake, cfg, f"bench{i}")
-            one.update(read_seconds=read["seconds"], read_rows_per_second=rows / read["seconds"])
+            # The chunked mode has no separate read: its chunks are read between MERGEs.
+            read = read_alone(spark, cfg, columns, pg_types) if reader != "chunked" else None
+            one = _one_bootstrap(spark, lake, cfg, f"bench{i}", dsn)
+            if read:
+                one.update(read_seconds=read["seconds"], read_rows_per_second=rows / read["seconds"])
             ours[reader].append(one)
             print(
-                f"  [{reader}] read alone: {read['seconds']:.1f}s = {rows / read['seconds']:,.0f} rows/s; "
-                f"bootstrap: {one['rows']} rows in {one['seconds']:.1f}s = {one['rows_per_second']:,.0f} rows/s "
-                f"(read + changelog {one['read_and_changelog_seconds']:.1f}s, current table "
-                f"{one['current_write_seconds']:.1f}s; peak {one['peak_rss_mb']:.0f} MB)",
+                f"  [{reader}] read alone: "
+                + (f"{read['seconds']:.1f}s = {rows / read['seconds']:,.0f} rows/s" if read else "-")
+                + f"; bootstrap: {one['rows']} rows in {one['seconds']:.1f}s = {one['rows_per_second']:,.0f} rows/s"
+                + (f" in {one['chunks']} chunks" if one["chunks"] else "")
+                + f"; longest transaction on the source {one['longest_xact_seconds']:.2f}s, longest xmin held "
+                f"{one['longest_xmin_held_seconds']:.2f}s; peak {one['peak_rss_mb']:.0f} MB",
                 flush=True,
             )
     c = statistics.median(x["rows_per_second"] for x in copies)
     out: dict = {"copy": copies, "median_copy_rps": c, "connections_per_host": conns, "readers": {}}
     for reader, runs in ours.items():
         o = statistics.median(x["rows_per_second"] for x in runs)
-        rd = statistics.median(x["read_rows_per_second"] for x in runs)
-        out["readers"][reader] = {"bootstrap": runs, "median_bootstrap_rps": o, "ratio": o / c, "read_ratio": rd / c}
+        reads = [x["read_rows_per_second"] for x in runs if "read_rows_per_second" in x]
+        rd = statistics.median(reads) if reads else None
+        held = max(x["longest_xact_seconds"] for x in runs)
+        out["readers"][reader] = {
+            "bootstrap": runs,
+            "median_bootstrap_rps": o,
+            "ratio": o / c,
+            "read_ratio": rd / c if rd else None,
+            "longest_xact_seconds": held,
+            "longest_xmin_held_seconds": max(x["longest_xmin_held_seconds"] for x in runs),
+        }
         print(
             f"bootstrap {blocks} rows [{reader}]: median {o:,.0f} rows/s vs COPY {c:,.0f} rows/s = {o / c:.2f} of COPY "
-            f"(read alone {rd / c:.2f} of COPY)",
+            + (f"(read alone {rd / c:.2f} of COPY)" if rd else "")
+            + f"; longest transaction held open {held:.2f}s",
             flush=True,
         )
     return out
@@ -357,7 +428,12 @@ def main() -> int:
     p.add_argument("--changes", type=int, default=200_000)
     p.add_argument("--what", default="bootstrap,audit,capture")
     p.add_argument("--repeat", type=int, default=2)
-    p.add_argument("--readers", default="copy,jdbc", help="bootstrap.reader values to run side by side")
+    p.add_argument(
+        "--readers",
+        default="copy,jdbc",
+        help="bootstrap.reader values to run side by side; `chunked`: the chunked mode",
+    )
+    p.add_argument("--chunk-rows", type=int, default=50_000, help="bootstrap.chunk_rows of the chunked mode")
     args = p.parse_args()
     what = args.what.split(",")
     db, dsn, wl = prepare_source(args.blocks)
@@ -377,7 +453,9 @@ def main() -> int:
         ensure_meta_tables(spark, lake)
         if "bootstrap" in what:
             print("bootstrap:", flush=True)
-            results["bootstrap"] = bench_bootstrap(spark, lake, dsn, args.blocks, args.repeat, args.readers.split(","))
+            results["bootstrap"] = bench_bootstrap(
+                spark, lake, dsn, args.blocks, args.repeat, args.readers.split(","), args.chunk_rows
+            )
         if "audit" in what:
             print("audit:", flush=True)
             results["audit"] = bench_audit(spark, lake, args.blocks, args.repeat)

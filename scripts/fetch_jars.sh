@@ -21,12 +21,44 @@ PY="${PYTHON:-$ROOT/.venv/bin/python}"
 ICEBERG_JAR="$JARS/iceberg-spark-runtime-3.5_2.12-$ICEBERG_VERSION.jar"
 JACKSON_JAR="$JARS/iceberg-shaded-jackson-relocated.jar"
 mkdir -p "$JARS"
+# Scratch space on the project's disk, not /tmp: the offline route unpacks a 190 MB SDK
+# bundle, and a small /tmp (tmpfs on some CI machines) ran out of space mid-setup.
+export TMPDIR="${CDC_SETUP_TMPDIR:-$ROOT/.cache/tmp}"
+mkdir -p "$TMPDIR"
 
 log() { echo "[jars] $*"; }
 
 maven_get() {  # maven_get URL DEST: true when downloaded
   curl -fsSL --connect-timeout 5 -m 300 -o "$2.part" "$1" 2>/dev/null && mv "$2.part" "$2" && return 0
   rm -f "$2.part"; return 1
+}
+
+PYPI_CACHE="${CDC_PYPI_JAR_CACHE:-$ROOT/.cache/pypi-jars}"
+PYPI_INDEX="${PIP_INDEX_URL:-https://pypi.org/simple}"
+
+pypi_get() {  # pypi_get NAME VERSION KIND(whl|tar.gz): the downloaded file's path (cached)
+  # The file is fetched straight from the index (sha256 checked), not with `pip download`:
+  # pip unpacks an sdist to read its metadata, which for sagemaker_pyspark means ~400 MB
+  # of scratch space for a file we only open with tar.
+  local name="$1" ver="$2" kind="$3" file url sha hit
+  file="$(echo "$name" | tr '.-' '__')-$ver"
+  mkdir -p "$PYPI_CACHE"
+  hit="$(ls "$PYPI_CACHE/$file"*".$kind" 2>/dev/null | head -1 || true)"
+  if [[ -z "$hit" ]]; then
+    url="$(curl -fsSL --retry 3 -m 60 "$PYPI_INDEX/$(echo "$name" | tr '_.' '--')/" \
+           | grep -o 'href="[^"]*"' | sed 's/^href="//; s/"$//; s/&amp;/\&/g' \
+           | grep -iE "/${file}(-[^/]*)?\.${kind//./\\.}#" | head -1)"
+    [[ -n "$url" ]] || { echo "[jars] $name $ver ($kind) not found on $PYPI_INDEX" >&2; return 1; }
+    sha=""; [[ "$url" == *"#sha256="* ]] && sha="${url##*#sha256=}"
+    url="${url%%#*}"
+    hit="$PYPI_CACHE/$(basename "$url")"
+    curl -fsSL --retry 3 -m 900 -o "$hit.part" "$url"
+    if [[ -n "$sha" ]] && ! echo "$sha  $hit.part" | sha256sum -c --quiet -; then
+      rm -f "$hit.part"; echo "[jars] $url: sha256 mismatch" >&2; return 1
+    fi
+    mv "$hit.part" "$hit"
+  fi
+  echo "$hit"
 }
 
 relocate_jackson() {
@@ -56,10 +88,9 @@ else
   log "iceberg: Maven Central unreachable; offline route (PyPI snowpark-connect-deps-iceberg + jarjar)"
   [[ "$ICEBERG_VERSION" == "1.10.2" ]] || { echo "offline route ships Iceberg 1.10.2 only (asked $ICEBERG_VERSION)" >&2; exit 1; }
   tmp="$(mktemp -d)"
-  # pip download, not install: the wheel is only a carrier for the jar.
-  "$PY" -m pip download -q --no-deps snowpark-connect-deps-iceberg==1.0.3 -d "$tmp" 2>/dev/null \
-    || python3 -m pip download -q --no-deps snowpark-connect-deps-iceberg==1.0.3 -d "$tmp"
-  unzip -qo -j "$tmp"/snowpark_connect_deps_iceberg-*.whl "snowpark_connect_deps_iceberg/jars/iceberg-spark-runtime-3.5_2.12-1.10.2.jar" -d "$tmp"
+  # Downloaded, not installed: the wheel is only a carrier for the jar.
+  whl="$(pypi_get snowpark_connect_deps_iceberg 1.0.3 whl)"
+  unzip -qo -j "$whl" "snowpark_connect_deps_iceberg/jars/iceberg-spark-runtime-3.5_2.12-1.10.2.jar" -d "$tmp"
   mv "$tmp/iceberg-spark-runtime-3.5_2.12-1.10.2.jar" "$ICEBERG_JAR"
   rm -rf "$tmp"
   relocate_jackson
@@ -93,23 +124,9 @@ fi
 SDK2_JAR="$JARS/iceberg-aws-sdk2.jar"
 S3A_JAR="$JARS/hadoop-aws.jar"
 SDK1_JAR="$JARS/aws-sdk-v1-s3a.jar"
-PYPI_CACHE="${CDC_PYPI_JAR_CACHE:-$ROOT/.cache/pypi-jars}"
-
-pypi_get() {  # pypi_get SPEC [pip args]: the downloaded file's path (cached across setups)
-  local spec="$1"; shift
-  mkdir -p "$PYPI_CACHE"
-  local hit; hit="$(ls "$PYPI_CACHE"/"${spec%%==*}"* 2>/dev/null | head -1 || true)"
-  if [[ -z "$hit" ]]; then
-    "$PY" -m pip download -q --no-deps "$@" "$spec" -d "$PYPI_CACHE" 2>/dev/null \
-      || python3 -m pip download -q --no-deps "$@" "$spec" -d "$PYPI_CACHE"
-    hit="$(ls "$PYPI_CACHE"/"${spec%%==*}"* 2>/dev/null | head -1)"
-  fi
-  echo "$hit"
-}
-
 build_sdk2_offline() {
   local whl work
-  whl="$(pypi_get sagemaker_feature_store_pyspark==2.2.2)"
+  whl="$(pypi_get sagemaker_feature_store_pyspark 2.2.2 whl)"
   work="$(mktemp -d)"
   unzip -qo -j "$whl" 'feature_store_pyspark/jars/sagemaker-feature-store-spark-sdk-3.5.jar' -d "$work"
   mkdir "$work/x"
@@ -128,7 +145,7 @@ build_sdk2_offline() {
 
 build_s3a_offline() {
   local sdist work
-  sdist="$(pypi_get sagemaker_pyspark==1.4.5 --no-binary :all:)"
+  sdist="$(pypi_get sagemaker_pyspark 1.4.5 tar.gz)"
   work="$(mktemp -d)"
   tar -xzf "$sdist" -C "$work" --wildcards '*/deps/jars/hadoop-aws-3.3.1.jar' '*/deps/jars/aws-java-sdk-bundle-1.11.901.jar'
   cp "$work"/*/deps/jars/hadoop-aws-3.3.1.jar "$S3A_JAR.part"

@@ -4,6 +4,7 @@ python -m cdc_lakehouse.cli validate              check every table, derived and
 python -m cdc_lakehouse.cli pools                 the Airflow pools, as JSON for `airflow pools import`
 python -m cdc_lakehouse.cli quarantine list T     quarantined events of table T
 python -m cdc_lakehouse.cli quarantine clear T    delete T's quarantined events after review
+python -m cdc_lakehouse.cli quarantine replay T   re-validate T's quarantined events after a fix; apply those that pass
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("validate")
     sub.add_parser("pools")
     q = sub.add_parser("quarantine")
-    q.add_argument("action", choices=["list", "clear"])
+    q.add_argument("action", choices=["list", "clear", "replay"])
     q.add_argument("table")
     q.add_argument("--limit", type=int, default=50)
     args = p.parse_args(argv)
@@ -53,11 +54,16 @@ def main(argv: list[str] | None = None) -> int:
     from cdc_lakehouse.settings import LakeSettings
 
     table = check_lake_ident(args.table, "table")
+    cfg = replay_config(table) if args.action == "replay" else None
+    if args.action == "replay" and cfg is None:
+        return 1
     load_job_secrets()
     lake = LakeSettings.from_env()
     spark = get_spark("cdc-quarantine", lake, master="local[1]")
     ensure_meta_tables(spark, lake)
     q_table = lake.qualified(lake.meta_table("quarantine"))
+    if cfg is not None:
+        return replay(spark, lake, cfg)
     if args.action == "list":
         spark.sql(
             f"SELECT shard, reason, commit_lsn, seq, landing_run, quarantined_at FROM {q_table} "
@@ -68,6 +74,32 @@ def main(argv: list[str] | None = None) -> int:
         spark.sql(f"DELETE FROM {q_table} WHERE table_name = '{table}'")
         print(f"cleared {n} quarantined event(s) of {table}")
     return 0
+
+
+def replay(spark, lake, cfg) -> int:
+    """quarantine replay T: prints what the replay did (ingest.replay.ReplayResult) as JSON."""
+    from datetime import UTC, datetime
+
+    from cdc_lakehouse.ingest.replay import replay_quarantine
+
+    run = "replay-" + datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+    print(json.dumps(replay_quarantine(spark, lake, cfg, replay_run=run).as_dict(), indent=2))
+    return 0
+
+
+def replay_config(table: str):
+    """The table's config as it is now (a replay validates against it: the fix may be in it)."""
+    cs = load_table_configs(tables_dir())
+    cfg = cs.tables.get(table)
+    if cfg is None:
+        errors = [str(e) for e in cs.errors]
+        print(
+            f"no valid table config named {table!r} in {tables_dir()}; the replay validates against the table's "
+            "current config, so fix it first (python -m cdc_lakehouse.cli validate)"
+            + "".join(f"\n{e}" for e in errors),
+            file=sys.stderr,
+        )
+    return cfg
 
 
 if __name__ == "__main__":

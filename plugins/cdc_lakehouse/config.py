@@ -256,6 +256,17 @@ class BootstrapConfig(_Model):
     # (bootstrap/copy_read.py). Same query, snapshot, cap and casts. jdbc is the default because it
     # measured faster here (10M rows, read alone: 29.8 s vs 42.4 s, COPY 29.7 s; BENCHMARKS.md).
     reader: Literal["jdbc", "copy"] = "jdbc"
+    # snapshot: one exported snapshot per endpoint for the whole read (bootstrap/snapshot.py).
+    # chunked: key-range chunks between WAL watermarks, nothing held open between chunks,
+    # resumable (bootstrap/chunked.py). auto: chunked when the source's estimated row count
+    # (pg_class.reltuples, summed over the shards) reaches auto_chunked_rows.
+    mode: Literal["snapshot", "chunked", "auto"] = "auto"
+    chunk_rows: int = Field(50_000, ge=1, le=10_000_000)
+    # 5M rows: about a minute of exported snapshot on the 2-core machine (BENCHMARKS.md, ~90k
+    # rows/s), short enough that the snapshot's held xmin costs little vacuum; above it, the
+    # hours-long snapshot that issue #21 is about starts to matter, and chunking pays for its
+    # per-chunk MERGE. Small tables keep the snapshot mode, which is faster.
+    auto_chunked_rows: int = Field(5_000_000, ge=0)
 
 
 class LandingSource(_Model):

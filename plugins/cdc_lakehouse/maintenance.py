@@ -18,7 +18,7 @@ from cdc_lakehouse.lake.tables import table_exists, table_stats
 from cdc_lakehouse.lake.watermark import WATERMARK_PROP, read_watermark
 from cdc_lakehouse.landing.format import MANIFEST_DIR, manifest_path
 from cdc_lakehouse.landing.reader import SparkLanding
-from cdc_lakehouse.runtime.phases import PhaseClock
+from cdc_lakehouse.runtime.phases import PhaseClock, SparkJobs
 from cdc_lakehouse.settings import LakeSettings
 from cdc_lakehouse.views import publish_latest
 
@@ -220,8 +220,21 @@ def maintain_table(
     """Compaction, expiry and orphan cleanup of both tables, the latest view, and landing retention.
 
     `consumers`: every valid table config (landing runs are shared by the tables of an endpoint);
-    default: this table alone. Progress goes to this module's logger."""
-    now = now or datetime.now(UTC)
+    default: this table alone. Progress goes to this module's logger. The result carries the Spark
+    jobs the run took (`spark_jobs`, `spark_job_sites`): the figure to watch for repeated scans."""
+    with SparkJobs(spark, f"maintenance {cfg.name} {run_id}") as jobs:
+        result = _maintain_table(spark, lake, cfg, run_id, now or datetime.now(UTC), consumers)
+    return {**result, "spark_jobs": jobs.count, "spark_job_sites": jobs.sites}
+
+
+def _maintain_table(
+    spark: SparkSession,
+    lake: LakeSettings,
+    cfg: TableConfig,
+    run_id: str,
+    now: datetime,
+    consumers: list[TableConfig] | None,
+) -> dict[str, Any]:
     cur = lake.qualified(cfg.current_table)
     cl = lake.qualified(cfg.changelog_table)
     if not table_exists(spark, cur):

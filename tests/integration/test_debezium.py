@@ -182,3 +182,50 @@ def test_avro_sink_bootstrap_toast_and_delete(spark, lake, tmp_root, unique):
     assert_table(spark, lake, cfg, want)
     wm = read_watermark(spark, lake.qualified(cfg.current_table))
     assert wm["debezium"]["offsets"][TOPIC] == {"0": 5} and wm["shards"]["s1"]["lsn"] == 750
+
+
+def write_gz(root, partition, start, lines):
+    """A sink object written with s3.compression.type=gzip."""
+    import gzip
+
+    path = object_path(root, TOPIC, partition, start, "json.gz")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(gzip.compress("".join(line + "\n" for line in lines).encode()))
+
+
+def test_a_gzip_backlog_is_applied_in_bounded_batches(spark, lake, tmp_root, unique):
+    root = tmp_root / f"sink_{unique}"
+    cfg = make_config(
+        f"dbz_gz_{unique}", ["s1"], table="orders",
+        landing={"kind": "debezium_s3", "uri": f"file://{root}", "topic_prefix": "dbz", "partitions": 2},
+        ingest={"max_events_per_run": 2},
+    )  # fmt: skip
+    big = "z" * 6000
+    write_gz(root, 0, 0, [json_line(ev("r", 1000, None, after=base(2), snapshot="true")),
+                          json_line(ev("r", 1000, None, after=base(4), snapshot="last"))])  # fmt: skip
+    write_gz(root, 1, 0, [json_line(ev("r", 1000, None, after=base(1), snapshot="true"))])
+    bootstrap_debezium(spark, lake, cfg)
+    # A backlog of three files per partition (the snapshot's and two of changes).
+    write_gz(root, 0, 2, [json_line(ev("u", 1101, 1000, after=base(2, price=Decimal("7.77"))))])
+    write_gz(root, 1, 1, [json_line(ev("c", 1100, 1000, after=base(5, note=big)))])
+    write_gz(root, 0, 3, [json_line(ev("d", 1201, 1200, before=key_only(4))), json_line(TOMBSTONE)])
+    write_gz(root, 1, 2, [json_line(ev("u", 1300, 1250, after=base(5, note=PLACEHOLDER, ratio=8.5)))])
+    # Run 1 takes partition 0's first file (2 events: the budget); partition 1 is not seen yet, so
+    # the shard's LSN must not move.
+    ingest_table(spark, lake, cfg, upto_run=None, ingest_run="g1")
+    assert_table(spark, lake, cfg, {2: base(2), 4: base(4)})
+    wm = read_watermark(spark, lake.qualified(cfg.current_table))
+    assert wm["debezium"]["offsets"][TOPIC] == {"0": 2} and wm["shards"]["s1"]["lsn"] == 0
+    # Then one file of each partition per run (round-robin) until nothing is left.
+    runs = 1
+    while True:
+        runs += 1
+        ingest_table(spark, lake, cfg, upto_run=None, ingest_run=f"g{runs}")
+        new = read_watermark(spark, lake.qualified(cfg.current_table))
+        if new == wm:
+            break
+        wm = new
+    assert runs == 5  # g2: p0@2 + p1@0, g3: p0@3 + p1@1, g4: p1@2, g5: nothing left
+    want = {1: base(1), 2: base(2, price=Decimal("7.77")), 5: base(5, note=big, ratio=8.5)}
+    assert_table(spark, lake, cfg, want)
+    assert wm["debezium"]["offsets"][TOPIC] == {"0": 5, "1": 3} and wm["shards"]["s1"]["lsn"] == 1200

@@ -253,3 +253,31 @@ def test_config_needs_uri_and_prefix_and_capture_dags_skip_debezium_tables():
         "items.yaml",
     )[0]
     assert _endpoint_ids([cfg(), own]) == ["other_db"]
+
+
+def test_gzip_objects_read_like_plain_json():
+    import gzip
+
+    lines = [json_line(ev(after=ROW)), json_line(TOMBSTONE), json_line(ev("u", lsn=2100, last_commit=2050, after=ROW))]
+    plain, plain_stats = rows_of(lines)
+    packed, packed_stats = rows_of([], data=gzip.compress("".join(x + "\n" for x in lines).encode()))
+    assert packed == plain and packed_stats["records"] == plain_stats["records"] == 3
+    from cdc_lakehouse.landing.debezium import FILE_RE
+
+    assert FILE_RE.match(f"{TOPIC}+0+0000000042.json.gz")["start"] == "0000000042"
+
+
+def test_a_backlog_is_cut_into_per_partition_prefixes_round_robin():
+    from cdc_lakehouse.landing.debezium import within_budget
+
+    p0 = [SinkFile(f"u/{TOPIC}+0+{s}.json", TOPIC, 0, s) for s in (0, 10, 20)]
+    p1 = [SinkFile(f"u/{TOPIC}+1+{s}.json", TOPIC, 1, s) for s in (0, 10)]
+    hb = SinkFile("u/__debezium-heartbeat.dbz+0+0.json", "__debezium-heartbeat.dbz", 0, 0, heartbeat=True)
+    files = [*p0, *p1, hb]
+    stats = {f.name: {"events": 10} for f in files}
+    got = within_budget(files, stats, 25)
+    # Heartbeats always; then p0[0], p1[0], p0[1] (30 >= 25): a prefix of each partition.
+    assert [f.name for f in got] == [hb.name, p0[0].name, p1[0].name, p0[1].name]
+    # One file at least, even over the budget; everything when it fits.
+    assert [f.name for f in within_budget(files, stats, 1)] == [hb.name, p0[0].name]
+    assert len(within_budget(files, stats, 1000)) == len(files)

@@ -7,7 +7,7 @@ AuditResult is a Mapping: callers (the Spark job's JSON line, tests, the bench) 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, TypedDict
 
 
@@ -36,6 +36,8 @@ class AuditResult(Mapping[str, Any]):
     quarantine_reasons: dict[str, int]
     seconds: float
     timings: dict[str, float]
+    spark_jobs: int = 0  # Spark jobs the audit started (runtime.phases.SparkJobs), held to a budget
+    spark_job_sites: list[str] = field(default_factory=list)  # what started each, in order
 
     def as_dict(self) -> dict[str, Any]:
         # Not dataclasses.asdict: that deep-copies, and the stats dicts are meant to be shared.

@@ -38,7 +38,7 @@ from cdc_lakehouse.audit.compare import (
 from cdc_lakehouse.audit.errors import AuditFailed
 from cdc_lakehouse.audit.hashing import spark_bucket, spark_hash_num, spark_row_hash
 from cdc_lakehouse.audit.inflight import inflight_from_landing, inflight_from_slot
-from cdc_lakehouse.audit.quality import quality_checks
+from cdc_lakehouse.audit.quality import preload_great_expectations, quality_checks
 from cdc_lakehouse.audit.repair import repair_keys
 from cdc_lakehouse.audit.result import AuditResult, ShardStats
 from cdc_lakehouse.config import LSN_COL, SHARD_COL, TableConfig
@@ -46,7 +46,7 @@ from cdc_lakehouse.identifiers import pg_qualified
 from cdc_lakehouse.lake.meta import meta_append
 from cdc_lakehouse.lake.tables import source_columns_of, table_exists
 from cdc_lakehouse.lake.watermark import read_watermark
-from cdc_lakehouse.runtime.phases import PhaseClock
+from cdc_lakehouse.runtime.phases import PhaseClock, SparkJobs, observed_counts
 from cdc_lakehouse.settings import LakeSettings, SourceEndpoint, source_uri
 from cdc_lakehouse.source.catalog import describe_table
 
@@ -80,6 +80,9 @@ class _Table:
     lake_df: DataFrame  # live rows only (soft deletes filtered out)
     shards: list[_Shard]
     cols: list[tuple[str, str]]  # the columns both hashes cover
+    # (shard, key..., LSN, row hash, bucket) of the live rows, persisted: the audit's one read of
+    # the lake table, which the counts, the comparison and Great Expectations all take from.
+    lake_h: DataFrame | None = None
 
     @property
     def key(self) -> list[str]:
@@ -103,11 +106,46 @@ def audit_table(
     mode: str | None = None,
     repair: bool | None = None,
 ) -> AuditResult:
-    """One audit of one table, phase by phase; it records a row per shard in cdc_meta.audit_results."""
+    """One audit of one table, phase by phase; it records a row per shard in cdc_meta.audit_results.
+    The result carries the Spark jobs it took (`spark_jobs`), the figure AUDIT_JOB_BUDGET holds."""
+    with SparkJobs(spark, f"audit {cfg.name} {audit_run}") as jobs:
+        r = _audit_table(spark, lake, cfg, audit_run=audit_run, mode=mode, repair=repair)
+    r.spark_jobs, r.spark_job_sites = jobs.count, jobs.sites
+    return r
+
+
+def _audit_table(
+    spark: SparkSession,
+    lake: LakeSettings,
+    cfg: TableConfig,
+    *,
+    audit_run: str,
+    mode: str | None,
+    repair: bool | None,
+) -> AuditResult:
     clock = PhaseClock()
     now = datetime.now(UTC)
+    preload_great_expectations()
     with clock.phase("describe"):
         t = _describe(spark, lake, cfg)
+    t.lake_h = _lake_hashes(t)
+    try:
+        return _audit_loaded(spark, lake, t, audit_run, mode, repair, clock, now)
+    finally:
+        t.lake_h.unpersist()
+
+
+def _audit_loaded(
+    spark: SparkSession,
+    lake: LakeSettings,
+    t: _Table,
+    audit_run: str,
+    mode: str | None,
+    repair: bool | None,
+    clock: PhaseClock,
+    now: datetime,
+) -> AuditResult:
+    cfg = t.cfg
     mode, lake_counts = _choose_mode(t, mode or cfg.audit.mode)
     per_shard, flagged, counts, lake_counts = _compare_with_source(spark, lake, t, mode, lake_counts, clock)
     with clock.phase("in_flight_and_compare"):
@@ -120,8 +158,14 @@ def audit_table(
         if do_repair and persistent:
             repaired = repair_keys(spark, lake, cfg, streak_df, t.key_cols, t.lake_cols, t.wm, audit_run)
     with clock.phase("quality"):
-        live = t.lake_df.select(SHARD_COL, *cfg.primary_key, LSN_COL)
-        quality = quality_checks(spark, lake, cfg, live, t.wm, per_shard, lake_counts, audit_run, now)
+        # A fresh read of the live rows, not the comparison's cache: with the cache, GX counted
+        # fewer rows than the comparison on seed 22 of test_random_e2e (447 against 452), not
+        # yet explained; until it is, the checks read the table again (persisted for GX's passes).
+        live = _live_rows(spark, lake, cfg).select(SHARD_COL, *cfg.primary_key, LSN_COL).persist()
+        try:
+            quality = quality_checks(spark, lake, cfg, live, t.wm, per_shard, lake_counts, audit_run, now)
+        finally:
+            live.unpersist()
     samples = _samples(cfg, streak_df) if flagged is not None and persistent else {}
     rows = _result_rows(t, audit_run, now, per_shard, lake_counts, persistent, repaired, samples, clock.elapsed())
     meta_append(spark, lake, "audit_results", rows)
@@ -154,7 +198,7 @@ def _compare_with_source(
     pool = None
     try:
         pool, pending_sums = _start_source_sums(t, mode, snapshots)
-        lake_h = _lake_hashes(t)
+        lake_h = t.lake_h
         lake_sums, lake_counts = _lake_side(t, lake_h, mode, lake_counts, clock)
         with clock.phase("source_sums_wait"):
             per_shard, mismatches = _compare_shards(spark, t, lake_h, mode, lake_sums, pending_sums, snapshots)
@@ -170,9 +214,17 @@ def _compare_with_source(
 # --- describe both sides --------------------------------------------------------------------------------
 
 
-def _describe(spark: SparkSession, lake: LakeSettings, cfg: TableConfig) -> _Table:
+def _live_rows(spark: SparkSession, lake: LakeSettings, cfg: TableConfig) -> DataFrame:
+    """The current table's live rows (soft deletes filtered out), read lazily."""
     from pyspark.sql import functions as F
 
+    lake_df = spark.table(lake.qualified(cfg.current_table))
+    if cfg.deletes == "soft":
+        lake_df = lake_df.filter(~F.col(cfg.soft_delete_columns.flag))
+    return lake_df
+
+
+def _describe(spark: SparkSession, lake: LakeSettings, cfg: TableConfig) -> _Table:
     cur = lake.qualified(cfg.current_table)
     if not table_exists(spark, cur):
         raise AuditFailed(f"{cfg.name}: {cur} does not exist; bootstrap it first")
@@ -180,9 +232,7 @@ def _describe(spark: SparkSession, lake: LakeSettings, cfg: TableConfig) -> _Tab
     lake_cols = source_columns_of(spark, cur, cfg)
     types = dict(lake_cols)
     key_cols = [(k, types[k]) for k in cfg.primary_key]
-    lake_df = spark.table(cur)
-    if cfg.deletes == "soft":
-        lake_df = lake_df.filter(~F.col(cfg.soft_delete_columns.flag))
+    lake_df = _live_rows(spark, lake, cfg)
     shards = [_describe_shard(cfg, g, schema, shard, lake_cols) for g, schema, shard in cfg.shards()]
     # One lake hash for every shard: over the columns all shards have. While a schema change is
     # rolling out shard by shard, the new column is compared once every shard has it.
@@ -214,8 +264,14 @@ def _describe_shard(cfg: TableConfig, g, schema: str, shard: str, lake_cols: lis
     return _Shard(schema, shard, g.endpoint_id, ep, columns, {c.name: c.pg_type for c in info.columns}, estimate)
 
 
-def _count_lake(lake_df: DataFrame) -> dict[str, int]:  # reads the shard column only
-    return {r[0]: r[1] for r in lake_df.groupBy(SHARD_COL).count().collect()}
+def _count_lake(t: _Table) -> dict[str, int]:
+    """Rows per configured shard, observed while a no-op write fills the cache: one Spark job
+    (a groupBy().count().collect() takes two), and the cache is then ready for what follows."""
+    from pyspark.sql import functions as F
+
+    shards = [s.shard for s in t.shards]
+    got = observed_counts(t.lake_h, *[F.count_if(F.col(SHARD_COL) == sh).alias(f"n{i}") for i, sh in enumerate(shards)])
+    return {sh: int(got[f"n{i}"]) for i, sh in enumerate(shards)}
 
 
 def _choose_mode(t: _Table, mode: str) -> tuple[str, dict[str, int]]:
@@ -223,7 +279,7 @@ def _choose_mode(t: _Table, mode: str) -> tuple[str, dict[str, int]]:
     if mode != "auto":
         return mode, {}
     estimates = [s.estimate for s in t.shards]
-    lake_counts = _count_lake(t.lake_df) if min(estimates) < 0 else {}  # never analyzed: count the lake
+    lake_counts = _count_lake(t) if min(estimates) < 0 else {}  # never analyzed: count the lake
     total = sum(lake_counts.values()) if lake_counts else sum(estimates)
     return ("checksum" if total >= t.cfg.audit.checksum_min_rows else "full"), lake_counts
 
@@ -243,14 +299,19 @@ def _start_source_sums(
 
 
 def _lake_hashes(t: _Table) -> DataFrame:
-    """(shard, key, row hash, bucket). Not cached: each use reads only what it needs (one shard's
-    files, or the key columns), which is cheaper than holding a hash per key."""
+    """(shard, key, LSN, row hash, bucket), persisted (memory, spilling to disk): the counts or
+    bucket sums, the comparison and the quality checks each used to scan the table again (3 to 4
+    reads of every data file per audit); now the first of them reads it and the rest read this.
+    The cost is a hash and a key per live row held until the audit ends."""
+    from pyspark import StorageLevel
+
     return t.lake_df.select(
         SHARD_COL,
         *[c for c, _ in t.key_cols],
+        LSN_COL,
         spark_row_hash(t.cols).alias("_h"),
         spark_bucket(t.key_cols, t.cfg.audit.buckets).alias("_b"),
-    )
+    ).persist(StorageLevel.MEMORY_AND_DISK)
 
 
 def _lake_side(
@@ -270,7 +331,7 @@ def _lake_side(
         return sums, {shard: sum(n for n, _ in b.values()) for shard, b in sums.items()}
     if not lake_counts:
         with clock.phase("lake_count"):
-            lake_counts = _count_lake(t.lake_df)
+            lake_counts = _count_lake(t)
     return {}, lake_counts
 
 
@@ -318,7 +379,7 @@ def _compare_full(spark: SparkSession, t: _Table, s: _Shard, lh: DataFrame, snap
         pg_types=s.pg_types,
         snapshot=snap,
     )
-    return st, compare(src.drop("_b"), lh.drop("_b"), t.key)
+    return st, compare(src.drop("_b"), lh.drop("_b", LSN_COL), t.key)
 
 
 def _compare_buckets(
@@ -347,7 +408,7 @@ def _compare_buckets(
     only = differing if len(differing) < buckets // 2 else None
     src = source_hashes(spark, t.cfg, s.shard, s.schema, s.ep, t.key_cols, t.cols, buckets, only, s.pg_types, snap)
     lsub = lh.filter(F.col("_b").isin(differing)) if only else lh
-    return st, compare(src.drop("_b"), lsub.drop("_b"), t.key)
+    return st, compare(src.drop("_b"), lsub.drop("_b", LSN_COL), t.key)
 
 
 def _in_flight(spark: SparkSession, lake: LakeSettings, t: _Table) -> list[DataFrame]:
@@ -385,7 +446,14 @@ def _flag_in_flight(
     else:
         flagged = diff.withColumn("_if", F.lit(False))
     flagged = flagged.persist(StorageLevel.MEMORY_AND_DISK)
-    return flagged, flagged.groupBy(SHARD_COL, "kind", "_if").count().collect()
+    counts = flagged.groupBy(SHARD_COL, "kind", "_if").count().collect()
+    diff.unpersist()
+    if not counts:
+        # No mismatch at all (the common case): the streak bookkeeping then has nothing to
+        # checkpoint, write or count, only the old streaks to resolve.
+        flagged.unpersist()
+        return None, []
+    return flagged, counts
 
 
 def _tally(per_shard: dict[str, ShardStats], counts: list[Row]) -> None:

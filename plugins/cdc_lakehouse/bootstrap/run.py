@@ -4,6 +4,7 @@ at each endpoint's consistent point (the handoff is described in cdc_lakehouse.b
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -82,8 +83,24 @@ def bootstrap_table(
     run_id: str,
     shards: list[str] | None = None,
     all_endpoint_tables: dict[str, dict] | None = None,
+    should_stop: Callable[[Any], bool] | None = None,
+    table_configs: list[TableConfig] | None = None,
 ) -> dict[str, Any]:
-    """Snapshot cfg's shards (all, or `shards`) into its current table and changelog."""
+    """Snapshot cfg's shards (all, or `shards`) into its current table and changelog; or chunk
+    them (bootstrap.mode, bootstrap/chunked.py; should_stop pauses that mode between chunks)."""
+    from cdc_lakehouse.bootstrap.chunked import choose_mode, chunked_bootstrap
+
+    if choose_mode(cfg, shards) == "chunked":
+        return chunked_bootstrap(
+            spark,
+            lake,
+            cfg,
+            run_id=run_id,
+            shards=shards,
+            all_endpoint_tables=all_endpoint_tables,
+            should_stop=should_stop,
+            table_configs=table_configs,
+        )
     clock = PhaseClock()
     endpoints = shards_by_endpoint(cfg, shards)
     if not endpoints:
@@ -94,7 +111,9 @@ def bootstrap_table(
     snap = _new_snapshot(spark, target, run_id)
     # The exported snapshots live as long as their connections: the changelog write reads under them.
     with ExitStack() as stack:
-        frames = _export_and_read(spark, stack, cfg, endpoints, target, snap, pg_types, all_endpoint_tables)
+        frames = _export_and_read(
+            spark, stack, cfg, endpoints, target, snap, pg_types, all_endpoint_tables, table_configs
+        )
         with clock.phase("read_and_changelog"):
             _write_changelog(spark, cfg, target, snap, frames)
     with clock.phase("current_write"):
@@ -149,12 +168,13 @@ def _export_and_read(
     snap: _Snapshot,
     pg_types: dict[str, str],
     all_endpoint_tables: dict[str, dict] | None,
+    table_configs: list[TableConfig] | None = None,
 ) -> list[DataFrame]:
     """Per endpoint: slot and publication first, then an exported snapshot (its connection stays
     open on `stack`) and the shards' rows under it, with the watermark set to its point."""
     frames = []
     for endpoint_id, shard_sources in endpoints.items():
-        prepare_endpoint(endpoint_id, shard_sources, cfg, (all_endpoint_tables or {}).get(endpoint_id))
+        prepare_endpoint(endpoint_id, shard_sources, cfg, (all_endpoint_tables or {}).get(endpoint_id), table_configs)
         conn, point, snapshot, identity = export_snapshot(shard_sources[0].endpoint, endpoint_id, snap.run_id)
         stack.callback(conn.close)
         snap.per_endpoint[endpoint_id] = {"consistent_point": point, "shards": [s.shard for s in shard_sources]}

@@ -35,7 +35,7 @@ from cdc_lakehouse.source.catalog import (
     text_select_list,
 )
 from cdc_lakehouse.source.errors import PreflightError, SlotLostError
-from cdc_lakehouse.source.publication import check_publication, source_identity
+from cdc_lakehouse.source.publication import check_publication, consumed_column_lists, source_identity
 from cdc_lakehouse.source.publication import preflight as source_preflight
 from cdc_lakehouse.source.session import jdbc_properties
 from cdc_lakehouse.source.slots import create_slot, ensure_heartbeat_tables, slot_name, slot_state
@@ -153,8 +153,12 @@ def prepare_endpoint(
     shard_sources: list[ShardSource],
     cfg: TableConfig,
     all_tables: dict[str, tuple[list[str], list[str]]] | None,
+    table_configs: list[TableConfig] | None = None,
 ) -> None:
-    """Heartbeat tables, publication membership and the capture slot, before any snapshot."""
+    """Heartbeat tables, publication membership and the capture slot, before any snapshot.
+    table_configs (every valid config, when none is broken): the publication's column lists for
+    consumed-columns tables, the same ones the capture sets (source.publication); without them an
+    existing list is reported as a problem rather than trusted."""
     import psycopg2
 
     ep = shard_sources[0].endpoint
@@ -166,7 +170,8 @@ def prepare_endpoint(
     try:
         ensure_heartbeat_tables(conn, eptables.schemas)
         conn.commit()
-        problems = check_publication(conn, eptables)
+        lists = consumed_column_lists(conn, eptables, table_configs) if table_configs else None
+        problems = check_publication(conn, eptables, column_lists=lists)
         conn.commit()
         if problems:
             raise PreflightError(problems)

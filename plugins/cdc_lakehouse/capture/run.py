@@ -34,7 +34,12 @@ from cdc_lakehouse.landing.format import manifest_path
 from cdc_lakehouse.landing.reader import list_manifests
 from cdc_lakehouse.source.catalog import EndpointTables, column_type_cache
 from cdc_lakehouse.source.errors import PreflightError, SourceError
-from cdc_lakehouse.source.publication import check_publication, preflight, published_tables
+from cdc_lakehouse.source.publication import (
+    check_publication,
+    consumed_column_lists,
+    preflight,
+    published_tables,
+)
 from cdc_lakehouse.source.session import SESSION_OPTIONS
 from cdc_lakehouse.source.slots import (
     SlotState,
@@ -58,8 +63,11 @@ def capture_run(
     host_label: str = "",
     database: str = "",
     limits: CaptureLimits = CaptureLimits(),
+    table_configs: list[Any] | None = None,
 ) -> dict[str, Any]:
-    """Capture one run for an endpoint; returns its manifest (also when the run already existed)."""
+    """Capture one run for an endpoint; returns its manifest (also when the run already existed).
+    table_configs: the valid TableConfigs reading the endpoint; a table they all read as a subset of
+    its columns (`columns:`) enters the publication with that column list (source.publication)."""
     import psycopg2
 
     slot = source_slot_name(ep.endpoint_id)
@@ -69,7 +77,7 @@ def capture_run(
         return existing
     conn = psycopg2.connect(dsn, options=SESSION_OPTIONS, application_name="cdc_lakehouse capture")
     try:
-        _check_source(conn, ep)
+        _check_source(conn, ep, table_configs)
         previous = list_manifests(store, ep.endpoint_id)
         state = _ready_slot(conn, dsn, ep, slot, previous)
         start = _start(conn, store, ep, run_id, slot, previous, state)
@@ -91,7 +99,7 @@ def _existing_run(ep: EndpointTables, dsn: str, store, run_id: str, slot: str) -
     return {**manifest, "reused": True}
 
 
-def _check_source(conn, ep: EndpointTables) -> None:
+def _check_source(conn, ep: EndpointTables, table_configs: list[Any] | None = None) -> None:
     """Preflight, heartbeat tables and publication membership: nothing is read before they hold."""
     problems = preflight(conn, ep)
     conn.commit()
@@ -99,7 +107,12 @@ def _check_source(conn, ep: EndpointTables) -> None:
         raise PreflightError(problems)
     ensure_heartbeat_tables(conn, ep.schemas)
     conn.commit()
-    problems = check_publication(conn, ep)
+    # Column lists keep unconsumed columns out of the WAL stream the slot decodes. They exist from
+    # PostgreSQL 15 on; before that none are passed: the whole row is published and the ingest keeps
+    # only the consumed columns. A list is set when a table enters the publication; an existing
+    # one is checked to carry every consumed column (source.publication.check_publication).
+    lists = consumed_column_lists(conn, ep, table_configs) if table_configs else None
+    problems = check_publication(conn, ep, column_lists=lists)
     conn.commit()
     if problems:
         raise PreflightError(problems)

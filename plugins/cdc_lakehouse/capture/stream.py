@@ -4,14 +4,17 @@ files, then files, manifest and slot position, in the order that makes a crash a
 
 from __future__ import annotations
 
+import json
 import logging
 import select
+import struct
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+from cdc_lakehouse.bootstrap.chunks import MARKER_PREFIX
 from cdc_lakehouse.capture.events import Rel, key_pairs, row_pairs, schema_diff
 from cdc_lakehouse.capture.positions import ATTEMPTS_DIR, confirm
 from cdc_lakehouse.landing.format import manifest_path, run_dir
@@ -87,6 +90,7 @@ class Stream:
         self.schemas_seen: dict[str, list] = {}
         self.schema_changes: list[dict[str, Any]] = []
         self.heartbeats: dict[str, dict[str, Any]] = {}
+        self.markers: list[dict[str, Any]] = []  # the chunked bootstrap's watermarks, in WAL order
         self.events = self.nbytes = self.txs = 0
         self.capped = self.done = False
         self.last_commit: Commit | None = None
@@ -117,7 +121,8 @@ class Stream:
                 slot_name=self.start.slot,
                 decode=False,
                 status_interval=10,
-                options={"proto_version": "1", "publication_names": PUBLICATION},
+                # messages: the chunked bootstrap's low/high watermarks (pg_logical_emit_message)
+                options={"proto_version": "1", "publication_names": PUBLICATION, "messages": "true"},
             )
             self.last_activity = self.waiting_since = time.monotonic()
             self.server_pos = getattr(cur, "wal_end", 0)
@@ -155,6 +160,9 @@ class Stream:
         self.last_activity = time.monotonic()
         payload = msg.payload
         self.nbytes += len(payload)
+        if payload[:1] == b"M":  # a logical message: decode() knows none
+            self._on_message(payload)
+            return
         m = decode(payload)
         if isinstance(m, Change):
             self._on_change(m, msg.data_start, len(payload))
@@ -185,6 +193,17 @@ class Stream:
             op, after, unavailable = "d", None, None
             before = key_pairs(r, m.old, m.old_is_key)
         self._add(r, op, before, after, unavailable, data_start, size)
+
+    def _on_message(self, payload: bytes) -> None:
+        """Record the bootstrap's watermark messages with the commit LSN of their transaction."""
+        lsn, prefix, content = parse_logical_message(payload)
+        if prefix != MARKER_PREFIX:
+            return
+        try:
+            body = json.loads(content)
+        except ValueError:
+            body = {"raw": content.decode("utf-8", "replace")}
+        self.markers.append({"lsn": lsn, "commit_lsn": self.tx.final_lsn if self.tx else None, **body})
 
     def _on_truncate(self, m: Truncate, data_start: int) -> None:
         for relid in m.relids:
@@ -332,7 +351,19 @@ class Stream:
         }
         if start.keepalive_advance:
             manifest["keepalive_advance"] = start.keepalive_advance
+        if self.markers:
+            manifest["bootstrap_markers"] = self.markers
         return manifest
+
+
+def parse_logical_message(buf: bytes) -> tuple[int, str, bytes]:
+    """pgoutput 'M' (protocol 1, no streaming): flags Int8, LSN Int64, prefix (NUL-terminated),
+    content length Int32, content -> (LSN, prefix, content)."""
+    (lsn,) = struct.unpack_from(">Q", buf, 2)
+    end = buf.index(b"\0", 10)
+    prefix = buf[10:end].decode()
+    (n,) = struct.unpack_from(">I", buf, end + 1)
+    return lsn, prefix, bytes(buf[end + 5 : end + 5 + n])
 
 
 def _check_still_decoding(

@@ -37,6 +37,7 @@ from cdc_lakehouse.derived.tree import (
     other_shard_parents,
 )
 from cdc_lakehouse.identifiers import spark_ident
+from cdc_lakehouse.lake.batches import BatchId, BatchStep, commit_once
 from cdc_lakehouse.lake.changelog import changes_between
 from cdc_lakehouse.lake.commits import fenced_commit, sql_with_commit_properties
 from cdc_lakehouse.lake.snapshots import current_ancestors, iceberg_table
@@ -403,7 +404,9 @@ def _ensure_table(spark: SparkSession, table: str, like: DataFrame) -> None:
 
 def commit(spark: SparkSession, r: TreeRun, rows: DataFrame, unresolved: DataFrame, affected: DataFrame | None) -> None:
     """Unresolved first, then the output with the watermark: the output's commit is the run's.
-    Both commits carry the watermark (unresolved_at_watermark finds the matching pair)."""
+    Both commits carry the watermark (unresolved_at_watermark finds the matching pair) and the
+    batch id (lake.batches): a rerun of the same batch after a kill between them does not commit
+    the unresolved table a second time."""
     props = {WATERMARK_PROP: watermark_json(r.watermark)}
     ensure_namespace(spark, r.lake, r.dcfg.lake.namespace)
     for table, df in ((r.unresolved, unresolved), (r.out, rows)):
@@ -411,17 +414,17 @@ def commit(spark: SparkSession, r: TreeRun, rows: DataFrame, unresolved: DataFra
     rows = rows.localCheckpoint(eager=True)
     unresolved = unresolved.localCheckpoint(eager=True)
     r.metrics.update(resolved=rows.count(), unresolved=unresolved.count())
+    batch = BatchId.of(f"derived:{r.out}", r.previous, r.watermark)
     crash_point("derive_before_unresolved")
-    _replace(spark, r, r.unresolved, unresolved, affected, props)
+    write = lambda p: _replace(spark, r, r.unresolved, unresolved, affected, {**props, **p})  # noqa: E731
+    commit_once(spark, batch, BatchStep("derive_unresolved", r.unresolved, write, positioned=True))
     crash_point("derive_after_unresolved")
-    fenced_commit(
-        spark,
-        r.out,
-        r.previous,
-        r.watermark,
-        lambda: _replace(spark, r, r.out, rows, affected, props),
-        what=f"derived {r.dcfg.name}",
-    )
+
+    def _output(p: dict[str, str]) -> None:
+        write = lambda: _replace(spark, r, r.out, rows, affected, {**props, **p})  # noqa: E731
+        fenced_commit(spark, r.out, r.previous, r.watermark, write, what=f"derived {r.dcfg.name}")
+
+    commit_once(spark, batch, BatchStep("derive_output", r.out, _output, positioned=True))
 
 
 def _replace(
@@ -430,23 +433,28 @@ def _replace(
     """Full: the table becomes `rows`. Incremental: the affected keys' rows become `rows`."""
     from pyspark.sql import functions as F
 
-    value = props[WATERMARK_PROP]
     if affected is None:
-        rows.writeTo(table).option(f"snapshot-property.{WATERMARK_PROP}", value).overwrite(F.lit(True))
+        w = rows.writeTo(table)
+        for k, v in props.items():
+            w = w.option(f"snapshot-property.{k}", v)
+        w.overwrite(F.lit(True))
     elif r.affected_count:
         keys = [SHARD_COL, r.dcfg.nodes.id]
         sql_with_commit_properties(spark, merge_sql(table, _keyed(affected, rows, keys), keys, rows), props)
-    stamp(spark, table, WATERMARK_PROP, value)
+    stamp(spark, table, props)
 
 
-def stamp(spark: SparkSession, table: str, key: str, value: str) -> None:
-    """Make sure the current snapshot carries key=value: a write that changed nothing (no affected
+def stamp(spark: SparkSession, table: str, props: dict[str, str]) -> None:
+    """Make sure the current snapshot carries props: a write that changed nothing (no affected
     node, an empty table overwritten with nothing) commits no snapshot, and the watermark must
     still move. An empty append, through Iceberg's API: a commit, no Spark job."""
     t = iceberg_table(spark, table)
     snap = t.currentSnapshot()
-    if snap is None or snap.summary().get(key) != value:
-        t.newAppend().set(key, value).commit()
+    if snap is None or any(snap.summary().get(k) != v for k, v in props.items()):
+        op = t.newAppend()
+        for k, v in props.items():
+            op = op.set(k, v)
+        op.commit()
 
 
 def _keyed(affected: DataFrame, rows: DataFrame, keys: list[str]) -> str:

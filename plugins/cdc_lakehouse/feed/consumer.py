@@ -17,6 +17,7 @@ from cdc_lakehouse.feed.models import BEFORE_COL, FEED_OP_COL, OP_UPSERT, check_
 from cdc_lakehouse.feed.offsets import commit_with_offsets, output_offsets
 from cdc_lakehouse.feed.read import read_changes
 from cdc_lakehouse.identifiers import check_lake_ident
+from cdc_lakehouse.lake.batches import BatchId
 from cdc_lakehouse.lake.commits import sql_with_commit_properties
 from cdc_lakehouse.lake.tables import create_table_sql, ensure_namespace
 from cdc_lakehouse.settings import LakeSettings
@@ -95,7 +96,13 @@ def block_counts(
         deltas = _deltas(batch.rows).localCheckpoint(eager=True)
         pairs = deltas.count()
         write = _merge_writer(spark, table, consumer, deltas, pairs)
-    done = commit_with_offsets(spark, table, consumer, committed, [rng.offset], write)
+    # One output table: the offsets already make its commit exactly once; the batch id (lake.batches)
+    # marks it like every other multi-table run's commits, from the range it applies.
+    start = {t: o.snapshot_id for t, o in committed.items()}
+    batch = BatchId.of(f"feed:{consumer}:{table}", start, {cfg.current_table: rng.offset.snapshot_id})
+    done = commit_with_offsets(
+        spark, table, consumer, committed, [rng.offset], lambda props: write({**props, **batch.props()})
+    )
     return {**result, "committed": done, "pairs": pairs}
 
 

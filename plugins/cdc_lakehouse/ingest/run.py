@@ -16,6 +16,7 @@ them, a retry, a rerun of an old interval or a replayed landing file all converg
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -32,12 +33,19 @@ from cdc_lakehouse.ingest.reduce import latest_per_key
 from cdc_lakehouse.ingest.schema import BACKFILL, apply_schema_actions, event_schemas, manifest_schemas, schema_actions
 from cdc_lakehouse.ingest.toast import BROADCAST_ROWS, NO_TABLE, UNAV_LEFT, fill_unavailable
 from cdc_lakehouse.ingest.validate import REASONS, landing_spark_schema
+from cdc_lakehouse.lake.batches import BATCH_PROP, BATCH_STATE_PROP, BatchId, BatchStep, commit_once, run_batch
 from cdc_lakehouse.lake.columns import INGESTED_COL, UNAVAILABLE_COL
-from cdc_lakehouse.lake.commits import fenced_commit, snapshot_summary, sql_with_commit_properties
-from cdc_lakehouse.lake.freshness import record_freshness
+from cdc_lakehouse.lake.commits import (
+    fenced_commit,
+    snapshot_summary,
+    sql_with_commit_properties,
+    with_commit_properties,
+)
+from cdc_lakehouse.lake.freshness import FRESHNESS_TABLE, record_freshness
 from cdc_lakehouse.lake.meta import meta_append
+from cdc_lakehouse.lake.snapshots import current_ancestors, summary_of
 from cdc_lakehouse.lake.tables import conform_to, source_columns_of, table_exists
-from cdc_lakehouse.lake.watermark import read_watermark, watermark_json
+from cdc_lakehouse.lake.watermark import WATERMARK_PROP, read_watermark, watermark_json
 from cdc_lakehouse.landing.reader import HadoopFS, Plan, SparkLanding, plan_landing
 from cdc_lakehouse.runtime.failpoints import crash_point
 from cdc_lakehouse.runtime.phases import SparkJobs, observed_counts
@@ -79,6 +87,7 @@ def apply_pending(
     """The ingest's phases, in order: plan, prepare (one fused plan: validate, dedupe, split key
     changes, fill, reduce), quarantine, changelog, classify, MERGE (the watermark in the same
     commit), record."""
+    resume_batch(spark, lake, cfg)
     m = IngestMetrics(
         table_name=cfg.name, ingest_run=ingest_run, interval_end=interval_end, write_mode=cfg.lake.write_mode
     )
@@ -87,8 +96,8 @@ def apply_pending(
     m.landing_runs = [r["run_id"] for r in b.plan.manifests]
     m.status = "ok_with_gaps" if b.gaps else "ok"
     if not b.plan.files:
-        advance_watermark(spark, cfg, b)
-        return finish(spark, lake, cfg, m, b.plan)
+        advance_watermark(spark, cfg, b, batch_state(m, b.plan, None))
+        return finish(spark, lake, cfg, m, b)
     raw = read_events(spark, cfg, b.plan)
     b.lake_cols = evolve_schema(spark, cfg, b, raw, config_file)
     with m.timed("prepare"):
@@ -109,14 +118,14 @@ def apply_pending(
     sql = merge_statement(cfg, b, ch, reduced)
     pre = snapshot_summary(spark, b.cur)
     with m.timed("merge"):
-        commit_merge(spark, cfg, b, sql, ingest_run)
+        commit_merge(spark, cfg, b, sql, ingest_run, batch_state(m, b.plan, fb.counts["shard_commits"]))
     crash_point("ingest_after_merge")
     if b.added:
         m.backfilled = finish_backfill(spark, lake, cfg, b.cur, b.plan, b.added, ingest_run)
     m.apply_seconds = m.timings["merge"]
     m.add_commit_stats(pre, snapshot_summary(spark, b.cur))
     m.set_lag(out.min_ts, out.max_ts)
-    return finish(spark, lake, cfg, m, b.plan, shard_commits=fb.counts["shard_commits"])
+    return finish(spark, lake, cfg, m, b, shard_commits=fb.counts["shard_commits"])
 
 
 # --- plan -----------------------------------------------------------------------------------------
@@ -135,6 +144,7 @@ class Batch:
     added: list[dict[str, Any]]  # columns the batch adds at the source: backfilled after the MERGE
     new_wm_json: str  # both commits write the same new watermark
     gaps: bool  # landing problems skipped (missing_landing_files: skip)
+    batch: BatchId  # every commit of the run carries it (lake.batches); the same for a retry of the same data
 
 
 def plan_batch(
@@ -159,7 +169,17 @@ def plan_batch(
     added = columns_to_backfill(cfg, plan, wm)
     if added:
         plan.new_watermark[BACKFILL] = added
-    return Batch(cur, cl, wm, cl_wm, plan, lake_cols, added, watermark_json(plan.new_watermark), gaps)
+    batch = ingest_batch_id(cur, wm, plan, ingest_run)
+    return Batch(cur, cl, wm, cl_wm, plan, lake_cols, added, watermark_json(plan.new_watermark), gaps, batch)
+
+
+def ingest_batch_id(cur: str, wm: dict[str, Any], plan: Plan, ingest_run: str) -> BatchId:
+    """From the positions the batch moves the table between: a retry of the same data gets the
+    same id. A run that moves nothing commits no data, so there is nothing to resume: its id is
+    its own (a quiet table's runs each keep their run record)."""
+    if plan.files or plan.new_watermark != wm:
+        return BatchId.of(f"ingest:{cur}", wm, plan.new_watermark)
+    return BatchId.of(f"ingest:{cur}", wm, {"noop": ingest_run, "at": datetime.now(UTC).isoformat()})
 
 
 def start_position(spark: SparkSession, cfg: TableConfig, cur: str) -> dict[str, Any]:
@@ -191,17 +211,21 @@ def check_landing(cfg: TableConfig, plan: Plan) -> bool:
     return True
 
 
-def advance_watermark(spark: SparkSession, cfg: TableConfig, b: Batch) -> None:
-    """Nothing to apply (quiet shards): the heartbeats still move the watermark forward."""
+def advance_watermark(spark: SparkSession, cfg: TableConfig, b: Batch, state: str) -> None:
+    """Nothing to apply (quiet shards): the heartbeats still move the watermark forward. The same
+    two commits as a batch with events (changelog, then the current table with the batch's state)."""
     if b.plan.new_watermark == b.wm:
         return
 
+    def _empty(table: str, props: dict[str, str]) -> None:
+        w = spark.createDataFrame([], spark.table(table).schema).writeTo(table)
+        for k, v in {**props, WATERMARK_PROP: b.new_wm_json}.items():
+            w = w.option(f"snapshot-property.{k}", v)
+        w.append()
+
     def _advance() -> None:
-        empty_cl = spark.createDataFrame([], spark.table(b.cl).schema)
-        empty_cl.writeTo(b.cl).option("snapshot-property.cdc.watermark", b.new_wm_json).append()
-        spark.createDataFrame([], spark.table(b.cur).schema).writeTo(b.cur).option(
-            "snapshot-property.cdc.watermark", b.new_wm_json
-        ).append()
+        commit_once(spark, b.batch, BatchStep("ingest_changelog", b.cl, lambda p: _empty(b.cl, p), positioned=True))
+        _empty(b.cur, {**b.batch.props(), BATCH_STATE_PROP: state})
 
     fenced_commit(spark, b.cur, b.wm, b.plan.new_watermark, _advance, what=f"{cfg.name} watermark")
 
@@ -304,19 +328,27 @@ def append_changelog(spark: SparkSession, cfg: TableConfig, b: Batch, ch: Change
     cl_floor = wm_map(b.cl_wm or {"shards": {}})
     ingested = F.current_timestamp()
 
-    def _append() -> None:
+    def _append(props: dict[str, str]) -> None:
         rows = ch.events.unionByName(ch.truncs, allowMissingColumns=True).filter(
             F.col(LSN_COL) >= F.coalesce(cl_floor[F.col(SHARD_COL)], F.lit(0))
         )
         rows = conform_to(rows.withColumn(INGESTED_COL, ingested), spark.table(b.cl).schema)
         # The fused plan's rows are already hashed by key (shard first): no second shuffle to
         # cluster them by partition; the fanout writer keeps one file open per partition instead.
-        rows.writeTo(b.cl).option("distribution-mode", "none").option("fanout-enabled", "true").option(
-            "snapshot-property.cdc.watermark", b.new_wm_json
-        ).append()
+        w = rows.writeTo(b.cl).option("distribution-mode", "none").option("fanout-enabled", "true")
+        for k, v in {**props, WATERMARK_PROP: b.new_wm_json}.items():
+            w = w.option(f"snapshot-property.{k}", v)
+        w.append()
 
-    committed = fenced_commit(spark, b.cl, b.cl_wm, b.plan.new_watermark, _append, what=f"{cfg.name} changelog")
-    return int(snapshot_summary(spark, b.cl).get("added-records", 0)) if committed else 0
+    landed: list[bool] = []
+
+    def _commit(props: dict[str, str]) -> None:
+        what = f"{cfg.name} changelog"
+        landed.append(fenced_commit(spark, b.cl, b.cl_wm, b.plan.new_watermark, lambda: _append(props), what=what))
+
+    # A retry of a batch whose changelog commit landed skips it (the batch id, then the fence).
+    commit_once(spark, b.batch, BatchStep("ingest_changelog", b.cl, _commit, positioned=True))
+    return int(snapshot_summary(spark, b.cl).get("added-records", 0)) if any(landed) else 0
 
 
 # --- reduce, classify, merge ----------------------------------------------------------------------
@@ -475,16 +507,16 @@ def merge_statement(cfg: TableConfig, b: Batch, ch: Changes, reduced: DataFrame)
     return merge_sql(cfg, b.cur, view, cols, ch.truncated, toast_columns=ch.toast_columns)
 
 
-def commit_merge(spark: SparkSession, cfg: TableConfig, b: Batch, sql: str, ingest_run: str) -> None:
-    """The LSN-guarded MERGE, with the new watermark in the same commit."""
-    fenced_commit(
-        spark,
-        b.cur,
-        b.wm,
-        b.plan.new_watermark,
-        lambda: sql_with_commit_properties(spark, sql, {"cdc.watermark": b.new_wm_json, "cdc.ingest-run": ingest_run}),
-        what=f"{cfg.name} merge",
-    )
+def commit_merge(spark: SparkSession, cfg: TableConfig, b: Batch, sql: str, ingest_run: str, state: str) -> None:
+    """The LSN-guarded MERGE, with the new watermark, the batch id and the batch's state (what
+    resume_batch needs to record the run if it is stopped after this commit) in the same commit."""
+    props = {WATERMARK_PROP: b.new_wm_json, "cdc.ingest-run": ingest_run, BATCH_STATE_PROP: state}
+
+    def _merge(batch_props: dict[str, str]) -> None:
+        commit = lambda: sql_with_commit_properties(spark, sql, {**props, **batch_props})  # noqa: E731
+        fenced_commit(spark, b.cur, b.wm, b.plan.new_watermark, commit, what=f"{cfg.name} merge")
+
+    commit_once(spark, b.batch, BatchStep("ingest_merge", b.cur, _merge, positioned=True))
 
 
 def finish(
@@ -492,7 +524,7 @@ def finish(
     lake: LakeSettings,
     cfg: TableConfig,
     m: IngestMetrics,
-    plan: Plan,
+    b: Batch,
     shard_commits: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Record the run in cdc_meta.ingest_runs and cdc_meta.freshness and log its summary; returns
@@ -500,14 +532,102 @@ def finish(
     the fused plan observed it (else freshness reads the landing files for it)."""
     m.committed_at = datetime.now(UTC)
     m.total_seconds = m.elapsed()
-    m.watermark = watermark_json(plan.new_watermark)
-    ts = [v.get("ts") for v in plan.new_watermark.get("shards", {}).values() if v.get("ts")]
-    if ts:
-        m.freshness_seconds = (m.committed_at - min(datetime.fromisoformat(t) for t in ts)).total_seconds()
-    meta_append(spark, lake, "ingest_runs", [m.meta_row()])
-    record_freshness(spark, lake, cfg, plan, m.ingest_run, m.committed_at, shard_commits=shard_commits)
+    record_run(spark, lake, cfg, m, b.plan, b.batch, int(m.started_at.timestamp() * 1000), shard_commits)
     log.info("%s", m.summary())
     return m.as_dict()
+
+
+def record_run(
+    spark: SparkSession,
+    lake: LakeSettings,
+    cfg: TableConfig,
+    m: IngestMetrics,
+    plan: Plan,
+    batch: BatchId,
+    since_ms: int,
+    shard_commits: dict[str, Any] | None,
+) -> None:
+    """The batch's last two commits, each once: the run record, then the freshness rows.
+    since_ms: no earlier commit can carry the batch (lake.batches.committed)."""
+    m.watermark = watermark_json(plan.new_watermark)
+    ts = [v.get("ts") for v in plan.new_watermark.get("shards", {}).values() if v.get("ts")]
+    if ts and m.committed_at is not None:
+        m.freshness_seconds = (m.committed_at - min(datetime.fromisoformat(t) for t in ts)).total_seconds()
+
+    def _freshness(props: dict[str, str]) -> None:
+        # record_freshness writes its own snapshot properties; the batch id joins them in the commit.
+        with_commit_properties(
+            spark,
+            props,
+            lambda: record_freshness(spark, lake, cfg, plan, m.ingest_run, m.committed_at, shard_commits=shard_commits),
+        )
+
+    runs_table, fresh_table = (lake.qualified(lake.meta_table(n)) for n in ("ingest_runs", FRESHNESS_TABLE))
+    run_batch(
+        spark,
+        batch,
+        [
+            BatchStep(
+                "ingest_run_record",
+                runs_table,
+                lambda p: meta_append(spark, lake, "ingest_runs", [m.meta_row()], p),
+                since_ms,
+            ),
+            BatchStep("ingest_freshness", fresh_table, _freshness, since_ms),
+        ],
+    )
+
+
+# --- a batch stopped after its data committed ------------------------------------------------------
+
+
+def batch_state(m: IngestMetrics, plan: Plan, shard_commits: dict[str, Any] | None) -> str:
+    """JSON committed with the current table's commit: what another run needs to write this
+    batch's run record and freshness rows if this one is stopped right after that commit. The
+    heartbeats are kept per endpoint and schema, the latest in slot order (what freshness uses)."""
+    run = {k: v for k, v in m.meta_row().items() if v is not None and k != "watermark"}
+    run["started_at"] = m.started_at.isoformat()
+    beats: dict[str, dict[str, Any]] = {}
+    for man in plan.manifests:
+        beats.setdefault(man.get("endpoint") or "", {}).update(man.get("heartbeats") or {})
+    heartbeats = [{"endpoint": ep, "heartbeats": hb} for ep, hb in beats.items()]
+    state = {"run": run, "shard_commits": shard_commits or {}, "heartbeats": heartbeats}
+    return json.dumps(state, separators=(",", ":"), sort_keys=True, default=str)
+
+
+def last_batch_commit(spark: SparkSession, cur: str) -> tuple[Any, Any | None] | None:
+    """(snapshot, its parent) of the current table's newest ingest batch commit, or None when a
+    commit that is no ingest batch (a bootstrap, a repair) made the current position instead.
+    Commits that move only the watermark (a finished backfill) or none (maintenance) are passed."""
+    it = current_ancestors(spark, cur)
+    for snap in it:
+        s = summary_of(snap)
+        if BATCH_STATE_PROP in s and BATCH_PROP in s:
+            return snap, next(it, None)
+        moved_data = any(
+            int(s.get(k, 0) or 0) for k in ("added-data-files", "deleted-data-files", "added-delete-files")
+        )
+        if WATERMARK_PROP in s and moved_data:
+            return None
+    return None
+
+
+def resume_batch(spark: SparkSession, lake: LakeSettings, cfg: TableConfig) -> None:
+    """A run stopped between its current table's commit and its run record or freshness rows left
+    a batch half recorded: write what it did not (the data commits are done; never again)."""
+    cur = lake.qualified(cfg.current_table)
+    found = last_batch_commit(spark, cur) if table_exists(spark, cur) else None
+    if found is None:
+        return
+    snap, parent = found
+    s = summary_of(snap)
+    state = json.loads(s[BATCH_STATE_PROP])
+    m = IngestMetrics(**{**state["run"], "started_at": datetime.fromisoformat(state["run"]["started_at"])})
+    m.add_commit_stats(summary_of(parent) if parent is not None else {}, s)
+    since_ms = int(snap.timestampMillis())
+    m.committed_at = datetime.fromtimestamp(since_ms / 1000, UTC)  # when its data became visible
+    plan = Plan(state["heartbeats"], [], json.loads(s[WATERMARK_PROP]))
+    record_run(spark, lake, cfg, m, plan, BatchId(s[BATCH_PROP]), since_ms, state["shard_commits"])
 
 
 def hadoop_fs(spark: SparkSession) -> HadoopFS:

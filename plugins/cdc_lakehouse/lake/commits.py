@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from cdc_lakehouse.lake.snapshots import current_snapshot, summary_of
@@ -19,10 +20,16 @@ logger = logging.getLogger(__name__)
 
 
 def sql_with_commit_properties(spark: SparkSession, sql: str, props: dict[str, str]) -> None:
-    """Run a row-level SQL command (MERGE/DELETE/UPDATE) whose Iceberg commit carries props.
+    """Run a row-level SQL command (MERGE/DELETE/UPDATE) whose Iceberg commit carries props."""
+    with_commit_properties(spark, props, lambda: spark.sql(sql))
+
+
+def with_commit_properties(spark: SparkSession, props: dict[str, str], fn: Callable[[], object]) -> None:
+    """Run fn so that every Iceberg commit its Spark writes make carries props (a SQL command, or a
+    write whose code we do not own, such as lake.freshness's append).
 
     SQL has no write options, so this goes through Iceberg's CommitMetadata, a thread-local
-    set around the command. py4j's pinned-thread mode runs our callback's Spark calls on the
+    set around the call. py4j's pinned-thread mode runs our callback's Spark calls on the
     same JVM thread that set it.
     """
     from pyspark.java_gateway import ensure_callback_server_started
@@ -37,7 +44,7 @@ def sql_with_commit_properties(spark: SparkSession, sql: str, props: dict[str, s
     class _Run:
         def call(self):
             try:
-                spark.sql(sql)
+                fn()
             except BaseException as exc:  # re-raised below with its Python type
                 failure.append(exc)
                 raise

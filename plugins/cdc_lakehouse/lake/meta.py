@@ -127,6 +127,28 @@ META_TABLES: dict[str, tuple[list[tuple[str, str]], str]] = {
         ],
         "PARTITIONED BY (table_name)",
     ),
+    # One row per completed chunk of a chunked bootstrap (bootstrap.chunked); the newest row of a
+    # (table, shard) is where a killed or paused bootstrap resumes.
+    "bootstrap_progress": (
+        [
+            ("table_name", "string"),
+            ("shard", "string"),
+            ("run_id", "string"),
+            ("chunk", "bigint"),
+            ("last_key", "string"),  # JSON list of the chunk's last key, as the source prints it
+            ("low_lsn", "bigint"),
+            ("high_lsn", "bigint"),
+            ("rows", "bigint"),  # rows read in this chunk
+            ("rows_total", "bigint"),  # rows read for the shard so far
+            ("chunks_done", "bigint"),
+            ("chunks_total", "bigint"),  # estimate (pg_class.reltuples / chunk_rows)
+            ("done", "boolean"),
+            ("xact_seconds", "double"),  # how long the chunk's read transaction was open
+            ("started_at", "timestamp"),
+            ("updated_at", "timestamp"),
+        ],
+        "PARTITIONED BY (table_name)",
+    ),
     "maintenance_runs": (
         [
             ("table_name", "string"),

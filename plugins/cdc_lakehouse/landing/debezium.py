@@ -3,7 +3,7 @@
 
 The sink writes one object per topic partition and offset range:
 
-    <uri>/<topics.dir>/<topic>/partition=<p>/<topic>+<p>+<startOffset>.<json|avro>
+    <uri>/<topics.dir>/<topic>/partition=<p>/<topic>+<p>+<startOffset>.<json|json.gz|avro>
 
 with one record per Kafka record, in offset order (JsonFormat with schemas.enable=true: one
 `{"schema": ..., "payload": ...}` per line; AvroFormat: an Avro container file). Table topics are
@@ -24,6 +24,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import logging
 import math
 import re
 import struct
@@ -41,8 +42,12 @@ from cdc_lakehouse.source.catalog import lake_type, schema_json
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
 
+log = logging.getLogger(__name__)
+
 WM_KEY = "debezium"
-FILE_RE = re.compile(r"^(?P<topic>.+)\+(?P<partition>\d+)\+(?P<start>\d+)\.(?P<ext>json|avro)$")
+# `.json.gz`: the sink's s3.compression.type=gzip (Avro files compress inside the container instead).
+FILE_RE = re.compile(r"^(?P<topic>.+)\+(?P<partition>\d+)\+(?P<start>\d+)\.(?P<ext>json|json\.gz|avro)$")
+GZIP_MAGIC = b"\x1f\x8b"
 # Naive UTC: Debezium's timestamps without time zone count from here.
 EPOCH = datetime(1970, 1, 1)  # noqa: DTZ001
 # Snapshot ('r') events get a seq from their Kafka position: offset * SNAPSHOT_PARTITIONS + partition.
@@ -354,6 +359,10 @@ def records(data: bytes, fmt: str, where: str) -> Iterator[tuple[dict | None, di
         for rec in reader:
             yield (schema, rec) if rec is not None else (None, None)
         return
+    if data[:2] == GZIP_MAGIC:
+        import gzip
+
+        data = gzip.decompress(data)
     for line in data.decode("utf-8").split("\n"):
         if not line.strip():
             continue
@@ -490,6 +499,35 @@ def pending_files(fs: HadoopFS, base: str, topic: str, committed: dict[str, int]
     return out
 
 
+def within_budget(files: list[SinkFile], stats: dict[str, dict[str, Any]], limit: int) -> list[SinkFile]:
+    """The files of one batch: every heartbeat file, and of each topic partition a prefix in
+    offset order, taken round-robin across partitions until `limit` events (at least one file).
+    Any per-partition prefix is a consistent batch: the offsets record exactly what was applied,
+    and a shard's LSN waits for its slowest partition (advance); the next run goes on from there.
+    Round-robin keeps the partitions level, so that shard LSN keeps moving during a backlog."""
+    queues: dict[tuple[str, int], list[SinkFile]] = {}
+    for f in files:
+        if not f.heartbeat:
+            queues.setdefault((f.topic, f.partition), []).append(f)
+    chosen, total, taken = [f for f in files if f.heartbeat], 0, 0
+    while any(queues.values()) and (total < limit or not taken):
+        for q in queues.values():
+            if q and (total < limit or not taken):
+                f = q.pop(0)
+                chosen.append(f)
+                taken += 1
+                total += stats[f.name]["events"]
+    left = sum(len(q) for q in queues.values())
+    if left:
+        log.info(
+            "debezium: %d event(s) in this batch (ingest.max_events_per_run %d); %d file(s) left for the next run",
+            total,
+            limit,
+            left,
+        )
+    return chosen
+
+
 def read_bytes(fs: HadoopFS, uri: str) -> bytes:
     """A (small) file's bytes, read on the driver."""
     path, hfs = fs._fs(uri)
@@ -534,6 +572,7 @@ def plan_debezium(spark: SparkSession, lake, cfg: TableConfig, watermark: dict[s
     if errors:
         raise DebeziumFormatError("\n".join(sorted(set(errors))))
     by_name = {s["name"]: s for s in stats}
+    files = within_budget(files, by_name, cfg.ingest.max_events_per_run)
     new_wm = advance(cfg, watermark, [(f, by_name[f.name]) for f in files])
     # Only files with events to apply are staged: a rerun re-lists each partition's last file (it
     # may have grown), and an empty batch goes the quiet-shard way (the watermark only).

@@ -43,7 +43,9 @@ Per-run figures: `SELECT * FROM lake.cdc_meta.ingest_runs WHERE table_name = '{c
 - **Failed on the error budget**: read the reasons with
   `SELECT reason, count(*) FROM lake.cdc_meta.quarantine WHERE table_name = '{cfg.name}' GROUP BY 1`;
   fix the source or `column_types`, or raise `ingest.error_budget`, then clear the task.
-  **Clearing a quarantine** after review: `python -m cdc_lakehouse.cli quarantine clear {cfg.name}`.
+  **Replaying a quarantine** after the fix: `python -m cdc_lakehouse.cli quarantine replay {cfg.name}`
+  applies the events that now pass (never over a newer row) and keeps the others with their reason;
+  **clearing** after review: `python -m cdc_lakehouse.cli quarantine clear {cfg.name}`.
 - **Slot dropped or invalidated**: changes are gone from the WAL; trigger `cdc_bootstrap__{cfg.name}`.
 - Runs never overlap each other, the table's maintenance or its bootstrap (pool `{cfg.pool}`).
 """
@@ -65,7 +67,8 @@ the others (the task then fails, naming it).
   rerun or a backfill converges to the same state.
 - **A table failed** (schema change, error budget): the task log names the table, the column
   or reason and the choices; fix the config and clear the run.
-- **Quarantine**: `python -m cdc_lakehouse.cli quarantine list <table>`, then `clear` after review.
+- **Quarantine**: `python -m cdc_lakehouse.cli quarantine list <table>`; after a fix `replay` applies
+  what now passes; `clear` after review.
 - Bootstrap and audit: see each table's `cdc_bootstrap__*` and `cdc_audit__*` docs.
 """
 

@@ -262,12 +262,31 @@ def bootstrap_dag(cfg: TableConfig):
         _tags("bootstrap", cfg),
         bootstrap_doc(cfg),
         f"Snapshot bootstrap of {cfg.name} (all shards, or those in the 'shards' param)",
-        params={"shards": Param([], type="array", description="shards to (re-)bootstrap; empty = all")},
+        params={
+            "shards": Param([], type="array", description="shards to (re-)bootstrap; empty = all"),
+            # Chunked mode (bootstrap.mode): pause after N chunks; the next run resumes there.
+            "pause_after_chunks": Param(
+                0,
+                type="integer",
+                minimum=0,
+                description="chunked mode: stop cleanly after this many chunks (0 = to the end); "
+                "trigger again to resume after the last completed chunk",
+            ),
+        },
     ) as dag:
         spark_task(
             "bootstrap",
             "bootstrap",
-            ["--tables", cfg.name, "--shards", "{{ params.shards | join(',') }}", "--run-id", "{{ ts_nodash }}"],
+            [
+                "--tables",
+                cfg.name,
+                "--shards",
+                "{{ params.shards | join(',') }}",
+                "--run-id",
+                "{{ ts_nodash }}",
+                "--pause-after-chunks",
+                "{{ params.pause_after_chunks }}",
+            ],
             _conn_ids([cfg]),
             table_pool(cfg),
             outlets=[asset(cfg.current_table), asset(cfg.changelog_table)],

@@ -98,6 +98,9 @@ def capture_endpoint(
         host_label=ep.label,
         database=ep.database,
         limits=limits,
+        # Publication column lists for consumed-columns tables; none while a config is broken,
+        # whose columns cannot be narrowed out (a broken config loses nothing).
+        table_configs=[t for t, _ in members] if not cs.errors else None,
     )
     record_capture_metrics(lake, manifest, started)
     from cdc_lakehouse.orchestration.alerts import notify_wal

@@ -169,6 +169,12 @@ def main_bootstrap(argv: list[str] | None = None) -> int:
     p = _parser("Snapshot bootstrap of a table (all shards or some)")
     p.add_argument("--shards", default="", help="comma-separated shard names; empty = all")
     p.add_argument("--run-id", default=None)
+    p.add_argument(
+        "--pause-after-chunks",
+        type=int,
+        default=0,
+        help="chunked mode: stop cleanly after this many chunks (0 = to the end); the next run resumes",
+    )
     args = p.parse_args(argv)
 
     def fn(spark, lake, cfg, a, file):
@@ -183,7 +189,23 @@ def main_bootstrap(argv: list[str] | None = None) -> int:
             from cdc_lakehouse.landing.debezium import bootstrap_debezium
 
             return bootstrap_debezium(spark, lake, cfg)
-        return bootstrap_table(spark, lake, cfg, run_id=run, shards=shards, all_endpoint_tables=ep_tables)
+        done = [0]
+
+        def should_stop(_state) -> bool:  # asked after every chunk of the chunked mode
+            done[0] += 1
+            return 0 < a.pause_after_chunks <= done[0]
+
+        return bootstrap_table(
+            spark,
+            lake,
+            cfg,
+            run_id=run,
+            shards=shards,
+            all_endpoint_tables=ep_tables,
+            should_stop=should_stop,
+            # A broken config's columns cannot be narrowed out: then no lists (see capture_endpoint).
+            table_configs=None if cs.errors else list(cs.tables.values()),
+        )
 
     return run_per_table("bootstrap", args, fn)
 

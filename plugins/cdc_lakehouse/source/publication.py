@@ -236,6 +236,35 @@ def column_list_for(
     return [c for c in columns if c in keep]
 
 
+def consumed_column_lists(conn, ep: EndpointTables, cfgs: list[Any]) -> dict[tuple[str, str], list[str]]:
+    """check_publication's column_lists for an endpoint: (schema, table) -> column_list_for over the
+    table configs (TableConfig) reading that shard on this endpoint; tables every reader consumes
+    whole, or no valid config reads, are left out (published whole).
+
+    Empty before PostgreSQL 15, which has no publication column lists: the whole row is then
+    published, and the ingest keeps only the consumed columns (ingest.validate.typed_events reads
+    the lake's columns), so the result is the same, at the cost of decoding the other columns."""
+    with conn.cursor() as cur:
+        cur.execute("SELECT current_setting('server_version_num')::int")
+        if cur.fetchone()[0] < 150000:
+            conn.commit()
+            return {}
+        out: dict[tuple[str, str], list[str]] = {}
+        for schema, table in ep.qualified_tables():
+            readers = [
+                c
+                for c in cfgs
+                if c.source.table == table
+                and any(g.endpoint_id == ep.endpoint_id and s == schema for g, s, _ in c.shards())
+            ]
+            info = describe_table(cur, schema, table) if readers else None
+            cols = info and column_list_for(readers, info.column_names, info.identity_columns, info.replica_identity)
+            if cols:
+                out[(schema, table)] = cols
+    conn.commit()
+    return out
+
+
 def published_tables(conn) -> list[str]:
     """'schema.table' of every table the publication sends (partition roots when via root)."""
     with conn.cursor() as cur:

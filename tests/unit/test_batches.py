@@ -1,0 +1,26 @@
+"""lake.batches: the batch id is a function of the data a batch applies, nothing else."""
+
+from __future__ import annotations
+
+import pytest
+from cdc_lakehouse.lake.batches import BATCH_PROP, BatchId
+from cdc_lakehouse.runtime.failpoints import FAIL_ENV, FailpointHit, crash_point
+
+
+def test_batch_id_is_deterministic_and_names_its_positions():
+    start = {"v": 1, "shards": {"s0": {"lsn": 10}, "s1": {"lsn": 12}}}
+    end = {"v": 1, "shards": {"s0": {"lsn": 20}, "s1": {"lsn": 12}}}
+    a = BatchId.of("ingest:lake.t", start, end)
+    # A retry builds its positions afresh (other dict order): the same id.
+    again = BatchId.of("ingest:lake.t", {"shards": {"s1": {"lsn": 12}, "s0": {"lsn": 10}}, "v": 1}, dict(end))
+    assert a == again and a.props() == {BATCH_PROP: a.value}
+    assert BatchId.of("ingest:lake.t", start, {"v": 1, "shards": {"s0": {"lsn": 21}, "s1": {"lsn": 12}}}) != a
+    assert BatchId.of("ingest:lake.u", start, end) != a
+    assert BatchId.of("ingest:lake.t", end, end) != a
+
+
+def test_fail_env_raises_at_its_point_only(monkeypatch):
+    monkeypatch.setenv(FAIL_ENV, "here")
+    crash_point("elsewhere")
+    with pytest.raises(FailpointHit, match="here"):
+        crash_point("here")
