@@ -3,7 +3,7 @@
 SHELL := /bin/bash
 ENV := source scripts/env.sh &&
 
-.PHONY: setup pg-start pg-stop pg-status airflow-init demo airflow test test-fast lint format bench bench-tree bench-serving bench-feed bench-remap clean
+.PHONY: setup pg-start pg-stop pg-status airflow-init demo airflow test test-fast lint format bench bench-tree bench-serving bench-feed bench-remap bench-maintenance clean
 
 setup:
 	@scripts/setup.sh
@@ -64,6 +64,11 @@ bench-feed: setup
 # PostgreSQL). BENCHMARKS.md, "Key-change chains".
 bench-remap: setup
 	@$(ENV) python bench/remap_bench.py $(BENCH_REMAP_ARGS)
+
+# Maintenance (#16): the snapshot-lineage check against full-scan checksums, same table.
+# BENCHMARKS.md, "Maintenance".
+bench-maintenance: pg-start
+	@$(ENV) python bench/maintenance_bench.py $(BENCH_MAINTENANCE_ARGS)
 
 clean:
 	@$(ENV) python -m cdc_lakehouse.dev.localstack stop || true

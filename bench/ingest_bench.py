@@ -31,7 +31,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path[:0] = [str(ROOT / "plugins"), str(ROOT)]
-from bench.measure import PeakRSS, machine  # noqa: E402
+from bench.measure import PeakRSS, files_holding_keys, last_execution_id, machine, scan_files  # noqa: E402
 
 WORK = Path(os.environ.get("CDC_BENCH_WORK", HERE / ".work"))
 ENGINES = ["ours-mor", "ours-cow", "spark-merge", "pyiceberg", "delta", "rewrite"]
@@ -135,13 +135,17 @@ def run_ours(mode: str, prep: dict, rows: int, repeat: int) -> list[dict]:
     out = []
     for i in range(repeat):
         load_base(spark, lake, cfg, prep)
+        layout = files_holding_keys(spark, lake.qualified(cfg.current_table), f"{prep['dir']}/reduced.parquet")
+        since = last_execution_id(spark)
         t = time.time()
         m = ingest_table(spark, lake, cfg, upto_run=None, ingest_run=f"bench-{i}")
         secs = time.time() - t
+        pruning = {**layout, **merge_scans(scan_files(spark, since))}
         got = table_checksum(spark, lake.qualified(cfg.current_table))
         ok = got == prep["expected"]
         out.append(
             {
+                "pruning": pruning,
                 "seconds": secs,
                 "apply_seconds": m["apply_seconds"],
                 "write_amplification": m.get("write_amplification"),
@@ -159,6 +163,7 @@ def run_ours(mode: str, prep: dict, rows: int, repeat: int) -> list[dict]:
             f"phases {m.get('timings')} verified={ok}",
             flush=True,
         )
+        print(f"  {mode} repeat {i + 1} files: {pruning}", flush=True)
     spark.stop()
     return out
 
@@ -177,15 +182,38 @@ def run_spark_merge(prep: dict, rows: int, repeat: int) -> list[dict]:
     out = []
     for i in range(repeat):
         create_plain_table(spark, lake, table, prep)
+        layout = files_holding_keys(spark, table, f"{prep['dir']}/reduced.parquet")
+        since = last_execution_id(spark)
         t = time.time()
         with SparkJobs(spark, "plain merge") as jobs:
             plain_merge(spark, table, prep)
         secs = time.time() - t
+        pruning = {**layout, **merge_scans(scan_files(spark, since))}
         got = table_checksum(spark, table)
-        out.append({"seconds": secs, "spark_jobs": jobs.count, "verified": got == prep["expected"], "got": got})
+        out.append(
+            {
+                "seconds": secs,
+                "spark_jobs": jobs.count,
+                "pruning": pruning,
+                "verified": got == prep["expected"],
+                "got": got,
+            }
+        )
         print(f"  spark-merge repeat {i + 1}: {secs:.1f}s Spark jobs {jobs.count} verified={got == prep['expected']}")
+        print(f"  spark-merge repeat {i + 1} files: {pruning}", flush=True)
     spark.stop()
     return out
+
+
+def merge_scans(scans: list[dict]) -> dict:
+    """The data files the MERGE's scans of the target kept and skipped (bench.measure.scan_files)."""
+    merges = [x for x in scans if x["merge"]]
+    if not merges:  # zeros here would read as perfect pruning
+        raise RuntimeError(f"no MERGE execution with Iceberg scan metrics among {scans}")
+    return {
+        "merge_scanned_data_files": sum(x.get("result_data_files", 0) for x in merges),
+        "merge_skipped_data_files": sum(x.get("skipped_data_files", 0) for x in merges),
+    }
 
 
 def _plain_columns(spark, prep: dict) -> list[str]:

@@ -77,3 +77,79 @@ def provenance(spark_version: str) -> dict:
         "machine": machine(),
         "spark": spark_version,
     }
+
+
+def last_execution_id(spark) -> int:
+    """The newest SQL execution id of the session so far (-1: none): pass it to scan_files."""
+    store = spark._jsparkSession.sharedState().statusStore()
+    execs = store.executionsList()
+    return max((execs.apply(i).executionId() for i in range(execs.size())), default=-1)
+
+
+# Iceberg's Spark scan metrics, by the description Spark's SQL UI names them with.
+_SCAN_METRICS = {
+    "number of result data files": "result_data_files",
+    "number of skipped data files": "skipped_data_files",
+    "number of result delete files": "result_delete_files",
+}
+
+
+def scan_files(spark, after: int) -> list[dict]:
+    """Per SQL execution after `after` that scanned an Iceberg table: the data files its scans
+    kept and skipped, from the custom metrics Iceberg's Spark scan reports to the SQL UI
+    ("number of result data files", "number of skipped data files"), and whether it was a row-level write (MERGE).
+    This is what shows whether a MERGE read every file of the table or pruned some."""
+    # The SQL listener runs on Spark's asynchronous event queue: let it catch up first.
+    spark.sparkContext._jsc.sc().listenerBus().waitUntilEmpty()
+    store = spark._jsparkSession.sharedState().statusStore()
+    execs = store.executionsList()
+    out = []
+    for i in range(execs.size()):
+        e = execs.apply(i)
+        if e.executionId() <= after:
+            continue
+        values = store.executionMetrics(e.executionId())
+        found: dict[str, int] = {}
+        metrics = e.metrics()
+        for j in range(metrics.size()):
+            m = metrics.apply(j)
+            name = m.name()
+            if name not in _SCAN_METRICS:
+                continue
+            name = _SCAN_METRICS[name]
+            v = values.get(m.accumulatorId())
+            if v.isDefined():
+                digits = "".join(ch for ch in str(v.get()) if ch.isdigit())
+                found[name] = found.get(name, 0) + int(digits or 0)
+        if found:
+            plan = e.physicalPlanDescription() or ""
+            out.append(
+                {
+                    "execution": e.executionId(),
+                    "merge": any(w in plan for w in ("WriteDelta", "ReplaceData", "MergeRows")),
+                    **found,
+                }
+            )
+    return out
+
+
+def files_holding_keys(spark, table: str, keys_parquet: str, key: str = "id", shard: str = "_cdc_shard") -> dict:
+    """How many of `table`'s data files a perfect pruner would still have to read for the batch
+    in `keys_parquet`: those whose (shard, key) bounds in the file metadata hold a batch key."""
+    import numpy as np
+    import pyarrow.parquet as pq
+
+    batch = pq.read_table(keys_parquet, columns=[shard, key]).to_pandas()
+    ids, shards = batch[key].to_numpy(), batch[shard].astype(str).to_numpy()
+    files = spark.sql(
+        f"SELECT readable_metrics.{key}.lower_bound lo, readable_metrics.{key}.upper_bound hi, "
+        f"readable_metrics.{shard}.lower_bound slo, readable_metrics.{shard}.upper_bound shi FROM {table}.data_files"
+    ).collect()
+    holding = 0
+    for f in files:
+        if f["lo"] is None:  # no stats: it must be read
+            holding += 1
+            continue
+        inside = (ids >= f["lo"]) & (ids <= f["hi"]) & (shards >= str(f["slo"])) & (shards <= str(f["shi"]))
+        holding += bool(np.any(inside))
+    return {"data_files": len(files), "files_holding_batch_keys": holding}

@@ -246,6 +246,10 @@ class MaintenanceConfig(_Model):
     min_input_files: int = Field(5, ge=2)
     latest_view: Literal["table", "view", "none"] = "table"
     landing_retention_hours: int = Field(168, ge=1)
+    # Maintenance proves nothing but rewrites committed while it ran from snapshot metadata alone
+    # (maintenance._only_rewrites_since). true adds a checksum of every row before and after: two
+    # full reads of each table, an end-to-end check of Iceberg's rewrite itself.
+    verify_content: bool = False
 
 
 class BootstrapConfig(_Model):

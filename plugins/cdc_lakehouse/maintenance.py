@@ -13,7 +13,9 @@ from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from cdc_lakehouse.config import TableConfig
+from cdc_lakehouse.lake.commits import ConcurrentWriterError
 from cdc_lakehouse.lake.meta import meta_append
+from cdc_lakehouse.lake.snapshots import current_snapshot
 from cdc_lakehouse.lake.tables import table_exists, table_stats
 from cdc_lakehouse.lake.watermark import WATERMARK_PROP, read_watermark
 from cdc_lakehouse.landing.format import MANIFEST_DIR, manifest_path
@@ -204,8 +206,37 @@ class _Observed:
     """What maintenance must leave as it found it (content, watermark) and what it improves (stats)."""
 
     stats: dict[str, Any]
-    checksum: str
+    snapshot_id: int | None
     watermark: dict[str, Any] | None
+    checksum: str | None = None  # maintenance.verify_content only
+
+
+def _only_rewrites_since(spark: SparkSession, cfg: TableConfig, target: str, since: int | None) -> int | None:
+    """Every snapshot committed after `since` on the table's current line is a rewrite ('replace':
+    rewrite_data_files, rewrite_position_delete_files, rewrite_manifests), which Iceberg commits
+    only when the live rows are unchanged. Metadata only: no data is read. A data commit by another
+    writer, or a rollback that dropped `since` from the line, fails the run. Returns the head it
+    checked from, so the next check starts exactly there."""
+    from cdc_lakehouse.lake.snapshots import current_ancestors
+
+    head = None
+    for snap in current_ancestors(spark, target):
+        head = snap.snapshotId() if head is None else head
+        if snap.snapshotId() == since:
+            return head
+        if snap.operation() != "replace":
+            raise ConcurrentWriterError(
+                f"{cfg.name}: {target} got a '{snap.operation()}' commit (snapshot {snap.snapshotId()}) while "
+                "maintenance ran: another writer was active. The DAGs' writers of a table share its one-slot "
+                f"Airflow pool ({cfg.pool}, imported by scripts/airflow_init.sh); check that no job outside "
+                "them writes the table"
+            )
+    if since is not None:
+        raise ConcurrentWriterError(
+            f"{cfg.name}: snapshot {since} of {target} left the current line while maintenance ran "
+            "(a rollback or a stray writer); check the table's history before re-running"
+        )
+    return head
 
 
 def maintain_table(
@@ -260,13 +291,12 @@ def _maintain_table(
 def _maintain_target(
     spark: SparkSession, lake: LakeSettings, cfg: TableConfig, target: str, is_current: bool, now: datetime
 ) -> tuple[_Observed, _Observed, dict[str, Any]]:
-    """Compact and expire one table; fails if its content or watermark changed meanwhile."""
+    """Compact and expire one table; fails if another writer committed meanwhile."""
     # The catalog caches loaded tables: another process (the ingest's spark-submit) may have
     # committed since this session last read it, and a stale "before" would look like a
     # concurrent writer.
     spark.sql(f"REFRESH TABLE {target}")
-    cols = [f.name for f in spark.table(target).schema.fields]
-    before = _observe(spark, target, cols)
+    before = _observe(spark, cfg, target)
     comp = compact(
         spark,
         lake,
@@ -275,20 +305,33 @@ def _maintain_target(
         sort=is_current and cfg.maintenance.compaction == "sort",
         format_version=cfg.lake.format_version if is_current else 2,
     )
+    # Checked before expiry too: expiry may drop `before`'s snapshot from the line.
+    checked = _only_rewrites_since(spark, cfg, target, before.snapshot_id)
     exp = expire(spark, lake, target, cfg, now)
-    after = _observe(spark, target, cols)
+    _only_rewrites_since(spark, cfg, target, checked)
+    after = _observe(spark, cfg, target)
     if after.checksum != before.checksum:
         raise RuntimeError(
             f"{cfg.name}: content of {target} changed during maintenance "
-            f"({before.checksum} -> {after.checksum}); a writer ran concurrently? Check the pool settings"
+            f"({before.checksum} -> {after.checksum}) though only rewrites were committed; keep the "
+            "pre-maintenance snapshot (time travel) and report it: a rewrite must not change rows"
         )
     if after.watermark != before.watermark:
         raise RuntimeError(f"{cfg.name}: the watermark of {target} changed during maintenance")
     return before, after, {**comp, **exp}
 
 
-def _observe(spark: SparkSession, target: str, cols: list[str]) -> _Observed:
-    return _Observed(table_stats(spark, target), content_checksum(spark, target, cols), read_watermark(spark, target))
+def _observe(spark: SparkSession, cfg: TableConfig, target: str) -> _Observed:
+    snap = current_snapshot(spark, target)
+    checksum = None
+    if cfg.maintenance.verify_content:  # two full reads per table: an end-to-end check of the rewrite
+        checksum = content_checksum(spark, target, [f.name for f in spark.table(target).schema.fields])
+    return _Observed(
+        table_stats(spark, target),
+        snap.snapshotId() if snap is not None else None,
+        read_watermark(spark, target),
+        checksum,
+    )
 
 
 def _stats_row(

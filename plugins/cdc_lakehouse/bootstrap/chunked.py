@@ -8,19 +8,22 @@ Per table:
      snapshot is released immediately): the ingest applies every transaction committed at or after
      P0, and the chunks supply what committed before;
   3. per shard, chunks in key order (keyset pagination on the full key, bootstrap.chunks): a low
-     watermark message L in the WAL, the chunk's read in one short transaction, a high watermark H;
+     watermark message L in the WAL, the chunk's read in one short transaction, a high watermark H.
+     The work goes in rounds: each round reads the next chunk of every unfinished shard, shards in
+     parallel with at most bootstrap.max_connections_per_host connections per server, and applies
+     the round's chunks together (one changelog append and one MERGE per round, not per shard);
   4. the chunk is applied at position (L, -1) with the ingest's row-level LSN guard: every change
      after L carries a commit LSN above L, so the stream's version wins whether the ingest applied
      it before the chunk (its row is newer than L, the MERGE leaves it) or applies it later (its
      MERGE finds the chunk's row older). A hard delete applied before the chunk left no row to
      compare with, so keys the lake's changelog deleted after L are left out of the chunk; a
-     truncate after L drops the whole chunk (every row there now was inserted after it and
+     truncate of the shard after L drops the shard's rows of the chunk (every row there now was inserted after it and
      comes from the stream). DBLog's rule (drop keys changed between L and H, apply at H) needs
      the stream to have reached H before a chunk is applied; "the stream wins after L" needs
      nothing from the capture, so chunk merges and hourly ingests commute. A chunk's commit
      never carries a watermark, so it never moves it;
-  5. the chunk's progress row (cdc_meta.bootstrap_progress) is appended; a killed or paused
-     bootstrap resumes after the last recorded chunk.
+  5. the round's progress rows (cdc_meta.bootstrap_progress, one per chunk) are appended in one
+     commit; a killed or paused bootstrap resumes after the last recorded chunk of each shard.
 
 The L/H messages (pg_logical_emit_message, prefix `cdc_lakehouse`) are recorded by the capture in
 its manifest (`bootstrap_markers`), so the order of chunks and stream is visible there too.
@@ -29,6 +32,7 @@ its manifest (`bootstrap_markers`), so the order of chunks and stream is visible
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -45,7 +49,7 @@ from cdc_lakehouse.bootstrap.chunks import (
     read_chunk,
     refuse_without_key,
 )
-from cdc_lakehouse.bootstrap.progress import ShardProgress, load_progress, record_progress
+from cdc_lakehouse.bootstrap.progress import ShardProgress, load_progress, progress_row, record_progress
 from cdc_lakehouse.bootstrap.run import _event_columns, _prepare_tables, _Snapshot, _Target
 from cdc_lakehouse.bootstrap.snapshot import (
     BootstrapError,
@@ -71,7 +75,7 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class ChunkedRun:
-    """What one chunked bootstrap run did, shard by shard."""
+    """What one chunked bootstrap run did, per shard."""
 
     table: str
     run_id: str
@@ -127,17 +131,34 @@ def chunked_bootstrap(
     for endpoint_id, sources in endpoints.items():
         prepare_endpoint(endpoint_id, sources, cfg, (all_endpoint_tables or {}).get(endpoint_id), table_configs)
         _start_positions(spark, cfg, target, endpoint_id, sources, run_id, progress)
-    for sources in endpoints.values():
-        for s in sources:
-            q = chunk_query(
+    shards_left = [
+        _Shard(
+            s,
+            chunk_query(
                 s.schema, cfg.source.table, target.columns, pg_types, cfg.primary_key, cfg.bootstrap.chunk_rows
-            )
-            state = _shard_state(cfg, s, progress.get(s.shard), run_id)
-            if not _run_shard(spark, lake, cfg, target, s, q, state, run, should_stop):
+            ),
+            _shard_state(cfg, s, progress.get(s.shard), run_id),
+        )
+        for sources in endpoints.values()
+        for s in sources
+    ]
+    for sh in shards_left:
+        run.rows[sh.source.shard], run.chunks[sh.source.shard] = 0, 0
+        run.done[sh.source.shard] = False
+        if sh.state.chunk >= 0:
+            run.resumed[sh.source.shard] = sh.state.chunk
+    columns_read = tuple(n for n, _ in target.columns)
+    with _RoundReader(cfg.source.table, cfg.bootstrap.max_connections_per_host, columns_read) as reader:
+        while shards_left:
+            reads = reader.read_round(shards_left)
+            stop = _finish_round(spark, lake, cfg, target, reads, run, should_stop)
+            shards_left = [sh for sh in shards_left if not sh.state.done]
+            if stop and shards_left:
                 run.paused = True
+                log.info(
+                    "bootstrap %s (chunked): paused; shards left %s", cfg.name, [sh.source.shard for sh in shards_left]
+                )
                 break
-        if run.paused:
-            break
     result = run.to_dict()
     log.info("bootstrap %s (chunked): %s", cfg.name, result)
     return result
@@ -253,57 +274,114 @@ def _shard_state(cfg: TableConfig, s: ShardSource, prev: ShardProgress | None, r
     return ShardProgress(cfg.name, s.shard, run_id, chunk=-1, last_key=None, started_at=datetime.now(UTC))
 
 
-def _run_shard(
+@dataclass
+class _Shard:
+    """One shard's part of a chunked run: where it reads from, its query and its progress."""
+
+    source: ShardSource
+    query: ChunkQuery
+    state: ShardProgress
+    upto: list[str] | None = None  # the shard's highest key when its first chunk of this run was read
+    started: bool = False
+
+
+class _RoundReader:
+    """Reads one chunk of each given shard per round, in threads: psycopg2 releases the GIL while
+    it waits on the server, so shards on different connections overlap. A semaphore per server
+    keeps to bootstrap.max_connections_per_host; every connection is opened for one chunk and
+    closed after it, so nothing stays open (or holds an xmin) between chunks."""
+
+    def __init__(self, table: str, per_host: int, columns: tuple[str, ...]):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.table, self.per_host, self.columns = table, per_host, columns
+        self.pool: ThreadPoolExecutor | None = None
+        self.slots: dict[tuple[str, int], threading.BoundedSemaphore] = {}
+
+    def __enter__(self) -> _RoundReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True)
+
+    def read_round(self, shards: list[_Shard]) -> list[tuple[_Shard, ChunkRead]]:
+        from concurrent.futures import ThreadPoolExecutor
+
+        for sh in shards:  # made here, not in the threads: setdefault there would race
+            self.slots.setdefault(_server(sh), threading.BoundedSemaphore(self.per_host))
+        if self.pool is None:  # enough threads to fill every server's cap at once
+            self.pool = ThreadPoolExecutor(self.per_host * len(self.slots), thread_name_prefix="cdc-chunk")
+        futures = [(sh, self.pool.submit(self._read, sh)) for sh in shards]
+        return [(sh, f.result()) for sh, f in futures]  # in shard order; the first error is raised
+
+    def _read(self, sh: _Shard) -> ChunkRead:
+        import psycopg2
+
+        from cdc_lakehouse.source.session import SESSION_OPTIONS
+
+        with self.slots[_server(sh)]:
+            conn = psycopg2.connect(
+                sh.source.endpoint.dsn(), options=SESSION_OPTIONS, application_name=APPLICATION_NAME
+            )
+            conn.autocommit = True  # every statement its own transaction: nothing held between chunks
+            try:
+                if not sh.started:
+                    _start_shard(conn, sh, self.table)
+                st = sh.state
+                marker = {"table": st.table, "shard": st.shard, "chunk": st.chunk + 1, "run_id": st.run_id}
+                return read_chunk(conn, sh.query, self.columns, st.last_key, marker, sh.upto)
+            finally:
+                conn.close()
+
+
+def _server(sh: _Shard) -> tuple[str, int]:
+    """The cap is per server: several databases (endpoints) on one host share it."""
+    return (sh.source.endpoint.host, sh.source.endpoint.port)
+
+
+def _start_shard(conn, sh: _Shard, table: str) -> None:
+    """The shard's end now (every row above it was inserted after P0 and comes through the
+    stream) and its estimated number of chunks."""
+    with conn.cursor() as cur:
+        rows = estimated_rows(cur, sh.source.schema, table)
+    sh.state.chunks_total = max(sh.state.chunks_total, -(-rows // sh.query.limit))
+    sh.upto = last_key(conn, sh.query)
+    if sh.upto is None:  # an empty shard: one empty chunk records it as done
+        sh.upto = sh.state.last_key
+    sh.started = True
+
+
+def _finish_round(
     spark: SparkSession,
     lake: LakeSettings,
     cfg: TableConfig,
     target: _Target,
-    s: ShardSource,
-    q: ChunkQuery,
-    state: ShardProgress,
+    reads: list[tuple[_Shard, ChunkRead]],
     run: ChunkedRun,
     should_stop: Callable[[ShardProgress], bool] | None,
 ) -> bool:
-    """The shard's chunks until its end; False when paused (should_stop) before the end."""
-    import psycopg2
-
-    from cdc_lakehouse.source.session import SESSION_OPTIONS
-
-    if state.chunk >= 0:
-        run.resumed[s.shard] = state.chunk
-    run.rows.setdefault(s.shard, 0)
-    run.chunks.setdefault(s.shard, 0)
-    conn = psycopg2.connect(s.endpoint.dsn(), options=SESSION_OPTIONS, application_name=APPLICATION_NAME)
-    conn.autocommit = True  # every statement its own transaction: nothing held between chunks
-    try:
-        with conn.cursor() as cur:
-            state.chunks_total = max(state.chunks_total, -(-estimated_rows(cur, s.schema, cfg.source.table) // q.limit))
-        # The shard's end now: every row above it was inserted after P0 and comes through the stream.
-        upto = last_key(conn, q)
-        if upto is None:  # an empty shard: one empty chunk records it as done
-            upto = state.last_key
-        while True:
-            marker = {"table": cfg.name, "shard": s.shard, "chunk": state.chunk + 1, "run_id": state.run_id}
-            chunk = read_chunk(conn, q, tuple(n for n, _ in target.columns), state.last_key, marker, upto)
-            _apply_chunk(spark, cfg, target, chunk, state.run_id)
-            crash_point(f"bootstrap_chunk_applied:{chunk.no}")
-            state.advance(chunk, q.limit)
-            record_progress(spark, lake, state, chunk)
-            crash_point(f"bootstrap_chunk_recorded:{chunk.no}")
-            run.rows[s.shard] += chunk.rows.num_rows
-            run.chunks[s.shard] += 1
-            run.longest_xact_seconds = max(run.longest_xact_seconds, chunk.xact_seconds)
-            _log_chunk(cfg, state, chunk, run)
-            run.done[s.shard] = state.done
-            # Asked after every chunk, the last included (callers count chunks with it).
-            stop = should_stop is not None and should_stop(state)
-            if state.done:
-                return True
-            if stop:
-                log.info("bootstrap %s (chunked): paused after chunk %s of shard %s", cfg.name, state.chunk, s.shard)
-                return False
-    finally:
-        conn.close()
+    """Apply the round's chunks in one commit pair, record their progress, log them; True when
+    should_stop (asked once per chunk, as callers count chunks with it) asks to pause."""
+    _apply_chunks(spark, cfg, target, [c for _, c in reads], run.run_id)
+    for _, chunk in reads:
+        crash_point(f"bootstrap_chunk_applied:{chunk.no}")
+    rows = []
+    for sh, chunk in reads:
+        sh.state.advance(chunk, sh.query.limit)
+        rows.append(progress_row(sh.state, chunk))
+    record_progress(spark, lake, rows)
+    stop = False
+    for sh, chunk in reads:
+        crash_point(f"bootstrap_chunk_recorded:{chunk.no}")
+        shard = sh.source.shard
+        run.rows[shard] += chunk.rows.num_rows
+        run.chunks[shard] += 1
+        run.done[shard] = sh.state.done
+        run.longest_xact_seconds = max(run.longest_xact_seconds, chunk.xact_seconds)
+        _log_chunk(cfg, sh.state, chunk, run)
+        stop = (should_stop is not None and should_stop(sh.state)) or stop
+    return stop
 
 
 def _log_chunk(cfg: TableConfig, state: ShardProgress, chunk: ChunkRead, run: ChunkedRun) -> None:
@@ -325,69 +403,94 @@ def _log_chunk(cfg: TableConfig, state: ShardProgress, chunk: ChunkRead, run: Ch
     )
 
 
-def _chunk_frame(spark: SparkSession, cfg: TableConfig, target: _Target, chunk: ChunkRead) -> DataFrame:
-    """The chunk's rows, typed with the ingest's casts, at (L, -1) as op 'r'."""
+def _chunks_frame(spark: SparkSession, cfg: TableConfig, target: _Target, chunks: list[ChunkRead]) -> DataFrame:
+    """The chunks' rows, typed with the ingest's casts, each at its own (L, -1) as op 'r'."""
     import pyarrow as pa
     from pyspark.sql import functions as F
     from pyspark.sql.types import StringType, StructField, StructType
 
     names = [n for n, _ in target.columns]
-    table = chunk.rows.append_column(SHARD_COL, pa.array([chunk.shard] * chunk.rows.num_rows, pa.string()))
+    table = pa.concat_tables(
+        [
+            c.rows.select(names).append_column(SHARD_COL, pa.array([c.shard] * c.rows.num_rows, pa.string()))
+            for c in chunks
+        ]
+    )
     schema = StructType([StructField(c, StringType(), True) for c in [*names, SHARD_COL]])
-    # Arrow carries the chunk into the JVM in one piece instead of a Python object per value.
+    # Arrow carries the chunks into the JVM in one piece instead of a Python object per value.
     prev = spark.conf.get("spark.sql.execution.arrow.pyspark.enabled", "false")
     spark.conf.set("spark.sql.execution.arrow.pyspark.enabled", "true")
     try:
-        df = spark.createDataFrame(table.select([*names, SHARD_COL]).to_pandas(), schema)
+        df = spark.createDataFrame(table.to_pandas(), schema)
     finally:
         spark.conf.set("spark.sql.execution.arrow.pyspark.enabled", prev)
+    # A round holds one chunk per shard, so the shard names the chunk and its L.
+    low = F.create_map(*[x for c in chunks for x in (F.lit(c.shard), F.lit(c.low).cast("bigint"))])
     return (
         typed_rows(df, cfg, target.columns)
+        .withColumn(LSN_COL, low[F.col(SHARD_COL)])
         .withColumn(OP_COL, F.lit("r"))
-        .withColumn(LSN_COL, F.lit(chunk.low).cast("bigint"))
         .withColumn(SEQ_COL, F.lit(-1).cast("bigint"))
     )
 
 
-def _deleted_after(spark: SparkSession, cfg: TableConfig, target: _Target, chunk: ChunkRead) -> tuple[DataFrame, bool]:
-    """Keys of the shard that the lake's changelog deleted after L (the only stream changes the
-    LSN guard cannot see: a hard delete leaves no row), and whether the shard was truncated
-    after L. Updates and inserts after L need no list: their rows are newer than the chunk's."""
+def _not_superseded(
+    spark: SparkSession, cfg: TableConfig, target: _Target, rows: DataFrame, shards: list[str], lowest: int
+) -> DataFrame:
+    """The chunk rows the stream has not made obsolete in ways the LSN guard cannot see: a key
+    the lake's changelog deleted after the row's L (a hard delete leaves no row to compare with),
+    and every row of a shard truncated after its L (what is there now was inserted after it and
+    comes from the stream). Updates and inserts after L need nothing: their rows are newer."""
     from pyspark.sql import functions as F
 
     spark.sql(f"REFRESH TABLE {target.changelog}")
     after = spark.table(target.changelog).filter(
-        (F.col(SHARD_COL) == chunk.shard) & (F.col(LSN_COL) > F.lit(chunk.low)) & F.col(OP_COL).isin("d", "t")
+        F.col(SHARD_COL).isin(shards) & F.col(OP_COL).isin("d", "t") & (F.col(LSN_COL) > F.lit(lowest))
     )
-    truncated = after.filter(F.col(OP_COL) == "t").limit(1).count() > 0
-    keys = after.filter(F.col(OP_COL) == "d").select(*cfg.primary_key).distinct()
-    return keys, truncated
+    truncs = after.filter(F.col(OP_COL) == "t").groupBy(SHARD_COL).agg(F.max(LSN_COL).alias("_trunc_lsn"))
+    dels = after.filter(F.col(OP_COL) == "d").groupBy(SHARD_COL, *cfg.primary_key).agg(F.max(LSN_COL).alias("_del_lsn"))
+    kept = (
+        rows.join(F.broadcast(truncs), SHARD_COL, "left")
+        .join(dels, [SHARD_COL, *cfg.primary_key], "left")
+        .filter(
+            (F.col("_trunc_lsn").isNull() | (F.col("_trunc_lsn") < F.col(LSN_COL)))
+            & (F.col("_del_lsn").isNull() | (F.col("_del_lsn") < F.col(LSN_COL)))
+        )
+    )
+    return kept.drop("_trunc_lsn", "_del_lsn")
 
 
-def _apply_chunk(spark: SparkSession, cfg: TableConfig, target: _Target, chunk: ChunkRead, run_id: str) -> None:
-    """Changelog 'r' events, then an LSN-guarded MERGE into the current table; retried from
-    scratch (skip list included) when an ingest commits at the same time."""
+def _apply_chunks(spark: SparkSession, cfg: TableConfig, target: _Target, chunks: list[ChunkRead], run_id: str) -> None:
+    """Changelog 'r' events, then an LSN-guarded MERGE into the current table, for all of a
+    round's chunks at once; the MERGE is retried (skip list included) when an ingest commits at
+    the same time."""
     from pyspark.sql import functions as F
 
-    if chunk.rows.num_rows == 0:
+    chunks = [c for c in chunks if c.rows.num_rows]
+    if not chunks:
         return
-    frame = _chunk_frame(spark, cfg, target, chunk)
+    frame = _chunks_frame(spark, cfg, target, chunks).localCheckpoint()
+    shards = sorted({c.shard for c in chunks})
+    lowest = min(c.low for c in chunks)
 
-    def attempt() -> None:
-        skip, truncated = _deleted_after(spark, cfg, target, chunk)
-        if truncated:
-            log.info(
-                "bootstrap %s: shard %s truncated after chunk %s's L: chunk dropped", cfg.name, chunk.shard, chunk.no
-            )
-            return
-        rows = frame.join(skip, cfg.primary_key, "left_anti").localCheckpoint()
-        snap = _Snapshot(run_id, datetime.now(UTC).replace(tzinfo=None), {}, {})
-        cl_cols = [c for c, _ in changelog_columns(target.columns)]
+    # Appended once: a retry of the MERGE below must not append the round's events twice. An
+    # event whose row the stream superseded meanwhile is harmless in the changelog: the stream's
+    # change of the key carries a higher LSN, so readers of the changelog see it as newer.
+    snap = _Snapshot(run_id, datetime.now(UTC).replace(tzinfo=None), {}, {})
+    rows = _not_superseded(spark, cfg, target, frame, shards, lowest).localCheckpoint()
+    cl_cols = [c for c, _ in changelog_columns(target.columns)]
+
+    def append() -> None:
         events = conform_to(_event_columns(rows, snap).select(*cl_cols), spark.table(target.changelog).schema)
         events.writeTo(target.changelog).option("distribution-mode", "none").append()
-        _merge_current(spark, cfg, target, rows.withColumn(COMMIT_TS_COL, F.lit(snap.time)))
 
-    with_commit_retries(attempt, what=f"{cfg.name} chunk {chunk.shard}#{chunk.no}")
+    def merge() -> None:  # the skip list again: an ingest that won the commit race may have deleted keys
+        kept = _not_superseded(spark, cfg, target, frame, shards, lowest)
+        _merge_current(spark, cfg, target, kept.withColumn(COMMIT_TS_COL, F.lit(snap.time)))
+
+    what = ", ".join(f"{c.shard}#{c.no}" for c in chunks)
+    with_commit_retries(append, what=f"{cfg.name} chunks {what} (changelog)")
+    with_commit_retries(merge, what=f"{cfg.name} chunks {what}")
 
 
 def _merge_current(spark: SparkSession, cfg: TableConfig, target: _Target, rows: DataFrame) -> None:

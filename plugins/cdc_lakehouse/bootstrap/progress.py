@@ -88,7 +88,8 @@ def load_progress(spark: SparkSession, lake: LakeSettings, table: str) -> dict[s
     return {r["shard"]: ShardProgress.from_row(r.asDict()) for r in rows}
 
 
-def record_progress(spark: SparkSession, lake: LakeSettings, state: ShardProgress, chunk: ChunkRead) -> None:
+def progress_row(state: ShardProgress, chunk: ChunkRead) -> dict[str, Any]:
+    """The progress row of `chunk`, taken right after state.advance(chunk)."""
     now = datetime.now(UTC).replace(tzinfo=None)
     row = {
         "table_name": state.table,
@@ -108,4 +109,9 @@ def record_progress(spark: SparkSession, lake: LakeSettings, state: ShardProgres
         "updated_at": now,
     }
     assert set(row) == {c for c, _ in META_TABLES[PROGRESS_TABLE][0]}
-    meta_append(spark, lake, PROGRESS_TABLE, [row])
+    return row
+
+
+def record_progress(spark: SparkSession, lake: LakeSettings, rows: list[dict[str, Any]]) -> None:
+    """A round's progress rows, in one commit."""
+    meta_append(spark, lake, PROGRESS_TABLE, rows)

@@ -70,14 +70,18 @@ def held_back(
     or (b) a quarantined event of the key (this batch or an earlier one) is newer than the table's
     row: the value it carried never reached the table. Held rows keep the table's older row
     (never a mix); the audit reports the key, and a fixed replay or a repair brings it back.
-    Only (b) reads the table's positions, and only when this table has quarantined events."""
+    Rows the table already holds at a newer position are never held: the MERGE skips them. The
+    table's positions are read only when the batch has such rows."""
     from pyspark.sql import functions as F
 
     key = [SHARD_COL, *cfg.primary_key]
     needs_base = (F.col(OP_COL) != "d") & (F.size(UNAV_LEFT) > 0)
     filled = (F.col(OP_COL) != "d") & (F.size(F.coalesce(UNAVAILABLE_COL, F.array())) > 0)
+    # A row the table already holds at a newer position is stale: the MERGE keeps the table's row,
+    # so the missing value never matters (a chunked bootstrap's chunk read after a key change).
+    fresh = F.col("_t_lsn").isNull() | lsn_newer(F.col(LSN_COL), F.col(SEQ_COL), F.col("_t_lsn"), F.col("_t_seq"))
     reason = F.when(
-        needs_base & F.col(NO_TABLE),
+        needs_base & F.col(NO_TABLE) & fresh,
         F.concat(
             F.lit("unchanged TOAST column(s) "),
             F.array_join(F.coalesce(UNAV_LEFT, F.array()), ", "),
@@ -85,7 +89,7 @@ def held_back(
         ),
     )
     no_table = totals.get("needs_base_no_table", totals["needs_base"])
-    rows = reduced.filter(needs_base & F.col(NO_TABLE)) if no_table else None
+    rows = reduced.filter(needs_base & F.col(NO_TABLE)).join(tgt, key, "left") if no_table else None
     if totals["filled"] and has_quarantine(spark, lake, cfg):
         q = open_quarantine_keys(spark, lake, cfg, lake_cols)
         rows = reduced.filter(needs_base | filled).join(F.broadcast(q), key, "inner").join(tgt, key, "left")
@@ -102,7 +106,8 @@ def held_back(
             ),
         )
         rows = rows.unionByName(
-            reduced.filter(needs_base & F.col(NO_TABLE)).join(q, key, "left_anti"), allowMissingColumns=True
+            reduced.filter(needs_base & F.col(NO_TABLE)).join(q, key, "left_anti").join(tgt, key, "left"),
+            allowMissingColumns=True,
         )
     if rows is None:
         return None

@@ -168,20 +168,19 @@ def source_columns_of(spark: SparkSession, table: str, cfg: TableConfig) -> list
 
 
 def table_stats(spark: SparkSession, table: str) -> dict[str, Any]:
-    """Files, delete files, snapshots and bytes of a table's current state."""
+    """Files, delete files, snapshots and bytes of a table's current state (one metadata query)."""
     f = spark.sql(
-        f"SELECT count(*) n, coalesce(sum(file_size_in_bytes), 0) b, coalesce(sum(record_count), 0) r "
-        f"FROM {table}.data_files"
+        f"SELECT count_if(content = 0) n, coalesce(sum(if(content = 0, file_size_in_bytes, 0)), 0) b, "
+        f"coalesce(sum(if(content = 0, record_count, 0)), 0) r, count_if(content <> 0) d, "
+        f"(SELECT count(*) FROM {table}.snapshots) s FROM {table}.files"
     ).collect()[0]
-    d = spark.sql(f"SELECT count(*) n FROM {table}.delete_files").collect()[0]
-    s = spark.sql(f"SELECT count(*) n FROM {table}.snapshots").collect()[0]
     return {
         "data_files": int(f["n"]),
         "total_bytes": int(f["b"]),
         "records": int(f["r"]),
         "avg_file_bytes": float(f["b"]) / f["n"] if f["n"] else 0.0,
-        "delete_files": int(d["n"]),
-        "snapshots": int(s["n"]),
+        "delete_files": int(f["d"]),
+        "snapshots": int(f["s"]),
     }
 
 

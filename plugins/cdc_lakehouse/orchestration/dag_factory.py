@@ -264,13 +264,14 @@ def bootstrap_dag(cfg: TableConfig):
         f"Snapshot bootstrap of {cfg.name} (all shards, or those in the 'shards' param)",
         params={
             "shards": Param([], type="array", description="shards to (re-)bootstrap; empty = all"),
-            # Chunked mode (bootstrap.mode): pause after N chunks; the next run resumes there.
+            # Chunked mode (bootstrap.mode): pause after about N chunks; the next run resumes there.
             "pause_after_chunks": Param(
                 0,
                 type="integer",
                 minimum=0,
-                description="chunked mode: stop cleanly after this many chunks (0 = to the end); "
-                "trigger again to resume after the last completed chunk",
+                description="chunked mode: stop cleanly at the end of the round (one chunk per shard) "
+                "in which this many chunks completed (0 = to the end); trigger again to resume after "
+                "the last completed chunk",
             ),
         },
     ) as dag:

@@ -191,7 +191,7 @@ def main_bootstrap(argv: list[str] | None = None) -> int:
             return bootstrap_debezium(spark, lake, cfg)
         done = [0]
 
-        def should_stop(_state) -> bool:  # asked after every chunk of the chunked mode
+        def should_stop(_state) -> bool:  # asked after every chunk; the run stops at the round's end
             done[0] += 1
             return 0 < a.pause_after_chunks <= done[0]
 
