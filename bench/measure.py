@@ -110,12 +110,15 @@ def scan_files(spark, after: int) -> list[dict]:
             continue
         values = store.executionMetrics(e.executionId())
         found: dict[str, int] = {}
+        seen: set[int] = set()
         metrics = e.metrics()
         for j in range(metrics.size()):
             m = metrics.apply(j)
             name = m.name()
-            if name not in _SCAN_METRICS:
+            # Adaptive execution re-lists a plan's metrics on every re-plan: count each once.
+            if name not in _SCAN_METRICS or m.accumulatorId() in seen:
                 continue
+            seen.add(m.accumulatorId())
             name = _SCAN_METRICS[name]
             v = values.get(m.accumulatorId())
             if v.isDefined():
