@@ -57,7 +57,8 @@ def prepare(rows: int, changes: int) -> dict:
             writer.write_table(t, row_group_size=256_000)
         writer.close()
         tmp.rename(base)
-    bdir = d / f"c{changes}-v2"  # v2: no update after a delete of the same key (bench/workload.py)
+    # v2: no update after a delete of the same key; v3: landing row groups of the capture's size.
+    bdir = d / f"c{changes}-v3"
     meta = bdir / "meta.json"
     if not meta.exists():
         batch = change_batch(rows, changes)
@@ -210,7 +211,11 @@ def merge_scans(scans: list[dict]) -> dict:
     merges = [x for x in scans if x["merge"]]
     if not merges:  # zeros here would read as perfect pruning
         raise RuntimeError(f"no MERGE execution with Iceberg scan metrics among {scans}")
+    if os.environ.get("CDC_BENCH_PLANS"):  # the MERGE's physical plans, for reading
+        with open(os.environ["CDC_BENCH_PLANS"], "a") as f:
+            f.writelines(f"--- execution {x['execution']}\n{x['plan']}\n" for x in merges)
     return {
+        "merge_joins": sorted({j for x in merges for j in x["joins"]}),
         "merge_scanned_data_files": sum(x.get("result_data_files", 0) for x in merges),
         "merge_skipped_data_files": sum(x.get("skipped_data_files", 0) for x in merges),
     }

@@ -94,6 +94,9 @@ _SCAN_METRICS = {
 }
 
 
+_JOINS = ("BroadcastHashJoin", "SortMergeJoin", "ShuffledHashJoin", "BroadcastNestedLoopJoin")
+
+
 def scan_files(spark, after: int) -> list[dict]:
     """Per SQL execution after `after` that scanned an Iceberg table: the data files its scans
     kept and skipped, from the custom metrics Iceberg's Spark scan reports to the SQL UI
@@ -130,6 +133,9 @@ def scan_files(spark, after: int) -> list[dict]:
                 {
                     "execution": e.executionId(),
                     "merge": any(w in plan for w in ("WriteDelta", "ReplaceData", "MergeRows")),
+                    # How the MERGE joined the batch to the table: a sort-merge join shuffles the whole table.
+                    "joins": sorted({j for j in _JOINS if j in plan}),
+                    "plan": plan,
                     **found,
                 }
             )

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+from cdc_lakehouse.landing.writer import ROW_GROUP_ROWS
 
 SHARDS = ["s0", "s1", "s2", "s3"]
 COLUMNS = [
@@ -180,7 +181,8 @@ def write_landing(batch: Batch, root: Path, endpoint: str, run_id: str, start_ls
     per_file = 500_000
     for i in range(0, batch.table.num_rows, per_file):
         name = f"part-{i // per_file:05d}.parquet"
-        pq.write_table(batch.table.slice(i, per_file), d / name, compression="snappy")
+        # Row groups as the capture's writer flushes them (landing.writer.ROW_GROUP_ROWS).
+        pq.write_table(batch.table.slice(i, per_file), d / name, compression="snappy", row_group_size=ROW_GROUP_ROWS)
         files.append(
             {"name": name, "rows": min(per_file, batch.table.num_rows - i), "bytes": (d / name).stat().st_size}
         )

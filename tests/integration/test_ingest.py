@@ -273,7 +273,11 @@ def test_source_endpoint_parsing():
 # (1), the freshness rows (1; +1 on a table's first run). #16 set the goal at 5, which the MERGE
 # alone nearly takes. A ratchet: lower it when the ingest gets cheaper; never raise it without
 # saying why in the commit.
-INGEST_JOB_BUDGET = 12
+# 13 since the table-side TOAST fill (ingest.run.fill_from_table): a batch with unchanged TOAST
+# values the batch cannot supply (this test's workload has them) broadcasts the values the
+# classification fetched (+1). In exchange the MERGE no longer carries the TOAST columns through
+# its shuffle of the whole table: 37.7 -> 25.7 s at 20M rows (BENCHMARKS.md).
+INGEST_JOB_BUDGET = 13
 
 
 def test_ingest_stays_within_its_spark_job_budget(source, spark, lake):

@@ -201,3 +201,44 @@ def test_soft_deleted_row_comes_back_on_a_newer_upsert(spark, unique):
         spark.table(cur),
         spark.createDataFrame([("s1", 7, 8, "back", "c", 95, 0, T1, False, None)], spark.table(cur).schema),
     )
+
+
+# --- the unchanged TOAST values taken from the table before the MERGE (ingest.run) --------------
+
+
+@pytest.mark.parametrize("broadcast_bytes", [32 * 1024 * 1024, 0], ids=["broadcast", "shuffled"])
+def test_table_fill_gives_matched_rows_the_table_value_and_leaves_orphans_unfilled(spark, monkeypatch, broadcast_bytes):
+    """What the MERGE's TOAST CASE used to do, done by classify + fill_from_table: a matched row
+    whose `title` the batch could not supply takes the table's; a column the batch did supply is
+    kept; a key the table lacks keeps its unfilled mark (an orphan: held, never applied)."""
+    from cdc_lakehouse.ingest import run
+    from cdc_lakehouse.ingest.toast import UNAV_LEFT
+
+    monkeypatch.setattr(run, "BASE_BROADCAST_BYTES", broadcast_bytes)
+    key = [SHARD_COL, "id"]
+    table = spark.createDataFrame(TARGET, SCHEMA)
+    batch_schema = f"{SCHEMA}, {UNAV_LEFT} array<string>"
+    batch = spark.createDataFrame(
+        [
+            ("s1", 1, 10, None, "u", 101, 0, T1, ["title"]),  # title unchanged: the table's "a"
+            ("s1", 2, 20, "b2", "u", 101, 0, T1, []),  # title sent: kept
+            ("s1", 3, None, None, "d", 101, 0, T1, []),  # a delete needs nothing
+            ("s1", 9, 90, None, "u", 101, 0, T1, ["title"]),  # not in the table: an orphan
+            ("s2", 1, 11, None, "u", 40, 0, T1, ["title"]),  # stale, still filled (the guard skips it)
+        ],
+        batch_schema,
+    )
+    cfg = hard_cfg()
+    c, base = run.classify(batch, run.table_positions(cfg, table, ["title"]), key, {"reduced": 5}, ["title"])
+    assert (c["based"], c["matched_upserts"], c["upd"], c["del"], c["stale"]) == (2, 3, 2, 1, 1), c
+    got = run.fill_from_table(batch, base, key, ["title"])
+    expected = [
+        ("s1", 1, 10, "a", "u", 101, 0, T1, []),
+        ("s1", 2, 20, "b2", "u", 101, 0, T1, []),
+        ("s1", 3, None, None, "d", 101, 0, T1, []),
+        ("s1", 9, 90, None, "u", 101, 0, T1, ["title"]),
+        ("s2", 1, 11, "x", "u", 40, 0, T1, []),
+    ]
+    assertDataFrameEqual(got, spark.createDataFrame(expected, batch_schema))
+    # What reduce_and_classify hands the MERGE: the orphan is gone.
+    assert [r["id"] for r in got.filter(~run.needs_base()).orderBy(*key).collect()] == [1, 2, 3, 1]
