@@ -5,6 +5,7 @@
 Engines, each on the same base table and the same batch, each checked against the same
 expected final state (computed by DuckDB from the inputs):
   ours-mor / ours-cow   cdc_lakehouse.ingest.run (validate, changelog, pre-combine, LSN-guarded MERGE)
+  ours-mor-shuffle, ours-mor-colocated   ours-mor with ingest.merge_join forced (default auto)
                         on Spark + Iceberg, merge-on-read / copy-on-write
   spark-merge           a plain Spark MERGE of the pre-combined batch into the same Iceberg layout:
                         the cost of our guarantees is ours-mor / spark-merge
@@ -81,14 +82,14 @@ def prepare(rows: int, changes: int) -> dict:
 # --- engines (run inside a worker process) ------------------------------------------------------
 
 
-def bench_table_config(name: str, mode: str) -> dict:
+def bench_table_config(name: str, mode: str, merge_join: str = "auto") -> dict:
     """The table config of the bench table (as a YAML document would hold it)."""
     return {
         "name": name,
         "source": {"table": "block", "shards": [{"conn_id": "bench", "schemas": ["s0", "s1", "s2", "s3"]}]},
         "primary_key": ["id"],
         "lake": {"namespace": "bench", "write_mode": mode},
-        "ingest": {"error_budget": {"max_quarantined": 0}},
+        "ingest": {"error_budget": {"max_quarantined": 0}, "merge_join": merge_join},
     }
 
 
@@ -118,7 +119,7 @@ def table_checksum(spark, table: str) -> dict:
     return {"rows": int(r[0]), "sum_id": int(r[1]), "sum_version": int(r[2]), "sum_content": int(r[3])}
 
 
-def run_ours(mode: str, prep: dict, rows: int, repeat: int) -> list[dict]:
+def run_ours(mode: str, prep: dict, rows: int, repeat: int, merge_join: str = "auto") -> list[dict]:
     from cdc_lakehouse.config import parse_table_config
     from cdc_lakehouse.ingest.run import ingest_table
     from cdc_lakehouse.lake.meta import ensure_meta_tables
@@ -131,7 +132,7 @@ def run_ours(mode: str, prep: dict, rows: int, repeat: int) -> list[dict]:
     spark = get_spark("bench-ingest", lake, driver_memory=os.environ.get("CDC_BENCH_DRIVER_MEMORY", "8g"))
     ensure_meta_tables(spark, lake)
     name = f"blk_{mode.replace('-', '_')}_{rows}"
-    cfg, errs = parse_table_config(bench_table_config(name, mode), "bench")
+    cfg, errs = parse_table_config(bench_table_config(name, mode, merge_join), "bench")
     assert not errs, errs
     out = []
     for i in range(repeat):
@@ -154,13 +155,14 @@ def run_ours(mode: str, prep: dict, rows: int, repeat: int) -> list[dict]:
                 "changed_rows_bytes": m.get("changed_rows_bytes"),
                 "timings": m.get("timings"),
                 "spark_jobs": m.get("spark_jobs"),
+                "merge_join": m.get("merge_join"),
                 "verified": ok,
                 "got": got,
             }
         )
         print(
             f"  {mode} repeat {i + 1}: {secs:.1f}s (merge {m['apply_seconds'] or 0:.1f}s) "
-            f"WA {m.get('write_amplification') or 0:.2f} Spark jobs {m.get('spark_jobs')} "
+            f"WA {m.get('write_amplification') or 0:.2f} Spark jobs {m.get('spark_jobs')} join {m.get('merge_join')} "
             f"phases {m.get('timings')} verified={ok}",
             flush=True,
         )
@@ -457,6 +459,8 @@ def main() -> int:
         fn = {
             "ours-mor": lambda: run_ours("merge-on-read", prep, args.rows, args.repeat),
             "ours-cow": lambda: run_ours("copy-on-write", prep, args.rows, args.repeat),
+            "ours-mor-shuffle": lambda: run_ours("merge-on-read", prep, args.rows, args.repeat, "shuffle"),
+            "ours-mor-colocated": lambda: run_ours("merge-on-read", prep, args.rows, args.repeat, "colocated"),
             "spark-merge": lambda: run_spark_merge(prep, args.rows, args.repeat),
             "pyiceberg": lambda: run_pyiceberg(prep, args.rows, args.repeat),
             "delta": lambda: run_delta(prep, args.rows, args.repeat),

@@ -217,6 +217,13 @@ class IngestConfig(_Model):
     max_bytes_per_run: int = Field(2 * 1024**3, ge=1024)
     error_budget: ErrorBudget = ErrorBudget()
     missing_landing_files: Literal["fail", "skip"] = "fail"
+    merge_join: Literal["auto", "shuffle", "colocated"] = Field(
+        "auto",
+        description="colocated: the batch is staged in an Iceberg table partitioned like the current "
+        "table and the MERGE joins partition by partition (Spark's storage-partitioned join) instead "
+        "of shuffling every row of the table; auto: colocated from colocated_min_rows",
+    )
+    colocated_min_rows: int = Field(5_000_000, ge=0, description="auto merge_join: colocated at this table size")
 
     @field_validator("group")
     @classmethod

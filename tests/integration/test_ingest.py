@@ -84,8 +84,41 @@ def test_random_workload_converges_exactly(source, spark, lake):
     assert deleted.count() > 0 and deleted.filter("deleted_at IS NULL").count() == 0
 
 
-def test_toast_chains_truncate_and_pk_changes_in_one_batch(source, spark, lake):
+def merge_plans(spark, after: int) -> list[str]:
+    """Physical plans of the row-level writes (MERGE) Spark ran after execution id `after`."""
+    spark.sparkContext._jsc.sc().listenerBus().waitUntilEmpty()
+    execs = spark._jsparkSession.sharedState().statusStore().executionsList()
+    plans = [execs.apply(i) for i in range(execs.size()) if execs.apply(i).executionId() > after]
+    return [p.physicalPlanDescription() for p in plans if "WriteDelta" in (p.physicalPlanDescription() or "")]
+
+
+def last_execution(spark) -> int:
+    execs = spark._jsparkSession.sharedState().statusStore().executionsList()
+    return max((execs.apply(i).executionId() for i in range(execs.size())), default=-1)
+
+
+def table_side_shuffled(plan: str, table: str) -> bool:
+    """Whether, in the plan's final tree, an exchange sits between the scan of `table` and the join."""
+    tree = plan.rsplit("== Final Plan ==", maxsplit=1)[-1].split("== Initial Plan ==", maxsplit=1)[0].splitlines()
+    at = next(i for i, line in enumerate(tree) if f"BatchScan {table}" in line)
+    depth = len(tree[at]) - len(tree[at].lstrip(" :+-"))
+    for line in reversed(tree[:at]):
+        d = len(line) - len(line.lstrip(" :+-"))
+        if d < depth:  # an ancestor
+            if "Join" in line:
+                return False
+            if "Exchange" in line or "ShuffleQueryStage" in line:
+                return True
+            depth = d
+    raise AssertionError(f"no join above {table} in:\n" + "\n".join(tree))
+
+
+@pytest.mark.parametrize("merge_join", ["shuffle", "colocated"])
+def test_toast_chains_truncate_and_pk_changes_in_one_batch(source, spark, lake, merge_join):
+    """Both ways of joining the batch to the table (ingest.merge_join), on the same hard cases; the
+    colocated MERGE must not shuffle the table's rows."""
     s = source
+    s.block = s.block.model_copy(update={"ingest": s.block.ingest.model_copy(update={"merge_join": merge_join})})
     s.capture()
     s.bootstrap(s.block)
     big = "x" * 4000
@@ -103,10 +136,16 @@ def test_toast_chains_truncate_and_pk_changes_in_one_batch(source, spark, lake):
         "INSERT INTO s1.block (id, space_id, type, created_at, updated_at) VALUES (5, 1, 'page', now(), now())",
     )
     m = s.capture()
+    since = last_execution(spark)
     r = s.ingest(s.block, m["run_id"])
-    assert r["quarantined"] == 0
+    assert r["quarantined"] == 0 and r["merge_join"] == merge_join
     assert_lake_equals_source(spark, lake, s.block, s.dsn)
     assert spark.table(lake.qualified(s.block.current_table)).filter("id = 777").first()["content"] == big
+    (plan,) = merge_plans(spark, since)
+    assert table_side_shuffled(plan, lake.qualified(s.block.current_table)) == (merge_join == "shuffle"), plan
+    # The staged batch is gone.
+    staged = spark.sql(f"SHOW TABLES IN {lake.catalog_name}.{lake.meta_namespace} LIKE 'merge_batch_*'").collect()
+    assert staged == []
     s.execute(
         "TRUNCATE s1.block",
         "INSERT INTO s1.block (id, space_id, type, created_at, updated_at) VALUES (6, 1, 'page', now(), now())",

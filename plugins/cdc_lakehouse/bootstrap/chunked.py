@@ -65,6 +65,7 @@ from cdc_lakehouse.lake.commits import with_commit_retries
 from cdc_lakehouse.lake.tables import changelog_columns, conform_to
 from cdc_lakehouse.lake.watermark import read_watermark, watermark_json
 from cdc_lakehouse.runtime.failpoints import crash_point
+from cdc_lakehouse.runtime.session import session_conf
 from cdc_lakehouse.settings import LakeSettings
 
 if TYPE_CHECKING:
@@ -418,12 +419,8 @@ def _chunks_frame(spark: SparkSession, cfg: TableConfig, target: _Target, chunks
     )
     schema = StructType([StructField(c, StringType(), True) for c in [*names, SHARD_COL]])
     # Arrow carries the chunks into the JVM in one piece instead of a Python object per value.
-    prev = spark.conf.get("spark.sql.execution.arrow.pyspark.enabled", "false")
-    spark.conf.set("spark.sql.execution.arrow.pyspark.enabled", "true")
-    try:
+    with session_conf(spark, {"spark.sql.execution.arrow.pyspark.enabled": "true"}):
         df = spark.createDataFrame(table.to_pandas(), schema)
-    finally:
-        spark.conf.set("spark.sql.execution.arrow.pyspark.enabled", prev)
     # A round holds one chunk per shard, so the shard names the chunk and its L.
     low = F.create_map(*[x for c in chunks for x in (F.lit(c.shard), F.lit(c.low).cast("bigint"))])
     return (

@@ -58,6 +58,7 @@ class IngestMetrics:
     error: str | None = _col("string", None)
     # Returned to callers, not stored in the meta table.
     backfilled: int | None = None
+    merge_join: str | None = None  # shuffle | colocated (ingest.run.merge_source)
     timings: dict[str, float] = field(default_factory=dict)
     _clock: PhaseClock = field(default_factory=PhaseClock, init=False, repr=False, compare=False)
 
@@ -112,8 +113,8 @@ class IngestMetrics:
             f"files +{self.data_files_added or 0}/-{self.data_files_removed or 0} deletes "
             f"+{self.delete_files_added or 0}, bytes written {self.bytes_written or 0}, write amplification "
             f"{'n/a' if wa is None else f'{wa:.2f}'}; apply {self.apply_seconds or 0:.1f}s total "
-            f"{self.total_seconds or 0:.1f}s; freshness {self.freshness_seconds or 0:.0f}s; phases "
-            + ", ".join(f"{k} {v:.1f}s" for k, v in self.timings.items())
+            f"{self.total_seconds or 0:.1f}s (merge join {self.merge_join or 'n/a'}); freshness "
+            f"{self.freshness_seconds or 0:.0f}s; phases " + ", ".join(f"{k} {v:.1f}s" for k, v in self.timings.items())
         )
 
 

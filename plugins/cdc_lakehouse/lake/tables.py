@@ -49,7 +49,7 @@ def table_exists(spark: SparkSession, table: str) -> bool:
 # --- DDL -----------------------------------------------------------------------------------------
 
 
-def _partition_sql(cfg: TableConfig, time_partition: bool = False) -> str:
+def partition_sql(cfg: TableConfig, time_partition: bool = False) -> str:
     if time_partition:
         return f"PARTITIONED BY (days({COMMIT_TS_COL}))"
     parts = []
@@ -140,7 +140,7 @@ def create_lake_tables(
         create_table_sql(
             cur,
             current_table_columns(cfg, source_columns),
-            _partition_sql(cfg),
+            partition_sql(cfg),
             table_properties(cfg),
             not_null=(SHARD_COL, *cfg.primary_key),
         )
@@ -153,7 +153,7 @@ def create_lake_tables(
         create_table_sql(
             cl,
             changelog_columns(source_columns),
-            _partition_sql(cfg, time_partition=True),
+            partition_sql(cfg, time_partition=True),
             table_properties(cfg, changelog=True),
         )
     )

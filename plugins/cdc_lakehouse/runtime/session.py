@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import glob
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 from cdc_lakehouse.settings import LakeSettings, local_paths
@@ -65,6 +67,19 @@ def spark_conf(
     conf.update(lake.spark_catalog_conf(include_secret=include_secret))
     conf.update({f"spark.hadoop.{k}": v for k, v in lake.hadoop_s3_conf(include_secret).items()})
     return conf
+
+
+@contextmanager
+def session_conf(spark: SparkSession, conf: dict[str, str]) -> Iterator[None]:
+    """SQL settings for the statements run inside, restored afterwards (unset if they were)."""
+    prev = {k: spark.conf.get(k, None) for k in conf}
+    for k, v in conf.items():
+        spark.conf.set(k, v)
+    try:
+        yield
+    finally:
+        for k, v in prev.items():
+            spark.conf.set(k, v) if v is not None else spark.conf.unset(k)
 
 
 def attach_lake(spark: SparkSession, lake: LakeSettings) -> None:
