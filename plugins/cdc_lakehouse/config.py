@@ -466,6 +466,12 @@ class TableConfig(_Model):
         for c in self.sort_by_columns:
             check_ident(c, "sort column")
         self._check_consumed()
+        if self.ingest.merge_join == "colocated" and not self.colocatable:
+            raise ValueError(
+                f"ingest.merge_join: colocated needs lake.partition_by to name key columns only "
+                f"({self.lake_key}), not {self.lake.partition_by}: Spark joins partition by partition "
+                "only on the join key; set merge_join: auto or shuffle, or partition by the key"
+            )
         return self
 
     def _check_consumed(self) -> None:
@@ -502,6 +508,13 @@ class TableConfig(_Model):
     def lake_key(self) -> list[str]:
         """Keys are unique per shard; the lake key includes the shard."""
         return [SHARD_COL, *self.primary_key]
+
+    @property
+    def colocatable(self) -> bool:
+        """Whether the MERGE can join partition by partition (ingest.merge_join): the table is
+        partitioned by identity on key columns only, which the batch's staging table copies."""
+        parts = self.lake.partition_by
+        return bool(parts) and all(p in self.lake_key for p in parts)
 
     @property
     def sort_by_columns(self) -> list[str]:

@@ -93,13 +93,16 @@ def merge_plans(spark, after: int) -> list[str]:
 
 
 def last_execution(spark) -> int:
+    spark.sparkContext._jsc.sc().listenerBus().waitUntilEmpty()
     execs = spark._jsparkSession.sharedState().statusStore().executionsList()
     return max((execs.apply(i).executionId() for i in range(execs.size())), default=-1)
 
 
 def table_side_shuffled(plan: str, table: str) -> bool:
     """Whether, in the plan's final tree, an exchange sits between the scan of `table` and the join."""
-    tree = plan.rsplit("== Final Plan ==", maxsplit=1)[-1].split("== Initial Plan ==", maxsplit=1)[0].splitlines()
+    # The main query's final tree: the first one (adaptive subqueries print their own after it).
+    main = plan.split("===== Subqueries =====", maxsplit=1)[0]
+    tree = main.split("== Final Plan ==", maxsplit=1)[-1].split("== Initial Plan ==", maxsplit=1)[0].splitlines()
     at = next(i for i, line in enumerate(tree) if f"BatchScan {table}" in line)
     depth = len(tree[at]) - len(tree[at].lstrip(" :+-"))
     for line in reversed(tree[:at]):

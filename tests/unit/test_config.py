@@ -166,3 +166,20 @@ def test_two_configs_reading_one_source_shard_collide(tmp_path):
     assert "another primary_key" in text
     # Configs that share a source table on disjoint shards are captured together: schemas unite.
     assert cs.endpoint_tables() == {"c": {"t": (["s1", "s2", "s4"], ["id"])}}
+
+
+@pytest.mark.parametrize("partition_by", [["days(created_at)"], ["space_id"], []])
+def test_colocated_merge_needs_a_partitioning_by_key_columns(partition_by):
+    """Spark joins partition by partition only on the join key: anything else is refused by name
+    when asked for, and auto falls back to the shuffled MERGE."""
+    cfg, errors = parse(lake={"partition_by": partition_by}, ingest={"merge_join": "colocated"})
+    assert cfg is None and "ingest.merge_join: colocated needs lake.partition_by" in str(errors[0])
+    cfg, errors = parse(lake={"partition_by": partition_by})
+    assert errors == [] and cfg.ingest.merge_join == "auto" and not cfg.colocatable
+
+
+def test_default_partitioning_by_shard_is_colocatable():
+    cfg, _ = parse()
+    assert cfg.colocatable
+    cfg, _ = parse(lake={"partition_by": ["_cdc_shard", "id"]}, ingest={"merge_join": "colocated"})
+    assert cfg.colocatable

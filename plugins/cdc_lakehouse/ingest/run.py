@@ -509,7 +509,7 @@ def classify(
     matched = tgt.join(keys, key, "inner")
     if not base_cols:
         return observed_counts(matched, *counts), None
-    size = sum(F.coalesce(F.length(F.col(BASE_PREFIX + c).cast("string")), F.lit(0)) for c in base_cols)
+    size = sum(F.coalesce(F.octet_length(F.col(BASE_PREFIX + c).cast("string")), F.lit(0)) for c in base_cols)
     base_bytes = F.sum(F.when(F.col("_needs_base"), size)).alias("base_bytes")
     obs = Observation(f"cdc_classify_{uuid.uuid4().hex[:8]}")
     base = (
@@ -586,7 +586,8 @@ def merge_source(
     view = merge_view(cfg)
     reduced.createOrReplaceTempView(view)
     mode = cfg.ingest.merge_join
-    if mode == "shuffle" or (mode == "auto" and table_rows < cfg.ingest.colocated_min_rows):
+    small = mode == "auto" and (table_rows < cfg.ingest.colocated_min_rows or not cfg.colocatable)
+    if mode == "shuffle" or small:
         yield view
         return
     stage = lake.qualified(lake.meta_table(f"merge_batch_{cfg.name}_{uuid.uuid4().hex[:12]}"))
@@ -598,7 +599,10 @@ def merge_source(
         with session_conf(spark, COLOCATED_CONF):
             yield stage
     finally:
-        spark.sql(f"DROP TABLE IF EXISTS {stage} PURGE")
+        try:
+            spark.sql(f"DROP TABLE IF EXISTS {stage} PURGE")
+        except Exception as e:  # the MERGE's outcome (committed or its error) is what counts
+            log.warning("%s: could not drop the staged batch %s (%s); drop it by hand", cfg.name, stage, e)
 
 
 def commit_merge(spark: SparkSession, cfg: TableConfig, b: Batch, sql: str, ingest_run: str, state: str) -> None:
