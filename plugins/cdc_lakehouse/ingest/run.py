@@ -121,8 +121,8 @@ def apply_pending(
     m.inserts, m.updates, m.deletes, m.stale_skipped = out.inserts, out.updates, out.deletes, out.stale_skipped
     m.quarantined += out.held
     pre = snapshot_summary(spark, b.cur)
-    with m.timed("merge"), merge_source(spark, lake, cfg, reduced, int(pre.get("total-records", 0))) as source:
-        m.merge_join = "colocated" if source != merge_view(cfg) else "shuffle"
+    m.merge_join = merge_join_for(cfg, int(pre.get("total-records", 0)))
+    with m.timed("merge"), merge_source(spark, lake, cfg, reduced, m.merge_join) as source:
         sql = merge_sql(cfg, b.cur, source, current_columns(b.lake_cols), ch.truncated)
         commit_merge(spark, cfg, b, sql, ingest_run, batch_state(m, b.plan, fb.counts["shard_commits"]))
     crash_point("ingest_after_merge")
@@ -556,8 +556,14 @@ def hold_orphans(
     return hold_dependents(spark, lake, cfg, as_held(orphans.withColumn(REASONS, F.array(reason)), key), ingest_run)
 
 
-def merge_view(cfg: TableConfig) -> str:
-    return f"cdc_batch_{cfg.name}"
+def merge_join_for(cfg: TableConfig, table_rows: int) -> str:
+    """shuffle or colocated (ingest.merge_join): auto stages the batch only for a large table
+    the MERGE can join partition by partition."""
+    mode = cfg.ingest.merge_join
+    if mode == "auto":
+        big = table_rows >= cfg.ingest.colocated_min_rows
+        return "colocated" if big and cfg.colocatable else "shuffle"
+    return mode
 
 
 # Spark's storage-partitioned join: two Iceberg scans partitioned alike are joined partition by
@@ -573,21 +579,19 @@ COLOCATED_CONF = {
 
 @contextmanager
 def merge_source(
-    spark: SparkSession, lake: LakeSettings, cfg: TableConfig, reduced: DataFrame, table_rows: int
+    spark: SparkSession, lake: LakeSettings, cfg: TableConfig, reduced: DataFrame, join: str
 ) -> Iterator[str]:
     """What the MERGE reads the batch from. Usually a temp view: the MERGE then shuffles every row
-    of the table to meet the batch. For a large table (ingest.merge_join) the batch is staged in
+    of the table to meet the batch. For a colocated join (merge_join_for) the batch is staged in
     an Iceberg table with the current table's partitioning, and the MERGE runs with
     COLOCATED_CONF: partitions of the table meet their batch rows where they are read (at 20M rows
     the plain MERGE of bench/ingest_bench.py went from 9.5 to 4.8 s, staging included). The
     staging table has a name of its own per run, so a stray run cannot swap another batch in,
     and is dropped afterwards. No TOAST column is read from the table: reduce_and_classify filled
     them (fill_from_table)."""
-    view = merge_view(cfg)
+    view = f"cdc_batch_{cfg.name}"
     reduced.createOrReplaceTempView(view)
-    mode = cfg.ingest.merge_join
-    small = mode == "auto" and (table_rows < cfg.ingest.colocated_min_rows or not cfg.colocatable)
-    if mode == "shuffle" or small:
+    if join == "shuffle":
         yield view
         return
     stage = lake.qualified(lake.meta_table(f"merge_batch_{cfg.name}_{uuid.uuid4().hex[:12]}"))
