@@ -9,6 +9,9 @@ one Spark application, not timed), then runs, each in a new process:
 
   ours         spark_jobs/ingest.py, started with the spark-submit command line the Airflow
                task builds (CdcSparkSubmitOperator: --jars, --py-files, base_conf, driver memory)
+  ours-server  the same job sent to a job server (cdc_lakehouse.runtime.server) started once
+               beforehand, as the Airflow task does with CDC_SPARK_SERVER set: timed from the
+               request to the committed line (the server's own start is printed, not counted)
   spark-merge  a plain Spark MERGE of the already pre-combined batch, started the same way
 
 Timed from the spawn of spark-submit to the line the job prints once its commit is done (the
@@ -51,6 +54,11 @@ def _names(rows: int, repeat: int) -> list[tuple[str, str]]:
     return [(f"cold_{rows}_{i}", f"bench.cold_plain_{rows}_{i}") for i in range(repeat)]
 
 
+def _server_names(rows: int, repeat: int) -> list[str]:
+    """Our table config name per repeat of the job-server runs."""
+    return [f"warm_srv_{rows}_{i}" for i in range(repeat)]
+
+
 def setup(prep: dict, rows: int, repeat: int, config_dir: Path) -> None:
     """Every repeat's tables, loaded in one Spark application (not timed), and their configs."""
     from cdc_lakehouse.config import parse_table_config
@@ -62,7 +70,9 @@ def setup(prep: dict, rows: int, repeat: int, config_dir: Path) -> None:
     lake = _lake(prep)
     spark = get_spark("bench-task-setup", lake)
     ensure_meta_tables(spark, lake)
-    for name, plain in _names(rows, repeat):
+    for _, plain in _names(rows, repeat):
+        create_plain_table(spark, lake, lake.qualified(plain), prep)
+    for name in [n for n, _ in _names(rows, repeat)] + _server_names(rows, repeat):
         doc = bench_table_config(name, "merge-on-read")
         # A directory each: configs that read the same source shards refuse each other.
         (config_dir / name).mkdir(parents=True, exist_ok=True)
@@ -70,7 +80,6 @@ def setup(prep: dict, rows: int, repeat: int, config_dir: Path) -> None:
         cfg, errs = parse_table_config(doc, "bench")
         assert not errs, errs
         load_base(spark, lake, cfg, prep)
-        create_plain_table(spark, lake, lake.qualified(plain), prep)
     spark.stop()
 
 
@@ -83,9 +92,9 @@ def verify(prep: dict, rows: int, repeat: int) -> dict[str, bool]:
     lake = _lake(prep)
     spark = get_spark("bench-task-verify", lake)
     out = {}
-    for name, plain in _names(rows, repeat):
-        for table in (lake.qualified(f"bench.{name}"), lake.qualified(plain)):
-            out[table] = table_checksum(spark, table) == prep["expected"]
+    tables = [t for name, plain in _names(rows, repeat) for t in (f"bench.{name}", plain)]
+    for table in tables + [f"bench.{n}" for n in _server_names(rows, repeat)]:
+        out[table] = table_checksum(spark, lake.qualified(table)) == prep["expected"]
     spark.stop()
     return out
 
@@ -132,6 +141,24 @@ def timed(cmd: list[str], env: dict[str, str]) -> dict:
         out = "".join(lines)[-3000:]
         raise RuntimeError(f"{cmd[-3:]} failed (exit {proc.returncode}):\n{out}\n{err[-3000:]}")
     return {"to_commit": commit, "to_exit": time.monotonic() - t, "result": result}
+
+
+def timed_on_server(sock: Path, job: str, args: list[str], env: dict[str, str]) -> dict:
+    """The same figures for a job sent to the job server: from the request to the committed line
+    and to the reply's end."""
+    from cdc_lakehouse.runtime.server import submit
+
+    t, seen = time.monotonic(), {"lines": []}
+
+    def on_line(line: str) -> None:
+        if line.startswith(COMMITTED) and "commit" not in seen:
+            seen["commit"], seen["result"] = time.monotonic() - t, json.loads(line.split(" ", 2)[2])
+        seen["lines"].append(line)
+
+    rc = submit(sock, job, args, env, on_line)
+    if rc != 0 or "commit" not in seen:
+        raise RuntimeError(f"{job} {args} failed on the server (exit {rc}):\n" + "\n".join(seen["lines"][-40:]))
+    return {"to_commit": seen["commit"], "to_exit": time.monotonic() - t, "result": seen["result"]}
 
 
 def job_env(prep: dict) -> dict[str, str]:
@@ -264,29 +291,45 @@ def _median(runs: list[dict], key: str) -> float:
     return statistics.median(r[key] for r in runs)
 
 
-def run_ingests(prep: dict, rows: int, changes: int, repeat: int) -> tuple[list[dict], list[dict]]:
-    """Ours and the plain MERGE, cold, alternated per repeat (a drift of the shared machine's
-    speed then hits both alike)."""
+def run_ingests(prep: dict, rows: int, changes: int, repeat: int) -> tuple[list[dict], list[dict], list[dict]]:
+    """Ours by spark-submit, ours on the job server and the plain MERGE, alternated per repeat
+    (a drift of the shared machine's speed then hits all alike)."""
+    from cdc_lakehouse.runtime.server import shutdown, start_background
+
     config_dir = WORK / f"task-configs-{rows}"
     t = time.time()
     setup(prep, rows, repeat, config_dir)
     print(f"setup (not timed): {time.time() - t:.0f}s", flush=True)
     env = job_env(prep)
-    ours, plain = [], []
-    for i, (name, plain_table) in enumerate(_names(rows, repeat)):
-        ingest = ["--tables", name, "--config-dir", str(config_dir / name), "--ingest-run", f"cold-{i}"]
-        ours.append(timed(submit_command(ROOT / "spark_jobs" / "ingest.py", ingest), env))
-        merge = ["--merge-table", plain_table, "--rows", str(rows), "--changes", str(changes)]
-        plain.append(timed(submit_command(Path(__file__).resolve(), merge), env))
-        print(
-            f"repeat {i + 1}: ours {ours[-1]['to_commit']:.1f}s to commit ({ours[-1]['to_exit']:.1f}s to exit; "
-            f"{ours[-1]['result'].get('seconds', 0):.1f}s in the job), plain MERGE {plain[-1]['to_commit']:.1f}s "
-            f"({plain[-1]['to_exit']:.1f}s; {plain[-1]['result'].get('seconds', 0):.1f}s in the job)",
-            flush=True,
-        )
-    o, m = _median(ours, "to_commit"), _median(plain, "to_commit")
-    print(f"cold task, spawn -> commit (median of {repeat}): ours {o:.1f}s, plain MERGE {m:.1f}s, ratio {o / m:.2f}")
-    return ours, plain
+    sock = WORK / "task-server" / "jobs.sock"
+    t = time.time()
+    start_background(sock, sock.with_suffix(".log"), env=env)
+    print(f"job server started (not timed): {time.time() - t:.1f}s", flush=True)
+    ours, served, plain = [], [], []
+    try:
+        for i, ((name, plain_table), srv_name) in enumerate(zip(_names(rows, repeat), _server_names(rows, repeat))):
+            ingest = ["--tables", name, "--config-dir", str(config_dir / name), "--ingest-run", f"cold-{i}"]
+            ours.append(timed(submit_command(ROOT / "spark_jobs" / "ingest.py", ingest), env))
+            on_server = ["--tables", srv_name, "--config-dir", str(config_dir / srv_name), "--ingest-run", f"srv-{i}"]
+            served.append(timed_on_server(sock, "ingest", on_server, _lake(prep).to_env()))
+            merge = ["--merge-table", plain_table, "--rows", str(rows), "--changes", str(changes)]
+            plain.append(timed(submit_command(Path(__file__).resolve(), merge), env))
+            print(
+                f"repeat {i + 1}: ours {ours[-1]['to_commit']:.1f}s to commit ({ours[-1]['to_exit']:.1f}s to exit; "
+                f"{ours[-1]['result'].get('seconds', 0):.1f}s in the job), ours on the job server "
+                f"{served[-1]['to_commit']:.1f}s ({served[-1]['result'].get('seconds', 0):.1f}s in the job), "
+                f"plain MERGE {plain[-1]['to_commit']:.1f}s "
+                f"({plain[-1]['to_exit']:.1f}s; {plain[-1]['result'].get('seconds', 0):.1f}s in the job)",
+                flush=True,
+            )
+    finally:
+        shutdown(sock)
+    o, v, m = _median(ours, "to_commit"), _median(served, "to_commit"), _median(plain, "to_commit")
+    print(
+        f"task, start -> commit (median of {repeat}): ours by spark-submit {o:.1f}s, ours on the job server "
+        f"{v:.1f}s, plain MERGE by spark-submit {m:.1f}s; ratios {o / m:.2f} and {v / m:.2f}"
+    )
+    return ours, served, plain
 
 
 def main() -> int:
@@ -306,7 +349,7 @@ def main() -> int:
     parts = set(args.parts.split(","))
     prep = prepare(args.rows, args.changes)
     print(f"batch: {prep['events']} events over {prep['keys']} keys; table {args.rows} rows", flush=True)
-    ours, plain = run_ingests(prep, args.rows, args.changes, args.repeat) if "ingest" in parts else ([], [])
+    ours, served, plain = run_ingests(prep, args.rows, args.changes, args.repeat) if "ingest" in parts else ([], [], [])
     checks = verify(prep, args.rows, args.repeat) if "verify" in parts else {}
     if checks:
         print(f"verified: {all(checks.values())} {checks}", flush=True)
@@ -315,7 +358,8 @@ def main() -> int:
         print(f"audit of {args.audit_rows} rows, spawn -> result (median): {_median(audits, 'to_commit'):.1f}s")
     out = HERE / "results" / f"task-{args.rows}-{args.changes}-{'-'.join(sorted(parts))}.json"
     out.parent.mkdir(exist_ok=True)
-    result = {"batch": prep, "ours": ours, "plain_merge": plain, "audit": audits, "verified": checks}
+    result = {"batch": prep, "ours": ours, "ours_server": served, "plain_merge": plain, "audit": audits}
+    result["verified"] = checks
     out.write_text(json.dumps({**result, "machine": machine()}, indent=2, default=str))
     print(f"results: {out}")
     return 0 if all(checks.values()) and all(a["result"].get("verdict") == "ok" for a in audits) else 1

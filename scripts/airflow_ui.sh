@@ -10,5 +10,14 @@ airflow dags reserialize >/dev/null 2>&1
 for dag in $(airflow dags list -o plain 2>/dev/null | awk '{print $1}' | grep -E '^cdc_(ingest|audit|maintenance|derived)'); do
   airflow dags unpause "$dag" >/dev/null 2>&1 || true
 done
+# Spark tasks go to one long-lived job server (README, "Performance"); AIRFLOW_SPARK=submit
+# makes them start a spark-submit each instead.
+if [ "${AIRFLOW_SPARK:-server}" = server ]; then
+  python -m cdc_lakehouse.runtime.server start >/dev/null
+  CDC_SPARK_SERVER="$(python -c 'from cdc_lakehouse.runtime.server import default_socket; print(default_socket())')"
+  export CDC_SPARK_SERVER
+  trap 'python -m cdc_lakehouse.runtime.server stop' EXIT
+  echo "[airflow] Spark tasks run on the job server at $CDC_SPARK_SERVER (log: its folder's server.log)"
+fi
 echo "[airflow] UI at http://localhost:${AIRFLOW__API__PORT:-8080} (Ctrl-C stops scheduler and UI)"
-exec airflow standalone
+airflow standalone

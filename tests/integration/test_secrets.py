@@ -25,40 +25,23 @@ def sha(value: str) -> str:
     return hashlib.sha256(value.encode()).hexdigest()
 
 
-@pytest.mark.slow
-def test_spark_submit_on_local_gets_its_secrets_and_shows_none(pg, lake, monkeypatch, tmp_path, unique):
-    from cdc_lakehouse.orchestration.operators import CdcSparkSubmitOperator
-
+def probe_connections(monkeypatch, pg, lake, tmp_path) -> Path:
+    """The probe job's connections (Spark on local[2], the lake, the source), each with a marked
+    password, and an empty directory for the task's secrets file, which it returns."""
     secrets_dir = tmp_path / "secrets"
     secrets_dir.mkdir()
     monkeypatch.setenv("CDC_SECRETS_DIR", str(secrets_dir))
-    monkeypatch.setenv("CDC_SPARK_DRIVER_MEMORY", "1g")
     monkeypatch.delenv("CDC_CATALOG_PASSWORD", raising=False)
     # The session's PostgreSQL trusts local connections, so these passwords are accepted as given.
     monkeypatch.setenv("AIRFLOW_CONN_SPARK_SECRETS_PROBE", json.dumps({"conn_type": "spark", "host": "local[2]"}))
     monkeypatch.setenv("AIRFLOW_CONN_CDC_LAKE", lake_connection_json(pg, lake, password=LAKE_MARKER))
-    monkeypatch.setenv(
-        f"AIRFLOW_CONN_{CONN.upper()}",
-        json.dumps(
-            {
-                "conn_type": "postgres",
-                "host": "127.0.0.1",
-                "port": pg.port,
-                "schema": "src",
-                "login": "postgres",
-                "password": SRC_MARKER,
-            }
-        ),
-    )
-    op = CdcSparkSubmitOperator(
-        task_id="probe",
-        job="probe",
-        job_args=[CONN, unique],
-        source_conn_ids=[CONN],
-        conn_id="spark_secrets_probe",
-        conf={"spark.sql.shuffle.partitions": "2"},
-    )
-    op.application = str(ROOT / "tests" / "jobs" / "secret_probe.py")
+    source = {"conn_type": "postgres", "host": "127.0.0.1", "port": pg.port, "schema": "src", "login": "postgres"}
+    monkeypatch.setenv(f"AIRFLOW_CONN_{CONN.upper()}", json.dumps({**source, "password": SRC_MARKER}))
+    return secrets_dir
+
+
+def run_probe(op) -> tuple[list[str], dict]:
+    """Run the probe task: no secret in its log, and the job got both secrets. (log lines, probe)."""
     with structlog.testing.capture_logs() as events:
         op.execute({})
     lines = [repr(e) for e in events]
@@ -69,6 +52,25 @@ def test_spark_submit_on_local_gets_its_secrets_and_shows_none(pg, lake, monkeyp
     assert probe["names"] == ["CDC_CATALOG_PASSWORD", f"CDC_SOURCE_URI__{CONN.upper()}"]
     assert probe["catalog_password"] == sha(LAKE_MARKER)
     assert probe["source_password"] == sha(SRC_MARKER)
+    return lines, probe
+
+
+@pytest.mark.slow
+def test_spark_submit_on_local_gets_its_secrets_and_shows_none(pg, lake, monkeypatch, tmp_path, unique):
+    from cdc_lakehouse.orchestration.operators import CdcSparkSubmitOperator
+
+    secrets_dir = probe_connections(monkeypatch, pg, lake, tmp_path)
+    monkeypatch.setenv("CDC_SPARK_DRIVER_MEMORY", "1g")
+    op = CdcSparkSubmitOperator(
+        task_id="probe",
+        job="probe",
+        job_args=[CONN, unique],
+        source_conn_ids=[CONN],
+        conn_id="spark_secrets_probe",
+        conf={"spark.sql.shuffle.partitions": "2"},
+    )
+    op.application = str(ROOT / "tests" / "jobs" / "secret_probe.py")
+    _, probe = run_probe(op)
     assert probe["note_ok"] is True  # a table property with a quote and a backslash, read back
     assert probe["ui_leaks"] == []
     assert probe["ui_password_value"] == "*********(redacted)"

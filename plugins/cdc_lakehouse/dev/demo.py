@@ -12,9 +12,11 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import subprocess
 import sys
 import time
+import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -64,25 +66,63 @@ def prepare(blocks_per_shard: int) -> NotionWorkload:
 
 
 def dags_test(dag_id: str, logical_date: datetime | None = None, conf: str | None = None) -> float:
-    """Run one DAG run through Airflow (`airflow dags test`), failing loudly with its log tail."""
-    cmd = ["airflow", "dags", "test", dag_id]
-    if logical_date is not None:
-        cmd.append(logical_date.isoformat())
-    if conf:
-        cmd += ["--conf", conf]
+    """One DAG run through Airflow's `dags test`, failing loudly with its log's tail.
+
+    The CLI's own function, called in this process: Airflow's start, its in-process execution API
+    and the imports of the tasks that run in Airflow (capture) are paid once for the demo rather
+    than once per DAG run (about 10 s each here, BENCHMARKS.md "`make demo`")."""
+    from airflow.cli.commands import dag_command
+
     t = time.time()
-    env = {**os.environ, "CDC_TASK_RETRIES": "0"}
     log_dir = os.path.join(os.environ.get("AIRFLOW_HOME", "."), "demo-logs")
     os.makedirs(log_dir, exist_ok=True)
     log_file = os.path.join(log_dir, f"{dag_id}-{int(t)}.log")
-    with open(log_file, "w") as out:
-        r = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, check=False, env=env)
+    args = argparse.Namespace(
+        dag_id=dag_id,
+        logical_date=logical_date,
+        conf=conf,
+        use_executor=False,
+        mark_success_pattern=None,
+        bundle_name=None,
+        dagfile_path=None,
+        show_dagrun=False,
+        imgcat_dagrun=False,
+        save_dagrun=None,
+    )
+    rc = 0
+    with open(log_file, "w") as out, _output_to(out):
+        try:
+            dag_command.dag_test(args)
+        except SystemExit as e:  # "DagRun failed"
+            print(e)
+            rc = 1
+        except Exception:  # noqa: BLE001 - reported with the log's tail below
+            traceback.print_exc()
+            rc = 1
     text = open(log_file).read()
-    failed = r.returncode != 0 or re.search(r"state=failed|DagRunState.FAILED|Task failed|ERROR - Task failed", text)
-    if failed:
+    if rc or re.search(r"state=failed|DagRunState.FAILED|Task failed|ERROR - Task failed", text):
         tail = "\n".join(text.splitlines()[-40:])
         raise RuntimeError(f"{dag_id} failed (log {log_file}):\n{tail}")
     return time.time() - t
+
+
+@contextmanager
+def _output_to(f) -> Iterator[None]:
+    """This process's stdout and stderr (file descriptors: Airflow's logs and spark-submit's output
+    too) into `f` for the block."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    os.dup2(f.fileno(), 1)
+    os.dup2(f.fileno(), 2)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for fd, old in zip((1, 2), saved, strict=True):
+            os.dup2(old, fd)
+            os.close(old)
 
 
 def _lake_summary(lake: LakeSettings, wl: NotionWorkload) -> list[str]:
@@ -282,7 +322,36 @@ def _node_line(dcfg: TreeConfig, r: dict[str, Any]) -> str:
     )
 
 
+@contextmanager
+def spark_jobs_on(mode: str) -> Iterator[None]:
+    """`server` (default): a job server of the demo's own for its Spark tasks, which the
+    `airflow dags test` runs reach through CDC_SPARK_SERVER; `submit`: a spark-submit per task.
+    Its own socket: a server started elsewhere may hold another lake's settings."""
+    from cdc_lakehouse.runtime import server
+
+    os.environ.pop(server.SERVER_ENV, None)
+    if mode != "server":
+        yield
+        return
+    sock = server.default_socket().with_name(f"demo-{os.getpid()}.sock")
+    t = time.time()
+    server.start_background(sock, sock.with_suffix(".log"))
+    _say(f"job server: started in {time.time() - t:.0f}s on {sock} (log {sock.with_suffix('.log')})")
+    os.environ[server.SERVER_ENV] = str(sock)
+    try:
+        yield
+    finally:
+        os.environ.pop(server.SERVER_ENV, None)
+        server.shutdown(sock)
+
+
 def run(args: argparse.Namespace) -> int:
+    os.environ["CDC_TASK_RETRIES"] = "0"  # read when the DAGs are parsed: a failure shows at once
+    with spark_jobs_on(args.spark):
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     t0 = time.time()
     wl = prepare(args.blocks)
     lake = LakeSettings.from_env()
@@ -326,6 +395,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"CDC lakehouse demo finished in {time.time() - t0:.0f}s")
     print("=" * 78)
     print("\n".join(lines))
+    print(f"\nSpark tasks ran on: {'the job server' if args.spark == 'server' else 'spark-submit per task'}")
     print("\nWhere to look next:")
     print("  make airflow                      Airflow UI at http://localhost:8080 with scheduled runs")
     print(f"  {os.environ.get('AIRFLOW_HOME', '.')}/demo-logs   the task logs of this run")
@@ -340,6 +410,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--blocks", type=int, default=25_000, help="blocks per shard in the initial load")
     p.add_argument("--changes", type=int, default=20_000, help="row changes per interval")
     p.add_argument("--intervals", type=int, default=3)
+    p.add_argument(
+        "--spark",
+        choices=["server", "submit"],
+        default="server",
+        help="server: the Spark tasks run on one long-lived job server; submit: a spark-submit per task",
+    )
     args = p.parse_args(argv)
     if args.cmd == "prepare":
         prepare(args.blocks)

@@ -49,6 +49,7 @@ class CdcSparkSubmitOperator(SparkSubmitOperator):
         from cdc_lakehouse.orchestration.tasks import spark_jars, spark_job_env
         from cdc_lakehouse.runtime.packaging import pyfiles_zip
         from cdc_lakehouse.runtime.secrets import K8S_MOUNT_EXTRA, K8S_SECRET_EXTRA, find_secrets, transport_for
+        from cdc_lakehouse.runtime.server import SERVER_ENV, status
         from cdc_lakehouse.runtime.session import base_conf
 
         self.py_files = str(pyfiles_zip())
@@ -80,6 +81,11 @@ class CdcSparkSubmitOperator(SparkSubmitOperator):
             )
             if leaked:  # last-line check: a secret must never reach the command line
                 raise ValueError(f"secret(s) {leaked} would appear in the spark-submit command; refusing")
+            server = os.environ.get(SERVER_ENV)
+            if server and master.startswith("local"):
+                st = status(server)  # None: not running, and _run_on_server says so
+                if st is None or self.job in st.get("jobs", ()):  # else a job of its own: spark-submit
+                    return self._run_on_server(server)
             if transport.process_env:  # the driver is the spark-submit process itself (k8s client mode)
                 saved_env = {k: os.environ.get(k) for k in self.env_vars}
                 os.environ.update(self.env_vars)
@@ -92,6 +98,18 @@ class CdcSparkSubmitOperator(SparkSubmitOperator):
                 else:
                     os.environ[k] = v
             self._remove_secrets()
+
+    def _run_on_server(self, sock: str) -> None:
+        """The job on the long-lived job server (runtime.server) instead of a new spark-submit:
+        same job, arguments and environment (secrets by file reference); its output in this log."""
+        from airflow.exceptions import AirflowException
+
+        from cdc_lakehouse.runtime.server import submit
+
+        self.log.info("running %s on the job server at %s (CDC_SPARK_SERVER)", self.job, sock)
+        rc = submit(sock, self.job, [str(a) for a in self.application_args or []], self.env_vars, self.log.info)
+        if rc != 0:
+            raise AirflowException(f"{self.job} failed on the job server with exit code {rc} (its output is above)")
 
     def _remove_secrets(self) -> None:
         cleanup, self._secrets_cleanup = self._secrets_cleanup, None

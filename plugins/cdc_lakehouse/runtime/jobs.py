@@ -104,7 +104,7 @@ def run_per_table(
     """fn(spark, lake, cfg, args, config_file) per config `configs` loads from the command line,
     in one Spark session; 1 when any failed. Configs load before Spark starts: a bad one costs no JVM."""
     from cdc_lakehouse.lake.meta import ensure_meta_tables
-    from cdc_lakehouse.runtime.session import get_spark
+    from cdc_lakehouse.runtime.session import get_spark, release_spark
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     load_job_secrets()  # before anything reads CDC_CATALOG_PASSWORD, CDC_SOURCE_URI__*, AWS_*
@@ -116,7 +116,7 @@ def run_per_table(
     ensure_meta_tables(spark, lake)
     log.info("%s: Spark session ready in %.1fs (package %s)", kind, time.time() - t0, Path(__file__).parent)
     _, failures = run_tables(kind, spark, lake, cfgs, lambda s, lk, c: fn(s, lk, c, args, files.get(c.name)))
-    spark.stop()
+    release_spark(spark)
     if failures:
         print(f"{kind}: {len(failures)} of {len(cfgs)} table(s) failed:", file=sys.stderr)
         for name, exc in failures:
@@ -301,3 +301,21 @@ def main_export(argv: list[str] | None = None) -> int:
         return export(spark, lake, ecfg, a.tables_by_name, a.derived_by_name, mode=a.mode)
 
     return run_per_table("export", args, fn, _export_configs)
+
+
+def _feed_main(argv: list[str] | None) -> int:
+    from cdc_lakehouse.feed.consumer import main
+
+    return main(argv)
+
+
+# What the job server (runtime.server) can run: the same entry points as spark_jobs/<job>.py.
+JOBS: dict[str, Callable[[list[str] | None], int]] = {
+    "ingest": main_ingest,
+    "bootstrap": main_bootstrap,
+    "maintenance": main_maintenance,
+    "audit": main_audit,
+    "derive": main_derive,
+    "export": main_export,
+    "feed_block_counts": _feed_main,
+}

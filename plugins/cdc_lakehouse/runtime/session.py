@@ -92,6 +92,58 @@ def attach_lake(spark: SparkSession, lake: LakeSettings) -> None:
         hconf.set(k, v)
 
 
+# Set by the job server (runtime.server) in its process: jobs then get a new session of its one
+# long-lived SparkContext instead of starting a JVM.
+_SHARED: SparkSession | None = None
+
+
+def share_session(spark: SparkSession | None) -> None:
+    """Make get_spark hand out new sessions of `spark` (None: back to one session per process)."""
+    global _SHARED
+    _SHARED = spark
+
+
+def release_spark(spark: SparkSession) -> None:
+    """The end of a job: stop its session, unless it is one of the job server's (the SparkContext
+    outlives the job there; the server drops what the job cached)."""
+    if not getattr(spark, "_cdc_job_session", False):
+        spark.stop()
+
+
+def _job_session(conf: dict[str, str]) -> SparkSession:
+    """A new session of the shared SparkContext: its own SQL settings, temporary views and catalog
+    instances, so Iceberg's table cache starts empty and sees every commit made since the last job
+    (by this server or any other writer). Static settings (extensions, master, jars) are the
+    server's; the rest of `conf` is applied. Made the thread's active session because Iceberg's
+    procedures find their session with SparkSession.active() on the JVM side."""
+    assert _SHARED is not None
+    # Hadoop settings (the landing's S3 keys and endpoint) belong to the SparkContext and its cached
+    # FileSystem instances, not to a session: a job that needs other ones than the server started
+    # with cannot run there.
+    hconf = _SHARED.sparkContext._jsc.hadoopConfiguration()
+    differ = sorted(
+        k for k, v in conf.items() if k.startswith("spark.hadoop.") and hconf.get(k[len("spark.hadoop.") :]) != v
+    )
+    if differ:
+        raise ValueError(
+            f"the job server's Hadoop settings differ from this job's ({', '.join(differ)}): restart the "
+            "server from the tasks' environment, or unset CDC_SPARK_SERVER to run the job by spark-submit"
+        )
+    spark = _SHARED.newSession()
+    spark._cdc_job_session = True  # type: ignore[attr-defined]
+    # A new session starts from the server's SparkConf: catalog settings of the lake the server was
+    # started with must not fill in what this job's lake leaves unset (a password, an io-impl).
+    own = {k for k in conf if k.startswith("spark.sql.catalog.")}
+    for k, _ in _SHARED.sparkContext.getConf().getAll():
+        if k.startswith("spark.sql.catalog.") and k not in own:
+            spark.conf.unset(k)
+    for k, v in conf.items():
+        if spark.conf.isModifiable(k) or k.startswith("spark.sql.catalog."):
+            spark.conf.set(k, v)
+    spark.sparkContext._jvm.org.apache.spark.sql.SparkSession.setActiveSession(spark._jsparkSession)
+    return spark
+
+
 def get_spark(
     app_name: str,
     lake: LakeSettings,
@@ -103,6 +155,8 @@ def get_spark(
 ) -> SparkSession:
     from pyspark.sql import SparkSession
 
+    if _SHARED is not None:
+        return _job_session({**spark_conf(lake), **(extra or {})})
     builder = SparkSession.builder.appName(app_name)
     under_submit = "PYSPARK_GATEWAY_PORT" in os.environ  # the JVM exists, launched by spark-submit
     if not under_submit:
