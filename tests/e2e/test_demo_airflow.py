@@ -40,6 +40,8 @@ def demo_env(pg, redis_server, tmp_path_factory):
         "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
         "PYTHONPATH": str(ROOT / "plugins"),
         "AIRFLOW_HOME": str(base / "airflow"),
+        # Its own local dir: the demo's job server folder is created fresh, as on a new clone.
+        "CDC_LOCAL_DIR": str(base / "local"),
         "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{base}/airflow/airflow.db",
         "AIRFLOW__CORE__DAGS_FOLDER": str(ROOT / "dags"),
         "AIRFLOW__CORE__PLUGINS_FOLDER": str(ROOT / "plugins"),

@@ -142,7 +142,9 @@ class JobServer:
         d.mkdir(mode=0o700, parents=True, exist_ok=True)
         st = d.stat()
         if st.st_uid != os.getuid() or st.st_mode & 0o077:
-            raise JobServerError(f"the job server's socket folder {d} must be private to this user (mode 0700)")
+            raise JobServerError(
+                f"the job server's socket folder {d} must be private to this user (mode 0700): chmod 700 {d}"
+            )
         if self.sock_path.exists():
             if status(self.sock_path) is not None:
                 raise JobServerError(f"a job server already listens on {self.sock_path}")
@@ -372,7 +374,7 @@ def start_background(
     env = dict(os.environ if env is None else env)
     # The server imports this package (as the Airflow worker does), wherever it was started from.
     env["PYTHONPATH"] = os.pathsep.join([str(PACKAGE_DIR.parent), *filter(None, [env.get("PYTHONPATH")])])
-    log_file.parent.mkdir(parents=True, exist_ok=True)
+    log_file.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # the socket's folder too: private
     with open(log_file, "ab") as out:
         proc = subprocess.Popen(
             [
