@@ -7,7 +7,7 @@ without Maven Central (README, "Performance"); this is the same idea for a singl
 
 - `python -m cdc_lakehouse.runtime.server start` runs the server: a SparkSession with the
   lake's settings (local master only: on YARN or Kubernetes, tasks keep spark-submit) and a Unix
-  socket in a 0700 directory. Started and stopped by the demo, or by hand for `make airflow`.
+  socket in a 0700 directory. Started and stopped by `make demo` and `make airflow`.
 - A task with CDC_SPARK_SERVER=<socket> in its environment (CdcSparkSubmitOperator) sends
   {job, argv, env}: the same job name and arguments spark-submit would get, and the same
   environment, where secrets travel only by reference (CDC_SECRETS_FILE, a 0600 file's path).

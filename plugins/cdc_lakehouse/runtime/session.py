@@ -9,6 +9,7 @@ with --jars and --conf; the same settings are applied here so a job started any 
 from __future__ import annotations
 
 import glob
+import logging
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -108,6 +109,33 @@ def release_spark(spark: SparkSession) -> None:
     outlives the job there; the server drops what the job cached)."""
     if not getattr(spark, "_cdc_job_session", False):
         spark.stop()
+        return
+    try:
+        _close_catalogs(spark)
+    except Exception as exc:  # noqa: BLE001 - the job's work stands; a pool stays open
+        logging.getLogger(__name__).warning("could not close the job session's Iceberg catalogs: %s", exc)
+
+
+def _close_catalogs(spark: SparkSession) -> None:
+    """Close the Iceberg catalogs a job session opened: each holds a JDBC pool to the catalog
+    database that nothing else closes (one connection more per job on the job server otherwise,
+    measured). Iceberg's CachingCatalog keeps the closeable catalog in a private field."""
+    jvm = spark.sparkContext._jvm
+    manager = spark._jsparkSession.sessionState().catalogManager()
+    closeable = jvm.java.lang.Class.forName("java.io.Closeable")
+    for name in getattr(spark, "_cdc_catalogs", ()):
+        if not manager.isCatalogRegistered(name):
+            continue  # never used by the job: nothing was opened
+        catalog = manager.catalog(name)
+        if catalog.getClass().getName() != "org.apache.iceberg.spark.SparkCatalog":
+            continue
+        inner = catalog.icebergCatalog()
+        if inner.getClass().getName() == "org.apache.iceberg.CachingCatalog":
+            field = inner.getClass().getDeclaredField("catalog")
+            field.setAccessible(True)
+            inner = field.get(inner)
+        if closeable.isInstance(inner):
+            inner.close()
 
 
 def _job_session(conf: dict[str, str]) -> SparkSession:
@@ -131,6 +159,9 @@ def _job_session(conf: dict[str, str]) -> SparkSession:
         )
     spark = _SHARED.newSession()
     spark._cdc_job_session = True  # type: ignore[attr-defined]
+    spark._cdc_catalogs = sorted(  # type: ignore[attr-defined]
+        {k.split(".")[3] for k in conf if k.startswith("spark.sql.catalog.") and k.count(".") == 3}
+    )
     # A new session starts from the server's SparkConf: catalog settings of the lake the server was
     # started with must not fill in what this job's lake leaves unset (a password, an io-impl).
     own = {k for k in conf if k.startswith("spark.sql.catalog.")}
