@@ -82,7 +82,16 @@ def run(srv, job, *argv, env=None):
     return rc, "\n".join(lines)
 
 
-def test_jobs_see_outside_commits_and_leave_nothing_behind(server, source, spark, lake, tmp_path):
+def catalog_connections(pg) -> int:
+    """Open connections to the lake's catalog database (each Iceberg JDBC catalog holds a pool)."""
+    import psycopg2
+
+    with psycopg2.connect(pg.uri()) as c, c.cursor() as cur:
+        cur.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = 'lake_catalog'")
+        return cur.fetchone()[0]
+
+
+def test_jobs_see_outside_commits_and_leave_nothing_behind(server, source, spark, lake, pg, tmp_path):
     s = source
     s.capture()
     s.bootstrap(s.block)
@@ -104,6 +113,7 @@ def test_jobs_see_outside_commits_and_leave_nothing_behind(server, source, spark
     cur = lake.qualified(s.block.current_table)
     ids = [r.id for r in spark.table(cur).orderBy("id").limit(3).collect()]
     spark.sql(f"DELETE FROM {cur} WHERE id IN ({', '.join(map(str, ids))})")
+    open_before = catalog_connections(pg)
     rc, out = run(server, "audit", *args)
     assert rc == 1, out
     failed = json.loads(out.split("CDC_RESULT audit ", 1)[1].splitlines()[0])
@@ -114,6 +124,8 @@ def test_jobs_see_outside_commits_and_leave_nothing_behind(server, source, spark
     assert dict(os.environ) == env_before
     assert spark.conf.get("spark.sql.shuffle.partitions") == partitions
     assert spark.sparkContext._jsc.sc().getPersistentRDDs().size() == 0
+    # Nor its catalogs' connection pools (one more connection per job, before release_spark closed them).
+    assert catalog_connections(pg) == open_before
 
     # A bad request fails the job with the reason; the server keeps serving.
     rc, out = run(server, "audit", "--tables", "nope", "--config-dir", str(conf_dir))

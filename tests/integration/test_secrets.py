@@ -61,6 +61,9 @@ def test_spark_submit_on_local_gets_its_secrets_and_shows_none(pg, lake, monkeyp
 
     secrets_dir = probe_connections(monkeypatch, pg, lake, tmp_path)
     monkeypatch.setenv("CDC_SPARK_DRIVER_MEMORY", "1g")
+    # A job server is configured, but this task has a Spark setting of its own, which the server's
+    # already started context would not apply: the task must go by spark-submit.
+    monkeypatch.setenv("CDC_SPARK_SERVER", str(tmp_path / "srv" / "jobs.sock"))
     op = CdcSparkSubmitOperator(
         task_id="probe",
         job="probe",
@@ -70,7 +73,9 @@ def test_spark_submit_on_local_gets_its_secrets_and_shows_none(pg, lake, monkeyp
         conf={"spark.sql.shuffle.partitions": "2"},
     )
     op.application = str(ROOT / "tests" / "jobs" / "secret_probe.py")
-    _, probe = run_probe(op)
+    lines, probe = run_probe(op)
+    went = [x for x in lines if "the job server cannot apply" in x and "spark.sql.shuffle.partitions" in x]
+    assert went and not any("on the job server" in x for x in lines), lines[:5]
     assert probe["note_ok"] is True  # a table property with a quote and a backslash, read back
     assert probe["ui_leaks"] == []
     assert probe["ui_password_value"] == "*********(redacted)"

@@ -31,6 +31,11 @@ class CdcSparkSubmitOperator(SparkSubmitOperator):
             application=str(PROJECT_ROOT / "spark_jobs" / f"{job}.py"), application_args=job_args, **kwargs
         )
         self.job = job
+        # The Spark settings given to this task itself (execute fills in the defaults): the job
+        # server runs every job with its own, so such a task goes by spark-submit.
+        self._own_settings: list[str] = sorted(kwargs.get("conf") or {}) + (
+            ["driver_memory"] if kwargs.get("driver_memory") else []
+        )
         self.source_conn_ids = list(source_conn_ids)
         self.store_conns = [tuple(c) for c in store_conns]  # (kind, conn_id) of serving stores
         self._secrets_cleanup: Any = None
@@ -82,7 +87,11 @@ class CdcSparkSubmitOperator(SparkSubmitOperator):
             if leaked:  # last-line check: a secret must never reach the command line
                 raise ValueError(f"secret(s) {leaked} would appear in the spark-submit command; refusing")
             server = os.environ.get(SERVER_ENV)
-            if server and master.startswith("local"):
+            if server and master.startswith("local") and self._own_settings:
+                # The server's context is already started with its own settings: applying only
+                # some of the task's would run it with settings it did not ask for.
+                self.log.info("this task sets %s, which the job server cannot apply: spark-submit", self._own_settings)
+            elif server and master.startswith("local"):
                 st = status(server)  # None: not running, and _run_on_server says so
                 if st is None or self.job in st.get("jobs", ()):  # else a job of its own: spark-submit
                     return self._run_on_server(server)
