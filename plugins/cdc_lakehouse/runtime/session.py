@@ -52,6 +52,10 @@ def base_conf(shuffle_partitions: int | None = None) -> dict[str, str]:
         "spark.sql.parquet.datetimeRebaseModeInRead": "CORRECTED",
         "spark.serializer": "org.apache.spark.serializer.KryoSerializer",
         "spark.ui.showConsoleProgress": "false",
+        # Spark keeps 100 generated classes; one ingest's MERGE, writes and meta tables generate
+        # more, so the next run's fused plan recompiled and ran its new classes unwarmed (about 2 s
+        # of its 6 s, measured; see BENCHMARKS.md). A long-lived JVM (job server) keeps them all.
+        "spark.sql.codegen.cache.maxEntries": "1000",
         # The UI's environment tab, event logs and history server show runtime-set confs too (the
         # catalog password, S3 keys set by get_spark): redact every credential-like key. Spark's
         # default, (?i)secret|password|token|access[.]key, misses Iceberg's s3.access-key-id.
