@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from cdc_lakehouse.config import COMMIT_TS_COL, LSN_COL, OP_COL, SEQ_COL, SHARD_COL, TableConfig
@@ -591,14 +592,16 @@ def merge_source(
     them (fill_from_table)."""
     view = f"cdc_batch_{cfg.name}"
     reduced.createOrReplaceTempView(view)
+    drop_stale_staging(spark, lake, cfg, datetime.now(UTC))
     if join == "shuffle":
         yield view
         return
-    stage = lake.qualified(lake.meta_table(f"merge_batch_{cfg.name}_{uuid.uuid4().hex[:12]}"))
+    stage = lake.qualified(lake.meta_table(f"{STAGING_PREFIX}{cfg.name}_{uuid.uuid4().hex[:12]}"))
     try:
         spark.sql(
             f"CREATE TABLE {stage} USING iceberg {partition_sql(cfg)} "
-            f"TBLPROPERTIES ('format-version' = '2') AS SELECT * FROM {view}"
+            f"TBLPROPERTIES ('format-version' = '2', '{STAGED_AT_PROP}' = '{datetime.now(UTC).isoformat()}') "
+            f"AS SELECT * FROM {view}"
         )
         with session_conf(spark, COLOCATED_CONF):
             yield stage
@@ -607,6 +610,33 @@ def merge_source(
             spark.sql(f"DROP TABLE IF EXISTS {stage} PURGE")
         except Exception as e:  # the MERGE's outcome (committed or its error) is what counts
             log.warning("%s: could not drop the staged batch %s (%s); drop it by hand", cfg.name, stage, e)
+
+
+STAGING_PREFIX = "merge_batch_"
+STAGED_AT_PROP = "cdc.staged-at"
+# A staged batch outlives its run only when the run was killed between staging and its drop. No
+# ingest task may run this long (the DAGs' ingest timeouts are 2-3 h), so an older one is nobody's.
+STAGING_KEPT_FOR = timedelta(hours=24)
+
+
+def drop_stale_staging(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, now: datetime) -> list[str]:
+    """Drop this table's staged batches (merge_source) left by killed runs; returns their names.
+    A staged batch without its timestamp predates it, so it is stale too."""
+    ns = f"{lake.catalog_name}.{lake.meta_namespace}"
+    own = re.compile(rf"{STAGING_PREFIX}{re.escape(cfg.name)}_[0-9a-f]{{12}}")
+    dropped = []
+    for row in spark.sql(f"SHOW TABLES IN {ns} LIKE '{STAGING_PREFIX}*'").collect():
+        if not own.fullmatch(row.tableName):
+            continue  # another table's (a name that merely starts like this one's included)
+        table = lake.qualified(lake.meta_table(row.tableName))
+        props = {r.key: r.value for r in spark.sql(f"SHOW TBLPROPERTIES {table}").collect()}
+        staged = props.get(STAGED_AT_PROP)
+        if staged and now - datetime.fromisoformat(staged) < STAGING_KEPT_FOR:
+            continue  # maybe a run still going
+        spark.sql(f"DROP TABLE IF EXISTS {table} PURGE")
+        log.warning("%s: dropped %s, a batch staged by a run that did not finish (%s)", cfg.name, table, staged)
+        dropped.append(table)
+    return dropped
 
 
 def commit_merge(spark: SparkSession, cfg: TableConfig, b: Batch, sql: str, ingest_run: str, state: str) -> None:
