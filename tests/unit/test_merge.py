@@ -90,13 +90,6 @@ def test_soft_merge_of_truncated_shards_flags_only_live_rows():
     )
 
 
-def test_toast_columns_keep_the_table_value_and_are_never_inserted_incomplete():
-    sql = merge_sql(hard_cfg(), "cur", "batch", COLUMNS, [], toast_columns=["title"])
-    assert "t.`title` = CASE WHEN array_contains(s._unav_left, 'title') THEN t.`title` ELSE s.`title` END" in sql
-    assert "t.`order` = s.`order`" in sql  # not a TOAST column
-    assert f"WHEN NOT MATCHED AND s.{OP_COL} <> 'd' AND size(s._unav_left) = 0 THEN INSERT" in sql
-
-
 # --- the LSN order -----------------------------------------------------------------------------------
 
 

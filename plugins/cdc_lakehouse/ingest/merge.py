@@ -1,5 +1,7 @@
 """ingest.merge: the MERGE that applies a reduced batch to the current table (hard or soft deletes,
-truncates, unchanged TOAST values kept from the table), and the (LSN, seq) ordering predicates."""
+truncates), and the (LSN, seq) ordering predicates. Unchanged TOAST values never reach it: the
+batch is filled before (ingest.run.fill_from_table), so the MERGE reads no TOAST column of the
+table."""
 
 from __future__ import annotations
 
@@ -7,7 +9,6 @@ from typing import Any
 
 from cdc_lakehouse.config import COMMIT_TS_COL, LSN_COL, OP_COL, SEQ_COL, SHARD_COL, TableConfig
 from cdc_lakehouse.identifiers import spark_ident
-from cdc_lakehouse.ingest.toast import UNAV_LEFT
 from cdc_lakehouse.lake.watermark import shard_lsn_map
 
 
@@ -17,22 +18,14 @@ def merge_sql(
     view: str,
     columns: list[str],
     truncated: list[str],
-    toast_columns: list[str] | None = None,
 ) -> str:
     key = [SHARD_COL, *cfg.primary_key]
     on = " AND ".join(f"t.{spark_ident(k)} = s.{spark_ident(k)}" for k in key)
     newer = f"(s.{LSN_COL} > t.{LSN_COL} OR (s.{LSN_COL} = t.{LSN_COL} AND s.{SEQ_COL} > t.{SEQ_COL}))"
-    toast = set(toast_columns or [])
-
-    def value(c: str) -> str:
-        # An unchanged TOAST value the batch could not supply: keep the table's.
-        q = spark_ident(c)
-        return f"CASE WHEN array_contains(s.{UNAV_LEFT}, '{c}') THEN t.{q} ELSE s.{q} END" if c in toast else f"s.{q}"
-
-    sets = ", ".join(f"t.{spark_ident(c)} = {value(c)}" for c in columns)
+    sets = ", ".join(f"t.{spark_ident(c)} = s.{spark_ident(c)}" for c in columns)
     ins_cols = ", ".join(spark_ident(c) for c in columns)
     ins_vals = ", ".join(f"s.{spark_ident(c)}" for c in columns)
-    insertable = f"s.{OP_COL} <> 'd'" + (f" AND size(s.{UNAV_LEFT}) = 0" if toast else "")
+    insertable = f"s.{OP_COL} <> 'd'"
     trunc = ", ".join(f"'{s}'" for s in truncated)
     if cfg.deletes == "hard":
         sql = (
