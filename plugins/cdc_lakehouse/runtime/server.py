@@ -123,6 +123,32 @@ def _server_log(msg: str) -> None:
     print(f"{time.strftime('%Y-%m-%d %H:%M:%S')} job server: {msg}", file=sys.__stderr__, flush=True)
 
 
+class FifoLock:
+    """A lock granted in arrival order. threading.Lock is not fair: with jobs queued, a job could
+    wait behind ones that arrived after it, however long."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._next = 0  # the next ticket handed out
+        self._serving = 0  # the ticket that holds the lock
+
+    @property
+    def waiting(self) -> int:
+        """Holders and waiters: 0 when free."""
+        with self._cond:
+            return self._next - self._serving
+
+    def __enter__(self) -> None:
+        with self._cond:
+            ticket, self._next = self._next, self._next + 1
+            self._cond.wait_for(lambda: self._serving == ticket)
+
+    def __exit__(self, *exc: object) -> None:
+        with self._cond:
+            self._serving += 1
+            self._cond.notify_all()
+
+
 class JobServer:
     def __init__(self, spark, sock_path: Path, jobs: dict[str, Callable[[list[str]], int]] | None = None) -> None:
         from cdc_lakehouse.runtime.jobs import JOBS
@@ -130,7 +156,7 @@ class JobServer:
         self.spark, self.sock_path = spark, Path(sock_path)
         self.jobs = dict(JOBS if jobs is None else jobs)
         self.fingerprint = package_fingerprint()
-        self._run_lock = threading.Lock()  # one job at a time: os.environ and stdout are the process's
+        self._run_lock = FifoLock()  # one job at a time: os.environ and stdout are the process's
         self._stop = threading.Event()
         self._listener: socket.socket | None = None
         self.jobs_run = 0
@@ -192,7 +218,12 @@ class JobServer:
             with conn.makefile("r", encoding="utf-8") as f:
                 req = json.loads(f.readline() or "{}")
             if req.get("op") == "status":
-                st = {"fingerprint": self.fingerprint, "jobs_run": self.jobs_run, "jobs": sorted(self.jobs)}
+                st = {
+                    "fingerprint": self.fingerprint,
+                    "jobs_run": self.jobs_run,
+                    "jobs": sorted(self.jobs),
+                    "running_or_queued": self._run_lock.waiting,
+                }
                 reply.write(json.dumps(st) + "\n")
                 return
             if req.get("op") == "shutdown":
