@@ -202,3 +202,32 @@ def test_a_job_needing_other_hadoop_settings_is_refused(spark, lake):
         share_session(None)
         # get_spark made the job session this thread's active one: the next tests use the suite's.
         spark.sparkContext._jvm.org.apache.spark.sql.SparkSession.setActiveSession(spark._jsparkSession)
+
+
+def test_a_killed_demos_server_is_stopped_by_the_next_demo(spark, tmp_path):
+    """`make demo` names its server's socket for its pid; a demo killed with SIGKILL leaves that
+    server running. The next demo stops it, removes a dead server's socket, and leaves a live
+    demo's alone."""
+    import subprocess
+
+    from cdc_lakehouse.dev.demo import stop_orphaned_servers
+
+    def gone_pid() -> int:  # a process that has exited (and been reaped)
+        proc = subprocess.Popen(["true"])  # noqa: S607
+        proc.wait()
+        return proc.pid
+
+    folder = tmp_path / "srv"
+    orphan = JobServer(spark, folder / f"demo-{gone_pid()}.sock", jobs={})
+    thread = orphan.start_thread()
+    stale = folder / f"demo-{gone_pid()}.sock"
+    stale.touch()  # a socket whose server died with its demo
+    live = folder / f"demo-{os.getpid()}.sock"
+    live.touch()
+    try:
+        assert set(stop_orphaned_servers(folder)) == {orphan.sock_path, stale}
+        thread.join(timeout=30)
+        assert not thread.is_alive() and not orphan.sock_path.exists() and not stale.exists()
+        assert live.exists()
+    finally:
+        orphan.stop()

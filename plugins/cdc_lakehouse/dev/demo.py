@@ -18,6 +18,7 @@ import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 from cdc_lakehouse.config import OP_COL, SHARD_COL, load_table_configs
@@ -334,6 +335,8 @@ def spark_jobs_on(mode: str) -> Iterator[None]:
         yield
         return
     sock = server.default_socket().with_name(f"demo-{os.getpid()}.sock")
+    for left in stop_orphaned_servers(sock.parent):
+        _say(f"job server: stopped {left}, left running by a demo that was killed")
     t = time.time()
     server.start_background(sock, sock.with_suffix(".log"))
     _say(f"job server: started in {time.time() - t:.0f}s on {sock} (log {sock.with_suffix('.log')})")
@@ -343,6 +346,34 @@ def spark_jobs_on(mode: str) -> Iterator[None]:
     finally:
         os.environ.pop(server.SERVER_ENV, None)
         server.shutdown(sock)
+
+
+def stop_orphaned_servers(folder: Path) -> list[Path]:
+    """The job servers of demos that were killed before they could stop theirs (SIGKILL): a JVM
+    each, holding its memory. A demo's socket is named for its pid; a live demo's stays."""
+    from cdc_lakehouse.runtime import server
+
+    stopped = []
+    for sock in sorted(folder.glob("demo-*.sock")):
+        pid = sock.stem.removeprefix("demo-")
+        if not pid.isdigit() or _alive(int(pid)):
+            continue
+        if server.status(sock) is None:
+            sock.unlink(missing_ok=True)  # its server died too
+        else:
+            server.shutdown(sock)
+        stopped.append(sock)
+    return stopped
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
 
 
 def run(args: argparse.Namespace) -> int:
