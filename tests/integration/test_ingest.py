@@ -155,26 +155,32 @@ def test_toast_chains_truncate_and_pk_changes_in_one_batch(source, spark, lake, 
         "INSERT INTO s1.block (id, space_id, type, created_at, updated_at) VALUES (6, 1, 'page', now(), now())",
     )
     m = s.capture()
-    # Batches staged by runs killed before their drop: this table's older than a day (and one
-    # from before the timestamp) go; a recent one (a run maybe still going) and another table's stay.
-    day_ago = (datetime.now(UTC) - timedelta(hours=25)).isoformat()
+    # Batches staged by runs killed before their drop: this table's older than a day (with or
+    # without a zone in the timestamp, or from before the timestamp) go; a recent one (a run maybe
+    # still going) and another table's stay.
+    day_ago = datetime.now(UTC) - timedelta(hours=25)
     left = {
-        f"merge_batch_{s.block.name}_{'a' * 12}": day_ago,
+        f"merge_batch_{s.block.name}_{'a' * 12}": day_ago.isoformat(),
         f"merge_batch_{s.block.name}_{'b' * 12}": None,
+        f"merge_batch_{s.block.name}_{'e' * 12}": day_ago.replace(tzinfo=None).isoformat(),
         f"merge_batch_{s.block.name}_{'c' * 12}": datetime.now(UTC).isoformat(),
-        f"merge_batch_{s.block.name}_x_{'d' * 12}": day_ago,
+        f"merge_batch_{s.block.name}_x_{'d' * 12}": day_ago.isoformat(),
     }
-    for name, staged in left.items():
-        props = f"TBLPROPERTIES ('cdc.staged-at' = '{staged}')" if staged else ""
-        spark.sql(f"CREATE TABLE {lake.qualified(lake.meta_table(name))} (id bigint) USING iceberg {props}")
-    s.ingest(s.block, m["run_id"])
-    assert_lake_equals_source(spark, lake, s.block, s.dsn)
-    s1 = [n for _, schema, n in s.block.shards() if schema == "s1"][0]
-    assert spark.table(lake.qualified(s.block.current_table)).filter(F.col("_cdc_shard") == s1).count() == 1
-    staged = spark.sql(f"SHOW TABLES IN {lake.catalog_name}.{lake.meta_namespace} LIKE 'merge_batch_*'").collect()
-    assert sorted(r.tableName for r in staged) == sorted(list(left)[2:])
-    for name in list(left)[2:]:
-        spark.sql(f"DROP TABLE {lake.qualified(lake.meta_table(name))} PURGE")
+    kept = list(left)[3:]
+    try:
+        for name, staged in left.items():
+            props = f"TBLPROPERTIES ('cdc.staged-at' = '{staged}')" if staged else ""
+            spark.sql(f"CREATE TABLE {lake.qualified(lake.meta_table(name))} (id bigint) USING iceberg {props}")
+        s.ingest(s.block, m["run_id"])
+        assert_lake_equals_source(spark, lake, s.block, s.dsn)
+        s1 = [n for _, schema, n in s.block.shards() if schema == "s1"][0]
+        assert spark.table(lake.qualified(s.block.current_table)).filter(F.col("_cdc_shard") == s1).count() == 1
+        ns = f"{lake.catalog_name}.{lake.meta_namespace}"
+        staged = spark.sql(f"SHOW TABLES IN {ns} LIKE 'merge_batch_{s.block.name}*'").collect()
+        assert sorted(r.tableName for r in staged) == sorted(kept)
+    finally:
+        for name in left:
+            spark.sql(f"DROP TABLE IF EXISTS {lake.qualified(lake.meta_table(name))} PURGE")
 
 
 def test_error_budget_stops_the_run_and_keeps_everything(source, spark, lake):

@@ -124,7 +124,11 @@ def test_jobs_see_outside_commits_and_leave_nothing_behind(server, source, spark
     assert dict(os.environ) == env_before
     assert spark.conf.get("spark.sql.shuffle.partitions") == partitions
     assert spark.sparkContext._jsc.sc().getPersistentRDDs().size() == 0
-    # Nor its catalogs' connection pools (one more connection per job, before release_spark closed them).
+    # Nor its catalogs' connection pools (one more connection per job, before release_spark closed
+    # them). A closed connection's backend leaves pg_stat_activity a moment later: wait for it.
+    deadline = time.time() + 10
+    while catalog_connections(pg) > open_before and time.time() < deadline:
+        time.sleep(0.2)
     assert catalog_connections(pg) == open_before
 
     # A bad request fails the job with the reason; the server keeps serving.

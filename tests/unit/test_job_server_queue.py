@@ -66,3 +66,37 @@ def test_the_releasing_thread_asking_again_queues_behind_the_waiter():
     a.join(10)
     b.join(10)
     assert order == ["second", "first again"]
+
+
+def test_a_waiter_interrupted_in_the_queue_does_not_stall_the_ones_behind_it():
+    lock, order = FifoLock(), []
+    real_wait = lock._cond.wait_for
+
+    def wait_for(predicate):  # the interrupted thread's wait raises, as a KeyboardInterrupt would
+        if threading.current_thread().name == "interrupted":
+            raise KeyboardInterrupt
+        return real_wait(predicate)
+
+    lock._cond.wait_for = wait_for
+
+    def interrupted() -> None:
+        try:
+            with lock:
+                order.append("interrupted")  # never: it left the queue
+        except KeyboardInterrupt:
+            order.append("left")
+
+    def behind() -> None:
+        with lock:
+            order.append("behind")
+
+    with lock:
+        a = threading.Thread(target=interrupted, name="interrupted")
+        a.start()
+        a.join(10)
+        b = threading.Thread(target=behind)
+        b.start()
+        wait_until(lambda: lock.waiting == 2)  # the holder and the one behind; not the one that left
+    b.join(10)
+    assert order == ["left", "behind"]
+    assert lock.waiting == 0

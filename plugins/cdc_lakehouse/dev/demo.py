@@ -358,10 +358,14 @@ def stop_orphaned_servers(folder: Path) -> list[Path]:
         pid = sock.stem.removeprefix("demo-")
         if not pid.isdigit() or _alive(int(pid)):
             continue
-        if server.status(sock) is None:
-            sock.unlink(missing_ok=True)  # its server died too
-        else:
+        try:
+            alive = server.status(sock) is not None
+        except OSError:  # it does not answer (hung): only its socket is removed
+            alive = False
+        if alive:
             server.shutdown(sock)
+        else:
+            sock.unlink(missing_ok=True)  # its server died too
         stopped.append(sock)
     return stopped
 

@@ -123,6 +123,7 @@ def apply_pending(
     m.quarantined += out.held
     pre = snapshot_summary(spark, b.cur)
     m.merge_join = merge_join_for(cfg, int(pre.get("total-records", 0)))
+    drop_stale_staging(spark, lake, cfg, datetime.now(UTC))
     with m.timed("merge"), merge_source(spark, lake, cfg, reduced, m.merge_join) as source:
         sql = merge_sql(cfg, b.cur, source, current_columns(b.lake_cols), ch.truncated)
         commit_merge(spark, cfg, b, sql, ingest_run, batch_state(m, b.plan, fb.counts["shard_commits"]))
@@ -592,7 +593,6 @@ def merge_source(
     them (fill_from_table)."""
     view = f"cdc_batch_{cfg.name}"
     reduced.createOrReplaceTempView(view)
-    drop_stale_staging(spark, lake, cfg, datetime.now(UTC))
     if join == "shuffle":
         yield view
         return
@@ -621,22 +621,40 @@ STAGING_KEPT_FOR = timedelta(hours=24)
 
 def drop_stale_staging(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, now: datetime) -> list[str]:
     """Drop this table's staged batches (merge_source) left by killed runs; returns their names.
-    A staged batch without its timestamp predates it, so it is stale too."""
+    A staged batch without a readable timestamp predates it, so it is stale too. Best effort: a
+    leftover that cannot be dropped now is logged and left to the next run, never a failed ingest."""
     ns = f"{lake.catalog_name}.{lake.meta_namespace}"
     own = re.compile(rf"{STAGING_PREFIX}{re.escape(cfg.name)}_[0-9a-f]{{12}}")
     dropped = []
-    for row in spark.sql(f"SHOW TABLES IN {ns} LIKE '{STAGING_PREFIX}*'").collect():
-        if not own.fullmatch(row.tableName):
+    try:
+        names = [r.tableName for r in spark.sql(f"SHOW TABLES IN {ns} LIKE '{STAGING_PREFIX}*'").collect()]
+    except Exception as e:  # noqa: BLE001 - see the docstring
+        log.warning("%s: could not list staged batches in %s (%s)", cfg.name, ns, e)
+        return dropped
+    for name in names:
+        if not own.fullmatch(name):
             continue  # another table's (a name that merely starts like this one's included)
-        table = lake.qualified(lake.meta_table(row.tableName))
-        props = {r.key: r.value for r in spark.sql(f"SHOW TBLPROPERTIES {table}").collect()}
-        staged = props.get(STAGED_AT_PROP)
-        if staged and now - datetime.fromisoformat(staged) < STAGING_KEPT_FOR:
-            continue  # maybe a run still going
-        spark.sql(f"DROP TABLE IF EXISTS {table} PURGE")
-        log.warning("%s: dropped %s, a batch staged by a run that did not finish (%s)", cfg.name, table, staged)
+        table = lake.qualified(lake.meta_table(name))
+        try:
+            if now - _staged_at(spark, table) < STAGING_KEPT_FOR:
+                continue  # maybe a run still going
+            spark.sql(f"DROP TABLE IF EXISTS {table} PURGE")
+        except Exception as e:  # noqa: BLE001 - see the docstring
+            log.warning("%s: could not drop the staged batch %s (%s); the next run tries again", cfg.name, table, e)
+            continue
+        log.warning("%s: dropped %s, a batch staged by a run that did not finish", cfg.name, table)
         dropped.append(table)
     return dropped
+
+
+def _staged_at(spark: SparkSession, table: str) -> datetime:
+    """When the batch was staged (UTC if the value has no zone); the epoch if unknown or unreadable."""
+    props = {r.key: r.value for r in spark.sql(f"SHOW TBLPROPERTIES {table}").collect()}
+    try:
+        at = datetime.fromisoformat(props.get(STAGED_AT_PROP) or "")
+    except ValueError:
+        return datetime.fromtimestamp(0, UTC)
+    return at if at.tzinfo else at.replace(tzinfo=UTC)
 
 
 def commit_merge(spark: SparkSession, cfg: TableConfig, b: Batch, sql: str, ingest_run: str, state: str) -> None:

@@ -31,11 +31,10 @@ class CdcSparkSubmitOperator(SparkSubmitOperator):
             application=str(PROJECT_ROOT / "spark_jobs" / f"{job}.py"), application_args=job_args, **kwargs
         )
         self.job = job
-        # The Spark settings given to this task itself (execute fills in the defaults): the job
-        # server runs every job with its own, so such a task goes by spark-submit.
-        self._own_settings: list[str] = sorted(kwargs.get("conf") or {}) + (
-            ["driver_memory"] if kwargs.get("driver_memory") else []
-        )
+        # The Spark settings given to this task itself, default_args included (execute fills in
+        # the defaults later): the job server runs every job with its own, so such a task goes by
+        # spark-submit.
+        self._own_settings = sorted(self.conf or {}) + (["driver_memory"] if self._driver_memory else [])
         self.source_conn_ids = list(source_conn_ids)
         self.store_conns = [tuple(c) for c in store_conns]  # (kind, conn_id) of serving stores
         self._secrets_cleanup: Any = None

@@ -131,22 +131,37 @@ class FifoLock:
         self._cond = threading.Condition()
         self._next = 0  # the next ticket handed out
         self._serving = 0  # the ticket that holds the lock
+        self._abandoned: set[int] = set()  # tickets whose waiter left (an exception while waiting)
 
     @property
     def waiting(self) -> int:
         """Holders and waiters: 0 when free."""
         with self._cond:
-            return self._next - self._serving
+            return self._next - self._serving - len(self._abandoned)
 
     def __enter__(self) -> None:
         with self._cond:
             ticket, self._next = self._next, self._next + 1
-            self._cond.wait_for(lambda: self._serving == ticket)
+            try:
+                self._cond.wait_for(lambda: self._serving == ticket)
+            except BaseException:
+                # Interrupted while waiting: its turn must not stall everyone behind it.
+                if self._serving == ticket:
+                    self._advance()
+                else:
+                    self._abandoned.add(ticket)
+                raise
 
     def __exit__(self, *exc: object) -> None:
         with self._cond:
+            self._advance()
+
+    def _advance(self) -> None:
+        self._serving += 1
+        while self._serving in self._abandoned:
+            self._abandoned.discard(self._serving)
             self._serving += 1
-            self._cond.notify_all()
+        self._cond.notify_all()
 
 
 class JobServer:
