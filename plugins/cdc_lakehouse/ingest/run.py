@@ -49,7 +49,7 @@ from cdc_lakehouse.lake.commits import (
 from cdc_lakehouse.lake.freshness import FRESHNESS_TABLE, record_freshness
 from cdc_lakehouse.lake.meta import meta_append
 from cdc_lakehouse.lake.snapshots import current_ancestors, summary_of
-from cdc_lakehouse.lake.tables import conform_to, partition_sql, source_columns_of, table_exists
+from cdc_lakehouse.lake.tables import conform_to, partition_sql, props_sql, source_columns_of, table_exists
 from cdc_lakehouse.lake.watermark import WATERMARK_PROP, read_watermark, watermark_json
 from cdc_lakehouse.landing.reader import HadoopFS, Plan, SparkLanding, plan_landing
 from cdc_lakehouse.runtime.failpoints import crash_point
@@ -600,7 +600,7 @@ def merge_source(
     try:
         spark.sql(
             f"CREATE TABLE {stage} USING iceberg {partition_sql(cfg)} "
-            f"TBLPROPERTIES ('format-version' = '2', '{STAGED_AT_PROP}' = '{datetime.now(UTC).isoformat()}') "
+            f"{props_sql({'format-version': '2', STAGED_AT_PROP: datetime.now(UTC).isoformat()})} "
             f"AS SELECT * FROM {view}"
         )
         with session_conf(spark, COLOCATED_CONF):

@@ -85,12 +85,12 @@ class CdcSparkSubmitOperator(SparkSubmitOperator):
             )
             if leaked:  # last-line check: a secret must never reach the command line
                 raise ValueError(f"secret(s) {leaked} would appear in the spark-submit command; refusing")
-            server = os.environ.get(SERVER_ENV)
-            if server and master.startswith("local") and self._own_settings:
+            server = os.environ.get(SERVER_ENV) if master.startswith("local") else None
+            if server and self._own_settings:
                 # The server's context is already started with its own settings: applying only
                 # some of the task's would run it with settings it did not ask for.
                 self.log.info("this task sets %s, which the job server cannot apply: spark-submit", self._own_settings)
-            elif server and master.startswith("local"):
+            elif server:
                 st = status(server)  # None: not running, and _run_on_server says so
                 if st is None or self.job in st.get("jobs", ()):  # else a job of its own: spark-submit
                     return self._run_on_server(server)
