@@ -1,11 +1,14 @@
 """Secrets, for real: one spark-submit on local[2] through the operator (the job gets its secrets
-from the 0600 file, the Spark UI shows none, no log line holds one, no file is left behind), and
-libpq DSNs of passwords with spaces, quotes and backslashes against a password-checking server."""
+from the 0600 file, the Spark UI shows none, no log line holds one, no file is left behind), a JVM
+started from Python (job server, tests, `python spark_jobs/x.py`) with no secret on its command
+line, and libpq DSNs of passwords with spaces, quotes and backslashes against a password-checking server."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import psycopg2
@@ -16,7 +19,7 @@ from cdc_lakehouse.settings import LakeSettings, SourceEndpoint
 
 from tests.conftest import ROOT
 from tests.helpers import lake_connection_json
-from tests.unit.test_secrets_transport import LAKE_MARKER, SRC_MARKER, leaks
+from tests.unit.test_secrets_transport import AWS_MARKER, LAKE_MARKER, PROP_MARKER, SRC_MARKER, leaks
 
 CONN = "cdc_secret_probe_src"
 
@@ -78,8 +81,52 @@ def test_spark_submit_on_local_gets_its_secrets_and_shows_none(pg, lake, monkeyp
     assert went and not any("on the job server" in x for x in lines), lines[:5]
     assert probe["note_ok"] is True  # a table property with a quote and a backslash, read back
     assert probe["ui_leaks"] == []
-    assert probe["ui_password_value"] == "*********(redacted)"
+    # Set in the running session (runtime.session.get_spark), so not in the SparkConf the UI lists.
+    assert probe["ui_password_value"] is None
     assert list(secrets_dir.iterdir()) == []
+
+
+# Run in a process of its own: the JVM must be one this script starts, as the job server's is.
+_JVM_PROBE = """
+import json, sys
+from cdc_lakehouse.runtime.session import get_spark
+from cdc_lakehouse.settings import LakeSettings, S3Credentials
+a = json.loads(sys.argv[1])
+lake = LakeSettings(catalog_type="jdbc", catalog_uri=a["uri"], warehouse=a["warehouse"], catalog_name="probe",
+    landing_uri="s3://probe-bucket/landing", s3_endpoint="http://127.0.0.1:9", s3_path_style=True,
+    catalog_password=a["lake"], catalog_properties={"custom.token": a["prop"]},
+    s3_credentials=S3Credentials("AKIAPROBE", a["aws"]))
+spark = get_spark("probe", lake, master="local[1]", driver_memory="1g", extra={"spark.ui.enabled": "false"})
+pid = spark.sparkContext._jvm.java.lang.ProcessHandle.current().pid()
+hconf = spark.sparkContext._jsc.hadoopConfiguration()
+print("PROBE " + json.dumps({
+    "cmdline": open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="replace"),
+    "password": spark.conf.get("spark.sql.catalog.probe.jdbc.password"),
+    "prop": spark.conf.get("spark.sql.catalog.probe.custom.token"),
+    "aws": hconf.get("fs.s3a.secret.key"),
+    "namespaces": [r[0] for r in spark.sql("SHOW NAMESPACES IN probe").collect()],
+}))
+"""
+
+
+@pytest.mark.slow
+def test_a_jvm_started_from_python_has_no_secret_on_its_command_line(pg, lake):
+    """pyspark starts the JVM with every builder setting as a `--conf k=v` argument, which any local
+    user reads in /proc/<pid>/cmdline or `ps`: the secrets must reach the session after the start."""
+    args = {"uri": lake.catalog_uri, "warehouse": lake.warehouse, "lake": LAKE_MARKER}
+    args |= {"prop": PROP_MARKER, "aws": AWS_MARKER}
+    out = subprocess.run(
+        [sys.executable, "-c", _JVM_PROBE, json.dumps(args)], check=False, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    probe = json.loads(next(x for x in out.stdout.splitlines() if x.startswith("PROBE ")).split(" ", 1)[1])
+    cmdline = probe["cmdline"].replace("\x00", " ")
+    assert "spark.sql.catalog.probe.uri" in cmdline  # the public settings do travel that way
+    assert [m for m in (LAKE_MARKER, PROP_MARKER, AWS_MARKER) if m in cmdline] == []
+    assert "jdbc.password" not in cmdline and "secret.key" not in cmdline and "custom.token" not in cmdline
+    # ... and the session has every one of them (the catalog answered with them set)
+    assert (probe["password"], probe["prop"], probe["aws"]) == (LAKE_MARKER, PROP_MARKER, AWS_MARKER)
+    assert isinstance(probe["namespaces"], list)
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import glob
 import logging
 import os
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
@@ -90,11 +91,18 @@ def session_conf(spark: SparkSession, conf: dict[str, str]) -> Iterator[None]:
 def attach_lake(spark: SparkSession, lake: LakeSettings) -> None:
     """Make a second lake (another catalog name) usable in a running session: catalogs are
     created on first use, and new Hadoop FileSystem instances read the live Hadoop conf."""
-    for k, v in lake.spark_catalog_conf().items():
-        spark.conf.set(k, v)
+    set_live(spark, {**lake.spark_catalog_conf(), **{f"spark.hadoop.{k}": v for k, v in lake.hadoop_s3_conf().items()}})
+
+
+def set_live(spark: SparkSession, conf: dict[str, str]) -> None:
+    """Settings into a running session: `spark.hadoop.*` into the SparkContext's Hadoop conf (new
+    FileSystem instances and every later job's copy read it), the rest into the session's conf."""
     hconf = spark.sparkContext._jsc.hadoopConfiguration()
-    for k, v in lake.hadoop_s3_conf().items():
-        hconf.set(k, v)
+    for k, v in conf.items():
+        if k.startswith("spark.hadoop."):
+            hconf.set(k[len("spark.hadoop.") :], v)
+        else:
+            spark.conf.set(k, v)
 
 
 # Set by the job server (runtime.server) in its process: jobs then get a new session of its one
@@ -202,8 +210,14 @@ def get_spark(
         builder = builder.config(
             "spark.driver.memory", driver_memory or os.environ.get("CDC_SPARK_DRIVER_MEMORY", "4g")
         )
-    for k, v in {**spark_conf(lake), **(extra or {})}.items():
+    conf = {**spark_conf(lake), **(extra or {})}
+    # pyspark starts a JVM with every builder setting as a `--conf k=v` argument, which any local
+    # user can read (/proc/<pid>/cmdline, ps): what Spark would redact is set once the session
+    # runs. Catalogs are created on first use and read it then (tests/integration/test_secrets.py).
+    secrets = {k: conf.pop(k) for k in list(conf) if re.search(REDACTION_REGEX, k)}
+    for k, v in conf.items():
         builder = builder.config(k, v)
     spark = builder.getOrCreate()
+    set_live(spark, secrets)
     spark.sparkContext.setLogLevel(os.environ.get("CDC_SPARK_LOG_LEVEL", "WARN"))
     return spark
