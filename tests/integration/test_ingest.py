@@ -227,8 +227,10 @@ def test_schema_changes_additive_incompatible_and_isolated(source, spark, lake):
     s.wl.add_column("note", "varchar(40)")
     s.execute("UPDATE s0.block SET note = 'hi' WHERE id IN (SELECT id FROM s0.block ORDER BY id LIMIT 3)")
     m = s.capture()
-    s.ingest(s.block, m["run_id"])
+    r = s.ingest(s.block, m["run_id"])
     assert spark.table(lake.qualified(s.block.current_table)).filter("note = 'hi'").count() == 3
+    # The run's figures are its MERGE's, not those of the backfill's closing commit (no files).
+    assert r["updates"] == 3 and r["bytes_written"] > 0 and r["data_files_added"] + r["delete_files_added"] > 0, r
     assert_lake_equals_source(spark, lake, s.block, s.dsn)
     # A dropped column the table keeps: this table stops, naming the column and the choices ...
     s.execute(

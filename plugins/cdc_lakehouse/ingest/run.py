@@ -128,10 +128,11 @@ def apply_pending(
         sql = merge_sql(cfg, b.cur, source, current_columns(b.lake_cols), ch.truncated)
         commit_merge(spark, cfg, b, sql, ingest_run, batch_state(m, b.plan, fb.counts["shard_commits"]))
     crash_point("ingest_after_merge")
+    # The MERGE's own commit: the backfill below commits again (its watermark), with no files.
+    m.add_commit_stats(pre, snapshot_summary(spark, b.cur))
     if b.added:
         m.backfilled = finish_backfill(spark, lake, cfg, b.cur, b.plan, b.added, ingest_run)
     m.apply_seconds = m.timings["merge"]
-    m.add_commit_stats(pre, snapshot_summary(spark, b.cur))
     m.set_lag(out.min_ts, out.max_ts)
     return finish(spark, lake, cfg, m, b, shard_commits=fb.counts["shard_commits"])
 
