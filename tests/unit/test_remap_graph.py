@@ -15,7 +15,7 @@ import pytest
 from cdc_lakehouse.config import LSN_COL, OP_COL, SEQ_COL, SHARD_COL
 from cdc_lakehouse.ingest.batch import DUP, LIVE, _per_key
 from cdc_lakehouse.ingest.reduce import latest_per_key
-from cdc_lakehouse.ingest.toast import NO_TABLE, UNAV_LEFT, fill_with_stats, refill_key_changes
+from cdc_lakehouse.ingest.toast import NO_TABLE, UNAV_LEFT, fill_with_stats
 from cdc_lakehouse.ingest.validate import PKCHANGE
 from cdc_lakehouse.lake.columns import UNAVAILABLE_COL
 from pyspark.sql import functions as F
@@ -97,9 +97,10 @@ def apply(spark, src: Source, table: dict[int, dict], fill: str = "graph") -> tu
         filled, passes = fill_with_stats(events.dropDuplicates(_POSITION), current, cfg, ["content"])
         passes = passes.passes
     else:
-        # As ingest.run takes it: the fused plan's one pass, then the graph for key-change chains only.
+        # As ingest.run takes it: the fused plan's one pass, then the graph over its output.
         flagged = _per_key(events.withColumn(LIVE, F.lit(True)), cfg, ["content"])
-        filled, passes = refill_key_changes(flagged.filter(~F.col(DUP)), current, cfg, ["content"]), None
+        one_pass = flagged.filter(~F.col(DUP)).drop(UNAV_LEFT, NO_TABLE)
+        filled, passes = fill_with_stats(one_pass, current, cfg, ["content"])[0], None
     out, held = {k: dict(v) for k, v in table.items()}, []
     for r in latest_per_key(filled, [SHARD_COL, "id"]).collect():
         if r[OP_COL] == "d":
@@ -230,14 +231,14 @@ def random_batch(seed: int, n_ops: int = 400) -> tuple[Source, dict[int, dict]]:
 
 
 @pytest.mark.parametrize("seed", [random.randrange(10**6) for _ in range(2)] + [7])
-def test_random_batches_one_pass_then_chains_equal_the_graph_and_the_source(spark, seed):
+def test_random_batches_one_pass_then_graph_and_graph_alone_equal_the_source(spark, seed):
     """The fill ingest.run takes when a key change lacks its value (the fused plan's one pass, then
-    the graph for the keys key changes touch) ends where the graph over the whole batch does, and
-    where the source does. Every value here is knowable, so nothing may be held back."""
+    the graph over its output) and the graph alone over the raw batch both end where the source
+    does. Every value here is knowable, so nothing may be held back."""
     print(f"seed {seed}")
     src, table = random_batch(seed)
     graph = apply(spark, src, table, fill="graph")
-    narrowed = apply(spark, src, table, fill="one-pass+chains")
-    assert graph[2] == [] and narrowed[2] == [], (seed, graph[2], narrowed[2])
+    composed = apply(spark, src, table, fill="one-pass+graph")
+    assert graph[2] == [] and composed[2] == [], (seed, graph[2], composed[2])
     assert graph[0] == src.rows, seed
-    assert narrowed[0] == src.rows, seed
+    assert composed[0] == src.rows, seed

@@ -71,12 +71,8 @@ class FusedBatch:
     def needs_multipass_fill(self) -> bool:
         """A key change whose new key lacks a TOAST value (it comes from the old key), or an
         unavailable column the one pass did not look at."""
-        return bool(self.counts["pk_unresolved"]) or not self.one_pass_saw_every_column()
-
-    def one_pass_saw_every_column(self) -> bool:
-        """Every unavailable column was one the one pass fills: its rows stand for keys no key
-        change touches (ingest.toast.refill_key_changes)."""
-        return set(self.counts["unavailable"]) <= set(self.filled_columns)
+        names = set(self.counts["unavailable"])
+        return bool(self.counts["pk_unresolved"]) or not names <= set(self.filled_columns)
 
 
 def fused_batch(

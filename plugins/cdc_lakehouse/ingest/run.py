@@ -36,7 +36,7 @@ from cdc_lakehouse.ingest.metrics import IngestMetrics
 from cdc_lakehouse.ingest.quarantine import as_held, held_back, hold_dependents, write_quarantine
 from cdc_lakehouse.ingest.reduce import latest_per_key
 from cdc_lakehouse.ingest.schema import BACKFILL, apply_schema_actions, event_schemas, manifest_schemas, schema_actions
-from cdc_lakehouse.ingest.toast import BROADCAST_ROWS, NO_TABLE, UNAV_LEFT, fill_unavailable, refill_key_changes
+from cdc_lakehouse.ingest.toast import BROADCAST_ROWS, NO_TABLE, UNAV_LEFT, fill_unavailable
 from cdc_lakehouse.ingest.validate import REASONS, landing_spark_schema
 from cdc_lakehouse.lake.batches import BATCH_PROP, BATCH_STATE_PROP, BatchId, BatchStep, commit_once, run_batch
 from cdc_lakehouse.lake.columns import INGESTED_COL, UNAVAILABLE_COL
@@ -323,13 +323,11 @@ def prepare_changes(spark: SparkSession, cfg: TableConfig, b: Batch, fb: FusedBa
     names = fb.counts["unavailable"]
     events, latest, totals = fb.events(), fb.latest(), fb.counts
     if fb.needs_multipass_fill():
-        narrow = fb.one_pass_saw_every_column()
-        log.info("%s: multi-pass TOAST fill over %s", cfg.name, "key-change chains" if narrow else "the batch")
-        if narrow:
-            events = refill_key_changes(events, current, cfg, names)
-        else:
-            events = fill_unavailable(events.drop(UNAV_LEFT, NO_TABLE), current, cfg, names)
-        events = events.localCheckpoint(eager=True)
+        # Over the whole batch: narrowed to the keys key changes touch, it cost 7 Spark jobs more
+        # and no time on the demo's batches (BENCHMARKS.md, "make demo"): the fill's cost is its
+        # ~30 small jobs, not the rows.
+        log.info("%s: multi-pass TOAST fill (pk_unresolved %d)", cfg.name, fb.counts["pk_unresolved"])
+        events = fill_unavailable(events.drop(UNAV_LEFT, NO_TABLE), current, cfg, names).localCheckpoint(eager=True)
         latest, totals = latest_per_key(events, [SHARD_COL, *cfg.primary_key]), None
     return Changes(
         events, fb.truncates(), current, latest, totals, names, fb.counts["truncated"], fb.counts["duplicates"]

@@ -101,48 +101,21 @@ def fill_with_stats(
     return rest.unionByName(sub.withColumnRenamed(WORK, UNAV_LEFT)), stats
 
 
-def refill_key_changes(events: DataFrame, current: DataFrame, cfg: TableConfig, names: list[str]) -> DataFrame:
-    """After the one-pass fill of ingest.batch left a key change without a value: the multi-pass
-    fill for the keys key changes touch (new keys and old keys), the one-pass rows for the rest.
-
-    A value only travels between keys through a key change, so those keys are closed under the
-    fill, and for every other key the one pass (per key, a window) decides exactly what the
-    multi-pass fill would: the fill then scans the chains, not the whole batch (one key change in
-    a batch of 19k updates sent all of them through it, BENCHMARKS.md)."""
-    from pyspark.sql import functions as F
-
-    key = [SHARD_COL, *cfg.primary_key]
-    fkey = [SHARD_COL, *[f"_fill_key_{k}" for k in cfg.primary_key]]
-    moved = events.filter(F.coalesce(F.col(PKCHANGE), F.lit(False)))
-    chains, others = _split_on(events, _with_old_keys(moved, key, fkey), key)
-    return others.unionByName(fill_unavailable(chains.drop(UNAV_LEFT, NO_TABLE), current, cfg, names))
-
-
 def _split_involved(events: DataFrame, key: list[str], fkey: list[str]) -> tuple[DataFrame, DataFrame]:
     """The events of keys that need a fill or give one (old keys of key changes), with WORK the
     columns still to fill; and the others, which need nothing."""
     from pyspark.sql import functions as F
 
     need = events.filter(F.size(F.coalesce(F.col(UNAVAILABLE_COL), F.array())) > 0)
-    sub, rest = _split_on(events, _with_old_keys(need, key, fkey), key)
-    sub = sub.withColumn(WORK, F.coalesce(F.col(UNAVAILABLE_COL), F.array().cast("array<string>")))
-    return sub, rest.withColumn(UNAV_LEFT, F.array().cast("array<string>"))
-
-
-def _with_old_keys(rows: DataFrame, key: list[str], fkey: list[str]) -> DataFrame:
-    """The rows' keys and the keys whose earlier state fills them (the old key of a key change)."""
-    from pyspark.sql import functions as F
-
-    return rows.select(*key).unionByName(rows.select(*[F.col(a).alias(b) for a, b in zip(fkey, key)]))
-
-
-def _split_on(events: DataFrame, keys: DataFrame, key: list[str]) -> tuple[DataFrame, DataFrame]:
-    """(events of the given keys, the others); the key set is materialized once, broadcast if small."""
-    from pyspark.sql import functions as F
-
-    keys = keys.distinct().localCheckpoint(eager=True)
-    k = F.broadcast(keys) if keys.count() <= BROADCAST_ROWS else keys
-    return events.join(k, key, "left_semi"), events.join(k, key, "left_anti")
+    involved = need.select(*key).unionByName(need.select(*[F.col(a).alias(b) for a, b in zip(fkey, key)])).distinct()
+    involved = involved.localCheckpoint(eager=True)
+    n_involved = involved.count()
+    inv = F.broadcast(involved) if n_involved <= BROADCAST_ROWS else involved
+    sub = events.join(inv, key, "left_semi").withColumn(
+        WORK, F.coalesce(F.col(UNAVAILABLE_COL), F.array().cast("array<string>"))
+    )
+    rest = events.join(inv, key, "left_anti").withColumn(UNAV_LEFT, F.array().cast("array<string>"))
+    return sub, rest
 
 
 def _segments(sub: DataFrame, f: _Fill) -> DataFrame:
