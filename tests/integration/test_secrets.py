@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +23,7 @@ from tests.helpers import lake_connection_json
 from tests.unit.test_secrets_transport import AWS_MARKER, LAKE_MARKER, PROP_MARKER, SRC_MARKER, leaks
 
 CONN = "cdc_secret_probe_src"
+SID_MARKER = "S1d-probe-value-789"
 
 
 def sha(value: str) -> str:
@@ -94,7 +96,7 @@ from cdc_lakehouse.settings import LakeSettings, S3Credentials
 a = json.loads(sys.argv[1])
 lake = LakeSettings(catalog_type="jdbc", catalog_uri=a["uri"], warehouse=a["warehouse"], catalog_name="probe",
     landing_uri="s3://probe-bucket/landing", s3_endpoint="http://127.0.0.1:9", s3_path_style=True,
-    catalog_password=a["lake"], catalog_properties={"custom.token": a["prop"]},
+    catalog_password=a["lake"], catalog_properties={"custom.token": a["prop"], "custom.session-id": a["sid"]},
     s3_credentials=S3Credentials("AKIAPROBE", a["aws"]))
 spark = get_spark("probe", lake, master="local[1]", driver_memory="1g", extra={"spark.ui.enabled": "false"})
 pid = spark.sparkContext._jvm.java.lang.ProcessHandle.current().pid()
@@ -103,6 +105,7 @@ print("PROBE " + json.dumps({
     "cmdline": open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="replace"),
     "password": spark.conf.get("spark.sql.catalog.probe.jdbc.password"),
     "prop": spark.conf.get("spark.sql.catalog.probe.custom.token"),
+    "sid": spark.conf.get("spark.sql.catalog.probe.custom.session-id"),
     "aws": hconf.get("fs.s3a.secret.key"),
     "namespaces": [r[0] for r in spark.sql("SHOW NAMESPACES IN probe").collect()],
 }))
@@ -110,23 +113,39 @@ print("PROBE " + json.dumps({
 
 
 @pytest.mark.slow
-def test_a_jvm_started_from_python_has_no_secret_on_its_command_line(pg, lake):
+def test_a_jvm_started_from_python_has_no_secret_on_its_command_line(scram_pg, tmp_path):
     """pyspark starts the JVM with every builder setting as a `--conf k=v` argument, which any local
-    user reads in /proc/<pid>/cmdline or `ps`: the secrets must reach the session after the start."""
-    args = {"uri": lake.catalog_uri, "warehouse": lake.warehouse, "lake": LAKE_MARKER}
-    args |= {"prop": PROP_MARKER, "aws": AWS_MARKER}
+    user reads in /proc/<pid>/cmdline or `ps`: the secrets must reach the session after the start.
+    The catalog is on a password-checking server, so listing it proves the password arrived."""
+    conn = psycopg2.connect(scram_pg.dsn())
+    conn.autocommit = True
+    with conn.cursor() as cur:
+        cur.execute("DROP DATABASE IF EXISTS cdc_probe")
+        cur.execute("DROP ROLE IF EXISTS cdc_probe")
+        cur.execute("CREATE ROLE cdc_probe LOGIN PASSWORD %s", (LAKE_MARKER,))
+        cur.execute("CREATE DATABASE cdc_probe OWNER cdc_probe")
+    conn.close()
+    uri = f"postgresql://cdc_probe@127.0.0.1:{scram_pg.port}/cdc_probe"
+    args = {"uri": uri, "warehouse": f"file://{tmp_path / 'wh'}", "lake": LAKE_MARKER}
+    args |= {"prop": PROP_MARKER, "sid": SID_MARKER, "aws": AWS_MARKER}
     out = subprocess.run(
-        [sys.executable, "-c", _JVM_PROBE, json.dumps(args)], check=False, capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", _JVM_PROBE, json.dumps(args)],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(ROOT / "plugins")},
     )
     assert out.returncode == 0, out.stderr[-3000:]
     probe = json.loads(next(x for x in out.stdout.splitlines() if x.startswith("PROBE ")).split(" ", 1)[1])
     cmdline = probe["cmdline"].replace("\x00", " ")
     assert "spark.sql.catalog.probe.uri" in cmdline  # the public settings do travel that way
-    assert [m for m in (LAKE_MARKER, PROP_MARKER, AWS_MARKER) if m in cmdline] == []
-    assert "jdbc.password" not in cmdline and "secret.key" not in cmdline and "custom.token" not in cmdline
-    # ... and the session has every one of them (the catalog answered with them set)
-    assert (probe["password"], probe["prop"], probe["aws"]) == (LAKE_MARKER, PROP_MARKER, AWS_MARKER)
-    assert isinstance(probe["namespaces"], list)
+    markers = (LAKE_MARKER, PROP_MARKER, SID_MARKER, AWS_MARKER)
+    assert [m for m in markers if m in cmdline] == []
+    assert [k for k in ("jdbc.password", "secret.key", "custom.token", "session-id") if k in cmdline] == []
+    # ... and the session has every one of them; the catalog answered with the password.
+    assert (probe["password"], probe["prop"], probe["sid"], probe["aws"]) == markers
+    assert probe["namespaces"] == []
 
 
 @pytest.fixture(scope="module")

@@ -63,7 +63,8 @@ class Source:
         self.events.append(("s0", k2, self.lsn, 2 * self.seq + 1, "u", True, k, ["content"], None, r["version"]))
 
     def redeliver(self) -> None:
-        """At-least-once delivery: the last statement's events again, at the same positions."""
+        """At-least-once delivery: the newest event again, and the one before it when it sits at the
+        position just before (a key change's two halves): exact duplicates, same positions."""
         last = self.events[-1]
         self.events.extend(e for e in self.events[-2:] if e[2:4] == last[2:4] or e[2:4] == (last[2], last[3] - 1))
 

@@ -128,7 +128,8 @@ def apply_pending(
         sql = merge_sql(cfg, b.cur, source, current_columns(b.lake_cols), ch.truncated)
         commit_merge(spark, cfg, b, sql, ingest_run, batch_state(m, b.plan, fb.counts["shard_commits"]))
     crash_point("ingest_after_merge")
-    # The MERGE's own commit: the backfill below commits again (its watermark), with no files.
+    # The run's figures are its MERGE's: a backfill below commits on its own (its rows, counted in
+    # m.backfilled, then an empty append that carries the watermark).
     m.add_commit_stats(pre, snapshot_summary(spark, b.cur))
     if b.added:
         m.backfilled = finish_backfill(spark, lake, cfg, b.cur, b.plan, b.added, ingest_run)

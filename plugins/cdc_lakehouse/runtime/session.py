@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
-from cdc_lakehouse.settings import LakeSettings, local_paths
+from cdc_lakehouse.settings import LakeSettings, is_secret_key, local_paths
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -94,6 +94,14 @@ def attach_lake(spark: SparkSession, lake: LakeSettings) -> None:
     set_live(spark, {**lake.spark_catalog_conf(), **{f"spark.hadoop.{k}": v for k, v in lake.hadoop_s3_conf().items()}})
 
 
+def is_secret_setting(key: str) -> bool:
+    """A setting that holds a credential: what Spark redacts, and a catalog property that
+    LakeSettings treats as a secret (settings.is_secret_key: `session` too)."""
+    if key.startswith("spark.sql.catalog.") and is_secret_key(key.split(".", 4)[-1]):
+        return True
+    return bool(re.search(REDACTION_REGEX, key))
+
+
 def set_live(spark: SparkSession, conf: dict[str, str]) -> None:
     """Settings into a running session: `spark.hadoop.*` into the SparkContext's Hadoop conf (new
     FileSystem instances and every later job's copy read it), the rest into the session's conf."""
@@ -101,8 +109,10 @@ def set_live(spark: SparkSession, conf: dict[str, str]) -> None:
     for k, v in conf.items():
         if k.startswith("spark.hadoop."):
             hconf.set(k[len("spark.hadoop.") :], v)
-        else:
+        elif k.startswith("spark.sql."):
             spark.conf.set(k, v)
+        else:  # a Spark core setting (spark.ssl.*, spark.authenticate.secret) is fixed at start
+            raise ValueError(f"{k} cannot be set in a running session: give it to spark-submit's configuration")
 
 
 # Set by the job server (runtime.server) in its process: jobs then get a new session of its one
@@ -212,9 +222,9 @@ def get_spark(
         )
     conf = {**spark_conf(lake), **(extra or {})}
     # pyspark starts a JVM with every builder setting as a `--conf k=v` argument, which any local
-    # user can read (/proc/<pid>/cmdline, ps): what Spark would redact is set once the session
-    # runs. Catalogs are created on first use and read it then (tests/integration/test_secrets.py).
-    secrets = {k: conf.pop(k) for k in list(conf) if re.search(REDACTION_REGEX, k)}
+    # user can read (/proc/<pid>/cmdline, ps): the secrets are set once the session runs.
+    # Catalogs are created on first use and read them then (tests/integration/test_secrets.py).
+    secrets = {k: conf.pop(k) for k in list(conf) if is_secret_setting(k)}
     for k, v in conf.items():
         builder = builder.config(k, v)
     spark = builder.getOrCreate()
