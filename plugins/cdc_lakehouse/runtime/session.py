@@ -69,10 +69,13 @@ def base_conf(shuffle_partitions: int | None = None) -> dict[str, str]:
 def spark_conf(
     lake: LakeSettings, *, include_secret: bool = True, shuffle_partitions: int | None = None
 ) -> dict[str, str]:
-    conf = base_conf(shuffle_partitions)
-    conf.update(lake.spark_catalog_conf(include_secret=include_secret))
-    conf.update({f"spark.hadoop.{k}": v for k, v in lake.hadoop_s3_conf(include_secret).items()})
-    return conf
+    return {**base_conf(shuffle_partitions), **lake_conf(lake, include_secret=include_secret)}
+
+
+def lake_conf(lake: LakeSettings, *, include_secret: bool = True) -> dict[str, str]:
+    """The lake's catalog and its Hadoop (S3A) settings, as Spark configuration."""
+    hadoop = {f"spark.hadoop.{k}": v for k, v in lake.hadoop_s3_conf(include_secret).items()}
+    return {**lake.spark_catalog_conf(include_secret=include_secret), **hadoop}
 
 
 @contextmanager
@@ -91,7 +94,7 @@ def session_conf(spark: SparkSession, conf: dict[str, str]) -> Iterator[None]:
 def attach_lake(spark: SparkSession, lake: LakeSettings) -> None:
     """Make a second lake (another catalog name) usable in a running session: catalogs are
     created on first use, and new Hadoop FileSystem instances read the live Hadoop conf."""
-    set_live(spark, {**lake.spark_catalog_conf(), **{f"spark.hadoop.{k}": v for k, v in lake.hadoop_s3_conf().items()}})
+    set_live(spark, lake_conf(lake))
 
 
 def is_secret_setting(key: str) -> bool:
