@@ -5,9 +5,13 @@ land out of order, a straddling file, heartbeats, and reruns that converge."""
 
 from __future__ import annotations
 
+import json
 from datetime import UTC, date, datetime
 from decimal import Decimal
 
+from cdc_lakehouse.feed.models import BEFORE_COL, FEED_OP_COL, OP_UPSERT
+from cdc_lakehouse.feed.offsets import commit_meta_offset, meta_offset
+from cdc_lakehouse.feed.read import read_changes
 from cdc_lakehouse.ingest.run import ingest_table
 from cdc_lakehouse.lake.watermark import read_watermark
 from cdc_lakehouse.landing.debezium import bootstrap_debezium
@@ -114,47 +118,51 @@ def test_json_sink_full_ingest_with_toast_deletes_truncate_schema_change_and_rer
     assert_table(spark, lake, cfg, rows)
     wm = read_watermark(spark, lake.qualified(cfg.current_table))
     assert wm["debezium"]["offsets"][TOPIC] == {"0": 3, "1": 3}
-    assert wm["shards"]["s1"]["lsn"] == 1000
+    assert wm["shards"]["s1"]["lsn"] == 1001  # strictly above transaction A's position (1000)
 
     # Partition 0 moves on (a delete with its tombstone, then an update that brings a new column);
-    # partition 1's older transaction B has not landed yet.
+    # partition 1's older transaction B has not landed yet: partition 0's changes wait for it.
     write(root, 0, 3, [json_line(ev("d", 1400, 1350, before=key_only(4))), json_line(TOMBSTONE),
                        json_line(ev("u", 1500, 1450, after={**base(2, price=Decimal("99.99")), "extra": 7}), extra=True)])  # fmt: skip
     ingest_table(spark, lake, cfg, upto_run=None, ingest_run="r2")
-    del rows[4]
-    assert_table(spark, lake, cfg, rows, extra={2: 7})
-    assert read_watermark(spark, lake.qualified(cfg.current_table))["shards"]["s1"]["lsn"] == 1000  # p1 is behind
+    assert_table(spark, lake, cfg, rows)
+    wm = read_watermark(spark, lake.qualified(cfg.current_table))
+    assert wm["shards"]["s1"]["lsn"] == 1001 and wm["debezium"]["offsets"][TOPIC] == {"0": 3, "1": 3}
+    assert wm["debezium"]["frontier"]["s1"] == {"partition": f"{TOPIC} partition 1", "held": 2}
 
-    # Transaction B lands late in partition 1: an update whose TOASTed note did not change.
+    # Transaction B lands late in partition 1: an update whose TOASTed note did not change. It
+    # applies; partition 0's changes still wait (partition 1 may yet deliver up to 1350).
     write(root, 1, 3, [json_line(ev("u", 1300, 1200, after=base(5, note=PLACEHOLDER, price=Decimal("55.55"))))])
     ingest_table(spark, lake, cfg, upto_run=None, ingest_run="r3")
     rows[5] = base(5, note=big, price=Decimal("55.55"))
-    assert_table(spark, lake, cfg, rows, extra={2: 7})
-    assert read_watermark(spark, lake.qualified(cfg.current_table))["shards"]["s1"]["lsn"] == 1200
+    assert_table(spark, lake, cfg, rows)
+    assert read_watermark(spark, lake.qualified(cfg.current_table))["shards"]["s1"]["lsn"] == 1201
 
-    # A truncate, then new rows in both partitions.
+    # A truncate, then new rows in both partitions: everything applies.
     write(root, 0, 6, [json_line(ev("t", 1600, 1550)),
                        json_line(ev("c", 1700, 1650, after={**base(8), "extra": 8}), extra=True)])  # fmt: skip
     write(root, 1, 4, [json_line(ev("c", 1701, 1650, after={**base(9), "extra": 9}), extra=True)])
     ingest_table(spark, lake, cfg, upto_run=None, ingest_run="r4")
     rows = {8: base(8), 9: base(9)}
     assert_table(spark, lake, cfg, rows, extra={8: 8, 9: 9})
+    assert read_watermark(spark, lake.qualified(cfg.current_table))["shards"]["s1"]["lsn"] == 1651
 
     # The sink rewrote partition 0 from offset 7 (already applied): only offset 8 on is new.
     # Offset 7 here differs from what was applied there, so reading it would show in the table.
     write(root, 0, 7, [json_line(ev("c", 1702, 1650, after={**base(11), "extra": 11}), extra=True),
                        json_line(ev("c", 1800, 1750, after={**base(10), "extra": 10}), extra=True)])  # fmt: skip
+    write(root, 1, 5, [json_line(ev("c", 1801, 1750, after={**base(12), "extra": 12}), extra=True)])
     write_heartbeat(root, 0, 0, [1_900_000_000_000, 1_900_000_060_000])
     ingest_table(spark, lake, cfg, upto_run=None, ingest_run="r5")
-    rows[10] = base(10)
-    assert_table(spark, lake, cfg, rows, extra={8: 8, 9: 9, 10: 10})
+    rows |= {10: base(10), 12: base(12)}
+    assert_table(spark, lake, cfg, rows, extra={8: 8, 9: 9, 10: 10, 12: 12})
     wm = read_watermark(spark, lake.qualified(cfg.current_table))
-    assert wm["debezium"]["offsets"][TOPIC] == {"0": 9, "1": 5}
-    assert wm["shards"]["s1"]["ts"] == "2030-03-17T17:47:40+00:00"  # the newest heartbeat
+    assert wm["debezium"]["offsets"][TOPIC] == {"0": 9, "1": 6}
+    assert wm["shards"]["s1"]["ts"] == "2030-03-17T17:47:40+00:00"  # the newest heartbeat: nothing waits
 
     # Reruns with nothing new converge: same table, same watermark.
     ingest_table(spark, lake, cfg, upto_run=None, ingest_run="r6")
-    assert_table(spark, lake, cfg, rows, extra={8: 8, 9: 9, 10: 10})
+    assert_table(spark, lake, cfg, rows, extra={8: 8, 9: 9, 10: 10, 12: 12})
     assert read_watermark(spark, lake.qualified(cfg.current_table)) == wm
     cl = spark.table(lake.qualified(cfg.changelog_table))
     assert cl.filter(F.col("id") == 11).count() == 0
@@ -181,7 +189,7 @@ def test_avro_sink_bootstrap_toast_and_delete(spark, lake, tmp_root, unique):
     ingest_table(spark, lake, cfg, upto_run=None, ingest_run="a3")
     assert_table(spark, lake, cfg, want)
     wm = read_watermark(spark, lake.qualified(cfg.current_table))
-    assert wm["debezium"]["offsets"][TOPIC] == {"0": 5} and wm["shards"]["s1"]["lsn"] == 750
+    assert wm["debezium"]["offsets"][TOPIC] == {"0": 5} and wm["shards"]["s1"]["lsn"] == 751
 
 
 def write_gz(root, partition, start, lines):
@@ -210,13 +218,13 @@ def test_a_gzip_backlog_is_applied_in_bounded_batches(spark, lake, tmp_root, uni
     write_gz(root, 1, 1, [json_line(ev("c", 1100, 1000, after=base(5, note=big)))])
     write_gz(root, 0, 3, [json_line(ev("d", 1201, 1200, before=key_only(4))), json_line(TOMBSTONE)])
     write_gz(root, 1, 2, [json_line(ev("u", 1300, 1250, after=base(5, note=PLACEHOLDER, ratio=8.5)))])
-    # Run 1 takes partition 0's first file (2 events: the budget); partition 1 is not seen yet, so
-    # the shard's LSN must not move.
+    # Run 1 takes the snapshot's files of both partitions (the lowest position, 999, together),
+    # though partition 0's alone fills the budget: the frontier then moves to 1000.
     ingest_table(spark, lake, cfg, upto_run=None, ingest_run="g1")
-    assert_table(spark, lake, cfg, {2: base(2), 4: base(4)})
+    assert_table(spark, lake, cfg, {1: base(1), 2: base(2), 4: base(4)})
     wm = read_watermark(spark, lake.qualified(cfg.current_table))
-    assert wm["debezium"]["offsets"][TOPIC] == {"0": 2} and wm["shards"]["s1"]["lsn"] == 0
-    # Then one file of each partition per run (round-robin) until nothing is left.
+    assert wm["debezium"]["offsets"][TOPIC] == {"0": 2, "1": 1} and wm["shards"]["s1"]["lsn"] == 1000
+    # Then lowest positions first until nothing more can apply.
     runs = 1
     while True:
         runs += 1
@@ -225,7 +233,116 @@ def test_a_gzip_backlog_is_applied_in_bounded_batches(spark, lake, tmp_root, uni
         if new == wm:
             break
         wm = new
-    assert runs == 5  # g2: p0@2 + p1@0, g3: p0@3 + p1@1, g4: p1@2, g5: nothing left
-    want = {1: base(1), 2: base(2, price=Decimal("7.77")), 5: base(5, note=big, ratio=8.5)}
+    assert runs == 4  # g2: p0@2 + p1@1 (1000), g3: p0@3 (1200) + p1@2 (1250, held), g4: nothing moves
+    # Partition 1's update at 1250 waits: partition 0 delivered nothing past 1200.
+    want = {1: base(1), 2: base(2, price=Decimal("7.77")), 5: base(5, note=big)}
     assert_table(spark, lake, cfg, want)
-    assert wm["debezium"]["offsets"][TOPIC] == {"0": 5, "1": 3} and wm["shards"]["s1"]["lsn"] == 1200
+    assert wm["debezium"]["offsets"][TOPIC] == {"0": 5, "1": 2} and wm["shards"]["s1"]["lsn"] == 1201
+    assert wm["debezium"]["frontier"]["s1"] == {"partition": f"{TOPIC} partition 0", "held": 1}
+    # A transaction over both partitions moves both past it: everything applies (in two runs of
+    # two events: g5 the held 1250, g6 the transaction at 1300, both halves together).
+    write_gz(root, 0, 5, [json_line(ev("u", 1310, 1300, after=base(2, price=Decimal("8.88"))))])
+    write_gz(root, 1, 3, [json_line(ev("u", 1311, 1300, after=base(1, ratio=0.5)))])
+    ingest_table(spark, lake, cfg, upto_run=None, ingest_run="g5")
+    assert read_watermark(spark, lake.qualified(cfg.current_table))["shards"]["s1"]["lsn"] == 1300
+    ingest_table(spark, lake, cfg, upto_run=None, ingest_run="g6")
+    want = {1: base(1, ratio=0.5), 2: base(2, price=Decimal("8.88")), 5: base(5, note=big, ratio=8.5)}
+    assert_table(spark, lake, cfg, want)
+    wm = read_watermark(spark, lake.qualified(cfg.current_table))
+    assert wm["shards"]["s1"]["lsn"] == 1301 and wm["debezium"]["frontier"]["s1"]["held"] == 0
+
+
+def price_total(spark, lake, cfg, consumer: str, total: Decimal) -> Decimal:
+    """One run of a feed consumer that keeps the sum of `price` from before-images: it subtracts
+    a key's row at its offset and adds its row at the range's head."""
+    since, _ = meta_offset(spark, lake, consumer, cfg.current_table)
+    batch = read_changes(spark, lake, cfg, consumer, since, with_before=True)
+    if batch.range.replaces_state:
+        total = Decimal(0)
+    for r in batch.rows.select(FEED_OP_COL, "price", BEFORE_COL).collect():
+        if r[BEFORE_COL] is not None:
+            total -= r[BEFORE_COL]["price"]
+        if r[FEED_OP_COL] == OP_UPSERT:
+            total += r["price"]
+    if batch.range.mode != "noop":
+        commit_meta_offset(spark, lake, batch.range.offset, since)
+    return total
+
+
+def test_a_before_image_consumer_counts_the_last_transaction_of_every_batch(spark, lake, tmp_root, unique):
+    """The watermark of a Debezium batch sits above its last transaction: a change-feed consumer
+    that subtracts before-images counts every transaction once, the last of each batch included,
+    and a quiet table leaves nothing uncounted."""
+    root = tmp_root / f"sink_{unique}"
+    cfg = make_config(
+        f"dbz_feed_{unique}", ["s1"], table="orders",
+        landing={"kind": "debezium_s3", "uri": f"file://{root}", "topic_prefix": "dbz"},
+    )  # fmt: skip
+    rows = {i: base(i) for i in (1, 2, 3, 4)}
+    # The snapshot, then the first transaction after it (no last commit: its own LSN).
+    snap = [json_line(ev("r", 1000, None, after=rows[i], snapshot="true")) for i in rows]
+    rows[2] = base(2, price=Decimal("99.99"))
+    write(root, 0, 0, [*snap, json_line(ev("u", 1010, None, after=rows[2]))])
+    bootstrap_debezium(spark, lake, cfg)
+    consumer, total = f"price_sum_{unique}", Decimal(0)
+
+    def step(run: str) -> None:
+        nonlocal total
+        ingest_table(spark, lake, cfg, upto_run=None, ingest_run=run)
+        total = price_total(spark, lake, cfg, consumer, total)
+        assert total == sum(r["price"] for r in rows.values()), (run, total)
+
+    step("f1")
+    # Two transactions: the last one (a new row) is what a watermark at its position would leave
+    # in no range: counted never, by this consumer.
+    rows[3], rows[5] = base(3, price=Decimal("50.00")), base(5)
+    write(root, 0, 5, [json_line(ev("u", 1110, 1100, after=rows[3])), json_line(ev("c", 1210, 1200, after=rows[5]))])
+    step("f2")
+    step("f3")  # a quiet table: nothing more comes to make up for it
+    write(root, 0, 7, [json_line(ev("d", 1310, 1300, before=key_only(1)))])
+    del rows[1]
+    step("f4")
+
+
+def test_a_partition_behind_holds_back_the_others_until_it_delivers(spark, lake, tmp_root, unique):
+    """With two partitions, changes of one partition above the other's last position wait (that
+    partition may still deliver an older transaction); the next run applies them once it moves
+    past them; nothing is applied twice."""
+    root = tmp_root / f"sink_{unique}"
+    cfg = make_config(
+        f"dbz_hold_{unique}", ["s1"], table="orders",
+        landing={"kind": "debezium_s3", "uri": f"file://{root}", "topic_prefix": "dbz", "partitions": 2},
+    )  # fmt: skip
+    write(root, 0, 0, [json_line(ev("r", 1000, None, after=base(i), snapshot="true")) for i in (2, 4)])
+    write(root, 1, 0, [json_line(ev("r", 1000, None, after=base(i), snapshot="true")) for i in (1, 3)])
+    # Partition 0: transactions at positions 1000 and 1100; partition 1 has not delivered its
+    # transaction at 1050 (between them) yet.
+    write(root, 0, 2, [json_line(ev("u", 1010, 1000, after=base(2, note="a"))),
+                       json_line(ev("u", 1110, 1100, after=base(4, note="b")))])  # fmt: skip
+    bootstrap_debezium(spark, lake, cfg)
+    cur = lake.qualified(cfg.current_table)
+
+    def run(name: str) -> dict:
+        m = ingest_table(spark, lake, cfg, upto_run=None, ingest_run=name)
+        assert json.loads(m["watermark"]) == read_watermark(spark, cur)  # the run's metrics show it
+        return read_watermark(spark, cur)
+
+    wm = run("h1")
+    assert_table(spark, lake, cfg, {i: base(i) for i in (1, 2, 3, 4)})  # the snapshot only
+    assert wm["shards"]["s1"]["lsn"] == 1000 and wm["debezium"]["offsets"][TOPIC] == {"0": 2, "1": 2}
+    assert wm["debezium"]["frontier"]["s1"] == {"partition": f"{TOPIC} partition 1", "held": 2}
+    write(root, 1, 2, [json_line(ev("u", 1060, 1050, after=base(3, note="c")))])
+    wm = run("h2")  # partition 1 moved past 1000: the transaction at 1000 applies; 1100 still waits
+    assert_table(spark, lake, cfg, {1: base(1), 2: base(2, note="a"), 3: base(3, note="c"), 4: base(4)})
+    assert wm["shards"]["s1"]["lsn"] == 1051 and wm["debezium"]["offsets"][TOPIC] == {"0": 3, "1": 3}
+    assert wm["debezium"]["frontier"]["s1"] == {"partition": f"{TOPIC} partition 1", "held": 1}
+    write(root, 1, 3, [json_line(ev("u", 1210, 1200, after=base(1, note="d")))])
+    wm = run("h3")  # partition 1 past 1100: it applies; now partition 0 (last 1100) holds 1200 back
+    assert_table(spark, lake, cfg, {1: base(1), 2: base(2, note="a"), 3: base(3, note="c"), 4: base(4, note="b")})
+    assert wm["shards"]["s1"]["lsn"] == 1101 and wm["debezium"]["offsets"][TOPIC] == {"0": 4, "1": 3}
+    assert wm["debezium"]["frontier"]["s1"] == {"partition": f"{TOPIC} partition 0", "held": 1}
+    assert run("h4") == wm  # a rerun applies nothing and moves nothing
+    cl = spark.table(lake.qualified(cfg.changelog_table)).groupBy("id", "note").count().collect()
+    assert sorted((r["id"], r["note"], r["count"]) for r in cl) == [
+        (1, "note 1", 1), (2, "a", 1), (2, "note 2", 1), (3, "c", 1), (3, "note 3", 1), (4, "b", 1), (4, "note 4", 1),
+    ]  # fmt: skip

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from datetime import UTC, date, datetime
 from decimal import Decimal
 
@@ -12,12 +13,16 @@ from cdc_lakehouse.landing.debezium import (
     DebeziumFormatError,
     SinkFile,
     advance,
+    cut_point,
     file_events,
     file_stats,
+    frontiers,
     pending_files,
     shape_of,
     table_columns,
+    take_below,
     to_text,
+    within_budget,
 )
 
 from tests.fixtures.debezium import (
@@ -209,26 +214,71 @@ def test_pending_files_skip_what_the_offsets_cover():
     assert [f.start for f in pending_files(fs, base, TOPIC, {}, False)] == [0, 3, 5]
 
 
-def test_the_shard_position_waits_for_every_partition():
+def stat(name, events, lo=None, hi=None, records=None, ts="2024-01-01T00:00:00+00:00", heartbeat=None):
+    last = [hi, ts] if events else None
+    return {"name": name, "records": records or events, "events": events, "lo": lo, "hi": hi, "last": last,
+            "late": 0, "heartbeat": heartbeat, "error": None}  # fmt: skip
+
+
+def plan_of(c, wm, files, stats, limit=1000):
+    """The driver's plan without Spark (no file crosses a frontier here, so none is read again)."""
+    chosen = within_budget(files, stats, limit)
+    taken, fronts = take_below(None, shape_of(c), chosen, stats, frontiers(c, wm, files, chosen, stats))
+    return taken, fronts, advance(c, wm, taken, fronts)
+
+
+def test_the_watermark_sits_above_every_applied_event_and_waits_for_every_partition():
     c = cfg(partitions=2)
     wm = {"v": 1, "shards": {"s1": {"lsn": 0, "endpoint": "app_db"}}, "runs": {}}
-    p0 = SinkFile("u0", TOPIC, 0, 0)
-    first = advance(c, wm, [(p0, {"records": 3, "last": [500, "2024-01-01T00:00:00+00:00"], "heartbeat": None})])
-    assert first["shards"]["s1"]["lsn"] == 0  # partition 1 not seen yet: it may hold older transactions
-    assert first["debezium"]["offsets"][TOPIC] == {"0": 3}
-    p1 = SinkFile("u1", TOPIC, 1, 0)
+    snap0, tx0 = SinkFile(f"{TOPIC}+0+0.json", TOPIC, 0, 0), SinkFile(f"{TOPIC}+0+2.json", TOPIC, 0, 2)
+    stats = {snap0.name: stat(snap0.name, 2, 999, 999), tx0.name: stat(tx0.name, 1, 1000, 1000)}
+    # Partition 1 never delivered: it may still hold any transaction, so nothing moves or applies.
+    taken, fronts, first = plan_of(c, wm, [snap0, tx0], stats)
+    assert taken == [] and first["shards"]["s1"]["lsn"] == 0
+    assert first["debezium"]["frontier"]["s1"] == {"partition": f"{TOPIC} partition 1 (never delivered)", "held": 3}
+    # Partition 1 delivers its snapshot row: the frontier is one above its last position (999 is
+    # the commit before the next transaction: that one's position is higher), so partition 0's
+    # transaction at 1000 waits, the snapshot rows below it apply.
+    snap1 = SinkFile(f"{TOPIC}+1+0.json", TOPIC, 1, 0)
     hb = SinkFile("h", "__debezium-heartbeat.dbz", 0, 0, heartbeat=True)
-    second = advance(
-        c,
-        first,
-        [
-            (p1, {"records": 2, "last": [300, "2023-12-31T00:00:00+00:00"], "heartbeat": None}),
-            (hb, {"records": 1, "last": None, "heartbeat": 1_704_153_600_000}),
-        ],
-    )
-    assert second["shards"]["s1"]["lsn"] == 300  # the lowest partition's last commit
-    assert second["shards"]["s1"]["ts"] == "2024-01-02T00:00:00+00:00"  # the heartbeat is newer
-    assert second["debezium"]["offsets"]["__debezium-heartbeat.dbz"] == {"0": 1}
+    stats |= {snap1.name: stat(snap1.name, 1, 999, 999), "h": stat("h", 0, records=1, heartbeat=1_904_153_600_000)}
+    taken, fronts, second = plan_of(c, first, [snap0, tx0, snap1, hb], stats)
+    assert sorted(t.file.name for t in taken if not t.file.heartbeat) == [snap0.name, snap1.name]
+    assert second["shards"]["s1"]["lsn"] == 1000
+    assert second["debezium"]["offsets"][TOPIC] == {"0": 2, "1": 1}
+    assert second["debezium"]["frontier"]["s1"] == {"partition": f"{TOPIC} partition 1", "held": 1}
+    assert second["shards"]["s1"]["ts"] == "2024-01-01T00:00:00+00:00"  # not the heartbeat's: an event waits
+    # Partition 1 moves past it: the held transaction applies, the watermark is one above it, and
+    # with nothing waiting the heartbeat makes the shard fresh.
+    tx1 = SinkFile(f"{TOPIC}+1+1.json", TOPIC, 1, 1)
+    stats[tx1.name] = stat(tx1.name, 1, 1200, 1200)
+    tx0_again = SinkFile(tx0.uri, TOPIC, 0, 2, skip_below=2)
+    taken, fronts, third = plan_of(c, second, [tx0_again, tx1, hb], stats)
+    assert third["shards"]["s1"]["lsn"] == 1001  # partition 0 is now the one behind (its last is 1000)
+    assert [t.file.name for t in taken if t.events] == [tx0.name]
+    assert third["debezium"]["frontier"]["s1"] == {"partition": f"{TOPIC} partition 0", "held": 1}
+    one_partition = cfg()
+    _taken, _fronts, alone = plan_of(one_partition, wm, [snap0, tx0, hb], stats)
+    assert alone["shards"]["s1"]["lsn"] == 1001 and alone["debezium"]["frontier"]["s1"]["held"] == 0
+    assert alone["shards"]["s1"]["ts"] == "2030-05-04T19:33:20+00:00"  # nothing waits: the heartbeat counts
+
+
+def test_a_file_is_cut_at_the_frontier_and_late_events_sit_at_the_watermark():
+    lines = [json_line(ev("u", lsn=1010, last_commit=1000, after=ROW)), json_line(TOMBSTONE),
+             json_line(ev("u", lsn=1011, last_commit=1000, after=ROW)),
+             json_line(ev("u", lsn=1210, last_commit=1200, after=ROW))]  # fmt: skip
+    data = "".join(x + "\n" for x in lines).encode()
+    sf = SinkFile(f"file:///x/{TOPIC}+0+0000000040.json", TOPIC, 0, 40)
+    assert cut_point(shape_of(cfg()), sf, data, 1001) == {
+        "name": sf.name, "at": 43, "events": 2, "last": [1000, "2023-11-14T22:13:20.123000+00:00"], "held": 1,
+    }  # fmt: skip
+    assert [r[4][6] for r in file_events(shape_of(cfg()), replace(sf, stop_at=43), data)] == [1000, 1000]
+    # The rest of a transaction whose first part an earlier batch applied (the watermark moved
+    # past its position): placed at the watermark, counted as late.
+    late = replace(sf, floor=1001)
+    assert [r[4][6:8] for r in file_events(shape_of(cfg()), late, data)] == [(1001, 1010), (1001, 1011), (1200, 1210)]
+    stats = file_stats(shape_of(cfg()), late, data)
+    assert (stats["lo"], stats["hi"], stats["late"], stats["records"]) == (1001, 1200, 2, 4)
 
 
 def test_config_needs_uri_and_prefix_and_capture_dags_skip_debezium_tables():
@@ -267,17 +317,20 @@ def test_gzip_objects_read_like_plain_json():
     assert FILE_RE.match(f"{TOPIC}+0+0000000042.json.gz")["start"] == "0000000042"
 
 
-def test_a_backlog_is_cut_into_per_partition_prefixes_round_robin():
-    from cdc_lakehouse.landing.debezium import within_budget
-
+def test_a_backlog_is_taken_lowest_position_first_in_per_partition_prefixes():
     p0 = [SinkFile(f"u/{TOPIC}+0+{s}.json", TOPIC, 0, s) for s in (0, 10, 20)]
     p1 = [SinkFile(f"u/{TOPIC}+1+{s}.json", TOPIC, 1, s) for s in (0, 10)]
     hb = SinkFile("u/__debezium-heartbeat.dbz+0+0.json", "__debezium-heartbeat.dbz", 0, 0, heartbeat=True)
     files = [*p0, *p1, hb]
-    stats = {f.name: {"events": 10} for f in files}
+    lows = {p0[0].name: 100, p0[1].name: 300, p0[2].name: 500, p1[0].name: 200, p1[1].name: 400}
+    stats = {f.name: {"events": 0 if f.heartbeat else 10, "lo": lows.get(f.name)} for f in files}
     got = within_budget(files, stats, 25)
-    # Heartbeats always; then p0[0], p1[0], p0[1] (30 >= 25): a prefix of each partition.
+    # Heartbeats always; then p0[0] (100), p1[0] (200), p0[1] (300): 30 >= 25, a prefix of each partition.
     assert [f.name for f in got] == [hb.name, p0[0].name, p1[0].name, p0[1].name]
     # One file at least, even over the budget; everything when it fits.
     assert [f.name for f in within_budget(files, stats, 1)] == [hb.name, p0[0].name]
     assert len(within_budget(files, stats, 1000)) == len(files)
+    # Files at the lowest position all go together: one transaction over both partitions is never
+    # taken half, which would leave the batch nothing below its frontier to apply.
+    stats[p1[0].name]["lo"] = 100
+    assert [f.name for f in within_budget(files, stats, 1)] == [hb.name, p0[0].name, p1[0].name]

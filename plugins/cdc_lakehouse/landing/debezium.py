@@ -14,7 +14,9 @@ This module turns those files into exactly the landing events of our own capture
 are unchanged. The pure conversion (record -> event row) runs on the executors; the planner runs
 on the driver, stages the batch's events as landing Parquet (read by the ingest like our capture's
 files) and keeps, in the table's watermark under `debezium`, the next Kafka offset of every topic
-partition (a rerun skips what is below it) and each partition's last commit position.
+partition (a rerun skips what is below it), each partition's last position and, per shard, the
+partition that holds its frontier. A shard's watermark sits strictly above every event applied
+and at or below every event not applied (`frontiers`), as our capture's does.
 
 Pure Python at import time: pyspark and fastavro are imported inside the functions that need them.
 """
@@ -29,7 +31,7 @@ import math
 import re
 import struct
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, date, datetime, time, timedelta
 from decimal import Decimal
 from typing import TYPE_CHECKING, Any
@@ -275,7 +277,10 @@ def row_texts(schema: dict[str, Any], row: dict[str, Any] | None, placeholder: s
 
 @dataclass(frozen=True)
 class SinkFile:
-    """One object of the S3 sink; records at offsets below `skip_below` are already applied."""
+    """One object of the S3 sink; records at offsets below `skip_below` are already applied, those
+    from `stop_at` on are held back for a later batch (above the shard's frontier, `frontiers`).
+    `floor` is the shard's watermark: an event whose position is below it is placed at it
+    (`_offset_events`)."""
 
     uri: str
     topic: str
@@ -283,6 +288,8 @@ class SinkFile:
     start: int
     skip_below: int = 0
     heartbeat: bool = False
+    floor: int = 0
+    stop_at: int | None = None
 
     @property
     def name(self) -> str:
@@ -397,8 +404,10 @@ def commit_position(src: dict[str, Any], op: str, offset: int, partition: int) -
 
     Streamed changes: source.sequence is [last commit LSN, event LSN]; the last commit LSN is the
     same for every change of a transaction and grows with commit order, so it stands for the
-    transaction's commit (the first transaction after a start has none: its event LSN). seq is
-    the event LSN (changes of a transaction in WAL order). Snapshot ('r') rows all carry the
+    transaction's commit (the first transaction after a start has none: its event LSN). It is the
+    commit of the transaction *before* this one (Debezium updates it at each COMMIT), so a
+    watermark covers the transaction at position P only from P + 1 on (`frontiers`). seq is the
+    event LSN (changes of a transaction in WAL order). Snapshot ('r') rows all carry the
     snapshot's LSN: they sort just before it, seq from their Kafka position."""
     lsn = int(src["lsn"])
     if op == "r" or src.get("snapshot") not in (None, "false", False):
@@ -433,23 +442,55 @@ def event_row(shape: Shape, sf: SinkFile, offset: int, schema: dict, payload: di
     return (op, before, after, unavailable or None, source, st.schemas[skey], payload.get("ts_ms"), sf.name)
 
 
-def file_events(shape: Shape, sf: SinkFile, data: bytes) -> Iterator[tuple]:
-    """The landing event rows of one sink file, from its `skip_below` offset on (tombstones and
-    records already applied are left out)."""
+def _offset_events(shape: Shape, sf: SinkFile, data: bytes) -> Iterator[tuple[int, tuple, bool]]:
+    """(offset, landing event row, placed at the floor) of the file's events from `skip_below` up
+    to `stop_at` (tombstones and records already applied are left out).
+
+    An event whose position is below the shard's watermark (`sf.floor`) is placed at it: the
+    offsets say it was never applied, but the ingest drops events below the watermark as applied
+    and a change-feed range closed at that watermark would never show it. That happens to the
+    rest of a transaction the sink split across objects flushed at different times (the first
+    part was applied and the watermark moved past its position) and to incremental-snapshot
+    reads. At the watermark it sorts after everything applied before and before every later
+    transaction (whose position is at least the watermark), so per key the order is kept."""
     st = FileState()
     for pos, (schema, payload) in enumerate(records(data, shape.fmt, f"{shape.table_name}: {sf.uri}")):
         offset = sf.start + pos
+        if sf.stop_at is not None and offset >= sf.stop_at:
+            return
         if offset < sf.skip_below or payload is None or sf.heartbeat:
             continue
         row = event_row(shape, sf, offset, schema, payload, st)
-        if row is not None:
-            yield row
+        if row is None:
+            continue
+        late = row[4][6] < sf.floor
+        yield offset, (_at_floor(row, sf.floor) if late else row), late
+
+
+def _at_floor(row: tuple, floor: int) -> tuple:
+    source = row[4]
+    return (*row[:4], (*source[:6], floor, *source[7:]), *row[5:])
+
+
+def file_events(shape: Shape, sf: SinkFile, data: bytes) -> Iterator[tuple]:
+    """The landing event rows of one sink file, from its `skip_below` offset up to `stop_at`."""
+    for _offset, row, _late in _offset_events(shape, sf, data):
+        yield row
+
+
+def _last(last: list | None, row: tuple) -> list:
+    """[highest position, commit time of the latest event]: what the watermark keeps of a partition."""
+    at = row[4][6]
+    return [at if last is None else max(at, last[0]), row[4][10].isoformat()]
 
 
 def file_stats(shape: Shape, sf: SinkFile, data: bytes) -> dict[str, Any]:
-    """What the planner needs of a file: its record count (offsets it covers), the last commit
-    position and time of its events, the latest heartbeat; a conversion error as text."""
-    out: dict[str, Any] = {"name": sf.name, "records": 0, "events": 0, "last": None, "heartbeat": None, "error": None}
+    """What the planner needs of a file: its record count (offsets it covers), its events' lowest
+    and highest position (`lo`, `hi`), `last` (the highest position, the last event's commit
+    time), how many were placed at the floor (`late`), the latest heartbeat; a conversion error
+    as text."""
+    out: dict[str, Any] = {"name": sf.name, "records": 0, "events": 0, "lo": None, "hi": None, "last": None}
+    out.update(late=0, heartbeat=None, error=None)
     try:
         if sf.heartbeat:
             for _schema, payload in records(data, shape.fmt, f"{shape.table_name}: {sf.uri}"):
@@ -458,11 +499,28 @@ def file_stats(shape: Shape, sf: SinkFile, data: bytes) -> dict[str, Any]:
                     out["heartbeat"] = max(out["heartbeat"] or 0, int(payload["ts_ms"]))
             return out
         out["records"] = sum(1 for _ in records(data, shape.fmt, f"{shape.table_name}: {sf.uri}"))
-        for row in file_events(shape, sf, data):
-            out["last"] = [row[4][6], row[4][10].isoformat()]
-            out["events"] += 1
+        for _offset, row, late in _offset_events(shape, sf, data):
+            at = row[4][6]
+            out["lo"] = at if out["lo"] is None else min(out["lo"], at)
+            out["hi"] = at if out["hi"] is None else max(out["hi"], at)
+            out["last"], out["events"], out["late"] = _last(out["last"], row), out["events"] + 1, out["late"] + late
     except (DebeziumFormatError, ValueError, KeyError, TypeError) as exc:
         out["error"] = f"{exc}" if isinstance(exc, DebeziumFormatError) else f"{shape.table_name}: {sf.uri}: {exc!r}"
+    return out
+
+
+def cut_point(shape: Shape, sf: SinkFile, data: bytes, frontier: int) -> dict[str, Any]:
+    """Where a file crosses its shard's frontier: the offset of its first event at or above it
+    (`at`, None when there is none), the events before it and the last one's position, and how
+    many events from it on are held back."""
+    out: dict[str, Any] = {"name": sf.name, "at": None, "events": 0, "last": None, "held": 0}
+    for offset, row, _late in _offset_events(shape, sf, data):
+        if out["at"] is None and row[4][6] >= frontier:
+            out["at"] = offset
+        if out["at"] is None:
+            out["events"], out["last"] = out["events"] + 1, _last(out["last"], row)
+        else:
+            out["held"] += 1
     return out
 
 
@@ -501,22 +559,30 @@ def pending_files(fs: HadoopFS, base: str, topic: str, committed: dict[str, int]
 
 def within_budget(files: list[SinkFile], stats: dict[str, dict[str, Any]], limit: int) -> list[SinkFile]:
     """The files of one batch: every heartbeat file, and of each topic partition a prefix in
-    offset order, taken round-robin across partitions until `limit` events (at least one file).
-    Any per-partition prefix is a consistent batch: the offsets record exactly what was applied,
-    and a shard's LSN waits for its slowest partition (advance); the next run goes on from there.
-    Round-robin keeps the partitions level, so that shard LSN keeps moving during a backlog."""
+    offset order, taken lowest position first across partitions until `limit` events (at least
+    one file). The batch applies only what lies below its shard's frontier (`frontiers`), which
+    the lowest position not taken bounds: taking in position order keeps that frontier moving
+    during a backlog, and files at the lowest position are all taken (a transaction spread over
+    several partitions or files), so a batch never takes only what it must then hold back."""
     queues: dict[tuple[str, int], list[SinkFile]] = {}
     for f in files:
         if not f.heartbeat:
             queues.setdefault((f.topic, f.partition), []).append(f)
-    chosen, total, taken = [f for f in files if f.heartbeat], 0, 0
-    while any(queues.values()) and (total < limit or not taken):
-        for q in queues.values():
-            if q and (total < limit or not taken):
-                f = q.pop(0)
-                chosen.append(f)
-                taken += 1
-                total += stats[f.name]["events"]
+
+    def head(q: list[SinkFile]) -> int:  # objects without events first: they cost nothing
+        lo = stats[q[0].name].get("lo")
+        return -1 if lo is None else lo
+
+    chosen, total, lowest = [f for f in files if f.heartbeat], 0, None
+    while any(queues.values()):
+        q = min((q for q in queues.values() if q), key=head)
+        if lowest is not None and total >= limit and head(q) > lowest:
+            break
+        f = q.pop(0)
+        chosen.append(f)
+        total += stats[f.name]["events"]
+        if lowest is None and stats[f.name].get("lo") is not None:
+            lowest = stats[f.name]["lo"]
     left = sum(len(q) for q in queues.values())
     if left:
         log.info(
@@ -548,8 +614,8 @@ def _binary_files(spark: SparkSession, files: list[SinkFile]):
 def plan_debezium(spark: SparkSession, lake, cfg: TableConfig, watermark: dict[str, Any]) -> DebeziumPlan:
     """The sink objects above the table's committed Kafka offsets, converted into landing events
     (Parquet in the landing format, under `<landing>/_debezium/<table>/`), and the watermark
-    after them. The rest of the ingest reads those files like our own capture's."""
-    src = cfg.landing
+    after them: each shard at its frontier, and only the events below it applied (`frontiers`).
+    The rest of the ingest reads those files like our own capture's."""
     shards_wm = watermark.get("shards", {})
     missing = [shard for _, _, shard in cfg.shards() if shard not in shards_wm]
     if missing:
@@ -557,13 +623,47 @@ def plan_debezium(spark: SparkSession, lake, cfg: TableConfig, watermark: dict[s
             f"{cfg.name}: shard(s) {missing} have no watermark; run the bootstrap (cdc_bootstrap__{cfg.name}), "
             "which for a Debezium-fed table creates the tables and loads the connector's snapshot events"
         )
-    fs, base = HadoopFS(spark), spark_uri(str(src.uri).rstrip("/")) + "/" + src.topics_dir
-    offsets = watermark.get(WM_KEY, {}).get("offsets", {})
     shape = shape_of(cfg)
-    files = [f for topic, _ in shape.endpoints for f in pending_files(fs, base, topic, offsets.get(topic, {}), False)]
+    files = listed_files(HadoopFS(spark), cfg, shape, watermark)
+    stats = read_stats(spark, HadoopFS(spark), shape, files)
+    chosen = within_budget(files, stats, cfg.ingest.max_events_per_run)
+    fronts = frontiers(cfg, watermark, files, chosen, stats)
+    taken, fronts = take_below(spark, shape, chosen, stats, fronts)
+    report(cfg, fronts, [stats[t.file.name] for t in taken])
+    new_wm = advance(cfg, watermark, taken, fronts)
+    # Only files with events to apply are staged: a rerun re-lists each partition's last file (it
+    # may have grown), and an empty batch goes the quiet-shard way (the watermark only).
+    events = [t.file for t in taken if not t.file.heartbeat and t.events]
+    staged = stage_events(spark, lake, cfg, events) if events else []
+    manifests = [{"run_id": f.name} for f in events] + heartbeat_manifests(cfg, new_wm, chosen)
+    return DebeziumPlan(manifests, staged, new_wm, sink_files=events)
+
+
+def topic_shards(cfg: TableConfig) -> dict[str, str]:
+    """Table topic -> the shard it feeds (one topic per server, schema and table)."""
+    return {table_topic(cfg.landing, g.conn_id, schema, cfg.source.table): shard for g, schema, shard in cfg.shards()}
+
+
+def listed_files(fs: HadoopFS, cfg: TableConfig, shape: Shape, watermark: dict[str, Any]) -> list[SinkFile]:
+    """Every object above the committed offsets: the table topics' (each with its shard's
+    watermark as the floor of its events' positions) and the heartbeat topics'."""
+    src = cfg.landing
+    base = spark_uri(str(src.uri).rstrip("/")) + "/" + src.topics_dir
+    offsets = watermark.get(WM_KEY, {}).get("offsets", {})
+    floors = {topic: watermark["shards"][shard]["lsn"] for topic, shard in topic_shards(cfg).items()}
+    files = [
+        replace(f, floor=floors[topic])
+        for topic, _ in shape.endpoints
+        for f in pending_files(fs, base, topic, offsets.get(topic, {}), False)
+    ]
     for prefix in sorted({src.prefix_for(g.conn_id) for g in cfg.source.shards}):
         topic = heartbeat_topic(prefix)
         files += pending_files(fs, base, topic, offsets.get(topic, {}), True)
+    return files
+
+
+def read_stats(spark: SparkSession, fs: HadoopFS, shape: Shape, files: list[SinkFile]) -> dict[str, dict[str, Any]]:
+    """file_stats of every listed object, by name; conversion errors stop the table here."""
     tables = [f for f in files if not f.heartbeat]
     stats = _binary_files(spark, tables).map(lambda fd: file_stats(shape, fd[0], fd[1])).collect() if tables else []
     # Heartbeat topics start with '_', which Hadoop's input formats treat as hidden: read on the driver.
@@ -571,15 +671,148 @@ def plan_debezium(spark: SparkSession, lake, cfg: TableConfig, watermark: dict[s
     errors = [s["error"] for s in stats if s["error"]]
     if errors:
         raise DebeziumFormatError("\n".join(sorted(set(errors))))
-    by_name = {s["name"]: s for s in stats}
-    files = within_budget(files, by_name, cfg.ingest.max_events_per_run)
-    new_wm = advance(cfg, watermark, [(f, by_name[f.name]) for f in files])
-    # Only files with events to apply are staged: a rerun re-lists each partition's last file (it
-    # may have grown), and an empty batch goes the quiet-shard way (the watermark only).
-    events = [f for f in files if not f.heartbeat and by_name[f.name]["events"]]
-    staged = stage_events(spark, lake, cfg, events) if events else []
-    manifests = [{"run_id": f.name} for f in events] + heartbeat_manifests(cfg, new_wm, files)
-    return DebeziumPlan(manifests, staged, new_wm, sink_files=events)
+    return {s["name"]: s for s in stats}
+
+
+# --- the frontier: where a shard's watermark may go ---------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Frontier:
+    """Where a shard's watermark goes with this batch (`lsn`: every event below it applied, none
+    at or above it), the partition that holds it there, and what waits: `held` events the batch
+    read but holds back (at or above the frontier), `left` events of files the budget left out.
+    `delivered` is False while a partition of the topic never delivered: the shard cannot move."""
+
+    shard: str
+    topic: str
+    lsn: int
+    holder: str
+    delivered: bool
+    held: int = 0
+    left: int = 0
+
+
+def partition_low(files: list[SinkFile], picked: set[str], stats: dict[str, dict[str, Any]], last) -> int | None:
+    """The lowest position a partition may still deliver after this batch: its first event the
+    batch does not take; else one above the highest it ever delivered (Debezium's position is the
+    previous transaction's commit, shared by a whole transaction, so the next transaction's is
+    higher: +1 covers the last one delivered). None when it never delivered anything."""
+    rest = [stats[f.name]["lo"] for f in files if f.name not in picked and stats[f.name]["events"]]
+    if rest:
+        return min(rest)
+    seen = [stats[f.name]["hi"] for f in files if stats[f.name]["events"]] + ([last[0]] if last else [])
+    return max(seen) + 1 if seen else None
+
+
+def frontiers(
+    cfg: TableConfig, watermark: dict[str, Any], files: list[SinkFile], chosen: list[SinkFile], stats
+) -> dict[str, Frontier]:
+    """Per table topic, its shard's frontier: the lowest `partition_low` of its partitions (within
+    a partition events arrive in commit order; across partitions they do not, so a partition
+    behind the others holds them back), never below the shard's watermark. The watermark then
+    means exactly what it means for our capture: every transaction below it is in the table,
+    none at or above it, and every changelog row lies in one range between two watermarks."""
+    last = watermark.get(WM_KEY, {}).get("last", {})
+    picked = {f.name for f in chosen}
+    out = {}
+    for topic, shard in topic_shards(cfg).items():
+        mine = [f for f in files if f.topic == topic]
+        parts = sorted(set(range(cfg.landing.partitions)) | {f.partition for f in mine})
+        seen = last.get(topic, {})
+        lows = {p: partition_low([f for f in mine if f.partition == p], picked, stats, seen.get(str(p))) for p in parts}
+        left = sum(stats[f.name]["events"] for f in mine if f.name not in picked)
+        out[topic] = frontier_of(shard, topic, watermark["shards"][shard]["lsn"], lows, left)
+    return out
+
+
+def frontier_of(shard: str, topic: str, lsn: int, lows: dict[int, int | None], left: int) -> Frontier:
+    never = [p for p, low in lows.items() if low is None]
+    if never:
+        return Frontier(shard, topic, lsn, f"{topic} partition {never[0]} (never delivered)", False, left=left)
+    p = min(lows, key=lambda q: lows[q])  # `lows` in partition order: a tie names the lowest partition
+    return Frontier(shard, topic, max(lsn, lows[p]), f"{topic} partition {p}", True, left=left)
+
+
+@dataclass(frozen=True)
+class Taken:
+    """What a batch takes of one sink object: its records up to `end` (the partition's next
+    offset), `events` of them, `last` [highest position, latest commit time]; for a heartbeat
+    object its newest beat (ms)."""
+
+    file: SinkFile
+    end: int
+    events: int = 0
+    last: list | None = None
+    heartbeat: int | None = None
+
+
+def take_below(
+    spark: SparkSession, shape: Shape, chosen: list[SinkFile], stats, fronts: dict[str, Frontier]
+) -> tuple[list[Taken], dict[str, Frontier]]:
+    """The part of each chosen object below its shard's frontier, and the frontiers with the
+    events held back counted. Per partition that is a prefix in offset order: the first event at
+    or above the frontier and everything after it wait (the partition's committed offset stays
+    at that event, so the next run reads it again); a file crossing the frontier is cut at it."""
+    taken = [
+        Taken(f, f.start + stats[f.name]["records"], heartbeat=stats[f.name]["heartbeat"])
+        for f in chosen
+        if f.heartbeat
+    ]
+    held: dict[str, int] = {}
+    crossing = []
+    by_part: dict[tuple[str, int], list[SinkFile]] = {}
+    for f in chosen:
+        if not f.heartbeat:
+            by_part.setdefault((f.topic, f.partition), []).append(f)
+    for (topic, _p), part in by_part.items():
+        w = fronts[topic].lsn
+        for i, f in enumerate(part):
+            s = stats[f.name]
+            if s["events"] and s["hi"] >= w:  # this file reaches the frontier: the rest of the partition waits
+                crosses = s["lo"] < w
+                crossing += [f] if crosses else []
+                waiting = part[i + 1 :] if crosses else part[i:]
+                held[topic] = held.get(topic, 0) + sum(stats[g.name]["events"] for g in waiting)
+                break
+            taken.append(Taken(f, f.start + s["records"], s["events"], s["last"]))
+    for c in cut_points(spark, shape, crossing, fronts):
+        f = next(f for f in crossing if f.name == c["name"])
+        at = c["at"] if c["at"] is not None else f.start + stats[f.name]["records"]
+        taken.append(Taken(replace(f, stop_at=at), at, c["events"], c["last"]))
+        held[f.topic] = held.get(f.topic, 0) + c["held"]
+    return taken, {t: replace(fr, held=held.get(t, 0)) for t, fr in fronts.items()}
+
+
+def cut_points(spark: SparkSession, shape: Shape, files: list[SinkFile], fronts: dict[str, Frontier]) -> list[dict]:
+    """cut_point of each file that crosses its shard's frontier (read again on the executors:
+    only such files, at most one per partition)."""
+    if not files:
+        return []
+    w = {t: fr.lsn for t, fr in fronts.items()}
+    return _binary_files(spark, files).map(lambda fd: cut_point(shape, fd[0], fd[1], w[fd[0].topic])).collect()
+
+
+def report(cfg: TableConfig, fronts: dict[str, Frontier], taken_stats: list[dict[str, Any]]) -> None:
+    """Say what waits and why: events held back above a shard's frontier, and which partition
+    holds it (the watermark's `debezium.frontier` keeps the same, so the run's metrics show it);
+    events placed at the watermark (`_offset_events`)."""
+    for fr in fronts.values():
+        if fr.held:
+            log.warning(
+                "debezium %s: shard %s: %d event(s) held back at or above position %d, held there by %s: a partition "
+                "behind the others may still deliver older transactions. Use one partition per table topic, or keep "
+                "every partition flowing (docs/debezium.md, Positions)",
+                cfg.name, fr.shard, fr.held, fr.lsn, fr.holder,
+            )  # fmt: skip
+    late = sum(s["late"] for s in taken_stats)
+    if late:
+        log.warning(
+            "debezium %s: %d event(s) below their shard's watermark (the rest of a transaction the sink split across "
+            "objects flushed at different times, or incremental-snapshot reads) are applied at the watermark",
+            cfg.name,
+            late,
+        )
 
 
 def stage_events(spark: SparkSession, lake, cfg: TableConfig, events: list[SinkFile]) -> list[str]:
@@ -613,34 +846,41 @@ def heartbeat_manifests(cfg: TableConfig, new_wm: dict[str, Any], files: list[Si
     return out
 
 
-def advance(cfg: TableConfig, watermark: dict[str, Any], done: list[tuple[SinkFile, dict[str, Any]]]) -> dict:
-    """The watermark once `done` is applied: every partition's next offset and last commit
-    position; a shard's LSN moves to the lowest last position of its topic's partitions (a
-    partition behind the others may still deliver older transactions), once all of them were seen;
-    a heartbeat newer than the shard's time makes it that fresh."""
+def advance(cfg: TableConfig, watermark: dict[str, Any], taken: list[Taken], fronts: dict[str, Frontier]) -> dict:
+    """The watermark once `taken` is applied: every partition's next offset and last position,
+    each shard at its frontier (with the newest commit time applied), `debezium.frontier` saying
+    per shard which partition holds it and how many events wait above it. A heartbeat newer than
+    a shard's time makes it that fresh, only when nothing of the shard waits."""
     new = json.loads(json.dumps(watermark))
     st = new.setdefault(WM_KEY, {})
     offsets, last, beats = st.setdefault("offsets", {}), st.setdefault("last", {}), st.setdefault("heartbeats", {})
-    for f, s in sorted(done, key=lambda fs: (fs[0].topic, fs[0].partition, fs[0].start)):
+    for t in sorted(taken, key=lambda t: (t.file.topic, t.file.partition, t.file.start)):
+        f, p = t.file, str(t.file.partition)
         po = offsets.setdefault(f.topic, {})
-        po[str(f.partition)] = max(po.get(str(f.partition), 0), f.start + s["records"])
-        if s["last"]:
-            last.setdefault(f.topic, {})[str(f.partition)] = s["last"]
-        if s["heartbeat"]:
+        po[p] = max(po.get(p, 0), t.end)
+        prev = last.get(f.topic, {}).get(p)
+        if t.last and (prev is None or t.last[0] >= prev[0]):
+            last.setdefault(f.topic, {})[p] = t.last
+        if t.heartbeat:
             prefix = f.topic[len(heartbeat_topic("")) :]
-            beat = (EPOCH.replace(tzinfo=UTC) + timedelta(milliseconds=s["heartbeat"])).isoformat()
+            beat = (EPOCH.replace(tzinfo=UTC) + timedelta(milliseconds=t.heartbeat)).isoformat()
             beats[prefix] = max(beats.get(prefix, beat), beat)
-    for g, schema, shard in cfg.shards():
+    shown = st.setdefault("frontier", {})
+    for g, _schema, shard in cfg.shards():
+        fr = next(fr for fr in fronts.values() if fr.shard == shard)
         pos = new["shards"][shard]
-        parts = last.get(table_topic(cfg.landing, g.conn_id, schema, cfg.source.table), {})
-        if len(parts) >= cfg.landing.partitions:
-            commit, ts = min(parts.values())
-            if commit > pos["lsn"]:
-                pos.update(lsn=commit, ts=ts)
+        if fr.lsn > pos["lsn"]:
+            pos.update(lsn=fr.lsn, ts=_newest(pos.get("ts"), *(ts for _, ts in last.get(fr.topic, {}).values())))
         beat = beats.get(cfg.landing.prefix_for(g.conn_id))
-        if beat and (not pos.get("ts") or datetime.fromisoformat(beat) > datetime.fromisoformat(pos["ts"])):
-            pos["ts"] = beat
+        if beat and fr.delivered and not fr.held and not fr.left:
+            pos["ts"] = _newest(pos.get("ts"), beat)
+        shown[shard] = {"partition": fr.holder, "held": fr.held}
     return new
+
+
+def _newest(*times: str | None) -> str | None:
+    known = [t for t in times if t]
+    return max(known, key=datetime.fromisoformat) if known else None
 
 
 def read_debezium(spark: SparkSession, cfg: TableConfig, files: list[SinkFile]) -> DataFrame:
