@@ -1,4 +1,5 @@
-"""What is secret (cdc_lakehouse.secrecy): by origin, names only as a safety net; redact()."""
+"""What is secret (cdc_lakehouse.secrecy): by origin, names only as a safety net; one definition
+for the settings, the Spark session's builder, the operator's check and redact()."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ from urllib.parse import quote
 
 import pytest
 from cdc_lakehouse.orchestration.alerts import redact
+from cdc_lakehouse.runtime.session import builder_settings, spark_conf
 from cdc_lakehouse.secrecy import Secret, find_secrets, secrets_in_value
+from cdc_lakehouse.settings import LakeSettings, S3Credentials
 
 S = "S3cr3t-vAlue"  # the part of each input that must not survive
 
@@ -102,3 +105,64 @@ def test_inner_secrets_of_a_secret_variable():
     assert find_secrets(['{"catalog_properties": {"a": "1", "header.X-Tenant": "Tv-789"}}'], found) == [
         "CDC_CATALOG_SECRET_PROPERTIES [header.X-Tenant]"
     ]
+
+
+def lake_with_a_marked_property() -> LakeSettings:
+    return LakeSettings(
+        catalog_uri="postgresql://cat@h:5432/lake",
+        warehouse="s3://b/w",
+        landing_uri="s3://b/l",
+        catalog_password="Cat-pw-value",
+        catalog_properties={"cache-enabled": "false", "header.X-Api-Key": "Api-value-1"},
+        secret_catalog_properties={"header.X-Tenant": "Tenant-value-1"},
+        s3_credentials=S3Credentials("AKIAX", "Aws-secret-1"),
+    )
+
+
+def test_settings_decide_by_origin():
+    lake = lake_with_a_marked_property()
+    public = lake.public_env()["CDC_LAKE_SETTINGS"]
+    for value in ("Tenant-value-1", "Api-value-1", "Cat-pw-value", "Aws-secret-1"):
+        assert value not in public and value not in repr(lake)
+    assert json.loads(public)["catalog_properties"] == {"cache-enabled": "false"}
+    assert "header.X-Tenant" in repr(lake)  # its name is public, its value is not
+    assert LakeSettings.from_env({**lake.public_env(), **lake.secret_env()}) == lake
+
+
+def test_the_session_builder_gets_no_secret():
+    lake = lake_with_a_marked_property()
+    builder, live = builder_settings(spark_conf(lake))
+    assert not [k for k, v in builder.items() if any(x in v for x in ("Tenant-value", "Api-value", "pw-value"))]
+    assert {
+        "spark.sql.catalog.lake.header.X-Tenant",
+        "spark.sql.catalog.lake.header.X-Api-Key",
+        "spark.sql.catalog.lake.jdbc.password",
+        "spark.sql.catalog.lake.s3.secret-access-key",
+        "spark.hadoop.fs.s3a.secret.key",
+    } <= set(live)
+    # Spark redacts the innocently named key too (its UI's SQL pages list live-set settings).
+    assert "spark\\.sql\\.catalog\\.lake\\.header\\.X\\-Tenant" in builder["spark.redaction.regex"]
+    assert builder["spark.sql.catalog.lake.cache-enabled"] == "false"
+
+
+@pytest.mark.parametrize(
+    "settings,error",
+    [
+        ({"catalog_password": "x"}, "CDC_CATALOG_PASSWORD"),
+        ({"secret_catalog_properties": {"a": "b"}}, "CDC_CATALOG_SECRET_PROPERTIES"),
+        ({"catalog_properties": {"rest.token": "b"}}, "catalog_properties.rest.token"),
+    ],
+)
+def test_public_settings_with_a_secret_are_refused(settings, error):
+    env = {"CDC_LAKE_SETTINGS": json.dumps({"warehouse": "w", "landing_uri": "l", **settings})}
+    with pytest.raises(ValueError, match=error):
+        LakeSettings.from_env(env)
+
+
+def test_a_password_in_the_catalog_uri_or_a_property_given_twice_is_refused():
+    with pytest.raises(ValueError, match="catalog_uri holds a password"):
+        LakeSettings(catalog_uri="postgresql://u:pw@h/db", warehouse="w", landing_uri="l")
+    with pytest.raises(ValueError, match="both"):
+        LakeSettings(
+            warehouse="w", landing_uri="l", catalog_properties={"a": "1"}, secret_catalog_properties={"a": "2"}
+        )
