@@ -3,34 +3,27 @@
 The same code runs against the embedded local stack (Iceberg JDBC catalog in a local
 PostgreSQL, warehouse and landing on the filesystem) and a real deployment (REST/Glue
 catalog, S3 warehouse and landing): only these settings change. Secrets (the catalog
-password) are never part of the repr, the Spark command line or config files.
+password) are never part of the repr, the Spark command line or config files: what is secret
+is decided by cdc_lakehouse.secrecy (by origin; names only as a safety net).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote, unquote, urlsplit
 
+from cdc_lakehouse.secrecy import Secret, is_secret_name, reveal_all
+
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 ENV_PREFIX = "CDC_"
-# Credential-like catalog properties travel as secrets, in this variable (JSON), never in CDC_LAKE_SETTINGS.
+# Secret catalog properties travel as secrets, in this variable (JSON), never in CDC_LAKE_SETTINGS.
 SECRET_PROPERTIES_ENV = f"{ENV_PREFIX}CATALOG_SECRET_PROPERTIES"
-_SECRET_KEY = re.compile(
-    r"secret|password|passwd|token|credential|access[._-]?key|session|private[._-]?key"
-    r"|authorization",
-    re.I,
-)
-
-
-def is_secret_key(key: str) -> bool:
-    """True for property names that hold credentials (s3.secret-access-key, s3.access-key-id,
-    s3.session-token, credential, token, header.Authorization, ...)."""
-    return bool(_SECRET_KEY.search(key))
+# The lake connection's extra key of the catalog properties the user marks secret.
+SECRET_PROPERTIES_EXTRA = "secret_catalog_properties"
 
 
 def libpq_quote(value: object) -> str:
@@ -63,6 +56,15 @@ class S3Credentials:
         key, secret, token = (env.get(k) or None for k in cls.ENV)
         return cls(key, secret, token) if key and secret else None
 
+    def secrets(self) -> tuple[Secret, Secret, Secret | None]:
+        """(access key id, secret key, session token): all secret by origin, the AWS connection."""
+        token = Secret(self.session_token, "the lake's AWS session token") if self.session_token else None
+        return (
+            Secret(self.access_key_id, "the lake's AWS access key id"),
+            Secret(self.secret_access_key, "the lake's AWS secret key"),
+            token,
+        )
+
 
 @dataclass(frozen=True)
 class LakeSettings:
@@ -74,7 +76,12 @@ class LakeSettings:
     landing_conn_id: str | None = None  # Airflow AWS connection for an s3:// landing zone
     catalog_name: str = "lake"
     meta_namespace: str = "cdc_meta"
+    # Public catalog properties. A property named like a credential (secrecy.is_secret_name)
+    # given here is moved to secret_catalog_properties: the name rule is a safety net.
     catalog_properties: dict[str, str] = field(default_factory=dict)
+    # Secret by origin: the catalog properties the user marked secret (the lake connection's
+    # extra `secret_catalog_properties`, CDC_CATALOG_SECRET_PROPERTIES). __repr__ shows their names.
+    secret_catalog_properties: dict[str, str] = field(default_factory=dict)
     catalog_password: str | None = field(default=None, repr=False)
     # Object storage (s3:// warehouse or landing). Endpoint and region are public settings (from
     # the lake connection's extra, else from the AWS connection); the credentials are secrets,
@@ -84,6 +91,33 @@ class LakeSettings:
     s3_region: str | None = None
     s3_path_style: bool = False  # True for most S3-compatible servers
     s3_credentials: S3Credentials | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        both = sorted(set(self.catalog_properties) & set(self.secret_catalog_properties))
+        if both:
+            raise ValueError(
+                f"catalog properties {both} are given both as public catalog_properties and as "
+                f"{SECRET_PROPERTIES_EXTRA}: keep each in {SECRET_PROPERTIES_EXTRA} only"
+            )
+        if urlsplit(self.catalog_uri).password:
+            raise ValueError(
+                "catalog_uri holds a password, and catalog_uri is public (it travels in CDC_LAKE_SETTINGS): "
+                "put the password in the lake connection's password field (CDC_CATALOG_PASSWORD)"
+            )
+        named = {k: v for k, v in self.catalog_properties.items() if is_secret_name(k)}
+        if named:  # frozen: the constructor's own normalisation
+            object.__setattr__(
+                self, "catalog_properties", {k: v for k, v in self.catalog_properties.items() if k not in named}
+            )
+            object.__setattr__(self, "secret_catalog_properties", {**self.secret_catalog_properties, **named})
+        self.secrets()  # each Secret is remembered, for redact() and Airflow's log masker
+
+    def secrets(self) -> list[Secret]:
+        """Every secret of these settings, each with its origin."""
+        found = [Secret(self.catalog_password, "the lake catalog's password")] if self.catalog_password else []
+        found += [s for s in (self.s3_credentials.secrets() if self.s3_credentials else ()) if s]
+        found += [Secret(v, f"catalog property {k}") for k, v in self.secret_catalog_properties.items()]
+        return found
 
     # --- catalog addresses ----------------------------------------------------
     def _pg_parts(self) -> tuple[str, str | None, int, str]:
@@ -96,9 +130,11 @@ class LakeSettings:
         _, host, port, db = self._pg_parts()
         return f"jdbc:postgresql://{host}:{port}/{db}"
 
-    def spark_catalog_conf(self, include_secret: bool = True) -> dict[str, str]:
+    def spark_catalog_conf(self, include_secret: bool = True) -> dict[str, str | Secret]:
+        """The catalog as Spark settings; secret values are Secrets (runtime.session sets them
+        into the running session, never onto a command line)."""
         p = f"spark.sql.catalog.{self.catalog_name}"
-        conf = {p: "org.apache.iceberg.spark.SparkCatalog", f"{p}.warehouse": self.warehouse}
+        conf: dict[str, str | Secret] = {p: "org.apache.iceberg.spark.SparkCatalog", f"{p}.warehouse": self.warehouse}
         if self.catalog_type == "jdbc":
             user, *_ = self._pg_parts()
             conf.update(
@@ -111,7 +147,7 @@ class LakeSettings:
                 }
             )
             if include_secret and self.catalog_password:
-                conf[f"{p}.jdbc.password"] = self.catalog_password
+                conf[f"{p}.jdbc.password"] = Secret(self.catalog_password, "the lake catalog's password")
         elif self.catalog_type == "rest":
             conf.update({f"{p}.type": "rest", f"{p}.uri": self.catalog_uri})
         elif self.catalog_type == "glue":
@@ -125,6 +161,9 @@ class LakeSettings:
             conf.update({f"{p}.{k}": v for k, v in self.s3_fileio_properties(include_secret).items()})
         for k, v in self.catalog_properties.items():
             conf[f"{p}.{k}"] = v
+        if include_secret:
+            for k, v in self.secret_catalog_properties.items():
+                conf[f"{p}.{k}"] = Secret(v, f"catalog property {k}")
         return conf
 
     # --- object storage --------------------------------------------------------------
@@ -136,10 +175,10 @@ class LakeSettings:
     def aws_conn_id(self) -> str:
         return self.s3_conn_id or self.landing_conn_id or "aws_default"
 
-    def s3_fileio_properties(self, include_secret: bool = True) -> dict[str, str]:
+    def s3_fileio_properties(self, include_secret: bool = True) -> dict[str, str | Secret]:
         """Iceberg S3FileIO catalog properties (the same keys pyiceberg reads). The keys travel with
         the serialized FileIO to executors, so clusters without instance roles work too."""
-        props: dict[str, str] = {}
+        props: dict[str, str | Secret] = {}
         if self.s3_endpoint:
             props["s3.endpoint"] = self.s3_endpoint
         if self.s3_region:
@@ -147,20 +186,20 @@ class LakeSettings:
         if self.s3_path_style:
             props["s3.path-style-access"] = "true"
         if include_secret and self.s3_credentials:
-            c = self.s3_credentials
-            props["s3.access-key-id"] = c.access_key_id
-            props["s3.secret-access-key"] = c.secret_access_key
-            if c.session_token:
-                props["s3.session-token"] = c.session_token
+            key_id, secret_key, token = self.s3_credentials.secrets()
+            props["s3.access-key-id"] = key_id
+            props["s3.secret-access-key"] = secret_key
+            if token:
+                props["s3.session-token"] = token
         return props
 
-    def hadoop_s3_conf(self, include_secret: bool = True) -> dict[str, str]:
+    def hadoop_s3_conf(self, include_secret: bool = True) -> dict[str, str | Secret]:
         """Hadoop S3A settings (Spark reads landing Parquet and lists manifests through Hadoop's
         FileSystem); `s3://` is mapped to S3A so both spellings work. Keys without the
         `spark.hadoop.` prefix: the caller adds it for a SparkConf."""
         if not self.uses_s3:
             return {}
-        conf = {"fs.s3.impl": "org.apache.hadoop.fs.s3a.S3AFileSystem"}  # s3a:// is S3A by default
+        conf: dict[str, str | Secret] = {"fs.s3.impl": "org.apache.hadoop.fs.s3a.S3AFileSystem"}  # s3a:// is S3A
         if self.s3_endpoint:
             conf["fs.s3a.endpoint"] = self.s3_endpoint
             conf["fs.s3a.connection.ssl.enabled"] = str(self.s3_endpoint.startswith("https")).lower()
@@ -168,12 +207,12 @@ class LakeSettings:
             conf["fs.s3a.endpoint.region"] = self.s3_region
         if self.s3_path_style:
             conf["fs.s3a.path.style.access"] = "true"
-        c = self.s3_credentials
-        if include_secret and c:
-            conf["fs.s3a.access.key"] = c.access_key_id
-            conf["fs.s3a.secret.key"] = c.secret_access_key
-            if c.session_token:
-                conf["fs.s3a.session.token"] = c.session_token
+        if include_secret and self.s3_credentials:
+            key_id, secret_key, token = self.s3_credentials.secrets()
+            conf["fs.s3a.access.key"] = key_id
+            conf["fs.s3a.secret.key"] = secret_key
+            if token:
+                conf["fs.s3a.session.token"] = token
                 conf["fs.s3a.aws.credentials.provider"] = "org.apache.hadoop.fs.s3a.TemporaryAWSCredentialsProvider"
             else:
                 conf["fs.s3a.aws.credentials.provider"] = "org.apache.hadoop.fs.s3a.SimpleAWSCredentialsProvider"
@@ -193,10 +232,11 @@ class LakeSettings:
         else:
             raise ValueError(f"pyiceberg has no {self.catalog_type!r} catalog here")
         if self.warehouse.startswith("s3"):
-            props.update(self.s3_fileio_properties())
+            props.update(reveal_all(self.s3_fileio_properties()))
             if self.s3_region:  # pyiceberg's spelling of the region key
                 props["s3.region"] = self.s3_region
         props.update(self.catalog_properties)
+        props.update(self.secret_catalog_properties)
         return props
 
     def catalog_dsn(self) -> str:
@@ -213,12 +253,11 @@ class LakeSettings:
 
     # --- transport ---------------------------------------------------------------
     def public_env(self) -> dict[str, str]:
-        """The settings as JSON without any secret (catalog password, S3 keys, credential-like
-        catalog properties): fit for a command line, a Spark conf or a log."""
+        """The settings as JSON without any secret (catalog password, S3 keys, secret catalog
+        properties): fit for a command line, a Spark conf or a log."""
         public = asdict(self)
-        public.pop("catalog_password")
-        public.pop("s3_credentials")
-        public["catalog_properties"] = {k: v for k, v in self.catalog_properties.items() if not is_secret_key(k)}
+        for name in _SECRET_FIELDS:
+            public.pop(name)
         return {f"{ENV_PREFIX}LAKE_SETTINGS": json.dumps(public)}
 
     def secret_env(self) -> dict[str, str]:
@@ -228,9 +267,8 @@ class LakeSettings:
             env[f"{ENV_PREFIX}CATALOG_PASSWORD"] = self.catalog_password
         if self.s3_credentials:
             env.update(self.s3_credentials.to_env())
-        secret_props = {k: v for k, v in self.catalog_properties.items() if is_secret_key(k)}
-        if secret_props:
-            env[SECRET_PROPERTIES_ENV] = json.dumps(secret_props)
+        if self.secret_catalog_properties:
+            env[SECRET_PROPERTIES_ENV] = json.dumps(self.secret_catalog_properties)
         return env
 
     def to_env(self) -> dict[str, str]:
@@ -243,8 +281,8 @@ class LakeSettings:
             if not f.repr:
                 continue
             value = getattr(self, f.name)
-            if f.name == "catalog_properties":
-                value = {k: ("***" if is_secret_key(k) else v) for k, v in value.items()}
+            if f.name == "secret_catalog_properties":
+                value = dict.fromkeys(value, "***")
             shown.append(f"{f.name}={value!r}")
         return f"LakeSettings({', '.join(shown)})"
 
@@ -253,7 +291,7 @@ class LakeSettings:
         env = os.environ if environ is None else environ
         raw = env.get(f"{ENV_PREFIX}LAKE_SETTINGS")
         if raw:
-            data: dict[str, Any] = json.loads(raw)
+            data: dict[str, Any] = _public_settings(json.loads(raw))
         else:
             data = {
                 "catalog_type": env.get(f"{ENV_PREFIX}CATALOG_TYPE", "jdbc"),
@@ -266,11 +304,8 @@ class LakeSettings:
                 "s3_path_style": env.get(f"{ENV_PREFIX}S3_PATH_STYLE", "").lower() in ("1", "true", "yes"),
             }
         data["catalog_password"] = env.get(f"{ENV_PREFIX}CATALOG_PASSWORD") or None
-        if env.get(SECRET_PROPERTIES_ENV):  # credential-like catalog properties, kept out of the JSON
-            data["catalog_properties"] = {
-                **data.get("catalog_properties", {}),
-                **json.loads(env[SECRET_PROPERTIES_ENV]),
-            }
+        # Secret by origin, whatever their names: they came through the secrets' channel.
+        data["secret_catalog_properties"] = json.loads(env.get(SECRET_PROPERTIES_ENV) or "{}")
         data["s3_credentials"] = S3Credentials.from_env(env)
         settings = cls(**data)
         if not settings.warehouse or not settings.landing_uri:
@@ -284,7 +319,8 @@ class LakeSettings:
     def from_airflow_connection(cls, conn: Any) -> LakeSettings:
         """Airflow connection: host/port/schema/login/password = the JDBC catalog database;
         extra = {catalog_type, warehouse, landing_uri, landing_conn_id, catalog_uri, catalog_properties,
-        s3_conn_id, s3_endpoint, s3_region, s3_path_style}."""
+        secret_catalog_properties, s3_conn_id, s3_endpoint, s3_region, s3_path_style}. Secret: the
+        password and every value of secret_catalog_properties (docs/secrets.md)."""
         extra = conn.extra_dejson if hasattr(conn, "extra_dejson") else {}
         ctype = extra.get("catalog_type", "jdbc")
         uri = extra.get("catalog_uri") or (
@@ -301,6 +337,7 @@ class LakeSettings:
             catalog_name=extra.get("catalog_name", "lake"),
             meta_namespace=extra.get("meta_namespace", "cdc_meta"),
             catalog_properties=dict(extra.get("catalog_properties", {})),
+            secret_catalog_properties={k: str(v) for k, v in (extra.get(SECRET_PROPERTIES_EXTRA) or {}).items()},
             catalog_password=conn.password or None,
             s3_conn_id=extra.get("s3_conn_id"),
             s3_endpoint=extra.get("s3_endpoint"),
@@ -310,6 +347,24 @@ class LakeSettings:
 
     def with_(self, **kw: Any) -> LakeSettings:
         return replace(self, **kw)
+
+
+# The fields of LakeSettings that hold secrets: never in CDC_LAKE_SETTINGS.
+_SECRET_FIELDS = ("catalog_password", "s3_credentials", "secret_catalog_properties")
+
+
+def _public_settings(data: dict[str, Any]) -> dict[str, Any]:
+    """CDC_LAKE_SETTINGS as given: public, so it must hold no secret (public_env never puts one
+    there; a hand-written one might, and it would then be on command lines already)."""
+    secret = [k for k in _SECRET_FIELDS if data.get(k)]
+    secret += [f"catalog_properties.{k}" for k in data.get("catalog_properties") or {} if is_secret_name(k)]
+    if secret:
+        raise ValueError(
+            f"{ENV_PREFIX}LAKE_SETTINGS is public (it travels on command lines) but holds {secret}: give the "
+            f"catalog password in {ENV_PREFIX}CATALOG_PASSWORD, secret catalog properties as JSON in "
+            f"{SECRET_PROPERTIES_ENV}, S3 keys in AWS_*; see docs/secrets.md"
+        )
+    return {k: v for k, v in data.items() if k not in _SECRET_FIELDS}
 
 
 def local_paths(root: Path = PROJECT_ROOT) -> dict[str, Path]:
@@ -388,6 +443,10 @@ class SourceEndpoint:
     database: str
     user: str
     password: str | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.password:  # a connection's password: secret by origin, known to redact() from now on
+            Secret(self.password, f"password of source {self.host}:{self.port}")
 
     @classmethod
     def from_uri(cls, uri: str, database: str | None = None) -> SourceEndpoint:

@@ -1,7 +1,11 @@
 """Secrets, for real: one spark-submit on local[2] through the operator (the job gets its secrets
-from the 0600 file, the Spark UI shows none, no log line holds one, no file is left behind), a JVM
-started from Python (job server, tests, `python spark_jobs/x.py`) with no secret on its command
-line, and libpq DSNs of passwords with spaces, quotes and backslashes against a password-checking server."""
+from the 0600 file, the Spark UI shows none, no log line or alert holds one, no file is left
+behind), a JVM started from Python (job server, tests, `python spark_jobs/x.py`) with no secret on
+its command line, and libpq DSNs of passwords with spaces, quotes and backslashes against a
+password-checking server. Among the secrets: a catalog property named innocently and marked
+secret in the lake connection (secret by origin), and one named like a credential but given as a
+plain property (secret by the name rule). spark-submit's argv for YARN and Kubernetes is built for
+every master in tests/unit/test_secrets_transport.py."""
 
 from __future__ import annotations
 
@@ -20,7 +24,17 @@ from cdc_lakehouse.settings import LakeSettings, SourceEndpoint
 
 from tests.conftest import ROOT
 from tests.helpers import lake_connection_json
-from tests.unit.test_secrets_transport import AWS_MARKER, LAKE_MARKER, PROP_MARKER, SRC_MARKER, leaks
+from tests.unit.test_secrets_transport import (
+    APIKEY_KEY,
+    APIKEY_MARKER,
+    AWS_MARKER,
+    LAKE_MARKER,
+    PROP_MARKER,
+    SRC_MARKER,
+    TENANT_KEY,
+    TENANT_MARKER,
+    leaks,
+)
 
 CONN = "cdc_secret_probe_src"
 SID_MARKER = "S1d-probe-value-789"
@@ -39,7 +53,12 @@ def probe_connections(monkeypatch, pg, lake, tmp_path) -> Path:
     monkeypatch.delenv("CDC_CATALOG_PASSWORD", raising=False)
     # The session's PostgreSQL trusts local connections, so these passwords are accepted as given.
     monkeypatch.setenv("AIRFLOW_CONN_SPARK_SECRETS_PROBE", json.dumps({"conn_type": "spark", "host": "local[2]"}))
-    monkeypatch.setenv("AIRFLOW_CONN_CDC_LAKE", lake_connection_json(pg, lake, password=LAKE_MARKER))
+    conn = json.loads(lake_connection_json(pg, lake, password=LAKE_MARKER))
+    conn["extra"] |= {
+        "catalog_properties": {APIKEY_KEY: APIKEY_MARKER},
+        "secret_catalog_properties": {TENANT_KEY: TENANT_MARKER},
+    }
+    monkeypatch.setenv("AIRFLOW_CONN_CDC_LAKE", json.dumps(conn))
     source = {"conn_type": "postgres", "host": "127.0.0.1", "port": pg.port, "schema": "src", "login": "postgres"}
     monkeypatch.setenv(f"AIRFLOW_CONN_{CONN.upper()}", json.dumps({**source, "password": SRC_MARKER}))
     return secrets_dir
@@ -54,7 +73,11 @@ def run_probe(op) -> tuple[list[str], dict]:
     probe = json.loads(
         next(e["event"] for e in events if "CDC_PROBE " in str(e.get("event"))).split("CDC_PROBE ", 1)[1]
     )
-    assert probe["names"] == ["CDC_CATALOG_PASSWORD", f"CDC_SOURCE_URI__{CONN.upper()}"]
+    assert probe["names"] == [
+        "CDC_CATALOG_PASSWORD",
+        "CDC_CATALOG_SECRET_PROPERTIES",
+        f"CDC_SOURCE_URI__{CONN.upper()}",
+    ]
     assert probe["catalog_password"] == sha(LAKE_MARKER)
     assert probe["source_password"] == sha(SRC_MARKER)
     return lines, probe
@@ -72,7 +95,7 @@ def test_spark_submit_on_local_gets_its_secrets_and_shows_none(pg, lake, monkeyp
     op = CdcSparkSubmitOperator(
         task_id="probe",
         job="probe",
-        job_args=[CONN, unique],
+        job_args=[CONN, unique, f"{TENANT_KEY},{APIKEY_KEY}"],
         source_conn_ids=[CONN],
         conn_id="spark_secrets_probe",
         conf={"spark.sql.shuffle.partitions": "2"},
@@ -82,30 +105,48 @@ def test_spark_submit_on_local_gets_its_secrets_and_shows_none(pg, lake, monkeyp
     went = [x for x in lines if "the job server cannot apply" in x and "spark.sql.shuffle.partitions" in x]
     assert went and not any("on the job server" in x for x in lines), lines[:5]
     assert probe["note_ok"] is True  # a table property with a quote and a backslash, read back
-    assert probe["ui_leaks"] == []
+    # Both properties reached the job's catalog; the UI's environment and its SQL pages (which list
+    # the settings set in the running session) show no secret: Spark redacts their keys.
+    assert probe["properties"] == {TENANT_KEY: sha(TENANT_MARKER), APIKEY_KEY: sha(APIKEY_MARKER)}
+    assert probe["sql_pages"] > 0 and probe["ui_leaks"] == []
     # Set in the running session (runtime.session.get_spark), so not in the SparkConf the UI lists.
     assert probe["ui_password_value"] is None
     assert list(secrets_dir.iterdir()) == []
+    check_alert_file(monkeypatch, tmp_path)
+
+
+def check_alert_file(monkeypatch, tmp_path) -> None:
+    """A later failure whose error echoes the marked value where no key names it (a REST catalog's
+    403, say): the alert file shows none of the task's secrets."""
+    from cdc_lakehouse.orchestration.alerts import on_task_failure
+
+    monkeypatch.setenv("AIRFLOW_HOME", str(tmp_path))
+    exc = RuntimeError(f"catalog answered 403 for route {TENANT_MARKER}; source {SRC_MARKER}")
+    on_task_failure({"exception": exc, "run_id": "r", "dag": type("D", (), {"dag_id": "cdc_ingest__block"})()})
+    alert = (tmp_path / "cdc_alerts.jsonl").read_text()
+    assert "catalog answered 403" in alert and not leaks(alert), alert
 
 
 # Run in a process of its own: the JVM must be one this script starts, as the job server's is.
+# The lake settings as a job receives them: the public ones in CDC_LAKE_SETTINGS, the secrets
+# (catalog properties among them, whatever their names) from its secrets file.
 _JVM_PROBE = """
 import json, sys
 from cdc_lakehouse.runtime.session import get_spark
-from cdc_lakehouse.settings import LakeSettings, S3Credentials
+from cdc_lakehouse.settings import LakeSettings
 a = json.loads(sys.argv[1])
-lake = LakeSettings(catalog_type="jdbc", catalog_uri=a["uri"], warehouse=a["warehouse"], catalog_name="probe",
-    landing_uri="s3://probe-bucket/landing", s3_endpoint="http://127.0.0.1:9", s3_path_style=True,
-    catalog_password=a["lake"], catalog_properties={"custom.token": a["prop"], "custom.session-id": a["sid"]},
-    s3_credentials=S3Credentials("AKIAPROBE", a["aws"]))
+public = {"catalog_type": "jdbc", "catalog_uri": a["uri"], "warehouse": a["warehouse"], "catalog_name": "probe",
+    "landing_uri": "s3://probe-bucket/landing", "s3_endpoint": "http://127.0.0.1:9", "s3_path_style": True}
+lake = LakeSettings.from_env({"CDC_LAKE_SETTINGS": json.dumps(public), "CDC_CATALOG_PASSWORD": a["lake"],
+    "CDC_CATALOG_SECRET_PROPERTIES": json.dumps(a["props"]), "AWS_ACCESS_KEY_ID": "AKIAPROBE",
+    "AWS_SECRET_ACCESS_KEY": a["aws"]})
 spark = get_spark("probe", lake, master="local[1]", driver_memory="1g", extra={"spark.ui.enabled": "false"})
 pid = spark.sparkContext._jvm.java.lang.ProcessHandle.current().pid()
 hconf = spark.sparkContext._jsc.hadoopConfiguration()
 print("PROBE " + json.dumps({
     "cmdline": open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="replace"),
     "password": spark.conf.get("spark.sql.catalog.probe.jdbc.password"),
-    "prop": spark.conf.get("spark.sql.catalog.probe.custom.token"),
-    "sid": spark.conf.get("spark.sql.catalog.probe.custom.session-id"),
+    "props": {k: spark.conf.get("spark.sql.catalog.probe." + k) for k in a["props"]},
     "aws": hconf.get("fs.s3a.secret.key"),
     "namespaces": [r[0] for r in spark.sql("SHOW NAMESPACES IN probe").collect()],
 }))
@@ -126,8 +167,15 @@ def test_a_jvm_started_from_python_has_no_secret_on_its_command_line(scram_pg, t
         cur.execute("CREATE DATABASE cdc_probe OWNER cdc_probe")
     conn.close()
     uri = f"postgresql://cdc_probe@127.0.0.1:{scram_pg.port}/cdc_probe"
-    args = {"uri": uri, "warehouse": f"file://{tmp_path / 'wh'}", "lake": LAKE_MARKER}
-    args |= {"prop": PROP_MARKER, "sid": SID_MARKER, "aws": AWS_MARKER}
+    props = {"custom.token": PROP_MARKER, "custom.session-id": SID_MARKER}
+    props |= {TENANT_KEY: TENANT_MARKER, APIKEY_KEY: APIKEY_MARKER}  # innocently named; named like a credential
+    args = {
+        "uri": uri,
+        "warehouse": f"file://{tmp_path / 'wh'}",
+        "lake": LAKE_MARKER,
+        "props": props,
+        "aws": AWS_MARKER,
+    }
     out = subprocess.run(
         [sys.executable, "-c", _JVM_PROBE, json.dumps(args)],
         check=False,
@@ -140,11 +188,12 @@ def test_a_jvm_started_from_python_has_no_secret_on_its_command_line(scram_pg, t
     probe = json.loads(next(x for x in out.stdout.splitlines() if x.startswith("PROBE ")).split(" ", 1)[1])
     cmdline = probe["cmdline"].replace("\x00", " ")
     assert "spark.sql.catalog.probe.uri" in cmdline  # the public settings do travel that way
-    markers = (LAKE_MARKER, PROP_MARKER, SID_MARKER, AWS_MARKER)
+    markers = (LAKE_MARKER, AWS_MARKER, *props.values())
     assert [m for m in markers if m in cmdline] == []
-    assert [k for k in ("jdbc.password", "secret.key", "custom.token", "session-id") if k in cmdline] == []
+    keys = ("jdbc.password", "secret.key", "custom.token", "session-id", TENANT_KEY, APIKEY_KEY)
+    assert [k for k in keys if k in cmdline] == []
     # ... and the session has every one of them; the catalog answered with the password.
-    assert (probe["password"], probe["prop"], probe["sid"], probe["aws"]) == markers
+    assert (probe["password"], probe["aws"], probe["props"]) == (LAKE_MARKER, AWS_MARKER, props)
     assert probe["namespaces"] == []
 
 

@@ -4,6 +4,7 @@ does not show them. Prints one `CDC_PROBE {json}` line with digests, never a sec
 from __future__ import annotations
 
 import hashlib
+import html
 import json
 import sys
 import urllib.request
@@ -21,7 +22,26 @@ def digest(value: str | None) -> str | None:
     return hashlib.sha256(value.encode()).hexdigest() if value else None
 
 
-def main(conn_id: str, suffix: str) -> int:
+def ui_pages(sc) -> tuple[str, list[str]]:
+    """The Spark UI's environment (the SparkConf, as JSON) and every SQL execution's page, which
+    lists the settings set in the running session."""
+    if not sc.uiWebUrl:  # no UI in the test session that test_job_server.py serves jobs from
+        return '{"sparkProperties": []}', []
+    api = f"{sc.uiWebUrl}/api/v1/applications/{sc.applicationId}"
+    executions = json.loads(urllib.request.urlopen(f"{api}/sql").read())
+    pages = [
+        html.unescape(urllib.request.urlopen(f"{sc.uiWebUrl}/SQL/execution/?id={e['id']}").read().decode())
+        for e in executions
+    ]
+    return urllib.request.urlopen(f"{api}/environment").read().decode(), pages
+
+
+def shown(value: str, text: str) -> bool:
+    return any(f in text for f in (value, quote(value, safe=""), json.dumps(value)[1:-1]))
+
+
+def main(conn_id: str, suffix: str, properties: str = "") -> int:
+    """`properties`: comma-separated catalog property names whose values are secrets to look for."""
     import psycopg2
 
     names = load_job_secrets()
@@ -36,22 +56,20 @@ def main(conn_id: str, suffix: str) -> int:
     spark.sql(f"CREATE TABLE {table} (id int) USING iceberg {props_sql({'cdc.note': NOTE})}")
     note = {r["key"]: r["value"] for r in spark.sql(f"SHOW TBLPROPERTIES {table}").collect()}.get("cdc.note")
     sc = spark.sparkContext
-    # No UI in the test session that test_job_server.py serves jobs from: nothing to read there.
-    ui = (
-        urllib.request.urlopen(f"{sc.uiWebUrl}/api/v1/applications/{sc.applicationId}/environment").read().decode()
-        if sc.uiWebUrl
-        else '{"sparkProperties": []}'
-    )
-    props = dict(json.loads(ui)["sparkProperties"])
-    secrets = {"catalog": lake.catalog_password, "source": ep.password}
+    environment, sql_pages = ui_pages(sc)
+    ui = "\n".join([environment, *sql_pages])
+    props = dict(json.loads(environment)["sparkProperties"])
+    # The catalog properties as the session has them (none when they never reached the job).
+    values = {k: spark.conf.get(f"spark.sql.catalog.{lake.catalog_name}.{k}", None) for k in properties.split(",") if k}
+    secrets = {"catalog": lake.catalog_password, "source": ep.password, **values}
     result = {
         "names": names,
         "catalog_password": digest(lake.catalog_password),
         "source_password": digest(ep.password),
+        "properties": {k: digest(v) for k, v in values.items()},
         "note_ok": note == NOTE,
-        "ui_leaks": sorted(
-            k for k, v in secrets.items() if v and (v in ui or quote(v, safe="") in ui or json.dumps(v)[1:-1] in ui)
-        ),
+        "sql_pages": len(sql_pages),
+        "ui_leaks": sorted(k for k, v in secrets.items() if v and shown(v, ui)),
         "ui_password_value": props.get(f"spark.sql.catalog.{lake.catalog_name}.jdbc.password"),
     }
     print("CDC_PROBE " + json.dumps(result), flush=True)
@@ -60,4 +78,4 @@ def main(conn_id: str, suffix: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1], sys.argv[2]))
+    sys.exit(main(*sys.argv[1:]))

@@ -21,13 +21,18 @@ from airflow.providers.apache.spark.hooks import spark_submit as ss
 from cdc_lakehouse.lake.tables import props_sql, sql_string
 from cdc_lakehouse.runtime import secrets as job_secrets
 from cdc_lakehouse.runtime.secrets import SecretsTransportError, load_job_secrets
-from cdc_lakehouse.settings import LakeSettings, SourceEndpoint, is_secret_key, libpq_dsn, source_uri
+from cdc_lakehouse.secrecy import is_secret_name
+from cdc_lakehouse.settings import LakeSettings, SourceEndpoint, libpq_dsn, source_uri
 
 SRC_MARKER = "M4rker-'pw \"x\\y z"
 LAKE_MARKER = "L4ke-s3cret 'q\" \\w"
 PROP_MARKER = "Pr0p-t0ken-value-123"
 AWS_MARKER = "Aws-S3cret-key-456"
-MARKERS = (SRC_MARKER, LAKE_MARKER, PROP_MARKER)
+# A catalog property named innocently, marked secret in the lake connection's extra: secret by origin.
+TENANT_KEY, TENANT_MARKER = "header.X-Tenant", "T3nant-r0ute 'v\" 321"
+# Named like a credential but given as a plain catalog property: secret by the name rule.
+APIKEY_KEY, APIKEY_MARKER = "header.X-Api-Key", "Ap1-key-value-654"
+MARKERS = (SRC_MARKER, LAKE_MARKER, PROP_MARKER, TENANT_MARKER, APIKEY_MARKER)
 SRC_CONN = "cdc_secret_src"
 
 MASTERS = {
@@ -93,7 +98,8 @@ def env(monkeypatch, tmp_path):
                     "catalog_type": "jdbc",
                     "warehouse": f"file://{tmp_path}/wh",
                     "landing_uri": f"file://{tmp_path}/l",
-                    "catalog_properties": {"token": PROP_MARKER, "cache-enabled": "false"},
+                    "catalog_properties": {"token": PROP_MARKER, APIKEY_KEY: APIKEY_MARKER, "cache-enabled": "false"},
+                    "secret_catalog_properties": {TENANT_KEY: TENANT_MARKER},
                 },
             }
         ),
@@ -207,7 +213,12 @@ def check_no_leak(run: Run, capfd, secrets_dir: Path) -> None:
 def check_job_side(job_env: dict[str, str]) -> None:
     lake = LakeSettings.from_env(job_env)
     assert lake.catalog_password == LAKE_MARKER
-    assert lake.catalog_properties == {"token": PROP_MARKER, "cache-enabled": "false"}
+    assert lake.catalog_properties == {"cache-enabled": "false"}
+    assert lake.secret_catalog_properties == {
+        "token": PROP_MARKER,
+        APIKEY_KEY: APIKEY_MARKER,
+        TENANT_KEY: TENANT_MARKER,
+    }
     ep = SourceEndpoint.from_uri(source_uri(SRC_CONN, job_env))
     assert (ep.password, ep.user, ep.host, ep.port, ep.database) == (SRC_MARKER, "cdc", "srchost", 5433, "notion")
 
@@ -293,10 +304,42 @@ def test_the_file_is_removed_when_the_run_fails(env, monkeypatch, tmp_path):
     assert list(env.iterdir()) == []
 
 
-def test_a_secret_in_the_operators_own_arguments_is_refused(env, monkeypatch, tmp_path):
+@pytest.mark.parametrize("marker", [LAKE_MARKER, PROP_MARKER, TENANT_MARKER, quote(SRC_MARKER, safe="")])
+def test_a_secret_in_the_operators_own_arguments_is_refused(marker, env, monkeypatch, tmp_path):
+    # The secret catalog properties travel as one JSON variable: each value inside is checked.
     with pytest.raises(ValueError, match="would appear in the spark-submit command"):
-        run_operator(monkeypatch, "local", tmp_path, conf={"spark.x": LAKE_MARKER})
+        run_operator(monkeypatch, "local", tmp_path, conf={"spark.x": marker})
     assert list(env.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"conf": {"spark.hadoop.fs.s3a.secret.key": "not-a-connection-value"}},
+        {"conf": {"spark.sql.catalog.lake.header.X-Api-Key": "not-a-connection-value"}},
+        {"env_vars": {"VENDOR_API_TOKEN": "not-a-connection-value"}},
+    ],
+)
+def test_a_setting_named_like_a_credential_is_refused(kw, env, monkeypatch, tmp_path):
+    """The name rule as the operator's safety net: a credential given in the task's own
+    settings would be on spark-submit's command line, whatever connection it came from."""
+    with pytest.raises(ValueError, match="named like credentials"):
+        run_operator(monkeypatch, "yarn-cluster", tmp_path, **kw)
+    assert list(env.iterdir()) == []
+
+
+def test_an_error_that_echoes_a_secret_value_is_redacted_in_the_alert(env, monkeypatch, tmp_path):
+    """A task resolved the lake connection; then an error quotes the marked property's value
+    where no key names it (a REST catalog's 403, say): the alert file and text show neither."""
+    from cdc_lakehouse.orchestration.alerts import on_task_failure
+    from cdc_lakehouse.orchestration.tasks import lake_settings
+
+    monkeypatch.setenv("AIRFLOW_HOME", str(tmp_path))
+    lake_settings()
+    exc = RuntimeError(f"catalog answered 403 for route {TENANT_MARKER} (sent {quote(TENANT_MARKER, safe='')})")
+    on_task_failure({"exception": exc, "run_id": "r", "dag": type("D", (), {"dag_id": "cdc_ingest__block"})()})
+    alert = (tmp_path / "cdc_alerts.jsonl").read_text()
+    assert "catalog answered 403" in alert and not leaks(alert), alert
 
 
 def test_aws_keys_are_secrets(monkeypatch):
@@ -337,14 +380,20 @@ def test_load_job_secrets_overrides_stale_values_and_needs_the_file(tmp_path):
         ("credential", True),
         ("header.Authorization", True),
         ("rest.password", True),
+        ("header.X-Api-Key", True),
+        ("custom.session-id", True),
+        ("spark.hadoop.fs.s3a.secret.key", True),
         ("warehouse", False),
+        ("spark.sql.session.timeZone", False),  # no session id
+        ("fs.s3a.aws.credentials.provider", False),  # a class name, not a credential
+        (TENANT_KEY, False),  # secret only because the user marked it (its origin)
         ("s3.endpoint", False),
         ("cache-enabled", False),
         ("client.region", False),
     ],
 )
 def test_credential_like_catalog_properties(key, secret):
-    assert is_secret_key(key) is secret
+    assert is_secret_name(key) is secret
 
 
 def test_libpq_dsn_quotes_every_value():

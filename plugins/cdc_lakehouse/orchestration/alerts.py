@@ -19,8 +19,9 @@ A condition alerts on the run where it starts (for audits: the N-th failed run i
 again every `renotify_every_runs` runs while it lasts, and once with "resolved" on the first
 run where it is gone. A failed task alerts every time it fails for good (after its retries).
 
-Secrets: error texts can hold DSNs. Every text passes redact() (password=..., user:pass@ in URLs,
-tokens, and Airflow's own masked secrets) before it is logged, written or sent, and notifiers
+Secrets: error texts can hold DSNs. Every text passes secrecy.redact() (every secret value this
+process knows by origin, credential-named key=value pairs, Authorization headers, user:pass@ in
+URLs, and Airflow's own masked secrets) before it is logged, written or sent, and notifiers
 get a finished message through notify(): nothing from an error is rendered as a Jinja template.
 
 Module level imports stay light: this module is imported while DAGs are parsed.
@@ -43,6 +44,7 @@ from airflow.sdk.bases.notifier import BaseNotifier
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from cdc_lakehouse.config import AlertKind, AlertThresholds, TableConfig, load_table_configs
+from cdc_lakehouse.secrecy import redact
 from cdc_lakehouse.settings import PROJECT_ROOT, tables_dir
 
 log = logging.getLogger(__name__)
@@ -51,28 +53,6 @@ KINDS: tuple[str, ...] = ("task_failed", "audit_failing", "wal_retained", "fresh
 # Used when neither the table nor include/alerting.yaml sets a threshold (freshness: the
 # table's audit.freshness_sla_minutes).
 BUILTIN_DEFAULTS = {"audit_failed_runs": 3, "retained_wal_bytes": 10 * 1024**3, "renotify_every_runs": 6}
-
-
-# --- secrets ------------------------------------------------------------------------------------
-
-_SECRET_KEY = r"(?:password|passwd|pwd|secret|token|api[_-]?key|secret[_-]?access[_-]?key|access[_-]?token)"
-_KEY_VALUE = re.compile(rf"(?i)(\b[\w-]*{_SECRET_KEY}[\"']?\s*[=:]\s*)(\"[^\"]*\"|'[^']*'|[^\s&;,\"'}}\]]+)")
-_URL_USERINFO = re.compile(r"(?i)(\b[a-z][a-z0-9+.\-]*://[^/\s:@]*):([^\s/]*)@")
-
-
-def redact(text: Any) -> str:
-    """The text without secrets: `password=...`-like pairs, URL passwords, Airflow's masked values."""
-    if text is None:
-        return ""
-    s = str(text)
-    try:  # values Airflow knows to be secret (connection passwords fetched by the task, ...)
-        from airflow.sdk.log import redact as airflow_redact
-
-        s = str(airflow_redact(s))
-    except Exception:  # noqa: BLE001 - our own patterns below still apply
-        pass
-    s = _URL_USERINFO.sub(r"\1:***@", s)
-    return _KEY_VALUE.sub(r"\1***", s)
 
 
 # --- configuration --------------------------------------------------------------------------------

@@ -52,7 +52,7 @@ class CdcSparkSubmitOperator(SparkSubmitOperator):
 
         from cdc_lakehouse.orchestration.tasks import spark_jars, spark_job_env
         from cdc_lakehouse.runtime.packaging import pyfiles_zip
-        from cdc_lakehouse.runtime.secrets import K8S_MOUNT_EXTRA, K8S_SECRET_EXTRA, find_secrets, transport_for
+        from cdc_lakehouse.runtime.secrets import K8S_MOUNT_EXTRA, K8S_SECRET_EXTRA, transport_for
         from cdc_lakehouse.runtime.server import SERVER_ENV, status
         from cdc_lakehouse.runtime.session import base_conf
 
@@ -73,18 +73,7 @@ class CdcSparkSubmitOperator(SparkSubmitOperator):
             self.conf = {**base_conf(), **(self.conf or {}), **transport.conf}
             self.files = ",".join([f for f in (self.files or "").split(",") if f] + transport.files) or None
             self.env_vars = {**(self.env_vars or {}), **public, **transport.env}
-            leaked = find_secrets(
-                [
-                    *self.conf.values(),
-                    *self.env_vars.values(),
-                    *map(str, self.application_args or []),
-                    self.files or "",
-                    self.name or "",
-                ],
-                secrets,
-            )
-            if leaked:  # last-line check: a secret must never reach the command line
-                raise ValueError(f"secret(s) {leaked} would appear in the spark-submit command; refusing")
+            self._refuse_secrets(secrets, transport)
             server = os.environ.get(SERVER_ENV) if master.startswith("local") else None
             if server and self._own_settings:
                 # The server's context is already started with its own settings: applying only
@@ -106,6 +95,26 @@ class CdcSparkSubmitOperator(SparkSubmitOperator):
                 else:
                     os.environ[k] = v
             self._remove_secrets()
+
+    def _refuse_secrets(self, secrets: dict[str, str], transport: Any) -> None:
+        """The last-line check: no secret value (cdc_lakehouse.secrecy: by origin, inner ones and
+        encoded forms included) in what becomes spark-submit's command line or the job server's
+        request, and no setting named like a credential there (the safety net). The transport's
+        own settings hold a path or a mount, never a value."""
+        from cdc_lakehouse.secrecy import find_secrets, secret_named, secrets_of_env
+
+        texts = [*self.conf.values(), *self.env_vars.values(), *map(str, self.application_args or [])]
+        leaked = find_secrets([*texts, self.files or "", self.name or ""], secrets_of_env(secrets))
+        if leaked:
+            raise ValueError(f"secret(s) {leaked} would appear in the spark-submit command; refusing")
+        named = secret_named([k for k in self.conf if k not in transport.conf])
+        named += secret_named([k for k in self.env_vars if k not in transport.env])
+        if named:
+            raise ValueError(
+                f"{named} are named like credentials and would be on the spark-submit command line (a --conf; "
+                "env_vars are one on YARN and Kubernetes): give a secret through a connection, and a catalog "
+                "property through the lake connection's secret_catalog_properties; see docs/secrets.md"
+            )
 
     def _run_on_server(self, sock: str) -> None:
         """The job on the long-lived job server (runtime.server) instead of a new spark-submit:

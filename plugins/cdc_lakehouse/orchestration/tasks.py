@@ -185,8 +185,9 @@ def spark_job_env(
 ) -> tuple[dict[str, str], dict[str, str]]:
     """(public, secrets) environment of a Spark job. Public: lake settings without secrets and
     PYTHONPATH, fit for env_vars (a --conf on YARN/Kubernetes). Secrets: catalog password,
-    credential-like catalog properties, S3 keys, source URIs, serving store URIs; they go through
-    job_secrets only."""
+    secret catalog properties, S3 keys, source URIs, serving store URIs; they go through
+    job_secrets only (cdc_lakehouse.secrecy decides what is secret)."""
+    from cdc_lakehouse.secrecy import secrets_of_env
     from cdc_lakehouse.serving.stores import store_uri_env
 
     lake = lake_settings()
@@ -195,6 +196,7 @@ def spark_job_env(
         secrets[source_uri_env(cid)] = source_uri_from_connection(cid)
     for kind, cid in sorted(set(store_conns)):
         secrets[store_uri_env(cid)] = store_uri_from_connection(kind, cid)
+    secrets_of_env(secrets)  # known from now on: redact() and Airflow's log masker hide them
     # The job imports the package from --py-files (as on a cluster), not from this checkout.
     plugins = str(PROJECT_ROOT / "plugins")
     public["PYTHONPATH"] = os.pathsep.join(

@@ -31,6 +31,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from cdc_lakehouse.secrecy import secrets_of_env
+
 SECRETS_FILE_ENV = "CDC_SECRETS_FILE"
 SECRETS_FILE_NAME = "cdc-secrets.json"
 SECRETS_DIR_ENV = "CDC_SECRETS_DIR"  # where the worker writes the one-run file (default: the temp dir)
@@ -152,13 +154,9 @@ def load_job_secrets(environ: dict[str, str] | None = None) -> list[str]:
             f"(in cluster mode: is the Kubernetes secret mounted? see docs/secrets.md)"
         )
     secrets = read_secrets_file(p)
+    secrets_of_env(secrets)  # every value is secret by origin: redact() hides it from now on
     env.update(secrets)
     return sorted(secrets)
-
-
-def find_secrets(values: list[str], secrets: dict[str, str]) -> list[str]:
-    """The names of the secrets whose value occurs in one of `values` (a last-line check)."""
-    return sorted(name for name, v in secrets.items() if len(v) >= 4 and any(v in s for s in values))
 
 
 def _store_conns() -> list[tuple[str, str]]:

@@ -11,18 +11,18 @@ from __future__ import annotations
 import glob
 import logging
 import os
-import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
-from cdc_lakehouse.settings import LakeSettings, is_secret_key, local_paths
+from cdc_lakehouse.secrecy import SPARK_REDACTION_REGEX, Secret, is_secret_setting, reveal, spark_redaction_regex
+from cdc_lakehouse.settings import LakeSettings, local_paths
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
 ICEBERG_EXTENSIONS = "org.apache.iceberg.spark.extensions.IcebergSparkSessionExtensions"
-REDACTION_REGEX = r"(?i)secret|password|passwd|token|access[._-]?key|credential|authorization|private[._-]?key"
+SparkSettings = dict[str, "str | Secret"]  # secret values are Secrets (cdc_lakehouse.secrecy)
 
 
 def default_jars() -> list[str]:
@@ -60,7 +60,8 @@ def base_conf(shuffle_partitions: int | None = None) -> dict[str, str]:
         # The UI's environment tab, event logs and history server show runtime-set confs too (the
         # catalog password, S3 keys set by get_spark): redact every credential-like key. Spark's
         # default, (?i)secret|password|token|access[.]key, misses Iceberg's s3.access-key-id.
-        "spark.redaction.regex": REDACTION_REGEX,
+        # get_spark adds the keys of the settings that are secret by origin only.
+        "spark.redaction.regex": SPARK_REDACTION_REGEX,
         "spark.driver.extraJavaOptions": "-Duser.timezone=UTC",
         "spark.executor.extraJavaOptions": "-Duser.timezone=UTC",
     }
@@ -68,11 +69,11 @@ def base_conf(shuffle_partitions: int | None = None) -> dict[str, str]:
 
 def spark_conf(
     lake: LakeSettings, *, include_secret: bool = True, shuffle_partitions: int | None = None
-) -> dict[str, str]:
+) -> SparkSettings:
     return {**base_conf(shuffle_partitions), **lake_conf(lake, include_secret=include_secret)}
 
 
-def lake_conf(lake: LakeSettings, *, include_secret: bool = True) -> dict[str, str]:
+def lake_conf(lake: LakeSettings, *, include_secret: bool = True) -> SparkSettings:
     """The lake's catalog and its Hadoop (S3A) settings, as Spark configuration."""
     hadoop = {f"spark.hadoop.{k}": v for k, v in lake.hadoop_s3_conf(include_secret).items()}
     return {**lake.spark_catalog_conf(include_secret=include_secret), **hadoop}
@@ -97,23 +98,26 @@ def attach_lake(spark: SparkSession, lake: LakeSettings) -> None:
     set_live(spark, lake_conf(lake))
 
 
-def is_secret_setting(key: str) -> bool:
-    """A setting that holds a credential: what Spark redacts, and a catalog property that
-    LakeSettings treats as a secret (settings.is_secret_key: `session` too)."""
-    if key.startswith("spark.sql.catalog.") and is_secret_key(key.split(".", 4)[-1]):
-        return True
-    return bool(re.search(REDACTION_REGEX, key))
+def builder_settings(conf: SparkSettings) -> tuple[dict[str, str], SparkSettings]:
+    """(builder settings, settings to set live). pyspark starts a JVM with every builder setting as
+    a `--conf k=v` argument, which any local user can read (/proc/<pid>/cmdline, ps): the secrets
+    (by origin, or named like one: secrecy.is_secret_setting) are set once the session runs.
+    Catalogs are created on first use and read them then (tests/integration/test_secrets.py).
+    Spark redacts their keys in its UI, event logs and SQL pages, the innocently named ones too."""
+    secrets = {k: v for k, v in conf.items() if is_secret_setting(k, v)}
+    public = {k: v for k, v in conf.items() if k not in secrets}
+    return {**public, "spark.redaction.regex": spark_redaction_regex(secrets)}, secrets
 
 
-def set_live(spark: SparkSession, conf: dict[str, str]) -> None:
+def set_live(spark: SparkSession, conf: SparkSettings) -> None:
     """Settings into a running session: `spark.hadoop.*` into the SparkContext's Hadoop conf (new
     FileSystem instances and every later job's copy read it), the rest into the session's conf."""
     hconf = spark.sparkContext._jsc.hadoopConfiguration()
     for k, v in conf.items():
         if k.startswith("spark.hadoop."):
-            hconf.set(k[len("spark.hadoop.") :], v)
+            hconf.set(k[len("spark.hadoop.") :], reveal(v))
         elif k.startswith("spark.sql."):
-            spark.conf.set(k, v)
+            spark.conf.set(k, reveal(v))
         else:  # a Spark core setting (spark.ssl.*, spark.authenticate.secret) is fixed at start
             raise ValueError(f"{k} cannot be set in a running session: give it to spark-submit's configuration")
 
@@ -163,7 +167,7 @@ def _close_catalogs(spark: SparkSession) -> None:
             inner.close()
 
 
-def _job_session(conf: dict[str, str]) -> SparkSession:
+def _job_session(conf: SparkSettings) -> SparkSession:
     """A new session of the shared SparkContext: its own SQL settings, temporary views and catalog
     instances, so Iceberg's table cache starts empty and sees every commit made since the last job
     (by this server or any other writer). Static settings (extensions, master, jars) are the
@@ -175,7 +179,9 @@ def _job_session(conf: dict[str, str]) -> SparkSession:
     # with cannot run there.
     hconf = _SHARED.sparkContext._jsc.hadoopConfiguration()
     differ = sorted(
-        k for k, v in conf.items() if k.startswith("spark.hadoop.") and hconf.get(k[len("spark.hadoop.") :]) != v
+        k
+        for k, v in conf.items()
+        if k.startswith("spark.hadoop.") and hconf.get(k[len("spark.hadoop.") :]) != reveal(v)
     )
     if differ:
         raise ValueError(
@@ -195,7 +201,7 @@ def _job_session(conf: dict[str, str]) -> SparkSession:
             spark.conf.unset(k)
     for k, v in conf.items():
         if spark.conf.isModifiable(k) or k.startswith("spark.sql.catalog."):
-            spark.conf.set(k, v)
+            spark.conf.set(k, reveal(v))
     spark.sparkContext._jvm.org.apache.spark.sql.SparkSession.setActiveSession(spark._jsparkSession)
     return spark
 
@@ -223,11 +229,7 @@ def get_spark(
         builder = builder.config(
             "spark.driver.memory", driver_memory or os.environ.get("CDC_SPARK_DRIVER_MEMORY", "4g")
         )
-    conf = {**spark_conf(lake), **(extra or {})}
-    # pyspark starts a JVM with every builder setting as a `--conf k=v` argument, which any local
-    # user can read (/proc/<pid>/cmdline, ps): the secrets are set once the session runs.
-    # Catalogs are created on first use and read them then (tests/integration/test_secrets.py).
-    secrets = {k: conf.pop(k) for k in list(conf) if is_secret_setting(k)}
+    conf, secrets = builder_settings({**spark_conf(lake), **(extra or {})})
     for k, v in conf.items():
         builder = builder.config(k, v)
     spark = builder.getOrCreate()
