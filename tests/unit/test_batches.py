@@ -24,3 +24,23 @@ def test_fail_env_raises_at_its_point_only(monkeypatch):
     crash_point("elsewhere")
     with pytest.raises(FailpointHit, match="here"):
         crash_point("here")
+
+
+def test_hold_at_holds_the_first_thread_only_until_released():
+    import threading
+
+    from cdc_lakehouse.runtime.failpoints import hold_at
+
+    passed = []
+    with hold_at("publish") as hold:
+        first = threading.Thread(target=lambda: (crash_point("publish"), passed.append("first")))
+        first.start()
+        assert hold.reached.wait(10)
+        crash_point("publish")  # a second writer passes while the first one waits
+        passed.append("second")
+        assert passed == ["second"]
+        hold.release.set()
+        first.join(10)
+    assert passed == ["second", "first"]
+    crash_point("publish")  # outside the block: a no-op
+
