@@ -23,7 +23,11 @@ Per table:
      nothing from the capture, so chunk merges and hourly ingests commute. A chunk's commit
      never carries a watermark, so it never moves it;
   5. the round's progress rows (cdc_meta.bootstrap_progress, one per chunk) are appended in one
-     commit; a killed or paused bootstrap resumes after the last recorded chunk of each shard.
+     commit; a killed or paused bootstrap resumes after the last recorded chunk of each shard;
+  6. a round's two commits carry its marker (`cdc.chunk-round`: run and chunks) and are fenced on
+     the marker the run last saw, at publish time (lake.commits.fenced_commit): a second
+     bootstrap of the table that applied a round meanwhile makes this one fail, instead of both
+     appending the same chunk's rows. One chunked bootstrap of a table at a time.
 
 The L/H messages (pg_logical_emit_message, prefix `cdc_lakehouse`) are recorded by the capture in
 its manifest (`bootstrap_markers`), so the order of chunks and stream is visible there too.
@@ -31,10 +35,11 @@ its manifest (`bootstrap_markers`), so the order of chunks and stream is visible
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
@@ -61,7 +66,8 @@ from cdc_lakehouse.bootstrap.snapshot import (
     typed_rows,
 )
 from cdc_lakehouse.config import COMMIT_TS_COL, LSN_COL, OP_COL, SEQ_COL, SHARD_COL, TableConfig
-from cdc_lakehouse.lake.commits import with_commit_retries
+from cdc_lakehouse.lake.commits import ConcurrentWriterError, fenced_commit, sql_with_commit_properties
+from cdc_lakehouse.lake.snapshots import current_ancestors
 from cdc_lakehouse.lake.tables import changelog_columns, conform_to
 from cdc_lakehouse.lake.watermark import read_watermark, watermark_json
 from cdc_lakehouse.runtime.failpoints import crash_point
@@ -87,6 +93,9 @@ class ChunkedRun:
     longest_xact_seconds: float = 0.0
     paused: bool = False
     started: float = field(default_factory=time.monotonic)
+    # Table -> the newest round marker (ROUND_PROP) it carried when this run last read or wrote it:
+    # each round's commits are fenced on it (_apply_chunks).
+    rounds: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         elapsed = time.monotonic() - self.started
@@ -132,6 +141,9 @@ def chunked_bootstrap(
     for endpoint_id, sources in endpoints.items():
         prepare_endpoint(endpoint_id, sources, cfg, (all_endpoint_tables or {}).get(endpoint_id), table_configs)
         _start_positions(spark, cfg, target, endpoint_id, sources, run_id, progress)
+    for table in (target.changelog, target.current):  # read with the progress this run resumes from
+        spark.sql(f"REFRESH TABLE {table}")
+        run.rounds[table] = round_marker_in(current_ancestors(spark, table))
     shards_left = [
         _Shard(
             s,
@@ -364,7 +376,7 @@ def _finish_round(
 ) -> bool:
     """Apply the round's chunks in one commit pair, record their progress, log them; True when
     should_stop (asked once per chunk, as callers count chunks with it) asks to pause."""
-    _apply_chunks(spark, cfg, target, [c for _, c in reads], run.run_id)
+    _apply_chunks(spark, cfg, target, [c for _, c in reads], run)
     for _, chunk in reads:
         crash_point(f"bootstrap_chunk_applied:{chunk.no}")
     rows = []
@@ -457,10 +469,29 @@ def _not_superseded(
     return kept.drop("_trunc_lsn", "_del_lsn")
 
 
-def _apply_chunks(spark: SparkSession, cfg: TableConfig, target: _Target, chunks: list[ChunkRead], run_id: str) -> None:
+# A round's commits carry {"run": <run id>, "chunks": {shard: chunk no}}: the position its
+# commits are fenced on, as the ingest's are on the watermark.
+ROUND_PROP = "cdc.chunk-round"
+
+
+def round_marker_in(snapshots: Iterable[Any]) -> dict[str, Any] | None:
+    """The newest round marker in a chain of snapshots (newest first)."""
+    for snap in snapshots:
+        raw = snap.summary().get(ROUND_PROP)
+        if raw is not None:
+            return json.loads(raw)
+    return None
+
+
+def _apply_chunks(
+    spark: SparkSession, cfg: TableConfig, target: _Target, chunks: list[ChunkRead], run: ChunkedRun
+) -> None:
     """Changelog 'r' events, then an LSN-guarded MERGE into the current table, for all of a
-    round's chunks at once; the MERGE is retried (skip list included) when an ingest commits at
-    the same time."""
+    round's chunks at once. Each commit is fenced on the newest round marker the run saw on its
+    table (lake.commits.fenced_commit): a second bootstrap of the table that applied a round in
+    between (a zombie, a manual run) makes this one fail before its round is visible, instead of
+    both appending the chunk's rows. A commit that only lost the race with an ingest (no marker
+    moved) is made again from the new snapshot, skip list included."""
     from pyspark.sql import functions as F
 
     chunks = [c for c in chunks if c.rows.num_rows]
@@ -469,30 +500,55 @@ def _apply_chunks(spark: SparkSession, cfg: TableConfig, target: _Target, chunks
     frame = _chunks_frame(spark, cfg, target, chunks).localCheckpoint()
     shards = sorted({c.shard for c in chunks})
     lowest = min(c.low for c in chunks)
+    marker = {"run": run.run_id, "chunks": {c.shard: c.no for c in chunks}}
+    props = {ROUND_PROP: json.dumps(marker, separators=(",", ":"), sort_keys=True)}
 
-    # Appended once: a retry of the MERGE below must not append the round's events twice. An
-    # event whose row the stream superseded meanwhile is harmless in the changelog: the stream's
-    # change of the key carries a higher LSN, so readers of the changelog see it as newer.
-    snap = _Snapshot(run_id, datetime.now(UTC).replace(tzinfo=None), {}, {})
+    # An event whose row the stream superseded meanwhile is harmless in the changelog: the
+    # stream's change of the key carries a higher LSN, so readers of the changelog see it as newer.
+    snap = _Snapshot(run.run_id, datetime.now(UTC).replace(tzinfo=None), {}, {})
     rows = _not_superseded(spark, cfg, target, frame, shards, lowest).localCheckpoint()
     cl_cols = [c for c, _ in changelog_columns(target.columns)]
 
-    def append() -> None:
+    def append(into: str) -> None:
         events = conform_to(_event_columns(rows, snap).select(*cl_cols), spark.table(target.changelog).schema)
-        events.writeTo(target.changelog).option("distribution-mode", "none").append()
+        events.writeTo(into).option("distribution-mode", "none").option(
+            f"snapshot-property.{ROUND_PROP}", props[ROUND_PROP]
+        ).append()
 
-    def merge() -> None:  # the skip list again: an ingest that won the commit race may have deleted keys
+    def merge(into: str) -> None:  # the skip list again: an ingest that won the commit race may have deleted keys
         kept = _not_superseded(spark, cfg, target, frame, shards, lowest)
-        _merge_current(spark, cfg, target, kept.withColumn(COMMIT_TS_COL, F.lit(snap.time)))
+        _merge_current(spark, cfg, target, kept.withColumn(COMMIT_TS_COL, F.lit(snap.time)), into, props)
 
-    what = ", ".join(f"{c.shard}#{c.no}" for c in chunks)
-    with_commit_retries(append, what=f"{cfg.name} chunks {what} (changelog)")
-    with_commit_retries(merge, what=f"{cfg.name} chunks {what}")
+    what = f"{cfg.name} chunks " + ", ".join(f"{c.shard}#{c.no}" for c in chunks)
+    for table, write in ((target.changelog, append), (target.current, merge)):
+        fenced_commit(
+            spark,
+            table,
+            run.rounds.get(table),
+            marker,
+            write,
+            what=what,
+            position=round_marker_in,
+            conflict=lambda now, table=table: _another_bootstrap(cfg, table, run.run_id, now),
+        )
+        run.rounds[table] = marker
 
 
-def _merge_current(spark: SparkSession, cfg: TableConfig, target: _Target, rows: DataFrame) -> None:
-    """The ingest's MERGE (ingest.merge.merge_sql) with its row-level LSN guard: a row the stream
-    wrote later stays. Every chunk row is op 'r', so its delete clauses never fire."""
+def _another_bootstrap(cfg: TableConfig, table: str, run_id: str, now: dict[str, Any] | None) -> ConcurrentWriterError:
+    other = (now or {}).get("run")
+    return ConcurrentWriterError(
+        f"{cfg.name}: another chunked bootstrap (run {other}) applied chunks {(now or {}).get('chunks')} to {table} "
+        f"since this run ({run_id}) read it; nothing of this round was published. Run one bootstrap of a table "
+        "at a time: let the other run finish (or stop it), then rerun; a run resumes after the last recorded chunk"
+    )
+
+
+def _merge_current(
+    spark: SparkSession, cfg: TableConfig, target: _Target, rows: DataFrame, into: str, props: dict[str, str]
+) -> None:
+    """The ingest's MERGE (ingest.merge.merge_sql) with its row-level LSN guard into `into` (the
+    current table's branch), its commit carrying props: a row the stream wrote later stays.
+    Every chunk row is op 'r', so its delete clauses never fire."""
 
     from cdc_lakehouse.ingest.merge import merge_sql
 
@@ -506,6 +562,7 @@ def _merge_current(spark: SparkSession, cfg: TableConfig, target: _Target, rows:
     view = f"cdc_chunk_{abs(hash((target.current, time.monotonic_ns())))}"
     rows.createOrReplaceTempView(view)
     try:
-        spark.sql(merge_sql(cfg, target.current, view, [f.name for f in schema.fields if f.name not in flags], []))
+        sql = merge_sql(cfg, into, view, [f.name for f in schema.fields if f.name not in flags], [])
+        sql_with_commit_properties(spark, sql, props)
     finally:
         spark.catalog.dropTempView(view)

@@ -7,7 +7,7 @@ its unresolved nodes out.
               every unresolved node, and their descendants in the previous output
     resolve   pointer jumping over those nodes; their other ancestors come from the previous output
     grants    each grant holder's effective grants; other nodes take their nearest holder's
-    commit    the unresolved table, then the output with the new watermark, fenced on the old one
+    commit    the unresolved table, then the output with the new watermark, each fenced on its old one
 
 A crash between the two commits leaves the output's old watermark: the next run recomputes the
 same nodes (and the newly unresolved ones again), so runs converge.
@@ -40,7 +40,7 @@ from cdc_lakehouse.identifiers import spark_ident
 from cdc_lakehouse.lake.batches import BatchId, BatchStep, commit_once
 from cdc_lakehouse.lake.changelog import changes_between
 from cdc_lakehouse.lake.commits import fenced_commit, sql_with_commit_properties
-from cdc_lakehouse.lake.snapshots import current_ancestors, iceberg_table
+from cdc_lakehouse.lake.snapshots import current_ancestors
 from cdc_lakehouse.lake.tables import ensure_namespace, table_exists
 from cdc_lakehouse.lake.watermark import WATERMARK_PROP, read_watermark, watermark_json
 from cdc_lakehouse.runtime.failpoints import crash_point
@@ -79,6 +79,7 @@ class TreeRun:
     out: str
     unresolved: str
     previous: dict[str, Any] | None  # the output's watermark before this run
+    unresolved_previous: dict[str, Any] | None  # the unresolved table's (ahead after a kill between the commits)
     mode: str = "full"
     affected_count: int = 0  # nodes an incremental run recomputes (0: only the watermark moves)
     metrics: dict[str, Any] = field(default_factory=dict)
@@ -139,16 +140,16 @@ def pin_run(
     spark: SparkSession, lake: LakeSettings, dcfg: TreeConfig, tables: dict[str, TableConfig], *, full: bool
 ) -> TreeRun:
     grants = pin_input(spark, lake, tables[dcfg.grants.table]) if dcfg.grants else None
+    out, unresolved = lake.qualified(dcfg.output_table), lake.qualified(dcfg.unresolved_table)
     r = TreeRun(
         dcfg,
         lake,
         pin_input(spark, lake, tables[dcfg.nodes.table]),
         grants,
-        lake.qualified(dcfg.output_table),
-        lake.qualified(dcfg.unresolved_table),
-        read_watermark(spark, lake.qualified(dcfg.output_table))
-        if table_exists(spark, lake.qualified(dcfg.output_table))
-        else None,
+        out,
+        unresolved,
+        read_watermark(spark, out) if table_exists(spark, out) else None,
+        read_watermark(spark, unresolved) if table_exists(spark, unresolved) else None,
     )
     r.mode = plan_mode(r, full=full)
     return r
@@ -406,7 +407,10 @@ def commit(spark: SparkSession, r: TreeRun, rows: DataFrame, unresolved: DataFra
     """Unresolved first, then the output with the watermark: the output's commit is the run's.
     Both commits carry the watermark (unresolved_at_watermark finds the matching pair) and the
     batch id (lake.batches): a rerun of the same batch after a kill between them does not commit
-    the unresolved table a second time."""
+    the unresolved table a second time. Each is fenced on the position its table had when this
+    run pinned its inputs, checked when it is published (lake.commits.fenced_commit): a run that
+    overlaps another (a zombie, a manual run) neither lands stale rows over newer ones nor
+    commits a batch twice."""
     props = {WATERMARK_PROP: watermark_json(r.watermark)}
     ensure_namespace(spark, r.lake, r.dcfg.lake.namespace)
     for table, df in ((r.unresolved, unresolved), (r.out, rows)):
@@ -415,46 +419,50 @@ def commit(spark: SparkSession, r: TreeRun, rows: DataFrame, unresolved: DataFra
     unresolved = unresolved.localCheckpoint(eager=True)
     r.metrics.update(resolved=rows.count(), unresolved=unresolved.count())
     batch = BatchId.of(f"derived:{r.out}", r.previous, r.watermark)
+    what = f"derived {r.dcfg.name}"
+
+    def _fenced(name: str, table: str, previous: dict[str, Any] | None, df: DataFrame) -> BatchStep:
+        def step(p: dict[str, str]) -> None:
+            write = lambda target: _replace(spark, r, target, df, affected, {**props, **p})  # noqa: E731
+            fenced_commit(spark, table, previous, r.watermark, write, what=what)
+
+        return BatchStep(name, table, step, positioned=True)
+
     crash_point("derive_before_unresolved")
-    write = lambda p: _replace(spark, r, r.unresolved, unresolved, affected, {**props, **p})  # noqa: E731
-    commit_once(spark, batch, BatchStep("derive_unresolved", r.unresolved, write, positioned=True))
+    commit_once(spark, batch, _fenced("derive_unresolved", r.unresolved, r.unresolved_previous, unresolved))
     crash_point("derive_after_unresolved")
-
-    def _output(p: dict[str, str]) -> None:
-        write = lambda: _replace(spark, r, r.out, rows, affected, {**props, **p})  # noqa: E731
-        fenced_commit(spark, r.out, r.previous, r.watermark, write, what=f"derived {r.dcfg.name}")
-
-    commit_once(spark, batch, BatchStep("derive_output", r.out, _output, positioned=True))
+    commit_once(spark, batch, _fenced("derive_output", r.out, r.previous, rows))
 
 
 def _replace(
-    spark: SparkSession, r: TreeRun, table: str, rows: DataFrame, affected: DataFrame | None, props: dict[str, str]
+    spark: SparkSession, r: TreeRun, target: str, rows: DataFrame, affected: DataFrame | None, props: dict[str, str]
 ) -> None:
-    """Full: the table becomes `rows`. Incremental: the affected keys' rows become `rows`."""
+    """Full: the table becomes `rows`. Incremental: the affected keys' rows become `rows`.
+    `target`: the branch of the table the fenced commit writes (lake.commits.fenced_commit)."""
     from pyspark.sql import functions as F
 
     if affected is None:
-        w = rows.writeTo(table)
+        w = rows.writeTo(target)
         for k, v in props.items():
             w = w.option(f"snapshot-property.{k}", v)
         w.overwrite(F.lit(True))
     elif r.affected_count:
         keys = [SHARD_COL, r.dcfg.nodes.id]
-        sql_with_commit_properties(spark, merge_sql(table, _keyed(affected, rows, keys), keys, rows), props)
-    stamp(spark, table, props)
+        sql_with_commit_properties(spark, merge_sql(target, _keyed(affected, rows, keys), keys, rows), props)
+    stamp(spark, target, props)
 
 
-def stamp(spark: SparkSession, table: str, props: dict[str, str]) -> None:
-    """Make sure the current snapshot carries props: a write that changed nothing (no affected
-    node, an empty table overwritten with nothing) commits no snapshot, and the watermark must
-    still move. An empty append, through Iceberg's API: a commit, no Spark job."""
-    t = iceberg_table(spark, table)
-    snap = t.currentSnapshot()
-    if snap is None or any(snap.summary().get(k) != v for k, v in props.items()):
-        op = t.newAppend()
+def stamp(spark: SparkSession, target: str, props: dict[str, str]) -> None:
+    """Make sure the head of `target` (`<table>.branch_<name>`) carries props: a write that
+    changed nothing (no affected node, an empty table overwritten with nothing) commits no
+    snapshot, and the watermark must still move. An empty append then."""
+    table, _, branch = target.rpartition(".branch_")
+    head = next(current_ancestors(spark, table, branch), None)
+    if head is None or any(head.summary().get(k) != v for k, v in props.items()):
+        w = spark.createDataFrame([], spark.table(table).schema).writeTo(target)
         for k, v in props.items():
-            op = op.set(k, v)
-        op.commit()
+            w = w.option(f"snapshot-property.{k}", v)
+        w.append()
 
 
 def _keyed(affected: DataFrame, rows: DataFrame, keys: list[str]) -> str:

@@ -85,8 +85,8 @@ def block_counts(
         counts = batch.rows.groupBy(F.col(SPACE).alias("space_id"), F.to_date(F.col(CREATED)).alias("day"))
         out = counts.agg(F.count(F.lit(1)).alias("blocks")).localCheckpoint(eager=True)
 
-        def write(props: dict[str, str]) -> None:
-            w = out.writeTo(table)
+        def write(target: str, props: dict[str, str]) -> None:
+            w = out.writeTo(target)
             for k, v in props.items():
                 w = w.option(f"snapshot-property.{k}", v)
             w.overwrite(F.lit(True))
@@ -95,24 +95,24 @@ def block_counts(
     else:
         deltas = _deltas(batch.rows).localCheckpoint(eager=True)
         pairs = deltas.count()
-        write = _merge_writer(spark, table, consumer, deltas, pairs)
+        write = _merge_writer(spark, consumer, deltas, pairs)
     # One output table: the offsets already make its commit exactly once; the batch id (lake.batches)
     # marks it like every other multi-table run's commits, from the range it applies.
     start = {t: o.snapshot_id for t, o in committed.items()}
     batch = BatchId.of(f"feed:{consumer}:{table}", start, {cfg.current_table: rng.offset.snapshot_id})
     done = commit_with_offsets(
-        spark, table, consumer, committed, [rng.offset], lambda props: write({**props, **batch.props()})
+        spark, table, consumer, committed, [rng.offset], lambda target, props: write(target, {**props, **batch.props()})
     )
     return {**result, "committed": done, "pairs": pairs}
 
 
-def _merge_writer(spark: SparkSession, table: str, consumer: str, deltas: DataFrame, pairs: int):
+def _merge_writer(spark: SparkSession, consumer: str, deltas: DataFrame, pairs: int):
     """The commit of an incremental run: a MERGE of the deltas, or (nothing to count) an empty
     append, which still commits a snapshot, so the offset moves past ranges that change no count."""
 
-    def write(props: dict[str, str]) -> None:
+    def write(target: str, props: dict[str, str]) -> None:
         if pairs == 0:
-            w = deltas.selectExpr("space_id", "day", "delta AS blocks").writeTo(table)
+            w = deltas.selectExpr("space_id", "day", "delta AS blocks").writeTo(target)
             for k, v in props.items():
                 w = w.option(f"snapshot-property.{k}", v)
             w.append()
@@ -121,7 +121,7 @@ def _merge_writer(spark: SparkSession, table: str, consumer: str, deltas: DataFr
         deltas.createOrReplaceTempView(view)
         sql_with_commit_properties(
             spark,
-            f"MERGE INTO {table} t USING {view} s ON t.space_id = s.space_id AND t.day = s.day "
+            f"MERGE INTO {target} t USING {view} s ON t.space_id = s.space_id AND t.day = s.day "
             "WHEN MATCHED AND t.blocks + s.delta = 0 THEN DELETE "
             "WHEN MATCHED THEN UPDATE SET t.blocks = t.blocks + s.delta "
             "WHEN NOT MATCHED THEN INSERT (space_id, day, blocks) VALUES (s.space_id, s.day, s.delta)",

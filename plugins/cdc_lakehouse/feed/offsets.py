@@ -4,8 +4,8 @@ Exactly once (output is an Iceberg table): the offsets ride in the `cdc.feed.off
 property of the very commit that writes the output, as the ingest's watermark does. A run that
 dies before that commit leaves neither output nor offset (the next run reads the same range
 again); one that dies after it leaves both (the next run starts after it). The commit is fenced
-on the offsets the run started from, so a zombie or a second run of the consumer cannot apply a
-range twice.
+on the offsets the run started from when it is published (lake.commits.fenced_commit), so a
+zombie or a second run of the consumer cannot apply a range twice.
 
 At least once (any other output): the offset is appended to `cdc_meta.feed_offsets` after the
 output was written. A crash in between makes the next run deliver the same range again, so such
@@ -15,11 +15,11 @@ a sink must be idempotent (an upsert by key, or a replace of the range's partiti
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 from cdc_lakehouse.feed.models import FeedError, FeedOffset, OffsetConflictError, check_consumer_name
-from cdc_lakehouse.lake.commits import with_commit_retries
+from cdc_lakehouse.lake.commits import fenced_commit, with_commit_retries
 from cdc_lakehouse.lake.snapshots import current_ancestors
 from cdc_lakehouse.lake.tables import create_table_sql, ensure_namespace
 from cdc_lakehouse.runtime.failpoints import crash_point
@@ -57,7 +57,12 @@ def output_offsets(spark: SparkSession, output_table: str, consumer: str) -> dic
     if not spark.catalog.tableExists(output_table):
         return {}
     spark.sql(f"REFRESH TABLE {output_table}")
-    for snap in current_ancestors(spark, output_table):
+    return offsets_in(current_ancestors(spark, output_table), output_table, consumer)
+
+
+def offsets_in(snapshots: Iterable[Any], output_table: str, consumer: str) -> dict[str, FeedOffset]:
+    """The consumer's offsets as of the first snapshot of a chain (newest first) of the output."""
+    for snap in snapshots:
         raw = snap.summary().get(OFFSETS_PROP)
         if raw is None:
             continue
@@ -80,31 +85,43 @@ def commit_with_offsets(
     consumer: str,
     expected: dict[str, FeedOffset],
     new: list[FeedOffset],
-    write: Callable[[dict[str, str]], None],
+    write: Callable[[str, dict[str, str]], None],
 ) -> bool:
-    """Run `write(props)`, which must make exactly one Iceberg commit of the output carrying
-    `props` (DataFrameWriterV2 `.option("snapshot-property.<k>", v)` or lake.commits.
-    sql_with_commit_properties). Fenced: only while the committed offsets are still `expected`.
-    Returns False when this very commit had already landed (a retry after an unknown outcome)."""
+    """Run `write(target, props)`, which must make exactly one Iceberg commit to `target` carrying
+    `props` (DataFrameWriterV2 on `target` with `.option("snapshot-property.<k>", v)`, or
+    lake.commits.sql_with_commit_properties for SQL on it). `target` is a branch of the output
+    (lake.commits.fenced_commit): the commit is published only while the committed offsets are
+    still `expected`, checked when it is published, so a second run of the consumer that
+    committed in between (a zombie, a second deployment) makes this one raise OffsetConflictError
+    with nothing of it visible. Returns False when this very commit (the same range from the same
+    offsets) had already landed: an earlier attempt whose outcome was unknown, or another run."""
     props = offsets_property(consumer, new)
-    want = {o.table: o for o in new}
+    want = {**expected, **{o.table: o for o in new}}
 
-    def attempt() -> bool:
-        now = output_offsets(spark, output_table, consumer)
-        if now == {**expected, **want} and now != expected:
-            return False  # an earlier attempt of this commit landed (its outcome was unknown)
-        if now != expected:
-            raise OffsetConflictError(
-                f"consumer {consumer}: {output_table} was committed by another run since this one read its "
-                f"offsets ({_brief(expected)} -> {_brief(now)}); nothing was written by this run. Check for a "
-                "second deployment or a run that outlived its task, then rerun"
-            )
+    def conflict(now: dict[str, FeedOffset]) -> OffsetConflictError:
+        return OffsetConflictError(
+            f"consumer {consumer}: {output_table} was committed by another run since this one read its "
+            f"offsets ({_brief(expected)} -> {_brief(now)}); nothing of this run was published. Check for a "
+            "second deployment or a run that outlived its task, then rerun"
+        )
+
+    def _write(target: str) -> None:
         crash_point("feed_before_output_commit")
-        write(props)
-        crash_point("feed_after_output_commit")
-        return True
+        write(target, props)
 
-    return with_commit_retries(attempt, what=f"feed {consumer} -> {output_table}")
+    done = fenced_commit(
+        spark,
+        output_table,
+        expected,
+        want,
+        _write,
+        what=f"feed {consumer} -> {output_table}",
+        position=lambda snapshots: offsets_in(snapshots, output_table, consumer),
+        conflict=conflict,
+    )
+    if done:
+        crash_point("feed_after_output_commit")
+    return done
 
 
 def _brief(offsets: dict[str, FeedOffset]) -> str:

@@ -86,8 +86,8 @@ def finish_backfill(
     n = backfill_added_columns(spark, lake, cfg, added, lake_cols, ingest_run)
     done = {k: v for k, v in plan.new_watermark.items() if k != BACKFILL}
 
-    def clear() -> None:
-        spark.createDataFrame([], spark.table(cur).schema).writeTo(cur).option(
+    def clear(target: str) -> None:
+        spark.createDataFrame([], spark.table(cur).schema).writeTo(target).option(
             "snapshot-property.cdc.watermark", watermark_json(done)
         ).append()
 

@@ -20,7 +20,7 @@ import json
 import logging
 import re
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -125,7 +125,7 @@ def apply_pending(
     m.merge_join = merge_join_for(cfg, int(pre.get("total-records", 0)))
     drop_stale_staging(spark, lake, cfg, datetime.now(UTC))
     with m.timed("merge"), merge_source(spark, lake, cfg, reduced, m.merge_join) as source:
-        sql = merge_sql(cfg, b.cur, source, current_columns(b.lake_cols), ch.truncated)
+        sql = lambda target: merge_sql(cfg, target, source, current_columns(b.lake_cols), ch.truncated)  # noqa: E731
         commit_merge(spark, cfg, b, sql, ingest_run, batch_state(m, b.plan, fb.counts["shard_commits"]))
     crash_point("ingest_after_merge")
     # The run's figures are its MERGE's: a backfill below commits on its own (its rows, counted in
@@ -227,17 +227,21 @@ def advance_watermark(spark: SparkSession, cfg: TableConfig, b: Batch, state: st
     if b.plan.new_watermark == b.wm:
         return
 
-    def _empty(table: str, props: dict[str, str]) -> None:
-        w = spark.createDataFrame([], spark.table(table).schema).writeTo(table)
+    def _empty(table: str, props: dict[str, str], target: str) -> None:
+        w = spark.createDataFrame([], spark.table(table).schema).writeTo(target)
         for k, v in {**props, WATERMARK_PROP: b.new_wm_json}.items():
             w = w.option(f"snapshot-property.{k}", v)
         w.append()
 
-    def _advance() -> None:
-        commit_once(spark, b.batch, BatchStep("ingest_changelog", b.cl, lambda p: _empty(b.cl, p), positioned=True))
-        _empty(b.cur, {**b.batch.props(), BATCH_STATE_PROP: state})
+    new = b.plan.new_watermark
 
-    fenced_commit(spark, b.cur, b.wm, b.plan.new_watermark, _advance, what=f"{cfg.name} watermark")
+    def _changelog(props: dict[str, str]) -> None:
+        write = lambda t: _empty(b.cl, props, t)  # noqa: E731
+        fenced_commit(spark, b.cl, b.cl_wm, new, write, what=f"{cfg.name} changelog watermark")
+
+    commit_once(spark, b.batch, BatchStep("ingest_changelog", b.cl, _changelog, positioned=True))
+    write = lambda t: _empty(b.cur, {**b.batch.props(), BATCH_STATE_PROP: state}, t)  # noqa: E731
+    fenced_commit(spark, b.cur, b.wm, new, write, what=f"{cfg.name} watermark")
 
 
 # --- schema, validate, quarantine -----------------------------------------------------------------
@@ -342,14 +346,14 @@ def append_changelog(spark: SparkSession, cfg: TableConfig, b: Batch, ch: Change
     cl_floor = wm_map(b.cl_wm or {"shards": {}})
     ingested = F.current_timestamp()
 
-    def _append(props: dict[str, str]) -> None:
+    def _append(props: dict[str, str], target: str) -> None:
         rows = ch.events.unionByName(ch.truncs, allowMissingColumns=True).filter(
             F.col(LSN_COL) >= F.coalesce(cl_floor[F.col(SHARD_COL)], F.lit(0))
         )
         rows = conform_to(rows.withColumn(INGESTED_COL, ingested), spark.table(b.cl).schema)
         # The fused plan's rows are already hashed by key (shard first): no second shuffle to
         # cluster them by partition; the fanout writer keeps one file open per partition instead.
-        w = rows.writeTo(b.cl).option("distribution-mode", "none").option("fanout-enabled", "true")
+        w = rows.writeTo(target).option("distribution-mode", "none").option("fanout-enabled", "true")
         for k, v in {**props, WATERMARK_PROP: b.new_wm_json}.items():
             w = w.option(f"snapshot-property.{k}", v)
         w.append()
@@ -357,8 +361,8 @@ def append_changelog(spark: SparkSession, cfg: TableConfig, b: Batch, ch: Change
     landed: list[bool] = []
 
     def _commit(props: dict[str, str]) -> None:
-        what = f"{cfg.name} changelog"
-        landed.append(fenced_commit(spark, b.cl, b.cl_wm, b.plan.new_watermark, lambda: _append(props), what=what))
+        write = lambda t: _append(props, t)  # noqa: E731
+        landed.append(fenced_commit(spark, b.cl, b.cl_wm, b.plan.new_watermark, write, what=f"{cfg.name} changelog"))
 
     # A retry of a batch whose changelog commit landed skips it (the batch id, then the fence).
     commit_once(spark, b.batch, BatchStep("ingest_changelog", b.cl, _commit, positioned=True))
@@ -663,14 +667,17 @@ def _staged_at(spark: SparkSession, table: str) -> datetime:
     return at if at.tzinfo else at.replace(tzinfo=UTC)
 
 
-def commit_merge(spark: SparkSession, cfg: TableConfig, b: Batch, sql: str, ingest_run: str, state: str) -> None:
-    """The LSN-guarded MERGE, with the new watermark, the batch id and the batch's state (what
-    resume_batch needs to record the run if it is stopped after this commit) in the same commit."""
+def commit_merge(
+    spark: SparkSession, cfg: TableConfig, b: Batch, sql: Callable[[str], str], ingest_run: str, state: str
+) -> None:
+    """The LSN-guarded MERGE (`sql(target)`), with the new watermark, the batch id and the batch's
+    state (what resume_batch needs to record the run if it is stopped after this commit) in the
+    same commit; fenced (lake.commits), so it is published only while the watermark is b.wm."""
     props = {WATERMARK_PROP: b.new_wm_json, "cdc.ingest-run": ingest_run, BATCH_STATE_PROP: state}
 
     def _merge(batch_props: dict[str, str]) -> None:
-        commit = lambda: sql_with_commit_properties(spark, sql, {**props, **batch_props})  # noqa: E731
-        fenced_commit(spark, b.cur, b.wm, b.plan.new_watermark, commit, what=f"{cfg.name} merge")
+        write = lambda target: sql_with_commit_properties(spark, sql(target), {**props, **batch_props})  # noqa: E731
+        fenced_commit(spark, b.cur, b.wm, b.plan.new_watermark, write, what=f"{cfg.name} merge")
 
     commit_once(spark, b.batch, BatchStep("ingest_merge", b.cur, _merge, positioned=True))
 

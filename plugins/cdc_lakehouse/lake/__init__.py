@@ -4,7 +4,7 @@ Runs on the Spark driver. columns is pure Python (config re-exports it, DAG file
 
   columns    the registry of the _cdc_* metadata columns (name, type, doc, tables that carry them)
   batches    batch ids: each table of a multi-table run commits a batch once; resume after a kill
-  commits    commits with snapshot properties, retries on conflicts, the watermark-fenced commit
+  commits    commits with snapshot properties, retries on conflicts, commits fenced at publish time
   meta       the pipeline's own tables (quarantine, run figures, audit results)
   snapshots  the current snapshot and its ancestors, through Iceberg's Java API (no Spark job)
   tables     DDL of the current table and the changelog, properties, adding columns

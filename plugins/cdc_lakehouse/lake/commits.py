@@ -1,15 +1,24 @@
 """lake.commits: Iceberg commits (Spark driver) that carry snapshot properties, retries on commit
-conflicts, and the commit fenced on the table's watermark (optimistic concurrency between writers)."""
+conflicts, and the commit fenced on the table's position at publish time (a write to a branch,
+published by a fast-forward only while main has not moved: optimistic concurrency between
+writers that Iceberg itself enforces)."""
 
 from __future__ import annotations
 
+import itertools
+import json
 import logging
+import re
 import time
-from collections.abc import Callable
+import uuid
+from collections.abc import Callable, Iterable
+from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
-from cdc_lakehouse.lake.snapshots import current_snapshot, summary_of
-from cdc_lakehouse.lake.watermark import read_watermark, watermark_json
+from cdc_lakehouse.lake.snapshots import branch_names, current_ancestors, current_snapshot, summary_of
+from cdc_lakehouse.lake.tables import table_exists
+from cdc_lakehouse.lake.watermark import watermark_in, watermark_json
+from cdc_lakehouse.runtime.failpoints import crash_point
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -72,6 +81,7 @@ def is_commit_conflict(exc: BaseException) -> bool:
             "Found new conflicting",
             "Cannot commit",
             "CommitStateUnknownException",
+            MAIN_MOVED,
         )
     )
 
@@ -90,37 +100,165 @@ def with_commit_retries(fn, *, attempts: int = 5, what: str = "commit"):
 
 
 class ConcurrentWriterError(RuntimeError):
-    """Another writer committed to the table since this run read its watermark."""
+    """Another writer committed to the table since this run read its position."""
+
+
+# --- commits fenced at publish time -------------------------------------------------------------
+
+# A fenced commit's branch: `cdc_w_<UTC time it was made>_<random>`. The time lets a later writer
+# tell a killed run's leftover from a branch still in use without a clock of the catalog's.
+BRANCH_PREFIX = "cdc_w_"
+_BRANCH_NAME = re.compile(rf"{BRANCH_PREFIX}(\d{{14}})_[0-9a-f]{{8}}")
+# No fenced write runs this long (the DAGs' task timeouts are 2-3 h): an older branch is a killed
+# run's. Until it is dropped its snapshots are kept from expiry, so it is not left for long.
+STALE_BRANCH_AGE = timedelta(days=1)
+_SWEEP_EVERY_S = 3600.0  # per table and process: a leftover is rare, and listing refs is a load
+_swept: dict[str, float] = {}
+# Iceberg's refusal when main is no longer an ancestor of the branch: another writer moved it.
+MAIN_MOVED = "Cannot fast-forward"
+_REF_ATTEMPTS = 5
+
+
+def publish_point(table: str) -> str:
+    """The failpoint between a fenced write and its publish (tests hold a writer there)."""
+    return f"fence_publish:{table}"
 
 
 def fenced_commit(
-    spark: SparkSession, table: str, expected: dict[str, Any] | None, new: dict[str, Any], commit, *, what: str
+    spark: SparkSession,
+    table: str,
+    expected: Any,
+    new: Any,
+    write: Callable[[str], object],
+    *,
+    what: str,
+    position: Callable[[Iterable[Any]], Any] = watermark_in,
+    conflict: Callable[[Any], Exception] | None = None,
 ) -> bool:
-    """Commit only while the table's watermark is still the one this run started from.
+    """Commit `write` only if the table's position is still `expected` when the commit is
+    published, not merely when the write started.
 
-    Optimistic concurrency on the watermark: a zombie driver, a manual job or a second deployment
-    that committed in between makes this run stop before it appends rows twice or moves the
-    watermark back. Checked again before every retry, so a commit whose outcome was unknown
-    (CommitStateUnknownException) is resolved first: if it landed, it is not repeated. Returns
-    False when an earlier attempt of this very commit had already landed.
-
-    Residual window: between the check and Iceberg's own commit (milliseconds); Airflow's
-    per-table pool keeps our own writers out of it."""
+    `write(target)` makes the run's commit(s) to `target`, `<table>.branch_<name>`: a branch
+    created at the snapshot the position was read from (DataFrameWriterV2 or SQL on that name).
+    They must carry `new` (`position` reads it from a chain of snapshots, newest first; the
+    cdc.watermark by default). The branch is published by fast-forwarding main to it (CALL
+    system.fast_forward), which Iceberg commits only while main is still an ancestor of the
+    branch: nothing may have been committed to main since the position was read, a
+    compare-and-swap on the table's current snapshot. A zombie driver, a manual job or a second
+    deployment that committed meanwhile makes the publish fail, and the position is read again:
+    `new` (an earlier attempt of this commit, or another run of the same batch, landed): False,
+    nothing more is written; moved elsewhere: ConcurrentWriterError (or `conflict(now)`), and
+    nothing of this run is visible; unmoved (a compaction, an online bootstrap's chunk, a
+    repair): the write is made again from the new current snapshot. True when this call
+    published. The snapshot properties ride on the branch's commit, so main carries them after
+    the fast-forward. The branch is dropped whatever happens."""
 
     def attempt() -> bool:
-        now = read_watermark(spark, table)
-        if now == new:
+        base, now = _position_at_current(spark, table, position)
+        if now == new and new != expected:
             return False
         if now != expected:
-            raise ConcurrentWriterError(
-                f"{what}: {table} was committed by another writer since this run started (watermark "
-                f"{watermark_json(expected or {})} -> {watermark_json(now or {})}); nothing was written by this "
-                "run. Check for a second deployment, a manual job or a run that outlived its task, then rerun"
-            )
-        commit()
+            raise conflict(now) if conflict else _moved(table, what, expected, now)
+        _write_and_publish(spark, table, base, write, lambda ref: position(current_ancestors(spark, table, ref)) == new)
         return True
 
+    _drop_stale_branches(spark, table, datetime.now(UTC))
     return with_commit_retries(attempt, what=what)
+
+
+def _moved(table: str, what: str, expected: Any, now: Any) -> ConcurrentWriterError:
+    def brief(wm: Any) -> str:
+        return watermark_json(wm) if isinstance(wm, dict) else json.dumps(wm, default=str)
+
+    return ConcurrentWriterError(
+        f"{what}: {table} was committed by another writer since this run started (position "
+        f"{brief(expected or {})} -> {brief(now or {})}); nothing of this run was published. Check "
+        "for a second deployment, a manual job or a run that outlived its task, then rerun"
+    )
+
+
+def _position_at_current(spark: SparkSession, table: str, position: Callable[[Iterable[Any]], Any]) -> tuple[int, Any]:
+    """(current snapshot id, the position as of it), from one fresh load of the table. A table
+    without a snapshot first gets an empty one: a branch needs a snapshot to start from (two
+    writers doing so at once is harmless: neither carries a position)."""
+    spark.sql(f"REFRESH TABLE {table}")  # Spark's cached plans of it; the Java table is reloaded below
+    chain = current_ancestors(spark, table)
+    head = next(chain, None)
+    if head is None:
+        spark.createDataFrame([], spark.table(table).schema).writeTo(table).append()
+        chain = current_ancestors(spark, table)
+        head = next(chain)
+    return int(head.snapshotId()), position(itertools.chain([head], chain))
+
+
+def _write_and_publish(
+    spark: SparkSession, table: str, base: int, write: Callable[[str], object], carries_new: Callable[[str], bool]
+) -> None:
+    branch = f"{BRANCH_PREFIX}{datetime.now(UTC):%Y%m%d%H%M%S}_{uuid.uuid4().hex[:8]}"
+    _ref_ddl(spark, table, f"ALTER TABLE {table} CREATE BRANCH {branch} AS OF VERSION {base}")
+    try:
+        write(f"{table}.branch_{branch}")
+        if not carries_new(branch):  # e.g. a write that went to the table itself: it was not fenced
+            raise RuntimeError(
+                f"{table}: the fenced write did not commit its new position to {table}.branch_{branch}, the "
+                "target it was given; write there (DataFrameWriterV2 or SQL on that name), never to the table"
+            )
+        crash_point(publish_point(table))
+        catalog, name = table.split(".", 1)
+        _ref_ddl(spark, table, f"CALL {catalog}.system.fast_forward('{name}', 'main', '{branch}')")
+    finally:
+        try:
+            _ref_ddl(spark, table, f"ALTER TABLE {table} DROP BRANCH IF EXISTS {branch}")
+        except Exception as exc:  # noqa: BLE001 - the publish's outcome is what counts; see _drop_stale_branches
+            logger.warning("%s: could not drop the branch %s (%s); a later writer drops it", table, branch, exc)
+
+
+def _ref_ddl(spark: SparkSession, table: str, sql: str) -> None:
+    """A branch's create, fast-forward or drop. Iceberg commits them as a swap of the table's
+    metadata that it never re-applies on a newer version: any other commit in between (another
+    writer's branch, not only main moving) fails it, so it is made again from a fresh load. A
+    fast-forward that main's move made impossible is not: that is the fence."""
+    for i in range(1, _REF_ATTEMPTS + 1):
+        try:
+            spark.sql(sql).collect()
+            return
+        except Exception as exc:
+            if MAIN_MOVED in str(exc) or i == _REF_ATTEMPTS or not is_commit_conflict(exc):
+                raise
+            spark.sql(f"REFRESH TABLE {table}")
+
+
+def _drop_stale_branches(spark: SparkSession, table: str, now: datetime) -> list[str]:
+    """Drop the fenced-commit branches killed runs left on the table (older than
+    STALE_BRANCH_AGE); returns their names. Best effort, once an hour per table and process."""
+    clock = time.monotonic()
+    if clock - _swept.get(table, -_SWEEP_EVERY_S) < _SWEEP_EVERY_S:
+        return []
+    _swept[table] = clock
+    dropped = []
+    try:
+        names = branch_names(spark, table) if table_exists(spark, table) else []
+    except Exception as exc:  # noqa: BLE001 - see the docstring
+        logger.warning("%s: could not list its branches (%s)", table, exc)
+        return dropped
+    for name in names:
+        made = branch_made_at(name)
+        if made is None or now - made < STALE_BRANCH_AGE:
+            continue  # not ours, or maybe a run still going
+        try:
+            _ref_ddl(spark, table, f"ALTER TABLE {table} DROP BRANCH IF EXISTS {name}")
+        except Exception as exc:  # noqa: BLE001 - see the docstring
+            logger.warning("%s: could not drop the stale branch %s (%s)", table, name, exc)
+            continue
+        logger.warning("%s: dropped %s, the branch of a fenced commit whose run did not finish", table, name)
+        dropped.append(name)
+    return dropped
+
+
+def branch_made_at(name: str) -> datetime | None:
+    """When a fenced commit made the branch `name`; None for any other branch."""
+    m = _BRANCH_NAME.fullmatch(name)
+    return datetime.strptime(m.group(1), "%Y%m%d%H%M%S").replace(tzinfo=UTC) if m else None
 
 
 def current_snapshot_id(spark: SparkSession, table: str) -> int | None:

@@ -21,15 +21,23 @@ def iceberg_table(spark: SparkSession, table: str) -> Any:
     return t
 
 
-def current_ancestors(spark: SparkSession, table: str) -> Iterator[Any]:
+def current_ancestors(spark: SparkSession, table: str, ref: str | None = None) -> Iterator[Any]:
     """The current snapshot, then its parent, ... (what `t.history WHERE is_current_ancestor`
-    lists, newest first); stops where expired snapshots cut the chain."""
+    lists, newest first); stops where expired snapshots cut the chain. With `ref`, the same from
+    that branch's head (nothing if the branch has no snapshot)."""
     t = iceberg_table(spark, table)
-    snap = t.currentSnapshot()
+    snap = t.currentSnapshot() if ref is None else t.snapshot(ref)
     while snap is not None:
         yield snap
         parent = snap.parentId()
         snap = t.snapshot(parent) if parent is not None else None
+
+
+def branch_names(spark: SparkSession, table: str) -> list[str]:
+    """The table's branches (`main` included), as `SELECT name FROM t.refs WHERE type = 'BRANCH'`
+    lists them, without its Spark job."""
+    refs = iceberg_table(spark, table).refs()
+    return sorted(str(name) for name in refs.keySet() if refs.get(name).isBranch())
 
 
 def current_snapshot(spark: SparkSession, table: str) -> Any | None:

@@ -21,6 +21,7 @@ typed model of the same JSON, and round-trips it byte for byte.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -87,7 +88,13 @@ def read_watermark(spark: SparkSession, table: str) -> dict[str, Any] | None:
     # committed since, and a stale watermark would re-apply events the table already has. The
     # Java table is refreshed (lake.snapshots); REFRESH drops Spark's cached plans of the table too.
     spark.sql(f"REFRESH TABLE {table}")
-    for snap in current_ancestors(spark, table):
+    return watermark_in(current_ancestors(spark, table))
+
+
+def watermark_in(snapshots: Iterable[Any]) -> dict[str, Any] | None:
+    """The newest `cdc.watermark` in a chain of snapshots (newest first): a table's position as
+    of its first snapshot (lake.commits fences commits on it)."""
+    for snap in snapshots:
         wm = snap.summary().get(WATERMARK_PROP)
         if wm is not None:
             return json.loads(wm)

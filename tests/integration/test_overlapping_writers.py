@@ -1,0 +1,286 @@
+"""Two writers that overlap inside the write (issue #34): a zombie driver, a manual job or a second
+deployment passes every check before the write, exactly like the run it overlaps.
+
+Real PostgreSQL, capture, Spark and Iceberg. Writer A runs in a thread on its own session of the
+suite's SparkContext (its own catalog cache and temporary views, as another process would have)
+and is held at the point between its write and its publish (runtime.failpoints.hold_at on
+lake.commits.publish_point); writer B runs to the end meanwhile; then A is released. Exactly one of
+them commits: A either recognises the batch B committed (same batch: it converges) or fails with
+ConcurrentWriterError (a different batch), and no event is applied twice.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+from cdc_lakehouse.bootstrap.run import bootstrap_table
+from cdc_lakehouse.config import LSN_COL, OP_COL, SEQ_COL, SHARD_COL
+from cdc_lakehouse.derived.run import derive_tree
+from cdc_lakehouse.feed.consumer import block_counts
+from cdc_lakehouse.feed.models import OffsetConflictError
+from cdc_lakehouse.ingest.run import ingest_table
+from cdc_lakehouse.lake.batches import batch_snapshots
+from cdc_lakehouse.lake.commits import ConcurrentWriterError, publish_point
+from cdc_lakehouse.lake.watermark import read_watermark
+from cdc_lakehouse.runtime.failpoints import hold_at
+from pyspark.sql import functions as F
+
+from tests.helpers import assert_lake_equals_source
+from tests.integration.conftest import Source
+from tests.integration.test_batch_resume import batch_of_current_position
+from tests.integration.test_chunked_bootstrap import _chunked
+from tests.integration.test_derived_tree import (
+    assert_tree_is_reference,
+    derive,
+    lake_tree,
+    tree_cfg,
+    tree_source,  # noqa: F401 (a fixture)
+)
+from tests.integration.test_feed import lake_counts, source_counts
+
+
+class Writer(threading.Thread):
+    """Writer A: `fn` in a thread; its result or its error kept for the test."""
+
+    def __init__(self, fn: Callable[[], Any]):
+        super().__init__(daemon=True)
+        self.fn, self.result, self.error = fn, None, None
+
+    def run(self) -> None:
+        try:
+            self.result = self.fn()
+        except BaseException as exc:  # noqa: BLE001 - the test inspects it
+            self.error = exc
+
+
+@contextmanager
+def overlapping(table: str, fn_a: Callable[[], Any]) -> Iterator[Writer]:
+    """Start writer A and hold it between its write to `table` and the publish; the block is writer
+    B; A is released when the block ends and joined."""
+    with hold_at(publish_point(table)) as hold:
+        a = Writer(fn_a)
+        a.start()
+        while not hold.reached.wait(0.5):
+            assert a.is_alive(), f"writer A ended before its publish of {table}: {a.error!r}"
+        yield a
+        hold.release.set()
+        a.join(600)
+    assert not a.is_alive(), "writer A did not finish after its release"
+
+
+def session_of_its_own(spark):
+    """Writer A's session: another session of the suite's SparkContext, whose catalog keeps no
+    table cache. A cached table would make A's write start from the snapshot A loaded before it
+    was held, and Iceberg's own validation of a MERGE would then see B's commit; a zombie whose
+    stall outlasts the cache's 30 s expiry (or a deployment with cache-enabled=false) loads B's
+    snapshot instead, and only a fence at publish time stops it."""
+    other = spark.newSession()
+    other.conf.set("spark.sql.catalog.lake.cache-enabled", "false")
+    return other
+
+
+def changelog_twice(spark, table: str) -> list:
+    """Change events the changelog holds more than once (the bootstrap's rows and truncates aside)."""
+    spark.sql(f"REFRESH TABLE {table}")
+    cl = spark.table(table).filter(~F.col(OP_COL).isin("r", "t"))
+    return cl.groupBy(SHARD_COL, LSN_COL, SEQ_COL).count().filter("count > 1").limit(5).collect()
+
+
+@pytest.fixture
+def small(pg, source_uri, spark, lake, unique):
+    s = Source(pg, spark, lake, unique, blocks=40)
+    yield s
+    s.close()
+
+
+def _ingest_a(s: Source, spark_a, upto: str):
+    return lambda: ingest_table(spark_a, s.lake, s.block, upto_run=upto, ingest_run="A")
+
+
+# --- ingest: the changelog append and the MERGE ----------------------------------------------------
+
+
+@pytest.mark.parametrize("b_batch", ["same", "newer"])
+@pytest.mark.parametrize("held_at", ["changelog", "merge"])
+def test_ingest_writers_overlapping_inside_a_commit_apply_each_event_once(small, spark, lake, held_at, b_batch):
+    """A holds between its write and its publish of the changelog append or of the MERGE; B runs
+    the same batch (A converges) or a newer one (A fails). The changelog holds every event once,
+    the watermark never moves back, and each table carries the batch that won once."""
+    s = small
+    s.capture()
+    s.bootstrap(s.block)
+    cur, cl = lake.qualified(s.block.current_table), lake.qualified(s.block.changelog_table)
+    s.wl.step(30)
+    m1 = s.capture()["run_id"]
+    upto_b = m1
+    if b_batch == "newer":
+        s.wl.step(30)
+        upto_b = s.capture()["run_id"]
+    with overlapping(cl if held_at == "changelog" else cur, _ingest_a(s, session_of_its_own(spark), m1)) as a:
+        s.ingest(s.block, upto_b, run="B")
+    assert not changelog_twice(spark, cl), "the changelog got an event twice"
+    assert read_watermark(spark, cur)["runs"][s.endpoint] == upto_b  # never moved back
+    assert read_watermark(spark, cl)["runs"][s.endpoint] == upto_b
+    batch = batch_of_current_position(spark, cur)
+    assert (batch_snapshots(spark, cl, batch), batch_snapshots(spark, cur, batch)) == (1, 1)
+    assert_lake_equals_source(spark, lake, s.block, s.dsn)
+    if b_batch == "same":
+        assert a.error is None, f"A should recognise the batch B committed: {a.error!r}"
+    else:
+        assert isinstance(a.error, ConcurrentWriterError), repr(a.error)
+        assert (cl if held_at == "changelog" else cur) in str(a.error) and "another writer" in str(a.error)
+    # The next batch starts where the winner ended: nothing is applied again.
+    s.wl.step(20)
+    s.ingest(s.block, s.capture()["run_id"], run="next")
+    assert not changelog_twice(spark, cl)
+    assert_lake_equals_source(spark, lake, s.block, s.dsn)
+
+
+# --- the feed consumer's exactly-once output --------------------------------------------------------
+
+
+@pytest.mark.parametrize("b_range", ["same", "newer"])
+def test_feed_consumers_overlapping_inside_the_output_commit_apply_a_range_once(small, spark, lake, unique, b_range):
+    s = small
+    s.capture()
+    s.bootstrap(s.block)
+    output = f"feed_t.overlap_{unique}"
+    out = lake.qualified(output)
+    block_counts(spark, lake, s.block, output=output)
+    s.wl.step(30)
+    s.ingest(s.block, s.capture()["run_id"], run="i1")
+    spark_a = session_of_its_own(spark)
+    with overlapping(out, lambda: block_counts(spark_a, lake, s.block, output=output)) as a:
+        if b_range == "newer":
+            s.wl.step(30)
+            s.ingest(s.block, s.capture()["run_id"], run="i2")
+        b = block_counts(spark, lake, s.block, output=output)
+        assert b["committed"], b
+    assert lake_counts(s, output) == source_counts(s), "a range was applied twice or not at all"
+    batch = batch_of_current_position_feed(spark, out)
+    assert batch_snapshots(spark, out, batch) == 1
+    if b_range == "same":
+        assert a.error is None and a.result["committed"] is False, (a.error, a.result)
+    else:
+        assert isinstance(a.error, OffsetConflictError), repr(a.error)
+        assert out in str(a.error) and "block_counts" in str(a.error)
+
+
+def batch_of_current_position_feed(spark, table: str):
+    from cdc_lakehouse.lake.batches import BATCH_PROP, BatchId
+    from cdc_lakehouse.lake.snapshots import current_snapshot, summary_of
+
+    return BatchId(summary_of(current_snapshot(spark, table))[BATCH_PROP])
+
+
+# --- the derived tree's output ------------------------------------------------------------------------
+
+
+def _first_child(s: Source, schema: str) -> tuple[int, int]:
+    """(a node with a parent, a root of another tree in the same shard)."""
+    import psycopg2
+
+    conn = psycopg2.connect(s.dsn)
+    with conn.cursor() as cur:
+        cur.execute(f"SELECT id, parent_id FROM {schema}.block WHERE parent_id IS NOT NULL ORDER BY id LIMIT 1")
+        node, parent = cur.fetchone()
+        cur.execute(f"SELECT max(id) FROM {schema}.block WHERE parent_id IS NULL AND id <> {parent}")
+        (other,) = cur.fetchone()
+    conn.close()
+    return node, other
+
+
+@pytest.mark.parametrize("b_inputs", ["same", "newer"])
+def test_derived_runs_overlapping_inside_the_output_commit_commit_once(tree_source, unique, b_inputs):  # noqa: F811
+    """B commits the same inputs (A converges) or newer ones that move the subtree A recomputed
+    (A fails, and its stale rows never land over B's)."""
+    from tests.integration.test_derived_tree import apply_batch
+
+    s = tree_source
+    spark, lake = s.spark, s.lake
+    cfg = tree_cfg(s, f"ovl_{unique}")
+    derive(s, cfg)
+    schema = s.schemas[0]
+    node, other = _first_child(s, schema)
+    apply_batch(s, f"UPDATE {schema}.block SET parent_id = NULL WHERE id = {node}")  # A: node becomes a root
+    spark_a = session_of_its_own(spark)
+    tables = {s.block.name: s.block, s.perm.name: s.perm}
+    out = lake.qualified(cfg.output_table)
+    with overlapping(out, lambda: derive_tree(spark_a, lake, cfg, tables)) as a:
+        if b_inputs == "newer":
+            apply_batch(s, f"UPDATE {schema}.block SET parent_id = {other} WHERE id = {node}")  # B: under `other`
+        assert derive(s, cfg)["mode"] == "incremental"
+    assert_tree_is_reference(s, cfg)
+    batch = batch_of_current_position(spark, out)
+    assert batch_snapshots(spark, out, batch) == 1
+    full = tree_cfg(s, f"ovl_full_{unique}")
+    derive(s, full, full=True)
+    assert lake_tree(s, cfg) == lake_tree(s, full)
+    if b_inputs == "same":
+        assert a.error is None, repr(a.error)
+    else:
+        assert isinstance(a.error, ConcurrentWriterError), repr(a.error)
+        assert out in str(a.error)
+
+
+# --- the chunked bootstrap's round ----------------------------------------------------------------
+
+
+def test_chunked_bootstraps_overlapping_inside_a_round_apply_each_chunk_once(small, spark, lake):
+    """A holds inside its first round (written, not published); B bootstraps the table to the end;
+    A fails. Every key's chunk row is in the changelog once."""
+    s = small
+    cfg = _chunked(s, f"ckov_{s.db[-8:]}", 15)
+    s.capture()
+    cl = lake.qualified(cfg.changelog_table)
+    ends = {s.endpoint: s.tables()}
+    spark_a = session_of_its_own(spark)
+    with overlapping(cl, lambda: bootstrap_table(spark_a, lake, cfg, run_id="A", all_endpoint_tables=ends)) as a:
+        r = bootstrap_table(spark, lake, cfg, run_id="B", all_endpoint_tables=ends)
+        assert r["done"], r
+    spark.sql(f"REFRESH TABLE {cl}")
+    rows = spark.table(cl).filter(F.col(OP_COL) == "r")
+    twice = rows.groupBy(SHARD_COL, "id").count().filter("count > 1").limit(5).collect()
+    assert not twice, f"a chunk was applied twice: {twice}"
+    assert rows.count() == sum(s.wl.row_counts().values())
+    assert isinstance(a.error, ConcurrentWriterError), repr(a.error)
+    assert cl in str(a.error) and "another chunked bootstrap (run B)" in str(a.error)
+    s.ingest(cfg, s.capture()["run_id"])
+    assert_lake_equals_source(spark, lake, cfg, s.dsn)
+
+
+# --- the fence itself -------------------------------------------------------------------------------
+
+
+def test_a_fenced_write_must_go_to_its_branch_and_killed_runs_branches_are_dropped(spark, lake, unique, monkeypatch):
+    """A table without a snapshot can be fenced on; a write that bypasses the branch it was given
+    is refused (it would not be fenced); a branch a killed run left is dropped by a later writer
+    once it is a day old, and a younger one (maybe a run still going) is kept."""
+    import json
+
+    import cdc_lakehouse.lake.commits as commits
+    from cdc_lakehouse.lake.snapshots import branch_names
+    from cdc_lakehouse.lake.watermark import WATERMARK_PROP
+
+    spark.sql("CREATE NAMESPACE IF NOT EXISTS lake.fence_t")
+    table = f"lake.fence_t.f_{unique}"
+    spark.sql(f"CREATE TABLE {table} (id bigint) USING iceberg TBLPROPERTIES ('format-version' = '2')")
+
+    def append(target: str, n: int) -> None:
+        df = spark.createDataFrame([(n,)], "id bigint")
+        df.writeTo(target).option(f"snapshot-property.{WATERMARK_PROP}", json.dumps({"n": n})).append()
+
+    assert commits.fenced_commit(spark, table, None, {"n": 1}, lambda t: append(t, 1), what="first")
+    with pytest.raises(RuntimeError, match="did not commit its new position to .*branch_cdc_w_"):
+        commits.fenced_commit(spark, table, {"n": 1}, {"n": 2}, lambda t: append(table, 2), what="bypass")
+    old, young = "cdc_w_20000101000000_0badbeef", commits.BRANCH_PREFIX + "29990101000000_0000beef"
+    for name in (old, young, "audit"):
+        spark.sql(f"ALTER TABLE {table} CREATE BRANCH {name}")
+    monkeypatch.setattr(commits, "_swept", {})
+    assert not commits.fenced_commit(spark, table, {"n": 1}, {"n": 2}, lambda t: append(t, 2), what="again")
+    assert branch_names(spark, table) == sorted(["main", young, "audit"])
+    assert sorted(r["id"] for r in spark.table(table).collect()) == [1, 2]  # the bypass landed, unfenced
