@@ -27,6 +27,8 @@ from cdc_lakehouse.lake.columns import COMMIT_LSN, RUN_ID, SHARD
 SQL = "sql"  # the field metadata key holding the column's Spark SQL type (as in ingest.metrics)
 
 R = TypeVar("R")
+# A row as read back, before it is a record: pyiceberg's to_pylist, Spark's Row.asDict.
+RawRow = Mapping[str, Any]
 
 
 def column(sql_type: str, *, required: bool = False) -> Any:
@@ -39,7 +41,7 @@ def columns(record: type) -> list[tuple[str, str]]:
     return [(f.name, f.metadata[SQL]) for f in fields(record) if SQL in f.metadata]
 
 
-def from_row(record: type[R], row: Mapping[str, Any]) -> R:
+def from_row(record: type[R], row: RawRow) -> R:
     """The record of a row read back (pyiceberg's to_pylist, Spark's Row.asDict). A column the row
     lacks is None; a key that is no column of the record is an error, as a misspelled column
     would otherwise read as null."""
@@ -50,7 +52,7 @@ def from_row(record: type[R], row: Mapping[str, Any]) -> R:
     return record(**{c: row.get(c) for c in names})
 
 
-def as_records(record: type[R], rows: Iterable[R | Mapping[str, Any]]) -> list[R]:
+def as_records(record: type[R], rows: Iterable[R | RawRow]) -> list[R]:
     """Rows as records of `record`: records pass through, mappings go through from_row."""
     return [r if isinstance(r, record) else from_row(record, r) for r in rows]
 

@@ -1,21 +1,27 @@
 """Checks on the run history in cdc_meta: retained WAL, failing audits, freshness.
 
-Pure rules over rows the caller read: each check says whether this run alerts ("firing"),
-resolves or stays quiet (the storm rule, decide) and builds the alert.
+Pure rules over rows the caller read, as the records of their tables (lake.meta_rows,
+ingest.metrics; a row given as a mapping is made a record first): each check says whether this
+run alerts ("firing"), resolves or stays quiet (the storm rule, decide) and builds the alert.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable, Sequence
 from datetime import datetime
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from cdc_lakehouse.config import TableConfig
+from cdc_lakehouse.ingest.metrics import IngestMetrics
+from cdc_lakehouse.lake.meta_rows import AuditResult, CaptureRun, QualityResult, RawRow, ShardFreshness, as_records
 from cdc_lakehouse.orchestration.alerts.alert import Alert, fmt_bytes, fmt_seconds
 from cdc_lakehouse.orchestration.alerts.config import AlertingConfig, Rules, rules_for
 
 log = logging.getLogger(__name__)
+
+R = TypeVar("R")
 
 
 def decide(flags: list[bool], need: int, every: int) -> Literal["firing", "resolved"] | None:
@@ -43,16 +49,20 @@ def _streak(flags: list[bool]) -> int:
     return n
 
 
-def _latest_per_run(rows: list[dict[str, Any]], run_col: str, ts_col: str) -> dict[str, list[dict[str, Any]]]:
-    """run -> the rows of its last attempt (a retried run is counted once, as it ended)."""
-    out: dict[str, list[dict[str, Any]]] = {}
+def _latest_per_run(
+    rows: Sequence[R], run: Callable[[R], str], at: Callable[[R], datetime | None]
+) -> dict[str, list[R]]:
+    """run -> the rows of its last attempt (a retried run is counted once, as it ended).
+    run, at: a row's run and its time."""
+    out: dict[str, list[R]] = {}
     for r in rows:
-        if r.get(ts_col) is None:
+        ts = at(r)
+        if ts is None:
             continue
-        cur = out.get(r[run_col])
-        if not cur or r[ts_col] > cur[0][ts_col]:
-            out[r[run_col]] = [r]
-        elif r[ts_col] == cur[0][ts_col]:
+        cur = out.get(run(r))
+        if not cur or ts > at(cur[0]):
+            out[run(r)] = [r]
+        elif ts == at(cur[0]):
             cur.append(r)
     return out
 
@@ -61,7 +71,7 @@ def check_wal(
     manifest: dict[str, Any],
     members: list[TableConfig],
     ac: AlertingConfig,
-    history: list[dict[str, Any]] | None = None,
+    history: Sequence[CaptureRun | RawRow] | None = None,
 ) -> Alert | None:
     """wal_retained: the capture's slot retains more WAL than the smallest threshold of its tables.
 
@@ -77,11 +87,11 @@ def check_wal(
     every = min(r.renotify_every_runs for r in rules)
     run_id = manifest.get("run_id")
     past = sorted(
-        (r for r in history or [] if r.get("run_id") != run_id and r.get("finished_at")),
-        key=lambda r: r["finished_at"],
+        (r for r in as_records(CaptureRun, history or []) if r.run_id != run_id and r.finished_at),
+        key=lambda r: r.finished_at,
         reverse=True,
     )
-    flags = [retained > threshold] + [(r.get("retained_wal_bytes") or 0) > threshold for r in past]
+    flags = [retained > threshold] + [(r.retained_wal_bytes or 0) > threshold for r in past]
     state = decide(flags, 1, every)
     if state is None:
         return None
@@ -127,7 +137,11 @@ def _wal_alert(
 
 
 def check_audit(
-    cfg: TableConfig, audit_run: str, ac: AlertingConfig, results: list[dict[str, Any]], quality: list[dict[str, Any]]
+    cfg: TableConfig,
+    audit_run: str,
+    ac: AlertingConfig,
+    results: Sequence[AuditResult | RawRow],
+    quality: Sequence[QualityResult | RawRow],
 ) -> Alert | None:
     """audit_failing: the audit of the table failed in the last N runs (N = alerts.audit_failed_runs).
 
@@ -137,14 +151,14 @@ def check_audit(
     rules = rules_for(cfg, ac)
     if rules.audit_failed_runs <= 0:
         return None
-    res = _latest_per_run(results, "audit_run", "audited_at")
-    qual = _latest_per_run(quality, "audit_run", "checked_at")
+    res = _latest_per_run(as_records(AuditResult, results), lambda r: r.audit_run, lambda r: r.audited_at)
+    qual = _latest_per_run(as_records(QualityResult, quality), lambda q: q.audit_run, lambda q: q.checked_at)
     if audit_run not in res:
         log.info(
             "audit %s: run %s recorded no results (a failed audit job is alerted as a failed task)", cfg.name, audit_run
         )
         return None
-    runs = sorted(res, key=lambda r: res[r][0]["audited_at"], reverse=True)
+    runs = sorted(res, key=lambda r: res[r][0].audited_at, reverse=True)
     flags = [bool(_bad_shards(res.get(r, [])) or _bad_quality(qual.get(r, []))) for r in runs]
     state = decide(flags, rules.audit_failed_runs, rules.renotify_every_runs)
     if state is None:
@@ -152,12 +166,12 @@ def check_audit(
     return _audit_alert(cfg, audit_run, rules, state, _streak(flags), res[audit_run], qual.get(audit_run, []))
 
 
-def _bad_shards(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [r for r in rows if r.get("verdict") == "fail" and not r.get("repaired")]
+def _bad_shards(rows: list[AuditResult]) -> list[AuditResult]:
+    return [r for r in rows if r.verdict == "fail" and not r.repaired]
 
 
-def _bad_quality(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [q for q in rows if q.get("success") is False]
+def _bad_quality(rows: list[QualityResult]) -> list[QualityResult]:
+    return [q for q in rows if q.success is False]
 
 
 def _audit_alert(
@@ -166,8 +180,8 @@ def _audit_alert(
     rules: Rules,
     state: Literal["firing", "resolved"],
     streak: int,
-    results: list[dict[str, Any]],
-    quality: list[dict[str, Any]],
+    results: list[AuditResult],
+    quality: list[QualityResult],
 ) -> Alert:
     """The alert of one audit run; results/quality: that run's rows."""
     bad_shards = _bad_shards(results)
@@ -182,15 +196,14 @@ def _audit_alert(
         "threshold": f"{rules.audit_failed_runs} runs (alerts.audit_failed_runs)",
         "audit run": audit_run,
     }
-    for r in sorted(bad_shards, key=lambda r: r.get("shard") or ""):
-        details[f"shard {r.get('shard')}"] = (
-            f"{r.get('persistent')} persistent mismatching key(s): missing {r.get('missing')}, extra "
-            f"{r.get('extra')}, different {r.get('different')}; source rows {r.get('source_rows')}, lake rows "
-            f"{r.get('lake_rows')}; sample {r.get('sample_keys')}"
+    for r in sorted(bad_shards, key=lambda r: r.shard or ""):
+        details[f"shard {r.shard}"] = (
+            f"{r.persistent} persistent mismatching key(s): missing {r.missing}, extra {r.extra}, different "
+            f"{r.different}; source rows {r.source_rows}, lake rows {r.lake_rows}; sample {r.sample_keys}"
         )
     for q in _bad_quality(quality):
-        details[f"quality {q.get('expectation')}"] = f"failed (observed {q.get('observed')})"
-    shards = [r.get("shard") for r in bad_shards]
+        details[f"quality {q.expectation}"] = f"failed (observed {q.observed})"
+    shards = [r.shard for r in bad_shards]
     fix = (
         f"read the audit in the task log and cdc_meta.audit_results / audit_mismatches (keys per shard, with "
         f"samples); quarantined events of those keys: `python -m cdc_lakehouse.cli quarantine list {cfg.name}`. "
@@ -210,13 +223,15 @@ def _audit_alert(
     )
 
 
-def check_freshness(cfg: TableConfig, ingest_run: str, ac: AlertingConfig, runs: list[dict[str, Any]]) -> Alert | None:
+def check_freshness(
+    cfg: TableConfig, ingest_run: str, ac: AlertingConfig, runs: Sequence[IngestMetrics | RawRow]
+) -> Alert | None:
     """freshness: the ingest's freshness_seconds (age of the oldest shard's last applied change or
     heartbeat when it committed) is beyond the SLA. runs: the table's cdc_meta.ingest_runs rows."""
     rules = rules_for(cfg, ac)
     if rules.freshness_sla <= 0:
         return None
-    per_run = _latest_per_run(runs, "ingest_run", "committed_at")
+    per_run = _latest_per_run(as_records(IngestMetrics, runs), lambda r: r.ingest_run, lambda r: r.committed_at)
     if ingest_run not in per_run:
         log.info(
             "freshness %s: ingest run %s committed no metrics (a failed ingest is alerted as a failed task)",
@@ -224,18 +239,18 @@ def check_freshness(cfg: TableConfig, ingest_run: str, ac: AlertingConfig, runs:
             ingest_run,
         )
         return None
-    order = sorted(per_run, key=lambda r: per_run[r][0]["committed_at"], reverse=True)
-    flags = [(per_run[r][0].get("freshness_seconds") or 0) > rules.freshness_sla for r in order]
+    order = sorted(per_run, key=lambda r: per_run[r][0].committed_at, reverse=True)
+    flags = [(per_run[r][0].freshness_seconds or 0) > rules.freshness_sla for r in order]
     state = decide(flags, 1, rules.renotify_every_runs)
     if state is None:
         return None
     return _freshness_alert(cfg, ingest_run, rules, state, _streak(flags), per_run[ingest_run][0])
 
 
-def _stalest_shard(row: dict[str, Any]) -> tuple[str | None, str | None]:
+def _stalest_shard(row: IngestMetrics) -> tuple[str | None, str | None]:
     """(shard, ts) of the oldest position in an ingest run's watermark; (None, None) if unreadable."""
     try:
-        shards = json.loads(row.get("watermark") or "{}").get("shards") or {}
+        shards = json.loads(row.watermark or "{}").get("shards") or {}
         ts = {s: v["ts"] for s, v in shards.items() if v.get("ts")}
         if ts:
             stalest = min(ts, key=lambda s: datetime.fromisoformat(ts[s]))
@@ -251,10 +266,10 @@ def _freshness_alert(
     rules: Rules,
     state: Literal["firing", "resolved"],
     streak: int,
-    row: dict[str, Any],
+    row: IngestMetrics,
 ) -> Alert:
     """The alert of one ingest run; row: that run's cdc_meta.ingest_runs row."""
-    fresh = row.get("freshness_seconds")
+    fresh = row.freshness_seconds
     stalest, stalest_ts = _stalest_shard(row)
     if state == "resolved":
         summary = f"{cfg.name} is fresh again: {fmt_seconds(fresh)} behind its sources"
@@ -268,7 +283,7 @@ def _freshness_alert(
         "stalest shard": f"{stalest} (last change or heartbeat applied: {stalest_ts})" if stalest else None,
         "runs over the SLA in a row": streak,
         "ingest run": ingest_run,
-        "events read": row.get("events_read"),
+        "events read": row.events_read,
     }
     fix = (
         "freshness is the age of the oldest shard's last applied transaction or heartbeat. Check the capture "
@@ -283,7 +298,7 @@ def _freshness_alert(
 
 
 def check_shard_freshness(
-    cfg: TableConfig, ingest_run: str, ac: AlertingConfig, rows: list[dict[str, Any]]
+    cfg: TableConfig, ingest_run: str, ac: AlertingConfig, rows: Sequence[ShardFreshness | RawRow]
 ) -> Alert | None:
     """freshness, per shard: a shard whose position in the lake (fresh_to: its last applied change or
     heartbeat) was older than the SLA when the ingest run finished. rows: the table's
@@ -291,15 +306,15 @@ def check_shard_freshness(
     rules = rules_for(cfg, ac)
     if rules.freshness_sla <= 0:
         return None
-    per_run = _latest_per_run(rows, "ingest_run", "updated_at")
+    per_run = _latest_per_run(as_records(ShardFreshness, rows), lambda r: r.ingest_run, lambda r: r.updated_at)
     if ingest_run not in per_run:
         log.info(
             "freshness %s: ingest run %s recorded no freshness (a failed ingest fails its task)", cfg.name, ingest_run
         )
         return None
     # This run and the ones before it, newest first (a check of an older run ignores later ones).
-    at = per_run[ingest_run][0]["updated_at"]
-    order = sorted((r for r in per_run if per_run[r][0]["updated_at"] <= at), key=lambda r: per_run[r][0]["updated_at"])
+    at = per_run[ingest_run][0].updated_at
+    order = sorted((r for r in per_run if per_run[r][0].updated_at <= at), key=lambda r: per_run[r][0].updated_at)
     flags = [bool(_stale_shards(per_run[r], rules.freshness_sla)) for r in reversed(order)]
     state = decide(flags, 1, rules.renotify_every_runs)
     if state is None:
@@ -307,19 +322,18 @@ def check_shard_freshness(
     return _shard_freshness_alert(cfg, ingest_run, rules, state, _streak(flags), per_run[ingest_run])
 
 
-def _stale_shards(rows: list[dict[str, Any]], sla: float) -> list[dict[str, Any]]:
+def _stale_shards(rows: list[ShardFreshness], sla: float) -> list[ShardFreshness]:
     """The run's shards beyond the SLA, stalest first."""
-    stale = [r for r in rows if (r.get("freshness_seconds") or 0) > sla]
-    return sorted(stale, key=lambda r: -(r.get("freshness_seconds") or 0))
+    stale = [r for r in rows if (r.freshness_seconds or 0) > sla]
+    return sorted(stale, key=lambda r: -(r.freshness_seconds or 0))
 
 
-def _shard_line(r: dict[str, Any]) -> str:
-    fresh = r.get("freshness_seconds")
+def _shard_line(r: ShardFreshness) -> str:
+    fresh = r.freshness_seconds
     return (
-        f"{fmt_seconds(fresh)} behind ({fresh:.0f} s) on endpoint {r.get('endpoint')} (schema "
-        f"{r.get('source_schema')}); lake position {r.get('fresh_to')}, last heartbeat {r.get('last_heartbeat_ts')}, "
-        f"last source commit {r.get('last_source_commit_ts')}, made visible by lake snapshot "
-        f"{r.get('lake_snapshot_id')} at {r.get('lake_committed_at')}"
+        f"{fmt_seconds(fresh)} behind ({fresh:.0f} s) on endpoint {r.endpoint} (schema {r.source_schema}); "
+        f"lake position {r.fresh_to}, last heartbeat {r.last_heartbeat_ts}, last source commit "
+        f"{r.last_source_commit_ts}, made visible by lake snapshot {r.lake_snapshot_id} at {r.lake_committed_at}"
     )
 
 
@@ -329,16 +343,16 @@ def _shard_freshness_alert(
     rules: Rules,
     state: Literal["firing", "resolved"],
     streak: int,
-    rows: list[dict[str, Any]],
+    rows: list[ShardFreshness],
 ) -> Alert:
     """The alert of one ingest run; rows: that run's cdc_meta.freshness rows (one per shard)."""
     stale = _stale_shards(rows, rules.freshness_sla)
-    worst = max((r.get("freshness_seconds") or 0 for r in rows), default=0.0)
+    worst = max((r.freshness_seconds or 0 for r in rows), default=0.0)
     sla = fmt_seconds(rules.freshness_sla)
     if state == "resolved":
         summary = f"{cfg.name} is fresh again: every shard within {sla} of its source"
     elif len(stale) == 1:
-        summary = f"{cfg.name} shard {stale[0]['shard']} is {fmt_seconds(worst)} behind its source (SLA {sla})"
+        summary = f"{cfg.name} shard {stale[0].shard} is {fmt_seconds(worst)} behind its source (SLA {sla})"
     else:
         summary = f"{cfg.name}: {len(stale)} shards up to {fmt_seconds(worst)} behind their sources (SLA {sla})"
     details: dict[str, Any] = {
@@ -349,8 +363,8 @@ def _shard_freshness_alert(
         "ingest run": ingest_run,
     }
     for r in stale:
-        details[f"shard {r.get('shard')}"] = _shard_line(r)
-    endpoints = sorted({str(r.get("endpoint")) for r in stale})
+        details[f"shard {r.shard}"] = _shard_line(r)
+    endpoints = sorted({str(r.endpoint) for r in stale})
     fix = (
         f"a shard's lake position only moves when a capture of its endpoint ({', '.join(endpoints) or '-'}) lands a "
         "run and this ingest applies it; the capture's heartbeat moves it on quiet shards. Check that "

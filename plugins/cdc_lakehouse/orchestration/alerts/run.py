@@ -4,9 +4,11 @@ which read the run history in cdc_meta (pyiceberg, no Spark) and deliver."""
 from __future__ import annotations
 
 import logging
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from cdc_lakehouse.config import TableConfig, load_table_configs
+from cdc_lakehouse.ingest.metrics import IngestMetrics
+from cdc_lakehouse.lake.meta_rows import AuditResult, CaptureRun, QualityResult, ShardFreshness, from_row
 from cdc_lakehouse.orchestration.alerts.alert import Alert
 from cdc_lakehouse.orchestration.alerts.checks import check_audit, check_freshness, check_shard_freshness, check_wal
 from cdc_lakehouse.orchestration.alerts.config import AlertDeliveryError, AlertingConfig, channels_for, load_alerting
@@ -16,9 +18,12 @@ from cdc_lakehouse.settings import tables_dir
 
 log = logging.getLogger(__name__)
 
+R = TypeVar("R")
 
-def _meta_rows(lake, name: str, column: str, value: str, fields: tuple[str, ...]) -> list[dict[str, Any]] | None:
-    """Rows of cdc_meta.<name> where column == value (pyiceberg, no Spark); None if the table does not exist."""
+
+def _meta_rows(lake, name: str, record: type[R], column: str, value: str, fields: tuple[str, ...]) -> list[R] | None:
+    """Rows of cdc_meta.<name> where column == value, as records of its table with only `fields`
+    read (the others are None); pyiceberg, no Spark. None if the table does not exist."""
     from pyiceberg.catalog import load_catalog
     from pyiceberg.exceptions import NoSuchTableError
     from pyiceberg.expressions import EqualTo
@@ -28,7 +33,8 @@ def _meta_rows(lake, name: str, column: str, value: str, fields: tuple[str, ...]
         table = catalog.load_table(lake.meta_table(name))
     except NoSuchTableError:
         return None
-    return table.scan(row_filter=EqualTo(column, value), selected_fields=fields).to_arrow().to_pylist()
+    rows = table.scan(row_filter=EqualTo(column, value), selected_fields=fields).to_arrow().to_pylist()
+    return [from_row(record, r) for r in rows]
 
 
 def run_checks(
@@ -37,8 +43,9 @@ def run_checks(
     run_id: str,
     context: dict[str, Any] | None = None,
     lake=None,
-) -> dict[str, Any]:
-    """The check_alerts task: evaluate `kind` for each table on the run history and deliver.
+) -> dict[str, str]:
+    """The check_alerts task: evaluate `kind` for each table on the run history and deliver;
+    returns table -> what came of it ("no alert", "history not readable", "<kind> <state>").
 
     Reading the history is best effort (logged); a channel that cannot deliver fails the task
     after every channel was tried, so a broken channel is seen."""
@@ -49,7 +56,7 @@ def run_checks(
 
         lake = lake_settings()
     check = _audit_from_history if kind == "audit" else _freshness_from_history
-    out: dict[str, Any] = {}
+    out: dict[str, str] = {}
     errors: list[str] = []
     for name in tables:
         cfg = cs.tables.get(name)
@@ -73,6 +80,7 @@ def run_checks(
     return out
 
 
+# The columns each check reads (checks.py); the records' other fields stay None.
 _AUDIT_FIELDS = (
     "audit_run",
     "shard",
@@ -92,8 +100,8 @@ _INGEST_FIELDS = ("ingest_run", "freshness_seconds", "committed_at", "watermark"
 
 
 def _audit_from_history(lake, name: str, cfg: TableConfig, run_id: str, ac: AlertingConfig) -> Alert | None:
-    results = _meta_rows(lake, "audit_results", "table_name", name, _AUDIT_FIELDS)
-    quality = _meta_rows(lake, "quality_results", "table_name", name, _QUALITY_FIELDS) or []
+    results = _meta_rows(lake, "audit_results", AuditResult, "table_name", name, _AUDIT_FIELDS)
+    quality = _meta_rows(lake, "quality_results", QualityResult, "table_name", name, _QUALITY_FIELDS) or []
     return check_audit(cfg, run_id, ac, results or [], quality)
 
 
@@ -115,10 +123,10 @@ _SHARD_FRESHNESS_FIELDS = (
 def _freshness_from_history(lake, name: str, cfg: TableConfig, run_id: str, ac: AlertingConfig) -> Alert | None:
     """Per shard from cdc_meta.freshness; runs recorded before that table existed (no rows for
     the run) are judged on the table-level figure of cdc_meta.ingest_runs."""
-    shard_rows = _meta_rows(lake, "freshness", "table_name", name, _SHARD_FRESHNESS_FIELDS) or []
-    if any(r.get("ingest_run") == run_id for r in shard_rows):
+    shard_rows = _meta_rows(lake, "freshness", ShardFreshness, "table_name", name, _SHARD_FRESHNESS_FIELDS) or []
+    if any(r.ingest_run == run_id for r in shard_rows):
         return check_shard_freshness(cfg, run_id, ac, shard_rows)
-    rows = _meta_rows(lake, "ingest_runs", "table_name", name, _INGEST_FIELDS)
+    rows = _meta_rows(lake, "ingest_runs", IngestMetrics, "table_name", name, _INGEST_FIELDS)
     return check_freshness(cfg, run_id, ac, rows or [])
 
 
@@ -145,6 +153,7 @@ def notify_wal(
                 _meta_rows(
                     lake,
                     "capture_runs",
+                    CaptureRun,
                     "endpoint",
                     manifest["endpoint"],
                     ("run_id", "retained_wal_bytes", "finished_at"),
