@@ -6,6 +6,7 @@ Runs on the Spark driver. columns is pure Python (config re-exports it, DAG file
   batches    batch ids: each table of a multi-table run commits a batch once; resume after a kill
   commits    commits with snapshot properties, retries on conflicts, commits fenced at publish time
   meta       the pipeline's own tables (quarantine, run figures, audit results)
+  meta_rows  their rows as typed records, whose fields generate the tables' columns
   snapshots  the current snapshot and its ancestors, through Iceberg's Java API (no Spark job)
   tables     DDL of the current table and the changelog, properties, adding columns
   watermark  the cdc.watermark snapshot property: read, JSON, typed model, as a Spark map

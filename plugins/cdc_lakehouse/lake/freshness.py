@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from cdc_lakehouse.config import TableConfig
 from cdc_lakehouse.lake.meta import META_TABLES, meta_append
+from cdc_lakehouse.lake.meta_rows import ShardFreshness  # one row of cdc_meta.freshness; its fields are the columns
 from cdc_lakehouse.lake.snapshots import current_ancestors
 from cdc_lakehouse.lake.watermark import WATERMARK_PROP
 from cdc_lakehouse.settings import LakeSettings
@@ -36,31 +37,6 @@ if TYPE_CHECKING:
     from cdc_lakehouse.landing.reader import Plan
 
 FRESHNESS_TABLE = "freshness"
-
-
-@dataclass
-class ShardFreshness:
-    """One row of cdc_meta.freshness (the columns of META_TABLES['freshness'], in that order)."""
-
-    table_name: str
-    shard: str
-    endpoint: str
-    source_schema: str
-    last_source_commit_lsn: int | None
-    last_source_commit_ts: datetime | None
-    last_heartbeat_lsn: int | None
-    last_heartbeat_ts: datetime | None
-    watermark_lsn: int | None
-    fresh_to: datetime | None
-    lake_snapshot_id: int | None
-    lake_committed_at: datetime | None
-    freshness_seconds: float | None
-    ingest_run: str
-    updated_at: datetime
-
-    def stale_seconds(self, now: datetime) -> float | None:
-        """How far behind the source the shard is at `now` (None: no position time known)."""
-        return None if self.fresh_to is None else (now - self.fresh_to).total_seconds()
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,174 @@
+"""What the tasks call: the check_alerts tasks (run_checks) and the capture's WAL check (notify_wal),
+which read the run history in cdc_meta (pyiceberg, no Spark) and deliver."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Literal, TypeVar
+
+from cdc_lakehouse.config import TableConfig, load_table_configs
+from cdc_lakehouse.ingest.metrics import IngestMetrics
+from cdc_lakehouse.lake.meta_rows import AuditResult, CaptureRun, QualityResult, ShardFreshness, from_row
+from cdc_lakehouse.orchestration.alerts.alert import Alert
+from cdc_lakehouse.orchestration.alerts.checks import check_audit, check_freshness, check_shard_freshness, check_wal
+from cdc_lakehouse.orchestration.alerts.config import AlertDeliveryError, AlertingConfig, channels_for, load_alerting
+from cdc_lakehouse.orchestration.alerts.delivery import deliver
+from cdc_lakehouse.secrecy import redact
+from cdc_lakehouse.settings import tables_dir
+
+log = logging.getLogger(__name__)
+
+R = TypeVar("R")
+
+
+def _meta_rows(lake, name: str, record: type[R], column: str, value: str, fields: tuple[str, ...]) -> list[R] | None:
+    """Rows of cdc_meta.<name> where column == value, as records of its table with only `fields`
+    read (the others are None); pyiceberg, no Spark. None if the table does not exist."""
+    from pyiceberg.catalog import load_catalog
+    from pyiceberg.exceptions import NoSuchTableError
+    from pyiceberg.expressions import EqualTo
+
+    catalog = load_catalog(lake.catalog_name, **lake.pyiceberg_properties())
+    try:
+        table = catalog.load_table(lake.meta_table(name))
+    except NoSuchTableError:
+        return None
+    rows = table.scan(row_filter=EqualTo(column, value), selected_fields=fields).to_arrow().to_pylist()
+    return [from_row(record, r) for r in rows]
+
+
+def run_checks(
+    kind: Literal["audit", "freshness"],
+    tables: list[str],
+    run_id: str,
+    context: dict[str, Any] | None = None,
+    lake=None,
+) -> dict[str, str]:
+    """The check_alerts task: evaluate `kind` for each table on the run history and deliver;
+    returns table -> what came of it ("no alert", "history not readable", "<kind> <state>").
+
+    Reading the history is best effort (logged); a channel that cannot deliver fails the task
+    after every channel was tried, so a broken channel is seen."""
+    ac = load_alerting()
+    cs = load_table_configs(tables_dir())
+    if lake is None:
+        from cdc_lakehouse.orchestration.tasks import lake_settings
+
+        lake = lake_settings()
+    check = _audit_from_history if kind == "audit" else _freshness_from_history
+    out: dict[str, str] = {}
+    errors: list[str] = []
+    for name in tables:
+        cfg = cs.tables.get(name)
+        if cfg is None:
+            log.error("alert check: table %r has no valid config in %s", name, tables_dir())
+            continue
+        try:
+            alert = check(lake, name, cfg, run_id, ac)
+        except Exception as exc:  # noqa: BLE001 - the history is unreadable: say so, do not invent an alert
+            log.warning("alert check %s of %s: run history not readable: %s", kind, name, redact(exc))
+            out[name] = "history not readable"
+            continue
+        if alert is None:
+            out[name] = "no alert"
+            continue
+        _stamp(alert, context, run_id)
+        errors += deliver(alert, channels_for([cfg], ac), context, ac)
+        out[name] = f"{alert.kind} {alert.state}"
+    if errors:
+        raise AlertDeliveryError("alert(s) not delivered: " + "; ".join(errors))
+    return out
+
+
+# The columns each check reads (checks.py); the records' other fields stay None.
+_AUDIT_FIELDS = (
+    "audit_run",
+    "shard",
+    "verdict",
+    "repaired",
+    "persistent",
+    "missing",
+    "extra",
+    "different",
+    "source_rows",
+    "lake_rows",
+    "sample_keys",
+    "audited_at",
+)
+_QUALITY_FIELDS = ("audit_run", "expectation", "success", "observed", "checked_at")
+_INGEST_FIELDS = ("ingest_run", "freshness_seconds", "committed_at", "watermark", "events_read")
+
+
+def _audit_from_history(lake, name: str, cfg: TableConfig, run_id: str, ac: AlertingConfig) -> Alert | None:
+    results = _meta_rows(lake, "audit_results", AuditResult, "table_name", name, _AUDIT_FIELDS)
+    quality = _meta_rows(lake, "quality_results", QualityResult, "table_name", name, _QUALITY_FIELDS) or []
+    return check_audit(cfg, run_id, ac, results or [], quality)
+
+
+_SHARD_FRESHNESS_FIELDS = (
+    "ingest_run",
+    "shard",
+    "endpoint",
+    "source_schema",
+    "last_source_commit_ts",
+    "last_heartbeat_ts",
+    "fresh_to",
+    "lake_snapshot_id",
+    "lake_committed_at",
+    "freshness_seconds",
+    "updated_at",
+)
+
+
+def _freshness_from_history(lake, name: str, cfg: TableConfig, run_id: str, ac: AlertingConfig) -> Alert | None:
+    """Per shard from cdc_meta.freshness; runs recorded before that table existed (no rows for
+    the run) are judged on the table-level figure of cdc_meta.ingest_runs."""
+    shard_rows = _meta_rows(lake, "freshness", ShardFreshness, "table_name", name, _SHARD_FRESHNESS_FIELDS) or []
+    if any(r.ingest_run == run_id for r in shard_rows):
+        return check_shard_freshness(cfg, run_id, ac, shard_rows)
+    rows = _meta_rows(lake, "ingest_runs", IngestMetrics, "table_name", name, _INGEST_FIELDS)
+    return check_freshness(cfg, run_id, ac, rows or [])
+
+
+def _stamp(alert: Alert, context: dict[str, Any] | None, run_id: str | None) -> None:
+    """Where the alert comes from: the task instance in the Airflow context, and the run."""
+    ti = (context or {}).get("ti") or (context or {}).get("task_instance")
+    alert.dag_id, alert.task_id, alert.run_id = getattr(ti, "dag_id", None), getattr(ti, "task_id", None), run_id
+
+
+def notify_wal(
+    manifest: dict[str, Any],
+    members: list[TableConfig],
+    lake,
+    context: dict[str, Any] | None = None,
+) -> Alert | None:
+    """Called by the capture task after the run is confirmed and recorded. Never raises: a capture
+    does not fail because of its slot's size or an alert channel."""
+    if manifest.get("reused"):
+        return None
+    try:
+        ac = load_alerting()
+        try:
+            history = (
+                _meta_rows(
+                    lake,
+                    "capture_runs",
+                    CaptureRun,
+                    "endpoint",
+                    manifest["endpoint"],
+                    ("run_id", "retained_wal_bytes", "finished_at"),
+                )
+                or []
+            )
+        except Exception as exc:  # noqa: BLE001 - without history every run over the threshold alerts
+            log.warning("capture_runs history not readable (%s); alerting on this run alone", redact(exc))
+            history = []
+        alert = check_wal(manifest, members, ac, history)
+        if alert is None:
+            return None
+        _stamp(alert, context, (context or {}).get("run_id"))
+        deliver(alert, channels_for(members, ac), context, ac)
+        return alert
+    except Exception:  # noqa: BLE001
+        log.exception("WAL alert check failed (the capture itself succeeded)")
+        return None
