@@ -118,6 +118,7 @@ def change(spark, lake, cfg, share: float) -> dict[str, int]:
     from cdc_lakehouse.lake.columns import LSN_COL, LSN_EVENT_COL, OP_COL, RUN_COL, SEQ_COL
     from cdc_lakehouse.lake.commits import sql_with_commit_properties
     from cdc_lakehouse.lake.tables import conform_to
+    from cdc_lakehouse.lake.writers import INGEST
     from pyspark.sql import functions as F
 
     cur, cl = lake.qualified(cfg.current_table), lake.qualified(cfg.changelog_table)
@@ -140,7 +141,7 @@ def change(spark, lake, cfg, share: float) -> dict[str, int]:
         spark,
         f"MERGE INTO {cur} t USING bench_feed_batch s ON t._cdc_shard = s._cdc_shard AND t.id = s.id "
         f"WHEN MATCHED AND s._del THEN DELETE WHEN MATCHED THEN UPDATE SET {sets}",
-        {"cdc.watermark": _wm(HI_LSN)},
+        {"cdc.watermark": _wm(HI_LSN), **INGEST.props()},  # as the ingest commits: lake.ranges trusts it
     )
     counts = ev.groupBy("_del").count().collect()
     return {("deletes" if r["_del"] else "updates"): r["count"] for r in counts}
@@ -154,7 +155,8 @@ def timed(fn) -> float:
 
 def measure(spark, lake, cfg, since, head: int, repeat: int, expect: dict[str, int]) -> dict:
     from cdc_lakehouse.feed.models import FEED_OP_COL
-    from cdc_lakehouse.feed.read import diff_keys, live_rows, net_rows, read_changes
+    from cdc_lakehouse.feed.read import live_rows, net_rows, read_changes
+    from cdc_lakehouse.lake.ranges import fingerprint_diff
 
     key = cfg.lake_key
 
@@ -165,7 +167,7 @@ def measure(spark, lake, cfg, since, head: int, repeat: int, expect: dict[str, i
 
     def feed_diff() -> None:
         lo, hi = live_rows(spark, lake, cfg, since.snapshot_id), live_rows(spark, lake, cfg, head)
-        net_rows(diff_keys(lo, hi, key), lo, hi, key, False).write.format("noop").mode("overwrite").save()
+        net_rows(fingerprint_diff(lo, hi, key), lo, hi, key, False).write.format("noop").mode("overwrite").save()
 
     def full_scan() -> None:
         live_rows(spark, lake, cfg, head).write.format("noop").mode("overwrite").save()

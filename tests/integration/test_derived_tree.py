@@ -16,6 +16,7 @@ from cdc_lakehouse.derived.config import TreeConfig
 from cdc_lakehouse.derived.run import derive_tree
 from cdc_lakehouse.dev.workload import ID_STRIDE
 
+from tests.conftest import make_config
 from tests.integration.conftest import Source
 
 GROUP = 40  # blocks per root page in the starting tree
@@ -51,18 +52,28 @@ def shard_of(s: Source) -> dict[str, str]:
     return {schema: shard for _, schema, shard in s.block.shards()}
 
 
-def reference(s: Source, max_depth: int = 128) -> tuple[dict, dict]:
-    """(placed, unresolved reasons) by (shard, id), walking parent links in Python."""
+def reference(s: Source, max_depth: int = 128, grants_table: str = "permission") -> tuple[dict, dict]:
+    """(placed, unresolved reasons) by (shard, id), walking parent links in Python over the source."""
+    return tree_of(*source_inputs(s, grants_table), max_depth)
+
+
+def source_inputs(s: Source, grants_table: str = "permission") -> tuple[dict, dict]:
+    """shard -> {id: (parent, space)} and (shard, node) -> {principal: role}, from the source."""
     conn = psycopg2.connect(s.dsn)
     nodes, grants = {}, {}
     with conn.cursor() as cur:
         for schema, shard in shard_of(s).items():
             cur.execute(f"SELECT id, parent_id, space_id FROM {schema}.block")
             nodes[shard] = {i: (p, sp) for i, p, sp in cur.fetchall()}
-            cur.execute(f"SELECT block_id, user_id, role FROM {schema}.permission")
+            cur.execute(f"SELECT block_id, user_id, role FROM {schema}.{grants_table}")
             for b, u, role in cur.fetchall():
                 grants.setdefault((shard, b), {})[str(u)] = role
     conn.close()
+    return nodes, grants
+
+
+def tree_of(nodes: dict, grants: dict, max_depth: int = 128) -> tuple[dict, dict]:
+    """(placed, unresolved reasons) by (shard, id) of the tree the inputs describe."""
     placed, reasons = {}, {}
     for shard, table in nodes.items():
         for node in table:
@@ -134,8 +145,8 @@ def lake_tree(s: Source, cfg: TreeConfig) -> tuple[dict, dict]:
     return placed, reasons
 
 
-def assert_tree_is_reference(s: Source, cfg: TreeConfig) -> tuple[dict, dict]:
-    got, want = lake_tree(s, cfg), reference(s, cfg.max_depth)
+def assert_tree_is_reference(s: Source, cfg: TreeConfig, want: tuple[dict, dict] | None = None) -> tuple[dict, dict]:
+    got, want = lake_tree(s, cfg), want or reference(s, cfg.max_depth)
     for name, g, w in (("placed", got[0], want[0]), ("unresolved", got[1], want[1])):
         wrong = {k: (g.get(k), w.get(k)) for k in set(g) | set(w) if g.get(k) != w.get(k)}
         assert not wrong, f"{len(wrong)} {name} nodes differ (lake, reference), e.g. {list(wrong.items())[:3]}"
@@ -330,3 +341,71 @@ def test_a_run_killed_between_its_commits_converges_on_the_next(tree_source, uni
     assert m["mode"] == "incremental" and m["affected"] == len(reference(s)[1]), m  # only the unresolved retried
     assert derive(s, cfg)["mode"] == "noop"
     assert_tree_is_reference(s, cfg)
+
+
+def test_surrogate_keyed_grants_revoked_or_moved_leave_every_node_that_inherited_them(tree_source, unique):
+    """Grants keyed by a surrogate id (`id bigserial`, default replica identity): a DELETE carries
+    only the id and an UPDATE moving a grant only its new row, so the node a grant left is in no
+    changelog row. The incremental run finds it in the grants table as of its previous run's
+    snapshot: a revoked or moved grant leaves every node that inherited it, as a full rebuild and
+    the source say. With that snapshot expired, the run is full."""
+    s = tree_source
+    shards = {"conn_id": "cdc_test_source", "database": s.db, "schemas": s.schemas}
+    gcfg = make_config(f"g_{unique}", [], source={"table": "block_grant", "shards": [shards]}, primary_key=["id"])
+    s.tables = lambda: {**Source.tables(s), "block_grant": (s.schemas, ["id"])}  # published and captured
+    b0, b1 = ID_STRIDE, 2 * ID_STRIDE  # roots of the first trees: b + 1, b + 41, b + 81 (GROUP = 40)
+    s.execute(
+        *[
+            f"CREATE TABLE {schema}.block_grant (id bigserial PRIMARY KEY, block_id bigint NOT NULL, "
+            "user_id bigint NOT NULL, role text NOT NULL)"
+            for schema in s.schemas
+        ],
+        f"INSERT INTO s0.block_grant (block_id, user_id, role) VALUES ({b0 + 1}, 7, 'full'), ({b0 + 41}, 7, 'read'), "
+        f"({b0 + 3}, 8, 'edit'), ({b0 + 81}, 9, 'read')",
+        f"INSERT INTO s1.block_grant (block_id, user_id, role) VALUES ({b1 + 1}, 7, 'edit'), ({b1 + 41}, 8, 'full')",
+    )
+    s.bootstrap(gcfg)
+    tables = {s.block.name: s.block, gcfg.name: gcfg}
+    dcfg, full = (
+        TreeConfig.model_validate(
+            {
+                "name": name,
+                "nodes": {"table": s.block.name, "id": "id", "parent": "parent_id", "root_attribute": "space_id"},
+                "grants": {"table": gcfg.name, "node": "block_id", "principal": "user_id", "grant": "role"},
+            }
+        )
+        for name in (f"sg_{unique}", f"sg_full_{unique}")
+    )
+    assert derive_tree(s.spark, s.lake, dcfg, tables)["mode"] == "full"
+    placed, _ = assert_tree_is_reference(s, dcfg, reference(s, grants_table="block_grant"))
+    shard0 = shard_of(s)["s0"]
+    assert ("7", "full", b0 + 1) in placed[(shard0, b0 + 40)].grants  # inherited down the first tree
+
+    def grant_batch(*sql):
+        s.execute(*sql)
+        assert s.ingest(gcfg, s.capture()["run_id"], run=f"g{s.runs}")["status"] == "ok"
+
+    grant_batch(
+        f"DELETE FROM s0.block_grant WHERE block_id = {b0 + 1} AND user_id = 7",  # revoked: the whole first tree
+        f"UPDATE s0.block_grant SET block_id = {b0 + 121} WHERE block_id = {b0 + 41}",  # moved to another tree
+        f"UPDATE s1.block_grant SET block_id = {b1 + 81}, role = 'read' WHERE block_id = {b1 + 1}",
+        f"INSERT INTO s1.block_grant (block_id, user_id, role) VALUES ({b1 + 2}, 9, 'full')",
+    )
+    m = derive_tree(s.spark, s.lake, dcfg, tables)
+    assert m["mode"] == "incremental", m
+    placed, _ = assert_tree_is_reference(s, dcfg, reference(s, grants_table="block_grant"))
+    assert m["keys_from"] == {s.block.name: "changelog", gcfg.name: "changelog"}, m
+    assert not any(g[0] == "7" and g[2] == b0 + 1 for n, p in placed.items() if n[0] == shard0 for g in p.grants)
+    assert ("7", "read", b0 + 121) in placed[(shard0, b0 + 121)].grants
+    derive_tree(s.spark, s.lake, full, tables, full=True)
+    assert lake_tree(s, dcfg) == lake_tree(s, full)
+
+    # The grants snapshot the last run pinned is expired: nothing to look the old nodes up in.
+    grant_batch(f"DELETE FROM s1.block_grant WHERE block_id = {b1 + 41}")
+    s.spark.sql(
+        f"CALL {s.lake.catalog_name}.system.expire_snapshots(table => '{gcfg.current_table}', "
+        "older_than => TIMESTAMP '2999-01-01 00:00:00', retain_last => 1)"
+    ).collect()
+    m = derive_tree(s.spark, s.lake, dcfg, tables)
+    assert m["mode"] == "full", m
+    assert_tree_is_reference(s, dcfg, reference(s, grants_table="block_grant"))

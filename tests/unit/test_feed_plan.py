@@ -14,9 +14,11 @@ def wm(**lsns: int) -> dict:
 
 
 def chain(*snaps: tuple) -> dict[int, SnapshotInfo]:
+    """(id, operation, watermark[, writer]) oldest first; the writer defaults to the ingest for a
+    commit with a watermark and to none (a compaction, or a stray writer) for one without."""
     out, parent = {}, None
-    for sid, op, w in snaps:
-        out[sid] = SnapshotInfo(sid, parent, op, w)
+    for sid, op, w, *writer in snaps:
+        out[sid] = SnapshotInfo(sid, parent, op, w, writer[0] if writer else ("ingest" if w else None))
         parent = sid
     return out
 
@@ -39,9 +41,17 @@ def test_ingest_commits_use_the_changelog_up_to_the_newest_complete_snapshot():
     assert plan_range("n.t", "c", late, 3, off(1), upto=2).snapshot_id == 2
 
 
-def test_rows_changed_without_a_watermark_rollbacks_moves_and_expiry_fall_back():
-    repaired = chain((1, "append", wm(a=10)), (2, "overwrite", None), (3, "overwrite", wm(a=30)))
-    assert plan_range("n.t", "c", repaired, 3, off(1)).mode == "diff"
+def test_other_writers_rollbacks_moves_and_expiry_fall_back():
+    # An audit repair as audit.repair commits it: the watermark restated, its rows at the watermark.
+    repaired = chain((1, "append", wm(a=10)), (2, "overwrite", wm(a=10), "repair"))
+    r = plan_range("n.t", "c", repaired, 2, off(1))
+    assert (r.mode, r.snapshot_id) == ("diff", 2) and "cdc.writer=repair" in r.reason, r
+    # A replay (no watermark), then an ingest: the range that holds both is diffed.
+    replayed = chain((1, "append", wm(a=10)), (2, "overwrite", None, "replay"), (3, "overwrite", wm(a=30)))
+    assert plan_range("n.t", "c", replayed, 3, off(1)).mode == "diff"
+    # A commit naming no writer (a manual UPDATE) is never trusted, with or without a watermark.
+    stray = chain((1, "append", wm(a=10)), (2, "overwrite", wm(a=10), None), (3, "overwrite", wm(a=30)))
+    assert "cdc.writer=none" in plan_range("n.t", "c", stray, 3, off(1)).reason
     rolled = chain((1, "append", wm(a=10)), (2, "overwrite", wm(a=20)))
     rolled[3] = SnapshotInfo(3, 1, "overwrite", wm(a=15))  # current branches from 1; the offset is at 2
     assert "ancestor" in plan_range("n.t", "c", rolled, 3, off(2)).reason

@@ -17,6 +17,7 @@ from cdc_lakehouse.lake.columns import INGESTED_COL, LSN_EVENT_COL, RUN_COL, UNA
 from cdc_lakehouse.lake.commits import sql_with_commit_properties, with_commit_retries
 from cdc_lakehouse.lake.tables import changelog_columns, conform_to, null_metadata
 from cdc_lakehouse.lake.watermark import read_watermark, shard_lsn_map, watermark_json
+from cdc_lakehouse.lake.writers import REPAIR, WRITER_PROP
 from cdc_lakehouse.settings import LakeSettings, SourceEndpoint, source_uri
 from cdc_lakehouse.source.catalog import describe_table, text_select
 from cdc_lakehouse.source.session import SESSION_OPTIONS
@@ -146,7 +147,12 @@ def _append_changelog(
     # The watermark is read from the newest snapshot: the repair's commit restates it unchanged.
     cwm = read_watermark(spark, cl)
     with_commit_retries(
-        lambda: cl_rows.writeTo(cl).option("snapshot-property.cdc.watermark", watermark_json(cwm)).append(),
+        lambda: (
+            cl_rows.writeTo(cl)
+            .option("snapshot-property.cdc.watermark", watermark_json(cwm))
+            .option(f"snapshot-property.{WRITER_PROP}", REPAIR.name)
+            .append()
+        ),
         what=f"{cfg.name} repair changelog",
     )
 
@@ -154,7 +160,10 @@ def _append_changelog(
 def _merge_current(
     spark: SparkSession, lake: LakeSettings, cfg: TableConfig, batch: DataFrame, lake_cols, wm, audit_run: str
 ) -> None:
-    """Through the ingest's LSN-guarded merge, so a row the stream has since moved on is left alone."""
+    """Through the ingest's LSN-guarded merge, so a row the stream has since moved on is left alone.
+    The commit restates the watermark (the table's position did not move) and names its writer:
+    its rows sit at the watermark, in no changelog range that ends at this commit, so readers of
+    ranges diff across it (lake.ranges)."""
     from cdc_lakehouse.ingest.merge import merge_sql
 
     names = [c for c, _ in lake_cols]
@@ -163,6 +172,8 @@ def _merge_current(
     cur_t = lake.qualified(cfg.current_table)
     sql = merge_sql(cfg, cur_t, view, [SHARD_COL, *names, OP_COL, LSN_COL, SEQ_COL, COMMIT_TS_COL], [])
     with_commit_retries(
-        lambda: sql_with_commit_properties(spark, sql, {"cdc.watermark": watermark_json(wm), "cdc.repair": audit_run}),
+        lambda: sql_with_commit_properties(
+            spark, sql, {"cdc.watermark": watermark_json(wm), "cdc.repair": audit_run, **REPAIR.props()}
+        ),
         what=f"{cfg.name} repair merge",
     )

@@ -70,6 +70,7 @@ from cdc_lakehouse.lake.commits import ConcurrentWriterError, fenced_commit, sql
 from cdc_lakehouse.lake.snapshots import current_ancestors
 from cdc_lakehouse.lake.tables import changelog_columns, conform_to
 from cdc_lakehouse.lake.watermark import read_watermark, watermark_json
+from cdc_lakehouse.lake.writers import CHUNKED_BOOTSTRAP, WRITER_PROP
 from cdc_lakehouse.runtime.failpoints import crash_point
 from cdc_lakehouse.runtime.session import session_conf
 from cdc_lakehouse.settings import LakeSettings
@@ -263,12 +264,10 @@ def _start_positions(
         cwm["shards"].setdefault(s.shard, pos)
         progress.pop(s.shard, None)  # progress of an earlier table of this name does not apply
     log.info("bootstrap %s (chunked): shards %s start at LSN %s", cfg.name, [s.shard for s in new], point)
-    spark.createDataFrame([], spark.table(target.changelog).schema).writeTo(target.changelog).option(
-        "snapshot-property.cdc.watermark", watermark_json(cwm)
-    ).append()
-    spark.createDataFrame([], spark.table(target.current).schema).writeTo(target.current).option(
-        "snapshot-property.cdc.watermark", watermark_json(wm)
-    ).append()
+    for table, w in ((target.changelog, cwm), (target.current, wm)):
+        spark.createDataFrame([], spark.table(table).schema).writeTo(table).option(
+            "snapshot-property.cdc.watermark", watermark_json(w)
+        ).option(f"snapshot-property.{WRITER_PROP}", CHUNKED_BOOTSTRAP.name).append()
 
 
 def _shard_state(cfg: TableConfig, s: ShardSource, prev: ShardProgress | None, run_id: str) -> ShardProgress:
@@ -513,7 +512,7 @@ def _apply_chunks(
         events = conform_to(_event_columns(rows, snap).select(*cl_cols), spark.table(target.changelog).schema)
         events.writeTo(into).option("distribution-mode", "none").option(
             f"snapshot-property.{ROUND_PROP}", props[ROUND_PROP]
-        ).append()
+        ).option(f"snapshot-property.{WRITER_PROP}", CHUNKED_BOOTSTRAP.name).append()
 
     def merge(into: str) -> None:  # the skip list again: an ingest that won the commit race may have deleted keys
         kept = _not_superseded(spark, cfg, target, frame, shards, lowest)
@@ -562,7 +561,9 @@ def _merge_current(
     view = f"cdc_chunk_{abs(hash((target.current, time.monotonic_ns())))}"
     rows.createOrReplaceTempView(view)
     try:
+        # Rows merged at the chunk's own position, below or above the watermark (which does not
+        # move): readers of ranges diff across this commit (lake.ranges), as its writer says.
         sql = merge_sql(cfg, into, view, [f.name for f in schema.fields if f.name not in flags], [])
-        sql_with_commit_properties(spark, sql, props)
+        sql_with_commit_properties(spark, sql, {**props, **CHUNKED_BOOTSTRAP.props()})
     finally:
         spark.catalog.dropTempView(view)

@@ -32,6 +32,7 @@ from cdc_lakehouse.lake.tables import (
     table_exists,
 )
 from cdc_lakehouse.lake.watermark import read_watermark, watermark_json
+from cdc_lakehouse.lake.writers import BOOTSTRAP, WRITER_PROP
 from cdc_lakehouse.runtime.phases import PhaseClock
 from cdc_lakehouse.settings import LakeSettings
 
@@ -237,7 +238,9 @@ def _write_changelog(
     # and the JDBC tasks write as they read (10M rows: 207 s -> 183 s without the shuffle).
     events.writeTo(target.changelog).option("distribution-mode", "none").option(
         "snapshot-property.cdc.watermark", watermark_json(snap.cwm)
-    ).option("snapshot-property.cdc.bootstrap", snap.run_id).append()
+    ).option("snapshot-property.cdc.bootstrap", snap.run_id).option(
+        f"snapshot-property.{WRITER_PROP}", BOOTSTRAP.name
+    ).append()
 
 
 def _write_current(spark: SparkSession, cfg: TableConfig, target: _Target, snap: _Snapshot, partial: bool) -> None:
@@ -261,7 +264,9 @@ def _write_current(spark: SparkSession, cfg: TableConfig, target: _Target, snap:
     rows = conform_to(rows, spark.table(target.current).schema)
     rows.writeTo(target.current).option("distribution-mode", CURRENT_DISTRIBUTION).option(
         "snapshot-property.cdc.watermark", watermark_json(snap.wm)
-    ).option("snapshot-property.cdc.bootstrap", snap.run_id).overwrite(cond)
+    ).option("snapshot-property.cdc.bootstrap", snap.run_id).option(
+        f"snapshot-property.{WRITER_PROP}", BOOTSTRAP.name
+    ).overwrite(cond)
 
 
 def _result(

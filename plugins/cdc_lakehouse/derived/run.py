@@ -2,9 +2,13 @@
 its unresolved nodes out.
 
     pin       the inputs' current snapshots and watermarks: what this run reads, and its watermark
-    plan      full (first run, `full`, a changed max_depth, a truncated shard), incremental, or nothing
-    affected  nodes whose parent, existence or root attribute changed, nodes whose grants changed,
-              every unresolved node, and their descendants in the previous output
+    plan      full (first run, `full`, a changed max_depth or set of inputs, an input's previous
+              snapshot expired), incremental, or nothing
+    affected  nodes whose parent, existence or root attribute changed, nodes whose grants changed
+              (the node a changed grant is on now, and the one it was on before), every unresolved
+              node, and their descendants in the previous output. An input's changed keys come
+              from lake.ranges, the rule the change feed and serving exports use: its changelog
+              across ingest commits, else a diff of its two pinned snapshots
     resolve   pointer jumping over those nodes; their other ancestors come from the previous output
     grants    each grant holder's effective grants; other nodes take their nearest holder's
     commit    the unresolved table, then the output with the new watermark, each fenced on its old one
@@ -21,7 +25,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from cdc_lakehouse.config import OP_COL, SHARD_COL, TableConfig
+from cdc_lakehouse.config import SHARD_COL, TableConfig
 from cdc_lakehouse.derived.config import TreeConfig
 from cdc_lakehouse.derived.tree import (
     ATTR,
@@ -38,8 +42,8 @@ from cdc_lakehouse.derived.tree import (
 )
 from cdc_lakehouse.identifiers import spark_ident
 from cdc_lakehouse.lake.batches import BatchId, BatchStep, commit_once
-from cdc_lakehouse.lake.changelog import changes_between
 from cdc_lakehouse.lake.commits import fenced_commit, sql_with_commit_properties
+from cdc_lakehouse.lake.ranges import KeyRange, changed_keys, key_range, live_rows, table_snapshots
 from cdc_lakehouse.lake.snapshots import current_ancestors
 from cdc_lakehouse.lake.tables import ensure_namespace, table_exists
 from cdc_lakehouse.lake.watermark import WATERMARK_PROP, read_watermark, watermark_json
@@ -81,6 +85,7 @@ class TreeRun:
     previous: dict[str, Any] | None  # the output's watermark before this run
     unresolved_previous: dict[str, Any] | None  # the unresolved table's (ahead after a kill between the commits)
     mode: str = "full"
+    ranges: dict[str, KeyRange] = field(default_factory=dict)  # input name -> its range since the previous run
     affected_count: int = 0  # nodes an incremental run recomputes (0: only the watermark moves)
     metrics: dict[str, Any] = field(default_factory=dict)
 
@@ -152,7 +157,28 @@ def pin_run(
         read_watermark(spark, unresolved) if table_exists(spark, unresolved) else None,
     )
     r.mode = plan_mode(r, full=full)
+    if r.mode == "incremental":
+        r.ranges = input_ranges(spark, r)
+        gone = [f"{name}: {k.reason}" for name, k in r.ranges.items() if k.mode == "full"]
+        if gone:
+            log.info("derived %s: recomputing the whole tree (%s)", dcfg.name, "; ".join(gone))
+            r.mode = "full"
     return r
+
+
+def input_ranges(spark: SparkSession, r: TreeRun) -> dict[str, KeyRange]:
+    """Per input, how its keys changed from the snapshot the previous run pinned to this run's
+    (lake.ranges.key_range); `full` when that snapshot is gone (expired)."""
+    out = {}
+    for p in (r.nodes, r.grants):
+        if p is None:
+            continue
+        lo = r.previous["inputs"][p.cfg.name].get("snapshot")
+        if p.snapshot is None:
+            out[p.cfg.name] = KeyRange(lo, -1, "full", f"{p.table} has no snapshot")
+            continue
+        out[p.cfg.name] = key_range(table_snapshots(spark, p.table)[0], lo, p.snapshot)
+    return out
 
 
 def plan_mode(r: TreeRun, *, full: bool) -> str:
@@ -171,12 +197,7 @@ def plan_mode(r: TreeRun, *, full: bool) -> str:
 
 def _at(spark: SparkSession, p: Pinned) -> DataFrame:
     """The input at its pinned snapshot, without soft-deleted rows."""
-    from pyspark.sql import functions as F
-
-    df = spark.sql(f"SELECT * FROM {p.table} VERSION AS OF {p.snapshot}") if p.snapshot else spark.table(p.table)
-    if p.cfg.deletes == "soft":
-        df = df.filter(~F.col(p.cfg.soft_delete_columns.flag))
-    return df
+    return live_rows(spark, p.table, p.cfg, p.snapshot)
 
 
 def read_inputs(spark: SparkSession, r: TreeRun) -> tuple[DataFrame, DataFrame | None, DataFrame | None]:
@@ -221,14 +242,37 @@ def root_attr_column(dcfg: TreeConfig) -> str:
 # --- affected -------------------------------------------------------------------------------------
 
 
-def changed_keys(spark: SparkSession, r: TreeRun, p: Pinned, key: str) -> DataFrame:
-    """(shard, _n, op) of every changelog row the input gained between the previous run's
-    positions and this run's."""
+def input_changes(spark: SparkSession, r: TreeRun, p: Pinned) -> DataFrame:
+    """Lake keys of input p changed since the previous run: from its changelog, or by diffing the
+    snapshot the previous run pinned with this run's (lake.ranges decides which)."""
+    found = changed_keys(spark, r.lake, p.cfg, r.ranges[p.cfg.name], at_hi=_at(spark, p))
+    r.metrics.setdefault("keys_from", {})[p.cfg.name] = found.found_by
+    return found.keys
+
+
+def changed_nodes(spark: SparkSession, r: TreeRun) -> DataFrame:
+    """(shard, _n) of the nodes changed since the previous run (a node's lake key is shard and id)."""
     from pyspark.sql import functions as F
 
-    before = r.previous["inputs"][p.cfg.name]["shards"]
-    rows = changes_between(spark, r.lake, p.cfg, before, p.shards)
-    return rows.select(SHARD_COL, F.col(key).alias(ID), F.col(OP_COL).alias("op"))
+    return input_changes(spark, r, r.nodes).select(SHARD_COL, F.col(r.dcfg.nodes.id).alias(ID))
+
+
+def changed_grant_nodes(spark: SparkSession, r: TreeRun) -> DataFrame:
+    """(shard, _n) of the nodes whose grants changed: for each changed grant, the node it is on
+    now and the node it was on at the previous run's pinned snapshot. A grants table keyed by a
+    surrogate id is why both are read from the table: with the default replica identity a DELETE
+    carries only the id, and an UPDATE moving a grant from X to Y only its new row, so neither the
+    key nor the changelog names X; the grants table as of that snapshot does."""
+    from pyspark.sql import functions as F
+
+    p, node = r.grants, r.dcfg.grants.node
+    keys = input_changes(spark, r, p).localCheckpoint(eager=True)
+    before = live_rows(spark, p.table, p.cfg, r.ranges[p.cfg.name].lo)
+    on = [
+        df.join(keys, p.cfg.lake_key, "left_semi").select(SHARD_COL, F.col(node).alias(ID))
+        for df in (before, _at(spark, p))
+    ]
+    return on[0].unionByName(on[1])
 
 
 def structural(node_changes: DataFrame, nodes: DataFrame, previous: DataFrame) -> DataFrame:
@@ -247,20 +291,13 @@ def structural(node_changes: DataFrame, nodes: DataFrame, previous: DataFrame) -
 
 
 def affected_nodes(spark: SparkSession, r: TreeRun, nodes: DataFrame, previous: DataFrame) -> DataFrame | None:
-    """The nodes to recompute (shard, _n), checkpointed; None switches the run to full (a shard
-    was truncated or re-bootstrapped from empty: every key may have changed)."""
+    """The nodes to recompute (shard, _n), checkpointed; None switches the run to full (no
+    snapshot of the unresolved table matches the output's watermark)."""
     from pyspark.sql import functions as F
 
-    changes = changed_keys(spark, r, r.nodes, r.dcfg.nodes.id)
-    grant_changes = changed_keys(spark, r, r.grants, r.dcfg.grants.node) if r.grants else None
-    everything = changes if grant_changes is None else changes.unionByName(grant_changes)
-    if not everything.filter(F.col("op") == "t").isEmpty():
-        log.info("derived %s: an input shard was truncated; recomputing the whole tree", r.dcfg.name)
-        r.mode = "full"
-        return None
-    seeds = structural(changes, nodes, previous)
-    if grant_changes is not None:
-        seeds = seeds.unionByName(grant_changes.select(SHARD_COL, ID))
+    seeds = structural(changed_nodes(spark, r), nodes, previous)
+    if r.grants is not None:
+        seeds = seeds.unionByName(changed_grant_nodes(spark, r))
     unresolved = unresolved_at_watermark(spark, r)
     if unresolved is None:
         log.info("derived %s: no unresolved snapshot matches the output's watermark; recomputing all", r.dcfg.name)

@@ -8,7 +8,6 @@ append/overwrite, with offsets.offsets_property), else in cdc_meta.feed_offsets 
 
 from __future__ import annotations
 
-import json
 from typing import TYPE_CHECKING, Any
 
 from cdc_lakehouse.config import TableConfig
@@ -23,7 +22,6 @@ from cdc_lakehouse.feed.models import (
 )
 from cdc_lakehouse.feed.plan import plan_range
 from cdc_lakehouse.lake.columns import LSN_COL, META_PREFIX, OP_COL, SEQ_COL, SHARD_COL
-from cdc_lakehouse.lake.watermark import WATERMARK_PROP
 from cdc_lakehouse.settings import LakeSettings
 
 if TYPE_CHECKING:
@@ -40,11 +38,8 @@ def pyiceberg_snapshots(tbl: Any) -> tuple[dict[int, SnapshotInfo], int | None]:
     snaps = {}
     for s in tbl.snapshots():
         summary = s.summary
-        wm = summary.get(WATERMARK_PROP) if summary is not None else None
         op = summary.operation.value if summary is not None else None
-        snaps[s.snapshot_id] = SnapshotInfo(
-            s.snapshot_id, s.parent_snapshot_id, op, None if wm is None else json.loads(wm)
-        )
+        snaps[s.snapshot_id] = SnapshotInfo.of(s.snapshot_id, s.parent_snapshot_id, op, summary)
     cur = tbl.current_snapshot()
     return snaps, None if cur is None else cur.snapshot_id
 

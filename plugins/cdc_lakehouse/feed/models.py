@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from cdc_lakehouse.identifiers import IdentifierError, check_lake_ident
+from cdc_lakehouse.lake.ranges import SnapshotInfo  # noqa: F401 - the range rule's model, re-exported
 
 FeedMode = Literal["noop", "changelog", "diff", "full"]
 OP_UPSERT, OP_DELETE = "upsert", "delete"
@@ -53,23 +54,13 @@ def check_consumer_name(consumer: str) -> str:
 
 
 @dataclass(frozen=True)
-class SnapshotInfo:
-    """One snapshot of a table, as the planner needs it (from Spark's Java API or pyiceberg)."""
-
-    snapshot_id: int
-    parent_id: int | None
-    operation: str | None
-    watermark: dict[str, Any] | None  # the parsed `cdc.watermark`, when the snapshot carries one
-
-
-@dataclass(frozen=True)
 class FeedRange:
     """What one read covers: the changes after `since` up to and including snapshot `snapshot_id`.
 
     mode: noop (nothing new), changelog (keys from the changelog between the two watermarks),
-    diff (keys whose rows differ between the two snapshots: a rollback, a backfill or repair
-    commit, a shard moved or re-bootstrapped, a truncate), full (no offset yet, or the offset's
-    snapshot was expired: every live row, and the consumer replaces its state)."""
+    diff (keys whose rows differ between the two snapshots: a commit by any writer but the
+    ingest, a rollback, a shard moved, a truncate; lake.ranges), full (no offset yet, or the
+    offset's snapshot was expired: every live row, and the consumer replaces its state)."""
 
     table: str
     consumer: str

@@ -3,13 +3,15 @@ table's snapshots (SnapshotInfo), shared by the Spark and the pyiceberg readers.
 
 The upper bound is always a snapshot carrying a `cdc.watermark` (a complete position), never a
 wall-clock time: the newest one among the current snapshot's ancestors, or the one an Airflow
-asset event named. The changelog names every changed key only while the table moved forward by
-ingest commits; otherwise (the same cases as serving's `_changelog_range`) the read diffs the two
-snapshots, and when the offset's snapshot no longer exists it returns every live row (full)."""
+asset event named. Whether the changelog names every changed key is lake.ranges' rule, the one
+serving exports and derived trees use: only across ingest commits (and compactions); otherwise
+the read diffs the two snapshots, and when the offset's snapshot no longer exists it returns every
+live row (full)."""
 
 from __future__ import annotations
 
 from cdc_lakehouse.feed.models import FeedError, FeedOffset, FeedRange, SnapshotInfo
+from cdc_lakehouse.lake.ranges import is_ancestor, key_range
 from cdc_lakehouse.lake.watermark import Watermark
 
 
@@ -52,59 +54,9 @@ def plan_range(
         return rng("noop", "no complete snapshot after the offset")
     if since.snapshot_id not in snaps:
         return rng("full", f"the offset's snapshot {since.snapshot_id} was expired: replace the consumer's state")
-    if upto is not None and _is_ancestor(snaps, head.snapshot_id, since.snapshot_id):
+    if upto is not None and is_ancestor(snaps, head.snapshot_id, since.snapshot_id):
         # An older Asset event (or a manual bound) behind what the consumer already read: reading
         # "back" to it would undo changes the consumer has applied.
         return rng("noop", f"the offset is already past snapshot {upto}")
-    lo_snap = snaps[since.snapshot_id]
-    reason = _changelog_unusable(snaps, lo_snap, head)
-    lo = Watermark.from_dict(lo_snap.watermark).shard_lsns() if lo_snap.watermark else {}
-    return rng("diff", reason, lo) if reason else rng("changelog", "ingest commits only", lo)
-
-
-def _is_ancestor(snaps: dict[int, SnapshotInfo], older: int, newer: int) -> bool:
-    sid = snaps[newer].parent_id if newer in snaps else None
-    while sid is not None and sid in snaps:
-        if sid == older:
-            return True
-        sid = snaps[sid].parent_id
-    return False
-
-
-def _changelog_unusable(snaps: dict[int, SnapshotInfo], lo: SnapshotInfo, hi: SnapshotInfo) -> str | None:
-    """Why the changelog between lo's and hi's watermarks may miss a changed key, or None."""
-    if lo.watermark is None:
-        return "the offset's snapshot carries no watermark"
-    return _history_unusable(snaps, lo, hi) or _positions_unusable(lo, hi)
-
-
-def _history_unusable(snaps: dict[int, SnapshotInfo], lo: SnapshotInfo, hi: SnapshotInfo) -> str | None:
-    sid, chain = hi.snapshot_id, []
-    while sid is not None and sid != lo.snapshot_id:
-        snap = snaps.get(sid)
-        if snap is None:
-            break
-        chain.append(snap)
-        sid = snap.parent_id
-    if sid != lo.snapshot_id:
-        return "the offset's snapshot is not an ancestor of the head (the table was rolled back)"
-    for snap in chain:
-        # A compaction (replace) changes no row; any other commit without a watermark (a backfill
-        # MERGE, an audit repair, a manual write) changed rows below the watermark.
-        if snap.watermark is None and snap.operation != "replace":
-            return f"snapshot {snap.snapshot_id} ({snap.operation}) changed rows without moving the watermark"
-        if snap.watermark is not None and "backfill" in snap.watermark:
-            return f"snapshot {snap.snapshot_id} has a pending column backfill"
-    return None
-
-
-def _positions_unusable(lo: SnapshotInfo, hi: SnapshotInfo) -> str | None:
-    lo_wm, hi_wm = Watermark.from_dict(lo.watermark), Watermark.from_dict(hi.watermark)
-    for shard, pos in lo_wm.shards.items():
-        now = hi_wm.shards.get(shard)
-        if now is None:
-            return f"shard {shard} left the table"
-        if now.lsn < pos.lsn or (now.endpoint, now.source) != (pos.endpoint, pos.source):
-            # positions of two servers never compare: a moved or re-bootstrapped shard
-            return f"shard {shard} moved back or to another server (re-bootstrap or move)"
-    return None
+    keys = key_range(snaps, since.snapshot_id, head.snapshot_id)
+    return rng(keys.mode, keys.reason, keys.lo_watermark)

@@ -8,7 +8,6 @@ consumer keeping aggregates subtracts it."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -20,14 +19,11 @@ from cdc_lakehouse.feed.models import (
     OP_UPSERT,
     FeedOffset,
     FeedRange,
-    SnapshotInfo,
     check_consumer_name,
 )
 from cdc_lakehouse.feed.plan import plan_range
-from cdc_lakehouse.lake.changelog import changes_between
-from cdc_lakehouse.lake.columns import META_PREFIX, OP_COL
-from cdc_lakehouse.lake.snapshots import iceberg_table
-from cdc_lakehouse.lake.watermark import WATERMARK_PROP
+from cdc_lakehouse.lake import ranges
+from cdc_lakehouse.lake.ranges import KeyRange, table_snapshots
 from cdc_lakehouse.settings import LakeSettings
 
 if TYPE_CHECKING:
@@ -40,24 +36,6 @@ class FeedBatch:
 
     range: FeedRange
     rows: DataFrame
-
-
-def table_snapshots(spark: SparkSession, table: str) -> tuple[dict[int, SnapshotInfo], int | None]:
-    """Every snapshot the table still has (Iceberg's Java API on the driver: no Spark job), and
-    the current one."""
-    t = iceberg_table(spark, table)
-    snaps = {}
-    for s in t.snapshots():
-        wm = s.summary().get(WATERMARK_PROP)
-        parent = s.parentId()
-        snaps[int(s.snapshotId())] = SnapshotInfo(
-            int(s.snapshotId()),
-            None if parent is None else int(parent),
-            None if s.operation() is None else str(s.operation()),
-            None if wm is None else json.loads(wm),
-        )
-    cur = t.currentSnapshot()
-    return snaps, None if cur is None else int(cur.snapshotId())
 
 
 def plan(
@@ -93,12 +71,14 @@ def read_changes(
     if rng.mode == "noop":
         return FeedBatch(rng, net_rows(at_hi.select(*key).limit(0), at_hi, at_hi, key, with_before))
     at_lo = live_rows(spark, lake, cfg, since.snapshot_id)
-    keys = changelog_keys(spark, lake, cfg, rng) if rng.mode == "changelog" else None
-    if keys is None:
-        if rng.mode == "changelog":  # a truncate or re-bootstrap marker: vanished keys are in no changelog row
-            rng = replace(rng, mode="diff", reason="a truncate or re-bootstrap in the range")
-        keys = diff_keys(at_lo, at_hi, key)
-    return FeedBatch(rng, net_rows(keys, at_lo, at_hi, key, with_before))
+    keys = ranges.changed_keys(spark, lake, cfg, _key_range(rng), at_lo, at_hi)
+    if keys.found_by != rng.mode:  # a truncate or re-bootstrap marker: vanished keys are in no changelog row
+        rng = replace(rng, mode="diff", reason=keys.reason)
+    return FeedBatch(rng, net_rows(keys.keys, at_lo, at_hi, key, with_before))
+
+
+def _key_range(rng: FeedRange) -> KeyRange:
+    return KeyRange(rng.since.snapshot_id, rng.snapshot_id, rng.mode, rng.reason, rng.lo_watermark, rng.watermark)
 
 
 def F_lit_op(op: str) -> Column:  # noqa: N802 - reads as the literal it builds
@@ -109,44 +89,7 @@ def F_lit_op(op: str) -> Column:  # noqa: N802 - reads as the literal it builds
 
 def live_rows(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, snapshot_id: int) -> DataFrame:
     """The table's rows at a snapshot, soft-deleted rows left out (to a consumer they are deletes)."""
-    from pyspark.sql import functions as F
-
-    df = spark.read.option("snapshot-id", int(snapshot_id)).table(lake.qualified(cfg.current_table))
-    if cfg.deletes == "soft":
-        df = df.filter(~F.coalesce(F.col(cfg.soft_delete_columns.flag), F.lit(False)))
-    return df
-
-
-def changelog_keys(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, rng: FeedRange) -> DataFrame | None:
-    """Lake keys the changelog gained between the range's two watermarks (both halves of a key
-    change), or None when the range holds a truncate marker (op t: its keys are in no row)."""
-    from pyspark.sql import functions as F
-
-    rows = changes_between(spark, lake, cfg, rng.lo_watermark, rng.watermark).select(*cfg.lake_key, OP_COL)
-    rows = rows.localCheckpoint(eager=True)
-    if not rows.filter(F.col(OP_COL) == "t").isEmpty():
-        return None
-    return rows.filter(F.col(cfg.lake_key[-1]).isNotNull()).select(*cfg.lake_key).distinct()
-
-
-def _fingerprint(df: DataFrame, key: list[str]) -> DataFrame:
-    """Key and a hash of the source columns: the `_cdc_*` columns (LSN, run, ...) change when a
-    re-bootstrap rewrites an unchanged row, which is no change to a consumer."""
-    from pyspark.sql import functions as F
-
-    cols = sorted(c for c in df.columns if not c.startswith(META_PREFIX))
-    packed = F.to_json(F.struct(*[F.col(c) for c in cols]))
-    return df.select(*key, F.sha2(packed, 256).alias("_h"))
-
-
-def diff_keys(at_lo: DataFrame, at_hi: DataFrame, key: list[str]) -> DataFrame:
-    """Keys whose live row differs between the two snapshots, or exists in only one of them."""
-    from pyspark.sql import functions as F
-
-    was = _fingerprint(at_lo, key).withColumnRenamed("_h", "_was")
-    now = _fingerprint(at_hi, key).withColumnRenamed("_h", "_now")
-    diff = now.join(was, key, "full_outer").filter(~F.col("_now").eqNullSafe(F.col("_was")))
-    return diff.select(*key)
+    return ranges.live_rows(spark, lake.qualified(cfg.current_table), cfg, snapshot_id)
 
 
 def _null_struct(df: DataFrame) -> Column:

@@ -29,8 +29,9 @@ from cdc_lakehouse.config import LSN_COL, OP_COL, SEQ_COL, SHARD_COL, TableConfi
 from cdc_lakehouse.identifiers import pg_qualified, spark_ident
 from cdc_lakehouse.ingest.schema import BACKFILL
 from cdc_lakehouse.ingest.validate import cast_text
+from cdc_lakehouse.lake import writers
 from cdc_lakehouse.lake.columns import INGESTED_COL, LSN_EVENT_COL, RUN_COL, UNAVAILABLE_COL, XID_COL
-from cdc_lakehouse.lake.commits import fenced_commit, with_commit_retries
+from cdc_lakehouse.lake.commits import fenced_commit, sql_with_commit_properties, with_commit_retries
 from cdc_lakehouse.lake.tables import conform_to, null_metadata, source_columns_of
 from cdc_lakehouse.lake.watermark import watermark_json
 from cdc_lakehouse.landing.reader import Plan
@@ -89,7 +90,7 @@ def finish_backfill(
     def clear(target: str) -> None:
         spark.createDataFrame([], spark.table(cur).schema).writeTo(target).option(
             "snapshot-property.cdc.watermark", watermark_json(done)
-        ).append()
+        ).option(f"snapshot-property.{writers.WRITER_PROP}", writers.BACKFILL.name).append()
 
     fenced_commit(spark, cur, plan.new_watermark, done, clear, what=f"{cfg.name} backfill done")
     plan.new_watermark = done
@@ -246,7 +247,13 @@ def _backfill_changelog(
     done = spark.table(cl).filter((F.col(SHARD_COL) == shard) & (F.col(LSN_COL) == at_lsn) & (F.col(SEQ_COL) == -1))
     events = events.join(done.select(*key), key, "left_anti")
     with_commit_retries(
-        lambda: conform_to(events, spark.table(cl).schema).writeTo(cl).append(), what=f"{cfg.name} backfill changelog"
+        lambda: (
+            conform_to(events, spark.table(cl).schema)
+            .writeTo(cl)
+            .option(f"snapshot-property.{writers.WRITER_PROP}", writers.BACKFILL.name)
+            .append()
+        ),
+        what=f"{cfg.name} backfill changelog",
     )
 
 
@@ -259,9 +266,9 @@ def _backfill_current(
     filled.select(*key, *columns).createOrReplaceTempView(view)
     on = " AND ".join(f"t.{spark_ident(k)} = s.{spark_ident(k)}" for k in key)
     sets = ", ".join(f"t.{spark_ident(c)} = s.{spark_ident(c)}" for c in columns)
+    sql = f"MERGE INTO {cur} t USING {view} s ON {on} AND t.{LSN_COL} < {at_lsn} WHEN MATCHED THEN UPDATE SET {sets}"
+    # Rows changed below the watermark, and no changelog range ends here: readers of ranges diff
+    # across this commit (lake.ranges), which its writer property tells them.
     with_commit_retries(
-        lambda: spark.sql(
-            f"MERGE INTO {cur} t USING {view} s ON {on} AND t.{LSN_COL} < {at_lsn} WHEN MATCHED THEN UPDATE SET {sets}"
-        ),
-        what=f"{cfg.name} backfill",
+        lambda: sql_with_commit_properties(spark, sql, writers.BACKFILL.props()), what=f"{cfg.name} backfill"
     )

@@ -19,9 +19,9 @@ the merge and run again merges nothing and then resolves the same events (none a
 none lost).
 
 Positions. The replay's commit carries no `cdc.watermark`: the watermark (read from the newest
-ancestor that has one) stays where the ingest left it, never moves back, and the change feed and
-serving exports see a commit that "changed rows without moving the watermark" and diff snapshots
-for it, as for a backfill. Replayed events are not appended to the changelog: their LSNs lie below
+ancestor that has one) stays where the ingest left it, never moves back. It carries
+`cdc.writer: replay` (lake.writers): the change feed, serving exports and derived trees diff
+snapshots across it (lake.ranges), as across a backfill. Replayed events are not appended to the changelog: their LSNs lie below
 the changelog's watermark, a range every reader of `lake.changelog.changes_between` has already
 consumed, and an append there would change what an already-read range contains.
 """
@@ -41,6 +41,7 @@ from cdc_lakehouse.ingest.validate import REASONS, landing_spark_schema
 from cdc_lakehouse.lake.commits import ConcurrentWriterError, sql_with_commit_properties, with_commit_retries
 from cdc_lakehouse.lake.tables import source_columns_of
 from cdc_lakehouse.lake.watermark import read_watermark, watermark_json
+from cdc_lakehouse.lake.writers import REPLAY
 from cdc_lakehouse.runtime.failpoints import crash_point
 from cdc_lakehouse.settings import LakeSettings
 
@@ -256,7 +257,7 @@ def merge_replayed(
                 "Run the replay again (it re-reads the table), outside the table's ingest runs"
             )
         # No cdc.watermark: see the module doc (positions).
-        sql_with_commit_properties(spark, sql, {"cdc.replay-run": replay_run})
+        sql_with_commit_properties(spark, sql, {"cdc.replay-run": replay_run, **REPLAY.props()})
 
     with_commit_retries(attempt, what=f"{cfg.name} quarantine replay merge")
 

@@ -51,6 +51,7 @@ from cdc_lakehouse.lake.meta import meta_append
 from cdc_lakehouse.lake.snapshots import current_ancestors, summary_of
 from cdc_lakehouse.lake.tables import conform_to, partition_sql, props_sql, source_columns_of, table_exists
 from cdc_lakehouse.lake.watermark import WATERMARK_PROP, read_watermark, watermark_json
+from cdc_lakehouse.lake.writers import INGEST
 from cdc_lakehouse.landing.reader import HadoopFS, Plan, SparkLanding, plan_landing
 from cdc_lakehouse.runtime.failpoints import crash_point
 from cdc_lakehouse.runtime.phases import SparkJobs, observed_counts
@@ -229,7 +230,7 @@ def advance_watermark(spark: SparkSession, cfg: TableConfig, b: Batch, state: st
 
     def _empty(table: str, props: dict[str, str], target: str) -> None:
         w = spark.createDataFrame([], spark.table(table).schema).writeTo(target)
-        for k, v in {**props, WATERMARK_PROP: b.new_wm_json}.items():
+        for k, v in {**props, **INGEST.props(), WATERMARK_PROP: b.new_wm_json}.items():
             w = w.option(f"snapshot-property.{k}", v)
         w.append()
 
@@ -354,7 +355,7 @@ def append_changelog(spark: SparkSession, cfg: TableConfig, b: Batch, ch: Change
         # The fused plan's rows are already hashed by key (shard first): no second shuffle to
         # cluster them by partition; the fanout writer keeps one file open per partition instead.
         w = rows.writeTo(target).option("distribution-mode", "none").option("fanout-enabled", "true")
-        for k, v in {**props, WATERMARK_PROP: b.new_wm_json}.items():
+        for k, v in {**props, **INGEST.props(), WATERMARK_PROP: b.new_wm_json}.items():
             w = w.option(f"snapshot-property.{k}", v)
         w.append()
 
@@ -673,7 +674,7 @@ def commit_merge(
     """The LSN-guarded MERGE (`sql(target)`), with the new watermark, the batch id and the batch's
     state (what resume_batch needs to record the run if it is stopped after this commit) in the
     same commit; fenced (lake.commits), so it is published only while the watermark is b.wm."""
-    props = {WATERMARK_PROP: b.new_wm_json, "cdc.ingest-run": ingest_run, BATCH_STATE_PROP: state}
+    props = {WATERMARK_PROP: b.new_wm_json, "cdc.ingest-run": ingest_run, BATCH_STATE_PROP: state, **INGEST.props()}
 
     def _merge(batch_props: dict[str, str]) -> None:
         write = lambda target: sql_with_commit_properties(spark, sql(target), {**props, **batch_props})  # noqa: E731

@@ -920,6 +920,7 @@ def bootstrap_debezium(spark: SparkSession, lake, cfg: TableConfig) -> dict[str,
     the first ingest then loads the connector's snapshot ('r' events) and the changes after it."""
     from cdc_lakehouse.lake.tables import create_lake_tables, table_exists
     from cdc_lakehouse.lake.watermark import watermark_json
+    from cdc_lakehouse.lake.writers import BOOTSTRAP, WRITER_PROP
 
     cur = lake.qualified(cfg.current_table)
     if table_exists(spark, cur):
@@ -937,5 +938,7 @@ def bootstrap_debezium(spark: SparkSession, lake, cfg: TableConfig) -> dict[str,
         WM_KEY: {"offsets": {}, "last": {}, "heartbeats": {}},
     }
     empty = spark.createDataFrame([], spark.table(cur).schema)
-    empty.writeTo(cur).option("snapshot-property.cdc.watermark", watermark_json(wm)).append()
+    empty.writeTo(cur).option("snapshot-property.cdc.watermark", watermark_json(wm)).option(
+        f"snapshot-property.{WRITER_PROP}", BOOTSTRAP.name
+    ).append()
     return wm

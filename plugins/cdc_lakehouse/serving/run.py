@@ -25,11 +25,18 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from cdc_lakehouse.derived.config import TreeConfig
-from cdc_lakehouse.lake.changelog import changes_between
-from cdc_lakehouse.lake.columns import META_PREFIX, OP_COL
-from cdc_lakehouse.lake.snapshots import current_snapshot, iceberg_table
+from cdc_lakehouse.lake.columns import META_PREFIX
+from cdc_lakehouse.lake.ranges import (
+    KeyRange,
+    between,
+    changelog_keys,
+    fingerprint_diff,
+    key_range,
+    live_rows,
+    table_snapshots,
+)
+from cdc_lakehouse.lake.snapshots import current_snapshot
 from cdc_lakehouse.lake.tables import table_exists
-from cdc_lakehouse.lake.watermark import WATERMARK_PROP, Watermark
 from cdc_lakehouse.runtime.phases import PhaseClock, SparkJobs
 from cdc_lakehouse.serving.config import ExportConfig, ResolvedSource, resolve_source
 from cdc_lakehouse.serving.encoding import decoder, encoder, key_string, record_schema
@@ -174,7 +181,7 @@ def _changed_shape(r: ExportRun) -> str | None:
 def _unreadable_position(spark: SparkSession, r: ExportRun) -> str | None:
     if r.live.snapshot is None:
         return "the version was exported while the source had no snapshot"
-    known = {int(s.snapshotId()) for s in iceberg_table(spark, r.table).snapshots()}
+    known = set(table_snapshots(spark, r.table)[0])
     if any(s not in known for s in [r.live.snapshot, *r.live.pending]):
         return "the exported snapshot was expired"
     return None
@@ -185,95 +192,45 @@ def _unreadable_position(spark: SparkSession, r: ExportRun) -> str | None:
 
 def rows_at(spark: SparkSession, r: ExportRun, snapshot: int | None) -> DataFrame:
     """The source at a snapshot, without soft-deleted rows: those are deletes for a reader."""
-    from pyspark.sql import functions as F
-
-    df = spark.sql(f"SELECT * FROM {r.table} VERSION AS OF {snapshot}") if snapshot else spark.table(r.table)
-    cfg = r.source.table_cfg
-    if cfg is not None and cfg.deletes == "soft" and cfg.soft_delete_columns.flag in df.columns:
-        df = df.filter(~F.coalesce(F.col(cfg.soft_delete_columns.flag), F.lit(False)))
-    return df
-
-
-def _fingerprint(df: DataFrame, r: ExportRun) -> DataFrame:
-    from pyspark.sql import functions as F
-
-    return df.select(*r.key, F.sha2(F.to_json(F.struct(*r.values)), 256).alias("_h"))
+    return live_rows(spark, r.table, r.source.table_cfg, snapshot)
 
 
 def changed_keys(spark: SparkSession, r: ExportRun, since: list[int]) -> DataFrame:
     """Every key the store may hold a wrong value for: from the changelog when the source is a
-    table's current rows (cheap: the changes, not the table), else from a diff of snapshots."""
-    keys = changelog_keys(spark, r, since)
+    table's current rows and lake.ranges' rule allows it (cheap: the changes, not the table),
+    else from a diff of snapshots."""
+    rng = changelog_range(spark, r, since)
+    keys = changelog_keys(spark, r.lake, r.source.table_cfg, rng.lo_watermark, rng.hi_watermark) if rng else None
     r.metrics["keys_from"] = "changelog" if keys is not None else "snapshot_diff"
     return keys if keys is not None else diff_keys(spark, r, since)
 
 
-def changelog_keys(spark: SparkSession, r: ExportRun, since: list[int]) -> DataFrame | None:
-    """Keys the table's changelog gained from the exported snapshot's watermark to this run's, or
-    None (diff snapshots instead) whenever the changelog may not name every changed key:
-    see `_changelog_range` and docs/serving-export.md."""
-    from pyspark.sql import functions as F
-
+def changelog_range(spark: SparkSession, r: ExportRun, since: list[int]) -> KeyRange | None:
+    """The range from the exported snapshot E to this run's S when its changelog names every
+    changed key (lake.ranges.key_range) and every pending snapshot lies in [E, S] (a changelog
+    from E covers them then); else None: diff snapshots (docs/serving-export.md)."""
     cfg = r.source.table_cfg
-    if cfg is None or r.ecfg.source.read != "current" or r.key != cfg.lake_key:
+    if cfg is None or r.ecfg.source.read != "current" or r.key != cfg.lake_key or r.snapshot is None:
         # Another key: a change of a non-key column that is in it, or a delete (whose event
         # carries only the primary key), leaves the old key in no changelog row.
         return None
-    span = _changelog_range(spark, r, since)
-    if span is None:
+    snaps, _ = table_snapshots(spark, r.table)
+    rng = key_range(snaps, r.live.snapshot, r.snapshot)
+    if rng.mode != "changelog":
+        log.info("export %s: diffing snapshots: %s", r.ecfg.name, rng.reason)
         return None
-    rows = changes_between(spark, r.lake, cfg, *span).select(*r.key, OP_COL).localCheckpoint(eager=True)
-    if not rows.filter(F.col(OP_COL) == "t").isEmpty():
-        return None  # a truncated or re-bootstrapped shard: its vanished keys are in no changelog row
-    return rows.filter(F.col(r.key[-1]).isNotNull()).select(*r.key).distinct()
-
-
-def _changelog_range(spark: SparkSession, r: ExportRun, since: list[int]) -> tuple[dict, dict] | None:
-    """(lo, hi) shard positions of the exported snapshot E and this run's S, or None when:
-    a snapshot of `since` is not an ancestor of S (the table was rolled back); a snapshot in
-    (E, S] that is not a compaction carries no watermark (a backfill MERGE or a repair: rows
-    below the watermark); a watermark has a pending backfill; a shard's position went back or
-    moved to another endpoint or server (positions of two servers never compare)."""
-    table = iceberg_table(spark, r.table)
-    snap = table.snapshot(r.snapshot) if r.snapshot is not None else None
-    seen, hi, lo = set(), None, None
-    while snap is not None:
-        sid, wm = int(snap.snapshotId()), snap.summary().get(WATERMARK_PROP)
-        inside = r.live.snapshot not in seen and sid != r.live.snapshot  # in (E, S]
-        if wm is None and inside and snap.operation() != "replace":
-            return None
-        if wm is not None:
-            w = Watermark.from_json(wm)
-            if "backfill" in w.to_dict():
-                return None
-            if hi is None:
-                hi = w
-            if not inside:
-                lo = w
-                break
-        seen.add(sid)
-        parent = snap.parentId()
-        snap = table.snapshot(parent) if parent is not None else None
-    if lo is None or hi is None or any(s not in seen | {r.live.snapshot} for s in since):
-        return None
-    for shard, pos in lo.shards.items():
-        now = hi.shards.get(shard)
-        if now is None or now.lsn < pos.lsn or (now.endpoint, now.source) != (pos.endpoint, pos.source):
-            return None
-    return lo.shard_lsns(), hi.shard_lsns()
+    inside = {r.live.snapshot} | {s.snapshot_id for s in between(snaps, r.live.snapshot, r.snapshot) or []}
+    return rng if set(since) <= inside else None
 
 
 def diff_keys(spark: SparkSession, r: ExportRun, since: list[int]) -> DataFrame:
     """Keys whose value at this run's snapshot differs from their value at any of `since` (the
     exported position and the pending snapshots of runs that did not commit), or that exist in
     only one of the two."""
-    from pyspark.sql import functions as F
-
-    now = _fingerprint(rows_at(spark, r, r.snapshot), r).withColumnRenamed("_h", "_now")
+    now = rows_at(spark, r, r.snapshot)
     keys = None
     for s in since:
-        was = _fingerprint(rows_at(spark, r, s), r).withColumnRenamed("_h", "_was")
-        diff = now.join(was, r.key, "full_outer").filter(~F.col("_now").eqNullSafe(F.col("_was"))).select(*r.key)
+        diff = fingerprint_diff(rows_at(spark, r, s), now, r.key, r.values)
         keys = diff if keys is None else keys.unionByName(diff)
     return keys.distinct()
 
