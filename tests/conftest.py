@@ -90,12 +90,24 @@ def redis_server(tmp_root):
 
 
 @pytest.fixture(scope="session")
-def spark(lake):
+def spark_server(tmp_root):
+    """The session's Spark Connect server: the one JVM every test's Spark work runs in, started
+    the way the local stack starts its own (dev.localstack.LocalSparkConnect)."""
+    from cdc_lakehouse.dev.localstack import LocalSparkConnect
+
+    server = LocalSparkConnect(tmp_root / "spark-connect", memory="3g")
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def spark(lake, spark_server):
     from cdc_lakehouse.lake.meta import ensure_meta_tables
 
     from tests.helpers import suite_spark_session
 
-    session = suite_spark_session(lake)
+    session = suite_spark_session(lake, spark_server.url)
     ensure_meta_tables(session, lake)
     yield session
     session.stop()

@@ -41,38 +41,70 @@ class SparkJobs:
     """Counts the Spark jobs a block of driver code starts: `with SparkJobs(spark, "ingest t") as
     jobs: ...; jobs.count`. Every action (count, collect, a write, each job of a MERGE) is one or
     more jobs, and each costs scheduling and a pass over its input: the number is the budget the
-    fused ingest is held to (issue #16), measured through Spark's status tracker."""
+    fused ingest is held to (issue #16).
+
+    The block's jobs carry a job tag of their own (SparkSession.addTag: public on a classic session
+    and on Spark Connect alike); they are counted from the application's status REST API (what the
+    Spark UI serves). Where that API is not reachable (the UI off, a remote server's UI behind a
+    firewall) the count is None: a diagnostic, never a reason to fail a job."""
 
     def __init__(self, spark: SparkSession, label: str) -> None:
-        self.sc = spark.sparkContext
+        self.spark = spark
         self.label = label
-        self.group = f"cdc-{uuid.uuid4().hex[:12]}"
-        self.count = 0
+        self.tag = f"cdc-{uuid.uuid4().hex[:12]}"
+        self.count: int | None = None
         self.sites: list[str] = []
-        self._previous: str | None = None
 
     def __enter__(self) -> SparkJobs:
-        self._previous = self.sc.getLocalProperty("spark.jobGroup.id")
-        self.sc.setJobGroup(self.group, self.label)
+        self.spark.addTag(self.tag)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        tracker = self.sc.statusTracker()
-        ids = sorted(tracker.getJobIdsForGroup(self.group))
-        self.count = len(ids)
-        # What started each job (its last stage's call site, e.g. "save at .../run.py:255"):
-        # where a budget regressed, this says which line did it.
-        self.sites = [_call_site(tracker, j) for j in ids]
-        # Leave the thread as it was: a job group outlives the block otherwise.
-        self.sc.setLocalProperty("spark.jobGroup.id", self._previous)  # type: ignore[arg-type]
-        self.sc.setLocalProperty("spark.job.description", None)  # type: ignore[arg-type]
+        self.spark.removeTag(self.tag)
+        jobs = _tagged_jobs(self.spark, self.tag)
+        if jobs is not None:
+            jobs.sort(key=lambda j: j.get("jobId", 0))
+            self.count = len(jobs)
+            # What started each job (e.g. "save at .../run.py:255"): where a budget regressed, this
+            # says which line did it.
+            self.sites = [str(j.get("name", "?")) for j in jobs]
 
 
-def _call_site(tracker: Any, job_id: int) -> str:
-    job = tracker.getJobInfo(job_id)
-    stages = [tracker.getStageInfo(s) for s in (job.stageIds if job else [])]
-    names = [st.name for st in stages if st is not None]
-    return names[-1] if names else "?"
+def _status_api(spark: SparkSession) -> str | None:
+    """The base URL of the application's status REST API, or None when the UI is off."""
+    get = spark.conf.get
+    if (get("spark.ui.enabled", "true") or "true").lower() != "true":
+        return None
+    app = get("spark.app.id", None)
+    url = get("spark.ui.reverseProxyUrl", None) or None
+    if url is None:
+        host, port = get("spark.driver.host", None), get("spark.ui.port", "4040")
+        if not host or not app:
+            return None
+        url = f"http://{host}:{port}"
+    return f"{url.rstrip('/')}/api/v1/applications/{app}"
+
+
+def _tagged_jobs(spark: SparkSession, tag: str) -> list[dict[str, Any]] | None:
+    import json
+    import urllib.request
+
+    base = _status_api(spark)
+    if base is None:
+        return None
+    # The listener bus records a job's end asynchronously: the last job of the block may be
+    # listed a moment after its action returned.
+    for _ in range(20):
+        try:
+            with urllib.request.urlopen(f"{base}/jobs", timeout=5) as r:  # noqa: S310 - the driver's own UI
+                jobs = json.load(r)
+        except OSError:
+            return None
+        mine = [j for j in jobs if tag in (j.get("jobTags") or [])]
+        if all(j.get("status") != "RUNNING" for j in mine):
+            return mine
+        time.sleep(0.05)
+    return mine
 
 
 def observed_counts(df: DataFrame, *exprs: Column) -> dict[str, Any]:
