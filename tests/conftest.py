@@ -7,6 +7,7 @@ test session and removed at its end.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -97,6 +98,12 @@ def spark_server(tmp_root):
 
     server = LocalSparkConnect(tmp_root / "spark-connect", memory="3g")
     server.start()
+    # Whatever the tests start that reaches for Spark (a job run in-process, a DAG's task, the
+    # CLI) goes to this server, not to the local stack's.
+    os.environ["CDC_SPARK_REMOTE"] = server.url
+    os.environ["AIRFLOW_CONN_SPARK_DEFAULT"] = json.dumps(
+        {"conn_type": "spark_connect", "host": "127.0.0.1", "port": server.port}
+    )
     yield server
     server.stop()
 

@@ -500,13 +500,20 @@ def main(argv: list[str] | None = None) -> int:
         rd = local_stack_redis()
         rd.start(daemonize=True)
         print(f"redis: running on 127.0.0.1:{rd.port}")
+        sc = local_stack_spark()
+        t = time.time()
+        sc.start()
+        print(f"spark connect: running at {sc.url} (ready in {time.time() - t:.0f}s; UI :{sc.ui_port}, log {sc.log})")
     elif cmd == "stop":
+        local_stack_spark().stop()
         pg.stop()
         local_stack_redis().stop()
-        print("postgres, redis: stopped")
+        print("spark connect, postgres, redis: stopped")
     elif cmd == "status":
         running = pg.is_running()
         print(f"postgres: {'running' if running else 'stopped'} on 127.0.0.1:{pg.port} (data {pg.datadir})")
+        sc = local_stack_spark()
+        print(f"spark connect: {'running' if sc.is_running() else 'stopped'} at {sc.url}")
         return 0 if running else 3
     else:
         print("usage: python -m cdc_lakehouse.dev.localstack {init,start,stop,status}", file=sys.stderr)

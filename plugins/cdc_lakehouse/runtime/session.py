@@ -20,6 +20,7 @@ Settings, split by where Spark reads them:
 from __future__ import annotations
 
 import glob
+import json
 import os
 import sys
 from collections.abc import Iterator
@@ -40,6 +41,7 @@ SparkSettings = dict[str, "str | Secret"]  # secret values are Secrets (cdc_lake
 # catalog and S3A setting in its UI, event log and SQL pages, public ones included.
 SERVER_REDACTION_REGEX = SPARK_REDACTION_REGEX + r"|^spark\.sql\.catalog\.|^fs\.s3a?\."
 REMOTE_ENV = "CDC_SPARK_REMOTE"  # sc://host:port of a Spark Connect server
+SESSION_CONF_ENV = "CDC_SPARK_SESSION_CONF"  # JSON: a task's own session settings (the operator's conf)
 CONNECT_SERVER_CLASS = "org.apache.spark.sql.connect.service.SparkConnectServer"
 
 
@@ -187,11 +189,25 @@ def connect_server_argv(workdir: Path, port: int, ui_port: int, memory: str) -> 
     return argv, env
 
 
+_LIVE: list[SparkSession] = []  # this process's Connect sessions, for interrupt_all
+
+
 def connect_session(url: str) -> SparkSession:
     """A new session on a Spark Connect server (its own settings, views and catalog instances)."""
     from pyspark.sql import SparkSession
 
-    return SparkSession.builder.remote(url).create()
+    spark = SparkSession.builder.remote(url).create()
+    _LIVE.append(spark)
+    return spark
+
+
+def interrupt_all() -> None:
+    """Stop the Spark work of this process's Connect sessions on their server (a killed task)."""
+    for spark in list(_LIVE):
+        try:
+            spark.interruptAll()
+        except Exception:  # noqa: BLE001, S110 - best effort: the session may be gone already
+            pass
 
 
 def configure_session(spark: SparkSession, lake: LakeSettings, extra: dict[str, str] | None = None) -> None:
@@ -199,7 +215,8 @@ def configure_session(spark: SparkSession, lake: LakeSettings, extra: dict[str, 
     the Python functions Spark runs on the server (shipped as an artifact of the session)."""
     from cdc_lakehouse.runtime.packaging import pyfiles_zip
 
-    set_session(spark, {**sql_conf(), **lake_conf(lake), **(extra or {})})
+    own = json.loads(os.environ.get(SESSION_CONF_ENV) or "{}")
+    set_session(spark, {**sql_conf(), **lake_conf(lake), **own, **(extra or {})})
     spark.addArtifacts(str(pyfiles_zip()), pyfile=True)
 
 
@@ -262,4 +279,6 @@ def _classic(
 
 def release_spark(spark: SparkSession) -> None:
     """The end of a job: its session goes (on a Connect server, the server's session is released)."""
+    if spark in _LIVE:
+        _LIVE.remove(spark)
     spark.stop()
