@@ -1,4 +1,4 @@
-"""The Spark operator of this project: a job (runtime.jobs.JOBS) with the lake and source settings
+"""The Spark operator of this project: a job (its spark_jobs/<job>.py file) with the lake and source settings
 resolved at run time (never at DAG parse time), sent where the task's Spark connection says:
 
 - a Spark Connect connection (conn type `spark_connect`, the Apache Spark provider's; the local
@@ -69,16 +69,16 @@ class CdcSparkSubmitOperator(SparkSubmitOperator):
         return self._spark_submit(context)
 
     def _run_on_connect(self, url: str) -> None:
-        """The job in this process, a Spark Connect client of `url`: the same job, arguments and
-        settings spark-submit would get. The environment it reads them from is this task's own
-        process's (one task per process in Airflow 3), set for the job and restored after."""
+        """The job's application file (spark_jobs/<job>.py) run in this process as spark-submit
+        would run it (same arguments, same settings), a Spark Connect client of `url`. The
+        environment it reads its settings from is this task's own process's (one task per process
+        in Airflow 3), set for the job and restored after."""
         import json
         import os
 
         from airflow.exceptions import AirflowException
 
         from cdc_lakehouse.orchestration.tasks import spark_job_env
-        from cdc_lakehouse.runtime.jobs import JOBS
         from cdc_lakehouse.runtime.session import REMOTE_ENV, SESSION_CONF_ENV
 
         public, secrets = spark_job_env(self.source_conn_ids, self.store_conns)
@@ -89,7 +89,7 @@ class CdcSparkSubmitOperator(SparkSubmitOperator):
         self.log.info("running %s on Spark Connect at %s", self.job, url.split(";", maxsplit=1)[0])
         try:
             os.environ.update(env)
-            rc = JOBS[self.job]([str(a) for a in self.application_args or []])
+            rc = run_application(self.application, [str(a) for a in self.application_args or []])
         finally:
             for k, v in saved.items():
                 os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
@@ -167,3 +167,20 @@ class CdcSparkSubmitOperator(SparkSubmitOperator):
             super().on_kill()
         finally:
             self._remove_secrets()
+
+
+def run_application(path: str, args: list[str]) -> int:
+    """A spark_jobs/ file run as its `__main__`, with `args` as its command line: its exit code."""
+    import runpy
+    import sys
+
+    argv = sys.argv
+    sys.argv = [path, *args]
+    try:
+        runpy.run_path(path, run_name="__main__")
+    except SystemExit as done:
+        code = done.code
+        return code if isinstance(code, int) else (0 if code is None else 1)
+    finally:
+        sys.argv = argv
+    return 0

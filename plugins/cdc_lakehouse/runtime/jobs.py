@@ -307,15 +307,3 @@ def _feed_main(argv: list[str] | None) -> int:
     from cdc_lakehouse.feed.consumer import main
 
     return main(argv)
-
-
-# What the job server (runtime.server) can run: the same entry points as spark_jobs/<job>.py.
-JOBS: dict[str, Callable[[list[str] | None], int]] = {
-    "ingest": main_ingest,
-    "bootstrap": main_bootstrap,
-    "maintenance": main_maintenance,
-    "audit": main_audit,
-    "derive": main_derive,
-    "export": main_export,
-    "feed_block_counts": _feed_main,
-}
