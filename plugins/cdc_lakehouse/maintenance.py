@@ -221,12 +221,12 @@ def _only_rewrites_since(spark: SparkSession, cfg: TableConfig, target: str, sin
 
     head = None
     for snap in current_ancestors(spark, target):
-        head = snap.snapshotId() if head is None else head
-        if snap.snapshotId() == since:
+        head = snap.snapshot_id if head is None else head
+        if snap.snapshot_id == since:
             return head
-        if snap.operation() != "replace":
+        if snap.operation != "replace":
             raise ConcurrentWriterError(
-                f"{cfg.name}: {target} got a '{snap.operation()}' commit (snapshot {snap.snapshotId()}) while "
+                f"{cfg.name}: {target} got a '{snap.operation}' commit (snapshot {snap.snapshot_id}) while "
                 "maintenance ran: another writer was active. The DAGs' writers of a table share its one-slot "
                 f"Airflow pool ({cfg.pool}, imported by scripts/airflow_init.sh); check that no job outside "
                 "them writes the table"
@@ -328,7 +328,7 @@ def _observe(spark: SparkSession, cfg: TableConfig, target: str) -> _Observed:
         checksum = content_checksum(spark, target, [f.name for f in spark.table(target).schema.fields])
     return _Observed(
         table_stats(spark, target),
-        snap.snapshotId() if snap is not None else None,
+        snap.snapshot_id if snap is not None else None,
         read_watermark(spark, target),
         checksum,
     )

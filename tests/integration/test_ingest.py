@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -85,18 +86,32 @@ def test_random_workload_converges_exactly(source, spark, lake):
     assert deleted.count() > 0 and deleted.filter("deleted_at IS NULL").count() == 0
 
 
+def sql_executions(spark) -> list[dict]:
+    """The SQL executions the Spark application ran, with their physical plans (the status REST
+    API of the driver's UI: the same on Spark Connect as on a classic session)."""
+    import json
+    import urllib.request
+
+    from cdc_lakehouse.runtime.phases import status_api
+
+    url = f"{status_api(spark)}/sql?details=true&planDescription=true&offset=0&length=1000000"
+    with urllib.request.urlopen(url, timeout=10) as r:  # noqa: S310 - the local driver's own UI
+        return json.load(r)
+
+
 def merge_plans(spark, after: int) -> list[str]:
     """Physical plans of the row-level writes (MERGE) Spark ran after execution id `after`."""
-    spark.sparkContext._jsc.sc().listenerBus().waitUntilEmpty()
-    execs = spark._jsparkSession.sharedState().statusStore().executionsList()
-    plans = [execs.apply(i) for i in range(execs.size()) if execs.apply(i).executionId() > after]
-    return [p.physicalPlanDescription() for p in plans if "WriteDelta" in (p.physicalPlanDescription() or "")]
+    # The listener bus records an execution's end asynchronously: wait until none is running.
+    for _ in range(100):
+        execs = [e for e in sql_executions(spark) if e["id"] > after]
+        if all(e.get("status") != "RUNNING" for e in execs):
+            break
+        time.sleep(0.1)
+    return [e["planDescription"] for e in execs if "WriteDelta" in (e.get("planDescription") or "")]
 
 
 def last_execution(spark) -> int:
-    spark.sparkContext._jsc.sc().listenerBus().waitUntilEmpty()
-    execs = spark._jsparkSession.sharedState().statusStore().executionsList()
-    return max((execs.apply(i).executionId() for i in range(execs.size())), default=-1)
+    return max((e["id"] for e in sql_executions(spark)), default=-1)
 
 
 def table_side_shuffled(plan: str, table: str) -> bool:

@@ -64,15 +64,18 @@ def probe_connections(monkeypatch, pg, lake, tmp_path) -> Path:
     return secrets_dir
 
 
-def run_probe(op) -> tuple[list[str], dict]:
-    """Run the probe task: no secret in its log, and the job got both secrets. (log lines, probe)."""
+def run_probe(op, capsys=None) -> tuple[list[str], dict]:
+    """Run the probe task: no secret in its log, and the job got both secrets. (log lines, probe).
+    With `capsys`: the job ran in this process (Spark Connect) and printed to its stdout."""
     with structlog.testing.capture_logs() as events:
         op.execute({})
     lines = [repr(e) for e in events]
+    texts = [str(e.get("event")) for e in events]
+    if capsys is not None:
+        printed = capsys.readouterr().out.splitlines()
+        lines, texts = lines + printed, texts + printed
     assert not [line for line in lines if leaks(line)], "a secret in the task log"
-    probe = json.loads(
-        next(e["event"] for e in events if "CDC_PROBE " in str(e.get("event"))).split("CDC_PROBE ", 1)[1]
-    )
+    probe = json.loads(next(t for t in texts if "CDC_PROBE " in t).split("CDC_PROBE ", 1)[1])
     assert probe["names"] == [
         "CDC_CATALOG_PASSWORD",
         "CDC_CATALOG_SECRET_PROPERTIES",
@@ -89,9 +92,6 @@ def test_spark_submit_on_local_gets_its_secrets_and_shows_none(pg, lake, monkeyp
 
     secrets_dir = probe_connections(monkeypatch, pg, lake, tmp_path)
     monkeypatch.setenv("CDC_SPARK_DRIVER_MEMORY", "1g")
-    # A job server is configured, but this task has a Spark setting of its own, which the server's
-    # already started context would not apply: the task must go by spark-submit.
-    monkeypatch.setenv("CDC_SPARK_SERVER", str(tmp_path / "srv" / "jobs.sock"))
     op = CdcSparkSubmitOperator(
         task_id="probe",
         job="probe",
@@ -101,9 +101,7 @@ def test_spark_submit_on_local_gets_its_secrets_and_shows_none(pg, lake, monkeyp
         conf={"spark.sql.shuffle.partitions": "2"},
     )
     op.application = str(ROOT / "tests" / "jobs" / "secret_probe.py")
-    lines, probe = run_probe(op)
-    went = [x for x in lines if "the job server cannot apply" in x and "spark.sql.shuffle.partitions" in x]
-    assert went and not any("on the job server" in x for x in lines), lines[:5]
+    _, probe = run_probe(op)
     assert probe["note_ok"] is True  # a table property with a quote and a backslash, read back
     # Both properties reached the job's catalog; the UI's environment and its SQL pages (which list
     # the settings set in the running session) show no secret: Spark redacts their keys.
@@ -113,6 +111,39 @@ def test_spark_submit_on_local_gets_its_secrets_and_shows_none(pg, lake, monkeyp
     assert probe["ui_password_value"] is None
     assert list(secrets_dir.iterdir()) == []
     check_alert_file(monkeypatch, tmp_path)
+
+
+@pytest.mark.slow
+def test_a_spark_connect_task_gets_its_secrets_and_the_server_shows_none(
+    pg, lake, spark_server, monkeypatch, tmp_path, unique, capsys
+):
+    """The task is a Spark Connect client of the suite's server (the `spark_default` connection):
+    the secrets go to its session over the connection, never to the server's command line, its
+    properties file, its UI (environment and every SQL page, every session's) or its log."""
+    from cdc_lakehouse.orchestration.operators import CdcSparkSubmitOperator
+
+    secrets_dir = probe_connections(monkeypatch, pg, lake, tmp_path)
+    op = CdcSparkSubmitOperator(
+        task_id="probe",
+        job="probe",
+        job_args=[CONN, unique, f"{TENANT_KEY},{APIKEY_KEY}"],
+        source_conn_ids=[CONN],
+        conn_id="spark_default",
+        conf={"spark.sql.shuffle.partitions": "2"},
+    )
+    op.application = str(ROOT / "tests" / "jobs" / "secret_probe.py")
+    _, probe = run_probe(op, capsys)
+    assert probe["note_ok"] is True
+    assert probe["properties"] == {TENANT_KEY: sha(TENANT_MARKER), APIKEY_KEY: sha(APIKEY_MARKER)}
+    assert probe["sql_pages"] > 0 and probe["ui_leaks"] == []
+    assert probe["ui_password_value"] is None
+    assert list(secrets_dir.iterdir()) == []
+    # The server process: its command line, the files it was started with, its log.
+    cmdline = Path(f"/proc/{spark_server.proc.pid}/cmdline").read_bytes().decode(errors="replace")
+    assert "SparkConnectServer" in cmdline and not leaks(cmdline)
+    for f in spark_server.workdir.rglob("*"):
+        if f.is_file() and f.stat().st_size < 50_000_000:
+            assert not leaks(f.read_text(errors="replace")), f"a secret in {f}"
 
 
 def check_alert_file(monkeypatch, tmp_path) -> None:
@@ -127,7 +158,7 @@ def check_alert_file(monkeypatch, tmp_path) -> None:
     assert "catalog answered 403" in alert and not leaks(alert), alert
 
 
-# Run in a process of its own: the JVM must be one this script starts, as the job server's is.
+# Run in a process of its own: the JVM must be one this script starts, as spark-submit's would be.
 # The lake settings as a job receives them: the public ones in CDC_LAKE_SETTINGS, the secrets
 # (catalog properties among them, whatever their names) from its secrets file.
 _JVM_PROBE = """
@@ -142,12 +173,11 @@ lake = LakeSettings.from_env({"CDC_LAKE_SETTINGS": json.dumps(public), "CDC_CATA
     "AWS_SECRET_ACCESS_KEY": a["aws"]})
 spark = get_spark("probe", lake, master="local[1]", driver_memory="1g", extra={"spark.ui.enabled": "false"})
 pid = spark.sparkContext._jvm.java.lang.ProcessHandle.current().pid()
-hconf = spark.sparkContext._jsc.hadoopConfiguration()
 print("PROBE " + json.dumps({
     "cmdline": open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="replace"),
     "password": spark.conf.get("spark.sql.catalog.probe.jdbc.password"),
     "props": {k: spark.conf.get("spark.sql.catalog.probe." + k) for k in a["props"]},
-    "aws": hconf.get("fs.s3a.secret.key"),
+    "aws": spark.conf.get("fs.s3a.secret.key"),
     "namespaces": [r[0] for r in spark.sql("SHOW NAMESPACES IN probe").collect()],
 }))
 """
@@ -182,12 +212,13 @@ def test_a_jvm_started_from_python_has_no_secret_on_its_command_line(scram_pg, t
         capture_output=True,
         text=True,
         timeout=300,
-        env={**os.environ, "PYTHONPATH": str(ROOT / "plugins")},
+        # A classic session whose JVM this script starts (not the suite's Spark Connect server).
+        env={**{k: v for k, v in os.environ.items() if k != "CDC_SPARK_REMOTE"}, "PYTHONPATH": str(ROOT / "plugins")},
     )
     assert out.returncode == 0, out.stderr[-3000:]
     probe = json.loads(next(x for x in out.stdout.splitlines() if x.startswith("PROBE ")).split(" ", 1)[1])
     cmdline = probe["cmdline"].replace("\x00", " ")
-    assert "spark.sql.catalog.probe.uri" in cmdline  # the public settings do travel that way
+    assert "spark.driver.memory" in cmdline  # the JVM's own settings do travel that way
     markers = (LAKE_MARKER, AWS_MARKER, *props.values())
     assert [m for m in markers if m in cmdline] == []
     keys = ("jdbc.password", "secret.key", "custom.token", "session-id", TENANT_KEY, APIKEY_KEY)

@@ -22,16 +22,19 @@ def digest(value: str | None) -> str | None:
     return hashlib.sha256(value.encode()).hexdigest() if value else None
 
 
-def ui_pages(sc) -> tuple[str, list[str]]:
+def ui_pages(spark) -> tuple[str, list[str]]:
     """The Spark UI's environment (the SparkConf, as JSON) and every SQL execution's page, which
-    lists the settings set in the running session."""
-    if not sc.uiWebUrl:  # no UI in the test session that test_job_server.py serves jobs from
+    lists the settings set in the running session. The same on Spark Connect as on a classic
+    session: the driver's status REST API, found from the session's conf."""
+    from cdc_lakehouse.runtime.phases import status_api
+
+    api = status_api(spark)
+    if api is None:
         return '{"sparkProperties": []}', []
-    api = f"{sc.uiWebUrl}/api/v1/applications/{sc.applicationId}"
-    executions = json.loads(urllib.request.urlopen(f"{api}/sql").read())
+    ui = api.split("/api/v1/", 1)[0]
+    executions = json.loads(urllib.request.urlopen(f"{api}/sql?offset=0&length=1000000").read())
     pages = [
-        html.unescape(urllib.request.urlopen(f"{sc.uiWebUrl}/SQL/execution/?id={e['id']}").read().decode())
-        for e in executions
+        html.unescape(urllib.request.urlopen(f"{ui}/SQL/execution/?id={e['id']}").read().decode()) for e in executions
     ]
     return urllib.request.urlopen(f"{api}/environment").read().decode(), pages
 
@@ -55,8 +58,7 @@ def main(conn_id: str, suffix: str, properties: str = "") -> int:
     table = f"{ns}.t_{suffix}"
     spark.sql(f"CREATE TABLE {table} (id int) USING iceberg {props_sql({'cdc.note': NOTE})}")
     note = {r["key"]: r["value"] for r in spark.sql(f"SHOW TBLPROPERTIES {table}").collect()}.get("cdc.note")
-    sc = spark.sparkContext
-    environment, sql_pages = ui_pages(sc)
+    environment, sql_pages = ui_pages(spark)
     ui = "\n".join([environment, *sql_pages])
     props = dict(json.loads(environment)["sparkProperties"])
     # The catalog properties as the session has them (none when they never reached the job).
@@ -73,7 +75,7 @@ def main(conn_id: str, suffix: str, properties: str = "") -> int:
         "ui_password_value": props.get(f"spark.sql.catalog.{lake.catalog_name}.jdbc.password"),
     }
     print("CDC_PROBE " + json.dumps(result), flush=True)
-    release_spark(spark)  # stops it, except on the job server (test_job_server.py)
+    release_spark(spark)  # stops it; on Spark Connect, ends this client's session only
     return 0
 
 

@@ -476,7 +476,7 @@ ROUND_PROP = "cdc.chunk-round"
 def round_marker_in(snapshots: Iterable[Any]) -> dict[str, Any] | None:
     """The newest round marker in a chain of snapshots (newest first)."""
     for snap in snapshots:
-        raw = snap.summary().get(ROUND_PROP)
+        raw = snap.summary.get(ROUND_PROP)
         if raw is not None:
             return json.loads(raw)
     return None

@@ -133,8 +133,8 @@ def pin_input(spark: SparkSession, lake: LakeSettings, cfg: TableConfig) -> Pinn
     spark.sql(f"REFRESH TABLE {table}")
     snapshot, shards = None, {}
     for snap in current_ancestors(spark, table):
-        snapshot = snapshot if snapshot is not None else int(snap.snapshotId())
-        wm = snap.summary().get(WATERMARK_PROP)
+        snapshot = snapshot if snapshot is not None else int(snap.snapshot_id)
+        wm = snap.summary.get(WATERMARK_PROP)
         if wm is not None:
             shards = {s: int(p["lsn"]) for s, p in json.loads(wm).get("shards", {}).items()}
             break
@@ -322,9 +322,9 @@ def unresolved_at_watermark(spark: SparkSession, r: TreeRun) -> DataFrame | None
     if not table_exists(spark, r.unresolved):
         return None
     for snap in current_ancestors(spark, r.unresolved):
-        wm = snap.summary().get(WATERMARK_PROP)
+        wm = snap.summary.get(WATERMARK_PROP)
         if wm is not None and json.loads(wm) == r.previous:
-            return spark.sql(f"SELECT * FROM {r.unresolved} VERSION AS OF {int(snap.snapshotId())}")
+            return spark.sql(f"SELECT * FROM {r.unresolved} VERSION AS OF {int(snap.snapshot_id)}")
     return None
 
 
@@ -495,7 +495,7 @@ def stamp(spark: SparkSession, target: str, props: dict[str, str]) -> None:
     snapshot, and the watermark must still move. An empty append then."""
     table, _, branch = target.rpartition(".branch_")
     head = next(current_ancestors(spark, table, branch), None)
-    if head is None or any(head.summary().get(k) != v for k, v in props.items()):
+    if head is None or any(head.summary.get(k) != v for k, v in props.items()):
         w = spark.createDataFrame([], spark.table(table).schema).writeTo(target)
         for k, v in props.items():
             w = w.option(f"snapshot-property.{k}", v)

@@ -48,11 +48,11 @@ from cdc_lakehouse.lake.commits import (
 )
 from cdc_lakehouse.lake.freshness import FRESHNESS_TABLE, record_freshness
 from cdc_lakehouse.lake.meta import meta_append
-from cdc_lakehouse.lake.snapshots import current_ancestors, summary_of
+from cdc_lakehouse.lake.snapshots import Snapshot, current_ancestors, summary_of
 from cdc_lakehouse.lake.tables import conform_to, partition_sql, props_sql, source_columns_of, table_exists
 from cdc_lakehouse.lake.watermark import WATERMARK_PROP, read_watermark, watermark_json
 from cdc_lakehouse.lake.writers import INGEST
-from cdc_lakehouse.landing.reader import HadoopFS, Plan, SparkLanding, plan_landing
+from cdc_lakehouse.landing.reader import Plan, SparkLanding, plan_landing
 from cdc_lakehouse.runtime.failpoints import crash_point
 from cdc_lakehouse.runtime.phases import SparkJobs, observed_counts
 from cdc_lakehouse.runtime.session import session_conf
@@ -78,7 +78,7 @@ def ingest_table(
     with the number of Spark jobs it took (`spark_jobs`)."""
     with SparkJobs(spark, f"ingest {cfg.name} {ingest_run}") as jobs:
         out = apply_pending(spark, lake, cfg, upto_run, ingest_run, interval_end, config_file)
-    log.info("ingest %s: %d Spark jobs: %s", cfg.name, jobs.count, "; ".join(jobs.sites))
+    log.info("ingest %s: %s Spark jobs: %s", cfg.name, jobs.count, "; ".join(jobs.sites))
     return {**out, "spark_jobs": jobs.count, "spark_job_sites": jobs.sites}
 
 
@@ -759,7 +759,7 @@ def batch_state(m: IngestMetrics, plan: Plan, shard_commits: dict[str, Any] | No
     return json.dumps(state, separators=(",", ":"), sort_keys=True, default=str)
 
 
-def last_batch_commit(spark: SparkSession, cur: str) -> tuple[Any, Any | None] | None:
+def last_batch_commit(spark: SparkSession, cur: str) -> tuple[Snapshot, Snapshot | None] | None:
     """(snapshot, its parent) of the current table's newest ingest batch commit, or None when a
     commit that is no ingest batch (a bootstrap, a repair) made the current position instead.
     Commits that move only the watermark (a finished backfill) or none (maintenance) are passed."""
@@ -788,11 +788,7 @@ def resume_batch(spark: SparkSession, lake: LakeSettings, cfg: TableConfig) -> N
     state = json.loads(s[BATCH_STATE_PROP])
     m = IngestMetrics(**{**state["run"], "started_at": datetime.fromisoformat(state["run"]["started_at"])})
     m.add_commit_stats(summary_of(parent) if parent is not None else {}, s)
-    since_ms = int(snap.timestampMillis())
+    since_ms = int(snap.timestamp_ms)
     m.committed_at = datetime.fromtimestamp(since_ms / 1000, UTC)  # when its data became visible
     plan = Plan(state["heartbeats"], [], json.loads(s[WATERMARK_PROP]))
     record_run(spark, lake, cfg, m, plan, BatchId(s[BATCH_PROP]), since_ms, state["shard_commits"])
-
-
-def hadoop_fs(spark: SparkSession) -> HadoopFS:
-    return HadoopFS(spark)

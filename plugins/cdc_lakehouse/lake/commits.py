@@ -172,7 +172,7 @@ def _position_at_current(spark: SparkSession, table: str, position: Callable[[It
         spark.createDataFrame([], spark.table(table).schema).writeTo(table).append()
         chain = current_ancestors(spark, table)
         head = next(chain)
-    return int(head.snapshotId()), position(itertools.chain([head], chain))
+    return int(head.snapshot_id), position(itertools.chain([head], chain))
 
 
 def _write_and_publish(
@@ -247,7 +247,7 @@ def branch_made_at(name: str) -> datetime | None:
 
 def current_snapshot_id(spark: SparkSession, table: str) -> int | None:
     snap = current_snapshot(spark, table)
-    return None if snap is None else int(snap.snapshotId())
+    return None if snap is None else int(snap.snapshot_id)
 
 
 def snapshot_summary(spark: SparkSession, table: str) -> dict[str, str]:

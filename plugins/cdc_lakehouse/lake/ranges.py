@@ -171,17 +171,16 @@ def _positions_unusable(lo: int, lo_wm: dict[str, Any] | None, hi_wm: dict[str, 
 
 
 def table_snapshots(spark: SparkSession, table: str) -> tuple[dict[int, SnapshotInfo], int | None]:
-    """Every snapshot the table still has and the current one (Iceberg's Java API on the driver,
-    lake.snapshots: no Spark job)."""
-    from cdc_lakehouse.lake.snapshots import iceberg_table
+    """Every snapshot the table still has and the current one (Iceberg's metadata tables,
+    lake.snapshots: one small query)."""
+    from cdc_lakehouse.lake.snapshots import read_snapshots
 
-    t = iceberg_table(spark, table)
+    t = read_snapshots(spark, table)
     snaps = {}
-    for s in t.snapshots():
-        info = SnapshotInfo.of(s.snapshotId(), s.parentId(), s.operation(), s.summary())
+    for s in t.by_id.values():
+        info = SnapshotInfo.of(s.snapshot_id, s.parent_id, s.operation, s.summary)
         snaps[info.snapshot_id] = info
-    cur = t.currentSnapshot()
-    return snaps, None if cur is None else int(cur.snapshotId())
+    return snaps, t.current_id
 
 
 def live_rows(spark: SparkSession, table: str, cfg: TableConfig | None, snapshot_id: int | None) -> DataFrame:

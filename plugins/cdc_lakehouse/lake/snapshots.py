@@ -53,13 +53,6 @@ class TableSnapshots:
             yield snap
             sid = snap.parent_id
 
-    def history_cut(self, start: int | None = None) -> bool:
-        """Whether expiry removed part of `start`'s ancestry (its oldest known snapshot has a parent)."""
-        last = None
-        for last in self.ancestors(start):
-            pass
-        return last is not None and last.parent_id is not None
-
 
 def read_snapshots(spark: SparkSession, table: str, *, refresh: bool = True) -> TableSnapshots:
     """Every snapshot of `table` (catalog.namespace.name) and its refs, freshly from the catalog."""

@@ -331,10 +331,6 @@ class LandingFS:
         return True
 
 
-# Transitional name (callers move to LandingFS once the open branches have landed).
-HadoopFS = LandingFS
-
-
 class SparkLanding:
     """Read-only view of the landing zone for Spark jobs (manifests + file URIs)."""
 

@@ -116,6 +116,7 @@ class CdcSparkSubmitOperator(SparkSubmitOperator):
             master, deploy_mode, secrets, k8s_secret=extra.get(K8S_SECRET_EXTRA), k8s_mount=extra.get(K8S_MOUNT_EXTRA)
         )
         self._secrets_cleanup = transport.cleanup
+        self._yarn_tracking(master, deploy_mode, extra)
         saved_env: dict[str, str | None] = {}
         try:
             self.conf = {**base_conf(), **(self.conf or {}), **transport.conf}
@@ -134,6 +135,18 @@ class CdcSparkSubmitOperator(SparkSubmitOperator):
                 else:
                     os.environ[k] = v
             self._remove_secrets()
+
+    def _yarn_tracking(self, master: str, deploy_mode: str | None, extra: dict[str, Any]) -> None:
+        """YARN cluster mode: the provider (6.x) keeps a task durable across retries only by polling
+        the ResourceManager's REST API, which needs its address in the connection's extra. Without
+        it the task holds spark-submit until the application ends (durable off), as before."""
+        if not (master.startswith("yarn") and deploy_mode == "cluster"):
+            return
+        if extra.get("yarn_resourcemanager_webapp_address"):
+            self._yarn_track_via_rm_api = True
+        else:
+            self.log.info("YARN cluster mode without yarn_resourcemanager_webapp_address: not durable")
+            self.durable = False
 
     def _refuse_secrets(self, secrets: dict[str, str], transport: Any) -> None:
         """The last-line check: no secret value (cdc_lakehouse.secrecy: by origin, inner ones and

@@ -301,9 +301,3 @@ def main_export(argv: list[str] | None = None) -> int:
         return export(spark, lake, ecfg, a.tables_by_name, a.derived_by_name, mode=a.mode)
 
     return run_per_table("export", args, fn, _export_configs)
-
-
-def _feed_main(argv: list[str] | None) -> int:
-    from cdc_lakehouse.feed.consumer import main
-
-    return main(argv)

@@ -70,7 +70,7 @@ class SparkJobs:
             self.sites = [str(j.get("name", "?")) for j in jobs]
 
 
-def _status_api(spark: SparkSession) -> str | None:
+def status_api(spark: SparkSession) -> str | None:
     """The base URL of the application's status REST API, or None when the UI is off."""
     get = spark.conf.get
     if (get("spark.ui.enabled", "true") or "true").lower() != "true":
@@ -89,7 +89,7 @@ def _tagged_jobs(spark: SparkSession, tag: str) -> list[dict[str, Any]] | None:
     import json
     import urllib.request
 
-    base = _status_api(spark)
+    base = status_api(spark)
     if base is None:
         return None
     # The listener bus records a job's end asynchronously: the last job of the block may be
