@@ -138,7 +138,8 @@ def test_a_spark_connect_task_gets_its_secrets_and_the_server_shows_none(
     assert probe["sql_pages"] > 0 and probe["ui_leaks"] == []
     assert probe["ui_password_value"] is None
     assert list(secrets_dir.iterdir()) == []
-    # The server process: its command line, the files it was started with, its log.
+    # The server process: its command line, the files it was started with, its log, its event log.
+    assert list((spark_server.workdir / "events").iterdir()), "the server keeps no event log"
     cmdline = Path(f"/proc/{spark_server.proc.pid}/cmdline").read_bytes().decode(errors="replace")
     assert "SparkConnectServer" in cmdline and not leaks(cmdline)
     for f in spark_server.workdir.rglob("*"):

@@ -175,7 +175,12 @@ def connect_server_argv(workdir: Path, port: int, ui_port: int, memory: str) -> 
         "spark.connect.grpc.binding.port": str(port),
         "spark.ui.port": str(ui_port),
         "spark.driver.host": "127.0.0.1",
+        # An event log for the history server (and for the secret-marker tests: it records every
+        # session's SQL settings, redacted by SERVER_REDACTION_REGEX like the UI).
+        "spark.eventLog.enabled": "true",
+        "spark.eventLog.dir": (workdir / "events").as_uri(),
     }
+    (workdir / "events").mkdir(mode=0o700, parents=True, exist_ok=True)
     props = workdir / "spark-connect.properties"
     fd = os.open(props, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
@@ -228,14 +233,17 @@ def get_spark(
     lake: LakeSettings,
     *,
     remote: str | None = None,
+    classic: bool = False,
     master: str | None = None,
     jars: list[str] | None = None,
     extra: dict[str, str] | None = None,
     driver_memory: str | None = None,
 ) -> SparkSession:
     """A session for `lake`: on the Spark Connect server at `remote` (default CDC_SPARK_REMOTE),
-    else a classic one (the running JVM under spark-submit, or a new local one)."""
-    url = remote or os.environ.get(REMOTE_ENV)
+    else a classic one (the running JVM under spark-submit, or a new local one). `classic`: a
+    local JVM of its own whatever the environment says (the benchmarks: its memory, its UI and
+    its status store are theirs to measure)."""
+    url = None if classic else remote or os.environ.get(REMOTE_ENV)
     if url:
         spark = connect_session(url)
         configure_session(spark, lake, extra)
