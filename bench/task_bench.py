@@ -30,6 +30,8 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import yaml
@@ -144,6 +146,21 @@ def timed(cmd: list[str], env: dict[str, str]) -> dict:
     return {"to_commit": commit, "to_exit": time.monotonic() - t, "result": result}
 
 
+@contextmanager
+def connect_server() -> Iterator[str]:
+    """A local Spark Connect server for the Connect runs (its start printed, not timed); its URL."""
+    from cdc_lakehouse.dev.localstack import LocalSparkConnect
+
+    server = LocalSparkConnect(WORK / "task-connect", memory=os.environ.get("CDC_SPARK_DRIVER_MEMORY", "4g"))
+    t = time.time()
+    server.start()
+    print(f"Spark Connect server started (not timed): {time.time() - t:.1f}s", flush=True)
+    try:
+        yield server.url
+    finally:
+        server.stop()
+
+
 def connect_command(app: Path, args: list[str]) -> list[str]:
     """The job file as the task runs it on Spark Connect (orchestration.operators: runpy in the
     task's process; here a process of its own, as each Airflow task is)."""
@@ -255,25 +272,30 @@ def audit_setup(rows: int, config_dir: Path) -> tuple[str, dict[str, str]]:
     return name, {**env, **lake.to_env()}
 
 
-def run_audits(rows: int, repeat: int) -> list[dict]:
-    """The audit task of a clean table, cold, `repeat` times (it changes nothing: one setup)."""
+def run_audits(rows: int, repeat: int) -> tuple[list[dict], list[dict]]:
+    """The audit task of a clean table, cold, `repeat` times by spark-submit and as many on Spark
+    Connect, alternated (it changes nothing: one setup)."""
     config_dir = WORK / f"task-audit-configs-{rows}"
     t = time.time()
     name, extra = audit_setup(rows, config_dir)
     print(f"audit setup (not timed): {time.time() - t:.0f}s", flush=True)
     env = {**job_env({"dir": str(WORK)}), **extra}
-    out = []
-    for i in range(repeat):
-        args = ["--tables", name, "--config-dir", str(config_dir), "--audit-run", f"cold-{i}"]
-        out.append(timed(submit_command(ROOT / "spark_jobs" / "audit.py", args), env))
-        r = out[-1]
-        print(
-            f"audit repeat {i + 1}: {r['to_commit']:.1f}s to result ({r['to_exit']:.1f}s to exit); in the job "
-            f"{r['result'].get('seconds', 0):.1f}s, {r['result'].get('spark_jobs')} Spark jobs, "
-            f"verdict {r['result'].get('verdict')}",
-            flush=True,
-        )
-    return out
+    out, on_connect = [], []
+    with connect_server() as url:
+        for i in range(repeat):
+            args = ["--tables", name, "--config-dir", str(config_dir), "--audit-run", f"cold-{i}"]
+            out.append(timed(submit_command(ROOT / "spark_jobs" / "audit.py", args), env))
+            connect_env = {**env, "CDC_SPARK_REMOTE": url, "PYTHONPATH": str(ROOT / "plugins")}
+            args[-1] = f"connect-{i}"
+            on_connect.append(timed(connect_command(ROOT / "spark_jobs" / "audit.py", args), connect_env))
+            for how, r in (("spark-submit", out[-1]), ("Spark Connect", on_connect[-1])):
+                print(
+                    f"audit repeat {i + 1} by {how}: {r['to_commit']:.1f}s to result ({r['to_exit']:.1f}s to exit); "
+                    f"in the job {r['result'].get('seconds', 0):.1f}s, {r['result'].get('spark_jobs')} Spark jobs, "
+                    f"verdict {r['result'].get('verdict')}",
+                    flush=True,
+                )
+    return out, on_connect
 
 
 def _median(runs: list[dict], key: str) -> float:
@@ -283,20 +305,14 @@ def _median(runs: list[dict], key: str) -> float:
 def run_ingests(prep: dict, rows: int, changes: int, repeat: int) -> tuple[list[dict], list[dict], list[dict]]:
     """Ours by spark-submit, ours on Spark Connect and the plain MERGE, alternated per repeat
     (a drift of the shared machine's speed then hits all alike)."""
-    from cdc_lakehouse.dev.localstack import LocalSparkConnect
-
     config_dir = WORK / f"task-configs-{rows}"
     t = time.time()
     setup(prep, rows, repeat, config_dir)
     print(f"setup (not timed): {time.time() - t:.0f}s", flush=True)
     env = job_env(prep)
-    server = LocalSparkConnect(WORK / "task-connect", memory=os.environ.get("CDC_SPARK_DRIVER_MEMORY", "4g"))
-    t = time.time()
-    server.start()
-    print(f"Spark Connect server started (not timed): {time.time() - t:.1f}s", flush=True)
-    on_connect = {**env, "CDC_SPARK_REMOTE": server.url, "PYTHONPATH": str(ROOT / "plugins")}
     ours, served, plain = [], [], []
-    try:
+    with connect_server() as url:
+        on_connect = {**env, "CDC_SPARK_REMOTE": url, "PYTHONPATH": str(ROOT / "plugins")}
         for i, ((name, plain_table), srv_name) in enumerate(zip(_names(rows, repeat), _server_names(rows, repeat))):
             ingest = ["--tables", name, "--config-dir", str(config_dir / name), "--ingest-run", f"cold-{i}"]
             ours.append(timed(submit_command(ROOT / "spark_jobs" / "ingest.py", ingest), env))
@@ -312,8 +328,6 @@ def run_ingests(prep: dict, rows: int, changes: int, repeat: int) -> tuple[list[
                 f"({plain[-1]['to_exit']:.1f}s; {plain[-1]['result'].get('seconds', 0):.1f}s in the job)",
                 flush=True,
             )
-    finally:
-        server.stop()
     o, v, m = _median(ours, "to_commit"), _median(served, "to_commit"), _median(plain, "to_commit")
     print(
         f"task, start -> commit (median of {repeat}): ours by spark-submit {o:.1f}s, ours on Spark Connect "
@@ -343,16 +357,26 @@ def main() -> int:
     checks = verify(prep, args.rows, args.repeat) if "verify" in parts else {}
     if checks:
         print(f"verified: {all(checks.values())} {checks}", flush=True)
-    audits = run_audits(args.audit_rows, args.repeat) if "audit" in parts else []
+    audits, audits_connect = run_audits(args.audit_rows, args.repeat) if "audit" in parts else ([], [])
     if audits:
-        print(f"audit of {args.audit_rows} rows, spawn -> result (median): {_median(audits, 'to_commit'):.1f}s")
+        print(
+            f"audit of {args.audit_rows} rows, spawn -> result (median): by spark-submit "
+            f"{_median(audits, 'to_commit'):.1f}s, on Spark Connect {_median(audits_connect, 'to_commit'):.1f}s"
+        )
     out = HERE / "results" / f"task-{args.rows}-{args.changes}-{'-'.join(sorted(parts))}.json"
     out.parent.mkdir(exist_ok=True)
-    result = {"batch": prep, "ours": ours, "ours_connect": served, "plain_merge": plain, "audit": audits}
+    result = {
+        "batch": prep,
+        "ours": ours,
+        "ours_connect": served,
+        "plain_merge": plain,
+        "audit": audits,
+        "audit_connect": audits_connect,
+    }
     result["verified"] = checks
     out.write_text(json.dumps({**result, "machine": machine()}, indent=2, default=str))
     print(f"results: {out}")
-    return 0 if all(checks.values()) and all(a["result"].get("verdict") == "ok" for a in audits) else 1
+    return 0 if all(checks.values()) and all(a["result"].get("verdict") == "ok" for a in audits + audits_connect) else 1
 
 
 if __name__ == "__main__":
