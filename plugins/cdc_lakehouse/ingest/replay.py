@@ -43,6 +43,7 @@ from cdc_lakehouse.lake.tables import source_columns_of
 from cdc_lakehouse.lake.watermark import read_watermark, watermark_json
 from cdc_lakehouse.lake.writers import REPLAY
 from cdc_lakehouse.runtime.failpoints import crash_point
+from cdc_lakehouse.runtime.phases import release_materialized
 from cdc_lakehouse.settings import LakeSettings
 
 if TYPE_CHECKING:
@@ -83,6 +84,13 @@ class Decision:
 
 def replay_quarantine(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, *, replay_run: str) -> ReplayResult:
     """The replay's phases, in order: read, revalidate, decide, merge, resolve."""
+    try:
+        return _replay(spark, lake, cfg, replay_run)
+    finally:
+        release_materialized()  # the revalidated batch (ingest.batch.fused_batch)
+
+
+def _replay(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, replay_run: str) -> ReplayResult:
     cur = lake.qualified(cfg.current_table)
     wm = start_position(spark, cfg, cur)
     lake_cols = source_columns_of(spark, cur, cfg)

@@ -54,7 +54,7 @@ from cdc_lakehouse.lake.watermark import WATERMARK_PROP, read_watermark, waterma
 from cdc_lakehouse.lake.writers import INGEST
 from cdc_lakehouse.landing.reader import Plan, SparkLanding, plan_landing
 from cdc_lakehouse.runtime.failpoints import crash_point
-from cdc_lakehouse.runtime.phases import SparkJobs, observed_counts
+from cdc_lakehouse.runtime.phases import SparkJobs, materialize, observed_counts, release_materialized
 from cdc_lakehouse.runtime.session import session_conf
 from cdc_lakehouse.settings import LakeSettings
 
@@ -77,7 +77,10 @@ def ingest_table(
     """Apply every pending capture run (up to `upto_run`) to the table; returns the run's metrics,
     with the number of Spark jobs it took (`spark_jobs`)."""
     with SparkJobs(spark, f"ingest {cfg.name} {ingest_run}") as jobs:
-        out = apply_pending(spark, lake, cfg, upto_run, ingest_run, interval_end, config_file)
+        try:
+            out = apply_pending(spark, lake, cfg, upto_run, ingest_run, interval_end, config_file)
+        finally:
+            release_materialized()
     log.info("ingest %s: %s Spark jobs: %s", cfg.name, jobs.count, "; ".join(jobs.sites))
     return {**out, "spark_jobs": jobs.count, "spark_job_sites": jobs.sites}
 
@@ -529,8 +532,8 @@ def classify(
         matched.observe(obs, *counts, base_bytes)
         .filter("_needs_base")
         .select(*key, *[BASE_PREFIX + c for c in base_cols])
-        .localCheckpoint(eager=True)  # one job: the counts and the values
     )
+    base = materialize(base)  # one job: the counts and the values
     # An empty table has no partitions to run the observed node on: its metrics are then empty.
     c = {"matched_upserts": 0, "upd": 0, "del": 0, "stale": 0, "based": 0, **obs.get}
     # Small enough (the common case): joined to the batch without a shuffle, in the MERGE's own jobs.

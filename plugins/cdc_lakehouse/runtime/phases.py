@@ -107,6 +107,30 @@ def _tagged_jobs(spark: SparkSession, tag: str) -> list[dict[str, Any]] | None:
     return mine
 
 
+_KEPT: list[DataFrame] = []  # frames materialize() persisted, until release_materialized()
+
+
+def materialize(df: DataFrame) -> DataFrame:
+    """df computed once (one Spark job) and kept for the rest of the stage, with the aggregates of
+    its observations (DataFrame.observe) delivered. Spark Connect hands a plan's observed metrics
+    only to the action that ran the plan, and a localCheckpoint is none: measured on 4.1.3, the
+    metrics of an observed localCheckpoint came back empty, those of a persisted frame's no-op
+    write did not. The stage releases what it kept with release_materialized() (a long-lived
+    server's cache is shared by every session: nothing may stay behind)."""
+    from pyspark import StorageLevel
+
+    kept = df.persist(StorageLevel.MEMORY_AND_DISK)
+    kept.write.format("noop").mode("overwrite").save()
+    _KEPT.append(kept)
+    return kept
+
+
+def release_materialized() -> None:
+    """Unpersist every frame materialize() kept in this process."""
+    while _KEPT:
+        _KEPT.pop().unpersist()
+
+
 def observed_counts(df: DataFrame, *exprs: Column) -> dict[str, Any]:
     """Aggregates over df, computed while a no-op write scans it: one Spark job, where
     `df.groupBy().agg(...).collect()` takes two under adaptive execution (its shuffle stage runs
