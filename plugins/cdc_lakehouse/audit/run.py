@@ -46,7 +46,7 @@ from cdc_lakehouse.identifiers import pg_qualified
 from cdc_lakehouse.lake.meta import meta_append
 from cdc_lakehouse.lake.tables import source_columns_of, table_exists
 from cdc_lakehouse.lake.watermark import read_watermark
-from cdc_lakehouse.runtime.phases import PhaseClock, SparkJobs, observed_counts
+from cdc_lakehouse.runtime.phases import PhaseClock, SparkJobs, local_checkpoint, observed_counts
 from cdc_lakehouse.settings import LakeSettings, SourceEndpoint, source_uri
 from cdc_lakehouse.source.catalog import describe_table
 
@@ -504,7 +504,7 @@ def _track(
     # Materialized now: evaluated lazily after the rewrite below it would count itself twice.
     merged = None
     if flagged is not None:
-        merged = _extend_streaks(cfg, flagged, prev, now, audit_run).localCheckpoint(eager=True)
+        merged = local_checkpoint(_extend_streaks(cfg, flagged, prev, now, audit_run))
     # Replace this table's streaks with the new set (keys absent now are resolved and dropped).
     spark.sql(f"DELETE FROM {table} WHERE table_name = '{cfg.name}'")
     if merged is None:

@@ -48,7 +48,7 @@ from cdc_lakehouse.lake.snapshots import current_ancestors
 from cdc_lakehouse.lake.tables import ensure_namespace, table_exists
 from cdc_lakehouse.lake.watermark import WATERMARK_PROP, read_watermark, watermark_json
 from cdc_lakehouse.runtime.failpoints import crash_point
-from cdc_lakehouse.runtime.phases import PhaseClock, SparkJobs
+from cdc_lakehouse.runtime.phases import PhaseClock, SparkJobs, local_checkpoint
 from cdc_lakehouse.settings import LakeSettings
 
 if TYPE_CHECKING:
@@ -266,7 +266,7 @@ def changed_grant_nodes(spark: SparkSession, r: TreeRun) -> DataFrame:
     from pyspark.sql import functions as F
 
     p, node = r.grants, r.dcfg.grants.node
-    keys = input_changes(spark, r, p).localCheckpoint(eager=True)
+    keys = local_checkpoint(input_changes(spark, r, p))
     before = live_rows(spark, p.table, p.cfg, r.ranges[p.cfg.name].lo)
     on = [
         df.join(keys, p.cfg.lake_key, "left_semi").select(SHARD_COL, F.col(node).alias(ID))
@@ -304,12 +304,12 @@ def affected_nodes(spark: SparkSession, r: TreeRun, nodes: DataFrame, previous: 
         r.mode = "full"
         return None
     seeds = seeds.unionByName(unresolved.select(SHARD_COL, F.col(r.dcfg.nodes.id).alias(ID)))
-    seeds = seeds.filter(F.col(ID).isNotNull()).distinct().localCheckpoint(eager=True)
+    seeds = local_checkpoint(seeds.filter(F.col(ID).isNotNull()).distinct())
     below = previous.select(SHARD_COL, ID, F.explode("path").alias("_anc"))
     descendants = below.join(seeds.select(SHARD_COL, F.col(ID).alias("_anc")), [SHARD_COL, "_anc"], "left_semi").select(
         SHARD_COL, ID
     )
-    affected = seeds.unionByName(descendants).distinct().localCheckpoint(eager=True)
+    affected = local_checkpoint(seeds.unionByName(descendants).distinct())
     r.affected_count = affected.count()
     r.metrics.update(changed=seeds.count(), affected=r.affected_count)
     return affected
@@ -339,21 +339,21 @@ def resolve(
 
     pending = nodes if affected is None else nodes.join(affected, [SHARD_COL, ID], "left_semi")
     holders = grants.select(SHARD_COL, ID).distinct() if grants is not None else nodes.limit(0).select(SHARD_COL, ID)
-    state = initial_state(pending, holders).localCheckpoint(eager=True)
+    state = local_checkpoint(initial_state(pending, holders))
     known = None
     if previous is not None and affected is not None:
         # Only the previous output's rows that are parents of recomputed nodes can be pointed at:
         # pointers only ever move to a parent of some pending node.
         parents = pending.select(SHARD_COL, F.col(PARENT).alias(ID)).distinct()
         unaffected = previous.join(affected, [SHARD_COL, ID], "left_anti").join(parents, [SHARD_COL, ID], "left_semi")
-        known = known_state(unaffected).localCheckpoint(eager=True)
+        known = local_checkpoint(known_state(unaffected))
     passes = 0
     while passes < max_passes(r.dcfg.max_depth) and not state.filter(~F.col("done")).isEmpty():
         lookup = state if known is None else state.unionByName(known, allowMissingColumns=True)
-        state = jump(state, lookup, r.dcfg.max_depth).localCheckpoint(eager=True)
+        state = local_checkpoint(jump(state, lookup, r.dcfg.max_depth))
         passes += 1
     r.metrics["passes"] = passes
-    return classify(state, r.dcfg.max_depth).localCheckpoint(eager=True)
+    return local_checkpoint(classify(state, r.dcfg.max_depth))
 
 
 # --- outputs --------------------------------------------------------------------------------------
@@ -452,8 +452,8 @@ def commit(spark: SparkSession, r: TreeRun, rows: DataFrame, unresolved: DataFra
     ensure_namespace(spark, r.lake, r.dcfg.lake.namespace)
     for table, df in ((r.unresolved, unresolved), (r.out, rows)):
         _ensure_table(spark, table, df)
-    rows = rows.localCheckpoint(eager=True)
-    unresolved = unresolved.localCheckpoint(eager=True)
+    rows = local_checkpoint(rows)
+    unresolved = local_checkpoint(unresolved)
     r.metrics.update(resolved=rows.count(), unresolved=unresolved.count())
     batch = BatchId.of(f"derived:{r.out}", r.previous, r.watermark)
     what = f"derived {r.dcfg.name}"

@@ -12,6 +12,7 @@ from cdc_lakehouse.ingest.toast import NO_TABLE, UNAV_LEFT
 from cdc_lakehouse.ingest.validate import FILE, RAW, REASONS
 from cdc_lakehouse.lake.columns import RUN_COL, UNAVAILABLE_COL
 from cdc_lakehouse.lake.commits import with_commit_retries
+from cdc_lakehouse.runtime.phases import local_checkpoint
 from cdc_lakehouse.settings import LakeSettings
 
 if TYPE_CHECKING:
@@ -110,7 +111,7 @@ def held_back(
         )
     if rows is None:
         return None
-    rows = rows.withColumn(REASONS, F.array(reason)).filter(F.col(REASONS)[0].isNotNull()).localCheckpoint(eager=True)
+    rows = local_checkpoint(rows.withColumn(REASONS, F.array(reason)).filter(F.col(REASONS)[0].isNotNull()))
     return None if rows.isEmpty() else as_held(rows, key)
 
 

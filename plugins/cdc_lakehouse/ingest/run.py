@@ -54,7 +54,7 @@ from cdc_lakehouse.lake.watermark import WATERMARK_PROP, read_watermark, waterma
 from cdc_lakehouse.lake.writers import INGEST
 from cdc_lakehouse.landing.reader import Plan, SparkLanding, plan_landing
 from cdc_lakehouse.runtime.failpoints import crash_point
-from cdc_lakehouse.runtime.phases import SparkJobs, materialize, observed_counts, release_materialized
+from cdc_lakehouse.runtime.phases import SparkJobs, local_checkpoint, materialize, observed_counts
 from cdc_lakehouse.runtime.session import session_conf
 from cdc_lakehouse.settings import LakeSettings
 
@@ -77,10 +77,7 @@ def ingest_table(
     """Apply every pending capture run (up to `upto_run`) to the table; returns the run's metrics,
     with the number of Spark jobs it took (`spark_jobs`)."""
     with SparkJobs(spark, f"ingest {cfg.name} {ingest_run}") as jobs:
-        try:
-            out = apply_pending(spark, lake, cfg, upto_run, ingest_run, interval_end, config_file)
-        finally:
-            release_materialized()
+        out = apply_pending(spark, lake, cfg, upto_run, ingest_run, interval_end, config_file)
     log.info("ingest %s: %s Spark jobs: %s", cfg.name, jobs.count, "; ".join(jobs.sites))
     return {**out, "spark_jobs": jobs.count, "spark_job_sites": jobs.sites}
 
@@ -336,7 +333,7 @@ def prepare_changes(spark: SparkSession, cfg: TableConfig, b: Batch, fb: FusedBa
         # and no time on the demo's batches (BENCHMARKS.md, "make demo"): the fill's cost is its
         # ~30 small jobs, not the rows.
         log.info("%s: multi-pass TOAST fill (pk_unresolved %d)", cfg.name, fb.counts["pk_unresolved"])
-        events = fill_unavailable(events.drop(UNAV_LEFT, NO_TABLE), current, cfg, names).localCheckpoint(eager=True)
+        events = local_checkpoint(fill_unavailable(events.drop(UNAV_LEFT, NO_TABLE), current, cfg, names))
         latest, totals = latest_per_key(events, [SHARD_COL, *cfg.primary_key]), None
     return Changes(
         events, fb.truncates(), current, latest, totals, names, fb.counts["truncated"], fb.counts["duplicates"]
@@ -414,7 +411,7 @@ def reduce_and_classify(
     held = held_back(spark, lake, cfg, reduced, tgt, b.lake_cols, totals)
     n_held = hold_dependents(spark, lake, cfg, held, ingest_run)
     if n_held:
-        reduced = reduced.join(held.select(*key), key, "left_anti").localCheckpoint(eager=True)
+        reduced = local_checkpoint(reduced.join(held.select(*key), key, "left_anti"))
     # The unchanged TOAST values the batch could not supply are read from the table here, with the
     # keys it scans anyway, for the matched rows only: the MERGE then never references the
     # table's TOAST columns, which would carry them (the widest columns) through its shuffle of
@@ -445,7 +442,7 @@ def reduce_batch(cfg: TableConfig, b: Batch, ch: Changes) -> DataFrame:
     if ch.totals is not None and not ch.truncated:
         return reduced  # a filter of the fused plan's materialized rows: computed, and deterministic
     # A local checkpoint: computed once, and a deterministic plan (copy-on-write MERGE requires it).
-    return reduced.localCheckpoint(eager=True)
+    return local_checkpoint(reduced)
 
 
 def apply_truncates(reduced: DataFrame, truncs: DataFrame) -> DataFrame:

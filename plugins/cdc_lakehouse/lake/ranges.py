@@ -36,6 +36,7 @@ from cdc_lakehouse.config import TableConfig
 from cdc_lakehouse.lake.columns import META_PREFIX, OP_COL
 from cdc_lakehouse.lake.watermark import WATERMARK_PROP, Watermark
 from cdc_lakehouse.lake.writers import WRITER_PROP, names_its_changes
+from cdc_lakehouse.runtime.phases import local_checkpoint
 from cdc_lakehouse.settings import LakeSettings
 
 if TYPE_CHECKING:
@@ -203,7 +204,7 @@ def changelog_keys(
 
     from cdc_lakehouse.lake.changelog import changes_between
 
-    rows = changes_between(spark, lake, cfg, lo, hi).select(*cfg.lake_key, OP_COL).localCheckpoint(eager=True)
+    rows = local_checkpoint(changes_between(spark, lake, cfg, lo, hi).select(*cfg.lake_key, OP_COL))
     if not rows.filter(F.col(OP_COL) == "t").isEmpty():
         return None
     return rows.filter(F.col(cfg.lake_key[-1]).isNotNull()).select(*cfg.lake_key).distinct()

@@ -107,28 +107,41 @@ def _tagged_jobs(spark: SparkSession, tag: str) -> list[dict[str, Any]] | None:
     return mine
 
 
-_KEPT: list[DataFrame] = []  # frames materialize() persisted, until release_materialized()
+def local_checkpoint(df: DataFrame) -> DataFrame:
+    """df computed once (eagerly) and kept by its session for the rest of the stage; the plan of
+    what follows starts from the kept rows. pyspark's Spark Connect client (4.1.3) attaches a
+    checkpoint's result to SparkSession.active(), not to the frame's own session
+    (pyspark/sql/connect/conversion.py, proto_to_remote_cached_dataframe): in a process with
+    several sessions (a test suite, overlapping writers, a job run in a task's process) the result
+    named a frame the other session did not have ("No DataFrame with id ... is found in the
+    session"). The frame's session is made this thread's active one for the call."""
+    session = df.sparkSession
+    local = getattr(type(session), "_active_session", None)  # Connect's thread-local active session
+    if local is None:
+        return df.localCheckpoint(eager=True)
+    before = getattr(local, "session", None)
+    local.session = session
+    try:
+        return df.localCheckpoint(eager=True)
+    finally:
+        local.session = before
 
 
 def materialize(df: DataFrame) -> DataFrame:
-    """df computed once (one Spark job) and kept for the rest of the stage, with the aggregates of
-    its observations (DataFrame.observe) delivered. Spark Connect hands a plan's observed metrics
-    only to the action that ran the plan, and a localCheckpoint is none: measured on 4.1.3, the
-    metrics of an observed localCheckpoint came back empty, those of a persisted frame's no-op
-    write did not. The stage releases what it kept with release_materialized() (a long-lived
-    server's cache is shared by every session: nothing may stay behind)."""
+    """local_checkpoint, with the aggregates of df's observations (DataFrame.observe) delivered.
+    Spark Connect hands a plan's observed metrics only to the action that ran the plan, and a
+    checkpoint is none: measured on 4.1.3, the metrics of an observed localCheckpoint came back
+    empty, those of a persisted frame's no-op write did not. So: persist, a no-op write (the
+    observations), then the checkpoint from the persisted rows (the plan after it carries no
+    observation: pyspark's client refuses a plan holding the same observation twice), unpersist."""
     from pyspark import StorageLevel
 
     kept = df.persist(StorageLevel.MEMORY_AND_DISK)
-    kept.write.format("noop").mode("overwrite").save()
-    _KEPT.append(kept)
-    return kept
-
-
-def release_materialized() -> None:
-    """Unpersist every frame materialize() kept in this process."""
-    while _KEPT:
-        _KEPT.pop().unpersist()
+    try:
+        kept.write.format("noop").mode("overwrite").save()
+        return local_checkpoint(kept)
+    finally:
+        kept.unpersist()
 
 
 def observed_counts(df: DataFrame, *exprs: Column) -> dict[str, Any]:

@@ -243,7 +243,9 @@ def get_spark(
     else a classic one (the running JVM under spark-submit, or a new local one). `classic`: a
     local JVM of its own whatever the environment says (the benchmarks: its memory, its UI and
     its status store are theirs to measure)."""
-    url = None if classic else remote or os.environ.get(REMOTE_ENV)
+    # Under spark-submit the JVM is this job's own: the server a task's environment names is not.
+    under_submit = "PYSPARK_GATEWAY_PORT" in os.environ
+    url = None if classic or under_submit else remote or os.environ.get(REMOTE_ENV)
     if url:
         spark = connect_session(url)
         configure_session(spark, lake, extra)
@@ -262,6 +264,9 @@ def _classic(
 ) -> SparkSession:
     from pyspark.sql import SparkSession
 
+    # pyspark marks a process that made a Connect session (SPARK_CONNECT_MODE_ENABLED, inherited by
+    # its children: spark-submit, a script it starts) and then refuses a classic session in it.
+    os.environ.pop("SPARK_CONNECT_MODE_ENABLED", None)
     builder = SparkSession.builder.appName(app_name)
     under_submit = "PYSPARK_GATEWAY_PORT" in os.environ  # the JVM exists, launched by spark-submit
     if not under_submit:
