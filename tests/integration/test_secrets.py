@@ -1,6 +1,6 @@
 """Secrets, for real: one spark-submit on local[2] through the operator (the job gets its secrets
 from the 0600 file, the Spark UI shows none, no log line or alert holds one, no file is left
-behind), a JVM started from Python (job server, tests, `python spark_jobs/x.py`) with no secret on
+behind), a JVM started from Python (tests, `python spark_jobs/x.py` without a server) with no secret on
 its command line, and libpq DSNs of passwords with spaces, quotes and backslashes against a
 password-checking server. Among the secrets: a catalog property named innocently and marked
 secret in the lake connection (secret by origin), and one named like a credential but given as a
