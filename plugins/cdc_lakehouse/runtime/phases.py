@@ -100,7 +100,9 @@ def _tagged_jobs(spark: SparkSession, tag: str) -> list[dict[str, Any]] | None:
                 jobs = json.load(r)
         except OSError:
             return None
-        mine = [j for j in jobs if tag in (j.get("jobTags") or [])]
+        # A Spark Connect server gives a client's tag its user and session:
+        # "SparkConnect_Execute_User_<u>_Session_<s>_Tag_<tag>" (spark-connect 4.1, ExecuteHolder).
+        mine = [j for j in jobs if any(t == tag or t.endswith(f"_Tag_{tag}") for t in j.get("jobTags") or [])]
         if all(j.get("status") != "RUNNING" for j in mine):
             return mine
         time.sleep(0.05)
