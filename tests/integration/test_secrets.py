@@ -90,20 +90,30 @@ def run_probe(op, capsys=None) -> tuple[list[str], dict]:
 
 @pytest.mark.slow
 def test_spark_submit_on_local_gets_its_secrets_and_shows_none(pg, lake, monkeypatch, tmp_path, unique):
-    from cdc_lakehouse.orchestration.operators import CdcSparkSubmitOperator
-
     secrets_dir = probe_connections(monkeypatch, pg, lake, tmp_path)
     monkeypatch.setenv("CDC_SPARK_DRIVER_MEMORY", "1g")
+    _, probe = run_probe(probe_task("spark_secrets_probe", unique))
+    assert_probe_shows_none(probe, secrets_dir)
+    check_alert_file(monkeypatch, tmp_path)
+
+
+def probe_task(conn_id: str, unique: str):
+    """The probe job as a task of the project's operator, on the Spark connection `conn_id`."""
+    from cdc_lakehouse.orchestration.operators import CdcSparkSubmitOperator
+
     op = CdcSparkSubmitOperator(
         task_id="probe",
         job="probe",
         job_args=[CONN, unique, f"{TENANT_KEY},{APIKEY_KEY}"],
         source_conn_ids=[CONN],
-        conn_id="spark_secrets_probe",
+        conn_id=conn_id,
         conf={"spark.sql.shuffle.partitions": "2"},
     )
     op.application = str(ROOT / "tests" / "jobs" / "secret_probe.py")
-    _, probe = run_probe(op)
+    return op
+
+
+def assert_probe_shows_none(probe: dict, secrets_dir: Path) -> None:
     assert probe["note_ok"] is True  # a table property with a quote and a backslash, read back
     # Both properties reached the job's catalog; the UI's environment and its SQL pages (which list
     # the settings set in the running session) show no secret: Spark redacts their keys.
@@ -112,7 +122,6 @@ def test_spark_submit_on_local_gets_its_secrets_and_shows_none(pg, lake, monkeyp
     # Set in the running session (runtime.session.get_spark), so not in the SparkConf the UI lists.
     assert probe["ui_password_value"] is None
     assert list(secrets_dir.iterdir()) == []
-    check_alert_file(monkeypatch, tmp_path)
 
 
 @pytest.mark.slow
@@ -122,24 +131,9 @@ def test_a_spark_connect_task_gets_its_secrets_and_the_server_shows_none(
     """The task is a Spark Connect client of the suite's server (the `spark_default` connection):
     the secrets go to its session over the connection, never to the server's command line, its
     properties file, its UI (environment and every SQL page, every session's) or its log."""
-    from cdc_lakehouse.orchestration.operators import CdcSparkSubmitOperator
-
     secrets_dir = probe_connections(monkeypatch, pg, lake, tmp_path)
-    op = CdcSparkSubmitOperator(
-        task_id="probe",
-        job="probe",
-        job_args=[CONN, unique, f"{TENANT_KEY},{APIKEY_KEY}"],
-        source_conn_ids=[CONN],
-        conn_id="spark_default",
-        conf={"spark.sql.shuffle.partitions": "2"},
-    )
-    op.application = str(ROOT / "tests" / "jobs" / "secret_probe.py")
-    _, probe = run_probe(op, capsys)
-    assert probe["note_ok"] is True
-    assert probe["properties"] == {TENANT_KEY: sha(TENANT_MARKER), APIKEY_KEY: sha(APIKEY_MARKER)}
-    assert probe["sql_pages"] > 0 and probe["ui_leaks"] == []
-    assert probe["ui_password_value"] is None
-    assert list(secrets_dir.iterdir()) == []
+    _, probe = run_probe(probe_task("spark_default", unique), capsys)
+    assert_probe_shows_none(probe, secrets_dir)
     # The server process: its command line, the files it was started with, its log, its event log.
     assert list((spark_server.workdir / "events").iterdir()), "the server keeps no event log"
     cmdline = Path(f"/proc/{spark_server.proc.pid}/cmdline").read_bytes().decode(errors="replace")
