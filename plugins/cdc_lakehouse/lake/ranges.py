@@ -189,7 +189,7 @@ def live_rows(spark: SparkSession, table: str, cfg: TableConfig | None, snapshot
     reader of ranges they are deletes."""
     from pyspark.sql import functions as F
 
-    df = spark.read.option("snapshot-id", int(snapshot_id)).table(table) if snapshot_id else spark.table(table)
+    df = spark.sql(f"SELECT * FROM {table} VERSION AS OF {int(snapshot_id)}") if snapshot_id else spark.table(table)
     if cfg is not None and cfg.deletes == "soft" and cfg.soft_delete_columns.flag in df.columns:
         df = df.filter(~F.coalesce(F.col(cfg.soft_delete_columns.flag), F.lit(False)))
     return df
