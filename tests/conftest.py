@@ -105,6 +105,9 @@ def spark_server(tmp_root):
         {"conn_type": "spark_connect", "host": "127.0.0.1", "port": server.port}
     )
     yield server
+    from cdc_lakehouse.runtime.session import release_all
+
+    release_all()  # every session of the suite (and of the jobs it ran in-process) first
     server.stop()
 
 

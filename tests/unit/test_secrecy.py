@@ -138,7 +138,7 @@ def test_the_session_builder_gets_no_secret():
         "spark.sql.catalog.lake.header.X-Api-Key",
         "spark.sql.catalog.lake.jdbc.password",
         "spark.sql.catalog.lake.s3.secret-access-key",
-        "spark.hadoop.fs.s3a.secret.key",
+        "fs.s3a.secret.key",  # S3A reads it from the session (runtime.session.lake_conf)
     } <= set(live)
     # Spark redacts the innocently named key too (its UI's SQL pages list live-set settings).
     assert "spark\\.sql\\.catalog\\.lake\\.header\\.X\\-Tenant" in builder["spark.redaction.regex"]

@@ -295,3 +295,14 @@ def release_spark(spark: SparkSession) -> None:
     if spark in _LIVE:
         _LIVE.remove(spark)
     spark.stop()
+
+
+def release_all() -> None:
+    """End every Connect session of this process, before its server goes: pyspark's client
+    releases each checkpointed frame when Python collects it, and against a server that is gone it
+    retries with backoff, which held a finished test run at its exit for minutes."""
+    for spark in list(_LIVE):
+        try:
+            release_spark(spark)
+        except Exception:  # noqa: BLE001, S110 - best effort: the session may be gone already
+            pass
