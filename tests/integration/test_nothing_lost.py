@@ -451,6 +451,38 @@ def test_added_column_defaults_reach_the_rows_that_predate_them(source, spark, l
     assert_lake_equals_source(spark, lake, s.block, s.dsn)
 
 
+def test_a_column_added_on_every_shard_reaches_the_rows_of_the_quiet_ones(pg, source_uri, spark, lake, unique):
+    """ADD COLUMN ... DEFAULT on both shards, then writes on s0 only: s1 sends no relation message,
+    yet once the lake has the columns s1's rows hold the source's values, for a constant and a
+    volatile default; also when a re-bootstrap of s0 is what brings a column to the lake, and after
+    s1 writes at last (its relation message then announces the columns itself)."""
+    s = Source(pg, spark, lake, unique, blocks=20)
+    try:
+        s.capture()
+        s.bootstrap(s.block)
+        s.execute(
+            *[f"ALTER TABLE {sch}.block ADD COLUMN rank int DEFAULT 7" for sch in s.schemas],
+            *[f"ALTER TABLE {sch}.block ADD COLUMN seen timestamptz DEFAULT clock_timestamp()" for sch in s.schemas],
+            f"UPDATE s0.block SET version = version + 1 WHERE id = {s.wl.first_id['s0']}",
+        )
+        s.ingest(s.block, s.capture()["run_id"])
+        assert_lake_equals_source(spark, lake, s.block, s.dsn)
+        cur = lake.qualified(s.block.current_table)
+        assert read_watermark(spark, cur)["shards"][shard_of(s, "s1")]["filled"] == ["rank", "seen"]
+        # Filled once: the next batch leaves s1 alone.
+        assert s.ingest(s.block, s.capture()["run_id"])["backfilled"] is None
+        # A re-bootstrap of s0 brings the next column; s1 is still quiet.
+        s.execute(*[f"ALTER TABLE {sch}.block ADD COLUMN tier text DEFAULT 'gold'" for sch in s.schemas])
+        s.bootstrap(s.block, shards=[shard_of(s, "s0")])
+        s.ingest(s.block, s.capture()["run_id"])
+        assert_lake_equals_source(spark, lake, s.block, s.dsn)
+        s.execute(f"UPDATE s1.block SET version = version + 1 WHERE id = {s.wl.first_id['s1']}")
+        s.ingest(s.block, s.capture()["run_id"])
+        assert_lake_equals_source(spark, lake, s.block, s.dsn)
+    finally:
+        s.close()
+
+
 @pytest.mark.parametrize("mode", ["full", "checksum"])
 def test_audit_reads_one_snapshot_fails_loudly_and_counts_retries_once(source, spark, lake, monkeypatch, mode):
     """A change committed after the keys in flight were computed is not a mismatch; a slot that
