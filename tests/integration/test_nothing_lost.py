@@ -403,6 +403,57 @@ def test_landing_runs_go_once_every_table_applied_them_and_are_private(source, s
     assert_lake_equals_source(spark, lake, s.perm, s.dsn)
 
 
+def test_everything_under_the_landing_zone_is_private(pg, source_uri, spark, lake, unique, tmp_path):
+    """Capture runs, a run with a malformed event that went to quarantine, and a Debezium table's
+    staged events: every file under the landing zone is 0640 and every directory 0750, its root
+    included (they hold row images, deleted rows included). The quarantined payloads themselves
+    are rows of cdc_meta.quarantine, in the warehouse."""
+    import dataclasses
+    import stat
+
+    from cdc_lakehouse.ingest.run import ingest_table
+    from cdc_lakehouse.landing.debezium import bootstrap_debezium
+
+    from tests.fixtures.debezium import write_json
+    from tests.helpers import append_malformed
+    from tests.integration.test_debezium import TOPIC, base, ev
+
+    root = tmp_path / "landing"  # a zone of its own: the whole tree is this test's
+    private = dataclasses.replace(lake, landing_uri=f"file://{root}")
+    s = Source(pg, spark, private, unique, blocks=20)
+    shards = {"conn_id": "cdc_test_source", "database": s.db, "schemas": s.schemas}
+    block = make_config(
+        f"bp_{unique}", [], source={"table": "block", "shards": [shards]}, ingest={"error_budget": {"max_fraction": 1}}
+    )
+    try:
+        s.capture()
+        s.bootstrap(block)
+        s.wl.step(100)
+        m = s.capture()
+        append_malformed(private, s.endpoint, m["run_id"], "block", [{"op": "x"}])
+        assert s.ingest(block, m["run_id"])["quarantined"] == 1
+    finally:
+        s.close()
+    sink = tmp_path / "sink"
+    cfg = make_config(
+        f"dbz_priv_{unique}", ["s1"], table="orders",
+        landing={"kind": "debezium_s3", "uri": f"file://{sink}", "topic_prefix": "dbz"},
+    )  # fmt: skip
+    write_json(
+        sink, TOPIC, 0, 0, [ev("r", 500, None, after=base(1), snapshot="last"), ev("c", 600, 500, after=base(2))]
+    )
+    bootstrap_debezium(spark, private, cfg)
+    ingest_table(spark, private, cfg, upto_run=None, ingest_run="p1")
+    assert any((root / "_debezium" / cfg.name).rglob("*.parquet"))
+    tree = [root, *root.rglob("*")]
+    wrong = [
+        f"{p} {stat.S_IMODE(p.stat().st_mode):o}"
+        for p in tree
+        if stat.S_IMODE(p.stat().st_mode) != (0o750 if p.is_dir() else 0o640)
+    ]
+    assert not wrong, wrong
+
+
 def test_added_column_defaults_reach_the_rows_that_predate_them(source, spark, lake, monkeypatch):
     """ADD COLUMN ... DEFAULT writes no events for existing rows: a constant default lives in the
     catalog, a volatile one rewrites the table. The lake must show the source's values, also when
