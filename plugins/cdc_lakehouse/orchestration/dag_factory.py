@@ -29,6 +29,7 @@ from typing import Any
 
 from cdc_lakehouse.config import ConfigSet, TableConfig, load_table_configs
 from cdc_lakehouse.derived.config import DerivedSet, TreeConfig, load_derived_configs
+from cdc_lakehouse.lake.holds import DEFAULT_MAX_LAG_HOURS
 from cdc_lakehouse.orchestration.dag_docs import (
     audit_doc,
     bootstrap_doc,
@@ -416,9 +417,22 @@ FEED_UPTO = (
 )
 
 
-def feed_consumer_dag(table: str, consumer: str, job: str, output: str, about: str, config_dir: str | None = None):
+def feed_consumer_dag(
+    table: str,
+    consumer: str,
+    job: str,
+    output: str,
+    about: str,
+    config_dir: str | None = None,
+    *,
+    max_lag_hours: int = DEFAULT_MAX_LAG_HOURS,
+):
     """`cdc_feed__<consumer>`: a change-feed consumer (cdc_lakehouse.feed) of one table, run by
-    spark_jobs/<job>.py whenever the table's ingest or bootstrap completes a snapshot."""
+    spark_jobs/<job>.py whenever the table's ingest or bootstrap completes a snapshot. The job
+    takes --mode (auto | full: a reset) and --max-lag-hours (how long the table keeps its offset's
+    snapshot, lake.holds)."""
+    from airflow.sdk import Param
+
     cs = load_table_configs(config_dir or tables_dir())
     cfg = cs.tables.get(table)
     if cfg is None:
@@ -432,13 +446,19 @@ def feed_consumer_dag(table: str, consumer: str, job: str, output: str, about: s
         source,
         cfg,
         _tags("feed", cfg),
-        feed_doc(cfg, consumer, output, about),
+        feed_doc(cfg, consumer, output, about, max_lag_hours),
         f"Change-feed consumer {consumer} of {cfg.current_table} into {output}",
+        params={
+            "mode": Param(
+                "auto", type="string", enum=["auto", "full"], description="auto: incremental; full: reset, every row"
+            )
+        },
     ) as dag:
         spark_task(
             "consume",
             job,
-            ["--tables", table, "--consumer", consumer, "--output", output, "--upto", FEED_UPTO],
+            ["--tables", table, "--consumer", consumer, "--output", output, "--mode", "{{ params.mode }}"]
+            + ["--max-lag-hours", str(max_lag_hours), "--upto", FEED_UPTO],
             [],  # reads the lake only
             "default_pool",  # writes only its own output; max_active_runs=1 keeps its runs apart
             inlets=[source],
@@ -448,7 +468,7 @@ def feed_consumer_dag(table: str, consumer: str, job: str, output: str, about: s
     return dag
 
 
-def feed_doc(cfg: TableConfig, consumer: str, output: str, about: str) -> str:
+def feed_doc(cfg: TableConfig, consumer: str, output: str, about: str, max_lag_hours: int) -> str:
     return f"""# Change-feed consumer: `{consumer}`
 
 {about}
@@ -466,7 +486,11 @@ repeats a change. Contract: docs/change-feed.md.
 - **Failed**: the task log names the cause; fix it and clear the task (it starts from the
   committed offset). An `OffsetConflictError` means another run committed first: look for a
   second deployment; nothing was written by the failed run.
-- **Start over**: drop `lake.{output}`; the next run rebuilds it from every live row.
+- **Start over**: trigger with `{{"mode": "full"}}` (every live row replaces the output, one
+  commit with the new offset), or drop `lake.{output}`; the next run rebuilds it.
+- **Too far behind** (`ConsumerLagError`): `lake.{cfg.current_table}` keeps the offset's snapshot
+  for {max_lag_hours} h after the consumer's last run (tag `cdc_consumer_feed_{consumer}`); a run
+  after that finds it expired and stops, naming the fix: trigger with `{{"mode": "full"}}`.
 """
 
 
