@@ -245,7 +245,7 @@ class AuditConfig(_Model):
 
 
 class BaseMaintenanceConfig(_Model):
-    """What every maintained Iceberg table shares."""
+    """What every maintained Iceberg table shares: replicated tables, derived outputs, feed outputs."""
 
     schedule: Schedule = "15 3 * * *"
     snapshot_retention_hours: int = Field(168, ge=1)
@@ -262,6 +262,13 @@ class MaintenanceConfig(BaseMaintenanceConfig):
     compaction: Literal["binpack", "sort"] = "sort"
     latest_view: Literal["table", "view", "none"] = "table"
     landing_retention_hours: int = Field(168, ge=1)
+
+
+class OutputMaintenanceConfig(BaseMaintenanceConfig):
+    """Maintenance of an output the project writes for a consumer (a derived table, a feed
+    consumer's Iceberg output): bin-pack compaction with every delete file applied."""
+
+    target_file_size_mb: int = Field(128, ge=1, le=4096)
 
 
 class BootstrapConfig(_Model):

@@ -1,7 +1,13 @@
 """Daily maintenance with Iceberg's own Spark procedures, and the latest-per-key view.
 
+Targets: a replicated table's current table and changelog (maintain_table), a derived table's
+output and unresolved tables (maintain_derived), a feed consumer's Iceberg output
+(maintain_feed_output). Without it the outputs only grow: a derived table is merge-on-read (delete
+files with every incremental run), a feed output gets small files and snapshots with every run.
+
 Each procedure commits atomically (or not at all), so a failed run leaves the table valid.
-Snapshot expiry never removes the snapshot that carries the table's newest watermark: its
+Snapshot expiry never removes the snapshot that carries the table's newest position (the
+`cdc.watermark` of a table or derived output, the `cdc.feed.offsets` of a feed output): its
 writer reads it from the current snapshot's ancestry. Nor does it remove what a consumer holds
 (lake.holds): the held snapshot and every snapshot after it stay, until the hold's max lag runs out.
 """
@@ -14,7 +20,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
-from cdc_lakehouse.config import BaseMaintenanceConfig, TableConfig
+from cdc_lakehouse.config import BaseMaintenanceConfig, OutputMaintenanceConfig, TableConfig
 from cdc_lakehouse.lake.commits import ConcurrentWriterError
 from cdc_lakehouse.lake.holds import range_floor_ms, sweep
 from cdc_lakehouse.lake.meta import meta_append
@@ -30,6 +36,8 @@ from cdc_lakehouse.views import publish_latest
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
+    from cdc_lakehouse.derived.config import TreeConfig
+
 log = logging.getLogger(__name__)
 
 
@@ -38,7 +46,7 @@ class Target:
     """One Iceberg table maintenance compacts and expires, and what it must leave as it found it."""
 
     owner: str  # the config it belongs to: messages, cdc_meta.maintenance_runs.table_name
-    kind: str  # current | changelog (maintenance_runs.target)
+    kind: str  # current | changelog | output | unresolved | feed_output (maintenance_runs.target)
     table: str  # catalog-qualified
     settings: BaseMaintenanceConfig
     target_file_bytes: int
@@ -320,6 +328,61 @@ def maintain_table(
         result.update(publish_latest(spark, lake, cfg))
         result.update(prune_landing(spark, lake, cfg, consumers or [cfg], now))
     return {**result, "spark_jobs": jobs.count, "spark_job_sites": jobs.sites}
+
+
+def maintain_derived(
+    spark: SparkSession, lake: LakeSettings, dcfg: TreeConfig, *, run_id: str, now: datetime | None = None
+) -> dict[str, Any]:
+    """Compaction (every delete file applied), expiry and orphan cleanup of a derived table's
+    output and unresolved tables. Both carry the tree's watermark: expiry keeps its newest carrier
+    on each (the next run finds the unresolved snapshot matching the output's watermark there)."""
+    m = dcfg.maintenance
+    size = m.target_file_size_mb * 1024 * 1024
+    targets = [
+        Target(
+            dcfg.name, kind, lake.qualified(t), m, size, False, 2, f"they share the one-slot Airflow pool {dcfg.pool}"
+        )
+        for kind, t in (("output", dcfg.output_table), ("unresolved", dcfg.unresolved_table))
+    ]
+    if not table_exists(spark, targets[0].table):  # a run creates the unresolved table first
+        raise RuntimeError(f"{dcfg.name}: {targets[0].table} does not exist; run cdc_derived__{dcfg.name} first")
+    with SparkJobs(spark, f"maintenance {dcfg.name} {run_id}") as jobs:
+        result = maintain_targets(spark, lake, dcfg.name, targets, run_id, now or datetime.now(UTC))
+    return {**result, "spark_jobs": jobs.count}
+
+
+def maintain_feed_output(
+    spark: SparkSession,
+    lake: LakeSettings,
+    consumer: str,
+    output: str,
+    settings: OutputMaintenanceConfig,
+    *,
+    run_id: str,
+    now: datetime | None = None,
+) -> dict[str, Any]:
+    """Compaction, expiry and orphan cleanup of a feed consumer's exactly-once Iceberg output
+    (`namespace.table`); expiry keeps the newest snapshot carrying its offsets (feed.offsets)."""
+    from cdc_lakehouse.feed.offsets import OFFSETS_PROP, output_offsets
+
+    table = lake.qualified(output)
+    if not table_exists(spark, table):
+        raise RuntimeError(f"feed consumer {consumer}: {table} does not exist; run the consumer first")
+    target = Target(
+        consumer,
+        "feed_output",
+        table,
+        settings,
+        settings.target_file_size_mb * 1024 * 1024,
+        False,
+        2,
+        f"the consumer's runs and this maintenance are tasks of one DAG, cdc_feed__{consumer}, one run at a time",
+        OFFSETS_PROP,
+        lambda s, t: output_offsets(s, t, consumer),
+    )
+    with SparkJobs(spark, f"maintenance {consumer} {run_id}") as jobs:
+        result = maintain_targets(spark, lake, consumer, [target], run_id, now or datetime.now(UTC))
+    return {**result, "spark_jobs": jobs.count}
 
 
 def maintain_targets(

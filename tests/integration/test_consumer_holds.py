@@ -1,5 +1,5 @@
-"""Consumers that lag behind snapshot expiry (lake.holds), against real PostgreSQL, capture,
-ingest, Spark + Iceberg and Redis.
+"""Consumers that lag behind snapshot expiry (lake.holds), and maintenance of derived and feed
+outputs, against real PostgreSQL, capture, ingest, Spark + Iceberg and Redis.
 
 Each consumer (a feed consumer, a derived tree, a serving export) reads once, then lags while the
 source table takes more ingests. Maintenance runs "two hours later" with a one-hour retention:
@@ -14,10 +14,11 @@ import os
 from datetime import UTC, datetime, timedelta
 
 import pytest
-from cdc_lakehouse.config import TableConfig
+from cdc_lakehouse.config import OutputMaintenanceConfig, TableConfig
 from cdc_lakehouse.dev.workload import ID_STRIDE
 from cdc_lakehouse.feed.consumer import block_counts
 from cdc_lakehouse.feed.offsets import output_offsets
+from cdc_lakehouse.lake.tables import table_stats
 from cdc_lakehouse.lake.watermark import read_watermark
 from cdc_lakehouse.maintenance import maintain_table
 from cdc_lakehouse.serving.stores import store_uri_env
@@ -46,7 +47,10 @@ def maintain(s: Source, *cfgs: TableConfig, hours: int) -> list[dict]:
 
 
 def snapshots(s: Source, cfg: TableConfig) -> list[int]:
-    t = s.lake.qualified(cfg.current_table)
+    return output_snapshots(s, s.lake.qualified(cfg.current_table))
+
+
+def output_snapshots(s: Source, t: str) -> list[int]:
     s.spark.sql(f"REFRESH TABLE {t}")
     return [r[0] for r in s.spark.sql(f"SELECT snapshot_id FROM {t}.snapshots ORDER BY committed_at").collect()]
 
@@ -116,6 +120,19 @@ def test_a_lagging_feed_consumer_keeps_its_offset_snapshot_until_its_max_lag(hel
     assert m["mode"] == "changelog", m  # the history between its two snapshots is still there
     assert lake_counts(s, output) == source_counts(s)
 
+    # Its output, maintained two hours later with a one-hour retention: its first snapshot
+    # expired, the snapshot carrying its offsets kept (the next run below reads them).
+    from cdc_lakehouse.maintenance import maintain_feed_output
+
+    offsets, first = output_offsets(s.spark, table, "block_counts"), output_snapshots(s, table)[0]
+    settings = OutputMaintenanceConfig(min_input_files=2, snapshot_retention_hours=1, min_snapshots_to_keep=1)
+    later = datetime.now(UTC) + timedelta(hours=2)
+    r = maintain_feed_output(s.spark, s.lake, "block_counts", output, settings, run_id="f1", now=later)
+    assert r["feed_output"]["after"]["data_files"] <= r["feed_output"]["before"]["data_files"], r
+    assert first not in output_snapshots(s, table), "the output's maintenance expired nothing: it proves nothing"
+    assert output_offsets(s.spark, table, "block_counts") == offsets
+    assert lake_counts(s, output) == source_counts(s)
+
     # Past its max lag: the hold goes, then the snapshot; the consumer stops with the fix.
     change(s, 2)
     (m,) = maintain(s, s.block, hours=LAGGED)
@@ -133,8 +150,14 @@ def test_a_lagging_feed_consumer_keeps_its_offset_snapshot_until_its_max_lag(hel
 
 
 def test_a_lagging_derived_tree_keeps_its_input_snapshots_until_its_max_lag(held_source, unique):
+    """And its output's maintenance: compacted (the incremental run left delete files), expired,
+    the watermark's snapshots kept on both tables, so the next run is incremental and right."""
+    from cdc_lakehouse.maintenance import maintain_derived
+
     s = with_grants(held_source)
     cfg = tree_cfg(s, f"held_{unique}")
+    m = cfg.maintenance.model_copy(update={"snapshot_retention_hours": 1, "min_snapshots_to_keep": 1})
+    cfg = cfg.model_copy(update={"maintenance": m})
     assert derive(s, cfg)["mode"] == "full"
     inputs = read_watermark(s.spark, s.lake.qualified(cfg.output_table))["inputs"]
     pinned = {name: p["snapshot"] for name, p in inputs.items()}
@@ -148,8 +171,23 @@ def test_a_lagging_derived_tree_keeps_its_input_snapshots_until_its_max_lag(held
     assert m["mode"] == "incremental", m
     assert_tree_is_reference(s, cfg)
 
-    # Past its max lag.
+    # Its output, two hours later with a one-hour retention.
+    out = s.lake.qualified(cfg.output_table)
+    rows = sorted(map(tuple, s.spark.table(out).collect()))
+    before, first = table_stats(s.spark, out), output_snapshots(s, out)[0]
+    assert before["delete_files"] > 0, before  # merge-on-read: the incremental run left delete files
+    r = maintain_derived(s.spark, s.lake, cfg, run_id="d1", now=datetime.now(UTC) + timedelta(hours=2))
+    after = table_stats(s.spark, out)
+    assert after["delete_files"] == 0 and after["data_files"] <= before["data_files"], (before, after)
+    assert first not in output_snapshots(s, out), "the output's maintenance expired nothing: it proves nothing"
+    assert {"output", "unresolved"} <= set(r), r
+    assert sorted(map(tuple, s.spark.table(out).collect())) == rows
     change(s, 2)
+    assert derive(s, cfg)["mode"] == "incremental"
+    assert_tree_is_reference(s, cfg)
+
+    # Past its max lag.
+    change(s, 3)
     (m,) = maintain(s, s.block, hours=LAGGED)
     assert f"cdc_consumer_derived_{cfg.name}" in m["current"]["holds_dropped"]
     with pytest.raises(RuntimeError) as err:

@@ -180,7 +180,29 @@ Details: docs/derived-trees.md.
 - **Too far behind** (`ConsumerLagError`): the inputs keep the snapshots the last run read for
   {dcfg.max_lag_hours} h (`max_lag_hours`, tag `cdc_consumer_derived_{dcfg.name}` on each input);
   a run after that finds them expired and stops: trigger with `{{"mode": "full"}}`.
-- Runs never overlap (pool `{dcfg.pool}`); the inputs' ingests are not blocked.
+- Runs never overlap (pool `{dcfg.pool}`); the inputs' ingests are not blocked. Its compaction
+  and expiry: `cdc_maintenance__{dcfg.name}`.
+"""
+
+
+def derived_maintenance_doc(dcfg: TreeConfig) -> str:
+    m = dcfg.maintenance
+    return f"""# Daily maintenance: derived table `{dcfg.name}`
+
+**Derived table** `{dcfg.name}`; owner {dcfg.owner}.
+
+## What it does
+With Iceberg's own Spark procedures, on `lake.{dcfg.output_table}` and `lake.{dcfg.unresolved_table}`
+(merge-on-read: every incremental run adds delete files): `rewrite_data_files` (bin-pack, every
+delete file applied), `rewrite_position_delete_files`, `rewrite_manifests`, `expire_snapshots`
+(older than {m.snapshot_retention_hours} h, keeping at least {m.min_snapshots_to_keep}, never the
+snapshot holding the tree's watermark nor what a consumer such as a serving export holds),
+`remove_orphan_files` (older than {m.orphan_file_age_hours} h). Before/after figures go to
+`lake.cdc_meta.maintenance_runs`. Settings: `maintenance:` in its file in include/derived/.
+
+## How to operate it
+- It shares the derived table's pool (`{dcfg.pool}`) with its runs, so the two never run at once.
+- A failed run leaves the tables valid (each procedure commits atomically); clear to retry.
 """
 
 
