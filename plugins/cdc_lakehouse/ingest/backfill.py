@@ -56,6 +56,8 @@ from cdc_lakehouse.source.catalog import describe_table, text_select
 from cdc_lakehouse.source.session import SESSION_OPTIONS
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from pyspark.sql import DataFrame, SparkSession
 
 log = logging.getLogger(__name__)
@@ -136,12 +138,7 @@ def fill_quiet_shards(
             pos = new["shards"][shard_of[(ch["endpoint"], ch["table"].rpartition(".")[0])]]
             pos[FILLED] = sorted({*(pos.get(FILLED) or []), *present})
     if new != plan.new_watermark:
-
-        def mark(target: str) -> None:
-            spark.createDataFrame([], spark.table(cur).schema).writeTo(target).option(
-                "snapshot-property.cdc.watermark", watermark_json(new)
-            ).option(f"snapshot-property.{writers.WRITER_PROP}", writers.BACKFILL.name).append()
-
+        mark = backfill_marker(spark, cur, new)
         fenced_commit(spark, cur, plan.new_watermark, new, mark, what=f"{cfg.name} quiet shards filled")
         plan.new_watermark = new
     return total
@@ -160,15 +157,22 @@ def finish_backfill(
     lake_cols = source_columns_of(spark, cur, cfg)
     n = backfill_added_columns(spark, lake, cfg, added, lake_cols, ingest_run)
     done = {k: v for k, v in plan.new_watermark.items() if k != BACKFILL}
-
-    def clear(target: str) -> None:
-        spark.createDataFrame([], spark.table(cur).schema).writeTo(target).option(
-            "snapshot-property.cdc.watermark", watermark_json(done)
-        ).option(f"snapshot-property.{writers.WRITER_PROP}", writers.BACKFILL.name).append()
-
+    clear = backfill_marker(spark, cur, done)
     fenced_commit(spark, cur, plan.new_watermark, done, clear, what=f"{cfg.name} backfill done")
     plan.new_watermark = done
     return n
+
+
+def backfill_marker(spark: SparkSession, cur: str, watermark: dict[str, Any]) -> Callable[[str], None]:
+    """The write of a backfill's closing commit for lake.commits.fenced_commit: no rows, only the
+    new watermark, named a backfill (lake.writers) so readers of ranges diff across it."""
+
+    def write(target: str) -> None:
+        spark.createDataFrame([], spark.table(cur).schema).writeTo(target).option(
+            "snapshot-property.cdc.watermark", watermark_json(watermark)
+        ).option(f"snapshot-property.{writers.WRITER_PROP}", writers.BACKFILL.name).append()
+
+    return write
 
 
 def added_column_source(conn, schema: str, table: str, column: str) -> tuple[str, Any]:
