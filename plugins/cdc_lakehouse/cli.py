@@ -5,6 +5,8 @@ python -m cdc_lakehouse.cli pools                 the Airflow pools, as JSON for
 python -m cdc_lakehouse.cli quarantine list T     quarantined events of table T
 python -m cdc_lakehouse.cli quarantine clear T    delete T's quarantined events after review
 python -m cdc_lakehouse.cli quarantine replay T   re-validate T's quarantined events after a fix; apply those that pass
+python -m cdc_lakehouse.cli holds list            consumer holds on every lake table (or --table ns.t): what expiry keeps
+python -m cdc_lakehouse.cli holds drop --consumer KIND:NAME   drop a retired consumer's holds (feed|derived|export)
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from cdc_lakehouse.config import load_table_configs
 from cdc_lakehouse.settings import tables_dir
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m cdc_lakehouse.cli")
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("validate")
@@ -26,7 +28,15 @@ def main(argv: list[str] | None = None) -> int:
     q.add_argument("action", choices=["list", "clear", "replay"])
     q.add_argument("table")
     q.add_argument("--limit", type=int, default=50)
-    args = p.parse_args(argv)
+    h = sub.add_parser("holds")
+    h.add_argument("action", choices=["list", "drop"])
+    h.add_argument("--table", action="append", help="namespace.table (repeatable); default: every lake table")
+    h.add_argument("--consumer", help="drop: <kind>:<name>, e.g. feed:block_counts")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
 
     if args.cmd == "validate":
         from cdc_lakehouse.derived.config import load_derived_configs
@@ -47,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
 
         print(json.dumps(pools(), indent=2, sort_keys=True))
         return 0
+    if args.cmd == "holds":
+        return holds_command(args)
     from cdc_lakehouse.identifiers import check_lake_ident
     from cdc_lakehouse.lake.meta import ensure_meta_tables
     from cdc_lakehouse.runtime.secrets import load_job_secrets
@@ -73,6 +85,29 @@ def main(argv: list[str] | None = None) -> int:
         n = spark.sql(f"SELECT count(*) FROM {q_table} WHERE table_name = '{table}'").collect()[0][0]
         spark.sql(f"DELETE FROM {q_table} WHERE table_name = '{table}'")
         print(f"cleared {n} quarantined event(s) of {table}")
+    return 0
+
+
+def holds_command(args) -> int:
+    """holds list | drop: one JSON line per hold (listed, or dropped). lake.holds says what they are."""
+    from cdc_lakehouse.lake.holds import consumer_holds, drop_consumer, lake_tables
+    from cdc_lakehouse.runtime.secrets import load_job_secrets
+    from cdc_lakehouse.runtime.session import get_spark
+    from cdc_lakehouse.settings import LakeSettings
+
+    if args.action == "drop" and not args.consumer:
+        print("holds drop needs --consumer <kind>:<name> (see holds list)", file=sys.stderr)
+        return 1
+    load_job_secrets()
+    lake = LakeSettings.from_env()
+    spark = get_spark("cdc-holds", lake, master="local[1]")
+    tables = [lake.qualified(t) for t in args.table or []] or lake_tables(spark, lake.catalog_name)
+    if args.action == "list":
+        found = [h for t in tables for h in consumer_holds(spark, t)]
+    else:
+        found = drop_consumer(spark, tables, args.consumer)
+    for h in found:
+        print(json.dumps({**h.as_dict(), "dropped": args.action == "drop"}, sort_keys=True))
     return 0
 
 

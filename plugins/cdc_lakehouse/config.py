@@ -244,19 +244,31 @@ class AuditConfig(_Model):
     max_repair_keys: int = Field(100_000, ge=1)
 
 
-class MaintenanceConfig(_Model):
+class BaseMaintenanceConfig(_Model):
+    """What every maintained Iceberg table shares: replicated tables, derived outputs, feed outputs."""
+
     schedule: Schedule = "15 3 * * *"
     snapshot_retention_hours: int = Field(168, ge=1)
     min_snapshots_to_keep: int = Field(5, ge=1)
     orphan_file_age_hours: int = Field(72, ge=24, description="never below a day: in-flight writes")
-    compaction: Literal["binpack", "sort"] = "sort"
     min_input_files: int = Field(5, ge=2)
-    latest_view: Literal["table", "view", "none"] = "table"
-    landing_retention_hours: int = Field(168, ge=1)
     # Maintenance proves nothing but rewrites committed while it ran from snapshot metadata alone
     # (maintenance._only_rewrites_since). true adds a checksum of every row before and after: two
     # full reads of each table, an end-to-end check of Iceberg's rewrite itself.
     verify_content: bool = False
+
+
+class MaintenanceConfig(BaseMaintenanceConfig):
+    compaction: Literal["binpack", "sort"] = "sort"
+    latest_view: Literal["table", "view", "none"] = "table"
+    landing_retention_hours: int = Field(168, ge=1)
+
+
+class OutputMaintenanceConfig(BaseMaintenanceConfig):
+    """Maintenance of an output the project writes for a consumer (a derived table, a feed
+    consumer's Iceberg output): bin-pack compaction with every delete file applied."""
+
+    target_file_size_mb: int = Field(128, ge=1, le=4096)
 
 
 class BootstrapConfig(_Model):

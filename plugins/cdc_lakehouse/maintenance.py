@@ -1,19 +1,28 @@
 """Daily maintenance with Iceberg's own Spark procedures, and the latest-per-key view.
 
+Targets: a replicated table's current table and changelog (maintain_table), a derived table's
+output and unresolved tables (maintain_derived), a feed consumer's Iceberg output
+(maintain_feed_output). Without it the outputs only grow: a derived table is merge-on-read (delete
+files with every incremental run), a feed output gets small files and snapshots with every run.
+
 Each procedure commits atomically (or not at all), so a failed run leaves the table valid.
-Snapshot expiry never removes the snapshot that carries the table's newest watermark: the
-ingest reads it from the current snapshot's ancestry.
+Snapshot expiry never removes the snapshot that carries the table's newest position (the
+`cdc.watermark` of a table or derived output, the `cdc.feed.offsets` of a feed output): its
+writer reads it from the current snapshot's ancestry. Nor does it remove what a consumer holds
+(lake.holds): the held snapshot and every snapshot after it stay, until the hold's max lag runs out.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
-from cdc_lakehouse.config import TableConfig
+from cdc_lakehouse.config import BaseMaintenanceConfig, OutputMaintenanceConfig, TableConfig
 from cdc_lakehouse.lake.commits import ConcurrentWriterError
+from cdc_lakehouse.lake.holds import range_floor_ms, sweep
 from cdc_lakehouse.lake.meta import meta_append
 from cdc_lakehouse.lake.snapshots import current_snapshot
 from cdc_lakehouse.lake.tables import table_exists, table_stats
@@ -27,7 +36,27 @@ from cdc_lakehouse.views import publish_latest
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
+    from cdc_lakehouse.derived.config import TreeConfig
+
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Target:
+    """One Iceberg table maintenance compacts and expires, and what it must leave as it found it."""
+
+    owner: str  # the config it belongs to: messages, cdc_meta.maintenance_runs.table_name
+    kind: str  # current | changelog | output | unresolved | feed_output (maintenance_runs.target)
+    table: str  # catalog-qualified
+    settings: BaseMaintenanceConfig
+    target_file_bytes: int
+    sort: bool
+    format_version: int
+    writers: str  # what keeps its writers apart (named when another writer is caught)
+    # The snapshot property carrying the table's position, and how its writer reads the position
+    # back: expiry keeps its newest carrier, and maintenance must leave the position unchanged.
+    position_prop: str = WATERMARK_PROP
+    read_position: Callable[[SparkSession, str], Any] = read_watermark
 
 
 def _ts(dt: datetime) -> str:
@@ -43,32 +72,33 @@ def content_checksum(spark: SparkSession, table: str, columns: list[str]) -> str
     return f"{r['n']}:{r['s']}"
 
 
-def watermark_snapshot_time(spark: SparkSession, table: str) -> datetime | None:
+def position_snapshot_time(spark: SparkSession, table: str, prop: str = WATERMARK_PROP) -> datetime | None:
+    """When the newest snapshot on the current line carrying `prop` was committed. Its commit
+    time, not when it became current: expire_snapshots compares `older_than` with commit times,
+    and a fenced commit (lake.commits) is committed on a branch before main is moved to it."""
     rows = spark.sql(
-        f"SELECT h.made_current_at t FROM {table}.snapshots s JOIN {table}.history h ON s.snapshot_id = h.snapshot_id "
-        f"WHERE h.is_current_ancestor AND s.summary['{WATERMARK_PROP}'] IS NOT NULL "
+        f"SELECT s.committed_at t FROM {table}.snapshots s JOIN {table}.history h ON s.snapshot_id = h.snapshot_id "
+        f"WHERE h.is_current_ancestor AND s.summary['{prop}'] IS NOT NULL "
         "ORDER BY h.made_current_at DESC LIMIT 1"
     ).collect()
     return rows[0]["t"].replace(tzinfo=UTC) if rows else None
 
 
-def compact(
-    spark: SparkSession, lake: LakeSettings, table: str, cfg: TableConfig, *, sort: bool, format_version: int
-) -> dict[str, Any]:
+def compact(spark: SparkSession, lake: LakeSettings, target: Target) -> dict[str, Any]:
     """rewrite_data_files (+ position deletes, manifests) through CALL statements."""
     cat = lake.catalog_name
-    name = table.split(".", 1)[1]
-    out = _rewrite_data_files(spark, cat, name, cfg, sort)
-    if format_version == 2:
-        out.update(_rewrite_delete_files(spark, cat, name, cfg))
+    name = target.table.split(".", 1)[1]
+    out = _rewrite_data_files(spark, cat, name, target)
+    if target.format_version == 2:
+        out.update(_rewrite_delete_files(spark, cat, name, target))
     spark.sql(f"CALL {cat}.system.rewrite_manifests('{name}')").collect()
     return out
 
 
-def _rewrite_data_files(spark: SparkSession, cat: str, name: str, cfg: TableConfig, sort: bool) -> dict[str, Any]:
+def _rewrite_data_files(spark: SparkSession, cat: str, name: str, target: Target) -> dict[str, Any]:
     opts = {
-        "min-input-files": str(cfg.maintenance.min_input_files),
-        "target-file-size-bytes": str(cfg.lake.target_file_size_mb * 1024 * 1024),
+        "min-input-files": str(target.settings.min_input_files),
+        "target-file-size-bytes": str(target.target_file_bytes),
         # Any data file with deletes attached is worth rewriting on a CDC table.
         "delete-file-threshold": "1",
         "partial-progress.enabled": "true",
@@ -79,14 +109,14 @@ def _rewrite_data_files(spark: SparkSession, cat: str, name: str, cfg: TableConf
         "use-starting-sequence-number": "false",
     }
     omap = ", ".join(f"'{k}', '{v}'" for k, v in opts.items())
-    strategy = "'sort'" if sort else "'binpack'"
+    strategy = "'sort'" if target.sort else "'binpack'"
     r = spark.sql(
         f"CALL {cat}.system.rewrite_data_files(table => '{name}', strategy => {strategy}, options => map({omap}))"
     ).collect()
     return {"rewritten_data_files": int(r[0][0]), "added_data_files": int(r[0][1])} if r else {}
 
 
-def _rewrite_delete_files(spark: SparkSession, cat: str, name: str, cfg: TableConfig) -> dict[str, Any]:
+def _rewrite_delete_files(spark: SparkSession, cat: str, name: str, target: Target) -> dict[str, Any]:
     """Position delete files rewritten; None when Iceberg cannot (the data file rewrite covered it)."""
     try:
         r = spark.sql(
@@ -98,27 +128,44 @@ def _rewrite_delete_files(spark: SparkSession, cat: str, name: str, cfg: TableCo
         # Iceberg 1.10 fails here on tables with list columns (apache/iceberg#14619). The data
         # file rewrite above already applied every delete file (delete-file-threshold=1) and
         # removed the dangling ones, so only small leftover delete files stay until a fixed release.
-        log.info("maintenance %s: rewrite_position_delete_files skipped (apache/iceberg#14619)", cfg.name)
+        log.info("maintenance %s: rewrite_position_delete_files skipped (apache/iceberg#14619)", target.owner)
         return {"rewritten_delete_files": None}
     return {"rewritten_delete_files": int(r[0][0])} if r else {}
 
 
-def expire(spark: SparkSession, lake: LakeSettings, table: str, cfg: TableConfig, now: datetime) -> dict[str, Any]:
+def expire(spark: SparkSession, lake: LakeSettings, target: Target, now: datetime) -> dict[str, Any]:
+    """expire_snapshots older than the retention, never the position's snapshot nor anything a
+    live consumer hold keeps (lake.holds); then remove_orphan_files."""
     cat = lake.catalog_name
-    name = table.split(".", 1)[1]
-    older = now - timedelta(hours=cfg.maintenance.snapshot_retention_hours)
-    keep = watermark_snapshot_time(spark, table)
-    if keep is not None and keep <= older:
-        older = keep - timedelta(milliseconds=1)  # the watermark's snapshot must survive
+    name = target.table.split(".", 1)[1]
+    m = target.settings
+    older = now - timedelta(hours=m.snapshot_retention_hours)
+    held = sweep(spark, target.table, now)
+    keep = [position_snapshot_time(spark, target.table, target.position_prop)]
+    # Every snapshot from the oldest held one on (from the position below it, if it carries none),
+    # not just the tagged one: the consumer's next run then reads the history between its two
+    # snapshots (its range rule), not a diff of two tables.
+    floor = range_floor_ms(spark, target.table, held.kept, target.position_prop)
+    keep.append(None if floor is None else datetime.fromtimestamp(floor / 1000, UTC))
+    oldest = min((k for k in keep if k is not None), default=None)
+    if oldest is not None and oldest <= older:
+        older = oldest - timedelta(milliseconds=1)  # the position's and the held snapshots survive
     r = spark.sql(
         f"CALL {cat}.system.expire_snapshots(table => '{name}', older_than => TIMESTAMP '{_ts(older)}', "
-        f"retain_last => {cfg.maintenance.min_snapshots_to_keep})"
+        f"retain_last => {m.min_snapshots_to_keep})"
     ).collect()
-    orphans_before = now - timedelta(hours=cfg.maintenance.orphan_file_age_hours)
+    # Files' ages are wall-clock ages: a run for a later `now` (a test, a catch-up) must not take
+    # an in-flight write's new files for orphans.
+    orphans_before = min(now, datetime.now(UTC)) - timedelta(hours=m.orphan_file_age_hours)
     o = spark.sql(
         f"CALL {cat}.system.remove_orphan_files(table => '{name}', older_than => TIMESTAMP '{_ts(orphans_before)}')"
     ).collect()
-    return {"expired_data_files": int(r[0][0]) if r else 0, "orphan_files_removed": len(o)}
+    return {
+        "expired_data_files": int(r[0][0]) if r else 0,
+        "orphan_files_removed": len(o),
+        "holds_kept": [h.name for h in held.kept],
+        "holds_dropped": [h.name for h in held.dropped],
+    }
 
 
 def prune_landing(
@@ -203,15 +250,15 @@ def _applied_floor(spark: SparkSession, lake: LakeSettings, endpoint: str, consu
 
 @dataclass(frozen=True)
 class _Observed:
-    """What maintenance must leave as it found it (content, watermark) and what it improves (stats)."""
+    """What maintenance must leave as it found it (content, position) and what it improves (stats)."""
 
     stats: dict[str, Any]
     snapshot_id: int | None
-    watermark: dict[str, Any] | None
+    position: Any  # the target's position (watermark, feed offsets) as its writer reads it
     checksum: str | None = None  # maintenance.verify_content only
 
 
-def _only_rewrites_since(spark: SparkSession, cfg: TableConfig, target: str, since: int | None) -> int | None:
+def _only_rewrites_since(spark: SparkSession, target: Target, since: int | None) -> int | None:
     """Every snapshot committed after `since` on the table's current line is a rewrite ('replace':
     rewrite_data_files, rewrite_position_delete_files, rewrite_manifests), which Iceberg commits
     only when the live rows are unchanged. Metadata only: no data is read. A data commit by another
@@ -220,23 +267,42 @@ def _only_rewrites_since(spark: SparkSession, cfg: TableConfig, target: str, sin
     from cdc_lakehouse.lake.snapshots import current_ancestors
 
     head = None
-    for snap in current_ancestors(spark, target):
+    for snap in current_ancestors(spark, target.table):
         head = snap.snapshot_id if head is None else head
         if snap.snapshot_id == since:
             return head
         if snap.operation != "replace":
             raise ConcurrentWriterError(
-                f"{cfg.name}: {target} got a '{snap.operation}' commit (snapshot {snap.snapshot_id}) while "
-                "maintenance ran: another writer was active. The DAGs' writers of a table share its one-slot "
-                f"Airflow pool ({cfg.pool}, imported by scripts/airflow_init.sh); check that no job outside "
-                "them writes the table"
+                f"{target.owner}: {target.table} got a '{snap.operation}' commit (snapshot {snap.snapshot_id}) "
+                f"while maintenance ran: another writer was active. The DAGs' writers of it never run at once "
+                f"({target.writers}); check that no job outside them writes the table"
             )
     if since is not None:
         raise ConcurrentWriterError(
-            f"{cfg.name}: snapshot {since} of {target} left the current line while maintenance ran "
+            f"{target.owner}: snapshot {since} of {target.table} left the current line while maintenance ran "
             "(a rollback or a stray writer); check the table's history before re-running"
         )
     return head
+
+
+def table_targets(lake: LakeSettings, cfg: TableConfig) -> list[Target]:
+    """A replicated table's current table (its configured compaction) and changelog (bin-pack)."""
+    size = cfg.lake.target_file_size_mb * 1024 * 1024
+    writers = f"they share the one-slot Airflow pool {cfg.pool}, imported by scripts/airflow_init.sh"
+    sort = cfg.maintenance.compaction == "sort"
+    return [
+        Target(
+            cfg.name,
+            "current",
+            lake.qualified(cfg.current_table),
+            cfg.maintenance,
+            size,
+            sort,
+            cfg.lake.format_version,
+            writers,
+        ),
+        Target(cfg.name, "changelog", lake.qualified(cfg.changelog_table), cfg.maintenance, size, False, 2, writers),
+    ]
 
 
 def maintain_table(
@@ -253,96 +319,138 @@ def maintain_table(
     `consumers`: every valid table config (landing runs are shared by the tables of an endpoint);
     default: this table alone. Progress goes to this module's logger. The result carries the Spark
     jobs the run took (`spark_jobs`, `spark_job_sites`): the figure to watch for repeated scans."""
+    now = now or datetime.now(UTC)
     with SparkJobs(spark, f"maintenance {cfg.name} {run_id}") as jobs:
-        result = _maintain_table(spark, lake, cfg, run_id, now or datetime.now(UTC), consumers)
+        cur = lake.qualified(cfg.current_table)
+        if not table_exists(spark, cur):
+            raise RuntimeError(f"{cfg.name}: {cur} does not exist; bootstrap it first (cdc_bootstrap__{cfg.name})")
+        result = maintain_targets(spark, lake, cfg.name, table_targets(lake, cfg), run_id, now)
+        result.update(publish_latest(spark, lake, cfg))
+        result.update(prune_landing(spark, lake, cfg, consumers or [cfg], now))
     return {**result, "spark_jobs": jobs.count, "spark_job_sites": jobs.sites}
 
 
-def _maintain_table(
+def maintain_derived(
+    spark: SparkSession, lake: LakeSettings, dcfg: TreeConfig, *, run_id: str, now: datetime | None = None
+) -> dict[str, Any]:
+    """Compaction (every delete file applied), expiry and orphan cleanup of a derived table's
+    output and unresolved tables. Both carry the tree's watermark: expiry keeps its newest carrier
+    on each (the next run finds the unresolved snapshot matching the output's watermark there)."""
+    m = dcfg.maintenance
+    size = m.target_file_size_mb * 1024 * 1024
+    targets = [
+        Target(
+            dcfg.name, kind, lake.qualified(t), m, size, False, 2, f"they share the one-slot Airflow pool {dcfg.pool}"
+        )
+        for kind, t in (("output", dcfg.output_table), ("unresolved", dcfg.unresolved_table))
+    ]
+    if not table_exists(spark, targets[0].table):  # a run creates the unresolved table first
+        raise RuntimeError(f"{dcfg.name}: {targets[0].table} does not exist; run cdc_derived__{dcfg.name} first")
+    with SparkJobs(spark, f"maintenance {dcfg.name} {run_id}") as jobs:
+        result = maintain_targets(spark, lake, dcfg.name, targets, run_id, now or datetime.now(UTC))
+    return {**result, "spark_jobs": jobs.count}
+
+
+def maintain_feed_output(
     spark: SparkSession,
     lake: LakeSettings,
-    cfg: TableConfig,
+    consumer: str,
+    output: str,
+    settings: OutputMaintenanceConfig,
+    *,
     run_id: str,
-    now: datetime,
-    consumers: list[TableConfig] | None,
+    now: datetime | None = None,
 ) -> dict[str, Any]:
-    cur = lake.qualified(cfg.current_table)
-    cl = lake.qualified(cfg.changelog_table)
-    if not table_exists(spark, cur):
-        raise RuntimeError(f"{cfg.name}: {cur} does not exist; bootstrap it first (cdc_bootstrap__{cfg.name})")
-    result: dict[str, Any] = {"table": cfg.name, "run_id": run_id}
+    """Compaction, expiry and orphan cleanup of a feed consumer's exactly-once Iceberg output
+    (`namespace.table`); expiry keeps the newest snapshot carrying its offsets (feed.offsets)."""
+    from cdc_lakehouse.feed.offsets import OFFSETS_PROP, output_offsets
+
+    table = lake.qualified(output)
+    if not table_exists(spark, table):
+        raise RuntimeError(f"feed consumer {consumer}: {table} does not exist; run the consumer first")
+    target = Target(
+        consumer,
+        "feed_output",
+        table,
+        settings,
+        settings.target_file_size_mb * 1024 * 1024,
+        False,
+        2,
+        f"the consumer's runs and this maintenance are tasks of one DAG, cdc_feed__{consumer}, one run at a time",
+        OFFSETS_PROP,
+        lambda s, t: output_offsets(s, t, consumer),
+    )
+    with SparkJobs(spark, f"maintenance {consumer} {run_id}") as jobs:
+        result = maintain_targets(spark, lake, consumer, [target], run_id, now or datetime.now(UTC))
+    return {**result, "spark_jobs": jobs.count}
+
+
+def maintain_targets(
+    spark: SparkSession, lake: LakeSettings, owner: str, targets: list[Target], run_id: str, now: datetime
+) -> dict[str, Any]:
+    """Each target compacted and expired in turn; before/after rows to cdc_meta.maintenance_runs."""
+    result: dict[str, Any] = {"table": owner, "run_id": run_id}
     rows: list[dict[str, Any]] = []
     clock = PhaseClock()
-    for target, kind in ((cur, "current"), (cl, "changelog")):
-        with clock.phase(kind):
-            before, after, done = _maintain_target(spark, lake, cfg, target, kind == "current", now)
-        secs = clock.seconds[kind]
-        rows += [
-            _stats_row(cfg, run_id, kind, phase, o, secs, now) for phase, o in (("before", before), ("after", after))
-        ]
-        result[kind] = {"before": before.stats, "after": after.stats, **done, "seconds": secs}
-        _log_target(cfg, kind, before.stats, after.stats, secs)
-    result.update(publish_latest(spark, lake, cfg))
-    result.update(prune_landing(spark, lake, cfg, consumers or [cfg], now))
+    for target in targets:
+        with clock.phase(target.kind):
+            before, after, done = _maintain_target(spark, lake, target, now)
+        secs = clock.seconds[target.kind]
+        rows += [_stats_row(target, run_id, phase, o, secs, now) for phase, o in (("before", before), ("after", after))]
+        result[target.kind] = {"before": before.stats, "after": after.stats, **done, "seconds": secs}
+        _log_target(target, before.stats, after.stats, secs)
     meta_append(spark, lake, "maintenance_runs", rows)
     return result
 
 
 def _maintain_target(
-    spark: SparkSession, lake: LakeSettings, cfg: TableConfig, target: str, is_current: bool, now: datetime
+    spark: SparkSession, lake: LakeSettings, target: Target, now: datetime
 ) -> tuple[_Observed, _Observed, dict[str, Any]]:
     """Compact and expire one table; fails if another writer committed meanwhile."""
     # The catalog caches loaded tables: another process (the ingest's spark-submit) may have
     # committed since this session last read it, and a stale "before" would look like a
     # concurrent writer.
-    spark.sql(f"REFRESH TABLE {target}")
-    before = _observe(spark, cfg, target)
-    comp = compact(
-        spark,
-        lake,
-        target,
-        cfg,
-        sort=is_current and cfg.maintenance.compaction == "sort",
-        format_version=cfg.lake.format_version if is_current else 2,
-    )
+    spark.sql(f"REFRESH TABLE {target.table}")
+    before = _observe(spark, target)
+    comp = compact(spark, lake, target)
     # Checked before expiry too: expiry may drop `before`'s snapshot from the line.
-    checked = _only_rewrites_since(spark, cfg, target, before.snapshot_id)
-    exp = expire(spark, lake, target, cfg, now)
-    _only_rewrites_since(spark, cfg, target, checked)
-    after = _observe(spark, cfg, target)
+    checked = _only_rewrites_since(spark, target, before.snapshot_id)
+    exp = expire(spark, lake, target, now)
+    _only_rewrites_since(spark, target, checked)
+    after = _observe(spark, target)
     if after.checksum != before.checksum:
         raise RuntimeError(
-            f"{cfg.name}: content of {target} changed during maintenance "
+            f"{target.owner}: content of {target.table} changed during maintenance "
             f"({before.checksum} -> {after.checksum}) though only rewrites were committed; keep the "
             "pre-maintenance snapshot (time travel) and report it: a rewrite must not change rows"
         )
-    if after.watermark != before.watermark:
-        raise RuntimeError(f"{cfg.name}: the watermark of {target} changed during maintenance")
+    if after.position != before.position:
+        raise RuntimeError(
+            f"{target.owner}: the position ({target.position_prop}) of {target.table} changed during maintenance"
+        )
     return before, after, {**comp, **exp}
 
 
-def _observe(spark: SparkSession, cfg: TableConfig, target: str) -> _Observed:
-    snap = current_snapshot(spark, target)
+def _observe(spark: SparkSession, target: Target) -> _Observed:
+    snap = current_snapshot(spark, target.table)
     checksum = None
-    if cfg.maintenance.verify_content:  # two full reads per table: an end-to-end check of the rewrite
-        checksum = content_checksum(spark, target, [f.name for f in spark.table(target).schema.fields])
+    if target.settings.verify_content:  # two full reads per table: an end-to-end check of the rewrite
+        checksum = content_checksum(spark, target.table, [f.name for f in spark.table(target.table).schema.fields])
     return _Observed(
-        table_stats(spark, target),
+        table_stats(spark, target.table),
         snap.snapshot_id if snap is not None else None,
-        read_watermark(spark, target),
+        target.read_position(spark, target.table),
         checksum,
     )
 
 
-def _stats_row(
-    cfg: TableConfig, run_id: str, kind: str, phase: str, o: _Observed, secs: float, now: datetime
-) -> dict[str, Any]:
+def _stats_row(target: Target, run_id: str, phase: str, o: _Observed, secs: float, now: datetime) -> dict[str, Any]:
     """One row of cdc_meta.maintenance_runs."""
     st = o.stats
     return {
-        "table_name": cfg.name,
+        "table_name": target.owner,
         "run_id": run_id,
-        "target": kind,
+        "target": target.kind,
         "phase": phase,
         "data_files": st["data_files"],
         "avg_file_bytes": st["avg_file_bytes"],
@@ -356,12 +464,12 @@ def _stats_row(
     }
 
 
-def _log_target(cfg: TableConfig, kind: str, before: dict[str, Any], after: dict[str, Any], secs: float) -> None:
+def _log_target(target: Target, before: dict[str, Any], after: dict[str, Any], secs: float) -> None:
     log.info(
         "maintenance %s %s: data files %s -> %s, delete files %s -> %s, snapshots %s -> %s, "
         "avg file %.0f KiB -> %.0f KiB in %.1fs",
-        cfg.name,
-        kind,
+        target.owner,
+        target.kind,
         before["data_files"],
         after["data_files"],
         before["delete_files"],

@@ -126,6 +126,10 @@ def test_derived_tables_run_on_their_inputs_assets(dagbag):
         mode = dag.params.get_param("mode")
         assert mode.value == "auto" and mode.schema["enum"] == ["auto", "full"]
         assert "derived" in dag.tags and task.source_conn_ids == []
+        # Its compaction and expiry share the pool: never beside a derive run.
+        (maint,) = dagbag.dags[f"cdc_maintenance__{name}"].tasks
+        assert maint.job == "maintenance" and maint.pool == dcfg.pool
+        assert maint.application_args[:2] == ["--derived", name]
 
 
 def test_exports_run_on_their_source_asset_with_the_store_secret_resolved_at_run_time(dagbag):

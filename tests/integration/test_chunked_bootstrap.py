@@ -13,11 +13,13 @@ from cdc_lakehouse.bootstrap import chunked as chunked_mod
 from cdc_lakehouse.bootstrap.chunks import APPLICATION_NAME
 from cdc_lakehouse.bootstrap.run import bootstrap_table
 from cdc_lakehouse.bootstrap.snapshot import BootstrapError
+from cdc_lakehouse.config import OP_COL
 from cdc_lakehouse.lake.tables import table_exists
 from cdc_lakehouse.lake.watermark import read_watermark
 
 from tests.conftest import make_config
 from tests.helpers import assert_lake_equals_source
+from tests.integration.conftest import Source
 
 
 def _chunked(s, name: str, chunk_rows: int, per_host: int = 2, **kw):
@@ -233,3 +235,40 @@ def test_key_change_before_its_chunks_is_stale_not_held_back(source, spark, lake
     assert q.count() == 0, q.collect()
     assert_lake_equals_source(spark, lake, cfg, s.dsn)
     assert spark.table(lake.qualified(cfg.current_table)).filter(f"id = {b}").first()["content"] == big
+
+
+def test_a_key_deleted_after_its_chunks_low_marker_stays_deleted(pg, source_uri, spark, lake, unique, monkeypatch):
+    """A key the chunk read, deleted at the source after the chunk's L, with the delete captured and
+    ingested before the chunk is applied: the delete found no row in the lake, so the LSN guard has
+    nothing to compare the chunk's row with. Only the changelog's delete after L keeps the chunk
+    from bringing the key back."""
+    s = Source(pg, spark, lake, unique, blocks=30)
+    try:
+        schema = s.schemas[0]
+        victim = s.wl.first_id[schema] + 3
+        cfg = _chunked(s, f"cd_{s.db[-8:]}", 1000)  # one chunk per shard
+        s.capture()
+        real, calls = chunked_mod._apply_chunks, []
+
+        def delete_then_apply(*args, **kwargs):
+            if not calls:  # between the chunk's read and its apply
+                s.execute(
+                    f"DELETE FROM {schema}.permission WHERE block_id = {victim}",
+                    f"DELETE FROM {schema}.block WHERE id = {victim}",
+                )
+                m = s.capture()
+                s.ingest(cfg, m["run_id"])
+                cl = spark.table(lake.qualified(cfg.changelog_table))
+                assert cl.filter((cl.id == victim) & (cl[OP_COL] == "d")).count() == 1
+            calls.append(1)
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(chunked_mod, "_apply_chunks", delete_then_apply)
+        r = s.bootstrap(cfg)
+        monkeypatch.undo()
+        assert r["done"] and calls, r
+        assert spark.table(lake.qualified(cfg.current_table)).filter(f"id = {victim}").count() == 0
+        s.ingest(cfg, s.capture()["run_id"])
+        assert_lake_equals_source(spark, lake, cfg, s.dsn)
+    finally:
+        s.close()

@@ -15,6 +15,7 @@ import pytest
 from cdc_lakehouse.derived.config import TreeConfig
 from cdc_lakehouse.derived.run import derive_tree
 from cdc_lakehouse.dev.workload import ID_STRIDE
+from cdc_lakehouse.lake.holds import ConsumerLagError, drop_consumer
 
 from tests.conftest import make_config
 from tests.integration.conftest import Source
@@ -348,7 +349,7 @@ def test_surrogate_keyed_grants_revoked_or_moved_leave_every_node_that_inherited
     only the id and an UPDATE moving a grant only its new row, so the node a grant left is in no
     changelog row. The incremental run finds it in the grants table as of its previous run's
     snapshot: a revoked or moved grant leaves every node that inherited it, as a full rebuild and
-    the source say. With that snapshot expired, the run is full."""
+    the source say. With that snapshot expired (its holds dropped), the run stops asking for a full one."""
     s = tree_source
     shards = {"conn_id": "cdc_test_source", "database": s.db, "schemas": s.schemas}
     gcfg = make_config(f"g_{unique}", [], source={"table": "block_grant", "shards": [shards]}, primary_key=["id"])
@@ -400,12 +401,16 @@ def test_surrogate_keyed_grants_revoked_or_moved_leave_every_node_that_inherited
     derive_tree(s.spark, s.lake, full, tables, full=True)
     assert lake_tree(s, dcfg) == lake_tree(s, full)
 
-    # The grants snapshot the last run pinned is expired: nothing to look the old nodes up in.
+    # The grants snapshot the last run pinned is expired (both trees' holds dropped first, as for
+    # retired consumers): nothing to look the old nodes up in, so the run stops asking for a full one.
     grant_batch(f"DELETE FROM s1.block_grant WHERE block_id = {b1 + 41}")
+    drop_consumer(s.spark, [s.lake.qualified(gcfg.current_table)], f"derived:{dcfg.name}")
+    drop_consumer(s.spark, [s.lake.qualified(gcfg.current_table)], f"derived:{full.name}")
     s.spark.sql(
         f"CALL {s.lake.catalog_name}.system.expire_snapshots(table => '{gcfg.current_table}', "
         "older_than => TIMESTAMP '2999-01-01 00:00:00', retain_last => 1)"
     ).collect()
-    m = derive_tree(s.spark, s.lake, dcfg, tables)
-    assert m["mode"] == "full", m
+    with pytest.raises(ConsumerLagError, match=f"derived consumer {dcfg.name} of .*mode=full"):
+        derive_tree(s.spark, s.lake, dcfg, tables)
+    assert derive_tree(s.spark, s.lake, dcfg, tables, full=True)["mode"] == "full"
     assert_tree_is_reference(s, dcfg, reference(s, grants_table="block_grant"))

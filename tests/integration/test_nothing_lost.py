@@ -403,6 +403,57 @@ def test_landing_runs_go_once_every_table_applied_them_and_are_private(source, s
     assert_lake_equals_source(spark, lake, s.perm, s.dsn)
 
 
+def test_everything_under_the_landing_zone_is_private(pg, source_uri, spark, lake, unique, tmp_path):
+    """Capture runs, a run with a malformed event that went to quarantine, and a Debezium table's
+    staged events: every file under the landing zone is 0640 and every directory 0750, its root
+    included (they hold row images, deleted rows included). The quarantined payloads themselves
+    are rows of cdc_meta.quarantine, in the warehouse."""
+    import dataclasses
+    import stat
+
+    from cdc_lakehouse.ingest.run import ingest_table
+    from cdc_lakehouse.landing.debezium import bootstrap_debezium
+
+    from tests.fixtures.debezium import write_json
+    from tests.helpers import append_malformed
+    from tests.integration.test_debezium import TOPIC, base, ev
+
+    root = tmp_path / "landing"  # a zone of its own: the whole tree is this test's
+    private = dataclasses.replace(lake, landing_uri=f"file://{root}")
+    s = Source(pg, spark, private, unique, blocks=20)
+    shards = {"conn_id": "cdc_test_source", "database": s.db, "schemas": s.schemas}
+    block = make_config(
+        f"bp_{unique}", [], source={"table": "block", "shards": [shards]}, ingest={"error_budget": {"max_fraction": 1}}
+    )
+    try:
+        s.capture()
+        s.bootstrap(block)
+        s.wl.step(100)
+        m = s.capture()
+        append_malformed(private, s.endpoint, m["run_id"], "block", [{"op": "x"}])
+        assert s.ingest(block, m["run_id"])["quarantined"] == 1
+    finally:
+        s.close()
+    sink = tmp_path / "sink"
+    cfg = make_config(
+        f"dbz_priv_{unique}", ["s1"], table="orders",
+        landing={"kind": "debezium_s3", "uri": f"file://{sink}", "topic_prefix": "dbz"},
+    )  # fmt: skip
+    write_json(
+        sink, TOPIC, 0, 0, [ev("r", 500, None, after=base(1), snapshot="last"), ev("c", 600, 500, after=base(2))]
+    )
+    bootstrap_debezium(spark, private, cfg)
+    ingest_table(spark, private, cfg, upto_run=None, ingest_run="p1")
+    assert any((root / "_debezium" / cfg.name).rglob("*.parquet"))
+    tree = [root, *root.rglob("*")]
+    wrong = [
+        f"{p} {stat.S_IMODE(p.stat().st_mode):o}"
+        for p in tree
+        if stat.S_IMODE(p.stat().st_mode) != (0o750 if p.is_dir() else 0o640)
+    ]
+    assert not wrong, wrong
+
+
 def test_added_column_defaults_reach_the_rows_that_predate_them(source, spark, lake, monkeypatch):
     """ADD COLUMN ... DEFAULT writes no events for existing rows: a constant default lives in the
     catalog, a volatile one rewrites the table. The lake must show the source's values, also when
@@ -449,6 +500,38 @@ def test_added_column_defaults_reach_the_rows_that_predate_them(source, spark, l
     s.ingest(s.block, m["run_id"])
     assert "backfill" not in read_watermark(spark, cur)
     assert_lake_equals_source(spark, lake, s.block, s.dsn)
+
+
+def test_a_column_added_on_every_shard_reaches_the_rows_of_the_quiet_ones(pg, source_uri, spark, lake, unique):
+    """ADD COLUMN ... DEFAULT on both shards, then writes on s0 only: s1 sends no relation message,
+    yet once the lake has the columns s1's rows hold the source's values, for a constant and a
+    volatile default; also when a re-bootstrap of s0 is what brings a column to the lake, and after
+    s1 writes at last (its relation message then announces the columns itself)."""
+    s = Source(pg, spark, lake, unique, blocks=20)
+    try:
+        s.capture()
+        s.bootstrap(s.block)
+        s.execute(
+            *[f"ALTER TABLE {sch}.block ADD COLUMN rank int DEFAULT 7" for sch in s.schemas],
+            *[f"ALTER TABLE {sch}.block ADD COLUMN seen timestamptz DEFAULT clock_timestamp()" for sch in s.schemas],
+            f"UPDATE s0.block SET version = version + 1 WHERE id = {s.wl.first_id['s0']}",
+        )
+        s.ingest(s.block, s.capture()["run_id"])
+        assert_lake_equals_source(spark, lake, s.block, s.dsn)
+        cur = lake.qualified(s.block.current_table)
+        assert read_watermark(spark, cur)["shards"][shard_of(s, "s1")]["filled"] == ["rank", "seen"]
+        # Filled once: the next batch leaves s1 alone.
+        assert s.ingest(s.block, s.capture()["run_id"])["backfilled"] is None
+        # A re-bootstrap of s0 brings the next column; s1 is still quiet.
+        s.execute(*[f"ALTER TABLE {sch}.block ADD COLUMN tier text DEFAULT 'gold'" for sch in s.schemas])
+        s.bootstrap(s.block, shards=[shard_of(s, "s0")])
+        s.ingest(s.block, s.capture()["run_id"])
+        assert_lake_equals_source(spark, lake, s.block, s.dsn)
+        s.execute(f"UPDATE s1.block SET version = version + 1 WHERE id = {s.wl.first_id['s1']}")
+        s.ingest(s.block, s.capture()["run_id"])
+        assert_lake_equals_source(spark, lake, s.block, s.dsn)
+    finally:
+        s.close()
 
 
 @pytest.mark.parametrize("mode", ["full", "checksum"])

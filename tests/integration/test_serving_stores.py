@@ -3,9 +3,20 @@ DynamoDB on the local moto server. The export and the reader rely on exactly the
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from cdc_lakehouse.serving.dynamodb import DynamoStore
-from cdc_lakehouse.serving.stores import Alias, AliasMoved, RedisStore, VersionMeta, parse_dynamodb_uri
+from cdc_lakehouse.serving.encoding import encoder, key_string
+from cdc_lakehouse.serving.reader import Reader
+from cdc_lakehouse.serving.stores import (
+    Alias,
+    AliasMoved,
+    RedisStore,
+    VersionDataMissing,
+    VersionMeta,
+    parse_dynamodb_uri,
+)
 
 
 @pytest.fixture(params=["redis", "dynamodb"])
@@ -80,7 +91,12 @@ def test_drop_version_removes_data_meta_and_listing(store, ns):
     store.drop_version(ns, 1)
     assert store.versions(ns) == [2]
     assert store.meta(ns, 1) is None and store.meta(ns, 2) == meta(2)
-    assert store.count(ns, 1) == 0 and store.read(ns, 1, ["a"]) == [None]
+    assert store.count(ns, 1) == 0
+    if isinstance(store, DynamoStore):  # its table is gone: the keys are unknown, not absent
+        with pytest.raises(VersionDataMissing):
+            store.read(ns, 1, ["a"])
+    else:  # a Redis version without data looks empty; the reader checks its metadata (below)
+        assert store.read(ns, 1, ["a"]) == [None]
     assert store.read(ns, 2, ["a"]) == [b"1"]
 
 
@@ -116,6 +132,40 @@ def test_a_reused_version_number_starts_empty(store, ns):
     with pytest.raises(AliasMoved):
         store.new_version(ns, meta(1))
     assert store.count(ns, 1) == 1 and store.versions(ns) == [1]
+
+
+GEN = json.dumps({"type": "record", "name": "value", "fields": [{"name": "gen", "type": "long"}]})
+
+
+def _published(store, ns: str, version: int, gen: int) -> None:
+    """A complete version holding keys 1 and 2, each {"gen": gen}."""
+    m = meta(version).model_copy(update={"value_schema": GEN})
+    store.new_version(ns, m)
+    store.write(ns, version, [(key_string([k]), encoder(GEN)({"gen": gen})) for k in (1, 2)])
+    store.put_meta(ns, m, m.model_copy(update={"state": "complete"}))
+
+
+def test_a_version_dropped_between_resolve_and_read_is_never_read_as_absent(store, ns, monkeypatch):
+    """The reader resolved version 1; before its read, an export switches the alias to 2 and the
+    retention drops 1. Both keys exist in every version: the answer is version 2's values, never
+    "absent". A version whose data is gone under complete metadata raises (DynamoDB can tell)."""
+    _published(store, ns, 1, gen=1)
+    store.switch_alias(ns, None, Alias(current=1))
+    _published(store, ns, 2, gen=2)
+    real = store.read
+
+    def switched_and_dropped_first(ns_, version, keys):
+        if version == 1:
+            store.switch_alias(ns, store.alias(ns), Alias(current=2))
+            store.drop_version(ns, 1)
+        return real(ns_, version, keys)
+
+    monkeypatch.setattr(store, "read", switched_and_dropped_first)
+    assert Reader(store, ns).get_many([[1], [2]]) == (2, [{"gen": 2}, {"gen": 2}])
+    if isinstance(store, DynamoStore):
+        store.client.delete_table(TableName=store.data_table(ns, 2))
+        with pytest.raises(VersionDataMissing, match="version 2 is complete in its metadata but its data is gone"):
+            Reader(store, ns).get(1)
 
 
 def test_a_redis_that_evicts_keys_is_refused(redis_server):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from cdc_lakehouse.feed.models import FeedError, FeedOffset, SnapshotInfo
 from cdc_lakehouse.feed.plan import plan_range
+from cdc_lakehouse.lake.holds import ConsumerLagError
 
 SRC = {"system_identifier": "1", "timeline": 1}
 
@@ -41,7 +42,7 @@ def test_ingest_commits_use_the_changelog_up_to_the_newest_complete_snapshot():
     assert plan_range("n.t", "c", late, 3, off(1), upto=2).snapshot_id == 2
 
 
-def test_other_writers_rollbacks_moves_and_expiry_fall_back():
+def test_other_writers_rollbacks_and_moves_fall_back_to_a_diff():
     # An audit repair as audit.repair commits it: the watermark restated, its rows at the watermark.
     repaired = chain((1, "append", wm(a=10)), (2, "overwrite", wm(a=10), "repair"))
     r = plan_range("n.t", "c", repaired, 2, off(1))
@@ -57,9 +58,17 @@ def test_other_writers_rollbacks_moves_and_expiry_fall_back():
     assert "ancestor" in plan_range("n.t", "c", rolled, 3, off(2)).reason
     moved = chain((1, "append", wm(a=10)), (2, "overwrite", {"shards": {"a": {"lsn": 5, "endpoint": "other"}}}))
     assert plan_range("n.t", "c", moved, 2, off(1)).mode == "diff"
+
+
+def test_an_expired_offset_is_an_error_naming_consumer_table_and_fix_not_a_silent_resync():
     expired = chain((5, "append", wm(a=50)))
-    r = plan_range("n.t", "c", expired, 5, off(1))
-    assert r.mode == "full" and r.replaces_state and "expired" in r.reason
+    with pytest.raises(ConsumerLagError) as err:
+        plan_range("n.t", "c", expired, 5, off(1))
+    msg = str(err.value)
+    assert "feed consumer c of n.t" in msg and "snapshot 1" in msg and "cdc_consumer_feed_c" in msg, msg
+    assert "since=None" in msg and "mode=full" in msg, msg
+    # The reset the message asks for: a read without an offset, which replaces the consumer's state.
+    assert plan_range("n.t", "c", expired, 5, None).replaces_state
 
 
 def test_bounds_must_be_complete_snapshots():

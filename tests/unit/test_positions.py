@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 from cdc_lakehouse.capture.positions import ATTEMPTS_DIR, start_position
-from cdc_lakehouse.ingest.backfill import columns_to_backfill
+from cdc_lakehouse.ingest.backfill import columns_to_backfill, quiet_shard_fills
 from cdc_lakehouse.ingest.errors import CoverageError, SourceIdentityChanged
+from cdc_lakehouse.ingest.schema import known_columns
 from cdc_lakehouse.landing.reader import Plan, check_coverage, same_source_manifests
 from cdc_lakehouse.source.publication import identity_mismatch
 from cdc_lakehouse.source.slots import SlotState
@@ -90,6 +91,38 @@ def test_columns_seen_for_the_first_time_since_the_bootstrap_are_backfilled():
     out = columns_to_backfill(cfg(), plan, {"shards": wm(columns=["id", "v"])})
     assert [(c["at_commit_lsn"], c["added"]) for c in out] == [(150, ["w"])]
     assert plan.new_watermark["shards"]["db.s0"]["columns"] == ["id", "v", "w"]
+
+
+def test_a_quiet_shard_is_filled_once_at_its_new_position_and_only_when_it_moved():
+    lake_cols = [("id", "bigint"), ("v", "int"), ("w", "int")]
+    old = {"shards": wm(lsn=100, columns=["id", "v"])}
+    moved = {"shards": wm(lsn=180, columns=["id", "v"])}
+    out = quiet_shard_fills(cfg(), old, moved, lake_cols)
+    assert [(c["table"], c["endpoint"], c["at_commit_lsn"], c["added"]) for c in out] == [("s0.t", "c__db", 180, ["w"])]
+    # Unmoved: a bootstrap's rows may sit at (100, -1), where the fill's changelog rows would go.
+    assert quiet_shard_fills(cfg(), old, old, lake_cols) == []
+    # Filled before: not again.
+    assert quiet_shard_fills(cfg(), old, {"shards": wm(lsn=180, columns=["id", "v"], filled=["w"])}, lake_cols) == []
+    # A column dropped with keep_null stays NULL by choice.
+    kept = make_config(
+        "t",
+        [],
+        source={"table": "t", "shards": [{"conn_id": "c", "database": "db", "schemas": ["s0"]}]},
+        schema_changes={"dropped_columns": {"w": "keep_null"}},
+    )
+    assert quiet_shard_fills(kept, old, moved, lake_cols) == []
+
+
+def test_a_schema_carried_over_from_earlier_runs_shows_no_drop():
+    """Known columns count for the drop check only for a shard that announced a schema in the batch:
+    after a re-bootstrap its watermark knows newer columns than the manifests' carried-over schema."""
+    watermark = {"shards": wm(columns=["id", "v", "w"])}
+    quiet = Plan([], [], watermark, schema_changes=[])
+    assert known_columns(cfg(), watermark, quiet) == {"s0": set()}
+    change = {"table": "s0.t", "endpoint": "c__db", "at_commit_lsn": 150, "columns": ["id", "v"], "added": []}
+    written = Plan([], [], watermark, schema_changes=[change])
+    assert known_columns(cfg(), watermark, written) == {"s0": {"id", "v", "w"}}
+    assert known_columns(cfg(), watermark, None) == {"s0": {"id", "v", "w"}}
 
 
 class Store:

@@ -17,8 +17,16 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError, field_validator
 
-from cdc_lakehouse.config import ConfigError, TableConfig, _Model, validation_errors, yaml_files
+from cdc_lakehouse.config import (
+    ConfigError,
+    OutputMaintenanceConfig,
+    TableConfig,
+    _Model,
+    validation_errors,
+    yaml_files,
+)
 from cdc_lakehouse.identifiers import check_ident, check_lake_ident
+from cdc_lakehouse.lake.holds import DEFAULT_MAX_LAG_HOURS
 
 
 class TreeNodes(_Model):
@@ -72,6 +80,15 @@ class TreeConfig(_Model):
     # Notion's blocks go "from a few to dozens" deep; deeper chains are refused with a reason.
     max_depth: int = Field(128, ge=1, le=4096, description="deeper nodes are unresolved, not truncated")
     retries: int = Field(2, ge=0, le=10)
+    # Its output and unresolved tables: compaction (deletes applied), expiry, orphans (cdc_maintenance__<name>).
+    maintenance: OutputMaintenanceConfig = OutputMaintenanceConfig()
+    max_lag_hours: int = Field(
+        DEFAULT_MAX_LAG_HOURS,
+        ge=1,
+        le=24 * 366,
+        description="how long its inputs keep the snapshots it read last (lake.holds); past it, an "
+        "incremental run fails and asks for mode=full",
+    )
 
     @field_validator("name")
     @classmethod

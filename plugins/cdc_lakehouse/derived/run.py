@@ -2,8 +2,8 @@
 its unresolved nodes out.
 
     pin       the inputs' current snapshots and watermarks: what this run reads, and its watermark
-    plan      full (first run, `full`, a changed max_depth or set of inputs, an input's previous
-              snapshot expired), incremental, or nothing
+    plan      full (first run, `full`, a changed max_depth or set of inputs), incremental, or
+              nothing; an input's previous snapshot expired is an error asking for `full`
     affected  nodes whose parent, existence or root attribute changed, nodes whose grants changed
               (the node a changed grant is on now, and the one it was on before), every unresolved
               node, and their descendants in the previous output. An input's changed keys come
@@ -12,6 +12,7 @@ its unresolved nodes out.
     resolve   pointer jumping over those nodes; their other ancestors come from the previous output
     grants    each grant holder's effective grants; other nodes take their nearest holder's
     commit    the unresolved table, then the output with the new watermark, each fenced on its old one
+    hold      each input's pinned snapshot, held against expiry until the next run (lake.holds)
 
 A crash between the two commits leaves the output's old watermark: the next run recomputes the
 same nodes (and the newly unresolved ones again), so runs converge.
@@ -43,6 +44,7 @@ from cdc_lakehouse.derived.tree import (
 from cdc_lakehouse.identifiers import spark_ident
 from cdc_lakehouse.lake.batches import BatchId, BatchStep, commit_once
 from cdc_lakehouse.lake.commits import fenced_commit, sql_with_commit_properties
+from cdc_lakehouse.lake.holds import hold, lag_error
 from cdc_lakehouse.lake.ranges import KeyRange, changed_keys, key_range, live_rows, table_snapshots
 from cdc_lakehouse.lake.snapshots import current_ancestors
 from cdc_lakehouse.lake.tables import ensure_namespace, table_exists
@@ -117,6 +119,7 @@ def derive_tree(
             with clock.phase("commit"):
                 rows = output_rows(r, state, grants, previous, affected)
                 commit(spark, r, rows, unresolved_rows(r, state, nodes), affected)
+        hold_inputs(spark, r)
     r.metrics.update(mode=r.mode, spark_jobs=jobs.count, seconds=round(clock.elapsed(), 1), phases=clock.rounded())
     log.info("derived %s: %s", dcfg.name, json.dumps(r.metrics, sort_keys=True))
     return r.metrics
@@ -168,7 +171,9 @@ def pin_run(
 
 def input_ranges(spark: SparkSession, r: TreeRun) -> dict[str, KeyRange]:
     """Per input, how its keys changed from the snapshot the previous run pinned to this run's
-    (lake.ranges.key_range); `full` when that snapshot is gone (expired)."""
+    (lake.ranges.key_range); `full` when an input had no snapshot then or has none now. A pinned
+    snapshot that is gone (the tree lagged past its hold, lake.holds) stops the run naming the fix,
+    instead of a whole recomputation nobody asked for."""
     out = {}
     for p in (r.nodes, r.grants):
         if p is None:
@@ -177,8 +182,22 @@ def input_ranges(spark: SparkSession, r: TreeRun) -> dict[str, KeyRange]:
         if p.snapshot is None:
             out[p.cfg.name] = KeyRange(lo, -1, "full", f"{p.table} has no snapshot")
             continue
-        out[p.cfg.name] = key_range(table_snapshots(spark, p.table)[0], lo, p.snapshot)
+        snaps = table_snapshots(spark, p.table)[0]
+        if lo is not None and lo not in snaps:
+            fix = (
+                f"trigger cdc_derived__{r.dcfg.name} with mode=full (recomputes the tree from the inputs' current rows)"
+            )
+            raise lag_error("derived", r.dcfg.name, p.table, lo, r.dcfg.max_lag_hours, fix)
+        out[p.cfg.name] = key_range(snaps, lo, p.snapshot)
     return out
+
+
+def hold_inputs(spark: SparkSession, r: TreeRun) -> None:
+    """Hold each input's pinned snapshot (the output's watermark names it) for the next run; after
+    the run's commit, so a run that failed or was fenced out leaves the previous run's holds."""
+    for p in (r.nodes, r.grants):
+        if p is not None and p.snapshot is not None:
+            hold(spark, p.table, "derived", r.dcfg.name, p.snapshot, r.dcfg.max_lag_hours)
 
 
 def plan_mode(r: TreeRun, *, full: bool) -> str:

@@ -5,8 +5,10 @@ more likely to change than old ones, 8% inserts, 2% deletes, some keys changed s
 times per interval, most updates leaving the long (TOASTed) content untouched, a rare
 primary-key change, and now and then an added column. Blocks form trees: a root page every
 200 blocks of a shard, 0-30 levels deep below it (Notion's run "from a few to dozens"), for the
-derived block tree (docs/derived-trees.md). Used by the demo, the tests and the benchmarks;
-the random choices are seeded.
+derived block tree (docs/derived-trees.md). The trees stay whole, as the product keeps them: a
+block is deleted with its subtree, a new block's parent exists (else it starts a page), and a
+block whose key changes takes its children along. Used by the demo, the tests and the
+benchmarks; the random choices are seeded.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ def schema_sql(schema: str) -> list[str]:
         # Long content goes out of line uncompressed: updates that leave it alone arrive as
         # pgoutput's "unchanged TOAST" values, as they do for Notion's long blocks.
         f"ALTER TABLE {s}.block ALTER COLUMN content SET STORAGE EXTERNAL",
+        # Deletes take a block's subtree with it (_step_deletes): its children are found by parent.
+        f"CREATE INDEX IF NOT EXISTS block_parent_id_idx ON {s}.block (parent_id)",
         f"""CREATE TABLE IF NOT EXISTS {s}.permission (
             block_id bigint NOT NULL, user_id bigint NOT NULL, role text NOT NULL,
             granted_at timestamptz NOT NULL DEFAULT now(), PRIMARY KEY (block_id, user_id))""",
@@ -52,6 +56,9 @@ def _content(long_share: float = 0.25) -> str:
 
 
 PAGE_GROUP = 200  # blocks per root page
+# A delete takes the block's subtree along; a pick whose subtree is larger (most of a page) is
+# spared, so deletes stay near 2% of the changes.
+SUBTREE_MAX = 20
 
 
 def _parent_sql(g: str, base: int = 0) -> str:
@@ -182,14 +189,18 @@ class NotionWorkload:
 
     def _step_inserts(self, conn, cur, s: str, n_ins: int, counts: Counter) -> None:
         start = self.next_id[s]
+        block = pg_qualified(s, "block")
+        # The parent by the tree's id arithmetic, when it exists (inserted now, or still there);
+        # else the new block starts a page of its own, as a user's new block never hangs in the air.
         cur.execute(
-            f"INSERT INTO {pg_qualified(s, 'block')} (id, space_id, parent_id, type, properties, content, created_at, "
+            f"INSERT INTO {block} (id, space_id, parent_id, type, properties, content, created_at, "
             "updated_at, tags, score, created_day, external_id) "
-            f"SELECT g, {self.shard_no(s) * ID_STRIDE} + 1 + g %% 10, {_parent_sql('g')}, "
+            f"SELECT g, {self.shard_no(s) * ID_STRIDE} + 1 + g %% 10, "
+            f"CASE WHEN p >= %s OR EXISTS (SELECT 1 FROM {block} x WHERE x.id = p) THEN p END, "
             "(ARRAY['page','text','to_do','code'])[1 + g %% 4], jsonb_build_object('title', 'new ' || g), "
             f"{_content(self.long_content_share)}, now(), now(), ARRAY['new'], g %% 100, current_date, "
-            "gen_random_uuid() FROM generate_series(%s, %s) g",
-            (start, start + n_ins - 1),
+            f"gen_random_uuid() FROM (SELECT g, {_parent_sql('g')} AS p FROM generate_series(%s, %s) g) n",
+            (start, start, start + n_ins - 1),
         )
         cur.execute(
             f"INSERT INTO {pg_qualified(s, 'permission')} (block_id, user_id, role) SELECT g, 1 + g %% 50, 'edit' "
@@ -223,24 +234,41 @@ class NotionWorkload:
             conn.commit()
 
     def _step_deletes(self, conn, cur, s: str, n_del: int, counts: Counter) -> None:
+        """Blocks deleted the way users delete them: each with its whole subtree (a page with its
+        content, a toggle with its lines, a leaf alone), never leaving a child without its parent.
+        A pick whose subtree is over SUBTREE_MAX blocks is spared."""
         lo = self.first_id[s]
-        dels = [self.rng.randint(lo, self.next_id[s] - 1) for _ in range(n_del)]
+        picks = [self.rng.randint(lo, self.next_id[s] - 1) for _ in range(n_del)]
+        block = pg_qualified(s, "block")
+        cur.execute(
+            f"""WITH RECURSIVE sub(top, id) AS (
+                    SELECT id, id FROM {block} WHERE id = ANY(%s)
+                    UNION SELECT sub.top, b.id FROM {block} b JOIN sub ON b.parent_id = sub.id)
+                SELECT DISTINCT id FROM sub WHERE top IN (SELECT top FROM sub GROUP BY top HAVING count(*) <= %s)""",
+            (picks, SUBTREE_MAX),
+        )
+        dels = [r[0] for r in cur.fetchall()]
         cur.execute(f"DELETE FROM {pg_qualified(s, 'permission')} WHERE block_id = ANY(%s)", (dels,))
-        cur.execute(f"DELETE FROM {pg_qualified(s, 'block')} WHERE id = ANY(%s)", (dels,))
+        cur.execute(f"DELETE FROM {block} WHERE id = ANY(%s)", (dels,))
         counts["delete"] += cur.rowcount
         conn.commit()
 
     def _step_key_changes(self, conn, cur, s: str, pk_changes: int, counts: Counter) -> None:
+        """A block moved to a new key, its children along (their parent_id follows it)."""
+        block = pg_qualified(s, "block")
         for _ in range(pk_changes):
             old = self._recent_ids(s, 1)[0]
             new = self.next_id[s]
             self.next_id[s] += 1
             cur.execute(
-                f"UPDATE {pg_qualified(s, 'block')} SET id = %s WHERE id = %s AND NOT EXISTS "
+                f"UPDATE {block} SET id = %s WHERE id = %s AND NOT EXISTS "
                 f"(SELECT 1 FROM {pg_qualified(s, 'permission')} WHERE block_id = %s)",
                 (new, old, old),
             )
-            counts["pk_change"] += cur.rowcount
+            moved = cur.rowcount
+            if moved:
+                cur.execute(f"UPDATE {block} SET parent_id = %s WHERE parent_id = %s", (new, old))
+            counts["pk_change"] += moved
             conn.commit()
 
     def _step_space_update(self, conn, cur, s: str, counts: Counter) -> None:

@@ -14,11 +14,12 @@ from typing import TYPE_CHECKING, Any
 
 from cdc_lakehouse.config import TableConfig
 from cdc_lakehouse.feed.models import BEFORE_COL, FEED_OP_COL, OP_UPSERT, check_consumer_name
-from cdc_lakehouse.feed.offsets import commit_with_offsets, output_offsets
+from cdc_lakehouse.feed.offsets import commit_with_offsets, hold_offsets, output_offsets
 from cdc_lakehouse.feed.read import read_changes
 from cdc_lakehouse.identifiers import check_lake_ident
 from cdc_lakehouse.lake.batches import BatchId
 from cdc_lakehouse.lake.commits import sql_with_commit_properties
+from cdc_lakehouse.lake.holds import DEFAULT_MAX_LAG_HOURS
 from cdc_lakehouse.lake.tables import create_table_sql, ensure_namespace
 from cdc_lakehouse.runtime.phases import local_checkpoint
 from cdc_lakehouse.settings import LakeSettings
@@ -64,17 +65,22 @@ def block_counts(
     consumer: str = "block_counts",
     output: str = "feed.block_counts",
     upto: int | None = None,
+    mode: str = "auto",
+    max_lag_hours: int = DEFAULT_MAX_LAG_HOURS,
 ) -> dict[str, Any]:
-    """One incremental run; returns what it did (mode, range, pairs changed)."""
+    """One incremental run (mode=full: a reset, every live row replaces the counts); returns what
+    it did (mode, range, pairs changed)."""
     from pyspark.sql import functions as F
 
     check_consumer_name(consumer)
     table = ensure_output(spark, lake, output)
     committed = output_offsets(spark, table, consumer)
-    batch = read_changes(spark, lake, cfg, consumer, committed.get(cfg.current_table), upto=upto, with_before=True)
+    since = None if mode == "full" else committed.get(cfg.current_table)
+    batch = read_changes(spark, lake, cfg, consumer, since, upto=upto, with_before=True)
     rng = batch.range
     result = {"mode": rng.mode, "reason": rng.reason, "snapshot_id": rng.snapshot_id}
     if rng.mode == "noop":
+        hold_offsets(spark, lake.catalog_name, consumer, committed.values(), max_lag_hours)
         return {**result, "committed": False, "pairs": 0}
     for c in (SPACE, CREATED):
         if c not in batch.rows.columns:
@@ -102,7 +108,13 @@ def block_counts(
     start = {t: o.snapshot_id for t, o in committed.items()}
     batch = BatchId.of(f"feed:{consumer}:{table}", start, {cfg.current_table: rng.offset.snapshot_id})
     done = commit_with_offsets(
-        spark, table, consumer, committed, [rng.offset], lambda target, props: write(target, {**props, **batch.props()})
+        spark,
+        table,
+        consumer,
+        committed,
+        [rng.offset],
+        lambda target, props: write(target, {**props, **batch.props()}),
+        max_lag_hours=max_lag_hours,
     )
     return {**result, "committed": done, "pairs": pairs}
 
@@ -144,10 +156,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--consumer", default="block_counts")
     p.add_argument("--output", default="feed.block_counts", help="namespace.table of the output")
     p.add_argument("--upto", default="", help="snapshot id to read up to (an asset event's); empty: newest")
+    p.add_argument("--mode", choices=["auto", "full"], default="auto", help="full: reset, recount every live row")
+    p.add_argument("--max-lag-hours", type=int, default=DEFAULT_MAX_LAG_HOURS, help="how long its offset is held")
     args = p.parse_args(argv)
     upto = int(args.upto) if args.upto.strip() not in ("", "None") else None
 
     def fn(spark, lake, cfg, a, file):
-        return block_counts(spark, lake, cfg, consumer=a.consumer, output=a.output, upto=upto)
+        return block_counts(
+            spark,
+            lake,
+            cfg,
+            consumer=a.consumer,
+            output=a.output,
+            upto=upto,
+            mode=a.mode,
+            max_lag_hours=a.max_lag_hours,
+        )
 
     return run_per_table("feed", args, fn)

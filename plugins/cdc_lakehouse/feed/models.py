@@ -59,8 +59,9 @@ class FeedRange:
 
     mode: noop (nothing new), changelog (keys from the changelog between the two watermarks),
     diff (keys whose rows differ between the two snapshots: a commit by any writer but the
-    ingest, a rollback, a shard moved, a truncate; lake.ranges), full (no offset yet, or the
-    offset's snapshot was expired: every live row, and the consumer replaces its state)."""
+    ingest, a rollback, a shard moved, a truncate; lake.ranges), full (no offset yet, a first read
+    or a reset the consumer asked for: every live row, and the consumer replaces its state). An
+    offset whose snapshot was expired is an error (lake.holds.ConsumerLagError), never a full range."""
 
     table: str
     consumer: str

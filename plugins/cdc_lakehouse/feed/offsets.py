@@ -10,6 +10,9 @@ zombie or a second run of the consumer cannot apply a range twice.
 At least once (any other output): the offset is appended to `cdc_meta.feed_offsets` after the
 output was written. A crash in between makes the next run deliver the same range again, so such
 a sink must be idempotent (an upsert by key, or a replace of the range's partitions).
+
+Either way, once the offset is committed the consumer holds its snapshot of each table it read
+(lake.holds, tag `cdc_consumer_feed_<consumer>`) for `max_lag_hours`, so maintenance keeps it.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from cdc_lakehouse.feed.models import FeedError, FeedOffset, OffsetConflictError, check_consumer_name
 from cdc_lakehouse.lake.commits import fenced_commit, with_commit_retries
+from cdc_lakehouse.lake.holds import DEFAULT_MAX_LAG_HOURS, hold
 from cdc_lakehouse.lake.snapshots import current_ancestors
 from cdc_lakehouse.lake.tables import create_table_sql, ensure_namespace
 from cdc_lakehouse.runtime.failpoints import crash_point
@@ -86,6 +90,8 @@ def commit_with_offsets(
     expected: dict[str, FeedOffset],
     new: list[FeedOffset],
     write: Callable[[str, dict[str, str]], None],
+    *,
+    max_lag_hours: int = DEFAULT_MAX_LAG_HOURS,
 ) -> bool:
     """Run `write(target, props)`, which must make exactly one Iceberg commit to `target` carrying
     `props` (DataFrameWriterV2 on `target` with `.option("snapshot-property.<k>", v)`, or
@@ -94,7 +100,8 @@ def commit_with_offsets(
     still `expected`, checked when it is published, so a second run of the consumer that
     committed in between (a zombie, a second deployment) makes this one raise OffsetConflictError
     with nothing of it visible. Returns False when this very commit (the same range from the same
-    offsets) had already landed: an earlier attempt whose outcome was unknown, or another run."""
+    offsets) had already landed: an earlier attempt whose outcome was unknown, or another run.
+    Once the offsets are published, holds their snapshots (hold_offsets)."""
     props = offsets_property(consumer, new)
     want = {**expected, **{o.table: o for o in new}}
 
@@ -121,7 +128,20 @@ def commit_with_offsets(
     )
     if done:
         crash_point("feed_after_output_commit")
+    # After the publish, never before: a run fenced out must not move the winner's hold. The
+    # tables read live in the output's catalog: the feed reads one lake.
+    hold_offsets(spark, output_table.split(".", 1)[0], consumer, new, max_lag_hours)
     return done
+
+
+def hold_offsets(
+    spark: SparkSession, catalog: str, consumer: str, offsets, max_lag_hours: int = DEFAULT_MAX_LAG_HOURS
+) -> None:
+    """Hold each offset's snapshot of its table (lake.holds) for `max_lag_hours`. After every
+    offset commit, and on a run with nothing new (a noop), so that a consumer which keeps up
+    keeps its hold while the table is quiet. A crash before it leaves the previous, older hold."""
+    for o in offsets:
+        hold(spark, f"{catalog}.{o.table}", "feed", consumer, o.snapshot_id, max_lag_hours)
 
 
 def _brief(offsets: dict[str, FeedOffset]) -> str:
@@ -158,10 +178,16 @@ def meta_offset(spark: SparkSession, lake: LakeSettings, consumer: str, table: s
 
 
 def commit_meta_offset(
-    spark: SparkSession, lake: LakeSettings, offset: FeedOffset, expected: FeedOffset | None
+    spark: SparkSession,
+    lake: LakeSettings,
+    offset: FeedOffset,
+    expected: FeedOffset | None,
+    *,
+    max_lag_hours: int = DEFAULT_MAX_LAG_HOURS,
 ) -> None:
-    """Record `offset` after the output was written (at least once). Fenced on `expected`: a
-    second run of the consumer that committed in between makes this one fail loudly."""
+    """Record `offset` after the output was written (at least once), then hold its snapshot
+    (hold_offsets). Fenced on `expected`: a second run of the consumer that committed in between
+    makes this one fail loudly."""
     from datetime import UTC, datetime
 
     def attempt() -> None:
@@ -180,3 +206,4 @@ def commit_meta_offset(
         df.writeTo(lake.qualified(lake.meta_table(META_NAME))).append()
 
     with_commit_retries(attempt, what=f"feed offset {offset.consumer}/{offset.table}")
+    hold_offsets(spark, lake.catalog_name, offset.consumer, [offset], max_lag_hours)

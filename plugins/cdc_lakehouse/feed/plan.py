@@ -5,14 +5,23 @@ The upper bound is always a snapshot carrying a `cdc.watermark` (a complete posi
 wall-clock time: the newest one among the current snapshot's ancestors, or the one an Airflow
 asset event named. Whether the changelog names every changed key is lake.ranges' rule, the one
 serving exports and derived trees use: only across ingest commits (and compactions); otherwise
-the read diffs the two snapshots, and when the offset's snapshot no longer exists it returns every
-live row (full)."""
+the read diffs the two snapshots. When the offset's snapshot no longer exists (the consumer lagged
+past its hold, lake.holds) it raises ConsumerLagError: a resync is the consumer's decision (a read
+without an offset), never one the feed takes for it."""
 
 from __future__ import annotations
 
 from cdc_lakehouse.feed.models import FeedError, FeedOffset, FeedRange, SnapshotInfo
+from cdc_lakehouse.lake.holds import lag_error
 from cdc_lakehouse.lake.ranges import is_ancestor, key_range
 from cdc_lakehouse.lake.watermark import Watermark
+
+# What a consumer whose offset's snapshot is gone does: it asks for the resync itself.
+RESET_FIX = (
+    "reset the consumer: read once without an offset (since=None: every live row, FeedRange.replaces_state) "
+    "and replace its state with what it reads; for a DAG built by feed_consumer_dag, trigger "
+    "cdc_feed__{consumer} with mode=full"
+)
 
 
 def complete_head(table: str, snaps: dict[int, SnapshotInfo], current: int | None, upto: int | None) -> SnapshotInfo:
@@ -53,7 +62,7 @@ def plan_range(
     if since.snapshot_id == head.snapshot_id:
         return rng("noop", "no complete snapshot after the offset")
     if since.snapshot_id not in snaps:
-        return rng("full", f"the offset's snapshot {since.snapshot_id} was expired: replace the consumer's state")
+        raise lag_error("feed", consumer, table, since.snapshot_id, None, RESET_FIX.format(consumer=consumer))
     if upto is not None and is_ancestor(snaps, head.snapshot_id, since.snapshot_id):
         # An older Asset event (or a manual bound) behind what the consumer already read: reading
         # "back" to it would undo changes the consumer has applied.

@@ -18,10 +18,26 @@ any later one, so the changelog's latest-per-key view agrees.
 It runs after the batch's MERGE (rows updated by the batch's events from before the ALTER need
 the value too), so the MERGE's watermark lists the pending backfill and the next ingest run
 finishes it if this one dies first; every step is idempotent.
+
+A quiet shard sends no relation message: a column added on every shard reaches the lake with the
+first written shard's events (or a re-bootstrap of some shards), while the other shards' rows
+would stay NULL where their source holds the default. So after every batch, each shard whose
+known columns (its watermark's `columns`, and its `filled` columns below) lack a lake column is
+filled the same way at its new position P, (P, -1): every row the lake holds for it is below P,
+and the changelog's readers count a row at (P, < 0) in the table at P, like a bootstrap's. Only a
+shard whose position moved in the batch: at an unmoved position a bootstrap's rows may sit at
+(P, -1) already. The columns its source has are then recorded in its watermark's `filled` (one
+commit), so this happens once; a column its source lacks is looked up again after the next batch
+(a shard-by-shard migration). The shard's own relation message later announces the column as
+new and the per-shard backfill above runs as well: same values, and it also covers a row changed
+by an event from before the shard's ALTER. Not covered: such an event committed between the
+shard's last capture and the fill when the shard sends nothing after its ALTER (the audit finds
+it). A column kept after a drop (schema_changes.dropped_columns: keep_null) is not filled.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -41,9 +57,13 @@ from cdc_lakehouse.source.catalog import describe_table, text_select
 from cdc_lakehouse.source.session import SESSION_OPTIONS
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from pyspark.sql import DataFrame, SparkSession
 
 log = logging.getLogger(__name__)
+
+FILLED = "filled"  # shard watermark key: lake columns a quiet shard's rows were filled with
 
 
 def columns_to_backfill(cfg: TableConfig, plan: Plan, wm: dict[str, Any]) -> list[dict[str, Any]]:
@@ -69,9 +89,60 @@ def columns_to_backfill(cfg: TableConfig, plan: Plan, wm: dict[str, Any]) -> lis
         if new:
             out.append({**ch, "added": new})
     for shard, cols in known.items():
-        if shard in plan.new_watermark.get("shards", {}):
-            plan.new_watermark["shards"][shard]["columns"] = sorted(cols)
+        pos = plan.new_watermark.get("shards", {}).get(shard)
+        if pos is not None:
+            pos["columns"] = sorted(cols)
+            if pos.get(FILLED):  # a column the shard has announced itself is no longer the fill's
+                pos[FILLED] = sorted(set(pos[FILLED]) - cols)
     return out
+
+
+def quiet_shard_fills(
+    cfg: TableConfig, old_wm: dict[str, Any], new_wm: dict[str, Any], lake_cols: list[tuple[str, str]]
+) -> list[dict[str, Any]]:
+    """For each shard whose position moved and whose known columns lack lake columns, the fill at
+    its new position, shaped like a schema change (see the module's docstring). A Debezium-fed
+    table has no relation messages, known columns or source connection for this: none."""
+    if cfg.landing.kind == "debezium_s3":
+        return []
+    # keep_null: the column was dropped at the source and stays NULL from then on, by choice.
+    kept = {c for c, policy in cfg.schema_changes.dropped_columns.items() if policy == "keep_null"}
+    out = []
+    for group, schema, shard in cfg.shards():
+        pos, was = new_wm.get("shards", {}).get(shard, {}), old_wm.get("shards", {}).get(shard, {})
+        if "columns" not in pos or "lsn" not in was or pos["lsn"] <= was["lsn"]:
+            continue
+        have = set(pos["columns"]) | set(pos.get(FILLED) or [])
+        missing = [c for c, _ in lake_cols if c not in have and c not in kept and c not in cfg.primary_key]
+        if missing:
+            table = f"{schema}.{cfg.source.table}"
+            out.append({"table": table, "endpoint": group.endpoint_id, "at_commit_lsn": pos["lsn"], "added": missing})
+    return out
+
+
+def fill_quiet_shards(
+    spark: SparkSession, lake: LakeSettings, cfg: TableConfig, cur: str, plan: Plan, old_wm: dict[str, Any], run: str
+) -> int:
+    """Fill the lake columns the batch's quiet shards lack (quiet_shard_fills), then record the
+    columns their sources have in their watermark's `filled`. Returns rows filled."""
+    lake_cols = source_columns_of(spark, cur, cfg)
+    fills = quiet_shard_fills(cfg, old_wm, plan.new_watermark, lake_cols)
+    if not fills:
+        return 0
+    shard_of = {(g.endpoint_id, schema): shard for g, schema, shard in cfg.shards()}
+    new = json.loads(json.dumps(plan.new_watermark))
+    total = 0
+    for ch in fills:
+        n, present = backfill_change(spark, lake, cfg, ch, dict(lake_cols), f"quiet-{run}")
+        total += n
+        if present:
+            pos = new["shards"][shard_of[(ch["endpoint"], ch["table"].rpartition(".")[0])]]
+            pos[FILLED] = sorted({*(pos.get(FILLED) or []), *present})
+    if new != plan.new_watermark:
+        mark = backfill_marker(spark, cur, new)
+        fenced_commit(spark, cur, plan.new_watermark, new, mark, what=f"{cfg.name} quiet shards filled")
+        plan.new_watermark = new
+    return total
 
 
 def finish_backfill(
@@ -87,20 +158,27 @@ def finish_backfill(
     lake_cols = source_columns_of(spark, cur, cfg)
     n = backfill_added_columns(spark, lake, cfg, added, lake_cols, ingest_run)
     done = {k: v for k, v in plan.new_watermark.items() if k != BACKFILL}
-
-    def clear(target: str) -> None:
-        spark.createDataFrame([], spark.table(cur).schema).writeTo(target).option(
-            "snapshot-property.cdc.watermark", watermark_json(done)
-        ).option(f"snapshot-property.{writers.WRITER_PROP}", writers.BACKFILL.name).append()
-
+    clear = backfill_marker(spark, cur, done)
     fenced_commit(spark, cur, plan.new_watermark, done, clear, what=f"{cfg.name} backfill done")
     plan.new_watermark = done
     return n
 
 
+def backfill_marker(spark: SparkSession, cur: str, watermark: dict[str, Any]) -> Callable[[str], None]:
+    """The write of a backfill's closing commit for lake.commits.fenced_commit: no rows, only the
+    new watermark, named a backfill (lake.writers) so readers of ranges diff across it."""
+
+    def write(target: str) -> None:
+        spark.createDataFrame([], spark.table(cur).schema).writeTo(target).option(
+            "snapshot-property.cdc.watermark", watermark_json(watermark)
+        ).option(f"snapshot-property.{writers.WRITER_PROP}", writers.BACKFILL.name).append()
+
+    return write
+
+
 def added_column_source(conn, schema: str, table: str, column: str) -> tuple[str, Any]:
-    """How the rows that predate `column` get their value: ("none", None), ("missing", text) or
-    ("reread", None)."""
+    """How the rows that predate `column` get their value: ("none", None) (no default: NULL),
+    ("missing", text), ("reread", None), or ("absent", None) when the source has no such column."""
     with conn.cursor() as cur:
         cur.execute(
             """
@@ -112,7 +190,7 @@ def added_column_source(conn, schema: str, table: str, column: str) -> tuple[str
         )
         row = cur.fetchone()
     if row is None:
-        return "none", None  # dropped again since: nothing to fill
+        return "absent", None  # not (or no longer) at this shard's source: nothing to fill
     has_missing, missing, has_default = row
     if has_missing:
         return "missing", missing
@@ -128,30 +206,36 @@ def backfill_added_columns(
     run_label: str,
 ) -> int:
     """Fill columns added by `changes` (the batch's schema changes); returns rows backfilled."""
+    types = dict(lake_cols)
+    return sum(backfill_change(spark, lake, cfg, ch, types, run_label)[0] for ch in changes)
+
+
+def backfill_change(
+    spark: SparkSession, lake: LakeSettings, cfg: TableConfig, ch: dict[str, Any], types: dict[str, str], run_label: str
+) -> tuple[int, list[str]]:
+    """Fill the columns one schema change added, for its shard's rows below its position.
+    Returns the rows filled and the added columns the shard's source has."""
     import psycopg2
 
-    types = dict(lake_cols)
     groups = {(g.endpoint_id, schema): (g, shard) for g, schema, shard in cfg.shards()}
-    total = 0
-    for ch in changes:
-        schema = ch["table"].rpartition(".")[0]
-        target = groups.get((ch.get("endpoint"), schema))
-        added = [c for c in ch.get("added") or [] if c in types]
-        if target is None or not added or ch.get("at_commit_lsn") is None:
-            continue
-        group, shard = target
-        ep = SourceEndpoint.from_uri(source_uri(group.conn_id), group.database)
-        conn = psycopg2.connect(ep.dsn(), options=SESSION_OPTIONS, application_name="cdc_lakehouse backfill")
-        try:
-            how = {c: added_column_source(conn, schema, cfg.source.table, c) for c in added}
-            wanted = {c: v for c, v in how.items() if v[0] != "none"}
-            if not wanted:
-                continue
-            values = _values(spark, cfg, conn, schema, shard, wanted, types)
-        finally:
-            conn.close()
-        total += _apply(spark, lake, cfg, shard, int(ch["at_commit_lsn"]), values, list(wanted), run_label)
-    return total
+    schema = ch["table"].rpartition(".")[0]
+    target = groups.get((ch.get("endpoint"), schema))
+    added = [c for c in ch.get("added") or [] if c in types]
+    if target is None or not added or ch.get("at_commit_lsn") is None:
+        return 0, []
+    group, shard = target
+    ep = SourceEndpoint.from_uri(source_uri(group.conn_id), group.database)
+    conn = psycopg2.connect(ep.dsn(), options=SESSION_OPTIONS, application_name="cdc_lakehouse backfill")
+    try:
+        how = {c: added_column_source(conn, schema, cfg.source.table, c) for c in added}
+        present = [c for c, (kind, _) in how.items() if kind != "absent"]
+        wanted = {c: v for c, v in how.items() if v[0] in ("missing", "reread")}
+        if not wanted:
+            return 0, present
+        values = _values(spark, cfg, conn, schema, shard, wanted, types)
+    finally:
+        conn.close()
+    return _apply(spark, lake, cfg, shard, int(ch["at_commit_lsn"]), values, list(wanted), run_label), present
 
 
 def _values(

@@ -28,14 +28,26 @@ from typing import TYPE_CHECKING, Any
 
 from cdc_lakehouse.config import COMMIT_TS_COL, LSN_COL, OP_COL, SEQ_COL, SHARD_COL, TableConfig
 from cdc_lakehouse.identifiers import spark_ident
-from cdc_lakehouse.ingest.backfill import backfill_added_columns, columns_to_backfill, finish_backfill
+from cdc_lakehouse.ingest.backfill import (
+    backfill_added_columns,
+    columns_to_backfill,
+    fill_quiet_shards,
+    finish_backfill,
+)
 from cdc_lakehouse.ingest.batch import FusedBatch, fused_batch
 from cdc_lakehouse.ingest.errors import ErrorBudgetExceeded, LandingGap, NotBootstrapped, SchemaChangeError
 from cdc_lakehouse.ingest.merge import lsn_newer, merge_sql, wm_map
 from cdc_lakehouse.ingest.metrics import IngestMetrics
 from cdc_lakehouse.ingest.quarantine import as_held, held_back, hold_dependents, write_quarantine
 from cdc_lakehouse.ingest.reduce import latest_per_key
-from cdc_lakehouse.ingest.schema import BACKFILL, apply_schema_actions, event_schemas, manifest_schemas, schema_actions
+from cdc_lakehouse.ingest.schema import (
+    BACKFILL,
+    apply_schema_actions,
+    event_schemas,
+    known_columns,
+    manifest_schemas,
+    schema_actions,
+)
 from cdc_lakehouse.ingest.toast import BROADCAST_ROWS, NO_TABLE, UNAV_LEFT, fill_unavailable
 from cdc_lakehouse.ingest.validate import REASONS, landing_spark_schema
 from cdc_lakehouse.lake.batches import BATCH_PROP, BATCH_STATE_PROP, BatchId, BatchStep, commit_once, run_batch
@@ -104,6 +116,7 @@ def apply_pending(
     m.status = "ok_with_gaps" if b.gaps else "ok"
     if not b.plan.files:
         advance_watermark(spark, cfg, b, batch_state(m, b.plan, None))
+        fill_quiet(spark, lake, cfg, m, b, ingest_run)
         return finish(spark, lake, cfg, m, b)
     raw = read_events(spark, cfg, b.plan)
     b.lake_cols = evolve_schema(spark, cfg, b, raw, config_file)
@@ -134,9 +147,19 @@ def apply_pending(
     m.add_commit_stats(pre, snapshot_summary(spark, b.cur))
     if b.added:
         m.backfilled = finish_backfill(spark, lake, cfg, b.cur, b.plan, b.added, ingest_run)
+    fill_quiet(spark, lake, cfg, m, b, ingest_run)
     m.apply_seconds = m.timings["merge"]
     m.set_lag(out.min_ts, out.max_ts)
     return finish(spark, lake, cfg, m, b, shard_commits=fb.counts["shard_commits"])
+
+
+def fill_quiet(
+    spark: SparkSession, lake: LakeSettings, cfg: TableConfig, m: IngestMetrics, b: Batch, ingest_run: str
+) -> None:
+    """Shards that sent no relation message for columns the lake now has (ingest.backfill)."""
+    n = fill_quiet_shards(spark, lake, cfg, b.cur, b.plan, b.wm, ingest_run)
+    if n:
+        m.backfilled = (m.backfilled or 0) + n
 
 
 # --- plan -----------------------------------------------------------------------------------------
@@ -262,13 +285,11 @@ def evolve_schema(
     """Additive schema changes applied before the data; anything else stops the table. Returns
     the lake columns the batch is written with."""
     schemas, latest = manifest_schemas(b.plan, cfg)
+    announced: Plan | None = b.plan
     if not latest:
         schemas, latest = event_schemas(raw)  # runs written without schemas in their manifest
-    known = {
-        schema: set(b.wm["shards"][shard]["columns"])
-        for _, schema, shard in cfg.shards()
-        if "columns" in b.wm["shards"].get(shard, {})
-    }
+        announced = None  # the events' own schemas: each was announced in the batch
+    known = known_columns(cfg, b.wm, announced)
     ddl, errors = schema_actions(cfg, b.lake_cols, schemas, latest, config_file or "", known)
     if errors:
         raise SchemaChangeError("\n".join(errors))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import re
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from cdc_lakehouse.config import TableConfig
 from cdc_lakehouse.identifiers import spark_ident
@@ -36,6 +36,22 @@ def manifest_schemas(plan: Plan, cfg: TableConfig) -> tuple[list[list[dict]], di
             all_schemas.setdefault(json.dumps(cols, sort_keys=True), cols)
             latest[schema] = cols
     return list(all_schemas.values()), latest
+
+
+def known_columns(cfg: TableConfig, wm: dict[str, Any], plan: Plan | None) -> dict[str, set[str]]:
+    """Per shard schema, the columns the shard is known to have had (its watermark), for
+    schema_actions' drop check. With `plan`, a shard that announced no schema in the batch (no
+    relation message: the manifests carry its schema over from earlier runs) has none: that
+    schema may predate what the watermark knows (a re-bootstrap read the shard's newer columns),
+    so it shows no drop. A drop is announced by the relation message of the shard's next change."""
+    announced = {(ch.get("endpoint"), ch["table"].rpartition(".")[0]) for ch in (plan.schema_changes if plan else [])}
+    out = {}
+    for group, schema, shard in cfg.shards():
+        pos = wm.get("shards", {}).get(shard, {})
+        if "columns" in pos:
+            seen = plan is None or (group.endpoint_id, schema) in announced
+            out[schema] = set(pos["columns"]) if seen else set()
+    return out
 
 
 def event_schemas(raw: DataFrame) -> tuple[list[list[dict]], dict[str, list[dict]]]:

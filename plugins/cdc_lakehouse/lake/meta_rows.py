@@ -199,7 +199,7 @@ class MaintenanceStats:
 
     table_name: str = column("string", required=True)
     run_id: str = column("string", required=True)
-    target: str | None = column("string")  # current | changelog
+    target: str | None = column("string")  # current | changelog | output | unresolved | feed_output
     phase: str | None = column("string")  # before | after
     data_files: int | None = column("bigint")
     avg_file_bytes: float | None = column("double")

@@ -11,7 +11,8 @@ it describes:
 in the table, and none at or above it. Bootstrap sets it to the snapshot's consistent
 point; each ingest moves it to the end of the last capture run it applied. `endpoint` and
 `source` say which endpoint and server the position belongs to (positions of two servers
-never compare); `columns` are the shard's known source columns. Other keys (the ingest's
+never compare); `columns` are the shard's known source columns, `filled` the lake columns its
+rows got from the source while the shard was quiet (ingest.backfill). Other keys (the ingest's
 pending `backfill`) are kept as they are.
 
 Callers handle the watermark as a dict (read_watermark, watermark_json); `Watermark` is the
@@ -45,6 +46,9 @@ class ShardPosition(BaseModel):
     endpoint: str | None = Field(None, description="the endpoint whose slot the position belongs to")
     source: dict[str, Any] | None = Field(None, description="the server identity (IDENTIFY_SYSTEM)")
     columns: list[str] | None = Field(None, description="the shard's known source columns")
+    filled: list[str] | None = Field(
+        None, description="lake columns the shard's rows got from its source while it sent no relation message"
+    )
 
 
 class Watermark(BaseModel):

@@ -34,11 +34,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from datetime import UTC, date, datetime, time, timedelta
 from decimal import Decimal
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cdc_lakehouse.config import LandingSource, TableConfig
 from cdc_lakehouse.ingest.errors import NotBootstrapped
 from cdc_lakehouse.landing.reader import LandingFS, Plan, spark_uri
+from cdc_lakehouse.landing.writer import local_dir, make_private, mkdirs
 from cdc_lakehouse.source.catalog import lake_type, schema_json
 
 if TYPE_CHECKING:
@@ -847,8 +849,18 @@ def stage_events(spark: SparkSession, lake, cfg: TableConfig, events: list[SinkF
     directory per table, replaced by every plan: a batch that did not commit is planned again
     from the offsets in the watermark."""
     staging = f"{spark_uri(lake.landing_uri.rstrip('/'))}/_debezium/{cfg.name}"
+    # The staged events are row images in the private landing zone. On a local landing zone the
+    # parent is made 0750 before Spark writes (others cannot reach the files even for the moment
+    # they have Hadoop's 0644), and the tree is made 0640/0750 after; a chmod walk, not a umask:
+    # the JVM is another process, and Hadoop sets modes from its own cached setting.
+    local = local_dir(lake.landing_uri)
+    if local is not None:
+        mkdirs(local / "_debezium", Path(local.resolve().anchor))
+        make_private(local / "_debezium")  # also when made by an earlier release with 0755
     LandingFS(spark).delete(staging)
     read_debezium(spark, cfg, events).write.mode("overwrite").parquet(staging)
+    if local is not None:
+        make_private(local / "_debezium" / cfg.name)
     return [staging]
 
 

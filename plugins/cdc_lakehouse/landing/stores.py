@@ -14,7 +14,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from cdc_lakehouse.landing.format import dump_json
-from cdc_lakehouse.landing.writer import FILE_MODE, fsync_dir, fsync_file, mkdirs
+from cdc_lakehouse.landing.writer import DIR_MODE, FILE_MODE, fsync_dir, fsync_file, mkdirs
 
 # --- stores ------------------------------------------------------------------------------------
 
@@ -30,7 +30,7 @@ class LocalLanding:
         u = urlsplit(uri)
         self.uri = uri.rstrip("/")
         self.root = Path(u.path if u.scheme == "file" else uri)
-        self.root.mkdir(parents=True, exist_ok=True)
+        mkdirs(self.root, Path(self.root.resolve().anchor))  # what it creates is private, the root included
 
     def verify(self) -> None:
         if not os.access(self.root, os.W_OK | os.X_OK):
@@ -45,7 +45,9 @@ class LocalLanding:
         return d
 
     def publish_dir(self, staged: Path, rel: str) -> None:
-        """Make the staged run directory visible under rel, durably (fsync files and dirs)."""
+        """Make the staged run directory visible under rel, durably (fsync files and dirs), private
+        whoever made it (the capture's mkdir takes the process umask)."""
+        os.chmod(staged, DIR_MODE)
         for f in staged.iterdir():
             os.chmod(f, FILE_MODE)
             fsync_file(f)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from cdc_lakehouse.landing.format import landing_arrow_schema
 
@@ -26,6 +27,29 @@ def mkdirs(path: Path, root: Path) -> None:
     for d in reversed(missing):
         d.mkdir(exist_ok=True)
         os.chmod(d, DIR_MODE)
+
+
+def local_dir(uri: str) -> Path | None:
+    """The local directory of a landing URI (file:// or a plain path, as open_landing reads
+    them); None for an object store, whose privacy is its bucket policy's."""
+    u = urlsplit(uri)
+    if u.scheme not in ("", "file"):
+        return None
+    return Path(u.path if u.scheme == "file" else uri)
+
+
+def make_private(path: Path) -> None:
+    """DIR_MODE and FILE_MODE on path and everything below it. For trees another writer made
+    (Spark's Hadoop client sets 0644/0755 itself from its own umask setting, whatever this
+    process's umask is)."""
+    if not path.exists():
+        return
+    os.chmod(path, DIR_MODE if path.is_dir() else FILE_MODE)
+    for dirpath, dirs, files in os.walk(path):
+        for d in dirs:
+            os.chmod(os.path.join(dirpath, d), DIR_MODE)
+        for f in files:
+            os.chmod(os.path.join(dirpath, f), FILE_MODE)
 
 
 def fsync_file(path: Path) -> None:

@@ -103,13 +103,16 @@ def maintenance_doc(cfg: TableConfig) -> str:
 With Iceberg's own Spark procedures, on the current table and the changelog:
 `rewrite_data_files` ({m.compaction}), `rewrite_position_delete_files`, `rewrite_manifests`,
 `expire_snapshots` (older than {m.snapshot_retention_hours} h, keeping at least
-{m.min_snapshots_to_keep}, never the snapshot holding the watermark), `remove_orphan_files`
+{m.min_snapshots_to_keep}, never the snapshot holding the watermark nor any snapshot from the oldest
+one a consumer holds on, README "Nothing lost"), `remove_orphan_files`
 (older than {m.orphan_file_age_hours} h). Then rebuilds `lake.{cfg.latest_view}`, the latest row
 per key over the changelog ({m.latest_view}). Before/after figures go to
 `lake.cdc_meta.maintenance_runs`.
 
 ## How to operate it
 - It shares the table's pool with ingest, so the two never run at once.
+- **Consumer holds** (feed consumers, derived tables, exports keep the snapshot they read last):
+  `python -m cdc_lakehouse.cli holds list`; a retired consumer's: `holds drop --consumer <kind>:<name>`.
 - A failed run leaves the table valid (each procedure commits atomically); clear to retry.
 """
 
@@ -174,7 +177,32 @@ Details: docs/derived-trees.md.
   `{{"mode": "full"}}`.
 - **Failed**: the task log names the cause; fix it and clear the task. The next run starts
   from the output's watermark, so nothing is skipped.
-- Runs never overlap (pool `{dcfg.pool}`); the inputs' ingests are not blocked.
+- **Too far behind** (`ConsumerLagError`): the inputs keep the snapshots the last run read for
+  {dcfg.max_lag_hours} h (`max_lag_hours`, tag `cdc_consumer_derived_{dcfg.name}` on each input);
+  a run after that finds them expired and stops: trigger with `{{"mode": "full"}}`.
+- Runs never overlap (pool `{dcfg.pool}`); the inputs' ingests are not blocked. Its compaction
+  and expiry: `cdc_maintenance__{dcfg.name}`.
+"""
+
+
+def derived_maintenance_doc(dcfg: TreeConfig) -> str:
+    m = dcfg.maintenance
+    return f"""# Daily maintenance: derived table `{dcfg.name}`
+
+**Derived table** `{dcfg.name}`; owner {dcfg.owner}.
+
+## What it does
+With Iceberg's own Spark procedures, on `lake.{dcfg.output_table}` and `lake.{dcfg.unresolved_table}`
+(merge-on-read: every incremental run adds delete files): `rewrite_data_files` (bin-pack, every
+delete file applied), `rewrite_position_delete_files`, `rewrite_manifests`, `expire_snapshots`
+(older than {m.snapshot_retention_hours} h, keeping at least {m.min_snapshots_to_keep}, never the
+snapshot holding the tree's watermark nor what a consumer such as a serving export holds),
+`remove_orphan_files` (older than {m.orphan_file_age_hours} h). Before/after figures go to
+`lake.cdc_meta.maintenance_runs`. Settings: `maintenance:` in its file in include/derived/.
+
+## How to operate it
+- It shares the derived table's pool (`{dcfg.pool}`) with its runs, so the two never run at once.
+- A failed run leaves the tables valid (each procedure commits atomically); clear to retry.
 """
 
 
@@ -206,5 +234,8 @@ after every write succeeded. {ecfg.keep_versions} complete versions are kept. De
   or `{{"mode": "resume"}}` (the version readers now use catches up incrementally).
 - **Failed**: the alias (full) or the position (incremental) did not move; fix the cause and clear
   the task. A version left half-written by a failed full run is dropped by the next successful full run.
+- **Too far behind** (`ConsumerLagError`): the source keeps the exported and pending snapshots for
+  {ecfg.max_lag_hours} h after the last run (`max_lag_hours`, tag `cdc_consumer_export_{ecfg.name}`); a
+  run after that finds them expired and stops: trigger `{{"mode": "full"}}`.
 - Runs never overlap (pool `{ecfg.pool}`).
 """

@@ -14,9 +14,14 @@ application for the whole group) instead of cdc_ingest__T.
 
 For each derived table `D` (include/derived/*.yaml, cdc_lakehouse.derived.config):
   cdc_derived__D      when any of its input tables changes (their current tables' assets)
+  cdc_maintenance__D  daily; compaction (deletes applied), expiry, orphans of its two tables
 
 For each serving export `E` (include/exports/*.yaml, cdc_lakehouse.serving.config):
   cdc_export__E       when its source table changes (its asset), or on its own schedule
+
+A change-feed consumer `C` declared in a DAG file (feed_consumer_dag):
+  cdc_feed__C         when its table changes; then, once per maintenance schedule, its output's
+                      compaction and expiry (tasks of the same DAG: they never overlap)
 """
 
 from __future__ import annotations
@@ -27,12 +32,14 @@ import os
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from cdc_lakehouse.config import ConfigSet, TableConfig, load_table_configs
+from cdc_lakehouse.config import ConfigSet, OutputMaintenanceConfig, TableConfig, load_table_configs
 from cdc_lakehouse.derived.config import DerivedSet, TreeConfig, load_derived_configs
+from cdc_lakehouse.lake.holds import DEFAULT_MAX_LAG_HOURS
 from cdc_lakehouse.orchestration.dag_docs import (
     audit_doc,
     bootstrap_doc,
     derived_doc,
+    derived_maintenance_doc,
     export_doc,
     group_doc,
     ingest_doc,
@@ -374,6 +381,28 @@ def derived_dag(dcfg: TreeConfig, tables: dict[str, TableConfig]):
     return dag
 
 
+def derived_maintenance_dag(dcfg: TreeConfig):
+    """Compaction and expiry of a derived table's output and unresolved tables, in its pool."""
+    with _dag(
+        f"cdc_maintenance__{dcfg.name}",
+        _timetable(dcfg.maintenance.schedule),
+        dcfg,
+        _tags("maintenance", dcfg),
+        derived_maintenance_doc(dcfg),
+        f"Daily maintenance of derived table {dcfg.name}",
+    ) as dag:
+        spark_task(
+            "maintenance",
+            "maintenance",
+            ["--derived", dcfg.name, "--run-id", "{{ ts_nodash }}"],
+            [],
+            dcfg.pool,
+            inlets=[asset(dcfg.output_table)],
+            execution_timeout=timedelta(hours=6),
+        )
+    return dag
+
+
 def export_dag(ecfg: ExportConfig, tables: dict[str, TableConfig], derived: dict[str, TreeConfig]):
     from airflow.sdk import Param
 
@@ -416,9 +445,24 @@ FEED_UPTO = (
 )
 
 
-def feed_consumer_dag(table: str, consumer: str, job: str, output: str, about: str, config_dir: str | None = None):
+def feed_consumer_dag(
+    table: str,
+    consumer: str,
+    job: str,
+    output: str,
+    about: str,
+    config_dir: str | None = None,
+    *,
+    max_lag_hours: int = DEFAULT_MAX_LAG_HOURS,
+    maintenance: dict[str, Any] | None = None,
+):
     """`cdc_feed__<consumer>`: a change-feed consumer (cdc_lakehouse.feed) of one table, run by
-    spark_jobs/<job>.py whenever the table's ingest or bootstrap completes a snapshot."""
+    spark_jobs/<job>.py whenever the table's ingest or bootstrap completes a snapshot. The job
+    takes --mode (auto | full: a reset) and --max-lag-hours (how long the table keeps its offset's
+    snapshot, lake.holds). Its Iceberg output is maintained by the same DAG once per
+    `maintenance.schedule` (OutputMaintenanceConfig): after a consume, never beside one."""
+    from airflow.sdk import Param
+
     cs = load_table_configs(config_dir or tables_dir())
     cfg = cs.tables.get(table)
     if cfg is None:
@@ -426,29 +470,70 @@ def feed_consumer_dag(table: str, consumer: str, job: str, output: str, about: s
             f"feed consumer {consumer}: table config {table!r} is missing or invalid in {config_dir or tables_dir()}; "
             "fix the table's YAML (python -m cdc_lakehouse.cli validate) or point the consumer at another table"
         )
+    settings = OutputMaintenanceConfig.model_validate(maintenance or {})
     source = asset(cfg.current_table)
     with _dag(
         f"cdc_feed__{consumer}",
         source,
         cfg,
         _tags("feed", cfg),
-        feed_doc(cfg, consumer, output, about),
+        feed_doc(cfg, consumer, output, about, max_lag_hours),
         f"Change-feed consumer {consumer} of {cfg.current_table} into {output}",
+        params={
+            "mode": Param(
+                "auto", type="string", enum=["auto", "full"], description="auto: incremental; full: reset, every row"
+            )
+        },
     ) as dag:
-        spark_task(
+        consume = spark_task(
             "consume",
             job,
-            ["--tables", table, "--consumer", consumer, "--output", output, "--upto", FEED_UPTO],
+            ["--tables", table, "--consumer", consumer, "--output", output, "--mode", "{{ params.mode }}"]
+            + ["--max-lag-hours", str(max_lag_hours), "--upto", FEED_UPTO],
             [],  # reads the lake only
             "default_pool",  # writes only its own output; max_active_runs=1 keeps its runs apart
             inlets=[source],
             outlets=[asset(output)],
             execution_timeout=timedelta(hours=1),
         )
+        consume >> _feed_output_maintenance(consumer, output, settings)
     return dag
 
 
-def feed_doc(cfg: TableConfig, consumer: str, output: str, about: str) -> str:
+def _feed_output_maintenance(consumer: str, output: str, settings: OutputMaintenanceConfig):
+    """maintenance_due (skips the rest unless a tick of the schedule passed since the last
+    successful run) >> maintenance (of the output, in the consumer's DAG run: never beside a consume)."""
+    from airflow.sdk import task
+
+    @task.short_circuit(task_id="maintenance_due", execution_timeout=timedelta(minutes=5))
+    def maintenance_due(schedule: str, **context: Any) -> bool:
+        """True when a tick of the output's maintenance schedule passed since the last successful run."""
+        from cdc_lakehouse.orchestration.tasks import schedule_tick_passed
+
+        return schedule_tick_passed(schedule, context.get("prev_start_date_success"), datetime.now(UTC))
+
+    run = spark_task(
+        "maintenance",
+        "maintenance",
+        ["--feed-output", output, "--consumer", consumer, "--settings", settings.model_dump_json()]
+        + ["--run-id", "{{ run_id }}"],
+        [],
+        "default_pool",
+        inlets=[asset(output)],
+        execution_timeout=timedelta(hours=6),
+    )
+    cron = PRESETS.get(settings.schedule, settings.schedule)
+    if cron.startswith("@"):  # @once, @continuous: no ticks to ride along with
+        raise ValueError(
+            f"feed consumer {consumer}: maintenance schedule {settings.schedule!r} has no recurring ticks; "
+            f"give a 5-field cron expression or one of {sorted(PRESETS)}"
+        )
+    gate = maintenance_due(cron)
+    gate >> run
+    return gate
+
+
+def feed_doc(cfg: TableConfig, consumer: str, output: str, about: str, max_lag_hours: int) -> str:
     return f"""# Change-feed consumer: `{consumer}`
 
 {about}
@@ -466,7 +551,13 @@ repeats a change. Contract: docs/change-feed.md.
 - **Failed**: the task log names the cause; fix it and clear the task (it starts from the
   committed offset). An `OffsetConflictError` means another run committed first: look for a
   second deployment; nothing was written by the failed run.
-- **Start over**: drop `lake.{output}`; the next run rebuilds it from every live row.
+- **Start over**: trigger with `{{"mode": "full"}}` (every live row replaces the output, one
+  commit with the new offset), or drop `lake.{output}`; the next run rebuilds it.
+- **Too far behind** (`ConsumerLagError`): `lake.{cfg.current_table}` keeps the offset's snapshot
+  for {max_lag_hours} h after the consumer's last run (tag `cdc_consumer_feed_{consumer}`); a run
+  after that finds it expired and stops, naming the fix: trigger with `{{"mode": "full"}}`.
+- **Maintenance**: the `maintenance` task compacts and expires `lake.{output}` once per schedule,
+  after a consume (`maintenance_due` skips it otherwise); it never removes the offsets' snapshot.
 """
 
 
@@ -496,8 +587,8 @@ def build_dags(config_dir: str | None = None, derived_config_dir: str | None = N
         d = group_ingest_dag(group, cfgs, cs)
         dags[d.dag_id] = d
     for dcfg in ds.derived.values():
-        d = derived_dag(dcfg, cs.tables)
-        dags[d.dag_id] = d
+        for d in (derived_dag(dcfg, cs.tables), derived_maintenance_dag(dcfg)):
+            dags[d.dag_id] = d
     for ecfg in es.exports.values():
         d = export_dag(ecfg, cs.tables, ds.derived)
         dags[d.dag_id] = d

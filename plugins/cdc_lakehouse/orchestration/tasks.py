@@ -21,6 +21,19 @@ def run_id_for(interval_end: datetime) -> str:
     return interval_end.astimezone(UTC).strftime("%Y%m%dT%H%M%SZ")
 
 
+def schedule_tick_passed(cron: str, since: datetime | None, now: datetime) -> bool:
+    """Whether a tick of the 5-field `cron` (UTC) lies in (since, now]: a job that rides along with
+    another DAG's runs (a feed output's maintenance) runs once per tick, in the first run after it.
+    No earlier success (since None): not yet, the first run only created what it would maintain."""
+    from croniter import croniter
+
+    # `not`, not `is None`: Airflow hands prev_start_date_success over as a lazy proxy, which is
+    # never None itself but is falsy when what it stands for is.
+    if not since:
+        return False
+    return croniter(cron, now.astimezone(UTC)).get_prev(datetime) > since.astimezone(UTC)
+
+
 def lake_settings() -> LakeSettings:
     from airflow.sdk import BaseHook
 

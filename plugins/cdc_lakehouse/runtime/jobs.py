@@ -15,11 +15,12 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import UTC, date, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cdc_lakehouse.config import TableConfig, load_table_configs
+from cdc_lakehouse.config import OutputMaintenanceConfig, TableConfig, load_table_configs
 from cdc_lakehouse.runtime.secrets import load_job_secrets
 from cdc_lakehouse.settings import LakeSettings, derived_dir, exports_dir, tables_dir
 
@@ -211,19 +212,69 @@ def main_bootstrap(argv: list[str] | None = None) -> int:
 
 
 def main_maintenance(argv: list[str] | None = None) -> int:
-    p = _parser("Daily maintenance: compaction, expiry, orphans, latest-per-key view")
+    """Maintenance of replicated tables (--tables), derived tables (--derived) or one feed
+    consumer's Iceberg output (--feed-output with --consumer)."""
+    p = argparse.ArgumentParser(description="Daily maintenance: compaction, expiry, orphans, latest-per-key view")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--tables", help="comma-separated table names (config 'name')")
+    what.add_argument("--derived", help="comma-separated derived table names (config 'name')")
+    what.add_argument("--feed-output", help="namespace.table of a feed consumer's Iceberg output")
+    p.add_argument("--consumer", help="--feed-output: the consumer writing it")
+    p.add_argument("--settings", default="{}", help="--feed-output: its maintenance settings, JSON")
+    p.add_argument("--config-dir", default=str(tables_dir()), help="directory of the table YAML files")
+    p.add_argument("--derived-dir", default=str(derived_dir()), help="directory of the derived YAML files")
+    p.add_argument("--app-name", default=None)
     p.add_argument("--run-id", default=None)
     args = p.parse_args(argv)
+    run = args.run_id or datetime.now(UTC).strftime("%Y%m%dT%H%M%S")
+    if args.derived:
+        return run_per_table("maintenance", args, _maintain_derived(run), _derived_configs)
+    if args.feed_output:
+        return run_per_table("maintenance", args, _maintain_feed_output(run), _feed_output_configs)
 
     def fn(spark, lake, cfg, a, file):
-        from cdc_lakehouse.config import load_table_configs
         from cdc_lakehouse.maintenance import maintain_table
 
-        run = a.run_id or datetime.now(UTC).strftime("%Y%m%dT%H%M%S")
         consumers = list(load_table_configs(a.config_dir).tables.values())
         return maintain_table(spark, lake, cfg, run_id=run, consumers=consumers)
 
     return run_per_table("maintenance", args, fn)
+
+
+def _maintain_derived(run: str) -> Callable[..., dict[str, Any]]:
+    def fn(spark, lake, dcfg, a, file):
+        from cdc_lakehouse.maintenance import maintain_derived
+
+        return maintain_derived(spark, lake, dcfg, run_id=run)
+
+    return fn
+
+
+@dataclass(frozen=True)
+class FeedOutput:
+    """A feed consumer's Iceberg output, as the consumer's DAG declares it (dag_factory.feed_consumer_dag)."""
+
+    name: str  # the consumer
+    output: str  # namespace.table
+    settings: OutputMaintenanceConfig
+
+
+def _feed_output_configs(args: argparse.Namespace) -> tuple[list[FeedOutput], dict[str, str]]:
+    from cdc_lakehouse.feed.models import check_consumer_name
+
+    if not args.consumer:
+        raise SystemExit("--feed-output needs --consumer: the consumer whose offsets its commits carry")
+    settings = OutputMaintenanceConfig.model_validate_json(args.settings)
+    return [FeedOutput(check_consumer_name(args.consumer), args.feed_output, settings)], {}
+
+
+def _maintain_feed_output(run: str) -> Callable[..., dict[str, Any]]:
+    def fn(spark, lake, out, a, file):
+        from cdc_lakehouse.maintenance import maintain_feed_output
+
+        return maintain_feed_output(spark, lake, out.name, out.output, out.settings, run_id=run)
+
+    return fn
 
 
 def main_audit(argv: list[str] | None = None) -> int:

@@ -18,6 +18,7 @@ from cdc_lakehouse.config import ConfigError, TableConfig, _Model, validation_er
 from cdc_lakehouse.derived.config import TreeConfig
 from cdc_lakehouse.identifiers import check_ident, check_lake_ident
 from cdc_lakehouse.lake.columns import SHARD_COL
+from cdc_lakehouse.lake.holds import DEFAULT_MAX_LAG_HOURS
 
 REFERENCE = "docs/serving-export.md"
 
@@ -75,6 +76,13 @@ class ExportConfig(_Model):
     keep_versions: int = Field(2, ge=1, le=100, description="complete versions kept, the current one included")
     validate_sample: int = Field(100, ge=0, le=100000, description="rows compared value by value after a full export")
     retries: int = Field(2, ge=0, le=10)
+    max_lag_hours: int = Field(
+        DEFAULT_MAX_LAG_HOURS,
+        ge=1,
+        le=24 * 366,
+        description="how long the source keeps the exported and pending snapshots (lake.holds); past it, an "
+        "incremental run fails and asks for mode=full",
+    )
 
     @field_validator("name")
     @classmethod

@@ -19,7 +19,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from cdc_lakehouse.serving.stores import Item, Store, parse_dynamodb_uri
+from cdc_lakehouse.serving.stores import Item, Store, VersionDataMissing, parse_dynamodb_uri
 
 CONTROL_TABLE = "cdc_serving"
 WRITE_BATCH = 25  # BatchWriteItem's limit
@@ -161,7 +161,11 @@ class DynamoStore(Store):
             for i in range(0, len(unique), READ_BATCH):
                 found.update(self._read_batch(table, unique[i : i + READ_BATCH]))
         except self.errors.ResourceNotFoundException:
-            return [None] * len(keys)  # a dropped or never-created version holds nothing
+            # Not "every key absent": a reader that resolved this version before it was dropped
+            # must resolve again (serving.reader), and a lost table must not read as an empty one.
+            raise VersionDataMissing(
+                f"DynamoDB table {table!r} of namespace {ns!r} version {version} is gone"
+            ) from None
         return [found.get(k) for k in keys]
 
     def _read_batch(self, table: str, keys: list[str]) -> dict[str, bytes]:

@@ -4,6 +4,13 @@
 metadata is gone or not complete (dropped, or a store restored without it), it reads the
 previous version instead. A key absent from the version it reads is absent: no fallback per key,
 which would bring deleted keys back.
+
+A version can be dropped between the resolve and the read (two exports, or a rollback and the
+retention, in between): its keys would all read as absent. A drop deletes the version's metadata
+before its data (Store.drop_version), so the metadata is read again after the data: unchanged,
+the data read was the version's; gone or replaced, the alias is resolved again. After
+MAX_RESOLVES attempts, or when a version's data is missing under complete metadata, it raises:
+an error, never "absent" for a key that exists.
 """
 
 from __future__ import annotations
@@ -12,7 +19,9 @@ from collections.abc import Callable
 from typing import Any
 
 from cdc_lakehouse.serving.encoding import decoder, key_string
-from cdc_lakehouse.serving.stores import Store
+from cdc_lakehouse.serving.stores import Store, VersionDataMissing, VersionMeta
+
+MAX_RESOLVES = 3
 
 
 class Reader:
@@ -25,15 +34,39 @@ class Reader:
 
     def get_many(self, keys: list[list[Any] | tuple[Any, ...]]) -> tuple[int, list[dict[str, Any] | None]]:
         """(version read, one decoded value or None per key)."""
-        metas = self.store.resolve(self.ns)
-        if not metas:
-            raise LookupError(f"namespace {self.ns!r} has no complete version behind its alias")
-        meta = metas[0]
-        decode = self._decoders.get(meta.value_schema)
+        wanted = [key_string(k) for k in keys]
+        for _ in range(MAX_RESOLVES):
+            metas = self.store.resolve(self.ns)
+            if not metas:
+                raise LookupError(f"namespace {self.ns!r} has no complete version behind its alias")
+            meta = metas[0]
+            try:
+                raw: list[bytes | None] | None = self.store.read(self.ns, meta.version, wanted)
+            except VersionDataMissing:
+                raw = None
+            if not self._unchanged(meta):
+                continue  # dropped (or its number reused) while being read: resolve again
+            if raw is None:
+                raise VersionDataMissing(
+                    f"namespace {self.ns!r}: version {meta.version} is complete in its metadata but its data is "
+                    "gone from the store; roll the alias back to an intact version or rerun the export"
+                )
+            return meta.version, [self._decode(meta.value_schema, v) if v is not None else None for v in raw]
+        raise LookupError(
+            f"namespace {self.ns!r}: the versions behind its alias were dropped while being read, {MAX_RESOLVES} "
+            "times in a row; retry the read (exports or rollbacks are switching the alias faster than it reads)"
+        )
+
+    def _unchanged(self, meta: VersionMeta) -> bool:
+        """The version's metadata is still the text this read resolved."""
+        now = self.store.get_doc(self.store.meta_key(self.ns, meta.version))
+        return now is not None and now == meta.expected()
+
+    def _decode(self, value_schema: str, value: bytes) -> dict[str, Any]:
+        decode = self._decoders.get(value_schema)
         if decode is None:
-            decode = self._decoders[meta.value_schema] = decoder(meta.value_schema)
-        raw = self.store.read(self.ns, meta.version, [key_string(k) for k in keys])
-        return meta.version, [decode(v) if v is not None else None for v in raw]
+            decode = self._decoders[value_schema] = decoder(value_schema)
+        return decode(value)
 
     def get(self, *key: Any) -> dict[str, Any] | None:
         return self.get_many([key])[1][0]

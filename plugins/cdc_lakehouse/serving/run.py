@@ -1,8 +1,10 @@
 """One run of a serving export (docs/serving-export.md): a lake table in, a store namespace out.
 
     pin        the source's current snapshot, the alias and its current version's metadata
-    plan       full (no version yet, `full`, a changed key/value schema, an expired position),
-               incremental, or nothing (the version already holds this snapshot)
+    plan       full (no version yet, `full`, a changed key/value schema), incremental, or
+               nothing (the version already holds this snapshot); an expired position is an
+               error asking for `full` (lake.holds: the export holds its position and pending
+               snapshots on the source, for `max_lag_hours`)
     full       write version N+1 from executors, validate it (key count, a sample decoded and
                compared), mark it complete, switch the alias atomically, drop old versions
     incremental  mark the target snapshot pending in the live version's metadata, upsert the
@@ -26,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from cdc_lakehouse.derived.config import TreeConfig
 from cdc_lakehouse.lake.columns import META_PREFIX
+from cdc_lakehouse.lake.holds import hold, lag_error, release_pending
 from cdc_lakehouse.lake.ranges import (
     KeyRange,
     between,
@@ -104,9 +107,12 @@ def export(
                 with clock.phase("switch"):
                     switch(r, version)
                     retain(r)
+                hold_position(spark, r, r.snapshot)
             elif r.mode == "incremental":
                 with clock.phase("write"):
                     write_changes(spark, r)
+            elif r.mode == "noop":
+                hold_position(spark, r, r.live.snapshot)
             if mode == "resume" and r.alias and r.alias.held:
                 r.store.switch_alias(r.ns, r.alias, r.alias.model_copy(update={"held": False}))
     finally:
@@ -182,9 +188,20 @@ def _unreadable_position(spark: SparkSession, r: ExportRun) -> str | None:
     if r.live.snapshot is None:
         return "the version was exported while the source had no snapshot"
     known = set(table_snapshots(spark, r.table)[0])
-    if any(s not in known for s in [r.live.snapshot, *r.live.pending]):
-        return "the exported snapshot was expired"
+    gone = [s for s in [r.live.snapshot, *r.live.pending] if s not in known]
+    if gone:
+        # Not a silent new version: an export this far behind is something to look at.
+        fix = f"trigger cdc_export__{r.ecfg.name} with mode=full (a new version from the current snapshot)"
+        raise lag_error("export", r.ecfg.name, r.table, gone[0], r.ecfg.max_lag_hours, fix)
     return None
+
+
+def hold_position(spark: SparkSession, r: ExportRun, snapshot: int | None) -> None:
+    """Hold the version's position on the source (lake.holds); the pending snapshots' holds go."""
+    if snapshot is not None:
+        hold(spark, r.table, "export", r.ecfg.name, snapshot, r.ecfg.max_lag_hours)
+    pending = [*(r.live.pending if r.live else []), *([r.snapshot] if r.snapshot is not None else [])]
+    release_pending(spark, r.table, "export", r.ecfg.name, pending)
 
 
 # --- read -----------------------------------------------------------------------------------------
@@ -342,6 +359,9 @@ def write_changes(spark: SparkSession, r: ExportRun) -> None:
     live = r.live
     since = [s for s in dict.fromkeys([live.snapshot, *live.pending]) if s is not None]
     marked = live.model_copy(update={"pending": sorted({*live.pending, r.snapshot} - {None})})
+    # Held before it is recorded as pending: whatever the metadata names, expiry keeps.
+    if r.snapshot is not None:
+        hold(spark, r.table, "export", r.ecfg.name, r.snapshot, r.ecfg.max_lag_hours, pending=True)
     r.store.put_meta(r.ns, live, marked)
     now = rows_at(spark, r, r.snapshot).select(*r.key, *r.values).withColumn("_present", F.lit(True))
     rows = changed_keys(spark, r, since).join(now, r.key, "left").fillna(False, subset=["_present"])
@@ -357,6 +377,7 @@ def write_changes(spark: SparkSession, r: ExportRun) -> None:
     crash_point("export_before_position")
     done = marked.model_copy(update={"snapshot": r.snapshot, "pending": [], "count": count})
     r.store.put_meta(r.ns, marked, done)
+    hold_position(spark, r, r.snapshot)
     r.metrics.update(version=live.version, snapshot=r.snapshot, upserts=upserts, deletes=deletes, keys=count)
 
 

@@ -121,6 +121,8 @@ class Store:
         raise NotImplementedError
 
     def read(self, ns: str, version: int, keys: list[str]) -> list[bytes | None]:
+        """The values of keys (None: absent); VersionDataMissing when the store can tell that the
+        version's data is gone."""
         raise NotImplementedError
 
     def count(self, ns: str, version: int) -> int:
@@ -210,6 +212,12 @@ class Store:
 
 class AliasMoved(RuntimeError):
     """Another writer changed the alias or a version's metadata since this run read it."""
+
+
+class VersionDataMissing(LookupError):
+    """A version's data is not in the store (dropped, or never created): its keys are unknown,
+    not absent. Raised by stores that can tell (DynamoDB: its table is gone); a Redis version
+    without data looks empty, which the reader tells apart by its metadata (serving.reader)."""
 
 
 class RedisStore(Store):
