@@ -359,7 +359,14 @@ def test_source_endpoint_parsing():
 # values the batch cannot supply (this test's workload has them) broadcasts the values the
 # classification fetched (+1). In exchange the MERGE no longer carries the TOAST columns through
 # its shuffle of the whole table: 37.7 -> 25.7 s at 20M rows (BENCHMARKS.md).
-INGEST_JOB_BUDGET = 13
+# 18 on Spark Connect (2026-11-26, Spark 4.1.3; the suite's session is a Connect client): a
+# materialized plan costs 4 jobs where a classic session's localCheckpoint cost 2 (runtime.phases.
+# materialize persists and runs a no-op write so Connect delivers the plan's observations, then
+# checkpoints the persisted rows), twice (the batch, the classification: +4), and the MERGE runs 5
+# jobs (+1). Reads of snapshot metadata, jobs on Connect and none through the Java API a classic
+# session used, are held apart to their own ratchet (18: one per read; lake.snapshots).
+INGEST_JOB_BUDGET = 18
+INGEST_METADATA_READ_BUDGET = 18
 
 
 def test_ingest_stays_within_its_spark_job_budget(source, spark, lake):
@@ -373,4 +380,6 @@ def test_ingest_stays_within_its_spark_job_budget(source, spark, lake):
     assert r["status"] == "ok" and r["quarantined"] == 0 and r["updates"] > 0, r
     print(f"ingest of {r['events_read']} events: {r['spark_jobs']} Spark jobs (budget {INGEST_JOB_BUDGET})")
     print("\n".join(r["spark_job_sites"]))
+    print(f"metadata reads: {r['spark_metadata_jobs']} (budget {INGEST_METADATA_READ_BUDGET})")
     assert 0 < r["spark_jobs"] <= INGEST_JOB_BUDGET, r["spark_jobs"]
+    assert r["spark_metadata_jobs"] <= INGEST_METADATA_READ_BUDGET, r["spark_metadata_jobs"]

@@ -29,7 +29,10 @@ def _delete_returning(dsn: str, sql: str) -> set[int]:
 # Measured 2026-11-24 on the test below, after the full-scan checksums gave way to the snapshot
 # lineage check; a regression to repeated scans of the tables shows up here. 30 + 2 since
 # 2026-11-26: expiry reads each table's consumer holds (lake.holds, one query of its refs).
-MAINTENANCE_JOB_BUDGET = 32
+# 40 on Spark Connect (2026-11-26, Spark 4.1.3), with reads of metadata tables (table stats,
+# snapshots, holds: 36 jobs on Connect, one query each) counted apart and held to their own ratchet.
+MAINTENANCE_JOB_BUDGET = 40
+MAINTENANCE_METADATA_READ_BUDGET = 36
 
 
 def test_maintenance_compacts_without_changing_content(source, spark, lake):
@@ -58,8 +61,10 @@ def test_maintenance_compacts_without_changing_content(source, spark, lake):
 
     r = maintain_table(spark, lake, s.block, run_id="m1")
     # Metadata proves only rewrites committed: no full read of either table before or after.
-    print(f"maintenance Spark jobs: {r['spark_jobs']}")
+    print(f"maintenance Spark jobs: {r['spark_jobs']} (+{r['spark_metadata_jobs']} metadata reads)")
+    print("\n".join(r["spark_job_sites"]))
     assert r["spark_jobs"] <= MAINTENANCE_JOB_BUDGET, r["spark_job_sites"]
+    assert r["spark_metadata_jobs"] <= MAINTENANCE_METADATA_READ_BUDGET, r["spark_metadata_jobs"]
 
     after = {t: table_stats(spark, t) for t in (cur, cl)}
     shards = len(list(s.block.shards()))

@@ -90,8 +90,10 @@ def ingest_table(
     with the number of Spark jobs it took (`spark_jobs`)."""
     with SparkJobs(spark, f"ingest {cfg.name} {ingest_run}") as jobs:
         out = apply_pending(spark, lake, cfg, upto_run, ingest_run, interval_end, config_file)
-    log.info("ingest %s: %s Spark jobs: %s", cfg.name, jobs.count, "; ".join(jobs.sites))
-    return {**out, "spark_jobs": jobs.count, "spark_job_sites": jobs.sites}
+    log.info(
+        "ingest %s: %s Spark jobs (+%s metadata reads): %s", cfg.name, jobs.count, jobs.metadata, "; ".join(jobs.sites)
+    )
+    return {**out, "spark_jobs": jobs.count, "spark_metadata_jobs": jobs.metadata, "spark_job_sites": jobs.sites}
 
 
 def apply_pending(

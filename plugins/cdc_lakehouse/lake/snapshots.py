@@ -13,6 +13,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from cdc_lakehouse.runtime.phases import metadata_reads
+
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
@@ -58,13 +60,14 @@ def read_snapshots(spark: SparkSession, table: str, *, refresh: bool = True) -> 
     """Every snapshot of `table` (catalog.namespace.name) and its refs, freshly from the catalog."""
     if refresh:
         spark.sql(f"REFRESH TABLE {table}")
-    rows = spark.sql(
-        "SELECT s.snapshot_id, s.parent_id, s.operation, s.summary, "
-        "CAST(unix_millis(s.committed_at) AS BIGINT) AS ts, NULL AS ref, NULL AS ref_type "
-        f"FROM {table}.snapshots s "
-        "UNION ALL SELECT r.snapshot_id, NULL, NULL, NULL, NULL, r.name, r.type "
-        f"FROM {table}.refs r"
-    ).collect()
+    with metadata_reads(spark):
+        rows = spark.sql(
+            "SELECT s.snapshot_id, s.parent_id, s.operation, s.summary, "
+            "CAST(unix_millis(s.committed_at) AS BIGINT) AS ts, NULL AS ref, NULL AS ref_type "
+            f"FROM {table}.snapshots s "
+            "UNION ALL SELECT r.snapshot_id, NULL, NULL, NULL, NULL, r.name, r.type "
+            f"FROM {table}.refs r"
+        ).collect()
     by_id: dict[int, Snapshot] = {}
     refs: dict[str, int] = {}
     branches: set[str] = set()

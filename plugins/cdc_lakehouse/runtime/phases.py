@@ -43,6 +43,11 @@ class SparkJobs:
     more jobs, and each costs scheduling and a pass over its input: the number is the budget the
     fused ingest is held to (issue #16).
 
+    Reads of a table's snapshot metadata (lake.snapshots, under `metadata_reads()`) are counted
+    apart, in `metadata`: through Iceberg's Java API they started no job, through SQL (what Spark
+    Connect allows) each is a small job over the metadata tables, never over data files. `count`
+    stays the figure a new scan of data moves.
+
     The block's jobs carry a job tag of their own (SparkSession.addTag: public on a classic session
     and on Spark Connect alike); they are counted from the application's status REST API (what the
     Spark UI serves). Where that API is not reachable (the UI off, a remote server's UI behind a
@@ -53,6 +58,7 @@ class SparkJobs:
         self.label = label
         self.tag = f"cdc-{uuid.uuid4().hex[:12]}"
         self.count: int | None = None
+        self.metadata: int | None = None
         self.sites: list[str] = []
 
     def __enter__(self) -> SparkJobs:
@@ -63,11 +69,63 @@ class SparkJobs:
         self.spark.removeTag(self.tag)
         jobs = _tagged_jobs(self.spark, self.tag)
         if jobs is not None:
-            jobs.sort(key=lambda j: j.get("jobId", 0))
-            self.count = len(jobs)
+            jobs.sort(key=lambda j: int(j.get("jobId", 0)))
+            meta = [j for j in jobs if _has_tag(j, METADATA_TAG)]
+            data = [j for j in jobs if not _has_tag(j, METADATA_TAG)]
+            self.count, self.metadata = len(data), len(meta)
             # What started each job (e.g. "save at .../run.py:255"): where a budget regressed, this
             # says which line did it.
-            self.sites = [str(j.get("name", "?")) for j in jobs]
+            self.sites = [_site(self.spark, j) for j in data]
+
+
+# The tag of a read of snapshot metadata (SparkJobs counts those jobs apart).
+METADATA_TAG = "cdc-metadata-read"
+
+
+@contextmanager
+def metadata_reads(spark: SparkSession) -> Iterator[None]:
+    """The jobs started inside are reads of table metadata (SparkJobs.metadata)."""
+    spark.addTag(METADATA_TAG)
+    try:
+        yield
+    finally:
+        spark.removeTag(METADATA_TAG)
+
+
+def _has_tag(job: dict[str, Any], tag: str) -> bool:
+    # A Spark Connect server gives a client's tag its user and session:
+    # "SparkConnect_Execute_User_<u>_Session_<s>_Tag_<tag>" (spark-connect 4.1, ExecuteHolder).
+    return any(t == tag or t.endswith(f"_Tag_{tag}") for t in job.get("jobTags") or [])
+
+
+def _site(spark: SparkSession, job: dict[str, Any]) -> str:
+    """A job's call site ("save at .../run.py:255"); for a Spark Connect client, whose jobs are
+    named by their request, the request's SQL or the relation or command it ran."""
+    import re
+
+    name = str(job.get("name", "?"))
+    if not name.startswith("Spark Connect"):
+        return name
+    details = _stage_details(spark, job)
+    query = re.search(r'query: "((?:[^"\\]|\\.)*)"', details)
+    if query:
+        return "sql: " + query.group(1)[:160]
+    nodes = [n for n in re.findall(r"^ +(\w+) \{", details, re.M) if n not in ("common", "root", "command", "plan")]
+    return "connect: " + " > ".join(nodes[:4]) if nodes else name[:120]
+
+
+def _stage_details(spark: SparkSession, job: dict[str, Any]) -> str:
+    import json
+    import urllib.request
+
+    base, stages = status_api(spark), job.get("stageIds") or []
+    if base is None or not stages:
+        return ""
+    try:
+        with urllib.request.urlopen(f"{base}/stages/{min(stages)}", timeout=5) as r:  # noqa: S310 - the driver's own UI
+            return str((json.load(r) or [{}])[0].get("details", ""))
+    except OSError:
+        return ""
 
 
 def status_api(spark: SparkSession) -> str | None:
@@ -100,9 +158,7 @@ def _tagged_jobs(spark: SparkSession, tag: str) -> list[dict[str, Any]] | None:
                 jobs = json.load(r)
         except OSError:
             return None
-        # A Spark Connect server gives a client's tag its user and session:
-        # "SparkConnect_Execute_User_<u>_Session_<s>_Tag_<tag>" (spark-connect 4.1, ExecuteHolder).
-        mine = [j for j in jobs if any(t == tag or t.endswith(f"_Tag_{tag}") for t in j.get("jobTags") or [])]
+        mine = [j for j in jobs if _has_tag(j, tag)]
         if all(j.get("status") != "RUNNING" for j in mine):
             return mine
         time.sleep(0.05)
