@@ -3,6 +3,9 @@ mismatches, and opt-in repair heals the lake through the ingest's merge path."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 from cdc_lakehouse.audit.run import audit_table
 from pyspark.sql import functions as F
@@ -26,6 +29,9 @@ def test_audit_finds_every_fault_ignores_in_flight_and_repairs(source, spark, la
     s.bootstrap(cfg)
     cur = lake.qualified(cfg.current_table)
     assert audit_table(spark, lake, cfg, audit_run="a0")["verdict"] == "ok"
+    # The Great Expectations report lands beside the results (a failed write only warns).
+    report = Path(lake.warehouse.removeprefix("file://")) / "_quality" / cfg.name / "a0.json"
+    assert {r["expectation"] for r in json.loads(report.read_text())}, report
 
     # Fault 4 first: a landing file lost before the ingest (skipped on purpose), so its changes never arrive.
     lost = [2000000001, 2000000002, 2000000003]

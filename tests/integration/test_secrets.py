@@ -115,6 +115,7 @@ def probe_task(conn_id: str, unique: str):
 
 def assert_probe_shows_none(probe: dict, secrets_dir: Path) -> None:
     assert probe["note_ok"] is True  # a table property with a quote and a backslash, read back
+    assert probe["jdbc_ok"] is True  # a JDBC read of the source, with its password, succeeded
     # Both properties reached the job's catalog; the UI's environment and its SQL pages (which list
     # the settings set in the running session) show no secret: Spark redacts their keys.
     assert probe["properties"] == {TENANT_KEY: sha(TENANT_MARKER), APIKEY_KEY: sha(APIKEY_MARKER)}

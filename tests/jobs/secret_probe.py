@@ -14,6 +14,7 @@ from cdc_lakehouse.lake.tables import props_sql
 from cdc_lakehouse.runtime.secrets import load_job_secrets
 from cdc_lakehouse.runtime.session import get_spark, release_spark
 from cdc_lakehouse.settings import LakeSettings, SourceEndpoint, source_uri
+from cdc_lakehouse.source.session import jdbc_properties
 
 NOTE = "it's a \\ 'quoted' value"
 
@@ -36,6 +37,14 @@ def ui_pages(spark) -> tuple[str, list[str]]:
     pages = [
         html.unescape(urllib.request.urlopen(f"{ui}/SQL/execution/?id={e['id']}").read().decode()) for e in executions
     ]
+    # What a Spark Connect server shows of each request (its plan's text, a JDBC read's options
+    # included): the jobs' and stages' descriptions, and the server's Connect tab.
+    for path in ("jobs", "stages?details=true"):
+        pages.append(urllib.request.urlopen(f"{api}/{path}").read().decode())
+    try:
+        pages.append(html.unescape(urllib.request.urlopen(f"{ui}/connect/").read().decode()))
+    except OSError:
+        pass  # a classic session has no Connect tab
     return urllib.request.urlopen(f"{api}/environment").read().decode(), pages
 
 
@@ -58,6 +67,8 @@ def main(conn_id: str, suffix: str, properties: str = "") -> int:
     table = f"{ns}.t_{suffix}"
     spark.sql(f"CREATE TABLE {table} (id int) USING iceberg {props_sql({'cdc.note': NOTE})}")
     note = {r["key"]: r["value"] for r in spark.sql(f"SHOW TBLPROPERTIES {table}").collect()}.get("cdc.note")
+    # A JDBC read from the source, as the bootstrap and the audit make: its password is an option.
+    jdbc = spark.read.jdbc(ep.jdbc_url(), "(SELECT 1 AS one) q", properties=jdbc_properties(ep, 100)).collect()
     environment, sql_pages = ui_pages(spark)
     ui = "\n".join([environment, *sql_pages])
     props = dict(json.loads(environment)["sparkProperties"])
@@ -70,6 +81,7 @@ def main(conn_id: str, suffix: str, properties: str = "") -> int:
         "source_password": digest(ep.password),
         "properties": {k: digest(v) for k, v in values.items()},
         "note_ok": note == NOTE,
+        "jdbc_ok": [tuple(r) for r in jdbc] == [(1,)],
         "sql_pages": len(sql_pages),
         "ui_leaks": sorted(k for k, v in secrets.items() if v and shown(v, ui)),
         "ui_password_value": props.get(f"spark.sql.catalog.{lake.catalog_name}.jdbc.password"),

@@ -187,10 +187,4 @@ def _gx_rows(result) -> list[dict[str, Any]]:
 
 
 def _write_text(spark: SparkSession, uri: str, text: str) -> None:
-    fs = LandingFS(spark)
-    path, hfs = fs._fs(uri)
-    out = hfs.create(path, True)
-    try:
-        out.write(bytearray(text.encode("utf-8")))
-    finally:
-        out.close()
+    LandingFS(spark).write_bytes(uri, text.encode("utf-8"))

@@ -165,8 +165,7 @@ def _position_at_current(spark: SparkSession, table: str, position: Callable[[It
     """(current snapshot id, the position as of it), from one fresh load of the table. A table
     without a snapshot first gets an empty one: a branch needs a snapshot to start from (two
     writers doing so at once is harmless: neither carries a position)."""
-    spark.sql(f"REFRESH TABLE {table}")  # Spark's cached plans of it; the Java table is reloaded below
-    chain = current_ancestors(spark, table)
+    chain = current_ancestors(spark, table)  # refreshes the table first (lake.snapshots)
     head = next(chain, None)
     if head is None:
         spark.createDataFrame([], spark.table(table).schema).writeTo(table).append()

@@ -48,7 +48,7 @@ COMPACTION = "replace"  # Iceberg's operation for rewrites that change no row
 
 @dataclass(frozen=True)
 class SnapshotInfo:
-    """One snapshot of a table, as the range rule needs it (from Spark's Java API or pyiceberg)."""
+    """One snapshot of a table, as the range rule needs it (from lake.snapshots or pyiceberg)."""
 
     snapshot_id: int
     parent_id: int | None
@@ -58,7 +58,7 @@ class SnapshotInfo:
 
     @classmethod
     def of(cls, snapshot_id: int, parent_id: int | None, operation: str | None, summary: Any) -> SnapshotInfo:
-        """From a snapshot summary (anything with `.get`: a Java map, pyiceberg's Summary, a dict)."""
+        """From a snapshot summary (anything with `.get`: pyiceberg's Summary, a dict)."""
         get = summary.get if summary is not None else (lambda _k: None)
         wm, writer = get(WATERMARK_PROP), get(WRITER_PROP)
         return cls(

@@ -318,6 +318,16 @@ class LandingFS:
     def read_text(self, uri: str) -> str:
         return self.read_bytes(uri).decode("utf-8")
 
+    def write_bytes(self, uri: str, data: bytes) -> None:
+        """The file at uri, replaced by data (a local file's folders made first)."""
+        from pyarrow import fs as pafs
+
+        fs, path = self._fs(uri)
+        if isinstance(fs, pafs.LocalFileSystem):
+            fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
+        with fs.open_output_stream(path) as f:
+            f.write(data)
+
     def delete(self, uri: str, recursive: bool = True) -> bool:
         from pyarrow import fs as pafs
 

@@ -87,6 +87,8 @@ class CdcSparkSubmitOperator(SparkSubmitOperator):
             env[SESSION_CONF_ENV] = json.dumps(self.conf)
         saved = {k: os.environ.get(k) for k in env}
         self.log.info("running %s on Spark Connect at %s", self.job, url.split(";", maxsplit=1)[0])
+        if self._driver_memory:  # the driver is the server's: its memory was set when it started
+            self.log.warning("%s: driver_memory=%s does not apply on Spark Connect", self.job, self._driver_memory)
         try:
             os.environ.update(env)
             rc = run_application(self.application, [str(a) for a in self.application_args or []])

@@ -114,10 +114,12 @@ def run_per_table(
     t0 = time.time()
     names = ",".join(c.name for c in cfgs)
     spark = get_spark(args.app_name or f"cdc-{kind}-{names[:40]}", lake)
-    ensure_meta_tables(spark, lake)
-    log.info("%s: Spark session ready in %.1fs (package %s)", kind, time.time() - t0, Path(__file__).parent)
-    _, failures = run_tables(kind, spark, lake, cfgs, lambda s, lk, c: fn(s, lk, c, args, files.get(c.name)))
-    release_spark(spark)
+    try:  # a failed job still ends its Spark Connect session on the server
+        ensure_meta_tables(spark, lake)
+        log.info("%s: Spark session ready in %.1fs (package %s)", kind, time.time() - t0, Path(__file__).parent)
+        _, failures = run_tables(kind, spark, lake, cfgs, lambda s, lk, c: fn(s, lk, c, args, files.get(c.name)))
+    finally:
+        release_spark(spark)
     if failures:
         print(f"{kind}: {len(failures)} of {len(cfgs)} table(s) failed:", file=sys.stderr)
         for name, exc in failures:

@@ -93,9 +93,10 @@ def metadata_reads(spark: SparkSession) -> Iterator[None]:
 
 
 def _has_tag(job: dict[str, Any], tag: str) -> bool:
-    # A Spark Connect server gives a client's tag its user and session:
-    # "SparkConnect_Execute_User_<u>_Session_<s>_Tag_<tag>" (spark-connect 4.1, ExecuteHolder).
-    return any(t == tag or t.endswith(f"_Tag_{tag}") for t in job.get("jobTags") or [])
+    # Spark 4 gives a session's tag its scope: on a Spark Connect server
+    # "SparkConnect_Execute_User_<u>_Session_<s>_Tag_<tag>" (spark-connect 4.1, ExecuteHolder), on a
+    # classic session "spark-session-<uuid>-thread-<uuid>-<tag>" (SparkSession.managedJobTags).
+    return any(t == tag or t.endswith((f"_Tag_{tag}", f"-{tag}")) for t in job.get("jobTags") or [])
 
 
 def _site(spark: SparkSession, job: dict[str, Any]) -> str:

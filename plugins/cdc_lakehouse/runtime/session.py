@@ -22,6 +22,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -147,6 +148,23 @@ def set_session(spark: SparkSession, conf: SparkSettings) -> None:
         spark.conf.set(k, reveal(v))
 
 
+def set_task_conf(spark: SparkSession, conf: dict[str, str]) -> None:
+    """A task's own settings (the operator's `conf`) into its Spark Connect session. A running
+    server takes SQL settings per session; settings a JVM reads at its start (executor or driver
+    memory, jars, ...) it refuses, and the error says where they go instead."""
+    for k, v in conf.items():
+        try:
+            spark.conf.set(k, v)
+        except Exception as exc:
+            if "CANNOT_MODIFY_CONFIG" not in str(exc) and "static" not in str(exc).lower():
+                raise
+            raise ValueError(
+                f"task conf {k!r}: a running Spark Connect server cannot take it per session (Spark reads it "
+                "when the server starts). Set it in the server's own settings, or run this task by "
+                "spark-submit (a `spark` connection instead of `spark_connect`)"
+            ) from exc
+
+
 def builder_settings(conf: SparkSettings) -> tuple[dict[str, str], SparkSettings]:
     """(settings a new classic JVM may start with, settings to set once it runs). pyspark starts a
     JVM with every builder setting as a `--conf k=v` argument, which any local user can read
@@ -190,8 +208,18 @@ def connect_server_argv(workdir: Path, port: int, ui_port: int, memory: str) -> 
     # Python UDFs (the serving export's writers, the Debezium conversion) run in worker processes
     # of this Python, which has the project's dependencies; the package itself comes per session
     # as an artifact (configure_session).
-    env = {**os.environ, "PYSPARK_PYTHON": sys.executable, "SPARK_LOCAL_IP": "127.0.0.1"}
-    return argv, env
+    # The secrets of the process that starts it stay out of its environment (which its Python UDFs
+    # inherit): every session brings its own settings and secrets (configure_session).
+    env = {k: v for k, v in os.environ.items() if k.startswith("AWS_") or not SERVER_ENV_DROPPED.search(k)}
+    return argv, {**env, "PYSPARK_PYTHON": sys.executable, "SPARK_LOCAL_IP": "127.0.0.1"}
+
+
+# Variables a local Spark Connect server does not inherit: secrets by name or by origin (Airflow's
+# connections and its metadata database URL, the sources' URIs, the secrets file of a task). AWS_*
+# stay: they are the AWS SDKs' default credential chain, which a lake without keys of its own uses.
+SERVER_ENV_DROPPED = re.compile(
+    r"(?i)password|secret|token|credential|^AIRFLOW_CONN_|^AIRFLOW__DATABASE__|^CDC_SOURCE_URI|^CDC_SECRETS_FILE$"
+)
 
 
 _LIVE: list[SparkSession] = []  # this process's Connect sessions, for interrupt_all
@@ -221,7 +249,8 @@ def configure_session(spark: SparkSession, lake: LakeSettings, extra: dict[str, 
     from cdc_lakehouse.runtime.packaging import pyfiles_zip
 
     own = json.loads(os.environ.get(SESSION_CONF_ENV) or "{}")
-    set_session(spark, {**sql_conf(), **lake_conf(lake), **own, **(extra or {})})
+    set_session(spark, {**sql_conf(), **lake_conf(lake), **(extra or {})})
+    set_task_conf(spark, own)
     spark.addArtifacts(str(pyfiles_zip()), pyfile=True)
 
 
