@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from cdc_lakehouse.runtime.phases import metadata_reads
 
@@ -56,10 +56,28 @@ class TableSnapshots:
             sid = snap.parent_id
 
 
+# Catalogs this process can also read with pyiceberg: name -> load_catalog properties (registered
+# by runtime.session.get_spark for its lake), and the loaded catalogs.
+_PYICEBERG: dict[str, dict[str, str]] = {}
+_LOADED: dict[str, Any] = {}
+
+
+def read_with_pyiceberg(catalog_name: str, properties: dict[str, str]) -> None:
+    """Read this catalog's snapshots with pyiceberg from now on: the table's metadata file, read by
+    this process, where the metadata tables cost a Spark job each (on Spark Connect, a request and
+    a job per read; an ingest makes about 18)."""
+    if _PYICEBERG.get(catalog_name) != properties:
+        _PYICEBERG[catalog_name] = dict(properties)
+        _LOADED.pop(catalog_name, None)
+
+
 def read_snapshots(spark: SparkSession, table: str, *, refresh: bool = True) -> TableSnapshots:
     """Every snapshot of `table` (catalog.namespace.name) and its refs, freshly from the catalog."""
-    if refresh:
+    if refresh:  # Spark's cached copy, for what the caller reads through Spark next
         spark.sql(f"REFRESH TABLE {table}")
+    catalog_name, _, ident = table.partition(".")
+    if catalog_name in _PYICEBERG:
+        return _from_pyiceberg(table, catalog_name, ident)
     with metadata_reads(spark):
         rows = spark.sql(
             "SELECT s.snapshot_id, s.parent_id, s.operation, s.summary, "
@@ -87,6 +105,27 @@ def read_snapshots(spark: SparkSession, table: str, *, refresh: bool = True) -> 
             int(r["ts"] or 0),
         )
     return TableSnapshots(table, by_id, refs.get(MAIN), refs, frozenset(branches))
+
+
+def _from_pyiceberg(table: str, catalog_name: str, ident: str) -> TableSnapshots:
+    from pyiceberg.catalog import load_catalog
+
+    if catalog_name not in _LOADED:
+        _LOADED[catalog_name] = load_catalog(catalog_name, **_PYICEBERG[catalog_name])
+    meta = _LOADED[catalog_name].load_table(ident).metadata
+    by_id = {
+        s.snapshot_id: Snapshot(
+            s.snapshot_id,
+            s.parent_snapshot_id,
+            s.summary.operation.value if s.summary is not None else None,
+            dict(s.summary.additional_properties) if s.summary is not None else {},
+            int(s.timestamp_ms),
+        )
+        for s in meta.snapshots
+    }
+    refs = {name: ref.snapshot_id for name, ref in meta.refs.items()}
+    branches = frozenset(name for name, ref in meta.refs.items() if ref.snapshot_ref_type.value == "branch")
+    return TableSnapshots(table, by_id, refs.get(MAIN), refs, branches)
 
 
 def current_ancestors(spark: SparkSession, table: str, ref: str | None = None) -> Iterator[Snapshot]:

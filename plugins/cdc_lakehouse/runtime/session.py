@@ -254,6 +254,21 @@ def configure_session(spark: SparkSession, lake: LakeSettings, extra: dict[str, 
     spark.addArtifacts(str(pyfiles_zip()), pyfile=True)
 
 
+def _snapshots_by_pyiceberg(lake: LakeSettings) -> None:
+    """Snapshot metadata read by pyiceberg where it has the lake's catalog (lake.snapshots)."""
+    from cdc_lakehouse.lake.snapshots import read_with_pyiceberg
+
+    if (
+        os.environ.get("CDC_SNAPSHOTS_BY_SPARK") == "1"
+    ):  # the metadata tables instead (A/B, a catalog pyiceberg reads wrong)
+        return
+    try:
+        props = lake.pyiceberg_properties()
+    except ValueError:  # a catalog type pyiceberg has not: the metadata tables
+        return
+    read_with_pyiceberg(lake.catalog_name, props)
+
+
 # --- the factory ----------------------------------------------------------------------------------
 
 
@@ -278,7 +293,9 @@ def get_spark(
     if url:
         spark = connect_session(url)
         configure_session(spark, lake, extra)
+        _snapshots_by_pyiceberg(lake)
         return spark
+    _snapshots_by_pyiceberg(lake)
     return _classic(app_name, lake, master=master, jars=jars, extra=extra, driver_memory=driver_memory)
 
 
