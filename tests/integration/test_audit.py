@@ -17,6 +17,12 @@ def _audit_cfg(cfg, **audit):
     return cfg.model_copy(update={"audit": cfg.audit.model_copy(update={"consecutive_mismatches": 2, **audit})})
 
 
+def _found(result) -> dict[str, int]:
+    """An audit result's key counts by kind, over its shards."""
+    kinds = ("missing", "extra", "different", "in_flight")
+    return {k: sum(st.get(k, 0) for st in result["shards"].values()) for k in kinds}
+
+
 def _ids(lake_spark, table, where):
     return sorted(r[0] for r in lake_spark.sql(f"SELECT id FROM {table} WHERE {where}").collect())
 
@@ -59,9 +65,7 @@ def test_audit_finds_every_fault_ignores_in_flight_and_repairs(source, spark, la
     )
 
     r1 = audit_table(spark, lake, cfg, audit_run="a1")
-    found = {
-        k: sum(st.get(k, 0) for st in r1["shards"].values()) for k in ("missing", "extra", "different", "in_flight")
-    }
+    found = _found(r1)
     assert found["missing"] >= 1 and found["extra"] == 1 and found["different"] >= 1 + len(lost), found
     assert found["in_flight"] == 50 + 20 + 2, found  # 70 updates, the delete, the insert
     assert r1["verdict"] == "ok" and not r1["persistent"], "one sighting is not yet a failure (N=2): " + r1["message"]
@@ -86,6 +90,31 @@ def test_audit_finds_every_fault_ignores_in_flight_and_repairs(source, spark, la
     assert r4["verdict"] == "ok" and not r4["persistent"], r4["message"]
     assert all(not st.get(k) for st in r4["shards"].values() for k in ("missing", "extra", "different"))
     assert_lake_equals_source(spark, lake, cfg, s.dsn, check_changelog=False)
+
+
+def test_a_capture_during_the_in_flight_peek_is_still_in_flight(source, spark, lake, monkeypatch):
+    """A capture is not a table writer: it runs while an audit runs and can move changes from the
+    slot into a new landing run between the audit's two looks for keys in flight. Those keys
+    must still count as in flight, not as mismatches (here one sighting would fail the audit)."""
+    import cdc_lakehouse.audit.run as audit_run
+
+    s = source
+    cfg = _audit_cfg(s.block, mode="full", repair=False, consecutive_mismatches=1)
+    s.capture()
+    s.bootstrap(cfg)
+    s.execute("UPDATE s0.block SET version = version + 1 WHERE id BETWEEN 1000000100 AND 1000000129")
+    peek, captured = audit_run.inflight_from_slot, []
+
+    def capture_then_peek(*args, **kwargs):
+        if not captured:
+            captured.append(s.capture()["run_id"])  # the slot's changes now sit in a landing run
+        return peek(*args, **kwargs)
+
+    monkeypatch.setattr(audit_run, "inflight_from_slot", capture_then_peek)
+    r = audit_table(spark, lake, cfg, audit_run="race1")
+    found = _found(r)
+    assert captured and found == {"missing": 0, "extra": 0, "different": 0, "in_flight": 30}, (found, r["message"])
+    assert r["verdict"] == "ok", r["message"]
 
 
 def test_repair_over_its_cap_never_deletes_keys_it_did_not_read(source, spark, lake):

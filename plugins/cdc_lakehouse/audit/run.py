@@ -412,11 +412,18 @@ def _compare_buckets(
 
 
 def _in_flight(spark: SparkSession, lake: LakeSettings, t: _Table) -> list[DataFrame]:
-    """Pending landing events and changes the slot has not delivered yet: (shard, key..., _all)."""
+    """Changes the slot has not delivered yet and pending landing events: (shard, key..., _all).
+
+    The slot first, the landing after: a capture that runs meanwhile (captures do not share the
+    table's writer pool) moves changes from the slot to a new landing run, which the listing
+    after the peek then sees. The other order missed them and called them mismatches (the
+    scheduler e2e test, once its tasks ran on Spark Connect fast enough to overlap a capture)."""
     # inflight_from_slot is looked up here at call time: tests replace it on this module.
-    frames = [inflight_from_landing(spark, lake, t.cfg, t.wm, t.key_cols)]
-    for endpoint_id, (ep, shards) in t.endpoints.items():
-        frames.append(inflight_from_slot(spark, t.cfg, endpoint_id, ep, shards, t.key_cols))
+    frames = [
+        inflight_from_slot(spark, t.cfg, endpoint_id, ep, shards, t.key_cols)
+        for endpoint_id, (ep, shards) in t.endpoints.items()
+    ]
+    frames.append(inflight_from_landing(spark, lake, t.cfg, t.wm, t.key_cols))
     return [f for f in frames if f is not None]
 
 
