@@ -37,7 +37,8 @@ def inflight_from_landing(
     from cdc_lakehouse.landing.reader import plan_landing
 
     plan = plan_landing(SparkLanding(spark, lake.landing_uri), cfg, wm, None, check_files=False)
-    files = [f for f in plan.files if LandingFS(spark).exists(f)]
+    fs = LandingFS(spark)
+    files = [f for f in plan.files if fs.exists(f)]
     if not files:
         return None
     shard_pairs = []
