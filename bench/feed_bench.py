@@ -199,7 +199,9 @@ def main() -> int:
     lake = LakeSettings(
         catalog_type="hadoop", catalog_name="lake", warehouse=f"file://{WORK}/wh", landing_uri=f"file://{WORK}/l"
     )
-    spark = get_spark("bench-feed", lake, driver_memory=args.driver_memory, extra={"spark.ui.enabled": "false"})
+    spark = get_spark(
+        "bench-feed", lake, classic=True, driver_memory=args.driver_memory, extra={"spark.ui.enabled": "false"}
+    )
     cfg = table_cfg()
     t = time.monotonic()
     load(spark, lake, cfg, args.rows)

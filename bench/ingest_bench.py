@@ -129,7 +129,7 @@ def run_ours(mode: str, prep: dict, rows: int, repeat: int, merge_join: str = "a
     lake = LakeSettings.from_env().with_(
         warehouse=f"file://{WORK}/warehouse", landing_uri=f"file://{prep['dir']}/landing"
     )
-    spark = get_spark("bench-ingest", lake, driver_memory=os.environ.get("CDC_BENCH_DRIVER_MEMORY", "8g"))
+    spark = get_spark("bench-ingest", lake, classic=True, driver_memory=os.environ.get("CDC_BENCH_DRIVER_MEMORY", "8g"))
     ensure_meta_tables(spark, lake)
     name = f"blk_{mode.replace('-', '_')}_{rows}"
     cfg, errs = parse_table_config(bench_table_config(name, mode, merge_join), "bench")
@@ -180,7 +180,9 @@ def run_spark_merge(prep: dict, rows: int, repeat: int) -> list[dict]:
     from cdc_lakehouse.settings import LakeSettings
 
     lake = LakeSettings.from_env().with_(warehouse=f"file://{WORK}/warehouse")
-    spark = get_spark("bench-spark-merge", lake, driver_memory=os.environ.get("CDC_BENCH_DRIVER_MEMORY", "8g"))
+    spark = get_spark(
+        "bench-spark-merge", lake, classic=True, driver_memory=os.environ.get("CDC_BENCH_DRIVER_MEMORY", "8g")
+    )
     table = lake.qualified(f"bench.plain_merge_{rows}")
     out = []
     for i in range(repeat):

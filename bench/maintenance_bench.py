@@ -49,7 +49,9 @@ def main() -> int:
     lake = LakeSettings.from_env().with_(
         warehouse=f"file://{WORK}/warehouse", landing_uri=f"file://{prep['dir']}/landing"
     )
-    spark = get_spark("bench-maintenance", lake, driver_memory=os.environ.get("CDC_BENCH_DRIVER_MEMORY", "8g"))
+    spark = get_spark(
+        "bench-maintenance", lake, classic=True, driver_memory=os.environ.get("CDC_BENCH_DRIVER_MEMORY", "8g")
+    )
     ensure_meta_tables(spark, lake)
     results: dict[str, list[dict]] = {v: [] for v in VARIANTS}
     for i in range(args.repeat):

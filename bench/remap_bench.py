@@ -262,7 +262,7 @@ def main() -> int:
     lake = LakeSettings(
         catalog_type="hadoop", catalog_name="lake", warehouse=f"file://{WORK}/wh", landing_uri=f"file://{WORK}/l"
     )
-    spark = get_spark("bench-remap", lake, extra={"spark.ui.enabled": "false"})
+    spark = get_spark("bench-remap", lake, classic=True, extra={"spark.ui.enabled": "false"})
     current, cfg = setup(spark, args.rows), make_config("remap", ["s0"])
     engines = ["graph", *[f"old-cap={c.strip()}" for c in args.old_caps.split(",") if c.strip()]]
     runs: dict[str, list[dict]] = {e: [] for e in engines}

@@ -492,7 +492,9 @@ def main() -> int:
 
     WORK.mkdir(parents=True, exist_ok=True)
     lake = LakeSettings.from_env().with_(warehouse=f"file://{WORK}/warehouse")
-    spark = get_spark("bench-serving", lake, driver_memory=args.driver_memory, extra={"spark.ui.enabled": "false"})
+    spark = get_spark(
+        "bench-serving", lake, classic=True, driver_memory=args.driver_memory, extra={"spark.ui.enabled": "false"}
+    )
     res: dict = {
         "rows": n,
         "command": command,

@@ -449,7 +449,9 @@ def main() -> int:
         lake = LakeSettings.from_env().with_(
             warehouse=f"file://{HERE / '.work' / 'warehouse'}", landing_uri=f"file://{HERE / '.work' / 'landing'}"
         )
-        spark = get_spark("bench-source", lake, driver_memory=os.environ.get("CDC_BENCH_DRIVER_MEMORY", "4g"))
+        spark = get_spark(
+            "bench-source", lake, classic=True, driver_memory=os.environ.get("CDC_BENCH_DRIVER_MEMORY", "4g")
+        )
         ensure_meta_tables(spark, lake)
         if "bootstrap" in what:
             print("bootstrap:", flush=True)

@@ -102,7 +102,7 @@ def main() -> int:
     from cdc_lakehouse.runtime.session import get_spark
 
     lake = LakeSettings.from_env()
-    spark = get_spark("bench-tables-bootstrap", lake)
+    spark = get_spark("bench-tables-bootstrap", lake, classic=True)
     ensure_meta_tables(spark, lake)
     t = time.time()
     for name in names:

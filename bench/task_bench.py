@@ -9,9 +9,10 @@ one Spark application, not timed), then runs, each in a new process:
 
   ours         spark_jobs/ingest.py, started with the spark-submit command line the Airflow
                task builds (CdcSparkSubmitOperator: --jars, --py-files, base_conf, driver memory)
-  ours-server  the same job sent to a job server (cdc_lakehouse.runtime.server) started once
-               beforehand, as the Airflow task does with CDC_SPARK_SERVER set: timed from the
-               request to the committed line (the server's own start is printed, not counted)
+  ours-connect the same job file run as the Airflow task runs it on a `spark_connect`
+               connection: a new Python process, a client of a Spark Connect server started
+               once beforehand (dev.localstack.LocalSparkConnect; its start is printed, not
+               counted), timed from the spawn to the committed line
   spark-merge  a plain Spark MERGE of the already pre-combined batch, started the same way
 
 Timed from the spawn of spark-submit to the line the job prints once its commit is done (the
@@ -29,6 +30,8 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import yaml
@@ -55,7 +58,7 @@ def _names(rows: int, repeat: int) -> list[tuple[str, str]]:
 
 
 def _server_names(rows: int, repeat: int) -> list[str]:
-    """Our table config name per repeat of the job-server runs."""
+    """Our table config name per repeat of the Spark Connect runs."""
     return [f"warm_srv_{rows}_{i}" for i in range(repeat)]
 
 
@@ -68,7 +71,7 @@ def setup(prep: dict, rows: int, repeat: int, config_dir: Path) -> None:
     from bench.ingest_bench import bench_table_config, create_plain_table, load_base
 
     lake = _lake(prep)
-    spark = get_spark("bench-task-setup", lake)
+    spark = get_spark("bench-task-setup", lake, classic=True)
     ensure_meta_tables(spark, lake)
     for _, plain in _names(rows, repeat):
         create_plain_table(spark, lake, lake.qualified(plain), prep)
@@ -90,7 +93,7 @@ def verify(prep: dict, rows: int, repeat: int) -> dict[str, bool]:
     from bench.ingest_bench import table_checksum
 
     lake = _lake(prep)
-    spark = get_spark("bench-task-verify", lake)
+    spark = get_spark("bench-task-verify", lake, classic=True)
     out = {}
     tables = [t for name, plain in _names(rows, repeat) for t in (f"bench.{name}", plain)]
     for table in tables + [f"bench.{n}" for n in _server_names(rows, repeat)]:
@@ -143,22 +146,25 @@ def timed(cmd: list[str], env: dict[str, str]) -> dict:
     return {"to_commit": commit, "to_exit": time.monotonic() - t, "result": result}
 
 
-def timed_on_server(sock: Path, job: str, args: list[str], env: dict[str, str]) -> dict:
-    """The same figures for a job sent to the job server: from the request to the committed line
-    and to the reply's end."""
-    from cdc_lakehouse.runtime.server import submit
+@contextmanager
+def connect_server() -> Iterator[str]:
+    """A local Spark Connect server for the Connect runs (its start printed, not timed); its URL."""
+    from cdc_lakehouse.dev.localstack import LocalSparkConnect
 
-    t, seen = time.monotonic(), {"lines": []}
+    server = LocalSparkConnect(WORK / "task-connect", memory=os.environ.get("CDC_SPARK_DRIVER_MEMORY", "4g"))
+    t = time.time()
+    server.start()
+    print(f"Spark Connect server started (not timed): {time.time() - t:.1f}s", flush=True)
+    try:
+        yield server.url
+    finally:
+        server.stop()
 
-    def on_line(line: str) -> None:
-        if line.startswith(COMMITTED) and "commit" not in seen:
-            seen["commit"], seen["result"] = time.monotonic() - t, json.loads(line.split(" ", 2)[2])
-        seen["lines"].append(line)
 
-    rc = submit(sock, job, args, env, on_line)
-    if rc != 0 or "commit" not in seen:
-        raise RuntimeError(f"{job} {args} failed on the server (exit {rc}):\n" + "\n".join(seen["lines"][-40:]))
-    return {"to_commit": seen["commit"], "to_exit": time.monotonic() - t, "result": seen["result"]}
+def connect_command(app: Path, args: list[str]) -> list[str]:
+    """The job file as the task runs it on Spark Connect (orchestration.operators: runpy in the
+    task's process; here a process of its own, as each Airflow task is)."""
+    return [sys.executable, str(app), *args]
 
 
 def job_env(prep: dict) -> dict[str, str]:
@@ -257,7 +263,7 @@ def audit_setup(rows: int, config_dir: Path) -> tuple[str, dict[str, str]]:
     ep = EndpointTables(cfg.source.shards[0].endpoint_id, AUDIT_CONN, {"block": (AUDIT_SHARDS, ["id"])})
     capture_run(ep, _admin_dsn(db), LocalLanding(landing), "20260101T000000Z")  # slot and publication
     lake = LakeSettings.from_env().with_(warehouse=f"file://{WORK}/task-warehouse", landing_uri=landing)
-    spark = get_spark("bench-task-audit-setup", lake)
+    spark = get_spark("bench-task-audit-setup", lake, classic=True)
     ensure_meta_tables(spark, lake)
     for t in (cfg.current_table, cfg.changelog_table):
         spark.sql(f"DROP TABLE IF EXISTS {lake.qualified(t)} PURGE")
@@ -266,25 +272,30 @@ def audit_setup(rows: int, config_dir: Path) -> tuple[str, dict[str, str]]:
     return name, {**env, **lake.to_env()}
 
 
-def run_audits(rows: int, repeat: int) -> list[dict]:
-    """The audit task of a clean table, cold, `repeat` times (it changes nothing: one setup)."""
+def run_audits(rows: int, repeat: int) -> tuple[list[dict], list[dict]]:
+    """The audit task of a clean table, cold, `repeat` times by spark-submit and as many on Spark
+    Connect, alternated (it changes nothing: one setup)."""
     config_dir = WORK / f"task-audit-configs-{rows}"
     t = time.time()
     name, extra = audit_setup(rows, config_dir)
     print(f"audit setup (not timed): {time.time() - t:.0f}s", flush=True)
     env = {**job_env({"dir": str(WORK)}), **extra}
-    out = []
-    for i in range(repeat):
-        args = ["--tables", name, "--config-dir", str(config_dir), "--audit-run", f"cold-{i}"]
-        out.append(timed(submit_command(ROOT / "spark_jobs" / "audit.py", args), env))
-        r = out[-1]
-        print(
-            f"audit repeat {i + 1}: {r['to_commit']:.1f}s to result ({r['to_exit']:.1f}s to exit); in the job "
-            f"{r['result'].get('seconds', 0):.1f}s, {r['result'].get('spark_jobs')} Spark jobs, "
-            f"verdict {r['result'].get('verdict')}",
-            flush=True,
-        )
-    return out
+    out, on_connect = [], []
+    with connect_server() as url:
+        for i in range(repeat):
+            args = ["--tables", name, "--config-dir", str(config_dir), "--audit-run", f"cold-{i}"]
+            out.append(timed(submit_command(ROOT / "spark_jobs" / "audit.py", args), env))
+            connect_env = {**env, "CDC_SPARK_REMOTE": url, "PYTHONPATH": str(ROOT / "plugins")}
+            args[-1] = f"connect-{i}"
+            on_connect.append(timed(connect_command(ROOT / "spark_jobs" / "audit.py", args), connect_env))
+            for how, r in (("spark-submit", out[-1]), ("Spark Connect", on_connect[-1])):
+                print(
+                    f"audit repeat {i + 1} by {how}: {r['to_commit']:.1f}s to result ({r['to_exit']:.1f}s to exit); "
+                    f"in the job {r['result'].get('seconds', 0):.1f}s, {r['result'].get('spark_jobs')} Spark jobs, "
+                    f"verdict {r['result'].get('verdict')}",
+                    flush=True,
+                )
+    return out, on_connect
 
 
 def _median(runs: list[dict], key: str) -> float:
@@ -292,41 +303,34 @@ def _median(runs: list[dict], key: str) -> float:
 
 
 def run_ingests(prep: dict, rows: int, changes: int, repeat: int) -> tuple[list[dict], list[dict], list[dict]]:
-    """Ours by spark-submit, ours on the job server and the plain MERGE, alternated per repeat
+    """Ours by spark-submit, ours on Spark Connect and the plain MERGE, alternated per repeat
     (a drift of the shared machine's speed then hits all alike)."""
-    from cdc_lakehouse.runtime.server import shutdown, start_background
-
     config_dir = WORK / f"task-configs-{rows}"
     t = time.time()
     setup(prep, rows, repeat, config_dir)
     print(f"setup (not timed): {time.time() - t:.0f}s", flush=True)
     env = job_env(prep)
-    sock = WORK / "task-server" / "jobs.sock"
-    t = time.time()
-    start_background(sock, sock.with_suffix(".log"), env=env)
-    print(f"job server started (not timed): {time.time() - t:.1f}s", flush=True)
     ours, served, plain = [], [], []
-    try:
+    with connect_server() as url:
+        on_connect = {**env, "CDC_SPARK_REMOTE": url, "PYTHONPATH": str(ROOT / "plugins")}
         for i, ((name, plain_table), srv_name) in enumerate(zip(_names(rows, repeat), _server_names(rows, repeat))):
             ingest = ["--tables", name, "--config-dir", str(config_dir / name), "--ingest-run", f"cold-{i}"]
             ours.append(timed(submit_command(ROOT / "spark_jobs" / "ingest.py", ingest), env))
             on_server = ["--tables", srv_name, "--config-dir", str(config_dir / srv_name), "--ingest-run", f"srv-{i}"]
-            served.append(timed_on_server(sock, "ingest", on_server, _lake(prep).to_env()))
+            served.append(timed(connect_command(ROOT / "spark_jobs" / "ingest.py", on_server), on_connect))
             merge = ["--merge-table", plain_table, "--rows", str(rows), "--changes", str(changes)]
             plain.append(timed(submit_command(Path(__file__).resolve(), merge), env))
             print(
                 f"repeat {i + 1}: ours {ours[-1]['to_commit']:.1f}s to commit ({ours[-1]['to_exit']:.1f}s to exit; "
-                f"{ours[-1]['result'].get('seconds', 0):.1f}s in the job), ours on the job server "
+                f"{ours[-1]['result'].get('seconds', 0):.1f}s in the job), ours on Spark Connect "
                 f"{served[-1]['to_commit']:.1f}s ({served[-1]['result'].get('seconds', 0):.1f}s in the job), "
                 f"plain MERGE {plain[-1]['to_commit']:.1f}s "
                 f"({plain[-1]['to_exit']:.1f}s; {plain[-1]['result'].get('seconds', 0):.1f}s in the job)",
                 flush=True,
             )
-    finally:
-        shutdown(sock)
     o, v, m = _median(ours, "to_commit"), _median(served, "to_commit"), _median(plain, "to_commit")
     print(
-        f"task, start -> commit (median of {repeat}): ours by spark-submit {o:.1f}s, ours on the job server "
+        f"task, start -> commit (median of {repeat}): ours by spark-submit {o:.1f}s, ours on Spark Connect "
         f"{v:.1f}s, plain MERGE by spark-submit {m:.1f}s; ratios {o / m:.2f} and {v / m:.2f}"
     )
     return ours, served, plain
@@ -353,16 +357,26 @@ def main() -> int:
     checks = verify(prep, args.rows, args.repeat) if "verify" in parts else {}
     if checks:
         print(f"verified: {all(checks.values())} {checks}", flush=True)
-    audits = run_audits(args.audit_rows, args.repeat) if "audit" in parts else []
+    audits, audits_connect = run_audits(args.audit_rows, args.repeat) if "audit" in parts else ([], [])
     if audits:
-        print(f"audit of {args.audit_rows} rows, spawn -> result (median): {_median(audits, 'to_commit'):.1f}s")
+        print(
+            f"audit of {args.audit_rows} rows, spawn -> result (median): by spark-submit "
+            f"{_median(audits, 'to_commit'):.1f}s, on Spark Connect {_median(audits_connect, 'to_commit'):.1f}s"
+        )
     out = HERE / "results" / f"task-{args.rows}-{args.changes}-{'-'.join(sorted(parts))}.json"
     out.parent.mkdir(exist_ok=True)
-    result = {"batch": prep, "ours": ours, "ours_server": served, "plain_merge": plain, "audit": audits}
+    result = {
+        "batch": prep,
+        "ours": ours,
+        "ours_connect": served,
+        "plain_merge": plain,
+        "audit": audits,
+        "audit_connect": audits_connect,
+    }
     result["verified"] = checks
     out.write_text(json.dumps({**result, "machine": machine()}, indent=2, default=str))
     print(f"results: {out}")
-    return 0 if all(checks.values()) and all(a["result"].get("verdict") == "ok" for a in audits) else 1
+    return 0 if all(checks.values()) and all(a["result"].get("verdict") == "ok" for a in audits + audits_connect) else 1
 
 
 if __name__ == "__main__":

@@ -722,7 +722,9 @@ def main() -> int:
     lake = LakeSettings(
         catalog_type="hadoop", catalog_name="lake", warehouse=f"file://{warehouse}", landing_uri=f"file://{d}/landing"
     )
-    spark = get_spark("bench-tree", lake, driver_memory=args.driver_memory, extra={"spark.ui.enabled": "false"})
+    spark = get_spark(
+        "bench-tree", lake, classic=True, driver_memory=args.driver_memory, extra={"spark.ui.enabled": "false"}
+    )
     block_cfg, perm_cfg, tree_cfg = configs()
     cfgs = [block_cfg, perm_cfg]
     tables = {"block": block_cfg, "permission": perm_cfg}

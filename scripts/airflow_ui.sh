@@ -10,14 +10,13 @@ airflow dags reserialize >/dev/null 2>&1
 for dag in $(airflow dags list -o plain 2>/dev/null | awk '{print $1}' | grep -E '^cdc_(ingest|audit|maintenance|derived)'); do
   airflow dags unpause "$dag" >/dev/null 2>&1 || true
 done
-# Spark tasks go to one long-lived job server (README, "Performance"); AIRFLOW_SPARK=submit
-# makes them start a spark-submit each instead.
-if [ "${AIRFLOW_SPARK:-server}" = server ]; then
-  python -m cdc_lakehouse.runtime.server start >/dev/null
-  CDC_SPARK_SERVER="$(python -c 'from cdc_lakehouse.runtime.server import default_socket; print(default_socket())')"
-  export CDC_SPARK_SERVER
-  trap 'python -m cdc_lakehouse.runtime.server stop' EXIT
-  echo "[airflow] Spark tasks run on the job server at $CDC_SPARK_SERVER (log: its folder's server.log)"
+# Spark tasks are clients of the local stack's Spark Connect server (make pg-start starts it;
+# spark_default in scripts/env.sh). AIRFLOW_SPARK=submit makes them start a spark-submit each.
+if [ "${AIRFLOW_SPARK:-connect}" = submit ]; then
+  export AIRFLOW_CONN_SPARK_DEFAULT='{"conn_type": "spark", "host": "local[*]"}'
+  echo "[airflow] Spark tasks run by spark-submit (local master)"
+else
+  echo "[airflow] Spark tasks run on Spark Connect at $CDC_SPARK_REMOTE"
 fi
 echo "[airflow] UI at http://localhost:${AIRFLOW__API__PORT:-8080} (Ctrl-C stops scheduler and UI)"
 airflow standalone

@@ -35,7 +35,10 @@ export AIRFLOW_CONN_CDC_SOURCE_LOCAL="${AIRFLOW_CONN_CDC_SOURCE_LOCAL:-postgresq
 # The serving export's local default store (redis-server, started with PostgreSQL by make pg-start).
 export CDC_LOCAL_REDIS_PORT="${CDC_LOCAL_REDIS_PORT:-56379}"
 export AIRFLOW_CONN_CDC_REDIS="${AIRFLOW_CONN_CDC_REDIS:-redis://127.0.0.1:$CDC_LOCAL_REDIS_PORT/0}"
-export AIRFLOW_CONN_SPARK_DEFAULT="${AIRFLOW_CONN_SPARK_DEFAULT:-{\"conn_type\": \"spark\", \"host\": \"local[*]\"\}}"
+# Spark: the local stack's Spark Connect server (dev.localstack, started by make pg-start).
+export CDC_LOCAL_SPARK_PORT="${CDC_LOCAL_SPARK_PORT:-15002}"
+export CDC_LOCAL_SPARK_UI_PORT="${CDC_LOCAL_SPARK_UI_PORT:-4040}"
+export AIRFLOW_CONN_SPARK_DEFAULT="${AIRFLOW_CONN_SPARK_DEFAULT:-{\"conn_type\": \"spark_connect\", \"host\": \"127.0.0.1\", \"port\": $CDC_LOCAL_SPARK_PORT\}}"
 export AIRFLOW_CONN_CDC_LAKE="${AIRFLOW_CONN_CDC_LAKE:-{\"conn_type\": \"generic\", \"host\": \"127.0.0.1\", \"port\": $CDC_LOCAL_PG_PORT, \"schema\": \"lake_catalog\", \"login\": \"postgres\", \"password\": \"$CDC_LOCAL_PG_PASSWORD\", \"extra\": {\"catalog_type\": \"jdbc\", \"warehouse\": \"file://$CDC_LOCAL_DIR/warehouse\", \"landing_uri\": \"file://$CDC_LOCAL_DIR/landing\"\}\}}"
 
 # The same lake for code that runs outside Airflow (Spark jobs started by hand, benchmarks).
@@ -44,6 +47,7 @@ export CDC_CATALOG_URI="postgresql://postgres@$_pg/lake_catalog"
 export CDC_CATALOG_PASSWORD="$CDC_LOCAL_PG_PASSWORD"
 export CDC_WAREHOUSE="file://$CDC_LOCAL_DIR/warehouse"
 export CDC_LANDING_URI="file://$CDC_LOCAL_DIR/landing"
+export CDC_SPARK_REMOTE="${CDC_SPARK_REMOTE:-sc://127.0.0.1:$CDC_LOCAL_SPARK_PORT}"
 unset _root _pg
 export SPARK_LOCAL_IP="${SPARK_LOCAL_IP:-127.0.0.1}"
 export PYARROW_IGNORE_TIMEZONE=1

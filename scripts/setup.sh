@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One-command setup on a Debian-like machine with Python 3.11 and Java 17:
-#   system packages (apt), a virtualenv with the pinned requirements, Spark's jars,
-#   the --py-files zip and the local stack's folders. Re-running is quick and changes nothing.
+#   system packages (apt), a virtualenv with the pinned requirements, Spark's jars from Maven
+#   Central (requirements-jvm.txt), the --py-files zip and the local stack's folders. Re-running
+#   is quick and changes nothing.
 # Options: CDC_SKIP_APT=1 (packages managed elsewhere), CDC_WITH_BROWSER=0 (no Chromium).
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
@@ -9,8 +10,9 @@ cd "$ROOT"
 log() { echo "[setup] $*"; }
 
 # --- system packages ---------------------------------------------------------------
-APT_PKGS=(postgresql-15 redis-server libjarjar-java libpostgresql-jdbc-java unzip curl zip)
+APT_PKGS=(postgresql-15 redis-server unzip curl zip)
 command -v java >/dev/null 2>&1 || APT_PKGS+=(openjdk-17-jre-headless)
+command -v mvn >/dev/null 2>&1 || APT_PKGS+=(maven)
 [[ "${CDC_WITH_BROWSER:-1}" == "1" ]] && APT_PKGS+=(chromium)
 if [[ "${CDC_SKIP_APT:-0}" != "1" ]]; then
   missing=()
@@ -49,7 +51,7 @@ else
 fi
 
 # --- jars, package, local folders ---------------------------------------------------------
-PYTHON="$ROOT/.venv/bin/python" scripts/fetch_jars.sh | sed 's/^/[setup] /'
+scripts/fetch_jars.sh | sed 's/^/[setup] /'
 PYTHONPATH="$ROOT/plugins" .venv/bin/python -m cdc_lakehouse.runtime.packaging >/dev/null
 mkdir -p .local
 log "done"

@@ -7,6 +7,7 @@ test session and removed at its end.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -90,12 +91,33 @@ def redis_server(tmp_root):
 
 
 @pytest.fixture(scope="session")
-def spark(lake):
+def spark_server(tmp_root):
+    """The session's Spark Connect server: the one JVM every test's Spark work runs in, started
+    the way the local stack starts its own (dev.localstack.LocalSparkConnect)."""
+    from cdc_lakehouse.dev.localstack import LocalSparkConnect
+
+    server = LocalSparkConnect(tmp_root / "spark-connect", memory="3g")
+    server.start()
+    # Whatever the tests start that reaches for Spark (a job run in-process, a DAG's task, the
+    # CLI) goes to this server, not to the local stack's.
+    os.environ["CDC_SPARK_REMOTE"] = server.url
+    os.environ["AIRFLOW_CONN_SPARK_DEFAULT"] = json.dumps(
+        {"conn_type": "spark_connect", "host": "127.0.0.1", "port": server.port}
+    )
+    yield server
+    from cdc_lakehouse.runtime.session import release_all
+
+    release_all()  # every session of the suite (and of the jobs it ran in-process) first
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def spark(lake, spark_server):
     from cdc_lakehouse.lake.meta import ensure_meta_tables
 
     from tests.helpers import suite_spark_session
 
-    session = suite_spark_session(lake)
+    session = suite_spark_session(lake, spark_server.url)
     ensure_meta_tables(session, lake)
     yield session
     session.stop()

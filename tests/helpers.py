@@ -156,18 +156,10 @@ def lake_connection_json(pg, lake, password: str | None = None) -> str:
     return json.dumps(conn)
 
 
-def suite_spark_session(lake):
-    """The suite's one SparkSession (getOrCreate), with `lake`'s catalog attached whether or not the
-    session already existed: unit tests (a Hadoop catalog, no PostgreSQL) and integration tests (a
-    JDBC catalog) share it in one run, whichever starts first."""
-    from cdc_lakehouse.runtime.session import attach_lake, get_spark
+def suite_spark_session(lake, url: str):
+    """A session of the suite's Spark Connect server with `lake`'s catalog: unit tests (a Hadoop
+    catalog, no PostgreSQL) and integration tests (a JDBC catalog) each get their own session of
+    the one server."""
+    from cdc_lakehouse.runtime.session import get_spark
 
-    session = get_spark(
-        "cdc-tests",
-        lake,
-        master="local[2]",
-        driver_memory="3g",
-        extra={"spark.ui.enabled": "false", "spark.sql.shuffle.partitions": "4"},
-    )
-    attach_lake(session, lake)
-    return session
+    return get_spark("cdc-tests", lake, remote=url, extra={"spark.sql.shuffle.partitions": "4"})

@@ -29,7 +29,7 @@ from cdc_lakehouse.lake.tables import table_exists, table_stats
 from cdc_lakehouse.lake.watermark import WATERMARK_PROP, read_watermark
 from cdc_lakehouse.landing.format import MANIFEST_DIR, manifest_path
 from cdc_lakehouse.landing.reader import SparkLanding
-from cdc_lakehouse.runtime.phases import PhaseClock, SparkJobs
+from cdc_lakehouse.runtime.phases import PhaseClock, SparkJobs, metadata_reads
 from cdc_lakehouse.settings import LakeSettings
 from cdc_lakehouse.views import publish_latest
 
@@ -76,11 +76,12 @@ def position_snapshot_time(spark: SparkSession, table: str, prop: str = WATERMAR
     """When the newest snapshot on the current line carrying `prop` was committed. Its commit
     time, not when it became current: expire_snapshots compares `older_than` with commit times,
     and a fenced commit (lake.commits) is committed on a branch before main is moved to it."""
-    rows = spark.sql(
-        f"SELECT s.committed_at t FROM {table}.snapshots s JOIN {table}.history h ON s.snapshot_id = h.snapshot_id "
-        f"WHERE h.is_current_ancestor AND s.summary['{prop}'] IS NOT NULL "
-        "ORDER BY h.made_current_at DESC LIMIT 1"
-    ).collect()
+    with metadata_reads(spark):
+        rows = spark.sql(
+            f"SELECT s.committed_at t FROM {table}.snapshots s JOIN {table}.history h ON s.snapshot_id = h.snapshot_id "
+            f"WHERE h.is_current_ancestor AND s.summary['{prop}'] IS NOT NULL "
+            "ORDER BY h.made_current_at DESC LIMIT 1"
+        ).collect()
     return rows[0]["t"].replace(tzinfo=UTC) if rows else None
 
 
@@ -268,12 +269,12 @@ def _only_rewrites_since(spark: SparkSession, target: Target, since: int | None)
 
     head = None
     for snap in current_ancestors(spark, target.table):
-        head = snap.snapshotId() if head is None else head
-        if snap.snapshotId() == since:
+        head = snap.snapshot_id if head is None else head
+        if snap.snapshot_id == since:
             return head
-        if snap.operation() != "replace":
+        if snap.operation != "replace":
             raise ConcurrentWriterError(
-                f"{target.owner}: {target.table} got a '{snap.operation()}' commit (snapshot {snap.snapshotId()}) "
+                f"{target.owner}: {target.table} got a '{snap.operation}' commit (snapshot {snap.snapshot_id}) "
                 f"while maintenance ran: another writer was active. The DAGs' writers of it never run at once "
                 f"({target.writers}); check that no job outside them writes the table"
             )
@@ -327,7 +328,7 @@ def maintain_table(
         result = maintain_targets(spark, lake, cfg.name, table_targets(lake, cfg), run_id, now)
         result.update(publish_latest(spark, lake, cfg))
         result.update(prune_landing(spark, lake, cfg, consumers or [cfg], now))
-    return {**result, "spark_jobs": jobs.count, "spark_job_sites": jobs.sites}
+    return {**result, "spark_jobs": jobs.count, "spark_metadata_jobs": jobs.metadata, "spark_job_sites": jobs.sites}
 
 
 def maintain_derived(
@@ -438,7 +439,7 @@ def _observe(spark: SparkSession, target: Target) -> _Observed:
         checksum = content_checksum(spark, target.table, [f.name for f in spark.table(target.table).schema.fields])
     return _Observed(
         table_stats(spark, target.table),
-        snap.snapshotId() if snap is not None else None,
+        snap.snapshot_id if snap is not None else None,
         target.read_position(spark, target.table),
         checksum,
     )

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import psycopg2
 import pytest
+from cdc_lakehouse.dev.localstack import free_port
 
 from tests.conftest import ROOT
 from tests.helpers import init_airflow_home
@@ -40,8 +41,11 @@ def demo_env(pg, redis_server, tmp_path_factory):
         "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
         "PYTHONPATH": str(ROOT / "plugins"),
         "AIRFLOW_HOME": str(base / "airflow"),
-        # Its own local dir: the demo's job server folder is created fresh, as on a new clone.
+        # Its own local dir and ports: the demo starts its own Spark Connect server, as on a new
+        # clone (the rerun below goes by spark-submit: the spark_default connection here).
         "CDC_LOCAL_DIR": str(base / "local"),
+        "CDC_LOCAL_SPARK_PORT": str(free_port()),
+        "CDC_LOCAL_SPARK_UI_PORT": str(free_port()),
         "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{base}/airflow/airflow.db",
         "AIRFLOW__CORE__DAGS_FOLDER": str(ROOT / "dags"),
         "AIRFLOW__CORE__PLUGINS_FOLDER": str(ROOT / "plugins"),
@@ -71,7 +75,9 @@ def demo_env(pg, redis_server, tmp_path_factory):
     }
     env.pop("CDC_LAKE_SETTINGS", None)
     init_airflow_home(env)
-    return env
+    yield env
+    stop = "from cdc_lakehouse.dev.localstack import local_stack_spark; local_stack_spark().stop()"
+    subprocess.run([sys.executable, "-c", stop], env=env, check=False, timeout=120)
 
 
 def _lake_versions(env) -> dict[tuple[str, int], int]:

@@ -1,6 +1,8 @@
 """Airflow's real scheduler on the local stack (issue #14): api-server, scheduler (LocalExecutor
 on SQLite) and dag-processor run for a few minutes in their own AIRFLOW_HOME with one small
-table whose ingest and audit are scheduled every minute.
+table whose ingest and audit are scheduled every minute. Their Spark tasks are clients of the
+session's Spark Connect server, as on the local stack (a spark-submit per task is covered by
+tests/integration/test_secrets.py and test_cluster.py, and by the demo test's rerun).
 
 The bootstrap is triggered through the REST API and run by the scheduler; then the ingest and
 audit DAGs are unpaused and nothing else is triggered. The test asserts from Airflow's metadata
@@ -126,7 +128,7 @@ class Source:
 
 
 @pytest.fixture(scope="module")
-def sched_env(pg, tmp_path_factory):
+def sched_env(pg, spark_server, tmp_path_factory):
     """A fresh AIRFLOW_HOME (SQLite, LocalExecutor), a tables dir with one small table, its
     source in a scratch database, and a private catalog, warehouse and landing zone."""
     base = tmp_path_factory.mktemp("sched")
@@ -168,9 +170,10 @@ def sched_env(pg, tmp_path_factory):
         "AIRFLOW__LOGGING__LOGGING_LEVEL": "INFO",
         "CDC_TABLES_DIR": str(tables),
         "CDC_TASK_RETRIES": "0",
-        "CDC_SPARK_DRIVER_MEMORY": "1g",
         "AIRFLOW_CONN_CDC_SCHED_SOURCE": pg.uri(db),
-        "AIRFLOW_CONN_SPARK_DEFAULT": json.dumps({"conn_type": "spark", "host": "local[2]"}),
+        "AIRFLOW_CONN_SPARK_DEFAULT": json.dumps(
+            {"conn_type": "spark_connect", "host": "127.0.0.1", "port": spark_server.port}
+        ),
         "AIRFLOW_CONN_CDC_LAKE": json.dumps(
             {
                 "conn_type": "generic",

@@ -3,6 +3,9 @@ mismatches, and opt-in repair heals the lake through the ingest's merge path."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 from cdc_lakehouse.audit.run import audit_table
 from pyspark.sql import functions as F
@@ -12,6 +15,12 @@ from tests.helpers import assert_lake_equals_source, landing_root
 
 def _audit_cfg(cfg, **audit):
     return cfg.model_copy(update={"audit": cfg.audit.model_copy(update={"consecutive_mismatches": 2, **audit})})
+
+
+def _found(result) -> dict[str, int]:
+    """An audit result's key counts by kind, over its shards."""
+    kinds = ("missing", "extra", "different", "in_flight")
+    return {k: sum(st.get(k, 0) for st in result["shards"].values()) for k in kinds}
 
 
 def _ids(lake_spark, table, where):
@@ -26,6 +35,9 @@ def test_audit_finds_every_fault_ignores_in_flight_and_repairs(source, spark, la
     s.bootstrap(cfg)
     cur = lake.qualified(cfg.current_table)
     assert audit_table(spark, lake, cfg, audit_run="a0")["verdict"] == "ok"
+    # The Great Expectations report lands beside the results (a failed write only warns).
+    report = Path(lake.warehouse.removeprefix("file://")) / "_quality" / cfg.name / "a0.json"
+    assert {r["expectation"] for r in json.loads(report.read_text())}, report
 
     # Fault 4 first: a landing file lost before the ingest (skipped on purpose), so its changes never arrive.
     lost = [2000000001, 2000000002, 2000000003]
@@ -53,9 +65,7 @@ def test_audit_finds_every_fault_ignores_in_flight_and_repairs(source, spark, la
     )
 
     r1 = audit_table(spark, lake, cfg, audit_run="a1")
-    found = {
-        k: sum(st.get(k, 0) for st in r1["shards"].values()) for k in ("missing", "extra", "different", "in_flight")
-    }
+    found = _found(r1)
     assert found["missing"] >= 1 and found["extra"] == 1 and found["different"] >= 1 + len(lost), found
     assert found["in_flight"] == 50 + 20 + 2, found  # 70 updates, the delete, the insert
     assert r1["verdict"] == "ok" and not r1["persistent"], "one sighting is not yet a failure (N=2): " + r1["message"]
@@ -80,6 +90,31 @@ def test_audit_finds_every_fault_ignores_in_flight_and_repairs(source, spark, la
     assert r4["verdict"] == "ok" and not r4["persistent"], r4["message"]
     assert all(not st.get(k) for st in r4["shards"].values() for k in ("missing", "extra", "different"))
     assert_lake_equals_source(spark, lake, cfg, s.dsn, check_changelog=False)
+
+
+def test_a_capture_during_the_in_flight_peek_is_still_in_flight(source, spark, lake, monkeypatch):
+    """A capture is not a table writer: it runs while an audit runs and can move changes from the
+    slot into a new landing run between the audit's two looks for keys in flight. Those keys
+    must still count as in flight, not as mismatches (here one sighting would fail the audit)."""
+    import cdc_lakehouse.audit.run as audit_run
+
+    s = source
+    cfg = _audit_cfg(s.block, mode="full", repair=False, consecutive_mismatches=1)
+    s.capture()
+    s.bootstrap(cfg)
+    s.execute("UPDATE s0.block SET version = version + 1 WHERE id BETWEEN 1000000100 AND 1000000129")
+    peek, captured = audit_run.inflight_from_slot, []
+
+    def capture_then_peek(*args, **kwargs):
+        if not captured:
+            captured.append(s.capture()["run_id"])  # the slot's changes now sit in a landing run
+        return peek(*args, **kwargs)
+
+    monkeypatch.setattr(audit_run, "inflight_from_slot", capture_then_peek)
+    r = audit_table(spark, lake, cfg, audit_run="race1")
+    found = _found(r)
+    assert captured and found == {"missing": 0, "extra": 0, "different": 0, "in_flight": 30}, (found, r["message"])
+    assert r["verdict"] == "ok", r["message"]
 
 
 def test_repair_over_its_cap_never_deletes_keys_it_did_not_read(source, spark, lake):

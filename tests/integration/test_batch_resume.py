@@ -36,7 +36,7 @@ INGEST_KILLS = ["ingest_changelog_committed", "ingest_merge_committed", "ingest_
 def batch_of_current_position(spark, table: str) -> BatchId:
     """The batch id of the commit that holds the table's current watermark."""
     for snap in current_ancestors(spark, table):
-        summary = snap.summary()
+        summary = snap.summary
         if summary.get(WATERMARK_PROP) is not None:
             assert summary.get(BATCH_PROP), f"{table}: its current position was committed without a batch id"
             return BatchId(summary.get(BATCH_PROP))

@@ -76,7 +76,7 @@ def test_quiet_shard_moves_its_heartbeat_not_its_last_source_commit(source, spar
     assert f3[quiet].last_heartbeat_lsn == hb["commit_lsn"]
     assert f3[quiet].fresh_to == datetime.fromisoformat(hb["commit_ts"])
     snap = current_snapshot(spark, lake.qualified(cfg.current_table))
-    assert f3[quiet].lake_snapshot_id == snap.snapshotId()
+    assert f3[quiet].lake_snapshot_id == snap.snapshot_id
     assert f3[quiet].endpoint == s.endpoint and f3[quiet].source_schema == "s1"
     assert 0 <= f3[quiet].freshness_seconds < 600
     hist = spark.table(lake.qualified(lake.meta_table("freshness"))).filter(f"table_name = '{cfg.name}'")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -85,18 +86,32 @@ def test_random_workload_converges_exactly(source, spark, lake):
     assert deleted.count() > 0 and deleted.filter("deleted_at IS NULL").count() == 0
 
 
+def sql_executions(spark) -> list[dict]:
+    """The SQL executions the Spark application ran, with their physical plans (the status REST
+    API of the driver's UI: the same on Spark Connect as on a classic session)."""
+    import json
+    import urllib.request
+
+    from cdc_lakehouse.runtime.phases import status_api
+
+    url = f"{status_api(spark)}/sql?details=true&planDescription=true&offset=0&length=1000000"
+    with urllib.request.urlopen(url, timeout=10) as r:  # noqa: S310 - the local driver's own UI
+        return json.load(r)
+
+
 def merge_plans(spark, after: int) -> list[str]:
     """Physical plans of the row-level writes (MERGE) Spark ran after execution id `after`."""
-    spark.sparkContext._jsc.sc().listenerBus().waitUntilEmpty()
-    execs = spark._jsparkSession.sharedState().statusStore().executionsList()
-    plans = [execs.apply(i) for i in range(execs.size()) if execs.apply(i).executionId() > after]
-    return [p.physicalPlanDescription() for p in plans if "WriteDelta" in (p.physicalPlanDescription() or "")]
+    # The listener bus records an execution's end asynchronously: wait until none is running.
+    for _ in range(100):
+        execs = [e for e in sql_executions(spark) if e["id"] > after]
+        if all(e.get("status") != "RUNNING" for e in execs):
+            break
+        time.sleep(0.1)
+    return [e["planDescription"] for e in execs if "WriteDelta" in (e.get("planDescription") or "")]
 
 
 def last_execution(spark) -> int:
-    spark.sparkContext._jsc.sc().listenerBus().waitUntilEmpty()
-    execs = spark._jsparkSession.sharedState().statusStore().executionsList()
-    return max((execs.apply(i).executionId() for i in range(execs.size())), default=-1)
+    return max((e["id"] for e in sql_executions(spark)), default=-1)
 
 
 def table_side_shuffled(plan: str, table: str) -> bool:
@@ -344,7 +359,15 @@ def test_source_endpoint_parsing():
 # values the batch cannot supply (this test's workload has them) broadcasts the values the
 # classification fetched (+1). In exchange the MERGE no longer carries the TOAST columns through
 # its shuffle of the whole table: 37.7 -> 25.7 s at 20M rows (BENCHMARKS.md).
-INGEST_JOB_BUDGET = 13
+# 18 on Spark Connect (2026-11-26, Spark 4.1.3; the suite's session is a Connect client): a
+# materialized plan costs 4 jobs where a classic session's localCheckpoint cost 2 (runtime.phases.
+# materialize persists and runs a no-op write so Connect delivers the plan's observations, then
+# checkpoints the persisted rows), twice (the batch, the classification: +4), and the MERGE runs 5
+# jobs (+1). Reads of snapshot metadata through the metadata tables, a job each (18 per ingest on
+# Connect, none through the Java API a classic session used), are held apart to their own ratchet:
+# 0 since pyiceberg reads the snapshots where it has the lake's catalog (lake.snapshots).
+INGEST_JOB_BUDGET = 18
+INGEST_METADATA_READ_BUDGET = 0
 
 
 def test_ingest_stays_within_its_spark_job_budget(source, spark, lake):
@@ -358,4 +381,6 @@ def test_ingest_stays_within_its_spark_job_budget(source, spark, lake):
     assert r["status"] == "ok" and r["quarantined"] == 0 and r["updates"] > 0, r
     print(f"ingest of {r['events_read']} events: {r['spark_jobs']} Spark jobs (budget {INGEST_JOB_BUDGET})")
     print("\n".join(r["spark_job_sites"]))
+    print(f"metadata reads: {r['spark_metadata_jobs']} (budget {INGEST_METADATA_READ_BUDGET})")
     assert 0 < r["spark_jobs"] <= INGEST_JOB_BUDGET, r["spark_jobs"]
+    assert r["spark_metadata_jobs"] <= INGEST_METADATA_READ_BUDGET, r["spark_metadata_jobs"]

@@ -29,7 +29,14 @@ def _delete_returning(dsn: str, sql: str) -> set[int]:
 # Measured 2026-11-24 on the test below, after the full-scan checksums gave way to the snapshot
 # lineage check; a regression to repeated scans of the tables shows up here. 30 + 2 since
 # 2026-11-26: expiry reads each table's consumer holds (lake.holds, one query of its refs).
-MAINTENANCE_JOB_BUDGET = 32
+# 40 on Spark Connect (2026-11-26, Spark 4.1.3), with reads of metadata tables (table stats,
+# snapshots, holds: 36 jobs on Connect, one query each; 22 once pyiceberg reads the snapshots)
+# counted apart and held to their own ratchet. The data jobs vary with the random workload: a
+# rewrite runs one job per file group and rewrite_manifests one per manifest group (40 and 43 in
+# two full runs, 2026-11-26: 3 sort rewrites and 4 + 3 manifest jobs in the second); 46 leaves a
+# group's worth of room while still catching a full scan of either table (tens of jobs more).
+MAINTENANCE_JOB_BUDGET = 46
+MAINTENANCE_METADATA_READ_BUDGET = 22
 
 
 def test_maintenance_compacts_without_changing_content(source, spark, lake):
@@ -58,8 +65,10 @@ def test_maintenance_compacts_without_changing_content(source, spark, lake):
 
     r = maintain_table(spark, lake, s.block, run_id="m1")
     # Metadata proves only rewrites committed: no full read of either table before or after.
-    print(f"maintenance Spark jobs: {r['spark_jobs']}")
+    print(f"maintenance Spark jobs: {r['spark_jobs']} (+{r['spark_metadata_jobs']} metadata reads)")
+    print("\n".join(r["spark_job_sites"]))
     assert r["spark_jobs"] <= MAINTENANCE_JOB_BUDGET, r["spark_job_sites"]
+    assert r["spark_metadata_jobs"] <= MAINTENANCE_METADATA_READ_BUDGET, r["spark_metadata_jobs"]
 
     after = {t: table_stats(spark, t) for t in (cur, cl)}
     shards = len(list(s.block.shards()))
@@ -70,7 +79,7 @@ def test_maintenance_compacts_without_changing_content(source, spark, lake):
     for t in (cur, cl):
         assert content_checksum(spark, t, [f.name for f in spark.table(t).schema.fields]) == sums[t], t
     # Time travel within retention still reads the pre-maintenance snapshot.
-    old = spark.read.option("snapshot-id", snap_before).table(cur).select(SHARD_COL, *cols)
+    old = spark.sql(f"SELECT * FROM {cur} VERSION AS OF {int(snap_before)}").select(SHARD_COL, *cols)
     assertDataFrameEqual(old, rows_before)
     # The lake still equals the source, and the latest-per-key view equals the current table.
     assert_lake_equals_source(spark, lake, s.block, s.dsn)

@@ -11,6 +11,7 @@ ConcurrentWriterError (a different batch), and no event is applied twice.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -27,9 +28,10 @@ from cdc_lakehouse.lake.batches import batch_snapshots
 from cdc_lakehouse.lake.commits import ConcurrentWriterError, publish_point
 from cdc_lakehouse.lake.watermark import read_watermark
 from cdc_lakehouse.runtime.failpoints import hold_at
+from cdc_lakehouse.runtime.session import REMOTE_ENV
 from pyspark.sql import functions as F
 
-from tests.helpers import assert_lake_equals_source
+from tests.helpers import assert_lake_equals_source, suite_spark_session
 from tests.integration.conftest import Source
 from tests.integration.test_batch_resume import batch_of_current_position
 from tests.integration.test_chunked_bootstrap import _chunked
@@ -72,14 +74,14 @@ def overlapping(table: str, fn_a: Callable[[], Any]) -> Iterator[Writer]:
     assert not a.is_alive(), "writer A did not finish after its release"
 
 
-def session_of_its_own(spark):
-    """Writer A's session: another session of the suite's SparkContext, whose catalog keeps no
-    table cache. A cached table would make A's write start from the snapshot A loaded before it
+def session_of_its_own(lake):
+    """Writer A's session: another session of the suite's Spark Connect server, whose catalog keeps
+    no table cache. A cached table would make A's write start from the snapshot A loaded before it
     was held, and Iceberg's own validation of a MERGE would then see B's commit; a zombie whose
     stall outlasts the cache's 30 s expiry (or a deployment with cache-enabled=false) loads B's
     snapshot instead, and only a fence at publish time stops it."""
-    other = spark.newSession()
-    other.conf.set("spark.sql.catalog.lake.cache-enabled", "false")
+    other = suite_spark_session(lake, os.environ[REMOTE_ENV])
+    other.conf.set(f"spark.sql.catalog.{lake.catalog_name}.cache-enabled", "false")
     return other
 
 
@@ -120,7 +122,7 @@ def test_ingest_writers_overlapping_inside_a_commit_apply_each_event_once(small,
     if b_batch == "newer":
         s.wl.step(30)
         upto_b = s.capture()["run_id"]
-    with overlapping(cl if held_at == "changelog" else cur, _ingest_a(s, session_of_its_own(spark), m1)) as a:
+    with overlapping(cl if held_at == "changelog" else cur, _ingest_a(s, session_of_its_own(s.lake), m1)) as a:
         s.ingest(s.block, upto_b, run="B")
     assert not changelog_twice(spark, cl), "the changelog got an event twice"
     assert read_watermark(spark, cur)["runs"][s.endpoint] == upto_b  # never moved back
@@ -153,7 +155,7 @@ def test_feed_consumers_overlapping_inside_the_output_commit_apply_a_range_once(
     block_counts(spark, lake, s.block, output=output)
     s.wl.step(30)
     s.ingest(s.block, s.capture()["run_id"], run="i1")
-    spark_a = session_of_its_own(spark)
+    spark_a = session_of_its_own(lake)
     with overlapping(out, lambda: block_counts(spark_a, lake, s.block, output=output)) as a:
         if b_range == "newer":
             s.wl.step(30)
@@ -207,7 +209,7 @@ def test_derived_runs_overlapping_inside_the_output_commit_commit_once(tree_sour
     schema = s.schemas[0]
     node, other = _first_child(s, schema)
     apply_batch(s, f"UPDATE {schema}.block SET parent_id = NULL WHERE id = {node}")  # A: node becomes a root
-    spark_a = session_of_its_own(spark)
+    spark_a = session_of_its_own(lake)
     tables = {s.block.name: s.block, s.perm.name: s.perm}
     out = lake.qualified(cfg.output_table)
     with overlapping(out, lambda: derive_tree(spark_a, lake, cfg, tables)) as a:
@@ -238,7 +240,7 @@ def test_chunked_bootstraps_overlapping_inside_a_round_apply_each_chunk_once(sma
     s.capture()
     cl = lake.qualified(cfg.changelog_table)
     ends = {s.endpoint: s.tables()}
-    spark_a = session_of_its_own(spark)
+    spark_a = session_of_its_own(lake)
     with overlapping(cl, lambda: bootstrap_table(spark_a, lake, cfg, run_id="A", all_endpoint_tables=ends)) as a:
         r = bootstrap_table(spark, lake, cfg, run_id="B", all_endpoint_tables=ends)
         assert r["done"], r

@@ -1,6 +1,6 @@
 """Secrets, for real: one spark-submit on local[2] through the operator (the job gets its secrets
 from the 0600 file, the Spark UI shows none, no log line or alert holds one, no file is left
-behind), a JVM started from Python (job server, tests, `python spark_jobs/x.py`) with no secret on
+behind), a JVM started from Python (tests, `python spark_jobs/x.py` without a server) with no secret on
 its command line, and libpq DSNs of passwords with spaces, quotes and backslashes against a
 password-checking server. Among the secrets: a catalog property named innocently and marked
 secret in the lake connection (secret by origin), and one named like a credential but given as a
@@ -64,20 +64,25 @@ def probe_connections(monkeypatch, pg, lake, tmp_path) -> Path:
     return secrets_dir
 
 
-def run_probe(op) -> tuple[list[str], dict]:
-    """Run the probe task: no secret in its log, and the job got both secrets. (log lines, probe)."""
+def run_probe(op, capsys=None) -> tuple[list[str], dict]:
+    """Run the probe task: no secret in its log, and the job got both secrets. (log lines, probe).
+    With `capsys`: the job ran in this process (Spark Connect) and printed to its stdout."""
     with structlog.testing.capture_logs() as events:
         op.execute({})
     lines = [repr(e) for e in events]
+    texts = [str(e.get("event")) for e in events]
+    if capsys is not None:
+        printed = capsys.readouterr().out.splitlines()
+        lines, texts = lines + printed, texts + printed
     assert not [line for line in lines if leaks(line)], "a secret in the task log"
-    probe = json.loads(
-        next(e["event"] for e in events if "CDC_PROBE " in str(e.get("event"))).split("CDC_PROBE ", 1)[1]
+    probe = json.loads(next(t for t in texts if "CDC_PROBE " in t).split("CDC_PROBE ", 1)[1])
+    # By spark-submit the secrets come in the task's 0600 file, which the job loads and deletes; on
+    # Spark Connect the job runs in the task's own process, which holds them in its environment.
+    assert probe["names"] == (
+        []
+        if capsys is not None
+        else ["CDC_CATALOG_PASSWORD", "CDC_CATALOG_SECRET_PROPERTIES", f"CDC_SOURCE_URI__{CONN.upper()}"]
     )
-    assert probe["names"] == [
-        "CDC_CATALOG_PASSWORD",
-        "CDC_CATALOG_SECRET_PROPERTIES",
-        f"CDC_SOURCE_URI__{CONN.upper()}",
-    ]
     assert probe["catalog_password"] == sha(LAKE_MARKER)
     assert probe["source_password"] == sha(SRC_MARKER)
     return lines, probe
@@ -85,26 +90,32 @@ def run_probe(op) -> tuple[list[str], dict]:
 
 @pytest.mark.slow
 def test_spark_submit_on_local_gets_its_secrets_and_shows_none(pg, lake, monkeypatch, tmp_path, unique):
-    from cdc_lakehouse.orchestration.operators import CdcSparkSubmitOperator
-
     secrets_dir = probe_connections(monkeypatch, pg, lake, tmp_path)
     monkeypatch.setenv("CDC_SPARK_DRIVER_MEMORY", "1g")
-    # A job server is configured, but this task has a Spark setting of its own, which the server's
-    # already started context would not apply: the task must go by spark-submit.
-    monkeypatch.setenv("CDC_SPARK_SERVER", str(tmp_path / "srv" / "jobs.sock"))
+    _, probe = run_probe(probe_task("spark_secrets_probe", unique))
+    assert_probe_shows_none(probe, secrets_dir)
+    check_alert_file(monkeypatch, tmp_path)
+
+
+def probe_task(conn_id: str, unique: str):
+    """The probe job as a task of the project's operator, on the Spark connection `conn_id`."""
+    from cdc_lakehouse.orchestration.operators import CdcSparkSubmitOperator
+
     op = CdcSparkSubmitOperator(
         task_id="probe",
         job="probe",
         job_args=[CONN, unique, f"{TENANT_KEY},{APIKEY_KEY}"],
         source_conn_ids=[CONN],
-        conn_id="spark_secrets_probe",
+        conn_id=conn_id,
         conf={"spark.sql.shuffle.partitions": "2"},
     )
     op.application = str(ROOT / "tests" / "jobs" / "secret_probe.py")
-    lines, probe = run_probe(op)
-    went = [x for x in lines if "the job server cannot apply" in x and "spark.sql.shuffle.partitions" in x]
-    assert went and not any("on the job server" in x for x in lines), lines[:5]
+    return op
+
+
+def assert_probe_shows_none(probe: dict, secrets_dir: Path) -> None:
     assert probe["note_ok"] is True  # a table property with a quote and a backslash, read back
+    assert probe["jdbc_ok"] is True  # a JDBC read of the source, with its password, succeeded
     # Both properties reached the job's catalog; the UI's environment and its SQL pages (which list
     # the settings set in the running session) show no secret: Spark redacts their keys.
     assert probe["properties"] == {TENANT_KEY: sha(TENANT_MARKER), APIKEY_KEY: sha(APIKEY_MARKER)}
@@ -112,7 +123,25 @@ def test_spark_submit_on_local_gets_its_secrets_and_shows_none(pg, lake, monkeyp
     # Set in the running session (runtime.session.get_spark), so not in the SparkConf the UI lists.
     assert probe["ui_password_value"] is None
     assert list(secrets_dir.iterdir()) == []
-    check_alert_file(monkeypatch, tmp_path)
+
+
+@pytest.mark.slow
+def test_a_spark_connect_task_gets_its_secrets_and_the_server_shows_none(
+    pg, lake, spark_server, monkeypatch, tmp_path, unique, capsys
+):
+    """The task is a Spark Connect client of the suite's server (the `spark_default` connection):
+    the secrets go to its session over the connection, never to the server's command line, its
+    properties file, its UI (environment and every SQL page, every session's) or its log."""
+    secrets_dir = probe_connections(monkeypatch, pg, lake, tmp_path)
+    _, probe = run_probe(probe_task("spark_default", unique), capsys)
+    assert_probe_shows_none(probe, secrets_dir)
+    # The server process: its command line, the files it was started with, its log, its event log.
+    assert list((spark_server.workdir / "events").iterdir()), "the server keeps no event log"
+    cmdline = Path(f"/proc/{spark_server.proc.pid}/cmdline").read_bytes().decode(errors="replace")
+    assert "SparkConnectServer" in cmdline and not leaks(cmdline)
+    for f in spark_server.workdir.rglob("*"):
+        if f.is_file() and f.stat().st_size < 50_000_000:
+            assert not leaks(f.read_text(errors="replace")), f"a secret in {f}"
 
 
 def check_alert_file(monkeypatch, tmp_path) -> None:
@@ -127,7 +156,7 @@ def check_alert_file(monkeypatch, tmp_path) -> None:
     assert "catalog answered 403" in alert and not leaks(alert), alert
 
 
-# Run in a process of its own: the JVM must be one this script starts, as the job server's is.
+# Run in a process of its own: the JVM must be one this script starts, as spark-submit's would be.
 # The lake settings as a job receives them: the public ones in CDC_LAKE_SETTINGS, the secrets
 # (catalog properties among them, whatever their names) from its secrets file.
 _JVM_PROBE = """
@@ -142,15 +171,18 @@ lake = LakeSettings.from_env({"CDC_LAKE_SETTINGS": json.dumps(public), "CDC_CATA
     "AWS_SECRET_ACCESS_KEY": a["aws"]})
 spark = get_spark("probe", lake, master="local[1]", driver_memory="1g", extra={"spark.ui.enabled": "false"})
 pid = spark.sparkContext._jvm.java.lang.ProcessHandle.current().pid()
-hconf = spark.sparkContext._jsc.hadoopConfiguration()
 print("PROBE " + json.dumps({
     "cmdline": open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="replace"),
     "password": spark.conf.get("spark.sql.catalog.probe.jdbc.password"),
     "props": {k: spark.conf.get("spark.sql.catalog.probe." + k) for k in a["props"]},
-    "aws": hconf.get("fs.s3a.secret.key"),
+    "aws": spark.conf.get("fs.s3a.secret.key"),
     "namespaces": [r[0] for r in spark.sql("SHOW NAMESPACES IN probe").collect()],
 }))
 """
+
+
+# What makes a Python process a Spark Connect client (the suite's server; pyspark's own mark).
+_CONNECT_ENV = ("CDC_SPARK_REMOTE", "SPARK_CONNECT_MODE_ENABLED", "SPARK_REMOTE")
 
 
 @pytest.mark.slow
@@ -182,12 +214,13 @@ def test_a_jvm_started_from_python_has_no_secret_on_its_command_line(scram_pg, t
         capture_output=True,
         text=True,
         timeout=300,
-        env={**os.environ, "PYTHONPATH": str(ROOT / "plugins")},
+        # A classic session whose JVM this script starts (not the suite's Spark Connect server).
+        env={**{k: v for k, v in os.environ.items() if k not in _CONNECT_ENV}, "PYTHONPATH": str(ROOT / "plugins")},
     )
     assert out.returncode == 0, out.stderr[-3000:]
     probe = json.loads(next(x for x in out.stdout.splitlines() if x.startswith("PROBE ")).split(" ", 1)[1])
     cmdline = probe["cmdline"].replace("\x00", " ")
-    assert "spark.sql.catalog.probe.uri" in cmdline  # the public settings do travel that way
+    assert "spark.driver.memory" in cmdline  # the JVM's own settings do travel that way
     markers = (LAKE_MARKER, AWS_MARKER, *props.values())
     assert [m for m in markers if m in cmdline] == []
     keys = ("jdbc.password", "secret.key", "custom.token", "session-id", TENANT_KEY, APIKEY_KEY)

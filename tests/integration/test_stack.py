@@ -44,6 +44,21 @@ def _wait_port(port: int, proc: subprocess.Popen, what: str, log: Path, timeout:
 
 
 @pytest.mark.slow
+def test_a_task_conf_the_server_cannot_take_says_where_it_goes(spark):
+    """An operator's `conf` reaches its Spark Connect session; a setting Spark reads only when the
+    server starts is refused with the fix, not half-applied."""
+    from cdc_lakehouse.runtime.session import set_task_conf
+
+    before = spark.conf.get("spark.sql.shuffle.partitions")
+    try:
+        set_task_conf(spark, {"spark.sql.shuffle.partitions": "7"})
+        assert spark.conf.get("spark.sql.shuffle.partitions") == "7"
+    finally:
+        spark.conf.set("spark.sql.shuffle.partitions", before)
+    with pytest.raises(ValueError, match=r"'spark.executor.memory'.*spark-submit"):
+        set_task_conf(spark, {"spark.executor.memory": "2g"})
+
+
 def test_a_job_runs_on_a_standalone_spark_cluster(lake, tmp_path, unique):
     from cdc_lakehouse.runtime.packaging import pyfiles_zip
     from cdc_lakehouse.runtime.session import default_jars

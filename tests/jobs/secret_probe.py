@@ -14,6 +14,7 @@ from cdc_lakehouse.lake.tables import props_sql
 from cdc_lakehouse.runtime.secrets import load_job_secrets
 from cdc_lakehouse.runtime.session import get_spark, release_spark
 from cdc_lakehouse.settings import LakeSettings, SourceEndpoint, source_uri
+from cdc_lakehouse.source.session import jdbc_properties
 
 NOTE = "it's a \\ 'quoted' value"
 
@@ -22,17 +23,28 @@ def digest(value: str | None) -> str | None:
     return hashlib.sha256(value.encode()).hexdigest() if value else None
 
 
-def ui_pages(sc) -> tuple[str, list[str]]:
+def ui_pages(spark) -> tuple[str, list[str]]:
     """The Spark UI's environment (the SparkConf, as JSON) and every SQL execution's page, which
-    lists the settings set in the running session."""
-    if not sc.uiWebUrl:  # no UI in the test session that test_job_server.py serves jobs from
+    lists the settings set in the running session. The same on Spark Connect as on a classic
+    session: the driver's status REST API, found from the session's conf."""
+    from cdc_lakehouse.runtime.phases import status_api
+
+    api = status_api(spark)
+    if api is None:
         return '{"sparkProperties": []}', []
-    api = f"{sc.uiWebUrl}/api/v1/applications/{sc.applicationId}"
-    executions = json.loads(urllib.request.urlopen(f"{api}/sql").read())
+    ui = api.split("/api/v1/", 1)[0]
+    executions = json.loads(urllib.request.urlopen(f"{api}/sql?offset=0&length=1000000").read())
     pages = [
-        html.unescape(urllib.request.urlopen(f"{sc.uiWebUrl}/SQL/execution/?id={e['id']}").read().decode())
-        for e in executions
+        html.unescape(urllib.request.urlopen(f"{ui}/SQL/execution/?id={e['id']}").read().decode()) for e in executions
     ]
+    # What a Spark Connect server shows of each request (its plan's text, a JDBC read's options
+    # included): the jobs' and stages' descriptions, and the server's Connect tab.
+    for path in ("jobs", "stages?details=true"):
+        pages.append(urllib.request.urlopen(f"{api}/{path}").read().decode())
+    try:
+        pages.append(html.unescape(urllib.request.urlopen(f"{ui}/connect/").read().decode()))
+    except OSError:
+        pass  # a classic session has no Connect tab
     return urllib.request.urlopen(f"{api}/environment").read().decode(), pages
 
 
@@ -55,8 +67,9 @@ def main(conn_id: str, suffix: str, properties: str = "") -> int:
     table = f"{ns}.t_{suffix}"
     spark.sql(f"CREATE TABLE {table} (id int) USING iceberg {props_sql({'cdc.note': NOTE})}")
     note = {r["key"]: r["value"] for r in spark.sql(f"SHOW TBLPROPERTIES {table}").collect()}.get("cdc.note")
-    sc = spark.sparkContext
-    environment, sql_pages = ui_pages(sc)
+    # A JDBC read from the source, as the bootstrap and the audit make: its password is an option.
+    jdbc = spark.read.jdbc(ep.jdbc_url(), "(SELECT 1 AS one) q", properties=jdbc_properties(ep, 100)).collect()
+    environment, sql_pages = ui_pages(spark)
     ui = "\n".join([environment, *sql_pages])
     props = dict(json.loads(environment)["sparkProperties"])
     # The catalog properties as the session has them (none when they never reached the job).
@@ -68,12 +81,13 @@ def main(conn_id: str, suffix: str, properties: str = "") -> int:
         "source_password": digest(ep.password),
         "properties": {k: digest(v) for k, v in values.items()},
         "note_ok": note == NOTE,
+        "jdbc_ok": [tuple(r) for r in jdbc] == [(1,)],
         "sql_pages": len(sql_pages),
         "ui_leaks": sorted(k for k, v in secrets.items() if v and shown(v, ui)),
         "ui_password_value": props.get(f"spark.sql.catalog.{lake.catalog_name}.jdbc.password"),
     }
     print("CDC_PROBE " + json.dumps(result), flush=True)
-    release_spark(spark)  # stops it, except on the job server (test_job_server.py)
+    release_spark(spark)  # stops it; on Spark Connect, ends this client's session only
     return 0
 
 

@@ -2,9 +2,8 @@
 
 The root `spark` fixture builds its lake's JDBC catalog in a throwaway PostgreSQL. Unit tests
 need none of that: this `spark` makes the same SparkSession (same factory, same settings) with
-a Hadoop (filesystem) Iceberg catalog, `unit_lake`, in a temp dir. It goes through
-`get_spark`, so `SparkSession.builder.getOrCreate()` returns the session that already runs
-when other tests made it first (and theirs returns this one): one session per test process.
+a Hadoop (filesystem) Iceberg catalog, `unit_lake`, in a temp dir, on the session's one Spark
+Connect server (tests/conftest.py `spark_server`).
 """
 
 from __future__ import annotations
@@ -27,16 +26,12 @@ def unit_lake(tmp_root):
 
 
 @pytest.fixture(scope="session")
-def spark(unit_lake):
-    from pyspark.sql import SparkSession
-
+def spark(unit_lake, spark_server):
     from tests.helpers import suite_spark_session
 
-    existing = SparkSession.getActiveSession()
-    session = suite_spark_session(unit_lake)
+    session = suite_spark_session(unit_lake, spark_server.url)
     yield session
-    if existing is None:
-        session.stop()
+    session.stop()
 
 
 # A landing event (Debezium envelope, values as PostgreSQL text): tests build tiny frames from

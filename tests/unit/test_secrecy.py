@@ -138,7 +138,7 @@ def test_the_session_builder_gets_no_secret():
         "spark.sql.catalog.lake.header.X-Api-Key",
         "spark.sql.catalog.lake.jdbc.password",
         "spark.sql.catalog.lake.s3.secret-access-key",
-        "spark.hadoop.fs.s3a.secret.key",
+        "fs.s3a.secret.key",  # S3A reads it from the session (runtime.session.lake_conf)
     } <= set(live)
     # Spark redacts the innocently named key too (its UI's SQL pages list live-set settings).
     assert "spark\\.sql\\.catalog\\.lake\\.header\\.X\\-Tenant" in builder["spark.redaction.regex"]
@@ -166,3 +166,17 @@ def test_a_password_in_the_catalog_uri_or_a_property_given_twice_is_refused():
         LakeSettings(
             warehouse="w", landing_uri="l", catalog_properties={"a": "1"}, secret_catalog_properties={"a": "2"}
         )
+
+
+def test_a_local_spark_connect_server_inherits_no_secret_of_its_starter(monkeypatch, tmp_path):
+    """Its Python UDFs inherit its environment; each session brings its own secrets instead."""
+    from cdc_lakehouse.runtime.session import connect_server_argv
+
+    for k in ("CDC_CATALOG_PASSWORD", "AIRFLOW_CONN_SRC", "CDC_SOURCE_URI__S0", "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"):
+        monkeypatch.setenv(k, S)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "kept")  # the SDK's default chain reads it
+    monkeypatch.setenv("CDC_LAKE_WAREHOUSE", "file:///w")
+    argv, env = connect_server_argv(tmp_path, 1, 2, "1g")
+    assert S not in json.dumps(env) and S not in " ".join(argv)
+    assert env["AWS_SECRET_ACCESS_KEY"] == "kept" and env["CDC_LAKE_WAREHOUSE"] == "file:///w"
+    assert (tmp_path / "spark-connect.properties").stat().st_mode & 0o077 == 0

@@ -13,7 +13,7 @@ from cdc_lakehouse.audit.errors import AuditFailed
 from cdc_lakehouse.config import SHARD_COL, TableConfig
 from cdc_lakehouse.ingest.validate import cast_text, landing_spark_schema
 from cdc_lakehouse.lake.watermark import shard_lsn_map
-from cdc_lakehouse.landing.reader import HadoopFS, SparkLanding
+from cdc_lakehouse.landing.reader import LandingFS, SparkLanding
 from cdc_lakehouse.settings import LakeSettings, SourceEndpoint
 from cdc_lakehouse.source.publication import PUBLICATION
 from cdc_lakehouse.source.session import SESSION_OPTIONS
@@ -37,7 +37,8 @@ def inflight_from_landing(
     from cdc_lakehouse.landing.reader import plan_landing
 
     plan = plan_landing(SparkLanding(spark, lake.landing_uri), cfg, wm, None, check_files=False)
-    files = [f for f in plan.files if HadoopFS(spark).exists(f)]
+    fs = LandingFS(spark)
+    files = [f for f in plan.files if fs.exists(f)]
     if not files:
         return None
     shard_pairs = []

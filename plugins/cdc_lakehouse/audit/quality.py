@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from cdc_lakehouse.config import LSN_COL, SHARD_COL, TableConfig
 from cdc_lakehouse.lake.meta import meta_append
-from cdc_lakehouse.landing.reader import HadoopFS
+from cdc_lakehouse.landing.reader import LandingFS
 from cdc_lakehouse.settings import LakeSettings
 
 if TYPE_CHECKING:
@@ -187,10 +187,4 @@ def _gx_rows(result) -> list[dict[str, Any]]:
 
 
 def _write_text(spark: SparkSession, uri: str, text: str) -> None:
-    fs = HadoopFS(spark)
-    path, hfs = fs._fs(uri)
-    out = hfs.create(path, True)
-    try:
-        out.write(bytearray(text.encode("utf-8")))
-    finally:
-        out.close()
+    LandingFS(spark).write_bytes(uri, text.encode("utf-8"))

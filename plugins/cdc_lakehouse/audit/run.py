@@ -46,7 +46,7 @@ from cdc_lakehouse.identifiers import pg_qualified
 from cdc_lakehouse.lake.meta import meta_append
 from cdc_lakehouse.lake.tables import source_columns_of, table_exists
 from cdc_lakehouse.lake.watermark import read_watermark
-from cdc_lakehouse.runtime.phases import PhaseClock, SparkJobs, observed_counts
+from cdc_lakehouse.runtime.phases import PhaseClock, SparkJobs, local_checkpoint, observed_counts
 from cdc_lakehouse.settings import LakeSettings, SourceEndpoint, source_uri
 from cdc_lakehouse.source.catalog import describe_table
 
@@ -412,11 +412,18 @@ def _compare_buckets(
 
 
 def _in_flight(spark: SparkSession, lake: LakeSettings, t: _Table) -> list[DataFrame]:
-    """Pending landing events and changes the slot has not delivered yet: (shard, key..., _all)."""
+    """Changes the slot has not delivered yet and pending landing events: (shard, key..., _all).
+
+    The slot first, the landing after: a capture that runs meanwhile (captures do not share the
+    table's writer pool) moves changes from the slot to a new landing run, which the listing
+    after the peek then sees. The other order missed them and called them mismatches (the
+    scheduler e2e test, once its tasks ran on Spark Connect fast enough to overlap a capture)."""
     # inflight_from_slot is looked up here at call time: tests replace it on this module.
-    frames = [inflight_from_landing(spark, lake, t.cfg, t.wm, t.key_cols)]
-    for endpoint_id, (ep, shards) in t.endpoints.items():
-        frames.append(inflight_from_slot(spark, t.cfg, endpoint_id, ep, shards, t.key_cols))
+    frames = [
+        inflight_from_slot(spark, t.cfg, endpoint_id, ep, shards, t.key_cols)
+        for endpoint_id, (ep, shards) in t.endpoints.items()
+    ]
+    frames.append(inflight_from_landing(spark, lake, t.cfg, t.wm, t.key_cols))
     return [f for f in frames if f is not None]
 
 
@@ -504,7 +511,7 @@ def _track(
     # Materialized now: evaluated lazily after the rewrite below it would count itself twice.
     merged = None
     if flagged is not None:
-        merged = _extend_streaks(cfg, flagged, prev, now, audit_run).localCheckpoint(eager=True)
+        merged = local_checkpoint(_extend_streaks(cfg, flagged, prev, now, audit_run))
     # Replace this table's streaks with the new set (keys absent now are resolved and dropped).
     spark.sql(f"DELETE FROM {table} WHERE table_name = '{cfg.name}'")
     if merged is None:

@@ -72,6 +72,7 @@ from cdc_lakehouse.lake.tables import changelog_columns, conform_to
 from cdc_lakehouse.lake.watermark import read_watermark, watermark_json
 from cdc_lakehouse.lake.writers import CHUNKED_BOOTSTRAP, WRITER_PROP
 from cdc_lakehouse.runtime.failpoints import crash_point
+from cdc_lakehouse.runtime.phases import local_checkpoint
 from cdc_lakehouse.runtime.session import session_conf
 from cdc_lakehouse.settings import LakeSettings
 
@@ -476,7 +477,7 @@ ROUND_PROP = "cdc.chunk-round"
 def round_marker_in(snapshots: Iterable[Any]) -> dict[str, Any] | None:
     """The newest round marker in a chain of snapshots (newest first)."""
     for snap in snapshots:
-        raw = snap.summary().get(ROUND_PROP)
+        raw = snap.summary.get(ROUND_PROP)
         if raw is not None:
             return json.loads(raw)
     return None
@@ -496,7 +497,7 @@ def _apply_chunks(
     chunks = [c for c in chunks if c.rows.num_rows]
     if not chunks:
         return
-    frame = _chunks_frame(spark, cfg, target, chunks).localCheckpoint()
+    frame = local_checkpoint(_chunks_frame(spark, cfg, target, chunks))
     shards = sorted({c.shard for c in chunks})
     lowest = min(c.low for c in chunks)
     marker = {"run": run.run_id, "chunks": {c.shard: c.no for c in chunks}}
@@ -505,7 +506,7 @@ def _apply_chunks(
     # An event whose row the stream superseded meanwhile is harmless in the changelog: the
     # stream's change of the key carries a higher LSN, so readers of the changelog see it as newer.
     snap = _Snapshot(run.run_id, datetime.now(UTC).replace(tzinfo=None), {}, {})
-    rows = _not_superseded(spark, cfg, target, frame, shards, lowest).localCheckpoint()
+    rows = local_checkpoint(_not_superseded(spark, cfg, target, frame, shards, lowest))
     cl_cols = [c for c, _ in changelog_columns(target.columns)]
 
     def append(into: str) -> None:

@@ -202,7 +202,7 @@ def read_with_copy(spark: SparkSession, src: CopySource, tasks: list[CopyTask], 
     import functools
 
     parts = max(1, min(max_connections, len(tasks)))
-    # parallelize cuts the task list into `parts` contiguous slices, one connection each.
-    index = spark.sparkContext.parallelize([(i,) for i in range(len(tasks))], parts).toDF("task int")
+    # range cuts the task list into `parts` contiguous slices, one connection each.
+    index = spark.range(0, len(tasks), 1, parts).selectExpr("CAST(id AS INT) AS task")
     fn = functools.partial(read_tasks, src=src, tasks=tuple(tasks))
     return index.mapInArrow(fn, output_schema(src.columns))

@@ -50,7 +50,7 @@ from cdc_lakehouse.lake.snapshots import current_ancestors
 from cdc_lakehouse.lake.tables import ensure_namespace, table_exists
 from cdc_lakehouse.lake.watermark import WATERMARK_PROP, read_watermark, watermark_json
 from cdc_lakehouse.runtime.failpoints import crash_point
-from cdc_lakehouse.runtime.phases import PhaseClock, SparkJobs
+from cdc_lakehouse.runtime.phases import PhaseClock, SparkJobs, local_checkpoint
 from cdc_lakehouse.settings import LakeSettings
 
 if TYPE_CHECKING:
@@ -136,8 +136,8 @@ def pin_input(spark: SparkSession, lake: LakeSettings, cfg: TableConfig) -> Pinn
     spark.sql(f"REFRESH TABLE {table}")
     snapshot, shards = None, {}
     for snap in current_ancestors(spark, table):
-        snapshot = snapshot if snapshot is not None else int(snap.snapshotId())
-        wm = snap.summary().get(WATERMARK_PROP)
+        snapshot = snapshot if snapshot is not None else int(snap.snapshot_id)
+        wm = snap.summary.get(WATERMARK_PROP)
         if wm is not None:
             shards = {s: int(p["lsn"]) for s, p in json.loads(wm).get("shards", {}).items()}
             break
@@ -285,7 +285,7 @@ def changed_grant_nodes(spark: SparkSession, r: TreeRun) -> DataFrame:
     from pyspark.sql import functions as F
 
     p, node = r.grants, r.dcfg.grants.node
-    keys = input_changes(spark, r, p).localCheckpoint(eager=True)
+    keys = local_checkpoint(input_changes(spark, r, p))
     before = live_rows(spark, p.table, p.cfg, r.ranges[p.cfg.name].lo)
     on = [
         df.join(keys, p.cfg.lake_key, "left_semi").select(SHARD_COL, F.col(node).alias(ID))
@@ -323,12 +323,12 @@ def affected_nodes(spark: SparkSession, r: TreeRun, nodes: DataFrame, previous: 
         r.mode = "full"
         return None
     seeds = seeds.unionByName(unresolved.select(SHARD_COL, F.col(r.dcfg.nodes.id).alias(ID)))
-    seeds = seeds.filter(F.col(ID).isNotNull()).distinct().localCheckpoint(eager=True)
+    seeds = local_checkpoint(seeds.filter(F.col(ID).isNotNull()).distinct())
     below = previous.select(SHARD_COL, ID, F.explode("path").alias("_anc"))
     descendants = below.join(seeds.select(SHARD_COL, F.col(ID).alias("_anc")), [SHARD_COL, "_anc"], "left_semi").select(
         SHARD_COL, ID
     )
-    affected = seeds.unionByName(descendants).distinct().localCheckpoint(eager=True)
+    affected = local_checkpoint(seeds.unionByName(descendants).distinct())
     r.affected_count = affected.count()
     r.metrics.update(changed=seeds.count(), affected=r.affected_count)
     return affected
@@ -341,9 +341,9 @@ def unresolved_at_watermark(spark: SparkSession, r: TreeRun) -> DataFrame | None
     if not table_exists(spark, r.unresolved):
         return None
     for snap in current_ancestors(spark, r.unresolved):
-        wm = snap.summary().get(WATERMARK_PROP)
+        wm = snap.summary.get(WATERMARK_PROP)
         if wm is not None and json.loads(wm) == r.previous:
-            return spark.sql(f"SELECT * FROM {r.unresolved} VERSION AS OF {int(snap.snapshotId())}")
+            return spark.sql(f"SELECT * FROM {r.unresolved} VERSION AS OF {int(snap.snapshot_id)}")
     return None
 
 
@@ -358,21 +358,21 @@ def resolve(
 
     pending = nodes if affected is None else nodes.join(affected, [SHARD_COL, ID], "left_semi")
     holders = grants.select(SHARD_COL, ID).distinct() if grants is not None else nodes.limit(0).select(SHARD_COL, ID)
-    state = initial_state(pending, holders).localCheckpoint(eager=True)
+    state = local_checkpoint(initial_state(pending, holders))
     known = None
     if previous is not None and affected is not None:
         # Only the previous output's rows that are parents of recomputed nodes can be pointed at:
         # pointers only ever move to a parent of some pending node.
         parents = pending.select(SHARD_COL, F.col(PARENT).alias(ID)).distinct()
         unaffected = previous.join(affected, [SHARD_COL, ID], "left_anti").join(parents, [SHARD_COL, ID], "left_semi")
-        known = known_state(unaffected).localCheckpoint(eager=True)
+        known = local_checkpoint(known_state(unaffected))
     passes = 0
     while passes < max_passes(r.dcfg.max_depth) and not state.filter(~F.col("done")).isEmpty():
         lookup = state if known is None else state.unionByName(known, allowMissingColumns=True)
-        state = jump(state, lookup, r.dcfg.max_depth).localCheckpoint(eager=True)
+        state = local_checkpoint(jump(state, lookup, r.dcfg.max_depth))
         passes += 1
     r.metrics["passes"] = passes
-    return classify(state, r.dcfg.max_depth).localCheckpoint(eager=True)
+    return local_checkpoint(classify(state, r.dcfg.max_depth))
 
 
 # --- outputs --------------------------------------------------------------------------------------
@@ -471,8 +471,8 @@ def commit(spark: SparkSession, r: TreeRun, rows: DataFrame, unresolved: DataFra
     ensure_namespace(spark, r.lake, r.dcfg.lake.namespace)
     for table, df in ((r.unresolved, unresolved), (r.out, rows)):
         _ensure_table(spark, table, df)
-    rows = rows.localCheckpoint(eager=True)
-    unresolved = unresolved.localCheckpoint(eager=True)
+    rows = local_checkpoint(rows)
+    unresolved = local_checkpoint(unresolved)
     r.metrics.update(resolved=rows.count(), unresolved=unresolved.count())
     batch = BatchId.of(f"derived:{r.out}", r.previous, r.watermark)
     what = f"derived {r.dcfg.name}"
@@ -514,7 +514,7 @@ def stamp(spark: SparkSession, target: str, props: dict[str, str]) -> None:
     snapshot, and the watermark must still move. An empty append then."""
     table, _, branch = target.rpartition(".branch_")
     head = next(current_ancestors(spark, table, branch), None)
-    if head is None or any(head.summary().get(k) != v for k, v in props.items()):
+    if head is None or any(head.summary.get(k) != v for k, v in props.items()):
         w = spark.createDataFrame([], spark.table(table).schema).writeTo(target)
         for k, v in props.items():
             w = w.option(f"snapshot-property.{k}", v)

@@ -10,6 +10,7 @@ python -m cdc_lakehouse.dev.demo run       prepare, then bootstrap, workload, in
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import sys
@@ -18,7 +19,6 @@ import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
-from pathlib import Path
 from typing import Any
 
 from cdc_lakehouse.config import OP_COL, SHARD_COL, load_table_configs
@@ -331,61 +331,39 @@ def _node_line(dcfg: TreeConfig, r: dict[str, Any]) -> str:
     )
 
 
+SPARK_CONNECTIONS = {
+    # The local stack's Spark Connect server (dev.localstack.local_stack_spark), started by make.
+    "connect": lambda: json.dumps(
+        {
+            "conn_type": "spark_connect",
+            "host": "127.0.0.1",
+            "port": int(os.environ.get("CDC_LOCAL_SPARK_PORT", "15002")),
+        }
+    ),
+    "submit": lambda: json.dumps({"conn_type": "spark", "host": "local[*]"}),
+}
+
+
 @contextmanager
 def spark_jobs_on(mode: str) -> Iterator[None]:
-    """`server` (default): a job server of the demo's own for its Spark tasks, which the
-    `airflow dags test` runs reach through CDC_SPARK_SERVER; `submit`: a spark-submit per task.
-    Its own socket: a server started elsewhere may hold another lake's settings."""
-    from cdc_lakehouse.runtime import server
+    """`connect` (default): the demo's Spark tasks are clients of the local stack's Spark Connect
+    server (started if it is not running); `submit`: a spark-submit per task. Through the Spark
+    connection the DAGs' tasks use (spark_default), as a deployment would switch them."""
+    from cdc_lakehouse.dev.localstack import local_stack_spark
 
-    os.environ.pop(server.SERVER_ENV, None)
-    if mode != "server":
-        yield
-        return
-    sock = server.default_socket().with_name(f"demo-{os.getpid()}.sock")
-    for left in stop_orphaned_servers(sock.parent):
-        _say(f"job server: stopped {left}, left running by a demo that was killed")
-    t = time.time()
-    server.start_background(sock, sock.with_suffix(".log"))
-    _say(f"job server: started in {time.time() - t:.0f}s on {sock} (log {sock.with_suffix('.log')})")
-    os.environ[server.SERVER_ENV] = str(sock)
+    if mode == "connect":
+        server = local_stack_spark()
+        t = time.time()
+        if not server.is_running():
+            server.start()
+            _say(f"spark connect: started in {time.time() - t:.0f}s at {server.url} (log {server.log})")
+    key = "AIRFLOW_CONN_SPARK_DEFAULT"
+    before = os.environ.get(key)
+    os.environ[key] = SPARK_CONNECTIONS[mode]()
     try:
         yield
     finally:
-        os.environ.pop(server.SERVER_ENV, None)
-        server.shutdown(sock)
-
-
-def stop_orphaned_servers(folder: Path) -> list[Path]:
-    """The job servers of demos that were killed before they could stop theirs (SIGKILL): a JVM
-    each, holding its memory. A demo's socket is named for its pid; a live demo's stays."""
-    from cdc_lakehouse.runtime import server
-
-    stopped = []
-    for sock in sorted(folder.glob("demo-*.sock")):
-        pid = sock.stem.removeprefix("demo-")
-        if not pid.isdigit() or _alive(int(pid)):
-            continue
-        try:
-            alive = server.status(sock) is not None
-        except OSError:  # it does not answer (hung): only its socket is removed
-            alive = False
-        if alive:
-            server.shutdown(sock)
-        else:
-            sock.unlink(missing_ok=True)  # its server died too
-        stopped.append(sock)
-    return stopped
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # another user's process
-    return True
+        os.environ.pop(key, None) if before is None else os.environ.__setitem__(key, before)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -438,7 +416,7 @@ def _run(args: argparse.Namespace) -> int:
     print(f"CDC lakehouse demo finished in {time.time() - t0:.0f}s")
     print("=" * 78)
     print("\n".join(lines))
-    print(f"\nSpark tasks ran on: {'the job server' if args.spark == 'server' else 'spark-submit per task'}")
+    print(f"\nSpark tasks ran on: {'Spark Connect' if args.spark == 'connect' else 'spark-submit per task'}")
     print("\nWhere to look next:")
     print("  make airflow                      Airflow UI at http://localhost:8080 with scheduled runs")
     print(f"  {os.environ.get('AIRFLOW_HOME', '.')}/demo-logs   the task logs of this run")
@@ -455,9 +433,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--intervals", type=int, default=3)
     p.add_argument(
         "--spark",
-        choices=["server", "submit"],
-        default="server",
-        help="server: the Spark tasks run on one long-lived job server; submit: a spark-submit per task",
+        choices=["connect", "submit"],
+        default="connect",
+        help="connect: the Spark tasks run on the local Spark Connect server; submit: a spark-submit per task",
     )
     args = p.parse_args(argv)
     if args.cmd == "prepare":

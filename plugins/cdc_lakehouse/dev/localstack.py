@@ -366,6 +366,115 @@ class LocalSparkCluster:
                     os.killpg(p.pid, signal.SIGKILL)
 
 
+class LocalSparkConnect:
+    """A Spark Connect server on loopback: the long-lived Spark that the local stack's tasks, the
+    demo, the benchmarks and the tests send their jobs to (runtime.session.get_spark with
+    CDC_SPARK_REMOTE). One JVM, started once and kept warm.
+
+    Its settings are public ones only (runtime.session.server_conf: jars, Iceberg's extensions,
+    sizing), in a 0600 properties file of its 0700 folder, never on its command line. The lake's
+    catalog and every secret reach it per client session, over the Connect channel
+    (runtime.session.configure_session), so one server serves any lake and holds no credential."""
+
+    def __init__(self, workdir: Path, port: int | None = None, *, ui_port: int | None = None, memory: str = "4g"):
+        self.workdir = Path(workdir)
+        self.port = port or free_port()
+        self.ui_port = ui_port or free_port()
+        self.memory = memory
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"sc://127.0.0.1:{self.port}"
+
+    @property
+    def pidfile(self) -> Path:
+        return self.workdir / "server.pid"
+
+    @property
+    def log(self) -> Path:
+        return self.workdir / "server.log"
+
+    def is_running(self) -> bool:
+        try:
+            socket.create_connection(("127.0.0.1", self.port), 1).close()
+            return True
+        except OSError:
+            return False
+
+    def start(self, *, timeout: float = 180) -> None:
+        from cdc_lakehouse.runtime.session import connect_server_argv
+
+        if self.is_running():
+            return
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.workdir, 0o700)
+        argv, env = connect_server_argv(self.workdir, self.port, self.ui_port, self.memory)
+        out = open(self.log, "ab")
+        self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self.pidfile.write_text(str(self.proc.pid))
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.is_running():
+                return
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.5)
+        tail = self.log.read_text(errors="replace")[-3000:]
+        self.stop()
+        raise RuntimeError(f"the Spark Connect server did not start (log {self.log}):\n{tail}")
+
+    def stop(self, timeout: float = 30) -> None:
+        import signal
+
+        pid = self.proc.pid if self.proc else _read_pid(self.pidfile)
+        if pid is None:
+            return
+        for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 10)):
+            try:
+                os.killpg(pid, sig)
+            except ProcessLookupError:
+                break
+            deadline = time.time() + wait
+            while time.time() < deadline and _alive(pid):
+                time.sleep(0.2)
+            if not _alive(pid):
+                break
+        if self.proc is not None:
+            self.proc.wait(5)
+        self.pidfile.unlink(missing_ok=True)
+
+
+def _read_pid(path: Path) -> int | None:
+    try:
+        return int(path.read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a child of ours that exited stays a zombie until waited for
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        return done == 0
+    except ChildProcessError:
+        return True
+
+
+def local_stack_spark() -> LocalSparkConnect:
+    """The local stack's Spark Connect server (scripts/env.sh: CDC_LOCAL_SPARK_PORT)."""
+    from cdc_lakehouse.settings import local_paths
+
+    return LocalSparkConnect(
+        local_paths()["local"] / "spark-connect",
+        int(os.environ.get("CDC_LOCAL_SPARK_PORT", "15002")),
+        ui_port=int(os.environ.get("CDC_LOCAL_SPARK_UI_PORT", "4040")),
+    )
+
+
 def local_stack_postgres() -> LocalPostgres:
     """The project's dev/demo cluster, as configured by scripts/env.sh."""
     from cdc_lakehouse.settings import local_paths
@@ -391,13 +500,20 @@ def main(argv: list[str] | None = None) -> int:
         rd = local_stack_redis()
         rd.start(daemonize=True)
         print(f"redis: running on 127.0.0.1:{rd.port}")
+        sc = local_stack_spark()
+        t = time.time()
+        sc.start()
+        print(f"spark connect: running at {sc.url} (ready in {time.time() - t:.0f}s; UI :{sc.ui_port}, log {sc.log})")
     elif cmd == "stop":
+        local_stack_spark().stop()
         pg.stop()
         local_stack_redis().stop()
-        print("postgres, redis: stopped")
+        print("spark connect, postgres, redis: stopped")
     elif cmd == "status":
         running = pg.is_running()
         print(f"postgres: {'running' if running else 'stopped'} on 127.0.0.1:{pg.port} (data {pg.datadir})")
+        sc = local_stack_spark()
+        print(f"spark connect: {'running' if sc.is_running() else 'stopped'} at {sc.url}")
         return 0 if running else 3
     else:
         print("usage: python -m cdc_lakehouse.dev.localstack {init,start,stop,status}", file=sys.stderr)

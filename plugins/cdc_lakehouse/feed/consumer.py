@@ -21,6 +21,7 @@ from cdc_lakehouse.lake.batches import BatchId
 from cdc_lakehouse.lake.commits import sql_with_commit_properties
 from cdc_lakehouse.lake.holds import DEFAULT_MAX_LAG_HOURS
 from cdc_lakehouse.lake.tables import create_table_sql, ensure_namespace
+from cdc_lakehouse.runtime.phases import local_checkpoint
 from cdc_lakehouse.settings import LakeSettings
 
 if TYPE_CHECKING:
@@ -89,7 +90,7 @@ def block_counts(
             )
     if rng.replaces_state:
         counts = batch.rows.groupBy(F.col(SPACE).alias("space_id"), F.to_date(F.col(CREATED)).alias("day"))
-        out = counts.agg(F.count(F.lit(1)).alias("blocks")).localCheckpoint(eager=True)
+        out = local_checkpoint(counts.agg(F.count(F.lit(1)).alias("blocks")))
 
         def write(target: str, props: dict[str, str]) -> None:
             w = out.writeTo(target)
@@ -99,7 +100,7 @@ def block_counts(
 
         pairs = out.count()
     else:
-        deltas = _deltas(batch.rows).localCheckpoint(eager=True)
+        deltas = local_checkpoint(_deltas(batch.rows))
         pairs = deltas.count()
         write = _merge_writer(spark, consumer, deltas, pairs)
     # One output table: the offsets already make its commit exactly once; the batch id (lake.batches)

@@ -67,7 +67,7 @@ def output_offsets(spark: SparkSession, output_table: str, consumer: str) -> dic
 def offsets_in(snapshots: Iterable[Any], output_table: str, consumer: str) -> dict[str, FeedOffset]:
     """The consumer's offsets as of the first snapshot of a chain (newest first) of the output."""
     for snap in snapshots:
-        raw = snap.summary().get(OFFSETS_PROP)
+        raw = snap.summary.get(OFFSETS_PROP)
         if raw is None:
             continue
         data = json.loads(raw)

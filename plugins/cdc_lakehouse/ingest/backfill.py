@@ -51,6 +51,7 @@ from cdc_lakehouse.lake.commits import fenced_commit, sql_with_commit_properties
 from cdc_lakehouse.lake.tables import conform_to, null_metadata, source_columns_of
 from cdc_lakehouse.lake.watermark import watermark_json
 from cdc_lakehouse.landing.reader import Plan
+from cdc_lakehouse.runtime.phases import local_checkpoint
 from cdc_lakehouse.settings import LakeSettings, SourceEndpoint, source_uri
 from cdc_lakehouse.source.catalog import describe_table, text_select
 from cdc_lakehouse.source.session import SESSION_OPTIONS
@@ -274,7 +275,7 @@ def _apply(
 ) -> int:
     cur = lake.qualified(cfg.current_table)
     cl = lake.qualified(cfg.changelog_table)
-    filled = _filled_rows(spark, cfg, cur, shard, at_lsn, values, columns).localCheckpoint(eager=True)
+    filled = local_checkpoint(_filled_rows(spark, cfg, cur, shard, at_lsn, values, columns))
     n = filled.count()
     if n == 0:
         return 0

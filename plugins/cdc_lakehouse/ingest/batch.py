@@ -28,7 +28,7 @@ from cdc_lakehouse.ingest.toast import NO_TABLE, UNAV_LEFT
 from cdc_lakehouse.ingest.validate import BKEY, PKCHANGE, REASONS, typed_events
 from cdc_lakehouse.lake.columns import UNAVAILABLE_COL
 from cdc_lakehouse.lake.watermark import shard_lsn_map
-from cdc_lakehouse.runtime.phases import timestamps_from_micros
+from cdc_lakehouse.runtime.phases import materialize, timestamps_from_micros
 
 if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame
@@ -98,7 +98,7 @@ def fused_batch(
     names = [c for c, t in lake_cols if c not in cfg.primary_key and t.replace(" ", "") not in _FIXED]
     flagged = _per_key(events, cfg, names)
     out = Observation("cdc_batch_out")
-    rows = flagged.observe(out, *_out_counters()).localCheckpoint(eager=True)
+    rows = materialize(flagged.observe(out, *_out_counters()))
     # An input with no partitions never runs the observed node: its metrics are then empty.
     counts = {**_plain(seen.get), **_plain(out.get)}
     counts = {

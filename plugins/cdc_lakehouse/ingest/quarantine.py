@@ -12,7 +12,7 @@ from cdc_lakehouse.ingest.toast import NO_TABLE, UNAV_LEFT
 from cdc_lakehouse.ingest.validate import FILE, RAW, REASONS
 from cdc_lakehouse.lake.columns import RUN_COL, UNAVAILABLE_COL
 from cdc_lakehouse.lake.commits import with_commit_retries
-from cdc_lakehouse.lake.snapshots import iceberg_table
+from cdc_lakehouse.runtime.phases import local_checkpoint
 from cdc_lakehouse.settings import LakeSettings
 
 if TYPE_CHECKING:
@@ -111,7 +111,7 @@ def held_back(
         )
     if rows is None:
         return None
-    rows = rows.withColumn(REASONS, F.array(reason)).filter(F.col(REASONS)[0].isNotNull()).localCheckpoint(eager=True)
+    rows = local_checkpoint(rows.withColumn(REASONS, F.array(reason)).filter(F.col(REASONS)[0].isNotNull()))
     return None if rows.isEmpty() else as_held(rows, key)
 
 
@@ -140,25 +140,11 @@ def hold_dependents(
 
 
 def has_quarantine(spark: SparkSession, lake: LakeSettings, cfg: TableConfig) -> bool:
-    """Any quarantined event of this table. Iceberg's file statistics answer on the driver
-    (a file whose table_name bounds exclude this table is pruned); only when some file may hold
-    one is the table read, a Spark job the common path (no quarantine) does not pay."""
+    """Any quarantined event of this table. Iceberg prunes the files whose table_name bounds
+    exclude this table while planning, so the common case (no quarantine) scans no file."""
     from pyspark.sql import functions as F
 
-    name = lake.qualified(lake.meta_table("quarantine"))
-    jvm = spark._jvm
-    tasks = (
-        iceberg_table(spark, name)
-        .newScan()
-        .filter(jvm.org.apache.iceberg.expressions.Expressions.equal("table_name", cfg.name))
-        .planFiles()
-    )
-    try:
-        if not tasks.iterator().hasNext():
-            return False
-    finally:
-        tasks.close()
-    q = spark.table(name)
+    q = spark.table(lake.qualified(lake.meta_table("quarantine")))
     return not q.filter(F.col("table_name") == cfg.name).limit(1).isEmpty()
 
 

@@ -43,6 +43,7 @@ from cdc_lakehouse.lake.tables import source_columns_of
 from cdc_lakehouse.lake.watermark import read_watermark, watermark_json
 from cdc_lakehouse.lake.writers import REPLAY
 from cdc_lakehouse.runtime.failpoints import crash_point
+from cdc_lakehouse.runtime.phases import local_checkpoint
 from cdc_lakehouse.settings import LakeSettings
 
 if TYPE_CHECKING:
@@ -115,7 +116,7 @@ def read_quarantined(spark: SparkSession, lake: LakeSettings, cfg: TableConfig) 
     spark.sql(f"REFRESH TABLE {qt}")
     mine = spark.table(qt).filter(F.col("table_name") == cfg.name)
     held = mine.filter(F.col("landing_file").isNull()).count()
-    return mine.filter(F.col("landing_file").isNotNull()).localCheckpoint(eager=True), held
+    return local_checkpoint(mine.filter(F.col("landing_file").isNotNull())), held
 
 
 def revalidate(q: DataFrame, cfg: TableConfig, lake_cols: list[tuple[str, str]]) -> FusedBatch:
@@ -145,7 +146,7 @@ def decide(
     tgt = table_positions(cfg, spark.table(lake.qualified(cfg.current_table)))
     latest = fb.latest().join(held_keys, key, "left_anti")
     latest = latest.join(superseded_keys(spark, lake, cfg, latest, tgt, key), key, "left_anti")
-    apply = latest.select(*current_columns(lake_cols), UNAV_LEFT).localCheckpoint(eager=True)
+    apply = local_checkpoint(latest.select(*current_columns(lake_cols), UNAV_LEFT))
     # What the MERGE will change: an insert of an absent key, or any event newer than the row.
     changes = apply.join(tgt, key, "left").filter(
         (F.col("_t_lsn").isNull() & (F.col(OP_COL) != "d"))
@@ -175,7 +176,7 @@ def decide(
             "reason",
         )
     )
-    return Decision(apply, outcomes.localCheckpoint(eager=True), changes.count())
+    return Decision(apply, local_checkpoint(outcomes), changes.count())
 
 
 def toast_held_keys(fb: FusedBatch, key: list[str]) -> DataFrame:

@@ -60,13 +60,13 @@ from cdc_lakehouse.lake.commits import (
 )
 from cdc_lakehouse.lake.freshness import FRESHNESS_TABLE, record_freshness
 from cdc_lakehouse.lake.meta import meta_append
-from cdc_lakehouse.lake.snapshots import current_ancestors, summary_of
+from cdc_lakehouse.lake.snapshots import Snapshot, current_ancestors, summary_of
 from cdc_lakehouse.lake.tables import conform_to, partition_sql, props_sql, source_columns_of, table_exists
 from cdc_lakehouse.lake.watermark import WATERMARK_PROP, read_watermark, watermark_json
 from cdc_lakehouse.lake.writers import INGEST
-from cdc_lakehouse.landing.reader import HadoopFS, Plan, SparkLanding, plan_landing
+from cdc_lakehouse.landing.reader import Plan, SparkLanding, plan_landing
 from cdc_lakehouse.runtime.failpoints import crash_point
-from cdc_lakehouse.runtime.phases import SparkJobs, observed_counts
+from cdc_lakehouse.runtime.phases import SparkJobs, local_checkpoint, materialize, observed_counts
 from cdc_lakehouse.runtime.session import session_conf
 from cdc_lakehouse.settings import LakeSettings
 
@@ -90,8 +90,10 @@ def ingest_table(
     with the number of Spark jobs it took (`spark_jobs`)."""
     with SparkJobs(spark, f"ingest {cfg.name} {ingest_run}") as jobs:
         out = apply_pending(spark, lake, cfg, upto_run, ingest_run, interval_end, config_file)
-    log.info("ingest %s: %d Spark jobs: %s", cfg.name, jobs.count, "; ".join(jobs.sites))
-    return {**out, "spark_jobs": jobs.count, "spark_job_sites": jobs.sites}
+    log.info(
+        "ingest %s: %s Spark jobs (+%s metadata reads): %s", cfg.name, jobs.count, jobs.metadata, "; ".join(jobs.sites)
+    )
+    return {**out, "spark_jobs": jobs.count, "spark_metadata_jobs": jobs.metadata, "spark_job_sites": jobs.sites}
 
 
 def apply_pending(
@@ -354,7 +356,7 @@ def prepare_changes(spark: SparkSession, cfg: TableConfig, b: Batch, fb: FusedBa
         # and no time on the demo's batches (BENCHMARKS.md, "make demo"): the fill's cost is its
         # ~30 small jobs, not the rows.
         log.info("%s: multi-pass TOAST fill (pk_unresolved %d)", cfg.name, fb.counts["pk_unresolved"])
-        events = fill_unavailable(events.drop(UNAV_LEFT, NO_TABLE), current, cfg, names).localCheckpoint(eager=True)
+        events = local_checkpoint(fill_unavailable(events.drop(UNAV_LEFT, NO_TABLE), current, cfg, names))
         latest, totals = latest_per_key(events, [SHARD_COL, *cfg.primary_key]), None
     return Changes(
         events, fb.truncates(), current, latest, totals, names, fb.counts["truncated"], fb.counts["duplicates"]
@@ -432,7 +434,7 @@ def reduce_and_classify(
     held = held_back(spark, lake, cfg, reduced, tgt, b.lake_cols, totals)
     n_held = hold_dependents(spark, lake, cfg, held, ingest_run)
     if n_held:
-        reduced = reduced.join(held.select(*key), key, "left_anti").localCheckpoint(eager=True)
+        reduced = local_checkpoint(reduced.join(held.select(*key), key, "left_anti"))
     # The unchanged TOAST values the batch could not supply are read from the table here, with the
     # keys it scans anyway, for the matched rows only: the MERGE then never references the
     # table's TOAST columns, which would carry them (the widest columns) through its shuffle of
@@ -463,7 +465,7 @@ def reduce_batch(cfg: TableConfig, b: Batch, ch: Changes) -> DataFrame:
     if ch.totals is not None and not ch.truncated:
         return reduced  # a filter of the fused plan's materialized rows: computed, and deterministic
     # A local checkpoint: computed once, and a deterministic plan (copy-on-write MERGE requires it).
-    return reduced.localCheckpoint(eager=True)
+    return local_checkpoint(reduced)
 
 
 def apply_truncates(reduced: DataFrame, truncs: DataFrame) -> DataFrame:
@@ -550,8 +552,8 @@ def classify(
         matched.observe(obs, *counts, base_bytes)
         .filter("_needs_base")
         .select(*key, *[BASE_PREFIX + c for c in base_cols])
-        .localCheckpoint(eager=True)  # one job: the counts and the values
     )
+    base = materialize(base)  # one job: the counts and the values
     # An empty table has no partitions to run the observed node on: its metrics are then empty.
     c = {"matched_upserts": 0, "upd": 0, "del": 0, "stale": 0, "based": 0, **obs.get}
     # Small enough (the common case): joined to the batch without a shuffle, in the MERGE's own jobs.
@@ -780,7 +782,7 @@ def batch_state(m: IngestMetrics, plan: Plan, shard_commits: dict[str, Any] | No
     return json.dumps(state, separators=(",", ":"), sort_keys=True, default=str)
 
 
-def last_batch_commit(spark: SparkSession, cur: str) -> tuple[Any, Any | None] | None:
+def last_batch_commit(spark: SparkSession, cur: str) -> tuple[Snapshot, Snapshot | None] | None:
     """(snapshot, its parent) of the current table's newest ingest batch commit, or None when a
     commit that is no ingest batch (a bootstrap, a repair) made the current position instead.
     Commits that move only the watermark (a finished backfill) or none (maintenance) are passed."""
@@ -809,11 +811,7 @@ def resume_batch(spark: SparkSession, lake: LakeSettings, cfg: TableConfig) -> N
     state = json.loads(s[BATCH_STATE_PROP])
     m = IngestMetrics(**{**state["run"], "started_at": datetime.fromisoformat(state["run"]["started_at"])})
     m.add_commit_stats(summary_of(parent) if parent is not None else {}, s)
-    since_ms = int(snap.timestampMillis())
+    since_ms = int(snap.timestamp_ms)
     m.committed_at = datetime.fromtimestamp(since_ms / 1000, UTC)  # when its data became visible
     plan = Plan(state["heartbeats"], [], json.loads(s[WATERMARK_PROP]))
     record_run(spark, lake, cfg, m, plan, BatchId(s[BATCH_PROP]), since_ms, state["shard_commits"])
-
-
-def hadoop_fs(spark: SparkSession) -> HadoopFS:
-    return HadoopFS(spark)

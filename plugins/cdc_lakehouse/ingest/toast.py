@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from cdc_lakehouse.config import LSN_COL, OP_COL, SEQ_COL, SHARD_COL, TableConfig
 from cdc_lakehouse.ingest.validate import PKCHANGE
 from cdc_lakehouse.lake.columns import UNAVAILABLE_COL
+from cdc_lakehouse.runtime.phases import local_checkpoint
 
 if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame
@@ -83,10 +84,10 @@ def fill_with_stats(
     soft = cfg.soft_delete_columns.flag if cfg.deletes == "soft" else None
     f = _Fill(key, fkey, names, soft)
     sub, rest = _split_involved(events, key, fkey)
-    sub = _segments(sub, f).localCheckpoint(eager=True)
+    sub = local_checkpoint(_segments(sub, f))
     graph, passes, links = _remap_graph(sub, f)
     sub = _from_starts(_from_history(sub, f), _start_values(graph, sub, current, f), f)
-    sub = sub.drop(SEG, *[f"_prev_{c}" for c in names]).localCheckpoint(eager=True)
+    sub = local_checkpoint(sub.drop(SEG, *[f"_prev_{c}" for c in names]))
     unresolved = sub.filter(F.col(PKCHANGE) & (F.size(WORK) > 0)).count()
     stats = RemapStats(links, passes, unresolved)
     log.info(
@@ -108,7 +109,7 @@ def _split_involved(events: DataFrame, key: list[str], fkey: list[str]) -> tuple
 
     need = events.filter(F.size(F.coalesce(F.col(UNAVAILABLE_COL), F.array())) > 0)
     involved = need.select(*key).unionByName(need.select(*[F.col(a).alias(b) for a, b in zip(fkey, key)])).distinct()
-    involved = involved.localCheckpoint(eager=True)
+    involved = local_checkpoint(involved)
     n_involved = involved.count()
     inv = F.broadcast(involved) if n_involved <= BROADCAST_ROWS else involved
     sub = events.join(inv, key, "left_semi").withColumn(
@@ -244,13 +245,13 @@ def _remap_graph(sub: DataFrame, f: _Fill) -> tuple[DataFrame, int, int]:
     is undecided after the bound counts as none (held back), never guessed."""
     from pyspark.sql import functions as F
 
-    g = _links(sub, f).localCheckpoint(eager=True)
+    g = local_checkpoint(_links(sub, f))
     n_rows = g.count()
     links = n_rows // max(len(f.names), 1)
     bound = math.ceil(math.log2(links + 1)) + 1
     passes = 0
     while passes < bound and g.filter(F.col(KIND).isNull()).limit(1).count():
-        g = _jump(g, f, n_rows <= BROADCAST_ROWS).localCheckpoint(eager=True)
+        g = local_checkpoint(_jump(g, f, n_rows <= BROADCAST_ROWS))
         passes += 1
     return g.withColumn(KIND, F.coalesce(F.col(KIND), F.lit("none"))), passes, links
 
@@ -260,7 +261,7 @@ def _table_values(graph: DataFrame, current: DataFrame, f: _Fill) -> DataFrame:
     from pyspark.sql import functions as F
 
     a = f.ids("_rg_a")
-    roots = graph.filter(F.col(KIND) == "table").select(*a).distinct().localCheckpoint(eager=True)
+    roots = local_checkpoint(graph.filter(F.col(KIND) == "table").select(*a).distinct())
     rows = current if f.soft_flag is None else current.filter(~F.coalesce(F.col(f.soft_flag), F.lit(False)))
     keys = roots.collect() if roots.count() <= _PUSHDOWN_KEYS else None
     if keys is not None:

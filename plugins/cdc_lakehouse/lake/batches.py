@@ -9,8 +9,8 @@ written again for that batch.
 
 The id is derived from what the batch applies (its scope, the position it starts from and the
 position it ends at), never from the run's name or the clock, so a retry of the same data
-recognises its own earlier commits. Looking for it reads snapshot summaries on the driver
-through Iceberg's Java API (lake.snapshots): no Spark job.
+recognises its own earlier commits. Looking for it reads snapshot summaries from the table's
+snapshots metadata table (lake.snapshots): one small Spark job, over metadata only.
 """
 
 from __future__ import annotations
@@ -76,14 +76,14 @@ def committed(
     floor = None if since_ms is None else since_ms - CLOCK_SKEW_MS
     last = None
     for last in current_ancestors(spark, table):
-        summary = last.summary()
+        summary = last.summary
         if summary.get(BATCH_PROP) == batch.value:
             return True
         if positioned and summary.get(WATERMARK_PROP) is not None:
             return False
-        if floor is not None and int(last.timestampMillis()) < floor:
+        if floor is not None and int(last.timestamp_ms) < floor:
             return False
-    if last is not None and last.parentId() is not None:  # expired snapshots cut the history here
+    if last is not None and last.parent_id is not None:  # expired snapshots cut the history here
         log.warning("%s: history expired before batch %s could be found; taken as committed", table, batch.value)
         return floor is not None
     return False
@@ -91,7 +91,7 @@ def committed(
 
 def batch_snapshots(spark: SparkSession, table: str, batch: BatchId) -> int:
     """How many of the table's current ancestors carry the batch id (tests: exactly one)."""
-    return sum(1 for snap in current_ancestors(spark, table) if snap.summary().get(BATCH_PROP) == batch.value)
+    return sum(1 for snap in current_ancestors(spark, table) if snap.summary.get(BATCH_PROP) == batch.value)
 
 
 @dataclass(frozen=True)

@@ -33,42 +33,26 @@ def sql_with_commit_properties(spark: SparkSession, sql: str, props: dict[str, s
     with_commit_properties(spark, props, lambda: spark.sql(sql))
 
 
+# Iceberg 1.11+ on Spark 4 adds the session's `spark.sql.iceberg.snapshot-property.<key>` settings
+# to the summary of every snapshot a write of that session commits (apache/iceberg#14545; the
+# key is SparkSQLProperties.SNAPSHOT_PROPERTY_PREFIX in Iceberg 1.12.0).
+SNAPSHOT_PROPERTY_CONF = "spark.sql.iceberg.snapshot-property."
+
+
 def with_commit_properties(spark: SparkSession, props: dict[str, str], fn: Callable[[], object]) -> None:
     """Run fn so that every Iceberg commit its Spark writes make carries props (a SQL command, or a
-    write whose code we do not own, such as lake.freshness's append).
-
-    SQL has no write options, so this goes through Iceberg's CommitMetadata, a thread-local
-    set around the call. py4j's pinned-thread mode runs our callback's Spark calls on the
-    same JVM thread that set it.
-    """
-    from pyspark.java_gateway import ensure_callback_server_started
-
-    jvm = spark._jvm
-    ensure_callback_server_started(spark.sparkContext._gateway)
-    jmap = jvm.java.util.HashMap()
-    for k, v in props.items():
-        jmap.put(k, v)
-    failure: list[BaseException] = []
-
-    class _Run:
-        def call(self):
-            try:
-                fn()
-            except BaseException as exc:  # re-raised below with its Python type
-                failure.append(exc)
-                raise
-
-        class Java:
-            implements = ["java.util.concurrent.Callable"]
-
+    write whose code we do not own, such as lake.freshness's append): set as session settings
+    around the call, and removed afterwards whatever happens. A session runs one job at a time
+    (one Airflow task, one Connect session), so no other write of the session can pick them up."""
+    keys = {SNAPSHOT_PROPERTY_CONF + k: v for k, v in props.items()}
+    before = {k: spark.conf.get(k, None) for k in keys}
+    for k, v in keys.items():
+        spark.conf.set(k, v)
     try:
-        jvm.org.apache.iceberg.spark.CommitMetadata.withCommitProperties(
-            jmap, _Run(), jvm.java.lang.RuntimeException().getClass()
-        )
-    except Exception:
-        if failure:
-            raise failure[0] from None
-        raise
+        fn()
+    finally:
+        for k, v in before.items():
+            spark.conf.set(k, v) if v is not None else spark.conf.unset(k)
 
 
 def is_commit_conflict(exc: BaseException) -> bool:
@@ -181,14 +165,13 @@ def _position_at_current(spark: SparkSession, table: str, position: Callable[[It
     """(current snapshot id, the position as of it), from one fresh load of the table. A table
     without a snapshot first gets an empty one: a branch needs a snapshot to start from (two
     writers doing so at once is harmless: neither carries a position)."""
-    spark.sql(f"REFRESH TABLE {table}")  # Spark's cached plans of it; the Java table is reloaded below
-    chain = current_ancestors(spark, table)
+    chain = current_ancestors(spark, table)  # refreshes the table first (lake.snapshots)
     head = next(chain, None)
     if head is None:
         spark.createDataFrame([], spark.table(table).schema).writeTo(table).append()
         chain = current_ancestors(spark, table)
         head = next(chain)
-    return int(head.snapshotId()), position(itertools.chain([head], chain))
+    return int(head.snapshot_id), position(itertools.chain([head], chain))
 
 
 def _write_and_publish(
@@ -263,7 +246,7 @@ def branch_made_at(name: str) -> datetime | None:
 
 def current_snapshot_id(spark: SparkSession, table: str) -> int | None:
     snap = current_snapshot(spark, table)
-    return None if snap is None else int(snap.snapshotId())
+    return None if snap is None else int(snap.snapshot_id)
 
 
 def snapshot_summary(spark: SparkSession, table: str) -> dict[str, str]:

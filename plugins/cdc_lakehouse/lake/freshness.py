@@ -158,7 +158,7 @@ def previous_freshness(spark: SparkSession, lake: LakeSettings, table_name: str)
 
     name = lake.qualified(lake.meta_table(FRESHNESS_TABLE))
     for snap in islice(current_ancestors(spark, name), _SNAPSHOTS_SEARCHED):
-        text = snap.summary().get(_prop(table_name))
+        text = snap.summary.get(_prop(table_name))
         if text is not None:
             return latest_per_shard(json.loads(text))
     return latest_freshness(spark, lake, table_name)
@@ -179,10 +179,10 @@ def _visible_commit(spark: SparkSession, table: str) -> tuple[int | None, dateti
     import json
 
     for snap in current_ancestors(spark, table):
-        wm = snap.summary().get(WATERMARK_PROP)
+        wm = snap.summary.get(WATERMARK_PROP)
         if wm is not None:
-            at = datetime.fromtimestamp(int(snap.timestampMillis()) / 1000, UTC)
-            return int(snap.snapshotId()), at, json.loads(wm)
+            at = datetime.fromtimestamp(int(snap.timestamp_ms) / 1000, UTC)
+            return int(snap.snapshot_id), at, json.loads(wm)
     return None, None, {}
 
 

@@ -29,6 +29,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Literal
 
 from cdc_lakehouse.identifiers import check_lake_ident
+from cdc_lakehouse.runtime.phases import metadata_reads
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -94,10 +95,11 @@ def hold_name(kind: HoldKind, consumer: str, pending: int | None = None) -> str:
 
 def holds(spark: SparkSession, table: str) -> list[Hold]:
     """Every consumer hold on the table (one query of its metadata tables)."""
-    rows = spark.sql(
-        f"SELECT r.name, r.snapshot_id, r.max_reference_age_in_ms AS retain_ms, unix_millis(s.committed_at) AS at "
-        f"FROM {table}.refs r JOIN {table}.snapshots s ON r.snapshot_id = s.snapshot_id WHERE r.type = 'TAG'"
-    ).collect()
+    with metadata_reads(spark):
+        rows = spark.sql(
+            f"SELECT r.name, r.snapshot_id, r.max_reference_age_in_ms AS retain_ms, unix_millis(s.committed_at) AS at "
+            f"FROM {table}.refs r JOIN {table}.snapshots s ON r.snapshot_id = s.snapshot_id WHERE r.type = 'TAG'"
+        ).collect()
     return sorted(
         (Hold(table, r["name"], int(r["snapshot_id"]), int(r["at"]), r["retain_ms"]) for r in rows),
         key=lambda h: h.name,

@@ -36,6 +36,7 @@ from cdc_lakehouse.config import TableConfig
 from cdc_lakehouse.lake.columns import META_PREFIX, OP_COL
 from cdc_lakehouse.lake.watermark import WATERMARK_PROP, Watermark
 from cdc_lakehouse.lake.writers import WRITER_PROP, names_its_changes
+from cdc_lakehouse.runtime.phases import local_checkpoint
 from cdc_lakehouse.settings import LakeSettings
 
 if TYPE_CHECKING:
@@ -47,7 +48,7 @@ COMPACTION = "replace"  # Iceberg's operation for rewrites that change no row
 
 @dataclass(frozen=True)
 class SnapshotInfo:
-    """One snapshot of a table, as the range rule needs it (from Spark's Java API or pyiceberg)."""
+    """One snapshot of a table, as the range rule needs it (from lake.snapshots or pyiceberg)."""
 
     snapshot_id: int
     parent_id: int | None
@@ -57,7 +58,7 @@ class SnapshotInfo:
 
     @classmethod
     def of(cls, snapshot_id: int, parent_id: int | None, operation: str | None, summary: Any) -> SnapshotInfo:
-        """From a snapshot summary (anything with `.get`: a Java map, pyiceberg's Summary, a dict)."""
+        """From a snapshot summary (anything with `.get`: pyiceberg's Summary, a dict)."""
         get = summary.get if summary is not None else (lambda _k: None)
         wm, writer = get(WATERMARK_PROP), get(WRITER_PROP)
         return cls(
@@ -171,17 +172,16 @@ def _positions_unusable(lo: int, lo_wm: dict[str, Any] | None, hi_wm: dict[str, 
 
 
 def table_snapshots(spark: SparkSession, table: str) -> tuple[dict[int, SnapshotInfo], int | None]:
-    """Every snapshot the table still has and the current one (Iceberg's Java API on the driver,
-    lake.snapshots: no Spark job)."""
-    from cdc_lakehouse.lake.snapshots import iceberg_table
+    """Every snapshot the table still has and the current one (Iceberg's metadata tables,
+    lake.snapshots: one small query)."""
+    from cdc_lakehouse.lake.snapshots import read_snapshots
 
-    t = iceberg_table(spark, table)
+    t = read_snapshots(spark, table)
     snaps = {}
-    for s in t.snapshots():
-        info = SnapshotInfo.of(s.snapshotId(), s.parentId(), s.operation(), s.summary())
+    for s in t.by_id.values():
+        info = SnapshotInfo.of(s.snapshot_id, s.parent_id, s.operation, s.summary)
         snaps[info.snapshot_id] = info
-    cur = t.currentSnapshot()
-    return snaps, None if cur is None else int(cur.snapshotId())
+    return snaps, t.current_id
 
 
 def live_rows(spark: SparkSession, table: str, cfg: TableConfig | None, snapshot_id: int | None) -> DataFrame:
@@ -189,7 +189,7 @@ def live_rows(spark: SparkSession, table: str, cfg: TableConfig | None, snapshot
     reader of ranges they are deletes."""
     from pyspark.sql import functions as F
 
-    df = spark.read.option("snapshot-id", int(snapshot_id)).table(table) if snapshot_id else spark.table(table)
+    df = spark.sql(f"SELECT * FROM {table} VERSION AS OF {int(snapshot_id)}") if snapshot_id else spark.table(table)
     if cfg is not None and cfg.deletes == "soft" and cfg.soft_delete_columns.flag in df.columns:
         df = df.filter(~F.coalesce(F.col(cfg.soft_delete_columns.flag), F.lit(False)))
     return df
@@ -204,7 +204,7 @@ def changelog_keys(
 
     from cdc_lakehouse.lake.changelog import changes_between
 
-    rows = changes_between(spark, lake, cfg, lo, hi).select(*cfg.lake_key, OP_COL).localCheckpoint(eager=True)
+    rows = local_checkpoint(changes_between(spark, lake, cfg, lo, hi).select(*cfg.lake_key, OP_COL))
     if not rows.filter(F.col(OP_COL) == "t").isEmpty():
         return None
     return rows.filter(F.col(cfg.lake_key[-1]).isNotNull()).select(*cfg.lake_key).distinct()

@@ -1,48 +1,151 @@
-"""A table's snapshots read through Iceberg's Java API on the driver, not through the metadata
-tables (`t.history`, `t.snapshots`): a SQL query on those is a Spark job (several, with a join),
-and the ingest reads them around every commit (issue #16: Spark jobs are the ingest's cost on
-small batches). Same answers: the current snapshot, and its ancestors newest first."""
+"""A table's snapshots, typed: read through Iceberg's metadata tables (`t.snapshots`, `t.refs`), the
+public SQL any Spark session has, Spark Connect's included.
+
+One query per look: every snapshot the table still has (id, parent, operation, summary, commit
+time) and which one `main` points at. The ancestors of the current snapshot are then walked in
+Python. The catalog's cached copy of the table is dropped first (REFRESH TABLE): another process
+(a killed run, maintenance, a concurrent writer) may have committed since this session loaded it.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+from cdc_lakehouse.runtime.phases import metadata_reads
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
-
-def iceberg_table(spark: SparkSession, table: str) -> Any:
-    """org.apache.iceberg.Table for `catalog.namespace.table`, refreshed from the catalog: another
-    process (a killed run, maintenance, a concurrent writer) may have committed since it was cached."""
-    jvm = spark._jvm
-    t = jvm.org.apache.iceberg.spark.Spark3Util.loadIcebergTable(spark._jsparkSession, table)
-    t.refresh()
-    return t
+MAIN = "main"
 
 
-def current_ancestors(spark: SparkSession, table: str, ref: str | None = None) -> Iterator[Any]:
-    """The current snapshot, then its parent, ... (what `t.history WHERE is_current_ancestor`
-    lists, newest first); stops where expired snapshots cut the chain. With `ref`, the same from
-    that branch's head (nothing if the branch has no snapshot)."""
-    t = iceberg_table(spark, table)
-    snap = t.currentSnapshot() if ref is None else t.snapshot(ref)
-    while snap is not None:
-        yield snap
-        parent = snap.parentId()
-        snap = t.snapshot(parent) if parent is not None else None
+@dataclass(frozen=True)
+class Snapshot:
+    """One snapshot of a table, as Iceberg's metadata table lists it."""
+
+    snapshot_id: int
+    parent_id: int | None
+    operation: str | None  # append, overwrite, delete, replace (a compaction: no row changed)
+    summary: dict[str, str] = field(default_factory=dict, hash=False, compare=False)
+    timestamp_ms: int = 0
+
+
+@dataclass(frozen=True)
+class TableSnapshots:
+    """Every snapshot a table still has, and the one a ref (main) points at."""
+
+    table: str
+    by_id: dict[int, Snapshot]
+    current_id: int | None
+    refs: dict[str, int] = field(default_factory=dict)  # branch or tag name -> its snapshot
+    branches: frozenset[str] = frozenset()
+
+    @property
+    def current(self) -> Snapshot | None:
+        return self.by_id.get(self.current_id) if self.current_id is not None else None
+
+    def ancestors(self, start: int | None = None) -> Iterator[Snapshot]:
+        """`start` (default: the current snapshot), then its parent, ...; stops where expired
+        snapshots cut the chain."""
+        sid = self.current_id if start is None else start
+        while sid is not None and sid in self.by_id:
+            snap = self.by_id[sid]
+            yield snap
+            sid = snap.parent_id
+
+
+# Catalogs this process can also read with pyiceberg: name -> load_catalog properties (registered
+# by runtime.session.get_spark for its lake), and the loaded catalogs.
+_PYICEBERG: dict[str, dict[str, str]] = {}
+_LOADED: dict[str, Any] = {}
+
+
+def read_with_pyiceberg(catalog_name: str, properties: dict[str, str]) -> None:
+    """Read this catalog's snapshots with pyiceberg from now on: the table's metadata file, read by
+    this process, where the metadata tables cost a Spark job each (on Spark Connect, a request and
+    a job per read; an ingest makes about 18)."""
+    if _PYICEBERG.get(catalog_name) != properties:
+        _PYICEBERG[catalog_name] = dict(properties)
+        _LOADED.pop(catalog_name, None)
+
+
+def read_snapshots(spark: SparkSession, table: str, *, refresh: bool = True) -> TableSnapshots:
+    """Every snapshot of `table` (catalog.namespace.name) and its refs, freshly from the catalog."""
+    if refresh:  # Spark's cached copy, for what the caller reads through Spark next
+        spark.sql(f"REFRESH TABLE {table}")
+    catalog_name, _, ident = table.partition(".")
+    if catalog_name in _PYICEBERG:
+        return _from_pyiceberg(table, catalog_name, ident)
+    with metadata_reads(spark):
+        rows = spark.sql(
+            "SELECT s.snapshot_id, s.parent_id, s.operation, s.summary, "
+            "CAST(unix_millis(s.committed_at) AS BIGINT) AS ts, NULL AS ref, NULL AS ref_type "
+            f"FROM {table}.snapshots s "
+            "UNION ALL SELECT r.snapshot_id, NULL, NULL, NULL, NULL, r.name, r.type "
+            f"FROM {table}.refs r"
+        ).collect()
+    by_id: dict[int, Snapshot] = {}
+    refs: dict[str, int] = {}
+    branches: set[str] = set()
+    for r in rows:
+        if r["ref"] is not None:
+            refs[r["ref"]] = int(r["snapshot_id"])
+            if r["ref_type"] == "BRANCH":
+                branches.add(r["ref"])
+            continue
+        sid = int(r["snapshot_id"])
+        parent = r["parent_id"]
+        by_id[sid] = Snapshot(
+            sid,
+            None if parent is None else int(parent),
+            r["operation"],
+            dict(r["summary"] or {}),
+            int(r["ts"] or 0),
+        )
+    return TableSnapshots(table, by_id, refs.get(MAIN), refs, frozenset(branches))
+
+
+def _from_pyiceberg(table: str, catalog_name: str, ident: str) -> TableSnapshots:
+    from pyiceberg.catalog import load_catalog
+
+    if catalog_name not in _LOADED:
+        _LOADED[catalog_name] = load_catalog(catalog_name, **_PYICEBERG[catalog_name])
+    meta = _LOADED[catalog_name].load_table(ident).metadata
+    by_id = {
+        s.snapshot_id: Snapshot(
+            s.snapshot_id,
+            s.parent_snapshot_id,
+            s.summary.operation.value if s.summary is not None else None,
+            dict(s.summary.additional_properties) if s.summary is not None else {},
+            int(s.timestamp_ms),
+        )
+        for s in meta.snapshots
+    }
+    refs = {name: ref.snapshot_id for name, ref in meta.refs.items()}
+    branches = frozenset(name for name, ref in meta.refs.items() if ref.snapshot_ref_type.value == "branch")
+    return TableSnapshots(table, by_id, refs.get(MAIN), refs, branches)
+
+
+def current_ancestors(spark: SparkSession, table: str, ref: str | None = None) -> Iterator[Snapshot]:
+    """The current snapshot, then its parent, ... (newest first). With `ref`, the same from that
+    branch's head (nothing if the branch has no snapshot)."""
+    snaps = read_snapshots(spark, table)
+    if ref is None:
+        return snaps.ancestors()
+    head = snaps.refs.get(ref)
+    return snaps.ancestors(head) if head is not None else iter(())
 
 
 def branch_names(spark: SparkSession, table: str) -> list[str]:
-    """The table's branches (`main` included), as `SELECT name FROM t.refs WHERE type = 'BRANCH'`
-    lists them, without its Spark job."""
-    refs = iceberg_table(spark, table).refs()
-    return sorted(str(name) for name in refs.keySet() if refs.get(name).isBranch())
+    """The table's branches (`main` included)."""
+    return sorted(read_snapshots(spark, table).branches)
 
 
-def current_snapshot(spark: SparkSession, table: str) -> Any | None:
-    return next(current_ancestors(spark, table), None)
+def current_snapshot(spark: SparkSession, table: str) -> Snapshot | None:
+    return read_snapshots(spark, table).current
 
 
-def summary_of(snapshot: Any) -> dict[str, str]:
-    return {str(k): str(v) for k, v in snapshot.summary().items()}
+def summary_of(snapshot: Snapshot) -> dict[str, str]:
+    return dict(snapshot.summary)

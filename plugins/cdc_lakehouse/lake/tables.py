@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from cdc_lakehouse.config import TableConfig
 from cdc_lakehouse.identifiers import spark_ident
 from cdc_lakehouse.lake.columns import BY_NAME, CHANGELOG, COMMIT_TS_COL, CURRENT, METADATA_NAMES, SHARD_COL, ddl_of
+from cdc_lakehouse.runtime.phases import metadata_reads
 from cdc_lakehouse.settings import LakeSettings
 
 if TYPE_CHECKING:
@@ -169,11 +170,12 @@ def source_columns_of(spark: SparkSession, table: str, cfg: TableConfig) -> list
 
 def table_stats(spark: SparkSession, table: str) -> dict[str, Any]:
     """Files, delete files, snapshots and bytes of a table's current state (one metadata query)."""
-    f = spark.sql(
-        f"SELECT count_if(content = 0) n, coalesce(sum(if(content = 0, file_size_in_bytes, 0)), 0) b, "
-        f"coalesce(sum(if(content = 0, record_count, 0)), 0) r, count_if(content <> 0) d, "
-        f"(SELECT count(*) FROM {table}.snapshots) s FROM {table}.files"
-    ).collect()[0]
+    with metadata_reads(spark):
+        f = spark.sql(
+            f"SELECT count_if(content = 0) n, coalesce(sum(if(content = 0, file_size_in_bytes, 0)), 0) b, "
+            f"coalesce(sum(if(content = 0, record_count, 0)), 0) r, count_if(content <> 0) d, "
+            f"(SELECT count(*) FROM {table}.snapshots) s FROM {table}.files"
+        ).collect()[0]
     return {
         "data_files": int(f["n"]),
         "total_bytes": int(f["b"]),

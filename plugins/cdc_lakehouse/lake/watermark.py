@@ -89,9 +89,8 @@ class Watermark(BaseModel):
 def read_watermark(spark: SparkSession, table: str) -> dict[str, Any] | None:
     """The newest `cdc.watermark` among the current snapshot and its ancestors."""
     # Iceberg's catalog caches loaded tables; another process (a killed run, maintenance) may have
-    # committed since, and a stale watermark would re-apply events the table already has. The
-    # Java table is refreshed (lake.snapshots); REFRESH drops Spark's cached plans of the table too.
-    spark.sql(f"REFRESH TABLE {table}")
+    # committed since, and a stale watermark would re-apply events the table already has:
+    # current_ancestors refreshes the table first (lake.snapshots).
     return watermark_in(current_ancestors(spark, table))
 
 
@@ -99,7 +98,7 @@ def watermark_in(snapshots: Iterable[Any]) -> dict[str, Any] | None:
     """The newest `cdc.watermark` in a chain of snapshots (newest first): a table's position as
     of its first snapshot (lake.commits fences commits on it)."""
     for snap in snapshots:
-        wm = snap.summary().get(WATERMARK_PROP)
+        wm = snap.summary.get(WATERMARK_PROP)
         if wm is not None:
             return json.loads(wm)
     return None

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 from cdc_lakehouse.config import LandingSource, TableConfig
 from cdc_lakehouse.ingest.errors import NotBootstrapped
-from cdc_lakehouse.landing.reader import HadoopFS, Plan, spark_uri
+from cdc_lakehouse.landing.reader import LandingFS, Plan, spark_uri
 from cdc_lakehouse.landing.writer import local_dir, make_private, mkdirs
 from cdc_lakehouse.source.catalog import lake_type, schema_json
 
@@ -537,7 +537,7 @@ class DebeziumPlan(Plan):
     sink_files: list[SinkFile] = field(default_factory=list)
 
 
-def pending_files(fs: HadoopFS, base: str, topic: str, committed: dict[str, int], heartbeat: bool) -> list[SinkFile]:
+def pending_files(fs: LandingFS, base: str, topic: str, committed: dict[str, int], heartbeat: bool) -> list[SinkFile]:
     """The topic's objects not wholly below the committed offsets, per partition in offset order.
     A file ends where the next one of its partition starts, so only a partition's last file below
     the committed offset can straddle it; it is read from that offset on."""
@@ -596,21 +596,48 @@ def within_budget(files: list[SinkFile], stats: dict[str, dict[str, Any]], limit
     return chosen
 
 
-def read_bytes(fs: HadoopFS, uri: str) -> bytes:
-    """A (small) file's bytes, read on the driver."""
-    path, hfs = fs._fs(uri)
-    stream = hfs.open(path)
-    try:
-        return bytes(fs.jvm.org.apache.commons.io.IOUtils.toByteArray(stream))
-    finally:
-        stream.close()
+def read_bytes(fs: LandingFS, uri: str) -> bytes:
+    """A (small) file's bytes, read here (the driver, or the Spark Connect client)."""
+    return fs.read_bytes(uri)
 
 
-def _binary_files(spark: SparkSession, files: list[SinkFile]):
-    """(SinkFile, bytes) of every file, as an RDD (read on the executors)."""
+def _over_files(spark: SparkSession, files: list[SinkFile], fn, schema) -> DataFrame:
+    """fn(SinkFile, bytes) -> records (dicts of `schema`'s fields) for every file, run on the
+    executors: Spark's binaryFile source reads the objects, mapInArrow converts them. One Spark
+    job for all of a batch's objects, and no object's bytes pass through this process (a Spark
+    Connect client may be far from them)."""
+    import pyarrow as pa
+
+    from cdc_lakehouse.landing.format import landing_arrow_schema
+
     by_name = {f.name: f for f in files}
-    rdd = spark.sparkContext.binaryFiles(",".join(f.uri for f in files))
-    return rdd.map(lambda kv: (by_name[kv[0].rsplit("/", 1)[-1]], kv[1]))
+    raw = spark.read.format("binaryFile").load([f.uri for f in files]).select("path", "content")
+    arrow = landing_arrow_schema() if not isinstance(schema, str) else None
+
+    def run(batches):
+        for b in batches:
+            out = []
+            for path, data in zip(b.column("path").to_pylist(), b.column("content").to_pylist()):
+                out.extend(fn(by_name[path.rsplit("/", 1)[-1]], data))
+            if out:
+                yield pa.RecordBatch.from_pylist(out, schema=arrow)
+
+    return raw.mapInArrow(run, schema)
+
+
+def _json_rows(spark: SparkSession, files: list[SinkFile], fn) -> list[Any]:
+    """fn(SinkFile, bytes) -> one JSON-able value per file, collected."""
+    out = _over_files(spark, files, lambda f, d: [{"v": json.dumps(fn(f, d), default=str)}], "v string")
+    return [json.loads(r["v"]) for r in out.collect()]
+
+
+def event_record(row: tuple) -> dict[str, Any]:
+    """An event row (landing_spark_schema order) as the record Arrow builds a landing batch from."""
+    from cdc_lakehouse.landing.format import LANDING_FIELDS, SOURCE_FIELDS
+
+    rec = dict(zip(LANDING_FIELDS, row))
+    rec["source"] = dict(zip(SOURCE_FIELDS, rec["source"]))
+    return rec
 
 
 def plan_debezium(spark: SparkSession, lake, cfg: TableConfig, watermark: dict[str, Any]) -> DebeziumPlan:
@@ -626,8 +653,8 @@ def plan_debezium(spark: SparkSession, lake, cfg: TableConfig, watermark: dict[s
             "which for a Debezium-fed table creates the tables and loads the connector's snapshot events"
         )
     shape = shape_of(cfg)
-    files = listed_files(HadoopFS(spark), cfg, shape, watermark)
-    stats = read_stats(spark, HadoopFS(spark), shape, files)
+    files = listed_files(LandingFS(spark), cfg, shape, watermark)
+    stats = read_stats(spark, LandingFS(spark), shape, files)
     chosen = within_budget(files, stats, cfg.ingest.max_events_per_run)
     fronts = frontiers(cfg, watermark, files, chosen, stats)
     taken, fronts = take_below(spark, shape, chosen, stats, fronts)
@@ -646,7 +673,7 @@ def topic_shards(cfg: TableConfig) -> dict[str, str]:
     return {table_topic(cfg.landing, g.conn_id, schema, cfg.source.table): shard for g, schema, shard in cfg.shards()}
 
 
-def listed_files(fs: HadoopFS, cfg: TableConfig, shape: Shape, watermark: dict[str, Any]) -> list[SinkFile]:
+def listed_files(fs: LandingFS, cfg: TableConfig, shape: Shape, watermark: dict[str, Any]) -> list[SinkFile]:
     """Every object above the committed offsets: the table topics' (each with its shard's
     watermark as the floor of its events' positions) and the heartbeat topics'."""
     src = cfg.landing
@@ -664,10 +691,10 @@ def listed_files(fs: HadoopFS, cfg: TableConfig, shape: Shape, watermark: dict[s
     return files
 
 
-def read_stats(spark: SparkSession, fs: HadoopFS, shape: Shape, files: list[SinkFile]) -> dict[str, dict[str, Any]]:
+def read_stats(spark: SparkSession, fs: LandingFS, shape: Shape, files: list[SinkFile]) -> dict[str, dict[str, Any]]:
     """file_stats of every listed object, by name; conversion errors stop the table here."""
     tables = [f for f in files if not f.heartbeat]
-    stats = _binary_files(spark, tables).map(lambda fd: file_stats(shape, fd[0], fd[1])).collect() if tables else []
+    stats = _json_rows(spark, tables, lambda f, d: file_stats(shape, f, d)) if tables else []
     # Heartbeat topics start with '_', which Hadoop's input formats treat as hidden: read on the driver.
     stats += [file_stats(shape, f, read_bytes(fs, f.uri)) for f in files if f.heartbeat]
     errors = [s["error"] for s in stats if s["error"]]
@@ -792,7 +819,7 @@ def cut_points(spark: SparkSession, shape: Shape, files: list[SinkFile], fronts:
     if not files:
         return []
     w = {t: fr.lsn for t, fr in fronts.items()}
-    return _binary_files(spark, files).map(lambda fd: cut_point(shape, fd[0], fd[1], w[fd[0].topic])).collect()
+    return _json_rows(spark, files, lambda f, d: cut_point(shape, f, d, w[f.topic]))
 
 
 def report(cfg: TableConfig, fronts: dict[str, Frontier], taken_stats: list[dict[str, Any]]) -> None:
@@ -830,7 +857,7 @@ def stage_events(spark: SparkSession, lake, cfg: TableConfig, events: list[SinkF
     if local is not None:
         mkdirs(local / "_debezium", Path(local.resolve().anchor))
         make_private(local / "_debezium")  # also when made by an earlier release with 0755
-    HadoopFS(spark).delete(staging)
+    LandingFS(spark).delete(staging)
     read_debezium(spark, cfg, events).write.mode("overwrite").parquet(staging)
     if local is not None:
         make_private(local / "_debezium" / cfg.name)
@@ -900,8 +927,8 @@ def read_debezium(spark: SparkSession, cfg: TableConfig, files: list[SinkFile]) 
     from cdc_lakehouse.ingest.validate import landing_spark_schema
 
     shape = shape_of(cfg)
-    rows = _binary_files(spark, files).flatMap(lambda fd: list(file_events(shape, fd[0], fd[1])))
-    return spark.createDataFrame(rows, landing_spark_schema())
+    schema = landing_spark_schema()
+    return _over_files(spark, files, lambda f, d: (event_record(r) for r in file_events(shape, f, d)), schema)
 
 
 # --- bootstrap ---------------------------------------------------------------------------------------
@@ -911,13 +938,13 @@ def first_columns(spark: SparkSession, cfg: TableConfig) -> list[dict[str, Any]]
     """The table's columns from the value schema of the first record of its topics (the snapshot's
     'r' events when the connector took one)."""
     src, shape = cfg.landing, shape_of(cfg)
-    fs, base = HadoopFS(spark), spark_uri(str(src.uri).rstrip("/")) + "/" + src.topics_dir
+    fs, base = LandingFS(spark), spark_uri(str(src.uri).rstrip("/")) + "/" + src.topics_dir
     firsts = []
     for topic, _ in shape.endpoints:
         files = pending_files(fs, base, topic, {}, False)
         firsts += sorted(files, key=lambda f: f.start)[:1]
-    for f, data in _binary_files(spark, firsts).collect() if firsts else []:
-        for schema, payload in records(data, shape.fmt, f.uri):
+    for f in sorted(firsts, key=lambda f: f.uri):
+        for schema, payload in records(read_bytes(fs, f.uri), shape.fmt, f.uri):
             value_schema = schema and (_field(schema, "after") or _field(schema, "before"))
             if payload is not None and value_schema and value_schema.get("fields"):
                 return table_columns(value_schema, cfg.primary_key, f"{cfg.name}: {f.uri}")

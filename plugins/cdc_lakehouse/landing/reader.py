@@ -1,6 +1,6 @@
 """landing.reader: the landing zone as the ingest reads it (Spark driver): the manifests of an
 endpoint in capture order, the plan of pending runs for a table (gaps, coverage, server identity,
-missing files) and its new watermark, and files through Hadoop's FileSystem."""
+missing files) and its new watermark, and its files read from Python (pyarrow)."""
 
 from __future__ import annotations
 
@@ -223,60 +223,129 @@ def check_coverage(
             )
 
 
-# --- files through Hadoop's FileSystem (local paths, s3a://, hdfs:// alike) -----------------
+# --- files, read from Python (local paths and s3:// alike) --------------------------------------
 
 
 def spark_uri(uri: str) -> str:
+    """The URI Spark reads a landing file by: s3:// through Hadoop's S3A."""
     return "s3a://" + uri[len("s3://") :] if uri.startswith("s3://") else uri
 
 
-class HadoopFS:
+# The landing's S3 settings, as the session holds them (runtime.session.lake_conf): the same
+# endpoint and keys Spark's S3A reads the files with, whichever way the session was made.
+_S3A_KEYS = {
+    "endpoint": "fs.s3a.endpoint",
+    "region": "fs.s3a.endpoint.region",
+    "access_key": "fs.s3a.access.key",
+    "secret_key": "fs.s3a.secret.key",
+    "session_token": "fs.s3a.session.token",
+    "ssl": "fs.s3a.connection.ssl.enabled",
+}
+
+
+def _session_s3(spark: SparkSession) -> dict[str, str]:
+    out = {}
+    for name, key in _S3A_KEYS.items():
+        v = spark.conf.get(key, None) or spark.conf.get(f"spark.hadoop.{key}", None)
+        if v:
+            out[name] = v
+    return out
+
+
+class LandingFS:
+    """Landing files seen from this process (the ingest's driver, a Spark Connect client), through
+    pyarrow's file systems: the manifests, listings and small files the driver reads itself. Spark
+    reads the event files. No JVM: the same code runs on a Spark Connect client and under
+    spark-submit."""
+
     def __init__(self, spark: SparkSession):
-        self.jvm = spark._jvm
-        self.conf = spark._jsc.hadoopConfiguration()
+        self.s3 = _session_s3(spark)
+        self._s3fs = None
 
     def _fs(self, uri: str):
-        path = self.jvm.org.apache.hadoop.fs.Path(spark_uri(uri))
-        return path, path.getFileSystem(self.conf)
+        from urllib.parse import urlsplit
+
+        from pyarrow import fs as pafs
+
+        u = urlsplit(uri)
+        if u.scheme in ("s3", "s3a"):
+            if self._s3fs is None:
+                endpoint = self.s3.get("endpoint")
+                scheme = "https" if self.s3.get("ssl", "true").lower() == "true" else "http"
+                if endpoint and "://" in endpoint:
+                    scheme, endpoint = endpoint.split("://", 1)
+                self._s3fs = pafs.S3FileSystem(
+                    access_key=self.s3.get("access_key"),
+                    secret_key=self.s3.get("secret_key"),
+                    session_token=self.s3.get("session_token"),
+                    region=self.s3.get("region"),
+                    endpoint_override=endpoint,
+                    scheme=scheme,
+                )
+            return self._s3fs, f"{u.netloc}{u.path}"
+        return pafs.LocalFileSystem(), u.path if u.scheme == "file" else uri
+
+    def _info(self, uri: str):
+        fs, path = self._fs(uri)
+        return fs, path, fs.get_file_info(path)
 
     def exists(self, uri: str) -> bool:
-        path, fs = self._fs(uri)
-        return bool(fs.exists(path))
+        from pyarrow import fs as pafs
+
+        return self._info(uri)[2].type != pafs.FileType.NotFound
 
     def size(self, uri: str) -> int | None:
-        path, fs = self._fs(uri)
-        return int(fs.getFileStatus(path).getLen()) if fs.exists(path) else None
+        from pyarrow import fs as pafs
+
+        info = self._info(uri)[2]
+        return None if info.type != pafs.FileType.File else int(info.size)
 
     def list_names(self, uri: str) -> list[str]:
-        path, fs = self._fs(uri)
-        if not fs.exists(path):
+        from pyarrow import fs as pafs
+
+        fs, path = self._fs(uri)
+        try:
+            infos = fs.get_file_info(pafs.FileSelector(path, allow_not_found=True))
+        except NotADirectoryError:
             return []
-        return sorted(st.getPath().getName() for st in fs.listStatus(path))
+        return sorted(i.base_name for i in infos)
+
+    def read_bytes(self, uri: str) -> bytes:
+        fs, path = self._fs(uri)
+        with fs.open_input_stream(path) as f:
+            return f.read()
 
     def read_text(self, uri: str) -> str:
-        path, fs = self._fs(uri)
-        stream = fs.open(path)
-        try:
-            reader = self.jvm.java.io.BufferedReader(self.jvm.java.io.InputStreamReader(stream, "UTF-8"))
-            lines = []
-            line = reader.readLine()
-            while line is not None:
-                lines.append(line)
-                line = reader.readLine()
-            return "\n".join(lines)
-        finally:
-            stream.close()
+        return self.read_bytes(uri).decode("utf-8")
+
+    def write_bytes(self, uri: str, data: bytes) -> None:
+        """The file at uri, replaced by data (a local file's folders made first)."""
+        from pyarrow import fs as pafs
+
+        fs, path = self._fs(uri)
+        if isinstance(fs, pafs.LocalFileSystem):
+            fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
+        with fs.open_output_stream(path) as f:
+            f.write(data)
 
     def delete(self, uri: str, recursive: bool = True) -> bool:
-        path, fs = self._fs(uri)
-        return bool(fs.delete(path, recursive))
+        from pyarrow import fs as pafs
+
+        fs, path, info = self._info(uri)
+        if info.type == pafs.FileType.NotFound:
+            return False
+        if info.type == pafs.FileType.Directory:
+            fs.delete_dir(path)
+        else:
+            fs.delete_file(path)
+        return True
 
 
 class SparkLanding:
     """Read-only view of the landing zone for Spark jobs (manifests + file URIs)."""
 
     def __init__(self, spark: SparkSession, uri: str):
-        self.fs = HadoopFS(spark)
+        self.fs = LandingFS(spark)
         self.uri = spark_uri(uri.rstrip("/"))
 
     def file_uri(self, rel: str) -> str:

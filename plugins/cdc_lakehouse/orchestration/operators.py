@@ -1,8 +1,16 @@
-"""The Spark submit operator of this project: the Apache Spark provider's, plus the lake and
-source settings resolved at run time (never at DAG parse time). Public settings travel in
-env_vars; secrets never do: job_secrets hands them to the driver by reference (a 0600 file
-on the worker, a YARN-localized file, or a Kubernetes secret), per master type. See
-docs/secrets.md."""
+"""The Spark operator of this project: a job (its spark_jobs/<job>.py file) with the lake and source settings
+resolved at run time (never at DAG parse time), sent where the task's Spark connection says:
+
+- a Spark Connect connection (conn type `spark_connect`, the Apache Spark provider's; the local
+  stack's default): the task's own process is the job's driver, a client of the long-lived
+  server; the job's Spark work runs there. Settings and secrets stay in this process and reach
+  the server over the Connect channel, per session (runtime.session.get_spark).
+- a Spark connection (conn type `spark`: YARN, Kubernetes, a local master): spark-submit, the
+  provider's operator. Public settings travel in env_vars; secrets never do: job_secrets hands
+  them to the driver by reference (a 0600 file on the worker, a YARN-localized file, or a
+  Kubernetes secret), per master type.
+
+See docs/secrets.md."""
 
 from __future__ import annotations
 
@@ -31,10 +39,6 @@ class CdcSparkSubmitOperator(SparkSubmitOperator):
             application=str(PROJECT_ROOT / "spark_jobs" / f"{job}.py"), application_args=job_args, **kwargs
         )
         self.job = job
-        # The Spark settings given to this task itself, default_args included (execute fills in
-        # the defaults later): the job server runs every job with its own, so such a task goes by
-        # spark-submit.
-        self._own_settings = sorted(self.conf or {}) + (["driver_memory"] if self._driver_memory else [])
         self.source_conn_ids = list(source_conn_ids)
         self.store_conns = [tuple(c) for c in store_conns]  # (kind, conn_id) of serving stores
         self._secrets_cleanup: Any = None
@@ -47,13 +51,59 @@ class CdcSparkSubmitOperator(SparkSubmitOperator):
         except Exception:  # noqa: BLE001 - the provider then defaults to yarn; so do we
             return {}
 
+    def _connect_url(self) -> str | None:
+        """The sc:// URL when the task's Spark connection is a Spark Connect one."""
+        from airflow.providers.apache.spark.hooks.spark_connect import SparkConnectHook
+        from airflow.sdk import BaseHook
+
+        try:
+            conn = BaseHook.get_connection(self._conn_id)
+        except Exception:  # noqa: BLE001 - no such connection: the provider's spark-submit defaults
+            return None
+        return SparkConnectHook(self._conn_id).get_connection_url() if conn.conn_type == "spark_connect" else None
+
     def execute(self, context: Any) -> None:
+        url = self._connect_url()
+        if url is not None:
+            return self._run_on_connect(url)
+        return self._spark_submit(context)
+
+    def _run_on_connect(self, url: str) -> None:
+        """The job's application file (spark_jobs/<job>.py) run in this process as spark-submit
+        would run it (same arguments, same settings), a Spark Connect client of `url`. The
+        environment it reads its settings from is this task's own process's (one task per process
+        in Airflow 3), set for the job and restored after."""
+        import json
+        import os
+
+        from airflow.exceptions import AirflowException
+
+        from cdc_lakehouse.orchestration.tasks import spark_job_env
+        from cdc_lakehouse.runtime.session import REMOTE_ENV, SESSION_CONF_ENV
+
+        public, secrets = spark_job_env(self.source_conn_ids, self.store_conns)
+        env = {**public, **secrets, REMOTE_ENV: url}
+        if self.conf:  # the task's own settings, per session (what a running server can take)
+            env[SESSION_CONF_ENV] = json.dumps(self.conf)
+        saved = {k: os.environ.get(k) for k in env}
+        self.log.info("running %s on Spark Connect at %s", self.job, url.split(";", maxsplit=1)[0])
+        if self._driver_memory:  # the driver is the server's: its memory was set when it started
+            self.log.warning("%s: driver_memory=%s does not apply on Spark Connect", self.job, self._driver_memory)
+        try:
+            os.environ.update(env)
+            rc = run_application(self.application, [str(a) for a in self.application_args or []])
+        finally:
+            for k, v in saved.items():
+                os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+        if rc != 0:
+            raise AirflowException(f"{self.job} failed with exit code {rc} (its output is above)")
+
+    def _spark_submit(self, context: Any) -> None:
         import os
 
         from cdc_lakehouse.orchestration.tasks import spark_jars, spark_job_env
         from cdc_lakehouse.runtime.packaging import pyfiles_zip
         from cdc_lakehouse.runtime.secrets import K8S_MOUNT_EXTRA, K8S_SECRET_EXTRA, transport_for
-        from cdc_lakehouse.runtime.server import SERVER_ENV, status
         from cdc_lakehouse.runtime.session import base_conf
 
         self.py_files = str(pyfiles_zip())
@@ -68,21 +118,13 @@ class CdcSparkSubmitOperator(SparkSubmitOperator):
             master, deploy_mode, secrets, k8s_secret=extra.get(K8S_SECRET_EXTRA), k8s_mount=extra.get(K8S_MOUNT_EXTRA)
         )
         self._secrets_cleanup = transport.cleanup
+        self._yarn_tracking(master, deploy_mode, extra)
         saved_env: dict[str, str | None] = {}
         try:
             self.conf = {**base_conf(), **(self.conf or {}), **transport.conf}
             self.files = ",".join([f for f in (self.files or "").split(",") if f] + transport.files) or None
             self.env_vars = {**(self.env_vars or {}), **public, **transport.env}
             self._refuse_secrets(secrets, transport)
-            server = os.environ.get(SERVER_ENV) if master.startswith("local") else None
-            if server and self._own_settings:
-                # The server's context is already started with its own settings: applying only
-                # some of the task's would run it with settings it did not ask for.
-                self.log.info("this task sets %s, which the job server cannot apply: spark-submit", self._own_settings)
-            elif server:
-                st = status(server)  # None: not running, and _run_on_server says so
-                if st is None or self.job in st.get("jobs", ()):  # else a job of its own: spark-submit
-                    return self._run_on_server(server)
             if transport.process_env:  # the driver is the spark-submit process itself (k8s client mode)
                 saved_env = {k: os.environ.get(k) for k in self.env_vars}
                 os.environ.update(self.env_vars)
@@ -96,10 +138,21 @@ class CdcSparkSubmitOperator(SparkSubmitOperator):
                     os.environ[k] = v
             self._remove_secrets()
 
+    def _yarn_tracking(self, master: str, deploy_mode: str | None, extra: dict[str, Any]) -> None:
+        """YARN cluster mode: the provider (6.x) keeps a task durable across retries only by polling
+        the ResourceManager's REST API, which needs its address in the connection's extra. Without
+        it the task holds spark-submit until the application ends (durable off), as before."""
+        if not (master.startswith("yarn") and deploy_mode == "cluster"):
+            return
+        if extra.get("yarn_resourcemanager_webapp_address"):
+            self._yarn_track_via_rm_api = True
+        else:
+            self.log.info("YARN cluster mode without yarn_resourcemanager_webapp_address: not durable")
+            self.durable = False
+
     def _refuse_secrets(self, secrets: dict[str, str], transport: Any) -> None:
         """The last-line check: no secret value (cdc_lakehouse.secrecy: by origin, inner ones and
-        encoded forms included) in what becomes spark-submit's command line or the job server's
-        request, and no setting named like a credential there (the safety net). The transport's
+        encoded forms included) in what becomes spark-submit's command line, and no setting named like a credential there (the safety net). The transport's
         own settings hold a path or a mount, never a value."""
         from cdc_lakehouse.secrecy import find_secrets, secret_named, secrets_of_env
 
@@ -116,25 +169,33 @@ class CdcSparkSubmitOperator(SparkSubmitOperator):
                 "property through the lake connection's secret_catalog_properties; see docs/secrets.md"
             )
 
-    def _run_on_server(self, sock: str) -> None:
-        """The job on the long-lived job server (runtime.server) instead of a new spark-submit:
-        same job, arguments and environment (secrets by file reference); its output in this log."""
-        from airflow.exceptions import AirflowException
-
-        from cdc_lakehouse.runtime.server import submit
-
-        self.log.info("running %s on the job server at %s (CDC_SPARK_SERVER)", self.job, sock)
-        rc = submit(sock, self.job, [str(a) for a in self.application_args or []], self.env_vars, self.log.info)
-        if rc != 0:
-            raise AirflowException(f"{self.job} failed on the job server with exit code {rc} (its output is above)")
-
     def _remove_secrets(self) -> None:
         cleanup, self._secrets_cleanup = self._secrets_cleanup, None
         if cleanup:
             cleanup()
 
     def on_kill(self) -> None:
+        from cdc_lakehouse.runtime.session import interrupt_all
+
         try:
+            interrupt_all()  # a job on Spark Connect: its running Spark work stops on the server
             super().on_kill()
         finally:
             self._remove_secrets()
+
+
+def run_application(path: str, args: list[str]) -> int:
+    """A spark_jobs/ file run as its `__main__`, with `args` as its command line: its exit code."""
+    import runpy
+    import sys
+
+    argv = sys.argv
+    sys.argv = [path, *args]
+    try:
+        runpy.run_path(path, run_name="__main__")
+    except SystemExit as done:
+        code = done.code
+        return code if isinstance(code, int) else (0 if code is None else 1)
+    finally:
+        sys.argv = argv
+    return 0

@@ -114,10 +114,12 @@ def run_per_table(
     t0 = time.time()
     names = ",".join(c.name for c in cfgs)
     spark = get_spark(args.app_name or f"cdc-{kind}-{names[:40]}", lake)
-    ensure_meta_tables(spark, lake)
-    log.info("%s: Spark session ready in %.1fs (package %s)", kind, time.time() - t0, Path(__file__).parent)
-    _, failures = run_tables(kind, spark, lake, cfgs, lambda s, lk, c: fn(s, lk, c, args, files.get(c.name)))
-    release_spark(spark)
+    try:  # a failed job still ends its Spark Connect session on the server
+        ensure_meta_tables(spark, lake)
+        log.info("%s: Spark session ready in %.1fs (package %s)", kind, time.time() - t0, Path(__file__).parent)
+        _, failures = run_tables(kind, spark, lake, cfgs, lambda s, lk, c: fn(s, lk, c, args, files.get(c.name)))
+    finally:
+        release_spark(spark)
     if failures:
         print(f"{kind}: {len(failures)} of {len(cfgs)} table(s) failed:", file=sys.stderr)
         for name, exc in failures:
@@ -352,21 +354,3 @@ def main_export(argv: list[str] | None = None) -> int:
         return export(spark, lake, ecfg, a.tables_by_name, a.derived_by_name, mode=a.mode)
 
     return run_per_table("export", args, fn, _export_configs)
-
-
-def _feed_main(argv: list[str] | None) -> int:
-    from cdc_lakehouse.feed.consumer import main
-
-    return main(argv)
-
-
-# What the job server (runtime.server) can run: the same entry points as spark_jobs/<job>.py.
-JOBS: dict[str, Callable[[list[str] | None], int]] = {
-    "ingest": main_ingest,
-    "bootstrap": main_bootstrap,
-    "maintenance": main_maintenance,
-    "audit": main_audit,
-    "derive": main_derive,
-    "export": main_export,
-    "feed_block_counts": _feed_main,
-}

@@ -41,38 +41,180 @@ class SparkJobs:
     """Counts the Spark jobs a block of driver code starts: `with SparkJobs(spark, "ingest t") as
     jobs: ...; jobs.count`. Every action (count, collect, a write, each job of a MERGE) is one or
     more jobs, and each costs scheduling and a pass over its input: the number is the budget the
-    fused ingest is held to (issue #16), measured through Spark's status tracker."""
+    fused ingest is held to (issue #16).
+
+    Reads of a table's snapshot metadata (lake.snapshots, under `metadata_reads()`) are counted
+    apart, in `metadata`: through Iceberg's Java API they started no job, through SQL (what Spark
+    Connect allows) each is a small job over the metadata tables, never over data files. `count`
+    stays the figure a new scan of data moves.
+
+    The block's jobs carry a job tag of their own (SparkSession.addTag: public on a classic session
+    and on Spark Connect alike); they are counted from the application's status REST API (what the
+    Spark UI serves). Where that API is not reachable (the UI off, a remote server's UI behind a
+    firewall) the count is None: a diagnostic, never a reason to fail a job."""
 
     def __init__(self, spark: SparkSession, label: str) -> None:
-        self.sc = spark.sparkContext
+        self.spark = spark
         self.label = label
-        self.group = f"cdc-{uuid.uuid4().hex[:12]}"
-        self.count = 0
+        self.tag = f"cdc-{uuid.uuid4().hex[:12]}"
+        self.count: int | None = None
+        self.metadata: int | None = None
         self.sites: list[str] = []
-        self._previous: str | None = None
 
     def __enter__(self) -> SparkJobs:
-        self._previous = self.sc.getLocalProperty("spark.jobGroup.id")
-        self.sc.setJobGroup(self.group, self.label)
+        self.spark.addTag(self.tag)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        tracker = self.sc.statusTracker()
-        ids = sorted(tracker.getJobIdsForGroup(self.group))
-        self.count = len(ids)
-        # What started each job (its last stage's call site, e.g. "save at .../run.py:255"):
-        # where a budget regressed, this says which line did it.
-        self.sites = [_call_site(tracker, j) for j in ids]
-        # Leave the thread as it was: a job group outlives the block otherwise.
-        self.sc.setLocalProperty("spark.jobGroup.id", self._previous)  # type: ignore[arg-type]
-        self.sc.setLocalProperty("spark.job.description", None)  # type: ignore[arg-type]
+        self.spark.removeTag(self.tag)
+        jobs = _tagged_jobs(self.spark, self.tag)
+        if jobs is not None:
+            jobs.sort(key=lambda j: int(j.get("jobId", 0)))
+            meta = [j for j in jobs if _has_tag(j, METADATA_TAG)]
+            data = [j for j in jobs if not _has_tag(j, METADATA_TAG)]
+            self.count, self.metadata = len(data), len(meta)
+            # What started each job (e.g. "save at .../run.py:255"): where a budget regressed, this
+            # says which line did it.
+            self.sites = [_site(self.spark, j) for j in data]
 
 
-def _call_site(tracker: Any, job_id: int) -> str:
-    job = tracker.getJobInfo(job_id)
-    stages = [tracker.getStageInfo(s) for s in (job.stageIds if job else [])]
-    names = [st.name for st in stages if st is not None]
-    return names[-1] if names else "?"
+# The tag of a read of snapshot metadata (SparkJobs counts those jobs apart).
+METADATA_TAG = "cdc-metadata-read"
+
+
+@contextmanager
+def metadata_reads(spark: SparkSession) -> Iterator[None]:
+    """The jobs started inside are reads of table metadata (SparkJobs.metadata)."""
+    spark.addTag(METADATA_TAG)
+    try:
+        yield
+    finally:
+        spark.removeTag(METADATA_TAG)
+
+
+def _has_tag(job: dict[str, Any], tag: str) -> bool:
+    # Spark 4 gives a session's tag its scope: on a Spark Connect server
+    # "SparkConnect_Execute_User_<u>_Session_<s>_Tag_<tag>" (spark-connect 4.1, ExecuteHolder), on a
+    # classic session "spark-session-<uuid>-thread-<uuid>-<tag>" (SparkSession.managedJobTags).
+    return any(t == tag or t.endswith((f"_Tag_{tag}", f"-{tag}")) for t in job.get("jobTags") or [])
+
+
+def _site(spark: SparkSession, job: dict[str, Any]) -> str:
+    """A job's call site ("save at .../run.py:255"); for a Spark Connect client, whose jobs are
+    named by their request, the request's SQL or the relation or command it ran."""
+    import re
+
+    name = str(job.get("name", "?"))
+    if not name.startswith("Spark Connect"):
+        return name
+    details = _stage_details(spark, job)
+    query = re.search(r'query: "((?:[^"\\]|\\.)*)"', details)
+    if query:
+        return "sql: " + query.group(1)[:160]
+    nodes = [n for n in re.findall(r"^ +(\w+) \{", details, re.M) if n not in ("common", "root", "command", "plan")]
+    return "connect: " + " > ".join(nodes[:4]) if nodes else name[:120]
+
+
+def _stage_details(spark: SparkSession, job: dict[str, Any]) -> str:
+    import json
+    import urllib.request
+
+    base, stages = status_api(spark), job.get("stageIds") or []
+    if base is None or not stages:
+        return ""
+    try:
+        with urllib.request.urlopen(f"{base}/stages/{min(stages)}", timeout=5) as r:  # noqa: S310 - the driver's own UI
+            return str((json.load(r) or [{}])[0].get("details", ""))
+    except OSError:
+        return ""
+
+
+def status_api(spark: SparkSession) -> str | None:
+    """The base URL of the application's status REST API, or None when the UI is off. Kept per
+    Spark Connect session: each conf read is a request to the server, and the job counts asked
+    for it about 50 times per ingest (4 reads each: 1,142 of a test file's 3,923 requests)."""
+    session_id = getattr(spark, "session_id", None)  # Connect sessions only; classic reads are local
+    if session_id is None:
+        return _status_api(spark)
+    if session_id not in _STATUS_API:
+        _STATUS_API[session_id] = _status_api(spark)
+    return _STATUS_API[session_id]
+
+
+_STATUS_API: dict[str, str | None] = {}
+
+
+def _status_api(spark: SparkSession) -> str | None:
+    get = spark.conf.get
+    if (get("spark.ui.enabled", "true") or "true").lower() != "true":
+        return None
+    app = get("spark.app.id", None)
+    url = get("spark.ui.reverseProxyUrl", None) or None
+    if url is None:
+        host, port = get("spark.driver.host", None), get("spark.ui.port", "4040")
+        if not host or not app:
+            return None
+        url = f"http://{host}:{port}"
+    return f"{url.rstrip('/')}/api/v1/applications/{app}"
+
+
+def _tagged_jobs(spark: SparkSession, tag: str) -> list[dict[str, Any]] | None:
+    import json
+    import urllib.request
+
+    base = status_api(spark)
+    if base is None:
+        return None
+    # The listener bus records a job's end asynchronously: the last job of the block may be
+    # listed a moment after its action returned.
+    for _ in range(20):
+        try:
+            with urllib.request.urlopen(f"{base}/jobs", timeout=5) as r:  # noqa: S310 - the driver's own UI
+                jobs = json.load(r)
+        except OSError:
+            return None
+        mine = [j for j in jobs if _has_tag(j, tag)]
+        if all(j.get("status") != "RUNNING" for j in mine):
+            return mine
+        time.sleep(0.05)
+    return mine
+
+
+def local_checkpoint(df: DataFrame) -> DataFrame:
+    """df computed once (eagerly) and kept by its session for the rest of the stage; the plan of
+    what follows starts from the kept rows. pyspark's Spark Connect client (4.1.3) attaches a
+    checkpoint's result to SparkSession.active(), not to the frame's own session
+    (pyspark/sql/connect/conversion.py, proto_to_remote_cached_dataframe): in a process with
+    several sessions (a test suite, overlapping writers, a job run in a task's process) the result
+    named a frame the other session did not have ("No DataFrame with id ... is found in the
+    session"). The frame's session is made this thread's active one for the call."""
+    session = df.sparkSession
+    local = getattr(type(session), "_active_session", None)  # Connect's thread-local active session
+    if local is None:
+        return df.localCheckpoint(eager=True)
+    before = getattr(local, "session", None)
+    local.session = session
+    try:
+        return df.localCheckpoint(eager=True)
+    finally:
+        local.session = before
+
+
+def materialize(df: DataFrame) -> DataFrame:
+    """local_checkpoint, with the aggregates of df's observations (DataFrame.observe) delivered.
+    Spark Connect hands a plan's observed metrics only to the action that ran the plan, and a
+    checkpoint is none: measured on 4.1.3, the metrics of an observed localCheckpoint came back
+    empty, those of a persisted frame's no-op write did not. So: persist, a no-op write (the
+    observations), then the checkpoint from the persisted rows (the plan after it carries no
+    observation: pyspark's client refuses a plan holding the same observation twice), unpersist."""
+    from pyspark import StorageLevel
+
+    kept = df.persist(StorageLevel.MEMORY_AND_DISK)
+    try:
+        kept.write.format("noop").mode("overwrite").save()
+        return local_checkpoint(kept)
+    finally:
+        kept.unpersist()
 
 
 def observed_counts(df: DataFrame, *exprs: Column) -> dict[str, Any]:

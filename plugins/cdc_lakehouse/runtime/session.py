@@ -1,18 +1,32 @@
-"""The one SparkSession factory for jobs and tests.
+"""The one SparkSession factory for jobs, tasks, benchmarks and tests.
 
-Iceberg extensions and catalog, UTC, and settings sized for a small machine (2 cores):
-few shuffle partitions, adaptive execution on. Under spark-submit the JVM already runs
-with --jars and --conf; the same settings are applied here so a job started any other way
-(tests, `python spark_jobs/x.py`) behaves the same.
+Two ways to reach Spark; the code after them is the same (no JVM access from Python):
+
+- Spark Connect (`CDC_SPARK_REMOTE=sc://host:port`, or an Airflow Spark Connect connection): this
+  process is a client of a long-lived Spark, the local stack's (dev.localstack.LocalSparkConnect)
+  or a team's own. Each job gets a session of its own on the server.
+- A classic session: under spark-submit (YARN, Kubernetes: the JVM is already there), or a JVM
+  started here (`python spark_jobs/x.py` with no remote).
+
+Settings, split by where Spark reads them:
+- server_conf(): fixed when the JVM starts (Iceberg's extensions, jars, serializer, UI redaction).
+  The Connect server gets them in a 0600 properties file, never on its command line.
+- sql_conf(): per session (time zone, shuffle partitions, ANSI off, Parquet rebase modes).
+- lake_conf(): the lake's catalog and the landing's S3A settings, per session. Credentials among
+  them (catalog password, S3 keys) are set into the running session: over the Connect channel,
+  or after a classic JVM started, never as a `--conf` of a command line anyone can read.
 """
 
 from __future__ import annotations
 
 import glob
-import logging
+import json
 import os
+import re
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from cdc_lakehouse.secrecy import SPARK_REDACTION_REGEX, Secret, is_secret_setting, reveal, spark_redaction_regex
@@ -23,48 +37,70 @@ if TYPE_CHECKING:
 
 ICEBERG_EXTENSIONS = "org.apache.iceberg.spark.extensions.IcebergSparkSessionExtensions"
 SparkSettings = dict[str, "str | Secret"]  # secret values are Secrets (cdc_lakehouse.secrecy)
+# A Spark Connect server cannot learn per session which settings are secret (its redaction regex
+# is fixed at start), and a secret is one by origin, whatever its name: the server redacts every
+# catalog and S3A setting in its UI, event log and SQL pages, public ones included.
+SERVER_REDACTION_REGEX = SPARK_REDACTION_REGEX + r"|^spark\.sql\.catalog\.|^fs\.s3a?\."
+REMOTE_ENV = "CDC_SPARK_REMOTE"  # sc://host:port of a Spark Connect server
+SESSION_CONF_ENV = "CDC_SPARK_SESSION_CONF"  # JSON: a task's own session settings (the operator's conf)
+CONNECT_SERVER_CLASS = "org.apache.spark.sql.connect.service.SparkConnectServer"
 
 
 def default_jars() -> list[str]:
-    """CDC_SPARK_JARS (comma-separated paths) or the jars scripts/fetch_jars.sh cached."""
+    """CDC_SPARK_JARS (comma-separated paths) or what scripts/fetch_jars.sh resolved from
+    requirements-jvm.txt."""
     env = os.environ.get("CDC_SPARK_JARS")
     if env:
         return [j for j in env.split(",") if j]
     return sorted(glob.glob(str(local_paths()["jars"] / "*.jar")))
 
 
-def base_conf(shuffle_partitions: int | None = None) -> dict[str, str]:
+def server_conf() -> dict[str, str]:
+    """Settings a JVM reads once, at its start."""
     cores = os.cpu_count() or 2
     return {
         "spark.sql.extensions": ICEBERG_EXTENSIONS,
+        "spark.default.parallelism": str(max(4, cores * 2)),
+        "spark.serializer": "org.apache.spark.serializer.KryoSerializer",
+        "spark.ui.showConsoleProgress": "false",
+        # Spark keeps 100 generated classes; one ingest's MERGE, writes and meta tables generate
+        # more, so the next run's fused plan recompiled and ran its new classes unwarmed (about 2 s
+        # of its 6 s, measured; see BENCHMARKS.md). A long-lived server keeps them all.
+        "spark.sql.codegen.cache.maxEntries": "1000",
+        # The UI's environment and SQL tabs, event logs and history server show session settings
+        # too (the catalog password, S3 keys set per session). Spark's default,
+        # (?i)secret|password|token|access[.]key, misses Iceberg's s3.access-key-id; a classic
+        # session adds the keys of its settings that are secret by origin only (_classic).
+        "spark.redaction.regex": SERVER_REDACTION_REGEX,
+        "spark.driver.extraJavaOptions": "-Duser.timezone=UTC",
+        "spark.executor.extraJavaOptions": "-Duser.timezone=UTC",
+    }
+
+
+def sql_conf(shuffle_partitions: int | None = None) -> dict[str, str]:
+    """Settings each session sets for itself."""
+    cores = os.cpu_count() or 2
+    return {
         "spark.sql.session.timeZone": "UTC",
         "spark.sql.shuffle.partitions": str(shuffle_partitions or max(4, cores * 2)),
-        "spark.default.parallelism": str(max(4, cores * 2)),
         "spark.sql.adaptive.enabled": "true",
         "spark.sql.adaptive.coalescePartitions.enabled": "true",
         # Landing files are small and many; let Spark pack them into few tasks.
         "spark.sql.files.maxPartitionBytes": str(128 * 1024 * 1024),
         "spark.sql.files.openCostInBytes": str(1024 * 1024),
-        # Failed casts must yield NULL so validation can detect and quarantine them.
+        # Failed casts must yield NULL so validation can detect and quarantine them (Spark 4
+        # turned ANSI mode on by default).
         "spark.sql.ansi.enabled": "false",
         "spark.sql.legacy.timeParserPolicy": "CORRECTED",
         "spark.sql.parquet.int96RebaseModeInWrite": "CORRECTED",
         "spark.sql.parquet.datetimeRebaseModeInWrite": "CORRECTED",
         "spark.sql.parquet.datetimeRebaseModeInRead": "CORRECTED",
-        "spark.serializer": "org.apache.spark.serializer.KryoSerializer",
-        "spark.ui.showConsoleProgress": "false",
-        # Spark keeps 100 generated classes; one ingest's MERGE, writes and meta tables generate
-        # more, so the next run's fused plan recompiled and ran its new classes unwarmed (about 2 s
-        # of its 6 s, measured; see BENCHMARKS.md). A long-lived JVM (job server) keeps them all.
-        "spark.sql.codegen.cache.maxEntries": "1000",
-        # The UI's environment tab, event logs and history server show runtime-set confs too (the
-        # catalog password, S3 keys set by get_spark): redact every credential-like key. Spark's
-        # default, (?i)secret|password|token|access[.]key, misses Iceberg's s3.access-key-id.
-        # get_spark adds the keys of the settings that are secret by origin only.
-        "spark.redaction.regex": SPARK_REDACTION_REGEX,
-        "spark.driver.extraJavaOptions": "-Duser.timezone=UTC",
-        "spark.executor.extraJavaOptions": "-Duser.timezone=UTC",
     }
+
+
+def base_conf(shuffle_partitions: int | None = None) -> dict[str, str]:
+    """Everything but the lake: what spark-submit gives a classic driver."""
+    return {**server_conf(), **sql_conf(shuffle_partitions)}
 
 
 def spark_conf(
@@ -74,8 +110,15 @@ def spark_conf(
 
 
 def lake_conf(lake: LakeSettings, *, include_secret: bool = True) -> SparkSettings:
-    """The lake's catalog and its Hadoop (S3A) settings, as Spark configuration."""
-    hadoop = {f"spark.hadoop.{k}": v for k, v in lake.hadoop_s3_conf(include_secret).items()}
+    """The lake's catalog and the landing's S3A settings, as session settings. S3A keys go without
+    the `spark.hadoop.` prefix: a session's settings reach the Hadoop configuration of its file
+    reads and writes as they are named (SessionState.newHadoopConf)."""
+    hadoop = lake.hadoop_s3_conf(include_secret)
+    if hadoop and lake.s3_credentials is not None:
+        # Hadoop caches one FileSystem per scheme and bucket for the whole JVM, built with the
+        # settings of the session that asked first: on a shared server another lake's session
+        # would get these credentials, or this one another's.
+        hadoop = {**hadoop, "fs.s3a.impl.disable.cache": "true", "fs.s3.impl.disable.cache": "true"}
     return {**lake.spark_catalog_conf(include_secret=include_secret), **hadoop}
 
 
@@ -94,131 +137,182 @@ def session_conf(spark: SparkSession, conf: dict[str, str]) -> Iterator[None]:
 
 def attach_lake(spark: SparkSession, lake: LakeSettings) -> None:
     """Make a second lake (another catalog name) usable in a running session: catalogs are
-    created on first use, and new Hadoop FileSystem instances read the live Hadoop conf."""
-    set_live(spark, lake_conf(lake))
+    created on first use."""
+    set_session(spark, lake_conf(lake))
+
+
+def set_session(spark: SparkSession, conf: SparkSettings) -> None:
+    """Settings into the running session (over the Connect channel, or into a classic session's
+    SQL conf), secrets revealed only here."""
+    for k, v in conf.items():
+        spark.conf.set(k, reveal(v))
+
+
+def set_task_conf(spark: SparkSession, conf: dict[str, str]) -> None:
+    """A task's own settings (the operator's `conf`) into its Spark Connect session. A running
+    server takes SQL settings per session; settings a JVM reads at its start (executor or driver
+    memory, jars, ...) it refuses, and the error says where they go instead."""
+    for k, v in conf.items():
+        try:
+            spark.conf.set(k, v)
+        except Exception as exc:
+            if "CANNOT_MODIFY_CONFIG" not in str(exc) and "static" not in str(exc).lower():
+                raise
+            raise ValueError(
+                f"task conf {k!r}: a running Spark Connect server cannot take it per session (Spark reads it "
+                "when the server starts). Set it in the server's own settings, or run this task by "
+                "spark-submit (a `spark` connection instead of `spark_connect`)"
+            ) from exc
 
 
 def builder_settings(conf: SparkSettings) -> tuple[dict[str, str], SparkSettings]:
-    """(builder settings, settings to set live). pyspark starts a JVM with every builder setting as
-    a `--conf k=v` argument, which any local user can read (/proc/<pid>/cmdline, ps): the secrets
-    (by origin, or named like one: secrecy.is_secret_setting) are set once the session runs.
-    Catalogs are created on first use and read them then (tests/integration/test_secrets.py).
-    Spark redacts their keys in its UI, event logs and SQL pages, the innocently named ones too."""
+    """(settings a new classic JVM may start with, settings to set once it runs). pyspark starts a
+    JVM with every builder setting as a `--conf k=v` argument, which any local user can read
+    (/proc/<pid>/cmdline, ps): secrets (by origin, or named like one: secrecy.is_secret_setting)
+    wait for the session, and Spark redacts their keys in its UI, event logs and SQL pages."""
     secrets = {k: v for k, v in conf.items() if is_secret_setting(k, v)}
-    public = {k: v for k, v in conf.items() if k not in secrets}
-    return {**public, "spark.redaction.regex": spark_redaction_regex(secrets)}, secrets
+    public = {k: reveal(v) for k, v in conf.items() if k not in secrets}
+    return {**public, "spark.redaction.regex": SERVER_REDACTION_REGEX + "|" + spark_redaction_regex(secrets)}, secrets
 
 
-def set_live(spark: SparkSession, conf: SparkSettings) -> None:
-    """Settings into a running session: `spark.hadoop.*` into the SparkContext's Hadoop conf (new
-    FileSystem instances and every later job's copy read it), the rest into the session's conf."""
-    hconf = spark.sparkContext._jsc.hadoopConfiguration()
-    for k, v in conf.items():
-        if k.startswith("spark.hadoop."):
-            hconf.set(k[len("spark.hadoop.") :], reveal(v))
-        elif k.startswith("spark.sql."):
-            spark.conf.set(k, reveal(v))
-        else:  # a Spark core setting (spark.ssl.*, spark.authenticate.secret) is fixed at start
-            raise ValueError(f"{k} cannot be set in a running session: give it to spark-submit's configuration")
+# --- Spark Connect ---------------------------------------------------------------------------------
 
 
-# Set by the job server (runtime.server) in its process: jobs then get a new session of its one
-# long-lived SparkContext instead of starting a JVM.
-_SHARED: SparkSession | None = None
+def connect_server_argv(workdir: Path, port: int, ui_port: int, memory: str) -> tuple[list[str], dict[str, str]]:
+    """The command and environment of a local Spark Connect server: its settings in a 0600
+    properties file in `workdir` (public ones only: the lake and its secrets come per session)."""
+    import pyspark
+
+    conf = {
+        **server_conf(),
+        "spark.master": os.environ.get("CDC_SPARK_MASTER", "local[*]"),
+        "spark.app.name": "cdc-spark-connect",
+        "spark.jars": ",".join(default_jars()),
+        "spark.driver.memory": memory,
+        "spark.connect.grpc.binding.address": "127.0.0.1",
+        "spark.connect.grpc.binding.port": str(port),
+        "spark.ui.port": str(ui_port),
+        "spark.driver.host": "127.0.0.1",
+        # An event log for the history server (and for the secret-marker tests: it records every
+        # session's SQL settings, redacted by SERVER_REDACTION_REGEX like the UI).
+        "spark.eventLog.enabled": "true",
+        "spark.eventLog.dir": (workdir / "events").as_uri(),
+    }
+    (workdir / "events").mkdir(mode=0o700, parents=True, exist_ok=True)
+    props = workdir / "spark-connect.properties"
+    fd = os.open(props, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.writelines(f"{k}={v}\n" for k, v in sorted(conf.items()))
+    submit = Path(pyspark.__file__).parent / "bin" / "spark-submit"
+    argv = [str(submit), "--class", CONNECT_SERVER_CLASS, "--properties-file", str(props), "spark-internal"]
+    # Python UDFs (the serving export's writers, the Debezium conversion) run in worker processes
+    # of this Python, which has the project's dependencies; the package itself comes per session
+    # as an artifact (configure_session).
+    # The secrets of the process that starts it stay out of its environment (which its Python UDFs
+    # inherit): every session brings its own settings and secrets (configure_session).
+    env = {k: v for k, v in os.environ.items() if k.startswith("AWS_") or not SERVER_ENV_DROPPED.search(k)}
+    return argv, {**env, "PYSPARK_PYTHON": sys.executable, "SPARK_LOCAL_IP": "127.0.0.1"}
 
 
-def share_session(spark: SparkSession | None) -> None:
-    """Make get_spark hand out new sessions of `spark` (None: back to one session per process)."""
-    global _SHARED
-    _SHARED = spark
+# Variables a local Spark Connect server does not inherit: secrets by name or by origin (Airflow's
+# connections and its metadata database URL, the sources' URIs, the secrets file of a task). AWS_*
+# stay: they are the AWS SDKs' default credential chain, which a lake without keys of its own uses.
+SERVER_ENV_DROPPED = re.compile(
+    r"(?i)password|secret|token|credential|^AIRFLOW_CONN_|^AIRFLOW__DATABASE__|^CDC_SOURCE_URI|^CDC_SECRETS_FILE$"
+)
 
 
-def release_spark(spark: SparkSession) -> None:
-    """The end of a job: stop its session, unless it is one of the job server's (the SparkContext
-    outlives the job there; the server drops what the job cached)."""
-    if not getattr(spark, "_cdc_job_session", False):
-        spark.stop()
+_LIVE: list[SparkSession] = []  # this process's Connect sessions, for interrupt_all
+
+
+def connect_session(url: str) -> SparkSession:
+    """A new session on a Spark Connect server (its own settings, views and catalog instances)."""
+    from pyspark.sql import SparkSession
+
+    spark = SparkSession.builder.remote(url).create()
+    _LIVE.append(spark)
+    return spark
+
+
+def interrupt_all() -> None:
+    """Stop the Spark work of this process's Connect sessions on their server (a killed task)."""
+    for spark in list(_LIVE):
+        try:
+            spark.interruptAll()
+        except Exception:  # noqa: BLE001, S110 - best effort: the session may be gone already
+            pass
+
+
+def configure_session(spark: SparkSession, lake: LakeSettings, extra: dict[str, str] | None = None) -> None:
+    """A Connect session's own settings, the lake's catalog with its secrets, and the package for
+    the Python functions Spark runs on the server (shipped as an artifact of the session)."""
+    from cdc_lakehouse.runtime.packaging import pyfiles_zip
+
+    own = json.loads(os.environ.get(SESSION_CONF_ENV) or "{}")
+    set_session(spark, {**sql_conf(), **lake_conf(lake), **(extra or {})})
+    set_task_conf(spark, own)
+    spark.addArtifacts(str(pyfiles_zip()), pyfile=True)
+
+
+def _snapshots_by_pyiceberg(lake: LakeSettings) -> None:
+    """Snapshot metadata read by pyiceberg where it has the lake's catalog (lake.snapshots)."""
+    from cdc_lakehouse.lake.snapshots import read_with_pyiceberg
+
+    if (
+        os.environ.get("CDC_SNAPSHOTS_BY_SPARK") == "1"
+    ):  # the metadata tables instead (A/B, a catalog pyiceberg reads wrong)
         return
     try:
-        _close_catalogs(spark)
-    except Exception as exc:  # noqa: BLE001 - the job's work stands; a pool stays open
-        logging.getLogger(__name__).warning("could not close the job session's Iceberg catalogs: %s", exc)
+        props = lake.pyiceberg_properties()
+    except ValueError:  # a catalog type pyiceberg has not: the metadata tables
+        return
+    read_with_pyiceberg(lake.catalog_name, props)
 
 
-def _close_catalogs(spark: SparkSession) -> None:
-    """Close the Iceberg catalogs a job session opened: each holds a JDBC pool to the catalog
-    database that nothing else closes (one connection more per job on the job server otherwise,
-    measured). Iceberg's CachingCatalog keeps the closeable catalog in a private field."""
-    jvm = spark.sparkContext._jvm
-    manager = spark._jsparkSession.sessionState().catalogManager()
-    closeable = jvm.java.lang.Class.forName("java.io.Closeable")
-    for name in getattr(spark, "_cdc_catalogs", ()):
-        if not manager.isCatalogRegistered(name):
-            continue  # never used by the job: nothing was opened
-        catalog = manager.catalog(name)
-        if catalog.getClass().getName() != "org.apache.iceberg.spark.SparkCatalog":
-            continue
-        inner = catalog.icebergCatalog()
-        if inner.getClass().getName() == "org.apache.iceberg.CachingCatalog":
-            field = inner.getClass().getDeclaredField("catalog")
-            field.setAccessible(True)
-            inner = field.get(inner)
-        if closeable.isInstance(inner):
-            inner.close()
-
-
-def _job_session(conf: SparkSettings) -> SparkSession:
-    """A new session of the shared SparkContext: its own SQL settings, temporary views and catalog
-    instances, so Iceberg's table cache starts empty and sees every commit made since the last job
-    (by this server or any other writer). Static settings (extensions, master, jars) are the
-    server's; the rest of `conf` is applied. Made the thread's active session because Iceberg's
-    procedures find their session with SparkSession.active() on the JVM side."""
-    assert _SHARED is not None
-    # Hadoop settings (the landing's S3 keys and endpoint) belong to the SparkContext and its cached
-    # FileSystem instances, not to a session: a job that needs other ones than the server started
-    # with cannot run there.
-    hconf = _SHARED.sparkContext._jsc.hadoopConfiguration()
-    differ = sorted(
-        k
-        for k, v in conf.items()
-        if k.startswith("spark.hadoop.") and hconf.get(k[len("spark.hadoop.") :]) != reveal(v)
-    )
-    if differ:
-        raise ValueError(
-            f"the job server's Hadoop settings differ from this job's ({', '.join(differ)}): restart the "
-            "server from the tasks' environment, or unset CDC_SPARK_SERVER to run the job by spark-submit"
-        )
-    spark = _SHARED.newSession()
-    spark._cdc_job_session = True  # type: ignore[attr-defined]
-    spark._cdc_catalogs = sorted(  # type: ignore[attr-defined]
-        {k.split(".")[3] for k in conf if k.startswith("spark.sql.catalog.") and k.count(".") == 3}
-    )
-    # A new session starts from the server's SparkConf: catalog settings of the lake the server was
-    # started with must not fill in what this job's lake leaves unset (a password, an io-impl).
-    own = {k for k in conf if k.startswith("spark.sql.catalog.")}
-    for k, _ in _SHARED.sparkContext.getConf().getAll():
-        if k.startswith("spark.sql.catalog.") and k not in own:
-            spark.conf.unset(k)
-    for k, v in conf.items():
-        if spark.conf.isModifiable(k) or k.startswith("spark.sql.catalog."):
-            spark.conf.set(k, reveal(v))
-    spark.sparkContext._jvm.org.apache.spark.sql.SparkSession.setActiveSession(spark._jsparkSession)
-    return spark
+# --- the factory ----------------------------------------------------------------------------------
 
 
 def get_spark(
     app_name: str,
     lake: LakeSettings,
     *,
+    remote: str | None = None,
+    classic: bool = False,
     master: str | None = None,
     jars: list[str] | None = None,
     extra: dict[str, str] | None = None,
     driver_memory: str | None = None,
 ) -> SparkSession:
+    """A session for `lake`: on the Spark Connect server at `remote` (default CDC_SPARK_REMOTE),
+    else a classic one (the running JVM under spark-submit, or a new local one). `classic`: a
+    local JVM of its own whatever the environment says (the benchmarks: its memory, its UI and
+    its status store are theirs to measure)."""
+    # Under spark-submit the JVM is this job's own: the server a task's environment names is not.
+    under_submit = "PYSPARK_GATEWAY_PORT" in os.environ
+    url = None if classic or under_submit else remote or os.environ.get(REMOTE_ENV)
+    if url:
+        spark = connect_session(url)
+        configure_session(spark, lake, extra)
+        _snapshots_by_pyiceberg(lake)
+        return spark
+    _snapshots_by_pyiceberg(lake)
+    return _classic(app_name, lake, master=master, jars=jars, extra=extra, driver_memory=driver_memory)
+
+
+def _classic(
+    app_name: str,
+    lake: LakeSettings,
+    *,
+    master: str | None,
+    jars: list[str] | None,
+    extra: dict[str, str] | None,
+    driver_memory: str | None,
+) -> SparkSession:
     from pyspark.sql import SparkSession
 
-    if _SHARED is not None:
-        return _job_session({**spark_conf(lake), **(extra or {})})
+    # pyspark marks a process that made a Connect session (SPARK_CONNECT_MODE_ENABLED, inherited by
+    # its children: spark-submit, a script it starts) and then refuses a classic session in it.
+    os.environ.pop("SPARK_CONNECT_MODE_ENABLED", None)
     builder = SparkSession.builder.appName(app_name)
     under_submit = "PYSPARK_GATEWAY_PORT" in os.environ  # the JVM exists, launched by spark-submit
     if not under_submit:
@@ -229,10 +323,32 @@ def get_spark(
         builder = builder.config(
             "spark.driver.memory", driver_memory or os.environ.get("CDC_SPARK_DRIVER_MEMORY", "4g")
         )
-    conf, secrets = builder_settings({**spark_conf(lake), **(extra or {})})
-    for k, v in conf.items():
-        builder = builder.config(k, v)
+    session = {**sql_conf(), **lake_conf(lake), **(extra or {})}
+    start, _ = builder_settings({**server_conf(), **(extra or {}), **session})
+    for k, v in start.items():
+        if k.startswith("spark.") and not k.startswith("spark.sql.catalog."):
+            builder = builder.config(k, v)
     spark = builder.getOrCreate()
-    set_live(spark, secrets)
+    # The lake's settings (secrets among them) into the running session: catalogs are created on
+    # first use and read them then (tests/integration/test_secrets.py).
+    set_session(spark, {k: v for k, v in session.items() if not k.startswith("spark.") or k.startswith("spark.sql.")})
     spark.sparkContext.setLogLevel(os.environ.get("CDC_SPARK_LOG_LEVEL", "WARN"))
     return spark
+
+
+def release_spark(spark: SparkSession) -> None:
+    """The end of a job: its session goes (on a Connect server, the server's session is released)."""
+    if spark in _LIVE:
+        _LIVE.remove(spark)
+    spark.stop()
+
+
+def release_all() -> None:
+    """End every Connect session of this process, before its server goes: pyspark's client
+    releases each checkpointed frame when Python collects it, and against a server that is gone it
+    retries with backoff, which held a finished test run at its exit for minutes."""
+    for spark in list(_LIVE):
+        try:
+            release_spark(spark)
+        except Exception:  # noqa: BLE001, S110 - best effort: the session may be gone already
+            pass

@@ -139,7 +139,7 @@ def pin_run(
     if not table_exists(spark, table):
         raise RuntimeError(f"export {ecfg.name}: source table {table} does not exist yet; run what writes it first")
     snap = current_snapshot(spark, table)
-    snapshot = int(snap.snapshotId()) if snap is not None else None
+    snapshot = int(snap.snapshot_id) if snap is not None else None
     cols = [f.name for f in spark.table(table).schema.fields]
     key = list(ecfg.key or src.default_key or [])
     values = list(ecfg.values or [c for c in cols if c not in key and not c.startswith(META_PREFIX)])
