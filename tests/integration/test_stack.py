@@ -44,6 +44,52 @@ def _wait_port(port: int, proc: subprocess.Popen, what: str, log: Path, timeout:
 
 
 @pytest.mark.slow
+def test_a_killed_tasks_spark_work_stops_on_the_server(spark, spark_server, lake):
+    """What the operator's on_kill does for a job on Spark Connect (runtime.session.interrupt_all):
+    the Spark work of the task's sessions stops on the server, so a killed task leaves no job
+    running there. (Work outside a Spark action stops with the task's process: the job runs in it.)"""
+    import json
+    import threading
+    import urllib.request
+
+    from cdc_lakehouse.runtime.phases import status_api
+    from cdc_lakehouse.runtime.session import get_spark, interrupt_all, release_spark
+
+    job = get_spark("kill-probe", lake, remote=spark_server.url)
+    jobs_url = f"{status_api(spark)}/jobs?status=running"
+    outcome: dict[str, object] = {}
+
+    def hang():  # hours of work for two cores
+        try:
+            job.range(0, 10**13, numPartitions=2).selectExpr("sum(id * id % 7) AS s").collect()
+            outcome["done"] = True
+        except Exception as e:  # noqa: BLE001 - what the interrupted action raises
+            outcome["error"] = e
+
+    worker = threading.Thread(target=hang, daemon=True)
+    worker.start()
+
+    def running() -> list:
+        with urllib.request.urlopen(jobs_url, timeout=5) as r:  # noqa: S310 - the server's own UI
+            return json.load(r)
+
+    deadline = time.time() + 60
+    while not running():
+        assert time.time() < deadline and worker.is_alive(), f"the job never ran: {outcome}"
+        time.sleep(0.2)
+    interrupt_all()
+    worker.join(60)
+    try:
+        assert not worker.is_alive() and "error" in outcome, outcome
+        deadline = time.time() + 30
+        while running():
+            assert time.time() < deadline, f"still running on the server: {running()}"
+            time.sleep(0.2)
+    finally:
+        release_spark(job)
+
+
+@pytest.mark.slow
 def test_a_task_conf_the_server_cannot_take_says_where_it_goes(spark):
     """An operator's `conf` reaches its Spark Connect session; a setting Spark reads only when the
     server starts is refused with the fix, not half-applied."""
