@@ -259,7 +259,7 @@ class LandingFS:
     spark-submit."""
 
     def __init__(self, spark: SparkSession):
-        self.s3 = _session_s3(spark)
+        self._spark = spark  # its S3 settings are read on the first s3:// path (12 requests on Connect)
         self._s3fs = None
 
     def _fs(self, uri: str):
@@ -270,15 +270,16 @@ class LandingFS:
         u = urlsplit(uri)
         if u.scheme in ("s3", "s3a"):
             if self._s3fs is None:
-                endpoint = self.s3.get("endpoint")
-                scheme = "https" if self.s3.get("ssl", "true").lower() == "true" else "http"
+                s3 = _session_s3(self._spark)
+                endpoint = s3.get("endpoint")
+                scheme = "https" if s3.get("ssl", "true").lower() == "true" else "http"
                 if endpoint and "://" in endpoint:
                     scheme, endpoint = endpoint.split("://", 1)
                 self._s3fs = pafs.S3FileSystem(
-                    access_key=self.s3.get("access_key"),
-                    secret_key=self.s3.get("secret_key"),
-                    session_token=self.s3.get("session_token"),
-                    region=self.s3.get("region"),
+                    access_key=s3.get("access_key"),
+                    secret_key=s3.get("secret_key"),
+                    session_token=s3.get("session_token"),
+                    region=s3.get("region"),
                     endpoint_override=endpoint,
                     scheme=scheme,
                 )
