@@ -18,8 +18,8 @@ def main() -> int:
     home.mkdir(parents=True, exist_ok=True)
     from cdc_lakehouse.orchestration.dag_factory import pools
 
-    pools_file = home / "pools.json"
-    pools_file.write_text(json.dumps(pools(), indent=2, sort_keys=True))
+    pools_file, wanted = home / "pools.json", pools()
+    pools_file.write_text(json.dumps(wanted, indent=2, sort_keys=True))
 
     from airflow.cli import cli_parser
     from airflow.configuration import write_default_airflow_configuration_if_needed
@@ -34,7 +34,7 @@ def main() -> int:
         args.func(args)
     except Exception as e:  # noqa: BLE001 - reported, then the start goes on
         print(f"[airflow] dags reserialize failed: {e!r}", file=sys.stderr)
-    print(f"[airflow] home {home}: database migrated, {len(json.loads(pools_file.read_text()))} pools", flush=True)
+    print(f"[airflow] home {home}: database migrated, {len(wanted)} pools", flush=True)
     return 0
 
 

@@ -10,7 +10,7 @@ Runs on the Spark driver. columns is pure Python (config re-exports it, DAG file
   meta_rows  their rows as typed records, whose fields generate the tables' columns
   ranges     which keys changed between two snapshots: the changelog or a snapshot diff (one rule
              for the change feed, serving exports and derived trees)
-  snapshots  the current snapshot and its ancestors, typed, from the snapshots and refs metadata tables
+  snapshots  the current snapshot and its ancestors, typed: by pyiceberg, or the metadata tables
   tables     DDL of the current table and the changelog, properties, adding columns
   watermark  the cdc.watermark snapshot property: read, JSON, typed model, as a Spark map
   writers    the cdc.writer snapshot property: the registry of who commits to a table

@@ -9,8 +9,8 @@ written again for that batch.
 
 The id is derived from what the batch applies (its scope, the position it starts from and the
 position it ends at), never from the run's name or the clock, so a retry of the same data
-recognises its own earlier commits. Looking for it reads snapshot summaries from the table's
-snapshots metadata table (lake.snapshots): one small Spark job, over metadata only.
+recognises its own earlier commits. Looking for it reads snapshot summaries (lake.snapshots:
+the table's metadata file by pyiceberg, or its snapshots metadata table), never its data.
 """
 
 from __future__ import annotations

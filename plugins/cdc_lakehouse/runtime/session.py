@@ -258,9 +258,7 @@ def _snapshots_by_pyiceberg(lake: LakeSettings) -> None:
     """Snapshot metadata read by pyiceberg where it has the lake's catalog (lake.snapshots)."""
     from cdc_lakehouse.lake.snapshots import read_with_pyiceberg
 
-    if (
-        os.environ.get("CDC_SNAPSHOTS_BY_SPARK") == "1"
-    ):  # the metadata tables instead (A/B, a catalog pyiceberg reads wrong)
+    if os.environ.get("CDC_SNAPSHOTS_BY_SPARK") == "1":  # the metadata tables (A/B; a catalog pyiceberg misreads)
         return
     try:
         props = lake.pyiceberg_properties()
@@ -290,12 +288,11 @@ def get_spark(
     # Under spark-submit the JVM is this job's own: the server a task's environment names is not.
     under_submit = "PYSPARK_GATEWAY_PORT" in os.environ
     url = None if classic or under_submit else remote or os.environ.get(REMOTE_ENV)
+    _snapshots_by_pyiceberg(lake)
     if url:
         spark = connect_session(url)
         configure_session(spark, lake, extra)
-        _snapshots_by_pyiceberg(lake)
         return spark
-    _snapshots_by_pyiceberg(lake)
     return _classic(app_name, lake, master=master, jars=jars, extra=extra, driver_memory=driver_memory)
 
 
