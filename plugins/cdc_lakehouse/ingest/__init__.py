@@ -11,5 +11,5 @@ Runs on the Spark driver (a Spark job started by Airflow's Spark operator).
   run         the ingest of one table: plan, validate, changelog, merge, watermark
   schema      schema changes of the source -> lake DDL, by the table's policy
   toast       unchanged TOAST values the events did not carry, filled from the batch or the table
-  validate    landing events -> typed, validated change events (the Spark landing schema)
+  validate    landing events -> typed, validated change events (malformed ones get reasons)
 """

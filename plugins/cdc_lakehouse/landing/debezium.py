@@ -924,7 +924,7 @@ def _newest(*times: str | None) -> str | None:
 
 def read_debezium(spark: SparkSession, cfg: TableConfig, files: list[SinkFile]) -> DataFrame:
     """Sink objects as landing events (landing_spark_schema), converted on the executors."""
-    from cdc_lakehouse.ingest.validate import landing_spark_schema
+    from cdc_lakehouse.landing.format import landing_spark_schema
 
     shape = shape_of(cfg)
     schema = landing_spark_schema()
