@@ -3,7 +3,7 @@
 Runs on the Spark driver (a Spark job started by Airflow's Spark operator).
 
   backfill    values of columns added at the source, for rows that predate the ALTER
-  errors      IngestError and its kinds (not bootstrapped, landing gap, schema change, ...)
+  errors      IngestError and its kinds (schema change, error budget); the landing's are in landing.errors
   merge       the MERGE into the current table and the (LSN, seq) ordering predicates
   metrics     the figures of one table's ingest run
   quarantine  events that cannot be applied, into the quarantine meta table

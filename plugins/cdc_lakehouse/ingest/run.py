@@ -35,7 +35,7 @@ from cdc_lakehouse.ingest.backfill import (
     finish_backfill,
 )
 from cdc_lakehouse.ingest.batch import FusedBatch, fused_batch
-from cdc_lakehouse.ingest.errors import ErrorBudgetExceeded, LandingGap, NotBootstrapped, SchemaChangeError
+from cdc_lakehouse.ingest.errors import ErrorBudgetExceeded, SchemaChangeError
 from cdc_lakehouse.ingest.merge import lsn_newer, merge_sql, wm_map
 from cdc_lakehouse.ingest.metrics import IngestMetrics
 from cdc_lakehouse.ingest.quarantine import as_held, held_back, hold_dependents, write_quarantine
@@ -64,6 +64,7 @@ from cdc_lakehouse.lake.snapshots import Snapshot, current_ancestors, summary_of
 from cdc_lakehouse.lake.tables import conform_to, partition_sql, props_sql, source_columns_of, table_exists
 from cdc_lakehouse.lake.watermark import WATERMARK_PROP, read_watermark, watermark_json
 from cdc_lakehouse.lake.writers import INGEST
+from cdc_lakehouse.landing.errors import LandingGap, NotBootstrapped
 from cdc_lakehouse.landing.format import landing_spark_schema
 from cdc_lakehouse.landing.reader import Plan, SparkLanding, plan_landing
 from cdc_lakehouse.runtime.failpoints import crash_point

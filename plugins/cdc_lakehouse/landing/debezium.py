@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cdc_lakehouse.config import LandingSource, TableConfig
-from cdc_lakehouse.ingest.errors import NotBootstrapped
+from cdc_lakehouse.landing.errors import NotBootstrapped
 from cdc_lakehouse.landing.reader import LandingFS, Plan, spark_uri
 from cdc_lakehouse.landing.writer import local_dir, make_private, mkdirs
 from cdc_lakehouse.source.catalog import lake_type, schema_json
