@@ -37,7 +37,6 @@ from cdc_lakehouse.ingest.backfill import (
 from cdc_lakehouse.ingest.batch import FusedBatch, fused_batch
 from cdc_lakehouse.ingest.errors import ErrorBudgetExceeded, SchemaChangeError
 from cdc_lakehouse.ingest.merge import lsn_newer, merge_sql, wm_map
-from cdc_lakehouse.ingest.metrics import IngestMetrics
 from cdc_lakehouse.ingest.quarantine import as_held, held_back, hold_dependents, write_quarantine
 from cdc_lakehouse.ingest.reduce import latest_per_key
 from cdc_lakehouse.ingest.schema import (
@@ -59,6 +58,7 @@ from cdc_lakehouse.lake.commits import (
     with_commit_properties,
 )
 from cdc_lakehouse.lake.freshness import FRESHNESS_TABLE, record_freshness
+from cdc_lakehouse.lake.ingest_metrics import IngestMetrics
 from cdc_lakehouse.lake.meta import meta_append
 from cdc_lakehouse.lake.snapshots import Snapshot, current_ancestors, summary_of
 from cdc_lakehouse.lake.tables import conform_to, partition_sql, props_sql, source_columns_of, table_exists
