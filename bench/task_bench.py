@@ -41,7 +41,7 @@ ROOT = HERE.parent
 sys.path[:0] = [str(ROOT / "plugins"), str(ROOT)]
 from bench.ingest_bench import WORK  # noqa: E402
 
-COMMITTED = "CDC_RESULT "  # what runtime.jobs prints per table once its work is committed
+COMMITTED = "CDC_RESULT "  # what cdc_lakehouse.jobs prints per table once its work is committed
 
 
 def _lake(prep: dict):

@@ -1,6 +1,6 @@
-"""spark-submit entry point: bootstrap (logic in cdc_lakehouse.bootstrap.snapshot; arguments in cdc_lakehouse.runtime.jobs)."""
+"""spark-submit entry point: bootstrap (logic in cdc_lakehouse.bootstrap.snapshot; arguments in cdc_lakehouse.jobs)."""
 
-from cdc_lakehouse.runtime.jobs import main_bootstrap
+from cdc_lakehouse.jobs import main_bootstrap
 
 if __name__ == "__main__":
     raise SystemExit(main_bootstrap())

@@ -1,6 +1,6 @@
-"""spark-submit entry point: ingest (logic in cdc_lakehouse.ingest.run; arguments in cdc_lakehouse.runtime.jobs)."""
+"""spark-submit entry point: ingest (logic in cdc_lakehouse.ingest.run; arguments in cdc_lakehouse.jobs)."""
 
-from cdc_lakehouse.runtime.jobs import main_ingest
+from cdc_lakehouse.jobs import main_ingest
 
 if __name__ == "__main__":
     raise SystemExit(main_ingest())

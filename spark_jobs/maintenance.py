@@ -1,6 +1,6 @@
-"""spark-submit entry point: maintenance (logic in cdc_lakehouse.maintenance; arguments in cdc_lakehouse.runtime.jobs)."""
+"""spark-submit entry point: maintenance (logic in cdc_lakehouse.maintenance; arguments in cdc_lakehouse.jobs)."""
 
-from cdc_lakehouse.runtime.jobs import main_maintenance
+from cdc_lakehouse.jobs import main_maintenance
 
 if __name__ == "__main__":
     raise SystemExit(main_maintenance())

@@ -11,10 +11,10 @@ import random
 
 import pytest
 from cdc_lakehouse.config import LSN_COL, OP_COL, SEQ_COL, SHARD_COL
-from cdc_lakehouse.ingest.validate import landing_spark_schema
 from cdc_lakehouse.lake.batches import BATCH_PROP, BatchId, batch_snapshots
 from cdc_lakehouse.lake.snapshots import current_ancestors
 from cdc_lakehouse.lake.watermark import WATERMARK_PROP
+from cdc_lakehouse.landing.format import landing_spark_schema
 from cdc_lakehouse.runtime.failpoints import FAIL_ENV, FailpointHit
 from pyspark.sql import functions as F
 

@@ -9,10 +9,11 @@ import time
 from datetime import UTC, datetime, timedelta
 
 import pytest
-from cdc_lakehouse.ingest.errors import ErrorBudgetExceeded, LandingGap, SchemaChangeError
+from cdc_lakehouse.ingest.errors import ErrorBudgetExceeded, SchemaChangeError
 from cdc_lakehouse.ingest.run import ingest_table
+from cdc_lakehouse.jobs import run_tables
 from cdc_lakehouse.lake.watermark import read_watermark
-from cdc_lakehouse.runtime.jobs import run_tables
+from cdc_lakehouse.landing.errors import LandingGap
 from cdc_lakehouse.settings import SourceEndpoint
 from pyspark.sql import functions as F
 

@@ -9,8 +9,8 @@ import psycopg2
 import pytest
 from cdc_lakehouse.bootstrap.run import bootstrap_table
 from cdc_lakehouse.capture.run import capture_run
-from cdc_lakehouse.ingest.errors import CoverageError, SourceIdentityChanged
 from cdc_lakehouse.lake.watermark import read_watermark
+from cdc_lakehouse.landing.errors import CoverageError, SourceIdentityChanged
 from cdc_lakehouse.landing.stores import LocalLanding
 from cdc_lakehouse.source.catalog import EndpointTables
 from cdc_lakehouse.source.errors import PreflightError, SourceError
@@ -591,7 +591,7 @@ def test_keepalive_advance_of_a_failed_capture_is_no_landing_gap(source, spark, 
     message: a capture that dies waiting moves the slot past the last manifest without skipping
     anything. That must not read as a lost landing run; a foreign advance still must."""
     from cdc_lakehouse.capture.run import CaptureLimits
-    from cdc_lakehouse.ingest.errors import LandingGap
+    from cdc_lakehouse.landing.errors import LandingGap
 
     s = source
     s.capture()

@@ -63,7 +63,7 @@ BASE_EVENT = {
 @pytest.fixture
 def landing_events(spark):
     """landing_events(*overrides) -> a DataFrame in the landing schema, one row per override."""
-    from cdc_lakehouse.ingest.validate import landing_spark_schema
+    from cdc_lakehouse.landing.format import landing_spark_schema
 
     def make(*overrides):
         rows = []

@@ -7,9 +7,10 @@ import struct
 
 import pyarrow as pa
 import pytest
-from cdc_lakehouse.bootstrap.chunks import MARKER_PREFIX, ChunkRead, chunk_query
+from cdc_lakehouse.bootstrap.chunks import ChunkRead, chunk_query
 from cdc_lakehouse.bootstrap.progress import ShardProgress
 from cdc_lakehouse.capture.stream import parse_logical_message
+from cdc_lakehouse.source.markers import MARKER_PREFIX
 
 from tests.conftest import make_config
 

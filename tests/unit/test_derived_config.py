@@ -177,7 +177,7 @@ def test_derived_dir_follows_its_variable_or_sits_next_to_the_tables(monkeypatch
 
 
 def test_the_derive_job_refuses_an_unknown_name_before_spark_starts(tmp_path, monkeypatch):
-    from cdc_lakehouse.runtime.jobs import main_derive
+    from cdc_lakehouse.jobs import main_derive
 
     monkeypatch.delenv("CDC_SECRETS_FILE", raising=False)
     _write(tmp_path / "derived", "bad.yaml", "name: bad_tree\nnodes: {table: nope}\n")

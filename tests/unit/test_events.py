@@ -8,7 +8,8 @@ from decimal import Decimal
 import pytest
 from cdc_lakehouse.config import LSN_COL, OP_COL, SEQ_COL, SHARD_COL
 from cdc_lakehouse.ingest.reduce import latest_per_key, split_pk_changes
-from cdc_lakehouse.ingest.validate import REASONS, cast_text, typed_events
+from cdc_lakehouse.ingest.validate import REASONS, typed_events
+from cdc_lakehouse.lake.casts import cast_text
 from pyspark.sql import functions as F
 from pyspark.testing import assertDataFrameEqual
 
@@ -51,7 +52,7 @@ BASE = {**BASE_EVENT, "source": {**BASE_EVENT["source"], "commit_ts": datetime(2
 
 
 def events(spark, *overrides):
-    from cdc_lakehouse.ingest.validate import landing_spark_schema
+    from cdc_lakehouse.landing.format import landing_spark_schema
 
     rows = []
     for o in overrides:

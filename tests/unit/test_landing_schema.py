@@ -7,8 +7,7 @@ from datetime import UTC, datetime
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-from cdc_lakehouse.ingest.validate import landing_spark_schema
-from cdc_lakehouse.landing.format import LANDING_FIELDS, SOURCE_FIELDS, landing_arrow_schema
+from cdc_lakehouse.landing.format import LANDING_FIELDS, SOURCE_FIELDS, landing_arrow_schema, landing_spark_schema
 from pyspark.sql.pandas.types import from_arrow_schema
 from pyspark.sql.types import TimestampType
 

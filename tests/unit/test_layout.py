@@ -1,5 +1,6 @@
-"""The package's shape is a contract: the tree follows the data path, the Spark side never imports
-the Airflow or dev side, nothing dev-only is shipped to executors, and functions stay short."""
+"""The package's shape is a contract: the tree follows the data path, imports point down one order
+of layers, the Spark side never imports the Airflow or dev side, nothing dev-only is shipped to
+executors, and functions stay short."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from cdc_lakehouse.runtime.packaging import NOT_SHIPPED, PACKAGE_DIR, pyfiles_zi
 
 MODULES = sorted(p for p in PACKAGE_DIR.rglob("*.py") if "__pycache__" not in p.parts)
 # Packages whose code runs on the Spark driver or executors (shipped with --py-files).
-SPARK_SIDE = ("source", "capture", "landing", "ingest", "lake", "bootstrap", "audit", "derived", "runtime")
+SPARK_SIDE = ("source", "capture", "landing", "ingest", "lake", "bootstrap", "audit", "derived", "runtime", "jobs")
 MAX_LINES = 60
 # A longer function says why in a comment starting with this, in or just above it.
 LONG_MARK = "# Long because"
@@ -41,7 +42,169 @@ def test_the_tree_names_the_data_path():
         assert doc, f"{pkg}/__init__.py needs a docstring saying what stage it holds"
 
 
-@pytest.mark.parametrize("path", [p for p in MODULES if _rel(p).split("/")[0] in SPARK_SIDE], ids=_rel)
+# --- one direction of dependency ------------------------------------------------------------------
+
+# The package's layers, bottom first. An entry is a subpackage or a top-level module; a dotted entry
+# (lake.columns) places one module below the rest of its package. A module-level import may go to
+# its own entry or down to a lower layer: never up, and never sideways to another entry of its own
+# layer (entries of one layer are independent). Module level includes class bodies and `if
+# TYPE_CHECKING:` blocks. A new package or module gets the lowest layer above everything it imports.
+# Imports inside a function are the escape hatch for the rare way up (`secrets write` reading the
+# DAG configs, a Debezium table's bootstrap creating its lake tables) and are not checked here.
+LAYERS: list[list[str]] = [
+    # vocabulary: names, secret values, settings, the _cdc_* columns (they import none of ours)
+    ["identifiers", "secrecy", "lake.columns"],
+    ["settings"],
+    ["runtime"],  # session, secrets, packaging, failpoints, phase clocks: under every stage
+    ["config"],
+    # what the stages share, upstream first
+    ["source"],
+    ["landing"],
+    ["lake"],
+    # the stages, each above the ones it reads
+    ["capture"],
+    ["bootstrap"],
+    ["ingest"],
+    ["audit"],
+    ["derived"],
+    ["feed"],
+    ["serving"],
+    ["views"],  # published by maintenance
+    ["maintenance"],  # keeps every table fit, derived trees' and feed outputs' included
+    # entry points: the Spark jobs' command lines, Airflow, the development tools, the CLI
+    ["jobs"],
+    ["orchestration"],
+    ["dev"],
+    ["cli"],
+]
+PACKAGE = "cdc_lakehouse"
+LAYER_OF = {entry: n for n, layer in enumerate(LAYERS) for entry in layer}
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE_DIR).with_suffix("").parts
+    return ".".join((PACKAGE, *(parts[:-1] if parts[-1] == "__init__" else parts)))
+
+
+MODULE_PATHS = {_module_name(p): p for p in MODULES}
+
+
+def _entry(module: str) -> str:
+    """The LAYERS entry a module belongs to: the longest one its name starts with."""
+    parts = module.split(".")[1:]
+    for n in range(len(parts), 0, -1):
+        if ".".join(parts[:n]) in LAYER_OF:
+            return ".".join(parts[:n])
+    raise LookupError(f"{module} is in no entry of LAYERS")
+
+
+def _targets(node: ast.Import | ast.ImportFrom, importer: str, is_package: bool) -> list[str]:
+    """The package's modules an import statement imports (`from pkg import mod` imports pkg.mod)."""
+    if isinstance(node, ast.Import):
+        names = [a.name for a in node.names]
+    else:
+        base = node.module or ""
+        if node.level:  # relative: from the importer's package, one level up per extra dot
+            anchor = importer.split(".")[: None if is_package else -1]
+            base = ".".join(anchor[: len(anchor) - node.level + 1] + ([base] if base else []))
+        names = [f"{base}.{a.name}" if f"{base}.{a.name}" in MODULE_PATHS else base for a in node.names]
+    return [n for n in dict.fromkeys(names) if n.startswith(PACKAGE + ".")]
+
+
+def _module_level_imports(path: Path) -> list[tuple[int, str]]:
+    """(line, module) of each import of the package's modules that runs when the module is imported:
+    outside functions, including class bodies, `try` and `if` blocks. `if TYPE_CHECKING:` counts: a
+    type named in a signature is a dependency the reader follows and the type checker imports."""
+    importer, is_package = _module_name(path), path.name == "__init__.py"
+    out: list[tuple[int, str]] = []
+
+    def visit(node: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.Import, ast.ImportFrom)):
+                out.extend((child.lineno, t) for t in _targets(child, importer, is_package))
+            elif not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                visit(child)
+
+    visit(ast.parse(path.read_text()))
+    return out
+
+
+def _layer(entry: str) -> str:
+    return f"layer {LAYER_OF[entry]} ({entry})"
+
+
+def _imports_not_down() -> list[str]:
+    out = []
+    for module, path in MODULE_PATHS.items():
+        if module == PACKAGE:
+            continue
+        src = _entry(module)
+        for line, target in _module_level_imports(path):
+            dst = _entry(target)
+            if dst != src and LAYER_OF[dst] >= LAYER_OF[src]:
+                out.append(f"{_rel(path)}:{line} {module} [{_layer(src)}] imports {target} [{_layer(dst)}]")
+    return out
+
+
+def test_module_level_imports_point_down_the_layers():
+    bad = _imports_not_down()
+    assert not bad, "imports up (or across) the layers of LAYERS:\n" + "\n".join(bad)
+
+
+def test_layers_place_every_package_and_module_once():
+    entries = [e for layer in LAYERS for e in layer]
+    assert len(entries) == len(set(entries)), (
+        f"listed twice in LAYERS: {sorted({e for e in entries if entries.count(e) > 1})}"
+    )
+    unknown = [e for e in entries if f"{PACKAGE}.{e}" not in MODULE_PATHS]
+    assert not unknown, f"LAYERS names {unknown}, which are no module or package of {PACKAGE}"
+    top = {m.split(".")[1] for m in MODULE_PATHS if m != PACKAGE}
+    assert not sorted(top - set(entries)), (
+        f"give {sorted(top - set(entries))} a layer in LAYERS (tests/unit/test_layout.py)"
+    )
+    # A module placed below its package is imported through the package's __init__: that must
+    # import nothing of ours, or the module's low place would hide the __init__'s imports.
+    for entry in (e for e in entries if "." in e):
+        parts = entry.split(".")
+        for n in range(1, len(parts)):
+            init = MODULE_PATHS[".".join((PACKAGE, *parts[:n]))]
+            assert not _module_level_imports(init), f"{_rel(init)} must import nothing of ours: {entry} sits below it"
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str]:
+    """One cycle of the graph (its nodes, the first repeated at the end), or [] when there is none."""
+    done: set[str] = set()
+    path: list[str] = []
+
+    def visit(node: str) -> list[str]:
+        if node in path:
+            return [*path[path.index(node) :], node]
+        if node in done:
+            return []
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if found := visit(nxt):
+                return found
+        path.pop()
+        done.add(node)
+        return []
+
+    for node in sorted(graph):
+        if found := visit(node):
+            return found
+    return []
+
+
+def test_module_level_imports_have_no_cycle():
+    # Within a package too: a cycle works or breaks by the order modules happen to be imported in.
+    graph = {m: {t for _, t in _module_level_imports(p) if t != m} for m, p in MODULE_PATHS.items()}
+    cycle = _cycle(graph)
+    assert not cycle, "module-level import cycle: " + " -> ".join(cycle)
+
+
+@pytest.mark.parametrize(
+    "path", [p for p in MODULES if _rel(p).split("/")[0].removesuffix(".py") in SPARK_SIDE], ids=_rel
+)
 def test_spark_side_does_not_import_airflow_or_dev(path):
     # Module level only: a driver without Airflow must import every Spark-side module. Functions
     # that run on the Airflow worker (the capture's S3 store, `secrets write`) import the

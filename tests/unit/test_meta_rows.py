@@ -1,4 +1,4 @@
-"""The cdc_meta tables are generated from typed records (lake.meta_rows, ingest.metrics): the
+"""The cdc_meta tables are generated from typed records (lake.meta_rows, lake.ingest_metrics): the
 records must keep generating exactly the tables existing lakes have, their fields' Python types
 must match their columns' types, and rows read back become records without inventing values."""
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from cdc_lakehouse.capture.positions import ATTEMPTS_DIR, start_position
 from cdc_lakehouse.ingest.backfill import columns_to_backfill, quiet_shard_fills
-from cdc_lakehouse.ingest.errors import CoverageError, SourceIdentityChanged
 from cdc_lakehouse.ingest.schema import known_columns
+from cdc_lakehouse.landing.errors import CoverageError, SourceIdentityChanged
 from cdc_lakehouse.landing.reader import Plan, check_coverage, same_source_manifests
 from cdc_lakehouse.source.publication import identity_mismatch
 from cdc_lakehouse.source.slots import SlotState

@@ -7,7 +7,8 @@ from decimal import Decimal
 
 import pytest
 from cdc_lakehouse.config import LSN_COL, OP_COL, SHARD_COL
-from cdc_lakehouse.ingest.validate import BKEY, RAW, REASONS, cast_text, typed_events
+from cdc_lakehouse.ingest.validate import BKEY, RAW, REASONS, typed_events
+from cdc_lakehouse.lake.casts import cast_text
 from cdc_lakehouse.lake.columns import UNAVAILABLE_COL
 from pyspark.sql import functions as F
 from pyspark.testing import assertDataFrameEqual

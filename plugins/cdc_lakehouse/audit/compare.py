@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 from cdc_lakehouse.audit.hashing import pg_bucket, pg_hash_num, pg_row_hash
 from cdc_lakehouse.config import SHARD_COL, TableConfig
 from cdc_lakehouse.identifiers import pg_ident, pg_qualified
-from cdc_lakehouse.ingest.validate import cast_text
+from cdc_lakehouse.lake.casts import cast_text
 from cdc_lakehouse.settings import SourceEndpoint
 from cdc_lakehouse.source.session import SESSION_OPTIONS, jdbc_properties
 

@@ -11,8 +11,9 @@ from typing import TYPE_CHECKING, Any
 
 from cdc_lakehouse.audit.errors import AuditFailed
 from cdc_lakehouse.config import SHARD_COL, TableConfig
-from cdc_lakehouse.ingest.validate import cast_text, landing_spark_schema
+from cdc_lakehouse.lake.casts import cast_text
 from cdc_lakehouse.lake.watermark import shard_lsn_map
+from cdc_lakehouse.landing.format import landing_spark_schema
 from cdc_lakehouse.landing.reader import LandingFS, SparkLanding
 from cdc_lakehouse.settings import LakeSettings, SourceEndpoint
 from cdc_lakehouse.source.publication import PUBLICATION

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from cdc_lakehouse.config import COMMIT_TS_COL, LSN_COL, OP_COL, SEQ_COL, SHARD_COL, TableConfig
 from cdc_lakehouse.identifiers import pg_ident, pg_qualified, spark_ident
-from cdc_lakehouse.ingest.validate import cast_text
+from cdc_lakehouse.lake.casts import cast_text
 from cdc_lakehouse.lake.columns import INGESTED_COL, LSN_EVENT_COL, RUN_COL, UNAVAILABLE_COL, XID_COL
 from cdc_lakehouse.lake.commits import sql_with_commit_properties, with_commit_retries
 from cdc_lakehouse.lake.tables import changelog_columns, conform_to, null_metadata

@@ -9,19 +9,17 @@ snapshot nor an xmin, so vacuum is never held back longer than one chunk's read.
 from __future__ import annotations
 
 import io
-import json
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from cdc_lakehouse.identifiers import pg_ident, pg_qualified
 from cdc_lakehouse.source.catalog import text_select_list
+from cdc_lakehouse.source.markers import emit_marker
 
 if TYPE_CHECKING:
     import pyarrow as pa
 
-# The prefix of the logical messages; the capture records the messages with this prefix.
-MARKER_PREFIX = "cdc_lakehouse"
 APPLICATION_NAME = "cdc_lakehouse bootstrap chunk"
 
 
@@ -103,17 +101,6 @@ class ChunkRead:
     xact_seconds: float  # how long the read's transaction was open
     read_seconds: float  # markers and read together
     meta: dict[str, Any] = field(default_factory=dict)
-
-
-def emit_marker(cur, payload: dict[str, Any]) -> int:
-    """A transactional logical message (its own transaction, autocommit); returns its LSN."""
-    from cdc_lakehouse.source.pgoutput import lsn_to_int
-
-    cur.execute(
-        "SELECT pg_logical_emit_message(true, %s, %s)::text",
-        (MARKER_PREFIX, json.dumps(payload, separators=(",", ":"), sort_keys=True)),
-    )
-    return lsn_to_int(cur.fetchone()[0])
 
 
 def last_key(conn, q: ChunkQuery) -> list[str] | None:

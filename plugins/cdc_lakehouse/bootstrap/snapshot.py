@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 from cdc_lakehouse.config import SHARD_COL, ShardGroup, TableConfig
 from cdc_lakehouse.identifiers import pg_ident, pg_qualified
-from cdc_lakehouse.ingest.validate import cast_text
+from cdc_lakehouse.lake.casts import cast_text
 from cdc_lakehouse.settings import SourceEndpoint, source_uri
 from cdc_lakehouse.source.catalog import (
     EndpointTables,

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from cdc_lakehouse.bootstrap.chunks import MARKER_PREFIX
 from cdc_lakehouse.capture.events import Rel, key_pairs, row_pairs, schema_diff
 from cdc_lakehouse.capture.positions import ATTEMPTS_DIR, confirm
 from cdc_lakehouse.landing.format import manifest_path, run_dir
@@ -22,6 +21,7 @@ from cdc_lakehouse.landing.writer import TableWriter
 from cdc_lakehouse.runtime.failpoints import crash_point
 from cdc_lakehouse.source.catalog import EndpointTables
 from cdc_lakehouse.source.errors import SourceError
+from cdc_lakehouse.source.markers import MARKER_PREFIX
 from cdc_lakehouse.source.pgoutput import Begin, Change, Commit, Relation, Truncate, decode, pg_time
 from cdc_lakehouse.source.publication import PUBLICATION
 from cdc_lakehouse.source.publication import source_identity as source_source_identity

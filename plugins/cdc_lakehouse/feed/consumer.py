@@ -146,7 +146,7 @@ def _merge_writer(spark: SparkSession, consumer: str, deltas: DataFrame, pairs: 
 
 def main(argv: list[str] | None = None) -> int:
     """spark-submit entry point (spark_jobs/feed_block_counts.py)."""
-    from cdc_lakehouse.runtime.jobs import run_per_table
+    from cdc_lakehouse.jobs import run_per_table
     from cdc_lakehouse.settings import tables_dir
 
     p = argparse.ArgumentParser(description="Feed consumer: blocks per space and day (docs/change-feed.md)")

@@ -154,7 +154,7 @@ def open_quarantine_keys(
     """Per key, the newest quarantined event of this table: (shard, key..., _q_lsn, _q_seq, _q_reason)."""
     from pyspark.sql import functions as F
 
-    from cdc_lakehouse.ingest.validate import cast_text
+    from cdc_lakehouse.lake.casts import cast_text
 
     types = dict(lake_cols)
     q = spark.table(lake.qualified(lake.meta_table("quarantine"))).filter(F.col("table_name") == cfg.name)

@@ -37,11 +37,12 @@ from cdc_lakehouse.ingest.batch import LIVE, FusedBatch, fused_batch
 from cdc_lakehouse.ingest.merge import lsn_newer, merge_sql
 from cdc_lakehouse.ingest.run import current_columns, needs_base, start_position, table_positions
 from cdc_lakehouse.ingest.toast import UNAV_LEFT
-from cdc_lakehouse.ingest.validate import REASONS, landing_spark_schema
+from cdc_lakehouse.ingest.validate import REASONS
 from cdc_lakehouse.lake.commits import ConcurrentWriterError, sql_with_commit_properties, with_commit_retries
 from cdc_lakehouse.lake.tables import source_columns_of
 from cdc_lakehouse.lake.watermark import read_watermark, watermark_json
 from cdc_lakehouse.lake.writers import REPLAY
+from cdc_lakehouse.landing.format import landing_spark_schema
 from cdc_lakehouse.runtime.failpoints import crash_point
 from cdc_lakehouse.runtime.phases import local_checkpoint
 from cdc_lakehouse.settings import LakeSettings

@@ -35,9 +35,8 @@ from cdc_lakehouse.ingest.backfill import (
     finish_backfill,
 )
 from cdc_lakehouse.ingest.batch import FusedBatch, fused_batch
-from cdc_lakehouse.ingest.errors import ErrorBudgetExceeded, LandingGap, NotBootstrapped, SchemaChangeError
+from cdc_lakehouse.ingest.errors import ErrorBudgetExceeded, SchemaChangeError
 from cdc_lakehouse.ingest.merge import lsn_newer, merge_sql, wm_map
-from cdc_lakehouse.ingest.metrics import IngestMetrics
 from cdc_lakehouse.ingest.quarantine import as_held, held_back, hold_dependents, write_quarantine
 from cdc_lakehouse.ingest.reduce import latest_per_key
 from cdc_lakehouse.ingest.schema import (
@@ -49,7 +48,7 @@ from cdc_lakehouse.ingest.schema import (
     schema_actions,
 )
 from cdc_lakehouse.ingest.toast import BROADCAST_ROWS, NO_TABLE, UNAV_LEFT, fill_unavailable
-from cdc_lakehouse.ingest.validate import REASONS, landing_spark_schema
+from cdc_lakehouse.ingest.validate import REASONS
 from cdc_lakehouse.lake.batches import BATCH_PROP, BATCH_STATE_PROP, BatchId, BatchStep, commit_once, run_batch
 from cdc_lakehouse.lake.columns import INGESTED_COL, UNAVAILABLE_COL
 from cdc_lakehouse.lake.commits import (
@@ -59,11 +58,14 @@ from cdc_lakehouse.lake.commits import (
     with_commit_properties,
 )
 from cdc_lakehouse.lake.freshness import FRESHNESS_TABLE, record_freshness
+from cdc_lakehouse.lake.ingest_metrics import IngestMetrics
 from cdc_lakehouse.lake.meta import meta_append
 from cdc_lakehouse.lake.snapshots import Snapshot, current_ancestors, summary_of
 from cdc_lakehouse.lake.tables import conform_to, partition_sql, props_sql, source_columns_of, table_exists
 from cdc_lakehouse.lake.watermark import WATERMARK_PROP, read_watermark, watermark_json
 from cdc_lakehouse.lake.writers import INGEST
+from cdc_lakehouse.landing.errors import LandingGap, NotBootstrapped
+from cdc_lakehouse.landing.format import landing_spark_schema
 from cdc_lakehouse.landing.reader import Plan, SparkLanding, plan_landing
 from cdc_lakehouse.runtime.failpoints import crash_point
 from cdc_lakehouse.runtime.phases import SparkJobs, local_checkpoint, materialize, observed_counts

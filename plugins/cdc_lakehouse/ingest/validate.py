@@ -1,9 +1,8 @@
 """Landing events -> validated, typed change events (pure DataFrame -> DataFrame functions).
 
-Values arrive as PostgreSQL text. Each is cast to its lake type behind a format guard,
-because Spark's casts silently truncate ('1.5' -> 1), round (1.239 -> 1.24 for
-decimal(10,2)) or drop a ' BC' suffix from dates. A value that does not fit gives the event
-a reason, and events with reasons go to quarantine instead of the lake.
+Values arrive as PostgreSQL text. Each is cast to its lake type behind a format guard
+(lake.casts). A value that does not fit gives the event a reason, and events with reasons go to
+quarantine instead of the lake.
 
 Ordering: events are ordered by (commit LSN, sequence in the transaction). The lake's
 `_cdc_seq` is 2*seq, or 2*seq+1 for the second half of a primary-key change, which becomes a
@@ -12,12 +11,11 @@ delete of the old key followed by an upsert of the new one.
 
 from __future__ import annotations
 
-import re
 from typing import TYPE_CHECKING
 
 from cdc_lakehouse.config import COMMIT_TS_COL, LSN_COL, OP_COL, SHARD_COL, TableConfig
+from cdc_lakehouse.lake.casts import cast_text
 from cdc_lakehouse.lake.columns import LSN_EVENT_COL, RUN_COL, UNAVAILABLE_COL, XID_COL
-from cdc_lakehouse.landing.format import EVENT_SCHEMA, EventField
 
 if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame
@@ -28,79 +26,6 @@ RAW = "_raw"
 FILE = "_file"
 BKEY = "_bkey_"  # prefix of the before-image key columns (primary-key changes)
 PKCHANGE = "_pk_change"
-
-
-def _spark_type(f: EventField):
-    from pyspark.sql import types as T
-
-    if f.type == "struct":
-        return T.StructType([T.StructField(c.name, _spark_type(c)) for c in f.fields])
-    return {
-        "string": T.StringType,
-        "int64": T.LongType,
-        "timestamp": T.TimestampType,
-        "map<string,string>": lambda: T.MapType(T.StringType(), T.StringType()),
-        "list<string>": lambda: T.ArrayType(T.StringType()),
-    }[f.type]()
-
-
-def landing_spark_schema():
-    """The Spark schema of a landing file, from the one event schema (landing.format.EVENT_SCHEMA)."""
-    from pyspark.sql.types import StructField, StructType
-
-    return StructType([StructField(f.name, _spark_type(f)) for f in EVENT_SCHEMA])
-
-
-_DEC = re.compile(r"^decimal\((\d+),\s*(\d+)\)$")
-
-
-# One return per lake type: the cast of PostgreSQL text to that type.
-def cast_text(raw: Column, lake_type: str) -> Column:  # noqa: PLR0911
-    """PostgreSQL text -> lake type; NULL when the text does not fit (callers check)."""
-    from pyspark.sql import functions as F
-
-    t = lake_type.replace(" ", "")
-    if t in ("bigint", "int", "smallint", "tinyint"):
-        return F.when(raw.rlike(r"^-?[0-9]+$"), raw.cast(t))
-    if t == "boolean":
-        return F.when(raw.isin("t", "true"), F.lit(True)).when(raw.isin("f", "false"), F.lit(False))
-    m = _DEC.match(t)
-    if m:
-        p, s = int(m.group(1)), int(m.group(2))
-        # Trailing zeros beyond the scale are harmless (unconstrained numeric prints them).
-        trimmed = F.regexp_replace(F.regexp_replace(raw, r"(\.[0-9]*?)0+$", "$1"), r"\.$", "")
-        int_digits = f"(0|[0-9]{{1,{p - s}}})" if p > s else "0"
-        frac = rf"(\.[0-9]{{1,{s}}})?" if s > 0 else ""
-        return F.when(trimmed.rlike(rf"^-?{int_digits}{frac}$"), trimmed.cast(t))
-    if t in ("float", "double"):
-        return F.when(raw.rlike(r"^(-?[0-9.]+([eE][-+]?[0-9]+)?|NaN|-?Infinity)$"), raw.cast(t))
-    if t == "string":
-        return raw
-    if t == "date":
-        return F.when(raw.rlike(r"^[0-9]{4}-[0-9]{2}-[0-9]{2}$"), F.to_date(raw))
-    if t == "timestamp":
-        return F.when(
-            raw.rlike(
-                r"^[0-9]{4}-[0-9]{2}-[0-9]{2}[ T][0-9]{2}:[0-9]{2}:[0-9]{2}(\.[0-9]+)?([+-][0-9]{2}(:?[0-9]{2}){0,2}|Z)?$"
-            ),
-            raw.cast("timestamp"),
-        )
-    if t == "timestamp_ntz":
-        return F.when(
-            raw.rlike(r"^[0-9]{4}-[0-9]{2}-[0-9]{2}[ T][0-9]{2}:[0-9]{2}:[0-9]{2}(\.[0-9]+)?$"),
-            raw.cast("timestamp_ntz"),
-        )
-    if t == "binary":
-        return F.when(raw.rlike(r"^\\x([0-9a-fA-F]{2})*$"), F.unhex(F.substring(raw, 3, 1 << 30)))
-    if t.startswith("array<") and t.endswith(">"):
-        elem = t[6:-1]
-        arr = F.from_json(raw, "array<string>")
-        if elem == "string":
-            return arr
-        typed = F.transform(arr, lambda x: cast_text(x, elem))
-        ok = F.forall(F.arrays_zip(arr.alias("a"), typed.alias("b")), lambda z: z["a"].isNull() | z["b"].isNotNull())
-        return F.when(ok, typed)
-    raise ValueError(f"no cast for lake type {lake_type!r}")
 
 
 def shard_expr(shard_map: dict[tuple[str, str], str]) -> Column:

@@ -4,8 +4,10 @@ Runs on the Spark driver. columns is pure Python (config re-exports it, DAG file
 
   columns    the registry of the _cdc_* metadata columns (name, type, doc, tables that carry them)
   batches    batch ids: each table of a multi-table run commits a batch once; resume after a kill
+  casts      PostgreSQL text -> lake types, behind format guards (ingest, bootstrap, audit)
   commits    commits with snapshot properties, retries on conflicts, commits fenced at publish time
   holds      a consumer's hold on the snapshot it still needs (an Iceberg tag), kept from expiry
+  ingest_metrics  the figures of one table's ingest run, the record of cdc_meta.ingest_runs
   meta       the pipeline's own tables (quarantine, run figures, audit results)
   meta_rows  their rows as typed records, whose fields generate the tables' columns
   ranges     which keys changed between two snapshots: the changelog or a snapshot diff (one rule

@@ -29,6 +29,7 @@ from cdc_lakehouse.lake.meta import META_TABLES, meta_append
 from cdc_lakehouse.lake.meta_rows import ShardFreshness  # one row of cdc_meta.freshness; its fields are the columns
 from cdc_lakehouse.lake.snapshots import current_ancestors
 from cdc_lakehouse.lake.watermark import WATERMARK_PROP
+from cdc_lakehouse.landing.format import landing_spark_schema
 from cdc_lakehouse.settings import LakeSettings
 
 if TYPE_CHECKING:
@@ -200,8 +201,6 @@ def _source_commits(spark: SparkSession, cfg: TableConfig, files: list[str]) -> 
     """(endpoint, schema) -> the newest commit of this table's changes in the run's landing files
     (one aggregation over the source struct only; Parquet reads just those columns)."""
     from pyspark.sql import functions as F
-
-    from cdc_lakehouse.ingest.validate import landing_spark_schema
 
     df = spark.read.schema(landing_spark_schema()).parquet(*files).filter(F.col("source.table") == cfg.source.table)
     rows = (

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from cdc_lakehouse.identifiers import spark_ident
-from cdc_lakehouse.ingest.metrics import IngestMetrics
+from cdc_lakehouse.lake.ingest_metrics import IngestMetrics
 from cdc_lakehouse.lake.meta_rows import (
     AuditMismatch,
     AuditResult,

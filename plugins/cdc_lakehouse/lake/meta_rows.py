@@ -1,6 +1,6 @@
 """lake.meta_rows: the rows of the cdc_meta tables as typed records whose fields generate the tables.
 
-One record per table (ingest_runs has ingest.metrics.IngestMetrics, which follows the same
+One record per table (ingest_runs has lake.ingest_metrics.IngestMetrics, which follows the same
 rule): the fields made with `column(type)` are, in order, the table's columns (name and Spark
 SQL type). lake.meta creates the tables from them, and readers get rows back as records
 (from_row) instead of dicts indexed by column names spelled a second time.
@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 
 from cdc_lakehouse.lake.columns import COMMIT_LSN, RUN_ID, SHARD
 
-SQL = "sql"  # the field metadata key holding the column's Spark SQL type (as in ingest.metrics)
+SQL = "sql"  # the field metadata key holding the column's Spark SQL type (as in lake.ingest_metrics)
 
 R = TypeVar("R")
 # A row as read back, before it is a record: pyiceberg's to_pylist, Spark's Row.asDict.

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cdc_lakehouse.config import LandingSource, TableConfig
-from cdc_lakehouse.ingest.errors import NotBootstrapped
+from cdc_lakehouse.landing.errors import NotBootstrapped
 from cdc_lakehouse.landing.reader import LandingFS, Plan, spark_uri
 from cdc_lakehouse.landing.writer import local_dir, make_private, mkdirs
 from cdc_lakehouse.source.catalog import lake_type, schema_json
@@ -924,7 +924,7 @@ def _newest(*times: str | None) -> str | None:
 
 def read_debezium(spark: SparkSession, cfg: TableConfig, files: list[SinkFile]) -> DataFrame:
     """Sink objects as landing events (landing_spark_schema), converted on the executors."""
-    from cdc_lakehouse.ingest.validate import landing_spark_schema
+    from cdc_lakehouse.landing.format import landing_spark_schema
 
     shape = shape_of(cfg)
     schema = landing_spark_schema()

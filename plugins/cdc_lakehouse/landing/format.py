@@ -9,10 +9,10 @@ A run's files count only once its manifest exists; the manifest is written after
 are durable and before the slot is confirmed.
 
 One event schema (EVENT_SCHEMA) is the definition: the Arrow schema the capture writes
-(landing_arrow_schema) and the Spark schema the ingest reads (ingest.validate.landing_spark_schema)
-both derive from it. The manifest is JSON; `Manifest` is its typed model, and parse_manifest /
+(landing_arrow_schema) and the Spark schema the ingest reads (landing_spark_schema) both derive
+from it. The manifest is JSON; `Manifest` is its typed model, and parse_manifest /
 dump_manifest keep files byte-compatible (fields a file lacks stay absent, unknown ones are kept).
-Pure Python: pyarrow is imported only by landing_arrow_schema.
+Pure Python: pyarrow and pyspark are imported only by the two schema functions.
 """
 
 from __future__ import annotations
@@ -94,6 +94,28 @@ def landing_arrow_schema():
     import pyarrow as pa
 
     return pa.schema([(f.name, _arrow_type(f)) for f in EVENT_SCHEMA])
+
+
+def _spark_type(f: EventField):
+    from pyspark.sql import types as T
+
+    if f.type == "struct":
+        return T.StructType([T.StructField(c.name, _spark_type(c)) for c in f.fields])
+    return {
+        "string": T.StringType,
+        "int64": T.LongType,
+        "timestamp": T.TimestampType,
+        "map<string,string>": lambda: T.MapType(T.StringType(), T.StringType()),
+        "list<string>": lambda: T.ArrayType(T.StringType()),
+    }[f.type]()
+
+
+def landing_spark_schema():
+    """The Spark schema of a landing file (EVENT_SCHEMA), as the ingest, the audit and the
+    freshness record read it."""
+    from pyspark.sql.types import StructField, StructType
+
+    return StructType([StructField(f.name, _spark_type(f)) for f in EVENT_SCHEMA])
 
 
 # --- the layout --------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from cdc_lakehouse.config import TableConfig
-from cdc_lakehouse.ingest.errors import CoverageError, NotBootstrapped, SourceIdentityChanged
+from cdc_lakehouse.landing.errors import CoverageError, NotBootstrapped, SourceIdentityChanged
 from cdc_lakehouse.landing.format import MANIFEST_DIR, Manifest, parse_manifest
 from cdc_lakehouse.source.publication import identity_mismatch
 

@@ -1,7 +1,7 @@
 """Orchestration: the Airflow side. DAGs, tasks, operators and alerts.
 
 Runs in the Airflow scheduler (DAG parsing: light imports only) and on Airflow workers (tasks).
-Spark work is submitted as Spark jobs (runtime.jobs), never run in the worker's process. Not
+Spark work is submitted as Spark jobs (cdc_lakehouse.jobs), never run in the worker's process. Not
 shipped to Spark executors (the --py-files zip leaves it out).
 
   alerts       alerts through Airflow's notifiers (e-mail, SNS, Slack, ...)

@@ -1,7 +1,7 @@
 """Checks on the run history in cdc_meta: retained WAL, failing audits, freshness.
 
 Pure rules over rows the caller read, as the records of their tables (lake.meta_rows,
-ingest.metrics; a row given as a mapping is made a record first): each check says whether this
+lake.ingest_metrics; a row given as a mapping is made a record first): each check says whether this
 run alerts ("firing"), resolves or stays quiet (the storm rule, decide) and builds the alert.
 """
 
@@ -14,7 +14,7 @@ from datetime import datetime
 from typing import Any, Literal, TypeVar
 
 from cdc_lakehouse.config import TableConfig
-from cdc_lakehouse.ingest.metrics import IngestMetrics
+from cdc_lakehouse.lake.ingest_metrics import IngestMetrics
 from cdc_lakehouse.lake.meta_rows import AuditResult, CaptureRun, QualityResult, RawRow, ShardFreshness, as_records
 from cdc_lakehouse.orchestration.alerts.alert import Alert, fmt_bytes, fmt_seconds
 from cdc_lakehouse.orchestration.alerts.config import AlertingConfig, Rules, rules_for

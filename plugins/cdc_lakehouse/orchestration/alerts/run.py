@@ -7,7 +7,7 @@ import logging
 from typing import Any, Literal, TypeVar
 
 from cdc_lakehouse.config import TableConfig, load_table_configs
-from cdc_lakehouse.ingest.metrics import IngestMetrics
+from cdc_lakehouse.lake.ingest_metrics import IngestMetrics
 from cdc_lakehouse.lake.meta_rows import AuditResult, CaptureRun, QualityResult, ShardFreshness, from_row
 from cdc_lakehouse.orchestration.alerts.alert import Alert
 from cdc_lakehouse.orchestration.alerts.checks import check_audit, check_freshness, check_shard_freshness, check_wal

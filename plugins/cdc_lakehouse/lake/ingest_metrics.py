@@ -1,10 +1,11 @@
-"""The figures of one table's ingest run.
+"""The figures of one table's ingest run: the record of cdc_meta.ingest_runs.
 
 One typed record instead of a dict whose keys were spelled in several places: the fields that
 carry a column type are, in this order, the columns of cdc_meta.ingest_runs (lake.meta derives
 the table from INGEST_RUN_COLUMNS), and callers get the record as a plain dict (`as_dict`).
-Imports nothing of the package but runtime.phases (which imports nothing), so lake.meta can read
-the columns without a cycle.
+It lives in the lake with the other cdc_meta records (lake.meta_rows) because lake.meta creates the
+table from it; the ingest (ingest.run) fills it and the alerts read it. Imports nothing of the
+package but runtime.phases.
 """
 
 from __future__ import annotations

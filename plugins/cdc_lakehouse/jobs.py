@@ -4,6 +4,9 @@ Each job takes table names (derive: derived table names) and a config directory,
 SparkSession, runs the job's function per table and prints one JSON line of results per table.
 Secrets arrive by reference (CDC_SECRETS_FILE, see job_secrets) or through the environment of a
 job started by hand (CDC_CATALOG_PASSWORD, CDC_SOURCE_URI__<CONN>), never as arguments.
+
+Above every stage, since it runs them: each job imports its stage inside its function, so a job
+loads only the code it runs.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from cdc_lakehouse.settings import LakeSettings, derived_dir, exports_dir, table
 if TYPE_CHECKING:
     from cdc_lakehouse.derived.config import TreeConfig
 
-log = logging.getLogger("cdc_lakehouse.runtime.jobs")
+log = logging.getLogger("cdc_lakehouse.jobs")
 
 
 def _json_default(o: Any) -> Any:
