@@ -240,12 +240,12 @@ def _applied_floor(spark: SparkSession, lake: LakeSettings, endpoint: str, consu
         for table in (lake.qualified(c.current_table), lake.qualified(c.changelog_table)):
             if not table_exists(spark, table):
                 continue  # never bootstrapped: it starts from a snapshot, not from the landing
-            wm = read_watermark(spark, table) or {}
+            wm = read_watermark(spark, table)
             for _, shard in shards:
-                pos = (wm.get("shards") or {}).get(shard)
+                pos = wm.shards.get(shard) if wm is not None else None
                 if pos is None:
                     continue
-                floor = pos["lsn"] if floor is None else min(floor, pos["lsn"])
+                floor = pos.lsn if floor is None else min(floor, pos.lsn)
     return floor
 
 
@@ -337,12 +337,13 @@ def maintain_derived(
     """Compaction (every delete file applied), expiry and orphan cleanup of a derived table's
     output and unresolved tables. Both carry the tree's watermark: expiry keeps its newest carrier
     on each (the next run finds the unresolved snapshot matching the output's watermark there)."""
+    from cdc_lakehouse.derived.run import read_tree_watermark
+
     m = dcfg.maintenance
     size = m.target_file_size_mb * 1024 * 1024
+    pool = f"they share the one-slot Airflow pool {dcfg.pool}"
     targets = [
-        Target(
-            dcfg.name, kind, lake.qualified(t), m, size, False, 2, f"they share the one-slot Airflow pool {dcfg.pool}"
-        )
+        Target(dcfg.name, kind, lake.qualified(t), m, size, False, 2, pool, read_position=read_tree_watermark)
         for kind, t in (("output", dcfg.output_table), ("unresolved", dcfg.unresolved_table))
     ]
     if not table_exists(spark, targets[0].table):  # a run creates the unresolved table first

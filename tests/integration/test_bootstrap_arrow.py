@@ -75,7 +75,7 @@ def test_copy_reader_gives_the_jdbc_readers_values_for_every_type(pg, spark, lak
     wm = read_watermark(spark, lake.qualified(configs["copy"].current_table))
     point = results["copy"]["endpoints"][endpoint]["consistent_point"]
     (shard,) = results["copy"]["endpoints"][endpoint]["shards"]
-    assert wm["shards"][shard]["lsn"] == point > 0
+    assert wm.shards[shard].lsn == point > 0
 
 
 def _block_config(source, name: str, reader: str):

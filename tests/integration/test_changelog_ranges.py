@@ -35,7 +35,7 @@ class RangeWalk:
         self.rows = Counter(self.changelog())
 
     def position(self) -> dict[str, int]:
-        return {s: p["lsn"] for s, p in read_watermark(self.spark, self.cur)["shards"].items()}
+        return read_watermark(self.spark, self.cur).shard_lsns()
 
     def key(self, r) -> tuple:
         return (r[SHARD_COL], r[LSN_COL], r[SEQ_COL], r[OP_COL], *[r[k] for k in self.cfg.primary_key], r[self.value])

@@ -131,7 +131,7 @@ def test_chunked_bootstrap_under_concurrent_writes_holds_nothing_between_chunks(
     assert r["mode"] == "chunked" and r["done"], r
     assert all(n >= 5 for n in r["chunks"].values()), r["chunks"]
     wm = read_watermark(spark, lake.qualified(cfg.current_table))
-    assert set(wm["shards"]) == {shard for _, _, shard in cfg.shards()}
+    assert set(wm.shards) == {shard for _, _, shard in cfg.shards()}
 
     _assert_nothing_held_across_chunks(sampler, r, cfg.bootstrap.max_connections_per_host)
 

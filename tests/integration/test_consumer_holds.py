@@ -15,11 +15,11 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 from cdc_lakehouse.config import OutputMaintenanceConfig, TableConfig
+from cdc_lakehouse.derived.run import read_tree_watermark
 from cdc_lakehouse.dev.workload import ID_STRIDE
 from cdc_lakehouse.feed.consumer import block_counts
 from cdc_lakehouse.feed.offsets import output_offsets
 from cdc_lakehouse.lake.tables import table_stats
-from cdc_lakehouse.lake.watermark import read_watermark
 from cdc_lakehouse.maintenance import maintain_table
 from cdc_lakehouse.serving.stores import store_uri_env
 
@@ -159,8 +159,8 @@ def test_a_lagging_derived_tree_keeps_its_input_snapshots_until_its_max_lag(held
     m = cfg.maintenance.model_copy(update={"snapshot_retention_hours": 1, "min_snapshots_to_keep": 1})
     cfg = cfg.model_copy(update={"maintenance": m})
     assert derive(s, cfg)["mode"] == "full"
-    inputs = read_watermark(s.spark, s.lake.qualified(cfg.output_table))["inputs"]
-    pinned = {name: p["snapshot"] for name, p in inputs.items()}
+    inputs = read_tree_watermark(s.spark, s.lake.qualified(cfg.output_table)).inputs
+    pinned = {name: p.snapshot for name, p in inputs.items()}
     older = taken_before(s, s.block, pinned[s.block.name])
     change(s, 1)
     maintain(s, s.block, hours=2)

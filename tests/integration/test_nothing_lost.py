@@ -89,7 +89,7 @@ def test_positions_never_compare_across_servers_or_endpoints(source, source_uri,
     s.capture()
     s.bootstrap(s.block)
     wm = read_watermark(spark, lake.qualified(s.block.current_table))
-    ident = wm["shards"][shard_of(s, "s0")]["source"]
+    ident = wm.shards[shard_of(s, "s0")].source
     assert ident["database"] == s.db and ident["system_identifier"] and ident["timeline"] >= 1
     # A failover to a server on another timeline, behind the same connection and slot name.
     s.wl.step(100)
@@ -298,7 +298,7 @@ def test_a_second_writer_fences_out_a_zombie_run(source, spark, lake, monkeypatc
     s.wl.step(300)
     m1 = s.capture()
     zombie(m1["run_id"], lambda: s.ingest(s.block, m1["run_id"], run="same-batch"))
-    assert read_watermark(spark, cur)["runs"][s.endpoint] == m1["run_id"]
+    assert read_watermark(spark, cur).runs[s.endpoint] == m1["run_id"]
 
     s.wl.step(300)
     m2 = s.capture()
@@ -311,7 +311,7 @@ def test_a_second_writer_fences_out_a_zombie_run(source, spark, lake, monkeypatc
     with pytest.raises(ConcurrentWriterError) as exc:
         zombie(m2["run_id"], newer_batch)
     assert "another writer" in str(exc.value)
-    assert read_watermark(spark, cur)["runs"][s.endpoint] > m2["run_id"]  # never moved back
+    assert read_watermark(spark, cur).runs[s.endpoint] > m2["run_id"]  # never moved back
     cl = spark.table(lake.qualified(s.block.changelog_table)).filter("_cdc_op <> 'r' AND _cdc_op <> 't'")
     assert cl.groupBy("_cdc_shard", "_cdc_commit_lsn", "_cdc_seq").count().filter("count > 1").count() == 0
     assert_lake_equals_source(spark, lake, s.block, s.dsn)
@@ -476,7 +476,7 @@ def test_added_column_defaults_reach_the_rows_that_predate_them(source, spark, l
     assert r["backfilled"] > 2000, r
     assert_lake_equals_source(spark, lake, s.block, s.dsn)
     cur = lake.qualified(s.block.current_table)
-    assert "backfill" not in read_watermark(spark, cur)
+    assert read_watermark(spark, cur).backfill is None
     # The run dies right after its MERGE: the watermark says a backfill is pending; the next run does it.
     s.execute(
         "ALTER TABLE s0.block ADD COLUMN rank int DEFAULT 7",
@@ -496,9 +496,9 @@ def test_added_column_defaults_reach_the_rows_that_predate_them(source, spark, l
     with pytest.raises(RuntimeError, match="killed"):
         s.ingest(s.block, m["run_id"])
     monkeypatch.setattr(ingest_mod, "crash_point", real)
-    assert read_watermark(spark, cur)["backfill"]
+    assert read_watermark(spark, cur).backfill
     s.ingest(s.block, m["run_id"])
-    assert "backfill" not in read_watermark(spark, cur)
+    assert read_watermark(spark, cur).backfill is None
     assert_lake_equals_source(spark, lake, s.block, s.dsn)
 
 
@@ -519,7 +519,7 @@ def test_a_column_added_on_every_shard_reaches_the_rows_of_the_quiet_ones(pg, so
         s.ingest(s.block, s.capture()["run_id"])
         assert_lake_equals_source(spark, lake, s.block, s.dsn)
         cur = lake.qualified(s.block.current_table)
-        assert read_watermark(spark, cur)["shards"][shard_of(s, "s1")]["filled"] == ["rank", "seen"]
+        assert read_watermark(spark, cur).shards[shard_of(s, "s1")].filled == ["rank", "seen"]
         # Filled once: the next batch leaves s1 alone.
         assert s.ingest(s.block, s.capture()["run_id"])["backfilled"] is None
         # A re-bootstrap of s0 brings the next column; s1 is still quiet.

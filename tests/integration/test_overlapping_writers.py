@@ -125,8 +125,8 @@ def test_ingest_writers_overlapping_inside_a_commit_apply_each_event_once(small,
     with overlapping(cl if held_at == "changelog" else cur, _ingest_a(s, session_of_its_own(s.lake), m1)) as a:
         s.ingest(s.block, upto_b, run="B")
     assert not changelog_twice(spark, cl), "the changelog got an event twice"
-    assert read_watermark(spark, cur)["runs"][s.endpoint] == upto_b  # never moved back
-    assert read_watermark(spark, cl)["runs"][s.endpoint] == upto_b
+    assert read_watermark(spark, cur).runs[s.endpoint] == upto_b  # never moved back
+    assert read_watermark(spark, cl).runs[s.endpoint] == upto_b
     batch = batch_of_current_position(spark, cur)
     assert (batch_snapshots(spark, cl, batch), batch_snapshots(spark, cur, batch)) == (1, 1)
     assert_lake_equals_source(spark, lake, s.block, s.dsn)
@@ -266,7 +266,7 @@ def test_a_fenced_write_must_go_to_its_branch_and_killed_runs_branches_are_dropp
 
     import cdc_lakehouse.lake.commits as commits
     from cdc_lakehouse.lake.snapshots import branch_names
-    from cdc_lakehouse.lake.watermark import WATERMARK_PROP
+    from cdc_lakehouse.lake.watermark import WATERMARK_PROP, Watermark
 
     spark.sql("CREATE NAMESPACE IF NOT EXISTS lake.fence_t")
     table = f"lake.fence_t.f_{unique}"
@@ -276,13 +276,16 @@ def test_a_fenced_write_must_go_to_its_branch_and_killed_runs_branches_are_dropp
         df = spark.createDataFrame([(n,)], "id bigint")
         df.writeTo(target).option(f"snapshot-property.{WATERMARK_PROP}", json.dumps({"n": n})).append()
 
-    assert commits.fenced_commit(spark, table, None, {"n": 1}, lambda t: append(t, 1), what="first")
+    def at(n: int) -> Watermark:  # the position append(_, n) commits, as the fence reads it back
+        return Watermark.from_dict({"n": n})
+
+    assert commits.fenced_commit(spark, table, None, at(1), lambda t: append(t, 1), what="first")
     with pytest.raises(RuntimeError, match="did not commit its new position to .*branch_cdc_w_"):
-        commits.fenced_commit(spark, table, {"n": 1}, {"n": 2}, lambda t: append(table, 2), what="bypass")
+        commits.fenced_commit(spark, table, at(1), at(2), lambda t: append(table, 2), what="bypass")
     old, young = "cdc_w_20000101000000_0badbeef", commits.BRANCH_PREFIX + "29990101000000_0000beef"
     for name in (old, young, "audit"):
         spark.sql(f"ALTER TABLE {table} CREATE BRANCH {name}")
     monkeypatch.setattr(commits, "_swept", {})
-    assert not commits.fenced_commit(spark, table, {"n": 1}, {"n": 2}, lambda t: append(t, 2), what="again")
+    assert not commits.fenced_commit(spark, table, at(1), at(2), lambda t: append(t, 2), what="again")
     assert branch_names(spark, table) == sorted(["main", young, "audit"])
     assert sorted(r["id"] for r in spark.table(table).collect()) == [1, 2]  # the bypass landed, unfenced

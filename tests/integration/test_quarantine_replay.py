@@ -117,7 +117,7 @@ def test_replay_after_a_widening_applies_what_fits_and_never_overwrites_newer(so
     src_v5 = s.pg.execute(f"SELECT version FROM s0.block WHERE id = {k5}", dbname=s.db)[0][0]
     assert str(rows[k5]["score"]) == "123456.5000" and rows[k5]["content"] == "long " * 2000
     assert rows[k5]["version"] == src_v5 - 1
-    assert rows[k1][COMMIT_TS_COL] is not None and rows[k1][LSN_COL] < wm["shards"][rows[k1][SHARD_COL]]["lsn"]
+    assert rows[k1][COMMIT_TS_COL] is not None and rows[k1][LSN_COL] < wm.shards[rows[k1][SHARD_COL]].lsn
     assert read_watermark(spark, cur) == wm  # the watermark did not move, backwards or forwards
 
     # A second replay: nothing to apply, nothing committed to the table, the quarantine unchanged.

@@ -69,7 +69,7 @@ from cdc_lakehouse.config import COMMIT_TS_COL, LSN_COL, OP_COL, SEQ_COL, SHARD_
 from cdc_lakehouse.lake.commits import ConcurrentWriterError, fenced_commit, sql_with_commit_properties
 from cdc_lakehouse.lake.snapshots import current_ancestors
 from cdc_lakehouse.lake.tables import changelog_columns, conform_to
-from cdc_lakehouse.lake.watermark import read_watermark, watermark_json
+from cdc_lakehouse.lake.watermark import ShardPosition, Watermark, read_watermark
 from cdc_lakehouse.lake.writers import CHUNKED_BOOTSTRAP, WRITER_PROP
 from cdc_lakehouse.runtime.failpoints import crash_point
 from cdc_lakehouse.runtime.phases import local_checkpoint
@@ -245,29 +245,26 @@ def _start_positions(
 ) -> None:
     """Shards with no watermark yet get one at P0, committed (with no rows) before the first
     chunk; a shard already in the watermark keeps its position (a re-sync, or a resumed run)."""
-    wm = read_watermark(spark, target.current) or {"v": 1, "shards": {}, "runs": {}}
-    cwm = read_watermark(spark, target.changelog) or {"v": 1, "shards": {}, "runs": {}}
-    new = [s for s in sources if s.shard not in wm["shards"]]
+    wm = read_watermark(spark, target.current) or Watermark.empty()
+    cwm = read_watermark(spark, target.changelog) or Watermark.empty()
+    new = [s for s in sources if s.shard not in wm.shards]
     if not new:
         return
     conn, point, _snapshot, identity = export_snapshot(sources[0].endpoint, endpoint_id, run_id)
     conn.close()  # only its consistent point is needed: the snapshot is released here
     ts = datetime.now(UTC).isoformat()
     for s in new:
-        pos = {
-            "lsn": point,
-            "ts": ts,
-            "endpoint": endpoint_id,
-            "source": identity,
-            "columns": [n for n, _ in target.columns],
-        }
-        wm["shards"][s.shard] = pos
-        cwm["shards"].setdefault(s.shard, pos)
+        pos = ShardPosition(
+            lsn=point, ts=ts, endpoint=endpoint_id, source=identity, columns=[n for n, _ in target.columns]
+        )
+        wm.set_shard(s.shard, pos)
+        if s.shard not in cwm.shards:
+            cwm.set_shard(s.shard, pos)
         progress.pop(s.shard, None)  # progress of an earlier table of this name does not apply
     log.info("bootstrap %s (chunked): shards %s start at LSN %s", cfg.name, [s.shard for s in new], point)
     for table, w in ((target.changelog, cwm), (target.current, wm)):
         spark.createDataFrame([], spark.table(table).schema).writeTo(table).option(
-            "snapshot-property.cdc.watermark", watermark_json(w)
+            "snapshot-property.cdc.watermark", w.to_json()
         ).option(f"snapshot-property.{WRITER_PROP}", CHUNKED_BOOTSTRAP.name).append()
 
 

@@ -31,7 +31,7 @@ from cdc_lakehouse.lake.tables import (
     source_columns_of,
     table_exists,
 )
-from cdc_lakehouse.lake.watermark import read_watermark, watermark_json
+from cdc_lakehouse.lake.watermark import ShardPosition, Watermark, read_watermark
 from cdc_lakehouse.lake.writers import BOOTSTRAP, WRITER_PROP
 from cdc_lakehouse.runtime.phases import PhaseClock
 from cdc_lakehouse.settings import LakeSettings
@@ -63,8 +63,8 @@ class _Snapshot:
 
     run_id: str
     time: datetime  # naive UTC, as Spark's timestamp literals want it
-    wm: dict[str, Any]
-    cwm: dict[str, Any]
+    wm: Watermark
+    cwm: Watermark
     per_endpoint: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -155,8 +155,8 @@ def _prepare_tables(
 
 def _new_snapshot(spark: SparkSession, target: _Target, run_id: str) -> _Snapshot:
     """Start from the tables' watermarks: shards not bootstrapped now keep their positions."""
-    wm = (read_watermark(spark, target.current) if target.existed else None) or {"v": 1, "shards": {}, "runs": {}}
-    cwm = (read_watermark(spark, target.changelog) if target.existed else None) or {"v": 1, "shards": {}, "runs": {}}
+    wm = (read_watermark(spark, target.current) if target.existed else None) or Watermark.empty()
+    cwm = (read_watermark(spark, target.changelog) if target.existed else None) or Watermark.empty()
     return _Snapshot(run_id, datetime.now(UTC).replace(tzinfo=None), wm, cwm)
 
 
@@ -183,14 +183,15 @@ def _export_and_read(
         frames.append(read_shards(spark, cfg, shard_sources, snapshot, target.columns, pg_types))
         for s in shard_sources:
             # The position and the server it belongs to: positions of another identity never compare.
-            snap.wm["shards"][s.shard] = {
-                "lsn": point,
-                "ts": snap.time.replace(tzinfo=UTC).isoformat(),
-                "endpoint": endpoint_id,
-                "source": identity,
-                "columns": [n for n, _ in target.columns],
-            }
-            snap.cwm["shards"][s.shard] = snap.wm["shards"][s.shard]
+            pos = ShardPosition(
+                lsn=point,
+                ts=snap.time.replace(tzinfo=UTC).isoformat(),
+                endpoint=endpoint_id,
+                source=identity,
+                columns=[n for n, _ in target.columns],
+            )
+            snap.wm.set_shard(s.shard, pos)
+            snap.cwm.set_shard(s.shard, pos)
     return frames
 
 
@@ -237,7 +238,7 @@ def _write_changelog(
     # No shuffle before the changelog write: every snapshot row goes to one day partition,
     # and the JDBC tasks write as they read (10M rows: 207 s -> 183 s without the shuffle).
     events.writeTo(target.changelog).option("distribution-mode", "none").option(
-        "snapshot-property.cdc.watermark", watermark_json(snap.cwm)
+        "snapshot-property.cdc.watermark", snap.cwm.to_json()
     ).option("snapshot-property.cdc.bootstrap", snap.run_id).option(
         f"snapshot-property.{WRITER_PROP}", BOOTSTRAP.name
     ).append()
@@ -263,7 +264,7 @@ def _write_current(spark: SparkSession, cfg: TableConfig, target: _Target, snap:
     # Columns the source no longer has (kept under keep_null) are NULL in the new snapshot.
     rows = conform_to(rows, spark.table(target.current).schema)
     rows.writeTo(target.current).option("distribution-mode", CURRENT_DISTRIBUTION).option(
-        "snapshot-property.cdc.watermark", watermark_json(snap.wm)
+        "snapshot-property.cdc.watermark", snap.wm.to_json()
     ).option("snapshot-property.cdc.bootstrap", snap.run_id).option(
         f"snapshot-property.{WRITER_PROP}", BOOTSTRAP.name
     ).overwrite(cond)
@@ -295,7 +296,7 @@ def _result(
         "current_write_seconds": clock.seconds["current_write"],
         "seconds": elapsed,
         "rows_per_second": total / elapsed if elapsed else None,
-        "watermark": snap.wm,
+        "watermark": snap.wm.to_dict(),
     }
     log.info(
         "bootstrap %s: %s rows in %.1fs (%s rows/s) shards %s; handoff LSNs %s",

@@ -27,7 +27,7 @@ from cdc_lakehouse.ingest.reduce import split_pk_changes
 from cdc_lakehouse.ingest.toast import NO_TABLE, UNAV_LEFT
 from cdc_lakehouse.ingest.validate import BKEY, PKCHANGE, REASONS, typed_events
 from cdc_lakehouse.lake.columns import UNAVAILABLE_COL
-from cdc_lakehouse.lake.watermark import shard_lsn_map
+from cdc_lakehouse.lake.watermark import Watermark, shard_lsn_map
 from cdc_lakehouse.runtime.phases import materialize, timestamps_from_micros
 
 if TYPE_CHECKING:
@@ -79,7 +79,7 @@ def fused_batch(
     raw: DataFrame,
     cfg: TableConfig,
     lake_cols: list[tuple[str, str]],
-    watermark: dict[str, Any],
+    watermark: Watermark,
 ) -> FusedBatch:
     """Landing rows -> the batch's flagged events, materialized once, with its counters."""
     from pyspark.sql import Observation

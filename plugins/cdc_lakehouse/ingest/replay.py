@@ -40,7 +40,7 @@ from cdc_lakehouse.ingest.toast import UNAV_LEFT
 from cdc_lakehouse.ingest.validate import REASONS, landing_spark_schema
 from cdc_lakehouse.lake.commits import ConcurrentWriterError, sql_with_commit_properties, with_commit_retries
 from cdc_lakehouse.lake.tables import source_columns_of
-from cdc_lakehouse.lake.watermark import read_watermark, watermark_json
+from cdc_lakehouse.lake.watermark import Watermark, read_watermark
 from cdc_lakehouse.lake.writers import REPLAY
 from cdc_lakehouse.runtime.failpoints import crash_point
 from cdc_lakehouse.runtime.phases import local_checkpoint
@@ -238,7 +238,7 @@ def merge_replayed(
     spark: SparkSession,
     cfg: TableConfig,
     cur: str,
-    wm: dict[str, Any],
+    wm: Watermark,
     lake_cols: list[tuple[str, str]],
     apply: DataFrame,
     replay_run: str,
@@ -254,7 +254,7 @@ def merge_replayed(
         if now != wm:
             raise ConcurrentWriterError(
                 f"{cfg.name}: quarantine replay: {cur} was committed by another writer since the replay started "
-                f"(watermark {watermark_json(wm)} -> {watermark_json(now or {})}); nothing was applied. "
+                f"(watermark {wm.to_json()} -> {now.to_json() if now is not None else {}}); nothing was applied. "
                 "Run the replay again (it re-reads the table), outside the table's ingest runs"
             )
         # No cdc.watermark: see the module doc (positions).

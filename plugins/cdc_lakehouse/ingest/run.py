@@ -36,12 +36,11 @@ from cdc_lakehouse.ingest.backfill import (
 )
 from cdc_lakehouse.ingest.batch import FusedBatch, fused_batch
 from cdc_lakehouse.ingest.errors import ErrorBudgetExceeded, LandingGap, NotBootstrapped, SchemaChangeError
-from cdc_lakehouse.ingest.merge import lsn_newer, merge_sql, wm_map
+from cdc_lakehouse.ingest.merge import lsn_newer, merge_sql
 from cdc_lakehouse.ingest.metrics import IngestMetrics
 from cdc_lakehouse.ingest.quarantine import as_held, held_back, hold_dependents, write_quarantine
 from cdc_lakehouse.ingest.reduce import latest_per_key
 from cdc_lakehouse.ingest.schema import (
-    BACKFILL,
     apply_schema_actions,
     event_schemas,
     known_columns,
@@ -62,7 +61,7 @@ from cdc_lakehouse.lake.freshness import FRESHNESS_TABLE, record_freshness
 from cdc_lakehouse.lake.meta import meta_append
 from cdc_lakehouse.lake.snapshots import Snapshot, current_ancestors, summary_of
 from cdc_lakehouse.lake.tables import conform_to, partition_sql, props_sql, source_columns_of, table_exists
-from cdc_lakehouse.lake.watermark import WATERMARK_PROP, read_watermark, watermark_json
+from cdc_lakehouse.lake.watermark import WATERMARK_PROP, Watermark, read_watermark, shard_lsn_map
 from cdc_lakehouse.lake.writers import INGEST
 from cdc_lakehouse.landing.reader import Plan, SparkLanding, plan_landing
 from cdc_lakehouse.runtime.failpoints import crash_point
@@ -173,8 +172,8 @@ class Batch:
 
     cur: str
     cl: str
-    wm: dict[str, Any]  # the current table's watermark; the MERGE is fenced on it
-    cl_wm: dict[str, Any] | None  # the changelog's (None before its first commit); its append is fenced on it
+    wm: Watermark  # the current table's watermark; the MERGE is fenced on it
+    cl_wm: Watermark | None  # the changelog's (None before its first commit); its append is fenced on it
     plan: Plan
     lake_cols: list[tuple[str, str]]
     added: list[dict[str, Any]]  # columns the batch adds at the source: backfilled after the MERGE
@@ -200,25 +199,28 @@ def plan_batch(
     gaps = check_landing(cfg, plan)
     lake_cols = source_columns_of(spark, cur, cfg)
     # A backfill of added columns that an earlier run committed as pending but did not finish.
-    if plan.new_watermark.pop(BACKFILL, None):
-        backfill_added_columns(spark, lake, cfg, wm[BACKFILL], lake_cols, ingest_run)
+    pending = plan.new_watermark.backfill
+    if pending is not None:
+        plan.new_watermark = plan.new_watermark.without_backfill()
+    if pending:
+        backfill_added_columns(spark, lake, cfg, wm.backfill, lake_cols, ingest_run)
     added = columns_to_backfill(cfg, plan, wm)
     if added:
-        plan.new_watermark[BACKFILL] = added
+        plan.new_watermark.backfill = added
     batch = ingest_batch_id(cur, wm, plan, ingest_run)
-    return Batch(cur, cl, wm, cl_wm, plan, lake_cols, added, watermark_json(plan.new_watermark), gaps, batch)
+    return Batch(cur, cl, wm, cl_wm, plan, lake_cols, added, plan.new_watermark.to_json(), gaps, batch)
 
 
-def ingest_batch_id(cur: str, wm: dict[str, Any], plan: Plan, ingest_run: str) -> BatchId:
+def ingest_batch_id(cur: str, wm: Watermark, plan: Plan, ingest_run: str) -> BatchId:
     """From the positions the batch moves the table between: a retry of the same data gets the
     same id. A run that moves nothing commits no data, so there is nothing to resume: its id is
     its own (a quiet table's runs each keep their run record)."""
     if plan.files or plan.new_watermark != wm:
-        return BatchId.of(f"ingest:{cur}", wm, plan.new_watermark)
-    return BatchId.of(f"ingest:{cur}", wm, {"noop": ingest_run, "at": datetime.now(UTC).isoformat()})
+        return BatchId.of(f"ingest:{cur}", wm.to_dict(), plan.new_watermark.to_dict())
+    return BatchId.of(f"ingest:{cur}", wm.to_dict(), {"noop": ingest_run, "at": datetime.now(UTC).isoformat()})
 
 
-def start_position(spark: SparkSession, cfg: TableConfig, cur: str) -> dict[str, Any]:
+def start_position(spark: SparkSession, cfg: TableConfig, cur: str) -> Watermark:
     """The current table's watermark; the ingest only continues what a bootstrap started."""
     if not table_exists(spark, cur):
         raise NotBootstrapped(
@@ -367,7 +369,7 @@ def append_changelog(spark: SparkSession, cfg: TableConfig, b: Batch, ch: Change
     """Append what the changelog does not have yet, with its new watermark; returns rows added."""
     from pyspark.sql import functions as F
 
-    cl_floor = wm_map(b.cl_wm or {"shards": {}})
+    cl_floor = shard_lsn_map(b.cl_wm)
     ingested = F.current_timestamp()
 
     def _append(props: dict[str, str], target: str) -> None:
@@ -736,8 +738,8 @@ def record_run(
 ) -> None:
     """The batch's last two commits, each once: the run record, then the freshness rows.
     since_ms: no earlier commit can carry the batch (lake.batches.committed)."""
-    m.watermark = watermark_json(plan.new_watermark)
-    ts = [v.get("ts") for v in plan.new_watermark.get("shards", {}).values() if v.get("ts")]
+    m.watermark = plan.new_watermark.to_json()
+    ts = [p.ts for p in plan.new_watermark.shards.values() if p.ts]
     if ts and m.committed_at is not None:
         m.freshness_seconds = (m.committed_at - min(datetime.fromisoformat(t) for t in ts)).total_seconds()
 
@@ -813,5 +815,5 @@ def resume_batch(spark: SparkSession, lake: LakeSettings, cfg: TableConfig) -> N
     m.add_commit_stats(summary_of(parent) if parent is not None else {}, s)
     since_ms = int(snap.timestamp_ms)
     m.committed_at = datetime.fromtimestamp(since_ms / 1000, UTC)  # when its data became visible
-    plan = Plan(state["heartbeats"], [], json.loads(s[WATERMARK_PROP]))
+    plan = Plan(state["heartbeats"], [], Watermark.from_json(s[WATERMARK_PROP]))
     record_run(spark, lake, cfg, m, plan, BatchId(s[BATCH_PROP]), since_ms, state["shard_commits"])

@@ -18,6 +18,8 @@ from cdc_lakehouse.source.publication import identity_mismatch
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
+    from cdc_lakehouse.lake.watermark import ShardPosition, Watermark
+
 
 def list_manifests(store, endpoint: str) -> list[dict[str, Any]]:
     """Every manifest of an endpoint, in capture order (by the slot position they start at)."""
@@ -46,7 +48,7 @@ def manifest_files(manifest: dict[str, Any], tables: Iterable[str] | None = None
 class Plan:
     manifests: list[dict[str, Any]]
     files: list[str]
-    new_watermark: dict[str, Any]
+    new_watermark: Watermark
     problems: list[str] = field(default_factory=list)
     schema_changes: list[dict[str, Any]] = field(default_factory=list)
 
@@ -60,12 +62,12 @@ def shard_endpoints(cfg: TableConfig) -> dict[str, list[tuple[str, str]]]:
 
 
 def plan_landing(
-    landing: SparkLanding, cfg: TableConfig, watermark: dict[str, Any], upto_run: str | None, check_files: bool = True
+    landing: SparkLanding, cfg: TableConfig, watermark: Watermark, upto_run: str | None, check_files: bool = True
 ) -> Plan:
     """Pending capture runs for this table, in slot order, stopping before any gap."""
-    shards_wm = watermark.get("shards", {})
-    new_wm = json.loads(json.dumps(watermark))
-    new_wm.setdefault("runs", {})
+    shards_wm = watermark.shards
+    new_wm = watermark.model_copy(deep=True)
+    new_wm.runs = dict(new_wm.runs)  # set: the new watermark always lists the runs applied
     selected: list[dict[str, Any]] = []
     files: list[str] = []
     problems: list[str] = []
@@ -78,7 +80,7 @@ def plan_landing(
                 f'cdc_bootstrap__{cfg.name} (conf {{"shards": {missing}}}) before ingesting them'
             )
         manifests = same_source_manifests(cfg, endpoint, shards, shards_wm, list_manifests(landing, endpoint))
-        floor = min(shards_wm[shard]["lsn"] for _, shard in shards)
+        floor = min(shards_wm[shard].lsn for _, shard in shards)
         pending = [m for m in manifests if m["end_lsn"] > floor]
         reached = floor
         last = None
@@ -124,33 +126,33 @@ def _run_files(
 
 
 def _advance(
-    new_wm: dict[str, Any],
+    new_wm: Watermark,
     endpoint: str,
     shards: list[tuple[str, str]],
-    shards_wm: dict[str, Any],
+    shards_wm: dict[str, ShardPosition],
     last: dict[str, Any],
 ) -> None:
     """Move the endpoint's shards in new_wm to the end of `last`, the last run applied."""
     for schema, shard in shards:
         hb = last.get("heartbeats", {}).get(schema)
         prev = shards_wm[shard]
-        if last["end_lsn"] > prev["lsn"]:
+        if last["end_lsn"] > prev.lsn:
             # Keep what else the position records (its endpoint and server identity).
-            new_wm["shards"][shard] = {
-                **prev,
+            moved = {
                 "lsn": last["end_lsn"],
                 "endpoint": endpoint,
-                "source": prev.get("source") or last.get("source_identity"),
-                "ts": hb["commit_ts"] if hb else last.get("last_commit_ts", prev.get("ts")),
+                "source": prev.source or last.get("source_identity"),
+                "ts": hb["commit_ts"] if hb else last.get("last_commit_ts", prev.ts),
             }
-    new_wm["runs"][endpoint] = last["run_id"]
+            new_wm.set_shard(shard, prev.model_copy(deep=True, update=moved))
+    new_wm.set_run(endpoint, last["run_id"])
 
 
 def same_source_manifests(
     cfg: TableConfig,
     endpoint: str,
     shards: list[tuple[str, str]],
-    shards_wm: dict[str, Any],
+    shards_wm: dict[str, ShardPosition],
     manifests: list[dict[str, Any]],
 ) -> list[dict[str, Any]]:
     """The endpoint's runs whose LSNs may be compared with the shards' positions.
@@ -162,7 +164,7 @@ def same_source_manifests(
     before the shard's position was taken (history from before a re-bootstrap) are skipped."""
     fix = f're-bootstrap the shard: trigger cdc_bootstrap__{cfg.name} with conf {{"shards": [...]}}'
     for _, shard in shards:
-        was = shards_wm[shard].get("endpoint")
+        was = shards_wm[shard].endpoint
         if was is not None and was != endpoint:
             raise SourceIdentityChanged(
                 f"{cfg.name}: shard {shard} is now read through endpoint {endpoint} but its lake position was taken "
@@ -175,11 +177,11 @@ def same_source_manifests(
         foreign = False
         for _, shard in shards:
             rec = shards_wm[shard]
-            why = identity_mismatch(rec.get("source"), seen)
+            why = identity_mismatch(rec.source, seen)
             if why is None:
                 continue
             foreign = True
-            if _after(m.get("finished_at"), rec.get("ts")):
+            if _after(m.get("finished_at"), rec.ts):
                 raise SourceIdentityChanged(
                     f"{cfg.name}: shard {shard}: landing run {m['run_id']} on endpoint {endpoint} comes from another "
                     f"source server than the shard's lake position ({why}); after a move or a failover LSNs of the "
@@ -198,7 +200,11 @@ def _after(a: str | None, b: str | None) -> bool:
 
 
 def check_coverage(
-    cfg: TableConfig, endpoint: str, shards: list[tuple[str, str]], shards_wm: dict[str, Any], m: dict[str, Any]
+    cfg: TableConfig,
+    endpoint: str,
+    shards: list[tuple[str, str]],
+    shards_wm: dict[str, ShardPosition],
+    m: dict[str, Any],
 ) -> None:
     """A run counts for a shard only if the shard's table was published for the whole run.
 
@@ -209,10 +215,10 @@ def check_coverage(
     at_start = set(m["published_at_start"] if "published_at_start" in m else m["published"])
     for schema, shard in shards:
         name = f"{schema}.{cfg.source.table}"
-        if m["end_lsn"] <= shards_wm[shard]["lsn"]:
+        if m["end_lsn"] <= shards_wm[shard].lsn:
             continue
         # Added during the run is fine when the shard's position (its bootstrap) came after the add.
-        covered = name in published and (name in at_start or shards_wm[shard]["lsn"] >= (m.get("start_lsn") or 0))
+        covered = name in published and (name in at_start or shards_wm[shard].lsn >= (m.get("start_lsn") or 0))
         if not covered:
             raise CoverageError(
                 f"{cfg.name}: landing run {m['run_id']} on endpoint {endpoint} did not capture shard {shard}: "

@@ -243,7 +243,6 @@ class AnnounceLakeSnapshots:
     def __call__(self, context: Any, result: Any = None) -> None:
         from cdc_lakehouse.feed.arrow import load_catalog_for, pyiceberg_snapshots
         from cdc_lakehouse.feed.plan import complete_head
-        from cdc_lakehouse.lake.watermark import Watermark
 
         try:
             catalog = load_catalog_for(lake_settings())
@@ -253,7 +252,7 @@ class AnnounceLakeSnapshots:
                 context["outlet_events"][asset].extra = {
                     "table": table,
                     "snapshot_id": head.snapshot_id,
-                    "watermark": Watermark.from_dict(head.watermark).shard_lsns(),
+                    "watermark": head.watermark.shard_lsns(),
                 }
         except Exception as exc:  # noqa: BLE001 - see the docstring
             log.warning("asset events of %s go without their snapshot: %s", sorted(self.assets), exc)

@@ -16,6 +16,7 @@ from typing import Any, Literal, TypeVar
 from cdc_lakehouse.config import TableConfig
 from cdc_lakehouse.ingest.metrics import IngestMetrics
 from cdc_lakehouse.lake.meta_rows import AuditResult, CaptureRun, QualityResult, RawRow, ShardFreshness, as_records
+from cdc_lakehouse.lake.watermark import Watermark
 from cdc_lakehouse.orchestration.alerts.alert import Alert, fmt_bytes, fmt_seconds
 from cdc_lakehouse.orchestration.alerts.config import AlertingConfig, Rules, rules_for
 
@@ -250,8 +251,8 @@ def check_freshness(
 def _stalest_shard(row: IngestMetrics) -> tuple[str | None, str | None]:
     """(shard, ts) of the oldest position in an ingest run's watermark; (None, None) if unreadable."""
     try:
-        shards = json.loads(row.watermark or "{}").get("shards") or {}
-        ts = {s: v["ts"] for s, v in shards.items() if v.get("ts")}
+        shards = Watermark.from_json(row.watermark).shards if row.watermark else {}
+        ts = {s: p.ts for s, p in shards.items() if p.ts}
         if ts:
             stalest = min(ts, key=lambda s: datetime.fromisoformat(ts[s]))
             return stalest, ts[stalest]
