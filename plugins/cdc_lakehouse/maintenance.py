@@ -208,14 +208,14 @@ def _prune_endpoint(
     cutoff = now - timedelta(hours=hours)
     removed = []
     for m in list_manifests(landing, endpoint)[:-1]:
-        if m["end_lsn"] > floor or datetime.fromisoformat(m["finished_at"]) > cutoff:
+        if m.end_lsn > floor or datetime.fromisoformat(m.finished_at) > cutoff:
             continue
-        for entry in m.get("tables", []):
-            landing.fs.delete(landing.file_uri(entry["dir"]))
+        for entry in m.tables:
+            landing.fs.delete(landing.file_uri(entry.dir))
         # The manifest last: a crash in between leaves a manifest below every consumer's
         # position, which no ingest reads, and the next run removes it.
-        landing.fs.delete(landing.file_uri(manifest_path(endpoint, m["run_id"])), recursive=False)
-        removed.append(m["run_id"])
+        landing.fs.delete(landing.file_uri(manifest_path(endpoint, m.run_id)), recursive=False)
+        removed.append(m.run_id)
     if removed:
         log.info(
             "maintenance %s: removed %d landing run(s) of %s applied by every table and older than %s h (%s)",

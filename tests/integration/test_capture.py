@@ -272,11 +272,11 @@ capture_run(EndpointTables("ep", "c", {{"items": (["s0"], ["id"])}}), {dsn!r},
     assert store.exists("ep/items/run=r2")  # the files were written
     assert store.exists(manifest_path("ep", "r2")) == (point == "after_manifest")
     m3 = capture_run(ep, dsn, store, "r3")
-    runs = {m["run_id"]: m for m in list_manifests(store, "ep")}
+    runs = {m.run_id: m for m in list_manifests(store, "ep")}
     if point == "after_files":
         assert m3["events"] == 50  # re-delivered: at least once
     else:
-        assert runs["r2"]["events"] == 50 and m3["events"] == 0  # r3 confirmed r2 first, nothing twice
+        assert runs["r2"].events == 50 and m3["events"] == 0  # r3 confirmed r2 first, nothing twice
     assert slot_state(conn, source_slot_name("ep")).confirmed_flush == m3["end_lsn"]
 
 
@@ -493,7 +493,7 @@ def test_s3_landing_through_the_amazon_provider(db, s3_server, monkeypatch):
         cur.execute("INSERT INTO s0.items (id, title) VALUES (2, 'too')")
     m = capture_run(ep, dsn, store, "r2")
     assert store.exists(manifest_path("ep", "r2"))
-    assert [x["run_id"] for x in list_manifests(store, "ep")] == ["r1", "r2"]
+    assert [x.run_id for x in list_manifests(store, "ep")] == ["r1", "r2"]
     key = f"landing/{m['tables'][0]['dir']}/{m['tables'][0]['files'][0]['name']}"
     body = S3Hook(aws_conn_id="cdc_test_s3_capture").get_key(key, bucket_name="cdc-capture-lake").get()["Body"].read()
     rows = pq.read_table(io.BytesIO(body)).to_pylist()

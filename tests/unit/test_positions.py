@@ -8,7 +8,8 @@ from cdc_lakehouse.ingest.backfill import columns_to_backfill, quiet_shard_fills
 from cdc_lakehouse.ingest.errors import CoverageError, SourceIdentityChanged
 from cdc_lakehouse.ingest.schema import known_columns
 from cdc_lakehouse.lake.watermark import ShardPosition, Watermark
-from cdc_lakehouse.landing.reader import Plan, check_coverage, same_source_manifests
+from cdc_lakehouse.landing.format import Manifest, SchemaChange
+from cdc_lakehouse.landing.reader import EndpointSchemaChange, Plan, check_coverage, same_source_manifests
 from cdc_lakehouse.source.publication import identity_mismatch
 from cdc_lakehouse.source.slots import SlotState
 
@@ -34,20 +35,27 @@ def watermark(lsn=100, ts="2026-01-01T00:00:00+00:00", **extra) -> Watermark:
     )
 
 
-def manifest(run, end, *, ident=IDENT, finished="2026-01-02T00:00:00+00:00", published=("s0.t",), start=None):
-    return {
-        "run_id": run,
-        "end_lsn": end,
-        "start_lsn": start,
-        "source_identity": ident,
-        "finished_at": finished,
-        "published": list(published),
-        "published_at_start": list(published),
-        "publication": "p",
-    }
+def manifest(
+    run, end, *, ident=IDENT, finished="2026-01-02T00:00:00+00:00", published=("s0.t",), start=None, at_start=None
+) -> Manifest:
+    return Manifest(
+        run_id=run,
+        end_lsn=end,
+        start_lsn=start,
+        source_identity=ident,
+        finished_at=finished,
+        published=list(published),
+        published_at_start=list(published if at_start is None else at_start),
+        publication="p",
+    )
 
 
 SHARDS = [("s0", "db.s0")]
+
+
+def announced(**change) -> EndpointSchemaChange:
+    """A schema change as a run of the shard's endpoint announced it."""
+    return EndpointSchemaChange("c__db", SchemaChange(**change))
 
 
 def test_identity_mismatch_names_what_changed():
@@ -61,7 +69,7 @@ def test_runs_of_another_server_stop_the_shard_but_older_history_is_skipped():
         manifest("r1", 90, ident={**IDENT, "database": "old"}, finished="2025-12-31T00:00:00+00:00"),
         manifest("r2", 120),
     ]
-    assert [m["run_id"] for m in same_source_manifests(cfg(), "c__db", SHARDS, wm(), runs)] == ["r2"]
+    assert [m.run_id for m in same_source_manifests(cfg(), "c__db", SHARDS, wm(), runs)] == ["r2"]
     with pytest.raises(SourceIdentityChanged, match="timeline 1 -> 2"):
         same_source_manifests(cfg(), "c__db", SHARDS, wm(), [manifest("r3", 130, ident={**IDENT, "timeline": 2})])
     with pytest.raises(SourceIdentityChanged, match="endpoint other"):
@@ -73,7 +81,7 @@ def test_a_run_counts_for_a_shard_only_if_it_was_published_for_the_whole_run():
     check_coverage(cfg(), "c__db", SHARDS, wm(), manifest("r0", 90, published=()))  # below the shard: irrelevant
     with pytest.raises(CoverageError, match="db.s0"):
         check_coverage(cfg(), "c__db", SHARDS, wm(), manifest("r1", 120, published=()))
-    late = {**manifest("r1", 120, start=95), "published_at_start": []}
+    late = manifest("r1", 120, start=95, at_start=())
     check_coverage(cfg(), "c__db", SHARDS, wm(lsn=100), late)  # added mid-run, bootstrapped after the add
     with pytest.raises(CoverageError):
         check_coverage(cfg(), "c__db", SHARDS, wm(lsn=90), late)
@@ -85,15 +93,8 @@ def test_columns_seen_for_the_first_time_since_the_bootstrap_are_backfilled():
         [],
         watermark(columns=["id", "v"]),
         schema_changes=[
-            {
-                "table": "s0.t",
-                "endpoint": "c__db",
-                "at_commit_lsn": 150,
-                "first_seen": True,
-                "columns": ["id", "v", "w"],
-                "added": [],
-            },
-            {"table": "s0.t", "endpoint": "c__db", "at_commit_lsn": 160, "columns": ["id", "v", "w"], "added": []},
+            announced(table="s0.t", at_commit_lsn=150, first_seen=True, columns=["id", "v", "w"], added=[]),
+            announced(table="s0.t", at_commit_lsn=160, columns=["id", "v", "w"], added=[]),
         ],
     )
     out = columns_to_backfill(cfg(), plan, watermark(columns=["id", "v"]))
@@ -127,7 +128,7 @@ def test_a_schema_carried_over_from_earlier_runs_shows_no_drop():
     wm_ = watermark(columns=["id", "v", "w"])
     quiet = Plan([], [], wm_, schema_changes=[])
     assert known_columns(cfg(), wm_, quiet) == {"s0": set()}
-    change = {"table": "s0.t", "endpoint": "c__db", "at_commit_lsn": 150, "columns": ["id", "v"], "added": []}
+    change = announced(table="s0.t", at_commit_lsn=150, columns=["id", "v"], added=[])
     written = Plan([], [], wm_, schema_changes=[change])
     assert known_columns(cfg(), wm_, written) == {"s0": {"id", "v", "w"}}
     assert known_columns(cfg(), wm_, None) == {"s0": {"id", "v", "w"}}
@@ -149,7 +150,7 @@ def slot(confirmed):
 
 
 def test_a_keepalive_advance_of_failed_attempts_is_explained_anything_else_is_a_gap():
-    prev = [{"end_lsn": 100}]
+    prev = [Manifest(run_id="r0", end_lsn=100)]
     assert start_position(Store([]), "ep", prev, slot(100)) == (100, None)
     tried = [{"run_id": "a1", "from_lsn": 100, "started_at": "1"}, {"run_id": "a2", "from_lsn": 130, "started_at": "2"}]
     start, why = start_position(Store(tried), "ep", prev, slot(150))

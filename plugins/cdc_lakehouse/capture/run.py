@@ -30,7 +30,7 @@ from typing import Any
 
 from cdc_lakehouse.capture.positions import attempt_path, confirm, start_position
 from cdc_lakehouse.capture.stream import CaptureLimits, RunStart, Stream
-from cdc_lakehouse.landing.format import manifest_path
+from cdc_lakehouse.landing.format import Manifest, manifest_path
 from cdc_lakehouse.landing.reader import list_manifests
 from cdc_lakehouse.source.catalog import EndpointTables, column_type_cache
 from cdc_lakehouse.source.errors import PreflightError, SourceError
@@ -118,7 +118,7 @@ def _check_source(conn, ep: EndpointTables, table_configs: list[Any] | None = No
         raise PreflightError(problems)
 
 
-def _ready_slot(conn, dsn: str, ep: EndpointTables, slot: str, previous: list[dict[str, Any]]) -> SlotState:
+def _ready_slot(conn, dsn: str, ep: EndpointTables, slot: str, previous: list[Manifest]) -> SlotState:
     """The endpoint's slot, usable, free and confirmed up to the last manifest (step 1)."""
     state = slot_state(conn, slot)
     check_slot_usable(state, ep, captured_before=bool(previous))
@@ -131,15 +131,15 @@ def _ready_slot(conn, dsn: str, ep: EndpointTables, slot: str, previous: list[di
             "capture of this endpoint is running (captures of one endpoint share the pool "
             f"cdc_capture__{ep.endpoint_id}; check for a run outside Airflow)"
         )
-    if previous and previous[-1]["end_lsn"] > (state.confirmed_flush or 0):
+    if previous and previous[-1].end_lsn > (state.confirmed_flush or 0):
         # Step 1: a run that wrote its manifest but died before confirming.
-        confirm(dsn, slot, previous[-1]["end_lsn"], None)
+        confirm(dsn, slot, previous[-1].end_lsn, None)
         state = slot_state(conn, slot)
     return state
 
 
 def _start(
-    conn, store, ep: EndpointTables, run_id: str, slot: str, previous: list[dict[str, Any]], state: SlotState
+    conn, store, ep: EndpointTables, run_id: str, slot: str, previous: list[Manifest], state: SlotState
 ) -> RunStart:
     """Record the attempt, then write the heartbeat that bounds the run.
 
@@ -158,7 +158,7 @@ def _start(
         state=state,
         hb_xid=hb_xid,
         type_lookup=column_type_cache(conn),
-        known_schemas=previous[-1].get("schemas", {}) if previous else {},
+        known_schemas=previous[-1].schemas if previous else {},
         start_lsn=start_lsn,
         keepalive_advance=advanced,
         published_at_start=published_start,

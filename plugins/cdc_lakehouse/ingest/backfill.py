@@ -71,19 +71,20 @@ def columns_to_backfill(cfg: TableConfig, plan: Plan, wm: Watermark) -> list[dic
     shard_of = {(g.endpoint_id, schema): shard for g, schema, shard in cfg.shards()}
     known = {s: set(v.columns) for s, v in wm.shards.items() if v.columns is not None}
     out = []
-    for ch in plan.schema_changes:
-        shard = shard_of.get((ch.get("endpoint"), ch["table"].rpartition(".")[0]))
+    for c in plan.schema_changes:
+        ch = c.change
+        shard = shard_of.get((c.endpoint, ch.table.rpartition(".")[0]))
         if shard is None:
             continue
-        cols = ch.get("columns")
-        if shard in known and cols is not None:
-            new = [c for c in cols if c not in known[shard]]
+        if shard in known and ch.columns is not None:
+            new = [col for col in ch.columns if col not in known[shard]]
         else:
-            new = list(ch.get("added") or [])
-        if cols is not None:
-            known[shard] = set(cols)
+            new = list(ch.added)
+        if ch.columns is not None:
+            known[shard] = set(ch.columns)
         if new:
-            out.append({**ch, "added": new})
+            # As the watermark's pending backfill keeps it (JSON): the change, its endpoint, what it added.
+            out.append({**ch.to_dict(), "endpoint": c.endpoint, "added": new})
     for shard, cols in known.items():
         pos = plan.new_watermark.shards.get(shard)
         if pos is not None:

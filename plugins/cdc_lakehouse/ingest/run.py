@@ -63,6 +63,7 @@ from cdc_lakehouse.lake.snapshots import Snapshot, current_ancestors, summary_of
 from cdc_lakehouse.lake.tables import conform_to, partition_sql, props_sql, source_columns_of, table_exists
 from cdc_lakehouse.lake.watermark import WATERMARK_PROP, Watermark, read_watermark, shard_lsn_map
 from cdc_lakehouse.lake.writers import INGEST
+from cdc_lakehouse.landing.format import Manifest
 from cdc_lakehouse.landing.reader import Plan, SparkLanding, plan_landing
 from cdc_lakehouse.runtime.failpoints import crash_point
 from cdc_lakehouse.runtime.phases import SparkJobs, local_checkpoint, materialize, observed_counts
@@ -113,7 +114,7 @@ def apply_pending(
     )
     with m.timed("plan"):
         b = plan_batch(spark, lake, cfg, upto_run, ingest_run)
-    m.landing_runs = [r["run_id"] for r in b.plan.manifests]
+    m.landing_runs = [r.run_id for r in b.plan.manifests]
     m.status = "ok_with_gaps" if b.gaps else "ok"
     if not b.plan.files:
         advance_watermark(spark, cfg, b, batch_state(m, b.plan, None))
@@ -778,10 +779,16 @@ def batch_state(m: IngestMetrics, plan: Plan, shard_commits: dict[str, Any] | No
     run["started_at"] = m.started_at.isoformat()
     beats: dict[str, dict[str, Any]] = {}
     for man in plan.manifests:
-        beats.setdefault(man.get("endpoint") or "", {}).update(man.get("heartbeats") or {})
+        beats.setdefault(man.endpoint or "", {}).update({s: hb.to_dict() for s, hb in man.heartbeats.items()})
     heartbeats = [{"endpoint": ep, "heartbeats": hb} for ep, hb in beats.items()]
     state = {"run": run, "shard_commits": shard_commits or {}, "heartbeats": heartbeats}
     return json.dumps(state, separators=(",", ":"), sort_keys=True, default=str)
+
+
+def heartbeat_runs(heartbeats: list[dict[str, Any]]) -> list[Manifest]:
+    """batch_state's heartbeats as the runs record_run reads them from (their ids and positions
+    are not kept: only the heartbeats count there)."""
+    return [Manifest(run_id="", end_lsn=0, endpoint=h["endpoint"], heartbeats=h["heartbeats"]) for h in heartbeats]
 
 
 def last_batch_commit(spark: SparkSession, cur: str) -> tuple[Snapshot, Snapshot | None] | None:
@@ -815,5 +822,5 @@ def resume_batch(spark: SparkSession, lake: LakeSettings, cfg: TableConfig) -> N
     m.add_commit_stats(summary_of(parent) if parent is not None else {}, s)
     since_ms = int(snap.timestamp_ms)
     m.committed_at = datetime.fromtimestamp(since_ms / 1000, UTC)  # when its data became visible
-    plan = Plan(state["heartbeats"], [], Watermark.from_json(s[WATERMARK_PROP]))
+    plan = Plan(heartbeat_runs(state["heartbeats"]), [], Watermark.from_json(s[WATERMARK_PROP]))
     record_run(spark, lake, cfg, m, plan, BatchId(s[BATCH_PROP]), since_ms, state["shard_commits"])

@@ -30,7 +30,7 @@ def manifest_schemas(plan: Plan, cfg: TableConfig) -> tuple[list[list[dict]], di
     all_schemas: dict[str, list[dict]] = {}
     latest: dict[str, list[dict]] = {}
     for m in plan.manifests:
-        for key, cols in (m.get("schemas") or {}).items():
+        for key, cols in m.schemas.items():
             schema, _, table = key.rpartition(".")
             if table != cfg.source.table:
                 continue
@@ -45,7 +45,7 @@ def known_columns(cfg: TableConfig, wm: Watermark, plan: Plan | None) -> dict[st
     relation message: the manifests carry its schema over from earlier runs) has none: that
     schema may predate what the watermark knows (a re-bootstrap read the shard's newer columns),
     so it shows no drop. A drop is announced by the relation message of the shard's next change."""
-    announced = {(ch.get("endpoint"), ch["table"].rpartition(".")[0]) for ch in (plan.schema_changes if plan else [])}
+    announced = {(c.endpoint, c.change.table.rpartition(".")[0]) for c in (plan.schema_changes if plan else [])}
     out = {}
     for group, schema, shard in cfg.shards():
         pos = wm.shards.get(shard)

@@ -34,6 +34,7 @@ from cdc_lakehouse.settings import LakeSettings
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
 
+    from cdc_lakehouse.landing.format import Manifest
     from cdc_lakehouse.landing.reader import Plan
 
 FRESHNESS_TABLE = "freshness"
@@ -184,13 +185,13 @@ def _visible_commit(spark: SparkSession, table: str) -> tuple[int | None, dateti
     return None, None, None
 
 
-def _heartbeats(manifests: list[dict[str, Any]]) -> dict[tuple[str, str], _Commit]:
+def _heartbeats(manifests: list[Manifest]) -> dict[tuple[str, str], _Commit]:
     """(endpoint, schema) -> the newest heartbeat in the run's manifests."""
     out: dict[tuple[str, str], _Commit] = {}
     for m in manifests:
-        for schema, hb in (m.get("heartbeats") or {}).items():
-            key = (m.get("endpoint") or "", schema)
-            out[key] = _newer(out.get(key), _Commit(hb.get("commit_lsn"), _ts(hb.get("commit_ts"))))
+        for schema, hb in m.heartbeats.items():
+            key = (m.endpoint or "", schema)
+            out[key] = _newer(out.get(key), _Commit(hb.commit_lsn, _ts(hb.commit_ts)))
     return out
 
 

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 from cdc_lakehouse.config import LandingSource, TableConfig
 from cdc_lakehouse.ingest.errors import NotBootstrapped
+from cdc_lakehouse.landing.format import Heartbeat, Manifest
 from cdc_lakehouse.landing.reader import LandingFS, Plan, spark_uri
 from cdc_lakehouse.landing.writer import local_dir, make_private, mkdirs
 from cdc_lakehouse.source.catalog import lake_type, schema_json
@@ -664,7 +665,8 @@ def plan_debezium(spark: SparkSession, lake, cfg: TableConfig, watermark: Waterm
     # may have grown), and an empty batch goes the quiet-shard way (the watermark only).
     events = [t.file for t in taken if not t.file.heartbeat and t.events]
     staged = stage_events(spark, lake, cfg, events) if events else []
-    manifests = [{"run_id": f.name} for f in events] + heartbeat_manifests(cfg, new_wm, chosen)
+    # The batch's "runs": its sink objects (no slot position: end_lsn 0), then the heartbeats read.
+    manifests = [Manifest(run_id=f.name, end_lsn=0) for f in events] + heartbeat_manifests(cfg, new_wm, chosen)
     return DebeziumPlan(manifests, staged, new_wm, sink_files=events)
 
 
@@ -864,9 +866,9 @@ def stage_events(spark: SparkSession, lake, cfg: TableConfig, events: list[SinkF
     return [staging]
 
 
-def heartbeat_manifests(cfg: TableConfig, new_wm: Watermark, files: list[SinkFile]) -> list[dict[str, Any]]:
-    """The heartbeats read, in the manifest shape the freshness record reads (endpoint, schema ->
-    commit time; Debezium's heartbeat carries no LSN)."""
+def heartbeat_manifests(cfg: TableConfig, new_wm: Watermark, files: list[SinkFile]) -> list[Manifest]:
+    """The heartbeats read, as manifests of the heartbeat topics (endpoint, schema -> commit time:
+    what the freshness record reads; Debezium's heartbeat carries no LSN, so end_lsn is 0)."""
     if not any(f.heartbeat for f in files):
         return []
     beats = (new_wm.debezium or {}).get("heartbeats", {})
@@ -874,14 +876,9 @@ def heartbeat_manifests(cfg: TableConfig, new_wm: Watermark, files: list[SinkFil
     for g in cfg.source.shards:
         beat = beats.get(cfg.landing.prefix_for(g.conn_id))
         if beat:
-            hb = {s: {"commit_lsn": None, "commit_ts": beat} for s in g.schemas}
-            out.append(
-                {
-                    "run_id": heartbeat_topic(cfg.landing.prefix_for(g.conn_id)),
-                    "endpoint": g.endpoint_id,
-                    "heartbeats": hb,
-                }
-            )
+            hb = {s: Heartbeat(commit_lsn=None, commit_ts=beat) for s in g.schemas}
+            run_id = heartbeat_topic(cfg.landing.prefix_for(g.conn_id))
+            out.append(Manifest(run_id=run_id, end_lsn=0, endpoint=g.endpoint_id, heartbeats=hb))
     return out
 
 

@@ -207,6 +207,6 @@ def parse_manifest(data: dict[str, Any] | str | bytes) -> Manifest:
     return Manifest.model_validate(data)
 
 
-def dump_manifest(manifest: Manifest | dict[str, Any]) -> str:
+def dump_manifest(manifest: Manifest) -> str:
     """The manifest file's text, exactly as the stores write it."""
-    return dump_json(manifest.to_dict() if isinstance(manifest, Manifest) else manifest)
+    return dump_json(manifest.to_dict())

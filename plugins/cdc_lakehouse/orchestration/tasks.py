@@ -10,7 +10,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from cdc_lakehouse.config import ConfigSet, load_table_configs
-from cdc_lakehouse.settings import PROJECT_ROOT, LakeSettings, local_paths, source_uri_env, tables_dir
+from cdc_lakehouse.settings import PROJECT_ROOT, LakeSettings, source_uri_env, tables_dir
 
 log = logging.getLogger(__name__)
 LAKE_CONN_ID = os.environ.get("CDC_LAKE_CONN_ID", "cdc_lake")
@@ -222,10 +222,6 @@ def spark_jars() -> list[str]:
     from cdc_lakehouse.runtime.session import default_jars
 
     return default_jars()
-
-
-def jars_dir() -> str:
-    return str(local_paths()["jars"])
 
 
 class AnnounceLakeSnapshots:
