@@ -19,6 +19,7 @@ import yaml
 from cdc_lakehouse.ingest.run import ingest_table
 from cdc_lakehouse.lake.freshness import latest_freshness
 from cdc_lakehouse.lake.snapshots import current_snapshot
+from cdc_lakehouse.lake.watermark import Watermark
 
 from tests.conftest import make_config
 from tests.integration.conftest import Source
@@ -143,7 +144,7 @@ def test_a_shard_beyond_the_sla_alerts_naming_it(two_endpoints, spark, lake, smt
     assert f"({SLA_SECONDS} s, alerts.freshness_sla)" in body
 
     # The audit's freshness check reads the same table: per shard, the stale one beyond its SLA.
-    ages = shard_ages(spark, lake, cfg, {}, datetime.now(UTC))
+    ages = shard_ages(spark, lake, cfg, Watermark.from_dict({}), datetime.now(UTC))
     assert ages[stale_shard] * 60 > SLA_SECONDS > 0 and ages[fresh_shard] * 60 < ages[stale_shard] * 60
     # The demo's summary reads it with pyiceberg: a line per shard.
     from cdc_lakehouse.dev.demo import _freshness_lines

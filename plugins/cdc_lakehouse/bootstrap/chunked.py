@@ -502,7 +502,7 @@ def _apply_chunks(
 
     # An event whose row the stream superseded meanwhile is harmless in the changelog: the
     # stream's change of the key carries a higher LSN, so readers of the changelog see it as newer.
-    snap = _Snapshot(run.run_id, datetime.now(UTC).replace(tzinfo=None), {}, {})
+    snap = _Snapshot(run.run_id, datetime.now(UTC).replace(tzinfo=None), Watermark.empty(), Watermark.empty())
     rows = local_checkpoint(_not_superseded(spark, cfg, target, frame, shards, lowest))
     cl_cols = [c for c, _ in changelog_columns(target.columns)]
 

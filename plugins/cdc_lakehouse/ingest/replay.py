@@ -127,7 +127,7 @@ def revalidate(q: DataFrame, cfg: TableConfig, lake_cols: list[tuple[str, str]])
 
     schema = StructType([f for f in landing_spark_schema().fields if f.name in RAW_FIELDS])
     events = q.select(F.from_json("raw", schema).alias("e")).select("e.*")
-    return fused_batch(events, cfg, lake_cols, {"shards": {}})
+    return fused_batch(events, cfg, lake_cols, None)  # no floor: every quarantined event is pending
 
 
 # --- decide ---------------------------------------------------------------------------------------

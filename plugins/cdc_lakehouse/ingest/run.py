@@ -34,7 +34,7 @@ from cdc_lakehouse.ingest.backfill import (
     fill_quiet_shards,
     finish_backfill,
 )
-from cdc_lakehouse.ingest.batch import FusedBatch, fused_batch
+from cdc_lakehouse.ingest.batch import FusedBatch, ReducedTotals, fused_batch
 from cdc_lakehouse.ingest.errors import ErrorBudgetExceeded, LandingGap, NotBootstrapped, SchemaChangeError
 from cdc_lakehouse.ingest.merge import lsn_newer, merge_sql
 from cdc_lakehouse.ingest.metrics import IngestMetrics
@@ -124,11 +124,11 @@ def apply_pending(
     b.lake_cols = evolve_schema(spark, cfg, b, raw, config_file)
     with m.timed("prepare"):
         fb = fused_batch(raw, cfg, b.lake_cols, b.wm)
-    m.events_read, m.already_applied = fb.counts["n"], fb.counts["applied"]
+    m.events_read, m.already_applied = fb.counts.n, fb.counts.applied
     m.quarantined = quarantine_malformed(spark, lake, cfg, fb, m.events_read - m.already_applied, ingest_run)
     with m.timed("fill"):
         ch = prepare_changes(spark, cfg, b, fb)
-    m.duplicates, m.truncates = ch.duplicates, fb.counts["truncates"]
+    m.duplicates, m.truncates = ch.duplicates, fb.counts.truncates
     crash_point("ingest_before_changelog")
     with m.timed("changelog"):
         m.changelog_rows = append_changelog(spark, cfg, b, ch)
@@ -142,7 +142,7 @@ def apply_pending(
     drop_stale_staging(spark, lake, cfg, datetime.now(UTC))
     with m.timed("merge"), merge_source(spark, lake, cfg, reduced, m.merge_join) as source:
         sql = lambda target: merge_sql(cfg, target, source, current_columns(b.lake_cols), ch.truncated)  # noqa: E731
-        commit_merge(spark, cfg, b, sql, ingest_run, batch_state(m, b.plan, fb.counts["shard_commits"]))
+        commit_merge(spark, cfg, b, sql, ingest_run, batch_state(m, b.plan, fb.counts.shard_commits))
     crash_point("ingest_after_merge")
     # The run's figures are its MERGE's: a backfill below commits on its own (its rows, counted in
     # m.backfilled, then an empty append that carries the watermark).
@@ -152,7 +152,7 @@ def apply_pending(
     fill_quiet(spark, lake, cfg, m, b, ingest_run)
     m.apply_seconds = m.timings["merge"]
     m.set_lag(out.min_ts, out.max_ts)
-    return finish(spark, lake, cfg, m, b, shard_commits=fb.counts["shard_commits"])
+    return finish(spark, lake, cfg, m, b, shard_commits=fb.counts.shard_commits)
 
 
 def fill_quiet(
@@ -204,7 +204,7 @@ def plan_batch(
     if pending is not None:
         plan.new_watermark = plan.new_watermark.without_backfill()
     if pending:
-        backfill_added_columns(spark, lake, cfg, wm.backfill, lake_cols, ingest_run)
+        backfill_added_columns(spark, lake, cfg, pending, lake_cols, ingest_run)
     added = columns_to_backfill(cfg, plan, wm)
     if added:
         plan.new_watermark.backfill = added
@@ -306,7 +306,7 @@ def quarantine_malformed(
     spark: SparkSession, lake: LakeSettings, cfg: TableConfig, fb: FusedBatch, n_new: int, ingest_run: str
 ) -> int:
     """Malformed events to quarantine; over the error budget nothing is applied. Returns rows added."""
-    n_bad = fb.counts["bad"]
+    n_bad = fb.counts.bad
     if not n_bad:
         return 0
     bad = fb.malformed()
@@ -342,7 +342,7 @@ class Changes:
     truncs: DataFrame  # truncates
     current: DataFrame  # the current table as read before the changelog commit
     latest: DataFrame  # the latest event per key (before truncates)
-    totals: dict[str, Any] | None  # latest's totals when the fused plan counted them (else counted later)
+    totals: ReducedTotals | None  # latest's totals when the fused plan counted them (else counted later)
     toast_columns: list[str]  # unchanged TOAST columns somewhere in the batch
     truncated: list[str]  # shards truncated in the batch
     duplicates: int
@@ -352,18 +352,17 @@ def prepare_changes(spark: SparkSession, cfg: TableConfig, b: Batch, fb: FusedBa
     """The fused plan's events; the multi-pass TOAST fill only where one pass could not decide
     (a key change whose new key takes its unchanged TOAST value from the old key)."""
     current = spark.table(b.cur)
-    names = fb.counts["unavailable"]
-    events, latest, totals = fb.events(), fb.latest(), fb.counts
+    names = fb.counts.unavailable
+    events, latest = fb.events(), fb.latest()
+    totals: ReducedTotals | None = fb.counts
     if fb.needs_multipass_fill():
         # Over the whole batch: narrowed to the keys key changes touch, it cost 7 Spark jobs more
         # and no time on the demo's batches (BENCHMARKS.md, "make demo"): the fill's cost is its
         # ~30 small jobs, not the rows.
-        log.info("%s: multi-pass TOAST fill (pk_unresolved %d)", cfg.name, fb.counts["pk_unresolved"])
+        log.info("%s: multi-pass TOAST fill (pk_unresolved %d)", cfg.name, fb.counts.pk_unresolved)
         events = local_checkpoint(fill_unavailable(events.drop(UNAV_LEFT, NO_TABLE), current, cfg, names))
         latest, totals = latest_per_key(events, [SHARD_COL, *cfg.primary_key]), None
-    return Changes(
-        events, fb.truncates(), current, latest, totals, names, fb.counts["truncated"], fb.counts["duplicates"]
-    )
+    return Changes(events, fb.truncates(), current, latest, totals, names, fb.counts.truncated, fb.counts.duplicates)
 
 
 def append_changelog(spark: SparkSession, cfg: TableConfig, b: Batch, ch: Changes) -> int:
@@ -442,21 +441,21 @@ def reduce_and_classify(
     # keys it scans anyway, for the matched rows only: the MERGE then never references the
     # table's TOAST columns, which would carry them (the widest columns) through its shuffle of
     # every row of the table (bench/ingest_bench.py: 8.5 GiB instead of 4.8 GiB at 20M rows).
-    base_cols = list(ch.toast_columns) if int(totals["needs_base"] or 0) else []
+    base_cols = list(ch.toast_columns) if totals.needs_base else []
     c, base = classify(reduced, table_positions(cfg, ch.current, base_cols), key, totals, base_cols)
-    left_needing = reduced.filter(needs_base()).count() if n_held else int(totals["needs_base"] or 0)
-    n_orphans = hold_orphans(spark, lake, cfg, reduced, tgt, ingest_run) if left_needing > int(c["based"] or 0) else 0
+    left_needing = reduced.filter(needs_base()).count() if n_held else totals.needs_base
+    n_orphans = hold_orphans(spark, lake, cfg, reduced, tgt, ingest_run) if left_needing > c.based else 0
     if base is not None:
         # Still needing a value after the fill: orphans, just held in quarantine; never applied.
         reduced = fill_from_table(reduced, base, key, base_cols).filter(~needs_base())
     return reduced, Outcome(
-        inserts=int(totals["upserts"] or 0) - n_held - int(c["matched_upserts"] or 0) - n_orphans,
-        updates=int(c["upd"] or 0),
-        deletes=int(c["del"] or 0),
-        stale_skipped=int(c["stale"] or 0),
+        inserts=totals.upserts - n_held - c.matched_upserts - n_orphans,
+        updates=c.updates,
+        deletes=c.deletes,
+        stale_skipped=c.stale,
         held=n_held + n_orphans,
-        min_ts=totals["min_ts"],
-        max_ts=totals["max_ts"],
+        min_ts=totals.min_ts,
+        max_ts=totals.max_ts,
     )
 
 
@@ -489,12 +488,12 @@ def apply_truncates(reduced: DataFrame, truncs: DataFrame) -> DataFrame:
     )
 
 
-def reduced_totals(reduced: DataFrame) -> dict[str, Any]:
+def reduced_totals(reduced: DataFrame) -> ReducedTotals:
     """What the fused plan counts (ingest.batch._out_counters), for a batch it could not reduce."""
     from pyspark.sql import functions as F
 
     filled = (F.col(OP_COL) != "d") & (F.size(F.coalesce(UNAVAILABLE_COL, F.array())) > 0)
-    return observed_counts(
+    observed = observed_counts(
         reduced,
         F.count(F.lit(1)).alias("reduced"),
         F.sum((F.col(OP_COL) != "d").cast("int")).alias("upserts"),
@@ -504,6 +503,7 @@ def reduced_totals(reduced: DataFrame) -> dict[str, Any]:
         F.unix_micros(F.min(COMMIT_TS_COL)).alias("min_ts"),
         F.unix_micros(F.max(COMMIT_TS_COL)).alias("max_ts"),
     )
+    return ReducedTotals.observed(observed)
 
 
 def table_positions(cfg: TableConfig, current: DataFrame, values: list[str] | None = None) -> DataFrame:
@@ -523,9 +523,27 @@ BASE_PREFIX = "_base_"  # a table value fetched for an unchanged TOAST column (f
 BASE_BROADCAST_BYTES = 32 * 1024 * 1024  # fetched TOAST values up to this size are broadcast (~6x that in memory)
 
 
+@dataclass(frozen=True)
+class Classification:
+    """The batch's rows against the table's, counted in classify's one scan of the table's keys.
+    An empty table gives none (its scan has no partition to run the observation on): zeros."""
+
+    matched_upserts: int = 0  # upserts whose key the table has
+    updates: int = 0  # of those, newer than the table's row: the MERGE updates them
+    deletes: int = 0  # deletes newer than the table's live row: the MERGE deletes them
+    stale: int = 0  # rows the table has at a newer position: the MERGE skips them
+    based: int = 0  # matched rows that take unchanged TOAST values from the table (needs_base)
+    base_bytes: int = 0  # the size of those values (with base_cols only)
+
+    @classmethod
+    def observed(cls, values: dict[str, Any]) -> Classification:
+        """From observed metrics, named as the fields (a sum over no rows comes back NULL: 0)."""
+        return cls(**{k: int(v or 0) for k, v in values.items()})
+
+
 def classify(
-    reduced: DataFrame, tgt: DataFrame, key: list[str], totals: dict[str, Any], base_cols: list[str] | None = None
-) -> tuple[dict[str, Any], DataFrame | None]:
+    reduced: DataFrame, tgt: DataFrame, key: list[str], totals: ReducedTotals, base_cols: list[str] | None = None
+) -> tuple[Classification, DataFrame | None]:
     """Exact insert/update/delete counts: the batch's keys are broadcast and the table's key
     columns scanned once. With base_cols (tgt from table_positions(..., base_cols)), the same scan
     also returns the table's values of those columns for the matched rows that need them
@@ -534,20 +552,20 @@ def classify(
     from pyspark.sql import functions as F
 
     keys = reduced.select(*key, LSN_COL, SEQ_COL, OP_COL, needs_base().alias("_needs_base"))
-    if (totals["reduced"] or 0) <= BROADCAST_ROWS:
+    if totals.reduced <= BROADCAST_ROWS:
         keys = F.broadcast(keys)
     newer = lsn_newer(F.col(LSN_COL), F.col(SEQ_COL), F.col("_t_lsn"), F.col("_t_seq"))
     is_del = F.col(OP_COL) == "d"
     counts = (
         F.sum((~is_del).cast("int")).alias("matched_upserts"),
-        F.sum((~is_del & newer).cast("int")).alias("upd"),
-        F.sum((is_del & newer & F.col("_t_live")).cast("int")).alias("del"),
+        F.sum((~is_del & newer).cast("int")).alias("updates"),
+        F.sum((is_del & newer & F.col("_t_live")).cast("int")).alias("deletes"),
         F.sum((~newer).cast("int")).alias("stale"),
         F.sum(F.col("_needs_base").cast("int")).alias("based"),
     )
     matched = tgt.join(keys, key, "inner")
     if not base_cols:
-        return observed_counts(matched, *counts), None
+        return Classification.observed(observed_counts(matched, *counts)), None
     size = sum(F.coalesce(F.octet_length(F.col(BASE_PREFIX + c).cast("string")), F.lit(0)) for c in base_cols)
     base_bytes = F.sum(F.when(F.col("_needs_base"), size)).alias("base_bytes")
     obs = Observation(f"cdc_classify_{uuid.uuid4().hex[:8]}")
@@ -557,10 +575,9 @@ def classify(
         .select(*key, *[BASE_PREFIX + c for c in base_cols])
     )
     base = materialize(base)  # one job: the counts and the values
-    # An empty table has no partitions to run the observed node on: its metrics are then empty.
-    c = {"matched_upserts": 0, "upd": 0, "del": 0, "stale": 0, "based": 0, **obs.get}
+    c = Classification.observed(obs.get)
     # Small enough (the common case): joined to the batch without a shuffle, in the MERGE's own jobs.
-    return c, (F.broadcast(base) if (c.get("base_bytes") or 0) <= BASE_BROADCAST_BYTES else base)
+    return c, (F.broadcast(base) if c.base_bytes <= BASE_BROADCAST_BYTES else base)
 
 
 def fill_from_table(reduced: DataFrame, base: DataFrame, key: list[str], base_cols: list[str]) -> DataFrame:

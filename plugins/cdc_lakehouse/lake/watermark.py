@@ -56,7 +56,7 @@ class StoredJson(BaseModel):
             return NotImplemented
         return self.to_dict() == other.to_dict()
 
-    __hash__ = None  # mutable
+    __hash__ = None  # type: ignore[assignment]  # mutable: never a dict key
 
 
 class ShardPosition(StoredJson):
@@ -145,10 +145,14 @@ def shard_lsn_map(wm: Watermark | None) -> Column:
     """The watermark as a Spark map column, shard -> exclusive LSN (an empty map<string,bigint>
     when it has no shards, or no watermark): `shard_lsn_map(wm)[F.col(SHARD_COL)]` is a row's
     shard position."""
+    return lsn_map({} if wm is None else wm.shard_lsns())
+
+
+def lsn_map(lsns: dict[str, int]) -> Column:
+    """Shard positions (shard -> LSN) as a Spark map column (an empty map<string,bigint> when none)."""
     from pyspark.sql import functions as F
 
-    shards = {} if wm is None else wm.shard_lsns()
     pairs = []
-    for shard, lsn in sorted(shards.items()):
+    for shard, lsn in sorted(lsns.items()):
         pairs += [F.lit(shard), F.lit(int(lsn))]
     return F.create_map(*pairs) if pairs else F.create_map().cast("map<string,bigint>")

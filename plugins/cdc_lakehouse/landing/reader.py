@@ -215,7 +215,7 @@ def check_coverage(
     if "published" not in m.model_fields_set:
         return
     published = set(m.published or [])
-    at_start = set(m.published_at_start if "published_at_start" in m.model_fields_set else published)
+    at_start = set(m.published_at_start or []) if "published_at_start" in m.model_fields_set else published
     for schema, shard in shards:
         name = f"{schema}.{cfg.source.table}"
         if m.end_lsn <= shards_wm[shard].lsn:
