@@ -615,7 +615,7 @@ def ours(spark, lake, dcfg, tables, *, full: bool) -> dict:
     _release(spark)
     before = _cpu_of_others()
     t = time.monotonic()
-    m = derive_tree(spark, lake, dcfg, tables, full=full)
+    m = derive_tree(spark, lake, dcfg, tables, full=full).to_dict()
     return {**m, "wall_seconds": round(time.monotonic() - t, 1), "other_cpu_seconds": _other_cpu(before)}
 
 

@@ -39,9 +39,9 @@ def test_bootstrap_under_concurrent_writes_hands_off_without_gap(source, spark, 
     assert len(steps) >= 2, "the workload should have written while the bootstrap ran"
     wm = read_watermark(spark, lake.qualified(s.block.current_table))
     assert set(wm.shards) == {shard for _, _, shard in s.block.shards()}
-    assert r["rows"] > 0
+    assert r.rows > 0
     m = s.capture()
-    s.ingest(s.block, m["run_id"])
+    s.ingest(s.block, m.manifest.run_id)
     assert_lake_equals_source(spark, lake, s.block, s.dsn)
 
 

@@ -113,7 +113,7 @@ def test_capture_batches_split_the_changelog_into_watermark_ranges(pg, source_ur
         ]  # fmt: skip
         for i, statements in enumerate(batches):
             s.execute(*statements)
-            run = s.capture()["run_id"]
+            run = s.capture().manifest.run_id
             s.ingest(s.block, run, run=f"c{i}")
             walk.ingested(f"c{i}")
         walk.check_whole()

@@ -321,9 +321,9 @@ def test_a_partition_behind_holds_back_the_others_until_it_delivers(spark, lake,
     bootstrap_debezium(spark, lake, cfg)
     cur = lake.qualified(cfg.current_table)
 
-    def run(name: str) -> dict:
+    def run(name: str) -> Watermark:
         m = ingest_table(spark, lake, cfg, upto_run=None, ingest_run=name)
-        assert Watermark.from_json(m["watermark"]) == read_watermark(spark, cur)  # the run's metrics show it
+        assert Watermark.from_json(m.metrics.watermark) == read_watermark(spark, cur)  # the run's metrics show it
         return read_watermark(spark, cur)
 
     wm = run("h1")

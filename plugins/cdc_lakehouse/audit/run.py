@@ -23,7 +23,7 @@ import json
 import logging
 import time  # noqa: F401 - tests patch audit.run.time.sleep to skip the slot peek's back-off
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from functools import cached_property, reduce
 from typing import TYPE_CHECKING, Any
@@ -110,8 +110,7 @@ def audit_table(
     The result carries the Spark jobs it took (`spark_jobs`), the figure AUDIT_JOB_BUDGET holds."""
     with SparkJobs(spark, f"audit {cfg.name} {audit_run}") as jobs:
         r = _audit_table(spark, lake, cfg, audit_run=audit_run, mode=mode, repair=repair)
-    r.spark_jobs, r.spark_job_sites = jobs.count, jobs.sites
-    return r
+    return replace(r, spark_jobs=jobs.count, spark_job_sites=jobs.sites)
 
 
 def _audit_table(

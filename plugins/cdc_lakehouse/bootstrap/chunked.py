@@ -40,9 +40,9 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from cdc_lakehouse.bootstrap.chunks import (
     APPLICATION_NAME,
@@ -99,23 +99,44 @@ class ChunkedRun:
     # each round's commits are fenced on it (_apply_chunks).
     rounds: dict[str, Any] = field(default_factory=dict)
 
-    def to_dict(self) -> dict[str, Any]:
+    def result(self) -> ChunkedBootstrapResult:
         elapsed = time.monotonic() - self.started
         total = sum(self.rows.values())
-        return {
-            "table": self.table,
-            "run_id": self.run_id,
-            "mode": "chunked",
-            "rows": total,
-            "shards": dict(self.rows),
-            "chunks": dict(self.chunks),
-            "done": all(self.done.values()) and bool(self.done),
-            "resumed": dict(self.resumed),
-            "paused": self.paused,
-            "seconds": elapsed,
-            "rows_per_second": total / elapsed if elapsed else None,
-            "longest_xact_seconds": self.longest_xact_seconds,
-        }
+        return ChunkedBootstrapResult(
+            table=self.table,
+            run_id=self.run_id,
+            rows=total,
+            shards=dict(self.rows),
+            chunks=dict(self.chunks),
+            done=all(self.done.values()) and bool(self.done),
+            resumed=dict(self.resumed),
+            paused=self.paused,
+            seconds=elapsed,
+            rows_per_second=total / elapsed if elapsed else None,
+            longest_xact_seconds=self.longest_xact_seconds,
+        )
+
+
+@dataclass(frozen=True)
+class ChunkedBootstrapResult:
+    """What a chunked bootstrap run did (it may have paused: `done` says whether it finished)."""
+
+    table: str
+    run_id: str
+    rows: int  # read by this run
+    shards: dict[str, int]  # rows read by this run, per shard
+    chunks: dict[str, int]  # chunks done by this run, per shard
+    done: bool  # every shard finished
+    resumed: dict[str, int]  # shard -> chunk it resumed after
+    paused: bool
+    seconds: float
+    rows_per_second: float | None
+    longest_xact_seconds: float
+    mode: Literal["chunked"] = "chunked"
+
+    def to_dict(self) -> dict[str, Any]:
+        """For the job's result line."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 def chunked_bootstrap(
@@ -128,7 +149,7 @@ def chunked_bootstrap(
     all_endpoint_tables: dict[str, dict] | None = None,
     should_stop: Callable[[ShardProgress], bool] | None = None,
     table_configs: list[TableConfig] | None = None,
-) -> dict[str, Any]:
+) -> ChunkedBootstrapResult:
     """Chunk cfg's shards (all, or `shards`) into its current table and changelog; resumes a run
     that was killed or paused. should_stop is asked after every chunk (pause from the DAG)."""
     endpoints = shards_by_endpoint(cfg, shards)
@@ -174,8 +195,8 @@ def chunked_bootstrap(
                     "bootstrap %s (chunked): paused; shards left %s", cfg.name, [sh.source.shard for sh in shards_left]
                 )
                 break
-    result = run.to_dict()
-    log.info("bootstrap %s (chunked): %s", cfg.name, result)
+    result = run.result()
+    log.info("bootstrap %s (chunked): %s", cfg.name, result.to_dict())
     return result
 
 

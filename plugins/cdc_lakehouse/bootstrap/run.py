@@ -6,9 +6,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from cdc_lakehouse.bootstrap.snapshot import (
     BootstrapError,
@@ -39,12 +39,38 @@ from cdc_lakehouse.settings import LakeSettings
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
 
+    from cdc_lakehouse.bootstrap.chunked import ChunkedBootstrapResult
+
 log = logging.getLogger(__name__)
 
 # How the current table's rows reach the writers. Its sort order (WRITE ORDERED BY shard, key)
 # would otherwise mean `range`: a sampling pass over the rows, then a range shuffle. `hash`
 # clusters by partition (the shard) and Iceberg still sorts each task's rows by the sort order.
 CURRENT_DISTRIBUTION = "hash"
+
+
+@dataclass(frozen=True)
+class SnapshotBootstrapResult:
+    """What a snapshot bootstrap did (bootstrap.mode snapshot)."""
+
+    table: str
+    run_id: str
+    shards: dict[str, int]  # rows of each shard bootstrapped
+    rows: int
+    endpoints: dict[str, Any]  # endpoint -> {"consistent_point": LSN, "shards": [...]}
+    read_and_changelog_seconds: float
+    current_write_seconds: float
+    seconds: float
+    rows_per_second: float | None
+    watermark: Watermark  # the current table's, as committed
+
+    def to_dict(self) -> dict[str, Any]:
+        """For the job's result line."""
+        return {**{f.name: getattr(self, f.name) for f in fields(self)}, "watermark": self.watermark.to_dict()}
+
+
+# A chunked bootstrap (bootstrap/chunked.py) reports otherwise: its result has mode "chunked".
+BootstrapResult: TypeAlias = "SnapshotBootstrapResult | ChunkedBootstrapResult"
 
 
 @dataclass
@@ -86,7 +112,7 @@ def bootstrap_table(
     all_endpoint_tables: dict[str, dict] | None = None,
     should_stop: Callable[[Any], bool] | None = None,
     table_configs: list[TableConfig] | None = None,
-) -> dict[str, Any]:
+) -> BootstrapResult:
     """Snapshot cfg's shards (all, or `shards`) into its current table and changelog; or chunk
     them (bootstrap.mode, bootstrap/chunked.py; should_stop pauses that mode between chunks)."""
     from cdc_lakehouse.bootstrap.chunked import choose_mode, chunked_bootstrap
@@ -272,7 +298,7 @@ def _write_current(spark: SparkSession, cfg: TableConfig, target: _Target, snap:
 
 def _result(
     spark: SparkSession, cfg: TableConfig, target: _Target, snap: _Snapshot, clock: PhaseClock
-) -> dict[str, Any]:
+) -> SnapshotBootstrapResult:
     from pyspark.sql import functions as F
 
     selected = [shard for shard, _ in snap.points()]
@@ -286,24 +312,24 @@ def _result(
     }
     total = sum(counts.values())
     elapsed = clock.elapsed()
-    result = {
-        "table": cfg.name,
-        "run_id": snap.run_id,
-        "shards": counts,
-        "rows": total,
-        "endpoints": snap.per_endpoint,
-        "read_and_changelog_seconds": clock.seconds["read_and_changelog"],
-        "current_write_seconds": clock.seconds["current_write"],
-        "seconds": elapsed,
-        "rows_per_second": total / elapsed if elapsed else None,
-        "watermark": snap.wm.to_dict(),
-    }
+    result = SnapshotBootstrapResult(
+        table=cfg.name,
+        run_id=snap.run_id,
+        shards=counts,
+        rows=total,
+        endpoints=snap.per_endpoint,
+        read_and_changelog_seconds=clock.seconds["read_and_changelog"],
+        current_write_seconds=clock.seconds["current_write"],
+        seconds=elapsed,
+        rows_per_second=total / elapsed if elapsed else None,
+        watermark=snap.wm,
+    )
     log.info(
         "bootstrap %s: %s rows in %.1fs (%s rows/s) shards %s; handoff LSNs %s",
         cfg.name,
         total,
         elapsed,
-        f"{result['rows_per_second'] or 0:,.0f}",
+        f"{result.rows_per_second or 0:,.0f}",
         counts,
         [ep["consistent_point"] for ep in snap.per_endpoint.values()],
     )

@@ -24,7 +24,7 @@ import json
 import logging
 import uuid
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 from pydantic import Field
@@ -108,6 +108,28 @@ class Pinned:
         return InputPosition(snapshot=self.snapshot, shards=self.shards)
 
 
+@dataclass(frozen=True)
+class DeriveResult:
+    """What one run of a derived tree did. Figures a run does not produce are None (a noop run
+    only pins; only an incremental run counts changed and affected nodes)."""
+
+    mode: str  # full | incremental | noop
+    spark_jobs: int | None  # None: not known (no Spark UI to count them on)
+    seconds: float
+    phases: dict[str, float]  # seconds per phase
+    keys_from: dict[str, str] | None = None  # input name -> how its changed keys were found (lake.ranges)
+    changed: int | None = None
+    affected: int | None = None
+    passes: int | None = None
+    resolved: int | None = None
+    unresolved: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """For the job's result line and the log: the figures the run produced."""
+        always = ("mode", "spark_jobs", "seconds", "phases")
+        return {f.name: v for f in fields(self) if (v := getattr(self, f.name)) is not None or f.name in always}
+
+
 @dataclass
 class TreeRun:
     """What the phases share."""
@@ -122,8 +144,13 @@ class TreeRun:
     unresolved_previous: TreeWatermark | None  # the unresolved table's (ahead after a kill between the commits)
     mode: str = "full"
     ranges: dict[str, KeyRange] = field(default_factory=dict)  # input name -> its range since the previous run
-    affected_count: int = 0  # nodes an incremental run recomputes (0: only the watermark moves)
-    metrics: dict[str, Any] = field(default_factory=dict)
+    # What the run reports (DeriveResult), set by the phase that finds it:
+    keys_from: dict[str, str] = field(default_factory=dict)  # input name -> how its changed keys were found
+    changed: int | None = None  # changed nodes (incremental)
+    affected_count: int | None = None  # nodes an incremental run recomputes (0: only the watermark moves)
+    passes: int | None = None  # pointer-jumping passes
+    resolved: int | None = None  # rows committed to the output
+    unresolved_count: int | None = None  # and to the unresolved table
 
     @property
     def watermark(self) -> TreeWatermark:
@@ -138,8 +165,8 @@ def derive_tree(
     tables: dict[str, TableConfig],
     *,
     full: bool = False,
-) -> dict[str, Any]:
-    """Bring the tree table up to its inputs' current snapshots; returns the run's metrics."""
+) -> DeriveResult:
+    """Bring the tree table up to its inputs' current snapshots; returns what the run did."""
     clock = PhaseClock()
     with SparkJobs(spark, f"derive {dcfg.name}") as jobs:
         with clock.phase("pin"):
@@ -154,9 +181,20 @@ def derive_tree(
                 rows = output_rows(r, state, grants, previous, affected)
                 commit(spark, r, rows, unresolved_rows(r, state, nodes), affected)
         hold_inputs(spark, r)
-    r.metrics.update(mode=r.mode, spark_jobs=jobs.count, seconds=round(clock.elapsed(), 1), phases=clock.rounded())
-    log.info("derived %s: %s", dcfg.name, json.dumps(r.metrics, sort_keys=True))
-    return r.metrics
+    result = DeriveResult(
+        mode=r.mode,
+        spark_jobs=jobs.count,
+        seconds=round(clock.elapsed(), 1),
+        phases=clock.rounded(),
+        keys_from=r.keys_from or None,
+        changed=r.changed,
+        affected=r.affected_count,
+        passes=r.passes,
+        resolved=r.resolved,
+        unresolved=r.unresolved_count,
+    )
+    log.info("derived %s: %s", dcfg.name, json.dumps(result.to_dict(), sort_keys=True))
+    return result
 
 
 # --- pin and plan ---------------------------------------------------------------------------------
@@ -299,7 +337,7 @@ def input_changes(spark: SparkSession, r: TreeRun, p: Pinned) -> DataFrame:
     """Lake keys of input p changed since the previous run: from its changelog, or by diffing the
     snapshot the previous run pinned with this run's (lake.ranges decides which)."""
     found = changed_keys(spark, r.lake, p.cfg, r.ranges[p.cfg.name], at_hi=_at(spark, p))
-    r.metrics.setdefault("keys_from", {})[p.cfg.name] = found.found_by
+    r.keys_from[p.cfg.name] = found.found_by
     return found.keys
 
 
@@ -363,8 +401,7 @@ def affected_nodes(spark: SparkSession, r: TreeRun, nodes: DataFrame, previous: 
         SHARD_COL, ID
     )
     affected = local_checkpoint(seeds.unionByName(descendants).distinct())
-    r.affected_count = affected.count()
-    r.metrics.update(changed=seeds.count(), affected=r.affected_count)
+    r.affected_count, r.changed = affected.count(), seeds.count()
     return affected
 
 
@@ -405,7 +442,7 @@ def resolve(
         lookup = state if known is None else state.unionByName(known, allowMissingColumns=True)
         state = local_checkpoint(jump(state, lookup, r.dcfg.max_depth))
         passes += 1
-    r.metrics["passes"] = passes
+    r.passes = passes
     return local_checkpoint(classify(state, r.dcfg.max_depth))
 
 
@@ -507,7 +544,7 @@ def commit(spark: SparkSession, r: TreeRun, rows: DataFrame, unresolved: DataFra
         _ensure_table(spark, table, df)
     rows = local_checkpoint(rows)
     unresolved = local_checkpoint(unresolved)
-    r.metrics.update(resolved=rows.count(), unresolved=unresolved.count())
+    r.resolved, r.unresolved_count = rows.count(), unresolved.count()
     previous = None if r.previous is None else r.previous.to_dict()
     batch = BatchId.of(f"derived:{r.out}", previous, r.watermark.to_dict())
     what = f"derived {r.dcfg.name}"

@@ -76,6 +76,26 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class IngestResult:
+    """What one ingest run did: its figures (the cdc_meta.ingest_runs record, and more) and the
+    Spark jobs it took."""
+
+    metrics: IngestMetrics
+    spark_jobs: int | None  # None: not known (no Spark UI to count them on)
+    spark_metadata_jobs: int | None  # of those, reads of Iceberg metadata tables
+    spark_job_sites: list[str]  # what started each job, in order
+
+    def to_dict(self) -> dict[str, Any]:
+        """The metrics and the job counts as one flat dict (the job's result line, the bench)."""
+        return {
+            **self.metrics.as_dict(),
+            "spark_jobs": self.spark_jobs,
+            "spark_metadata_jobs": self.spark_metadata_jobs,
+            "spark_job_sites": self.spark_job_sites,
+        }
+
+
 def ingest_table(
     spark: SparkSession,
     lake: LakeSettings,
@@ -85,15 +105,15 @@ def ingest_table(
     ingest_run: str,
     interval_end: str | None = None,
     config_file: str | None = None,
-) -> dict[str, Any]:
+) -> IngestResult:
     """Apply every pending capture run (up to `upto_run`) to the table; returns the run's metrics,
-    with the number of Spark jobs it took (`spark_jobs`)."""
+    with the number of Spark jobs it took."""
     with SparkJobs(spark, f"ingest {cfg.name} {ingest_run}") as jobs:
-        out = apply_pending(spark, lake, cfg, upto_run, ingest_run, interval_end, config_file)
+        m = apply_pending(spark, lake, cfg, upto_run, ingest_run, interval_end, config_file)
     log.info(
         "ingest %s: %s Spark jobs (+%s metadata reads): %s", cfg.name, jobs.count, jobs.metadata, "; ".join(jobs.sites)
     )
-    return {**out, "spark_jobs": jobs.count, "spark_metadata_jobs": jobs.metadata, "spark_job_sites": jobs.sites}
+    return IngestResult(m, jobs.count, jobs.metadata, jobs.sites)
 
 
 def apply_pending(
@@ -104,7 +124,7 @@ def apply_pending(
     ingest_run: str,
     interval_end: str | None,
     config_file: str | None,
-) -> dict[str, Any]:
+) -> IngestMetrics:
     """The ingest's phases, in order: plan, prepare (one fused plan: validate, dedupe, split key
     changes, fill, reduce), quarantine, changelog, classify, MERGE (the watermark in the same
     commit), record."""
@@ -733,15 +753,15 @@ def finish(
     m: IngestMetrics,
     b: Batch,
     shard_commits: dict[str, Any] | None = None,
-) -> dict[str, Any]:
+) -> IngestMetrics:
     """Record the run in cdc_meta.ingest_runs and cdc_meta.freshness and log its summary; returns
-    the metrics as a dict. shard_commits: the newest source commit per shard in the batch, when
+    the metrics. shard_commits: the newest source commit per shard in the batch, when
     the fused plan observed it (else freshness reads the landing files for it)."""
     m.committed_at = datetime.now(UTC)
     m.total_seconds = m.elapsed()
     record_run(spark, lake, cfg, m, b.plan, b.batch, int(m.started_at.timestamp() * 1000), shard_commits)
     log.info("%s", m.summary())
-    return m.as_dict()
+    return m
 
 
 def record_run(

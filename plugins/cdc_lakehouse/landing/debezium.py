@@ -951,9 +951,10 @@ def first_columns(spark: SparkSession, cfg: TableConfig) -> list[dict[str, Any]]
     )
 
 
-def bootstrap_debezium(spark: SparkSession, lake, cfg: TableConfig) -> dict[str, Any]:
+def bootstrap_debezium(spark: SparkSession, lake, cfg: TableConfig) -> Watermark:
     """Create the lake tables of a Debezium-fed table, with every shard at the start of its topics:
-    the first ingest then loads the connector's snapshot ('r' events) and the changes after it."""
+    the first ingest then loads the connector's snapshot ('r' events) and the changes after it.
+    Returns the watermark the tables start at."""
     from cdc_lakehouse.lake.tables import create_lake_tables, table_exists
     from cdc_lakehouse.lake.watermark import ShardPosition, Watermark
     from cdc_lakehouse.lake.writers import BOOTSTRAP, WRITER_PROP
@@ -977,4 +978,4 @@ def bootstrap_debezium(spark: SparkSession, lake, cfg: TableConfig) -> dict[str,
     empty.writeTo(cur).option("snapshot-property.cdc.watermark", wm.to_json()).option(
         f"snapshot-property.{WRITER_PROP}", BOOTSTRAP.name
     ).append()
-    return wm.to_dict()
+    return wm

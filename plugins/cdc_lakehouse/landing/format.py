@@ -189,6 +189,9 @@ class Manifest(_Part):
     published: list[str] | None = Field(None, description="tables in the publication at the end of the run")
     published_at_start: list[str] | None = None
     keepalive_advance: dict[str, Any] | None = None
+    bootstrap_markers: list[dict[str, Any]] | None = Field(
+        None, description="the chunked bootstraps' watermark messages the run read (bootstrap.chunked)"
+    )
 
     def files(self, tables: set[str] | None = None) -> list[tuple[str, str, ManifestFile]]:
         """(source table, relative path, file) of the run's files."""
