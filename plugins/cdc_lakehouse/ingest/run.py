@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from cdc_lakehouse.config import COMMIT_TS_COL, LSN_COL, OP_COL, SEQ_COL, SHARD_COL, TableConfig
 from cdc_lakehouse.identifiers import spark_ident
@@ -86,14 +86,24 @@ class IngestResult:
     spark_metadata_jobs: int | None  # of those, reads of Iceberg metadata tables
     spark_job_sites: list[str]  # what started each job, in order
 
+    # What the ingest job's result line shows of the metrics (the whole run is in cdc_meta.ingest_runs).
+    LINE: ClassVar[tuple[str, ...]] = (
+        "events_read",
+        "inserts",
+        "updates",
+        "deletes",
+        "quarantined",
+        "write_amplification",
+        "apply_seconds",
+        "total_seconds",
+        "freshness_seconds",
+        "landing_runs",
+        "status",
+    )
+
     def to_dict(self) -> dict[str, Any]:
-        """The metrics and the job counts as one flat dict (the job's result line, the bench)."""
-        return {
-            **self.metrics.as_dict(),
-            "spark_jobs": self.spark_jobs,
-            "spark_metadata_jobs": self.spark_metadata_jobs,
-            "spark_job_sites": self.spark_job_sites,
-        }
+        """For the job's result line (runtime.jobs): the LINE figures."""
+        return {k: getattr(self.metrics, k) for k in self.LINE}
 
 
 def ingest_table(

@@ -27,7 +27,6 @@ from cdc_lakehouse.settings import LakeSettings, derived_dir, exports_dir, table
 
 if TYPE_CHECKING:
     from cdc_lakehouse.derived.config import TreeConfig
-    from cdc_lakehouse.ingest.run import IngestResult
 
 log = logging.getLogger("cdc_lakehouse.runtime.jobs")
 
@@ -149,43 +148,17 @@ def main_ingest(argv: list[str] | None = None) -> int:
         from cdc_lakehouse.ingest.run import ingest_table
 
         run = a.ingest_run or datetime.now(UTC).strftime("manual-%Y%m%dT%H%M%S")
-        return IngestLine(
-            ingest_table(
-                spark,
-                lake,
-                cfg,
-                upto_run=a.upto_run,
-                ingest_run=run,
-                interval_end=a.interval_end,
-                config_file=file,
-            )
+        return ingest_table(
+            spark,
+            lake,
+            cfg,
+            upto_run=a.upto_run,
+            ingest_run=run,
+            interval_end=a.interval_end,
+            config_file=file,
         )
 
     return run_per_table("ingest", args, fn)
-
-
-@dataclass(frozen=True)
-class IngestLine:
-    """The ingest job's result line: a few of the run's figures (the whole run is in
-    cdc_meta.ingest_runs)."""
-
-    result: IngestResult
-    FIGURES = (
-        "events_read",
-        "inserts",
-        "updates",
-        "deletes",
-        "quarantined",
-        "write_amplification",
-        "apply_seconds",
-        "total_seconds",
-        "freshness_seconds",
-        "landing_runs",
-        "status",
-    )
-
-    def to_dict(self) -> dict[str, Any]:
-        return {k: getattr(self.result.metrics, k) for k in self.FIGURES}
 
 
 def main_bootstrap(argv: list[str] | None = None) -> int:
