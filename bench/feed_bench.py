@@ -58,10 +58,10 @@ def table_cfg():
 
 
 def _wm(lsn: int) -> str:
-    from cdc_lakehouse.lake.watermark import watermark_json
+    from cdc_lakehouse.lake.watermark import Watermark
 
     ts = datetime(2026, 6, 1, tzinfo=UTC).isoformat()
-    return watermark_json({"v": 1, "shards": {f"bench.{s}": {"lsn": lsn, "ts": ts} for s in SHARDS}})
+    return Watermark.from_dict({"v": 1, "shards": {f"bench.{s}": {"lsn": lsn, "ts": ts} for s in SHARDS}}).to_json()
 
 
 def load(spark, lake, cfg, rows: int) -> None:

@@ -140,7 +140,8 @@ def run_ours(mode: str, prep: dict, rows: int, repeat: int, merge_join: str = "a
         layout = files_holding_keys(spark, lake.qualified(cfg.current_table), f"{prep['dir']}/reduced.parquet")
         since = last_execution_id(spark)
         t = time.time()
-        m = ingest_table(spark, lake, cfg, upto_run=None, ingest_run=f"bench-{i}")
+        r = ingest_table(spark, lake, cfg, upto_run=None, ingest_run=f"bench-{i}")
+        m = r.metrics
         secs = time.time() - t
         pruning = {**layout, **merge_scans(scan_files(spark, since))}
         got = table_checksum(spark, lake.qualified(cfg.current_table))
@@ -149,21 +150,21 @@ def run_ours(mode: str, prep: dict, rows: int, repeat: int, merge_join: str = "a
             {
                 "pruning": pruning,
                 "seconds": secs,
-                "apply_seconds": m["apply_seconds"],
-                "write_amplification": m.get("write_amplification"),
-                "bytes_written": m.get("bytes_written"),
-                "changed_rows_bytes": m.get("changed_rows_bytes"),
-                "timings": m.get("timings"),
-                "spark_jobs": m.get("spark_jobs"),
-                "merge_join": m.get("merge_join"),
+                "apply_seconds": m.apply_seconds,
+                "write_amplification": m.write_amplification,
+                "bytes_written": m.bytes_written,
+                "changed_rows_bytes": m.changed_rows_bytes,
+                "timings": m.timings,
+                "spark_jobs": r.spark_jobs,
+                "merge_join": m.merge_join,
                 "verified": ok,
                 "got": got,
             }
         )
         print(
-            f"  {mode} repeat {i + 1}: {secs:.1f}s (merge {m['apply_seconds'] or 0:.1f}s) "
-            f"WA {m.get('write_amplification') or 0:.2f} Spark jobs {m.get('spark_jobs')} join {m.get('merge_join')} "
-            f"phases {m.get('timings')} verified={ok}",
+            f"  {mode} repeat {i + 1}: {secs:.1f}s (merge {m.apply_seconds or 0:.1f}s) "
+            f"WA {m.write_amplification or 0:.2f} Spark jobs {r.spark_jobs} join {m.merge_join} "
+            f"phases {m.timings} verified={ok}",
             flush=True,
         )
         print(f"  {mode} repeat {i + 1} files: {pruning}", flush=True)

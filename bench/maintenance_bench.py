@@ -65,14 +65,14 @@ def main() -> int:
             t = time.time()
             r = maintain_table(spark, lake, cfg, run_id=f"mb-{variant}-{i}", consumers=[cfg])
             secs = time.time() - t
-            cur = r["current"]
+            cur = r.targets["current"]
             row = {
                 "seconds": secs,
-                "spark_jobs": r["spark_jobs"],
-                "current_files": [cur["before"]["data_files"], cur["after"]["data_files"]],
-                "current_delete_files": [cur["before"]["delete_files"], cur["after"]["delete_files"]],
-                "current_seconds": cur["seconds"],
-                "changelog_seconds": r["changelog"]["seconds"],
+                "spark_jobs": r.spark_jobs,
+                "current_files": [cur.before["data_files"], cur.after["data_files"]],
+                "current_delete_files": [cur.before["delete_files"], cur.after["delete_files"]],
+                "current_seconds": cur.seconds,
+                "changelog_seconds": r.targets["changelog"].seconds,
             }
             results[variant].append(row)
             print(f"  {variant} repeat {i + 1}: {json.dumps(row)}", flush=True)

@@ -260,7 +260,7 @@ def ours(spark, lake, ecfg, mode: str) -> dict:
 
     gc.collect()
     t = time.monotonic()
-    m = export(spark, lake, ecfg, {}, {}, mode=mode)
+    m = export(spark, lake, ecfg, {}, {}, mode=mode).to_dict()
     m["wall_seconds"] = round(time.monotonic() - t, 2)
     return m
 

@@ -194,6 +194,7 @@ class HeldOpen:
 
 
 def _one_bootstrap(spark, lake, cfg, run_id: str, dsn: str) -> dict:
+    from cdc_lakehouse.bootstrap.result import SnapshotBootstrapResult
     from cdc_lakehouse.bootstrap.run import bootstrap_table
 
     if cfg.bootstrap.mode == "chunked":  # a fresh table each time: a second run would be a re-sync
@@ -203,14 +204,15 @@ def _one_bootstrap(spark, lake, cfg, run_id: str, dsn: str) -> dict:
         t = time.time()
         r = bootstrap_table(spark, lake, cfg, run_id=run_id)
         secs = time.time() - t
+    snapshot = r if isinstance(r, SnapshotBootstrapResult) else None
     return {
-        "rows": r["rows"],
+        "rows": r.rows,
         "seconds": secs,
-        "rows_per_second": r["rows"] / secs,
+        "rows_per_second": r.rows / secs,
         "peak_rss_mb": mem.peak_mb,
-        "read_and_changelog_seconds": r.get("read_and_changelog_seconds"),
-        "current_write_seconds": r.get("current_write_seconds"),
-        "chunks": sum(r.get("chunks", {}).values()) or None,
+        "read_and_changelog_seconds": snapshot.read_and_changelog_seconds if snapshot else None,
+        "current_write_seconds": snapshot.current_write_seconds if snapshot else None,
+        "chunks": None if snapshot else sum(r.chunks.values()) or None,
         "longest_xact_seconds": held.longest_xact,
         "longest_xmin_held_seconds": held.longest_xmin,
     }
@@ -297,12 +299,9 @@ def bench_audit(spark, lake, blocks: int, repeat: int) -> dict:
                 t = time.time()
                 r = audit_table(spark, lake, cfg, audit_run=f"bench-{mode}-{i}", mode=mode, repair=False)
                 secs = time.time() - t
-            out[mode].append(
-                {"seconds": secs, "peak_rss_mb": mem.peak_mb, "verdict": r["verdict"], "timings": r.get("timings")}
-            )
+            out[mode].append({"seconds": secs, "peak_rss_mb": mem.peak_mb, "verdict": r.verdict, "timings": r.timings})
             print(
-                f"  audit {mode} {blocks} keys: {secs:.1f}s, peak {mem.peak_mb:.0f} MB, {r['verdict']} "
-                f"phases {r.get('timings')}",
+                f"  audit {mode} {blocks} keys: {secs:.1f}s, peak {mem.peak_mb:.0f} MB, {r.verdict} phases {r.timings}",
                 flush=True,
             )
     return {
@@ -350,9 +349,9 @@ def bench_capture(dsn: str, wl, changes: int, repeat: int) -> dict:
         conn.close()
         with PeakRSS() as mem:
             t = time.time()
-            m = capture_run(ep, dsn, store, f"run{i}")
+            m = capture_run(ep, dsn, store, f"run{i}").manifest
             ours = time.time() - t
-        events = sum(f["rows"] for e in m["tables"] for f in e["files"])
+        events = sum(f.rows for e in m.tables for f in e.files)
         r = None
         if recv:
             t = time.time()

@@ -125,9 +125,9 @@ def main() -> int:
         conn.close()
         run_id = f"20260101T{r + 1:02d}0000Z"
         t = time.time()
-        m = capture_run(ep, dsn, store, run_id)
+        m = capture_run(ep, dsn, store, run_id).manifest
         cap = time.time() - t
-        events = sum(f["rows"] for e in m["tables"] for f in e["files"])
+        events = sum(f.rows for e in m.tables for f in e.files)
         t = time.time()
         res = subprocess.run(
             [*job, "--tables", ",".join(names), "--upto-run", run_id],

@@ -350,9 +350,10 @@ def configs(ns: str = NS):
 
 
 def _wm(lsns: dict[str, int], ts: datetime) -> str:
-    from cdc_lakehouse.lake.watermark import watermark_json
+    from cdc_lakehouse.lake.watermark import Watermark
 
-    return watermark_json({"v": 1, "shards": {s: {"lsn": lsn, "ts": ts.isoformat()} for s, lsn in lsns.items()}})
+    shards = {s: {"lsn": lsn, "ts": ts.isoformat()} for s, lsn in lsns.items()}
+    return Watermark.from_dict({"v": 1, "shards": shards}).to_json()
 
 
 def load_inputs(spark, lake, cfgs: list, cols: list, files: list[Path]) -> None:
@@ -614,7 +615,7 @@ def ours(spark, lake, dcfg, tables, *, full: bool) -> dict:
     _release(spark)
     before = _cpu_of_others()
     t = time.monotonic()
-    m = derive_tree(spark, lake, dcfg, tables, full=full)
+    m = derive_tree(spark, lake, dcfg, tables, full=full).to_dict()
     return {**m, "wall_seconds": round(time.monotonic() - t, 1), "other_cpu_seconds": _other_cpu(before)}
 
 

@@ -48,8 +48,3 @@ def spark_ident(value: str) -> str:
     if not isinstance(value, str) or not _IDENT.match(value):
         raise IdentifierError(f"column {value!r} is not a valid identifier")
     return "`" + value.replace("`", "``") + "`"
-
-
-def pg_literal(value: str) -> str:
-    """A PostgreSQL string literal, for the few places parameters cannot be bound (DDL)."""
-    return "'" + str(value).replace("'", "''") + "'"

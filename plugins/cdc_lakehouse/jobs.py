@@ -1,7 +1,8 @@
 """Command lines of the Spark jobs (spark_jobs/*.py are thin wrappers around these).
 
 Each job takes table names (derive: derived table names) and a config directory, builds the one
-SparkSession, runs the job's function per table and prints one JSON line of results per table.
+SparkSession, runs the job's function per table and prints one JSON line of results per table
+(the function's typed result, `to_dict()`ed here: the one place it becomes JSON).
 Secrets arrive by reference (CDC_SECRETS_FILE, see job_secrets) or through the environment of a
 job started by hand (CDC_CATALOG_PASSWORD, CDC_SOURCE_URI__<CONN>), never as arguments.
 
@@ -21,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, date, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from cdc_lakehouse.config import OutputMaintenanceConfig, TableConfig, load_table_configs
 from cdc_lakehouse.runtime.secrets import load_job_secrets
@@ -31,6 +32,13 @@ if TYPE_CHECKING:
     from cdc_lakehouse.derived.config import TreeConfig
 
 log = logging.getLogger("cdc_lakehouse.jobs")
+
+
+class StageResult(Protocol):
+    """What a job's function returns per table: a stage's typed result (ingest.run.IngestResult,
+    audit.result.AuditResult, ...), printed on the job's result line as to_dict() gives it."""
+
+    def to_dict(self) -> dict[str, Any]: ...
 
 
 def _json_default(o: Any) -> Any:
@@ -81,16 +89,17 @@ def _derived_configs(args: argparse.Namespace) -> tuple[list[TreeConfig], dict[s
 
 
 def run_tables(
-    kind: str, spark, lake: LakeSettings, cfgs: list[Any], fn: Callable[..., dict[str, Any]], *args: Any
+    kind: str, spark, lake: LakeSettings, cfgs: list[Any], fn: Callable[..., StageResult], *args: Any
 ) -> tuple[dict[str, dict[str, Any]], list[tuple[str, Exception]]]:
-    """fn(spark, lake, cfg, *args) per table (or derived table); one's failure never stops the others."""
+    """fn(spark, lake, cfg, *args) per table (or derived table); one's failure never stops the others.
+    Returns each table's result line (as printed) and the failures."""
     results: dict[str, dict[str, Any]] = {}
     failures: list[tuple[str, Exception]] = []
     for cfg in cfgs:
         t = time.time()
         try:
             result = fn(spark, lake, cfg, *args)
-            results[cfg.name] = {"table": cfg.name, "status": "ok", "seconds": time.time() - t, **(result or {})}
+            results[cfg.name] = {"table": cfg.name, "status": "ok", "seconds": time.time() - t, **result.to_dict()}
         except Exception as exc:  # noqa: BLE001 - reported per table, the run fails at the end
             failures.append((cfg.name, exc))
             log.error("%s %s failed: %s\n%s", kind, cfg.name, exc, traceback.format_exc())
@@ -102,7 +111,7 @@ def run_tables(
 def run_per_table(
     kind: str,
     args: argparse.Namespace,
-    fn: Callable[..., dict[str, Any]],
+    fn: Callable[..., StageResult],
     configs: Callable[[argparse.Namespace], tuple[list[Any], dict[str, str]]] = _configs,
 ) -> int:
     """fn(spark, lake, cfg, args, config_file) per config `configs` loads from the command line,
@@ -142,7 +151,7 @@ def main_ingest(argv: list[str] | None = None) -> int:
         from cdc_lakehouse.ingest.run import ingest_table
 
         run = a.ingest_run or datetime.now(UTC).strftime("manual-%Y%m%dT%H%M%S")
-        m = ingest_table(
+        return ingest_table(
             spark,
             lake,
             cfg,
@@ -151,22 +160,6 @@ def main_ingest(argv: list[str] | None = None) -> int:
             interval_end=a.interval_end,
             config_file=file,
         )
-        return {
-            k: m.get(k)
-            for k in (
-                "events_read",
-                "inserts",
-                "updates",
-                "deletes",
-                "quarantined",
-                "write_amplification",
-                "apply_seconds",
-                "total_seconds",
-                "freshness_seconds",
-                "landing_runs",
-                "status",
-            )
-        }
 
     return run_per_table("ingest", args, fn)
 
@@ -246,7 +239,7 @@ def main_maintenance(argv: list[str] | None = None) -> int:
     return run_per_table("maintenance", args, fn)
 
 
-def _maintain_derived(run: str) -> Callable[..., dict[str, Any]]:
+def _maintain_derived(run: str) -> Callable[..., StageResult]:
     def fn(spark, lake, dcfg, a, file):
         from cdc_lakehouse.maintenance import maintain_derived
 
@@ -273,7 +266,7 @@ def _feed_output_configs(args: argparse.Namespace) -> tuple[list[FeedOutput], di
     return [FeedOutput(check_consumer_name(args.consumer), args.feed_output, settings)], {}
 
 
-def _maintain_feed_output(run: str) -> Callable[..., dict[str, Any]]:
+def _maintain_feed_output(run: str) -> Callable[..., StageResult]:
     def fn(spark, lake, out, a, file):
         from cdc_lakehouse.maintenance import maintain_feed_output
 
@@ -295,7 +288,7 @@ def main_audit(argv: list[str] | None = None) -> int:
         result = audit_table(spark, lake, cfg, audit_run=run)
         if result.verdict == "fail":
             raise AuditFailed(result.message)
-        return result.as_dict()
+        return result
 
     return run_per_table("audit", args, fn)
 

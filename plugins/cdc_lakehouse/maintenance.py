@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -57,6 +57,61 @@ class Target:
     # back: expiry keeps its newest carrier, and maintenance must leave the position unchanged.
     position_prop: str = WATERMARK_PROP
     read_position: Callable[[SparkSession, str], Any] = read_watermark
+
+
+@dataclass(frozen=True)
+class TargetMaintenance:
+    """One table compacted and expired. The rewrite counts are what Iceberg's procedures reported:
+    None when a procedure was not run (position deletes of a format-1 table) or reported nothing."""
+
+    before: dict[str, Any]  # lake.tables.table_stats before the run, and after it
+    after: dict[str, Any]
+    expired_data_files: int
+    orphan_files_removed: int
+    holds_kept: list[str]  # consumer holds (lake.holds) kept, and dropped (past their max lag)
+    holds_dropped: list[str]
+    seconds: float
+    rewritten_data_files: int | None = None
+    added_data_files: int | None = None
+    rewritten_delete_files: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: v for f in fields(self) if (v := getattr(self, f.name)) is not None}
+
+
+@dataclass(frozen=True)
+class MaintenanceResult:
+    """What one maintenance run did: each target table by its kind (output and unresolved for a
+    derived table, feed_output for a feed consumer's output)."""
+
+    table: str  # the owner: the derived table's config name, or the feed consumer
+    run_id: str
+    targets: dict[str, TargetMaintenance]
+    spark_jobs: int | None  # None: not known (no Spark UI to count them on)
+
+    def to_dict(self) -> dict[str, Any]:
+        """For the job's result line: the targets by kind at the top level."""
+        targets = {kind: t.to_dict() for kind, t in self.targets.items()}
+        return {"table": self.table, "run_id": self.run_id, **targets, "spark_jobs": self.spark_jobs}
+
+
+@dataclass(frozen=True)
+class TableMaintenanceResult(MaintenanceResult):
+    """A replicated table's maintenance: its current table and changelog, its latest-per-key view
+    and its endpoints' landing retention."""
+
+    spark_metadata_jobs: int | None  # of the Spark jobs, reads of Iceberg metadata tables
+    spark_job_sites: list[str]  # what started each job, in order
+    latest_rows: int | None  # rows in the latest-per-key view (None: maintenance.latest_view none)
+    latest_mode: str | None  # table | view
+    landing_runs_removed: dict[str, list[str]]  # endpoint -> landing runs removed
+
+    def to_dict(self) -> dict[str, Any]:
+        out = super().to_dict()
+        out.update(spark_metadata_jobs=self.spark_metadata_jobs, spark_job_sites=self.spark_job_sites)
+        if self.latest_rows is not None:
+            out.update(latest_rows=self.latest_rows, latest_mode=self.latest_mode)
+        return {**out, "landing_runs_removed": self.landing_runs_removed}
 
 
 def _ts(dt: datetime) -> str:
@@ -175,9 +230,9 @@ def prune_landing(
     cfg: TableConfig,
     consumers: list[TableConfig],
     now: datetime,
-) -> dict[str, Any]:
+) -> dict[str, list[str]]:
     """Remove landing runs of cfg's endpoints that every consuming table has applied and that are
-    older than the retention (the longest any consumer asks for).
+    older than the retention (the longest any consumer asks for); returns them by endpoint.
 
     A run is kept while any table with a valid config reading the endpoint is below its end (both
     its current table and its changelog), and the endpoint's newest run is always kept (the next
@@ -195,7 +250,7 @@ def prune_landing(
         runs = _prune_endpoint(landing, cfg, endpoint, floor, hours, now)
         if runs:
             removed[endpoint] = runs
-    return {"landing_runs_removed": removed}
+    return removed
 
 
 def _prune_endpoint(
@@ -208,14 +263,14 @@ def _prune_endpoint(
     cutoff = now - timedelta(hours=hours)
     removed = []
     for m in list_manifests(landing, endpoint)[:-1]:
-        if m["end_lsn"] > floor or datetime.fromisoformat(m["finished_at"]) > cutoff:
+        if m.end_lsn > floor or datetime.fromisoformat(m.finished_at) > cutoff:
             continue
-        for entry in m.get("tables", []):
-            landing.fs.delete(landing.file_uri(entry["dir"]))
+        for entry in m.tables:
+            landing.fs.delete(landing.file_uri(entry.dir))
         # The manifest last: a crash in between leaves a manifest below every consumer's
         # position, which no ingest reads, and the next run removes it.
-        landing.fs.delete(landing.file_uri(manifest_path(endpoint, m["run_id"])), recursive=False)
-        removed.append(m["run_id"])
+        landing.fs.delete(landing.file_uri(manifest_path(endpoint, m.run_id)), recursive=False)
+        removed.append(m.run_id)
     if removed:
         log.info(
             "maintenance %s: removed %d landing run(s) of %s applied by every table and older than %s h (%s)",
@@ -240,12 +295,12 @@ def _applied_floor(spark: SparkSession, lake: LakeSettings, endpoint: str, consu
         for table in (lake.qualified(c.current_table), lake.qualified(c.changelog_table)):
             if not table_exists(spark, table):
                 continue  # never bootstrapped: it starts from a snapshot, not from the landing
-            wm = read_watermark(spark, table) or {}
+            wm = read_watermark(spark, table)
             for _, shard in shards:
-                pos = (wm.get("shards") or {}).get(shard)
+                pos = wm.shards.get(shard) if wm is not None else None
                 if pos is None:
                     continue
-                floor = pos["lsn"] if floor is None else min(floor, pos["lsn"])
+                floor = pos.lsn if floor is None else min(floor, pos.lsn)
     return floor
 
 
@@ -314,7 +369,7 @@ def maintain_table(
     run_id: str,
     now: datetime | None = None,
     consumers: list[TableConfig] | None = None,
-) -> dict[str, Any]:
+) -> TableMaintenanceResult:
     """Compaction, expiry and orphan cleanup of both tables, the latest view, and landing retention.
 
     `consumers`: every valid table config (landing runs are shared by the tables of an endpoint);
@@ -325,31 +380,42 @@ def maintain_table(
         cur = lake.qualified(cfg.current_table)
         if not table_exists(spark, cur):
             raise RuntimeError(f"{cfg.name}: {cur} does not exist; bootstrap it first (cdc_bootstrap__{cfg.name})")
-        result = maintain_targets(spark, lake, cfg.name, table_targets(lake, cfg), run_id, now)
-        result.update(publish_latest(spark, lake, cfg))
-        result.update(prune_landing(spark, lake, cfg, consumers or [cfg], now))
-    return {**result, "spark_jobs": jobs.count, "spark_metadata_jobs": jobs.metadata, "spark_job_sites": jobs.sites}
+        targets = maintain_targets(spark, lake, cfg.name, table_targets(lake, cfg), run_id, now)
+        latest_rows = publish_latest(spark, lake, cfg)
+        removed = prune_landing(spark, lake, cfg, consumers or [cfg], now)
+    return TableMaintenanceResult(
+        cfg.name,
+        run_id,
+        targets,
+        jobs.count,
+        spark_metadata_jobs=jobs.metadata,
+        spark_job_sites=jobs.sites,
+        latest_rows=latest_rows,
+        latest_mode=None if latest_rows is None else cfg.maintenance.latest_view,
+        landing_runs_removed=removed,
+    )
 
 
 def maintain_derived(
     spark: SparkSession, lake: LakeSettings, dcfg: TreeConfig, *, run_id: str, now: datetime | None = None
-) -> dict[str, Any]:
+) -> MaintenanceResult:
     """Compaction (every delete file applied), expiry and orphan cleanup of a derived table's
     output and unresolved tables. Both carry the tree's watermark: expiry keeps its newest carrier
     on each (the next run finds the unresolved snapshot matching the output's watermark there)."""
+    from cdc_lakehouse.derived.run import read_tree_watermark
+
     m = dcfg.maintenance
     size = m.target_file_size_mb * 1024 * 1024
+    pool = f"they share the one-slot Airflow pool {dcfg.pool}"
     targets = [
-        Target(
-            dcfg.name, kind, lake.qualified(t), m, size, False, 2, f"they share the one-slot Airflow pool {dcfg.pool}"
-        )
+        Target(dcfg.name, kind, lake.qualified(t), m, size, False, 2, pool, read_position=read_tree_watermark)
         for kind, t in (("output", dcfg.output_table), ("unresolved", dcfg.unresolved_table))
     ]
     if not table_exists(spark, targets[0].table):  # a run creates the unresolved table first
         raise RuntimeError(f"{dcfg.name}: {targets[0].table} does not exist; run cdc_derived__{dcfg.name} first")
     with SparkJobs(spark, f"maintenance {dcfg.name} {run_id}") as jobs:
-        result = maintain_targets(spark, lake, dcfg.name, targets, run_id, now or datetime.now(UTC))
-    return {**result, "spark_jobs": jobs.count}
+        done = maintain_targets(spark, lake, dcfg.name, targets, run_id, now or datetime.now(UTC))
+    return MaintenanceResult(dcfg.name, run_id, done, jobs.count)
 
 
 def maintain_feed_output(
@@ -361,7 +427,7 @@ def maintain_feed_output(
     *,
     run_id: str,
     now: datetime | None = None,
-) -> dict[str, Any]:
+) -> MaintenanceResult:
     """Compaction, expiry and orphan cleanup of a feed consumer's exactly-once Iceberg output
     (`namespace.table`); expiry keeps the newest snapshot carrying its offsets (feed.offsets)."""
     from cdc_lakehouse.feed.offsets import OFFSETS_PROP, output_offsets
@@ -382,15 +448,16 @@ def maintain_feed_output(
         lambda s, t: output_offsets(s, t, consumer),
     )
     with SparkJobs(spark, f"maintenance {consumer} {run_id}") as jobs:
-        result = maintain_targets(spark, lake, consumer, [target], run_id, now or datetime.now(UTC))
-    return {**result, "spark_jobs": jobs.count}
+        done = maintain_targets(spark, lake, consumer, [target], run_id, now or datetime.now(UTC))
+    return MaintenanceResult(consumer, run_id, done, jobs.count)
 
 
 def maintain_targets(
     spark: SparkSession, lake: LakeSettings, owner: str, targets: list[Target], run_id: str, now: datetime
-) -> dict[str, Any]:
-    """Each target compacted and expired in turn; before/after rows to cdc_meta.maintenance_runs."""
-    result: dict[str, Any] = {"table": owner, "run_id": run_id}
+) -> dict[str, TargetMaintenance]:
+    """Each target compacted and expired in turn, by its kind; before/after rows to
+    cdc_meta.maintenance_runs."""
+    result: dict[str, TargetMaintenance] = {}
     rows: list[dict[str, Any]] = []
     clock = PhaseClock()
     for target in targets:
@@ -398,7 +465,7 @@ def maintain_targets(
             before, after, done = _maintain_target(spark, lake, target, now)
         secs = clock.seconds[target.kind]
         rows += [_stats_row(target, run_id, phase, o, secs, now) for phase, o in (("before", before), ("after", after))]
-        result[target.kind] = {"before": before.stats, "after": after.stats, **done, "seconds": secs}
+        result[target.kind] = TargetMaintenance(before=before.stats, after=after.stats, seconds=secs, **done)
         _log_target(target, before.stats, after.stats, secs)
     meta_append(spark, lake, "maintenance_runs", rows)
     return result

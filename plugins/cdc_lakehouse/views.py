@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from cdc_lakehouse.config import TableConfig
 from cdc_lakehouse.identifiers import spark_ident
@@ -86,12 +86,13 @@ def latest_rows(spark: SparkSession, lake: LakeSettings, cfg: TableConfig) -> Da
     )
 
 
-def publish_latest(spark: SparkSession, lake: LakeSettings, cfg: TableConfig) -> dict[str, Any]:
-    """As an Iceberg table replaced atomically (CREATE OR REPLACE ... AS SELECT), or as an Iceberg view."""
+def publish_latest(spark: SparkSession, lake: LakeSettings, cfg: TableConfig) -> int | None:
+    """As an Iceberg table replaced atomically (CREATE OR REPLACE ... AS SELECT), or as an Iceberg
+    view (maintenance.latest_view); returns its rows, None when there is none."""
     name = lake.qualified(cfg.latest_view)
     mode = cfg.maintenance.latest_view
     if mode == "none":
-        return {}
+        return None
     t = time.time()
     df = latest_rows(spark, lake, cfg)
     if mode == "table":
@@ -109,7 +110,7 @@ def publish_latest(spark: SparkSession, lake: LakeSettings, cfg: TableConfig) ->
         spark.sql(f"CREATE OR REPLACE VIEW {name} AS {_latest_sql(spark, lake, cfg)}")
         rows = spark.table(name).count()
     logger.info(f"maintenance {cfg.name}: latest-per-key {mode} {name}: {rows} rows in {time.time() - t:.1f}s")
-    return {"latest_rows": rows, "latest_mode": mode}
+    return rows
 
 
 def _is_view(spark: SparkSession, name: str) -> bool:

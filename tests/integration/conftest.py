@@ -7,10 +7,11 @@ import os
 
 import psycopg2
 import pytest
+from cdc_lakehouse.bootstrap.result import BootstrapResult
 from cdc_lakehouse.bootstrap.run import bootstrap_table
-from cdc_lakehouse.capture.run import capture_run
+from cdc_lakehouse.capture.run import CaptureResult, capture_run
 from cdc_lakehouse.dev.workload import NotionWorkload
-from cdc_lakehouse.ingest.run import ingest_table
+from cdc_lakehouse.ingest.run import IngestResult, ingest_table
 from cdc_lakehouse.landing.stores import LocalLanding
 from cdc_lakehouse.source.catalog import EndpointTables
 
@@ -45,18 +46,18 @@ class Source:
     def tables(self):
         return {"block": (self.schemas, ["id"]), "permission": (self.schemas, ["block_id", "user_id"])}
 
-    def capture(self, run_id=None):
+    def capture(self, run_id=None) -> CaptureResult:
         self.runs += 1
         run_id = run_id or f"20260101T{self.runs:02d}0000Z"
         ep = EndpointTables(self.endpoint, "cdc_test_source", self.tables())
         return capture_run(ep, self.dsn, self.store, run_id)
 
-    def bootstrap(self, cfg, **kw):
+    def bootstrap(self, cfg, **kw) -> BootstrapResult:
         return bootstrap_table(
             self.spark, self.lake, cfg, run_id=f"b{self.runs}", all_endpoint_tables={self.endpoint: self.tables()}, **kw
         )
 
-    def ingest(self, cfg, upto, run="t"):
+    def ingest(self, cfg, upto, run="t") -> IngestResult:
         return ingest_table(self.spark, self.lake, cfg, upto_run=upto, ingest_run=run)
 
     def execute(self, *sql):

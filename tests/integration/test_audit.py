@@ -20,7 +20,7 @@ def _audit_cfg(cfg, **audit):
 def _found(result) -> dict[str, int]:
     """An audit result's key counts by kind, over its shards."""
     kinds = ("missing", "extra", "different", "in_flight")
-    return {k: sum(st.get(k, 0) for st in result["shards"].values()) for k in kinds}
+    return {k: sum(st.get(k, 0) for st in result.shards.values()) for k in kinds}
 
 
 def _ids(lake_spark, table, where):
@@ -34,7 +34,7 @@ def test_audit_finds_every_fault_ignores_in_flight_and_repairs(source, spark, la
     s.capture()
     s.bootstrap(cfg)
     cur = lake.qualified(cfg.current_table)
-    assert audit_table(spark, lake, cfg, audit_run="a0")["verdict"] == "ok"
+    assert audit_table(spark, lake, cfg, audit_run="a0").verdict == "ok"
     # The Great Expectations report lands beside the results (a failed write only warns).
     report = Path(lake.warehouse.removeprefix("file://")) / "_quality" / cfg.name / "a0.json"
     assert {r["expectation"] for r in json.loads(report.read_text())}, report
@@ -43,11 +43,11 @@ def test_audit_finds_every_fault_ignores_in_flight_and_repairs(source, spark, la
     lost = [2000000001, 2000000002, 2000000003]
     s.execute(f"UPDATE s1.block SET version = version + 50 WHERE id IN ({','.join(map(str, lost))})")
     m = s.capture()
-    entry = next(e for e in m["tables"] if e["table"] == "block")
-    for f in entry["files"]:
-        (landing_root(lake) / entry["dir"] / f["name"]).unlink()
+    entry = next(e for e in m.manifest.tables if e.table == "block")
+    for f in entry.files:
+        (landing_root(lake) / entry.dir / f.name).unlink()
     skip = cfg.model_copy(update={"ingest": cfg.ingest.model_copy(update={"missing_landing_files": "skip"})})
-    assert s.ingest(skip, m["run_id"])["status"] == "ok_with_gaps"
+    assert s.ingest(skip, m.manifest.run_id).metrics.status == "ok_with_gaps"
 
     # Faults 1-3 straight on the lake table: a key deleted, an extra key, a changed value.
     gone, changed = _ids(spark, cur, "_cdc_shard LIKE '%s0' ORDER BY id LIMIT 2")
@@ -68,27 +68,27 @@ def test_audit_finds_every_fault_ignores_in_flight_and_repairs(source, spark, la
     found = _found(r1)
     assert found["missing"] >= 1 and found["extra"] == 1 and found["different"] >= 1 + len(lost), found
     assert found["in_flight"] == 50 + 20 + 2, found  # 70 updates, the delete, the insert
-    assert r1["verdict"] == "ok" and not r1["persistent"], "one sighting is not yet a failure (N=2): " + r1["message"]
+    assert r1.verdict == "ok" and not r1.persistent, "one sighting is not yet a failure (N=2): " + r1.message
 
     r2 = audit_table(spark, lake, cfg, audit_run="a2")
-    assert r2["verdict"] == "fail"
-    flagged = sum(r2["persistent"].values())
+    assert r2.verdict == "fail"
+    flagged = sum(r2.persistent.values())
     # Exactly the injected faults persist; the in-flight workload never does.
-    assert flagged == 3 + len(lost), (r2["persistent"], r2["message"])
-    assert "FAIL" in r2["message"] and "sample" in r2["message"]
+    assert flagged == 3 + len(lost), (r2.persistent, r2.message)
+    assert "FAIL" in r2.message and "sample" in r2.message
 
     # Repair: the persistent keys are re-read from the source and merged; the next audit confirms.
     r3 = audit_table(
         spark, lake, cfg.model_copy(update={"audit": cfg.audit.model_copy(update={"repair": True})}), audit_run="a3"
     )
-    assert r3["repaired"] == 3 + len(lost)
+    assert r3.repaired == 3 + len(lost)
     assert spark.sql(f"SELECT count(*) FROM {cur} WHERE id = 999999999").collect()[0][0] == 0
     # Deliver the in-flight changes, then the lake equals the source and the audit is clean.
     m = s.capture()
-    s.ingest(cfg, m["run_id"])
+    s.ingest(cfg, m.manifest.run_id)
     r4 = audit_table(spark, lake, cfg, audit_run="a4")
-    assert r4["verdict"] == "ok" and not r4["persistent"], r4["message"]
-    assert all(not st.get(k) for st in r4["shards"].values() for k in ("missing", "extra", "different"))
+    assert r4.verdict == "ok" and not r4.persistent, r4.message
+    assert all(not st.get(k) for st in r4.shards.values() for k in ("missing", "extra", "different"))
     assert_lake_equals_source(spark, lake, cfg, s.dsn, check_changelog=False)
 
 
@@ -107,14 +107,14 @@ def test_a_capture_during_the_in_flight_peek_is_still_in_flight(source, spark, l
 
     def capture_then_peek(*args, **kwargs):
         if not captured:
-            captured.append(s.capture()["run_id"])  # the slot's changes now sit in a landing run
+            captured.append(s.capture().manifest.run_id)  # the slot's changes now sit in a landing run
         return peek(*args, **kwargs)
 
     monkeypatch.setattr(audit_run, "inflight_from_slot", capture_then_peek)
     r = audit_table(spark, lake, cfg, audit_run="race1")
     found = _found(r)
-    assert captured and found == {"missing": 0, "extra": 0, "different": 0, "in_flight": 30}, (found, r["message"])
-    assert r["verdict"] == "ok", r["message"]
+    assert captured and found == {"missing": 0, "extra": 0, "different": 0, "in_flight": 30}, (found, r.message)
+    assert r.verdict == "ok", r.message
 
 
 def test_repair_over_its_cap_never_deletes_keys_it_did_not_read(source, spark, lake):
@@ -129,7 +129,7 @@ def test_repair_over_its_cap_never_deletes_keys_it_did_not_read(source, spark, l
     spark.sql(f"UPDATE {cur} SET version = -1 WHERE id IN ({','.join(map(str, changed))})")
 
     r = audit_table(spark, lake, cfg, audit_run="cap1")
-    assert r["repaired"] == 2, r["message"]
+    assert r.repaired == 2, r.message
     # All five keys still exist in the lake: two repaired from the source, three left for later.
     assert _ids(spark, cur, f"id IN ({','.join(map(str, changed))})") == changed
     assert len(_ids(spark, cur, f"id IN ({','.join(map(str, changed))}) AND version = -1")) == 3

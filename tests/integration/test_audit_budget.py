@@ -29,11 +29,11 @@ def test_audit_stays_within_its_spark_job_budget(source, spark, lake, mode):
     s.capture()
     s.bootstrap(cfg)
     s.wl.step(300)
-    s.ingest(cfg, s.capture()["run_id"])
+    s.ingest(cfg, s.capture().manifest.run_id)
     r = audit_table(spark, lake, cfg, audit_run=f"budget-{mode}")
-    assert r["verdict"] == "ok" and not r["persistent"], r["message"]
-    assert all(not st.get(k) for st in r["shards"].values() for k in ("missing", "extra", "different")), r["message"]
-    assert all(q["success"] for q in r["quality"]), r["quality"]
-    print(f"audit ({mode}): {r['spark_jobs']} Spark jobs (budget {AUDIT_JOB_BUDGET[mode]}), {r['timings']}")
-    print("\n".join(r["spark_job_sites"]))
-    assert 0 < r["spark_jobs"] <= AUDIT_JOB_BUDGET[mode], r["spark_job_sites"]
+    assert r.verdict == "ok" and not r.persistent, r.message
+    assert all(not st.get(k) for st in r.shards.values() for k in ("missing", "extra", "different")), r.message
+    assert all(q["success"] for q in r.quality), r.quality
+    print(f"audit ({mode}): {r.spark_jobs} Spark jobs (budget {AUDIT_JOB_BUDGET[mode]}), {r.timings}")
+    print("\n".join(r.spark_job_sites))
+    assert 0 < r.spark_jobs <= AUDIT_JOB_BUDGET[mode], r.spark_job_sites

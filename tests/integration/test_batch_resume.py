@@ -14,7 +14,7 @@ from cdc_lakehouse.config import LSN_COL, OP_COL, SEQ_COL, SHARD_COL
 from cdc_lakehouse.lake.batches import BATCH_PROP, BatchId, batch_snapshots
 from cdc_lakehouse.lake.snapshots import current_ancestors
 from cdc_lakehouse.lake.watermark import WATERMARK_PROP
-from cdc_lakehouse.landing.format import landing_spark_schema
+from cdc_lakehouse.landing.format import Manifest, landing_spark_schema
 from cdc_lakehouse.runtime.failpoints import FAIL_ENV, FailpointHit
 from pyspark.sql import functions as F
 
@@ -43,10 +43,10 @@ def batch_of_current_position(spark, table: str) -> BatchId:
     raise AssertionError(f"{table} has no watermark")
 
 
-def landing_events(spark, lake, cfg, manifest) -> set[tuple[str, int, int]]:
+def landing_events(spark, lake, cfg, manifest: Manifest) -> set[tuple[str, int, int]]:
     """(shard, commit LSN, seq) of every change event of the table in a capture run's files."""
-    entry = next(e for e in manifest["tables"] if e["table"] == cfg.source.table)
-    files = [str(landing_root(lake) / entry["dir"] / f["name"]) for f in entry["files"]]
+    entry = next(e for e in manifest.tables if e.table == cfg.source.table)
+    files = [str(landing_root(lake) / entry.dir / f.name) for f in entry.files]
     shard = {schema: name for _, schema, name in cfg.shards()}
     rows = (
         spark.read.schema(landing_spark_schema())
@@ -76,9 +76,9 @@ def test_ingest_killed_between_each_pair_of_commits_converges(source, spark, lak
     cur, cl = lake.qualified(s.block.current_table), lake.qualified(s.block.changelog_table)
     monkeypatch.setenv(FAIL_ENV, point)
     with pytest.raises(FailpointHit):
-        s.ingest(s.block, m["run_id"], run="killed")
+        s.ingest(s.block, m.manifest.run_id, run="killed")
     monkeypatch.delenv(FAIL_ENV)
-    s.ingest(s.block, m["run_id"], run="rerun")
+    s.ingest(s.block, m.manifest.run_id, run="rerun")
     spark.catalog.clearCache()
 
     assert_lake_equals_source(spark, lake, s.block, s.dsn)
@@ -87,7 +87,7 @@ def test_ingest_killed_between_each_pair_of_commits_converges(source, spark, lak
     twice = ev.groupBy(SHARD_COL, LSN_COL, SEQ_COL).count().filter("count > 1").limit(5).collect()
     assert not twice, f"the changelog got an event twice: {twice}"
     got = {(r[SHARD_COL], int(r[LSN_COL]), int(r["seq"])) for r in ev.select(SHARD_COL, LSN_COL, "seq").collect()}
-    want = landing_events(spark, lake, s.block, m)
+    want = landing_events(spark, lake, s.block, m.manifest)
     assert len(want) > 200 and got == want, (sorted(want - got)[:5], sorted(got - want)[:5])
     # Each table committed the batch exactly once.
     batch = batch_of_current_position(spark, cur)
@@ -97,7 +97,7 @@ def test_ingest_killed_between_each_pair_of_commits_converges(source, spark, lak
     # One run record for the batch, with the figures of the run that applied it; one freshness row per shard.
     runs = (
         spark.table(meta[0])
-        .filter((F.col("table_name") == s.block.name) & F.array_contains("landing_runs", m["run_id"]))
+        .filter((F.col("table_name") == s.block.name) & F.array_contains("landing_runs", m.manifest.run_id))
         .collect()
     )
     assert len(runs) == 1 and runs[0]["updates"] > 0 and runs[0]["events_read"] >= len(want), runs
@@ -128,7 +128,7 @@ def test_derived_tree_killed_between_its_two_commits_commits_each_once(tree_sour
         derive(s, cfg)
     monkeypatch.delenv(FAIL_ENV)
     assert sum(1 for _ in current_ancestors(spark, unresolved)) == before + 1
-    assert derive(s, cfg)["mode"] == "incremental"
+    assert derive(s, cfg).mode == "incremental"
     assert_tree_is_reference(s, cfg)
     batch = batch_of_current_position(spark, lake.qualified(cfg.output_table))
     assert batch_snapshots(spark, unresolved, batch) == 1

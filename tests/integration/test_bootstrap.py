@@ -38,10 +38,10 @@ def test_bootstrap_under_concurrent_writes_hands_off_without_gap(source, spark, 
     assert not errors, errors
     assert len(steps) >= 2, "the workload should have written while the bootstrap ran"
     wm = read_watermark(spark, lake.qualified(s.block.current_table))
-    assert set(wm["shards"]) == {shard for _, _, shard in s.block.shards()}
-    assert r["rows"] > 0
+    assert set(wm.shards) == {shard for _, _, shard in s.block.shards()}
+    assert r.rows > 0
     m = s.capture()
-    s.ingest(s.block, m["run_id"])
+    s.ingest(s.block, m.manifest.run_id)
     assert_lake_equals_source(spark, lake, s.block, s.dsn)
 
 
@@ -60,8 +60,8 @@ def test_rebootstrap_is_idempotent_and_can_target_one_shard(source, spark, lake)
     s.execute("UPDATE s1.block SET version = version + 100 WHERE id IN (SELECT id FROM s1.block LIMIT 7)")
     s.bootstrap(s.block, shards=[shards[1]])
     wm_after = read_watermark(spark, cur)
-    assert wm_after["shards"][shards[0]] == wm_before["shards"][shards[0]]
-    assert wm_after["shards"][shards[1]]["lsn"] > wm_before["shards"][shards[1]]["lsn"]
+    assert wm_after.shards[shards[0]] == wm_before.shards[shards[0]]
+    assert wm_after.shards[shards[1]].lsn > wm_before.shards[shards[1]].lsn
     assert_lake_equals_source(spark, lake, s.block, s.dsn)
 
 

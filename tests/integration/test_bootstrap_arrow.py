@@ -61,7 +61,7 @@ def test_copy_reader_gives_the_jdbc_readers_values_for_every_type(pg, spark, lak
         r: bootstrap_table(spark, lake, c, run_id=f"edge-{r}", all_endpoint_tables=tables) for r, c in configs.items()
     }
     expected_rows = ROWS + 1 + len(TRICKY_TEXT)
-    assert results["copy"]["rows"] == results["jdbc"]["rows"] == expected_rows
+    assert results["copy"].rows == results["jdbc"].rows == expected_rows
     copy_values, jdbc_values = (_lake_values(spark, lake, configs[r]) for r in ("copy", "jdbc"))
     assert len(copy_values) == expected_rows
     diffs = [(i, v, jdbc_values.get(i)) for i, v in copy_values.items() if v != jdbc_values.get(i)]
@@ -73,9 +73,9 @@ def test_copy_reader_gives_the_jdbc_readers_values_for_every_type(pg, spark, lak
     assert t[500 + TRICKY_TEXT.index("E'line1\\nline2'")] == "line1\nline2"
     # The watermark sits in the commit that wrote the rows, at the snapshot's consistent point.
     wm = read_watermark(spark, lake.qualified(configs["copy"].current_table))
-    point = results["copy"]["endpoints"][endpoint]["consistent_point"]
-    (shard,) = results["copy"]["endpoints"][endpoint]["shards"]
-    assert wm["shards"][shard]["lsn"] == point > 0
+    point = results["copy"].endpoints[endpoint]["consistent_point"]
+    (shard,) = results["copy"].endpoints[endpoint]["shards"]
+    assert wm.shards[shard].lsn == point > 0
 
 
 def _block_config(source, name: str, reader: str):

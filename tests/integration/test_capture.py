@@ -12,7 +12,7 @@ import time
 import psycopg2
 import pyarrow.parquet as pq
 import pytest
-from cdc_lakehouse.capture.run import CaptureLimits, capture_run
+from cdc_lakehouse.capture.run import CaptureLimits, CaptureResult, capture_run
 from cdc_lakehouse.landing.format import manifest_path
 from cdc_lakehouse.landing.reader import list_manifests
 from cdc_lakehouse.landing.stores import LocalLanding
@@ -57,11 +57,11 @@ def endpoint(tables=("items",), schemas=("s0", "s1"), eid="ep"):
     )
 
 
-def events_of(store: LocalLanding, manifest: dict) -> list[dict]:
+def events_of(store: LocalLanding, run: CaptureResult) -> list[dict]:
     out = []
-    for entry in manifest["tables"]:
-        for f in entry["files"]:
-            out += pq.read_table(store.root / entry["dir"] / f["name"]).to_pylist()
+    for entry in run.manifest.tables:
+        for f in entry.files:
+            out += pq.read_table(store.root / entry.dir / f.name).to_pylist()
     return sorted(out, key=lambda e: (e["source"]["commit_lsn"], e["source"]["seq"]))
 
 
@@ -74,7 +74,7 @@ def test_row_changes_types_toast_truncate_and_multi_table_transactions(db, tmp_p
     store = LocalLanding(f"file://{tmp_path}/landing")
     ep = endpoint(tables=("items", "other"))
     first = capture_run(ep, dsn, store, "r1")  # creates publication and slot; nothing to deliver yet
-    assert first["events"] == 0 and set(first["heartbeats"]) == {"s0", "s1"}
+    assert first.manifest.events == 0 and set(first.manifest.heartbeats) == {"s0", "s1"}
     big = "".join(f"{i:08x}" for i in range(1000))  # 8 KB, out of line
     with conn.cursor() as cur:
         cur.execute(
@@ -138,8 +138,8 @@ def test_row_changes_types_toast_truncate_and_multi_table_transactions(db, tmp_p
     # Commit LSNs order transactions; the slot now stands at the run's end.
     assert [e["source"]["commit_lsn"] for e in items] == sorted(e["source"]["commit_lsn"] for e in items)
     st = slot_state(conn, source_slot_name("ep"))
-    assert st.confirmed_flush == m["end_lsn"] and m["start_lsn"] == first["end_lsn"]
-    assert m["slot_after"]["retained_wal_bytes"] is not None and m["slot_after"]["lag_bytes"] >= 0
+    assert st.confirmed_flush == m.manifest.end_lsn and m.manifest.start_lsn == first.manifest.end_lsn
+    assert m.manifest.slot_after["retained_wal_bytes"] is not None and m.manifest.slot_after["lag_bytes"] >= 0
 
 
 def test_transaction_committing_after_the_bound_arrives_whole_in_the_next_run(db, tmp_path):
@@ -171,9 +171,9 @@ def test_cap_ends_a_run_at_a_transaction_boundary(db, tmp_path):
         for i in range(5):
             cur.execute("INSERT INTO s0.items (id) SELECT g FROM generate_series(%s, %s) g", (i * 100, i * 100 + 99))
     m = capture_run(ep, dsn, store, "r2", limits=CaptureLimits(max_events=150))
-    assert m["capped"] and m["events"] == 200  # two whole transactions, never a partial one
+    assert m.manifest.capped and m.manifest.events == 200  # two whole transactions, never a partial one
     rest = capture_run(ep, dsn, store, "r3")
-    assert not rest["capped"] and rest["events"] == 300 and rest["start_lsn"] == m["end_lsn"]
+    assert not rest.manifest.capped and rest.manifest.events == 300 and rest.manifest.start_lsn == m.manifest.end_lsn
 
 
 def test_schema_changes_are_detected(db, tmp_path):
@@ -190,9 +190,9 @@ def test_schema_changes_are_detected(db, tmp_path):
         cur.execute("ALTER TABLE s0.items ADD COLUMN note text, DROP COLUMN code, ALTER COLUMN qty TYPE bigint")
         cur.execute("UPDATE s0.items SET note = 'n'")
     m = capture_run(ep, dsn, store, "r3")
-    (change,) = m["schema_changes"]
-    assert change["table"] == "s0.items" and change["added"] == ["note"] and change["dropped"] == ["code"]
-    assert change["retyped"] == [{"column": "qty", "from": "integer", "to": "bigint"}]
+    (change,) = m.manifest.schema_changes
+    assert change.table == "s0.items" and change.added == ["note"] and change.dropped == ["code"]
+    assert change.retyped == [{"column": "qty", "from": "integer", "to": "bigint"}]
     (e,) = events_of(store, m)
     cols = {c["name"] for c in json.loads(e["table_schema"])}  # events carry the schema they were written with
     assert "note" in cols and "code" not in cols
@@ -204,9 +204,9 @@ def test_quiet_shards_still_move_the_slot_and_report_freshness(db, tmp_path):
     ep = endpoint()
     m1 = capture_run(ep, dsn, store, "r1")
     m2 = capture_run(ep, dsn, store, "r2")
-    assert m2["events"] == 0 and m2["end_lsn"] > m1["end_lsn"]
-    assert set(m2["heartbeats"]) == {"s0", "s1"}
-    assert m2["heartbeats"]["s0"]["commit_ts"] >= m1["heartbeats"]["s0"]["commit_ts"]
+    assert m2.manifest.events == 0 and m2.manifest.end_lsn > m1.manifest.end_lsn
+    assert set(m2.manifest.heartbeats) == {"s0", "s1"}
+    assert m2.manifest.heartbeats["s0"].commit_ts >= m1.manifest.heartbeats["s0"].commit_ts
 
 
 def test_large_transaction_keeps_memory_bounded(db, tmp_path):
@@ -223,7 +223,7 @@ from cdc_lakehouse.landing.stores import LocalLanding
 ep = EndpointTables("ep", "c", {{"items": (["s0"], ["id"])}})
 store = LocalLanding("file://{tmp_path}/landing")
 m = capture_run(ep, {dsn!r}, store, sys.argv[1], limits=CaptureLimits(batch_rows=5000))
-print(m["events"], resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024)
+print(m.manifest.events, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024)
 """)
     env = {**os.environ, "PYTHONPATH": str(ROOT / "plugins")}
     subprocess.run([sys.executable, str(script), "r1"], check=True, env=env, capture_output=True)
@@ -272,12 +272,12 @@ capture_run(EndpointTables("ep", "c", {{"items": (["s0"], ["id"])}}), {dsn!r},
     assert store.exists("ep/items/run=r2")  # the files were written
     assert store.exists(manifest_path("ep", "r2")) == (point == "after_manifest")
     m3 = capture_run(ep, dsn, store, "r3")
-    runs = {m["run_id"]: m for m in list_manifests(store, "ep")}
+    runs = {m.run_id: m for m in list_manifests(store, "ep")}
     if point == "after_files":
-        assert m3["events"] == 50  # re-delivered: at least once
+        assert m3.manifest.events == 50  # re-delivered: at least once
     else:
-        assert runs["r2"]["events"] == 50 and m3["events"] == 0  # r3 confirmed r2 first, nothing twice
-    assert slot_state(conn, source_slot_name("ep")).confirmed_flush == m3["end_lsn"]
+        assert runs["r2"].events == 50 and m3.manifest.events == 0  # r3 confirmed r2 first, nothing twice
+    assert slot_state(conn, source_slot_name("ep")).confirmed_flush == m3.manifest.end_lsn
 
 
 def test_retry_of_a_captured_run_reuses_its_manifest(db, tmp_path):
@@ -289,7 +289,7 @@ def test_retry_of_a_captured_run_reuses_its_manifest(db, tmp_path):
         cur.execute("INSERT INTO s0.items (id) VALUES (1)")
     m = capture_run(ep, dsn, store, "r2")
     again = capture_run(ep, dsn, store, "r2")
-    assert again["reused"] and again["events"] == m["events"] == 1
+    assert again.reused and again.manifest.events == m.manifest.events == 1
 
 
 def test_concurrent_writers_are_captured_completely(db, tmp_path):
@@ -326,7 +326,7 @@ def test_concurrent_writers_are_captured_completely(db, tmp_path):
     seen = [(e["source"]["schema"], int(kv(e["after"])["id"])) for m in runs for e in events_of(store, m)]
     assert sorted(seen) == sorted(written)
     for a, b in zip(runs, runs[1:]):
-        assert b["start_lsn"] == a["end_lsn"]
+        assert b.manifest.start_lsn == a.manifest.end_lsn
 
 
 # --- preflight and failures ------------------------------------------------------------------------
@@ -493,9 +493,9 @@ def test_s3_landing_through_the_amazon_provider(db, s3_server, monkeypatch):
         cur.execute("INSERT INTO s0.items (id, title) VALUES (2, 'too')")
     m = capture_run(ep, dsn, store, "r2")
     assert store.exists(manifest_path("ep", "r2"))
-    assert [x["run_id"] for x in list_manifests(store, "ep")] == ["r1", "r2"]
-    key = f"landing/{m['tables'][0]['dir']}/{m['tables'][0]['files'][0]['name']}"
+    assert [x.run_id for x in list_manifests(store, "ep")] == ["r1", "r2"]
+    key = f"landing/{m.manifest.tables[0].dir}/{m.manifest.tables[0].files[0].name}"
     body = S3Hook(aws_conn_id="cdc_test_s3_capture").get_key(key, bucket_name="cdc-capture-lake").get()["Body"].read()
     rows = pq.read_table(io.BytesIO(body)).to_pylist()
     assert sorted(kv(r["after"])["title"] for r in rows) == ["too"]
-    assert capture_run(ep, dsn, store, "r2")["reused"]
+    assert capture_run(ep, dsn, store, "r2").reused

@@ -35,7 +35,7 @@ class RangeWalk:
         self.rows = Counter(self.changelog())
 
     def position(self) -> dict[str, int]:
-        return {s: p["lsn"] for s, p in read_watermark(self.spark, self.cur)["shards"].items()}
+        return read_watermark(self.spark, self.cur).shard_lsns()
 
     def key(self, r) -> tuple:
         return (r[SHARD_COL], r[LSN_COL], r[SEQ_COL], r[OP_COL], *[r[k] for k in self.cfg.primary_key], r[self.value])
@@ -113,7 +113,7 @@ def test_capture_batches_split_the_changelog_into_watermark_ranges(pg, source_ur
         ]  # fmt: skip
         for i, statements in enumerate(batches):
             s.execute(*statements)
-            run = s.capture()["run_id"]
+            run = s.capture().manifest.run_id
             s.ingest(s.block, run, run=f"c{i}")
             walk.ingested(f"c{i}")
         walk.check_whole()

@@ -11,6 +11,7 @@ import psycopg2
 import pytest
 from cdc_lakehouse.bootstrap import chunked as chunked_mod
 from cdc_lakehouse.bootstrap.chunks import APPLICATION_NAME
+from cdc_lakehouse.bootstrap.result import ChunkedBootstrapResult
 from cdc_lakehouse.bootstrap.run import bootstrap_table
 from cdc_lakehouse.bootstrap.snapshot import BootstrapError
 from cdc_lakehouse.config import OP_COL
@@ -69,7 +70,7 @@ class _Sampler:
         conn.close()
 
 
-def _assert_nothing_held_across_chunks(sampler: _Sampler, r: dict, cap: int) -> None:
+def _assert_nothing_held_across_chunks(sampler: _Sampler, r: ChunkedBootstrapResult, cap: int) -> None:
     """(3) No transaction of the bootstrap spans two chunks; idle between chunks means no xmin."""
     assert sampler.samples, "the sampler saw no chunk connection"
     by_xact: dict[tuple, set[int]] = {}
@@ -85,7 +86,7 @@ def _assert_nothing_held_across_chunks(sampler: _Sampler, r: dict, cap: int) -> 
         f"chunks {sampler.chunks_done}, samples {len(sampler.samples)}, longest xact seen {longest:.3f}s, "
         f"chunk connections at once {sampler.most_at_once}"
     )
-    assert sampler.chunks_done == sum(r["chunks"].values())
+    assert sampler.chunks_done == sum(r.chunks.values())
     # Both shards' chunks are read in one round, never above bootstrap.max_connections_per_host.
     assert sampler.most_at_once <= cap, sampler.most_at_once
     assert longest < 5.0, longest
@@ -128,18 +129,18 @@ def test_chunked_bootstrap_under_concurrent_writes_holds_nothing_between_chunks(
         sampler.thread.join(timeout=30)
     assert not errors, errors
     assert len(steps) >= 2, "the workload should have written while the bootstrap ran"
-    assert r["mode"] == "chunked" and r["done"], r
-    assert all(n >= 5 for n in r["chunks"].values()), r["chunks"]
+    assert r.mode == "chunked" and r.done, r
+    assert all(n >= 5 for n in r.chunks.values()), r.chunks
     wm = read_watermark(spark, lake.qualified(cfg.current_table))
-    assert set(wm["shards"]) == {shard for _, _, shard in cfg.shards()}
+    assert set(wm.shards) == {shard for _, _, shard in cfg.shards()}
 
     _assert_nothing_held_across_chunks(sampler, r, cfg.bootstrap.max_connections_per_host)
 
     m = s.capture()
-    assert m.get("bootstrap_markers"), "the capture should have recorded the chunks' watermarks"
-    marks = [x for x in m["bootstrap_markers"] if x.get("table") == cfg.name]
+    assert m.manifest.bootstrap_markers, "the capture should have recorded the chunks' watermarks"
+    marks = [x for x in m.manifest.bootstrap_markers if x.get("table") == cfg.name]
     assert {x["mark"] for x in marks} == {"low", "high"}
-    s.ingest(cfg, m["run_id"])
+    s.ingest(cfg, m.manifest.run_id)
     assert_lake_equals_source(spark, lake, cfg, s.dsn)
 
 
@@ -164,15 +165,15 @@ def test_killed_chunked_bootstrap_resumes_after_the_last_recorded_chunk(source, 
         f"DELETE FROM {s.schemas[0]}.block WHERE id IN (SELECT id FROM {s.schemas[0]}.block ORDER BY id DESC LIMIT 5)",
     )
     r = s.bootstrap(cfg)
-    assert r["resumed"] == {shard: 1 for _, _, shard in cfg.shards()}, r
-    assert r["done"], r
+    assert r.resumed == {shard: 1 for _, _, shard in cfg.shards()}, r
+    assert r.done, r
     progress = spark.table(lake.qualified(lake.meta_table("bootstrap_progress"))).filter(
         f"table_name = '{cfg.name}' AND shard = '{first}'"
     )
     chunks = sorted(row["chunk"] for row in progress.collect())
     assert chunks == sorted(set(chunks)) and chunks[:3] == [0, 1, 2], chunks
     m = s.capture()
-    s.ingest(cfg, m["run_id"])
+    s.ingest(cfg, m.manifest.run_id)
     assert_lake_equals_source(spark, lake, cfg, s.dsn)
 
 
@@ -189,8 +190,8 @@ def test_composite_text_key_chunks_in_key_order(source, spark, lake):
     cfg = _chunked(s, f"cc_{s.db[-8:]}", 7, table="doc", primary_key=["tenant", "n"])
     tables = {**s.tables(), "doc": (s.schemas, ["tenant", "n"])}
     r = bootstrap_table(spark, lake, cfg, run_id="c1", all_endpoint_tables={s.endpoint: tables})
-    assert r["rows"] == 2 * len(names) * 5, r
-    assert all(n == -(-len(names) * 5 // 7) for n in r["chunks"].values()), r["chunks"]
+    assert r.rows == 2 * len(names) * 5, r
+    assert all(n == -(-len(names) * 5 // 7) for n in r.chunks.values()), r.chunks
     assert_lake_equals_source(spark, lake, cfg, s.dsn)
 
 
@@ -224,13 +225,13 @@ def test_key_change_before_its_chunks_is_stale_not_held_back(source, spark, lake
     cfg = _chunked(s, f"ct_{s.db[-8:]}", 500)
     s.capture()
     r = s.bootstrap(cfg, should_stop=lambda _state: True)  # pauses after the first round
-    assert r["paused"] and not r["done"], r
+    assert r.paused and not r.done, r
     s.execute(f"UPDATE {schema}.block SET id = {b} WHERE id = {a}")
     r = s.bootstrap(cfg)
-    assert r["done"], r
+    assert r.done, r
     m = s.capture()
-    out = s.ingest(cfg, m["run_id"])
-    assert out["quarantined"] == 0, out
+    out = s.ingest(cfg, m.manifest.run_id)
+    assert out.metrics.quarantined == 0, out
     q = spark.table(lake.qualified(lake.meta_table("quarantine"))).filter(f"table_name = '{cfg.name}'")
     assert q.count() == 0, q.collect()
     assert_lake_equals_source(spark, lake, cfg, s.dsn)
@@ -257,7 +258,7 @@ def test_a_key_deleted_after_its_chunks_low_marker_stays_deleted(pg, source_uri,
                     f"DELETE FROM {schema}.block WHERE id = {victim}",
                 )
                 m = s.capture()
-                s.ingest(cfg, m["run_id"])
+                s.ingest(cfg, m.manifest.run_id)
                 cl = spark.table(lake.qualified(cfg.changelog_table))
                 assert cl.filter((cl.id == victim) & (cl[OP_COL] == "d")).count() == 1
             calls.append(1)
@@ -266,9 +267,9 @@ def test_a_key_deleted_after_its_chunks_low_marker_stays_deleted(pg, source_uri,
         monkeypatch.setattr(chunked_mod, "_apply_chunks", delete_then_apply)
         r = s.bootstrap(cfg)
         monkeypatch.undo()
-        assert r["done"] and calls, r
+        assert r.done and calls, r
         assert spark.table(lake.qualified(cfg.current_table)).filter(f"id = {victim}").count() == 0
-        s.ingest(cfg, s.capture()["run_id"])
+        s.ingest(cfg, s.capture().manifest.run_id)
         assert_lake_equals_source(spark, lake, cfg, s.dsn)
     finally:
         s.close()

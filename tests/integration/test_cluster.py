@@ -62,7 +62,7 @@ def test_ingest_job_on_a_standalone_cluster_with_the_s3_lake(
         s.capture()
         s.bootstrap(s.block)
         s.wl.step(200, pk_changes=1)
-        run = s.capture()["run_id"]
+        run = s.capture().manifest.run_id
 
         # The connections a deployment has: the lake (S3 warehouse and landing, keys in the AWS
         # connection), the cluster, the source.

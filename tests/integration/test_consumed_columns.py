@@ -101,8 +101,8 @@ def test_a_consuming_table_runs_through_unconsumed_changes_and_stops_on_a_consum
             s.execute(
                 f"UPDATE {schema}.block SET version = version + 1 WHERE id IN (SELECT id FROM {schema}.block LIMIT 5)"
             )
-        r = s.ingest(cfg, s.capture()["run_id"], run=f"cc{i}")
-        assert r["status"] == "ok" and r["updates"] == 10 and r["quarantined"] == 0, (ddl, r)
+        r = s.ingest(cfg, s.capture().manifest.run_id, run=f"cc{i}")
+        assert r.metrics.status == "ok" and r.metrics.updates == 10 and r.metrics.quarantined == 0, (ddl, r)
         spark.catalog.clearCache()
         assert spark.table(cur).columns == before  # the lake table holds only its columns
     # The updates arrived: the lake's versions equal the source's for the consumed columns.
@@ -114,7 +114,7 @@ def test_a_consuming_table_runs_through_unconsumed_changes_and_stops_on_a_consum
         "ALTER TABLE s0.block DROP COLUMN content", "UPDATE s0.block SET version = version + 1 WHERE id < 1000000010"
     )
     with pytest.raises(SchemaChangeError, match="'content' was dropped"):
-        s.ingest(cfg, s.capture()["run_id"], run="cc_stop")
+        s.ingest(cfg, s.capture().manifest.run_id, run="cc_stop")
 
 
 def test_an_include_list_bootstraps_and_ingests_only_its_columns(source, spark, lake):
@@ -139,8 +139,8 @@ def test_an_include_list_bootstraps_and_ingests_only_its_columns(source, spark, 
         s.execute(
             f"UPDATE {schema}.block SET version = version + 1 WHERE id IN (SELECT id FROM {schema}.block LIMIT 5)"
         )
-    r = s.ingest(cfg, s.capture()["run_id"], run="inc")
-    assert r["status"] == "ok" and r["updates"] == 10 and r["quarantined"] == 0, r
+    r = s.ingest(cfg, s.capture().manifest.run_id, run="inc")
+    assert r.metrics.status == "ok" and r.metrics.updates == 10 and r.metrics.quarantined == 0, r
     src = dict(s.pg.execute("SELECT id, version FROM s0.block ORDER BY id LIMIT 5", dbname=s.db))
     spark.catalog.clearCache()
     lake_v = {r["id"]: r["version"] for r in spark.table(cur).filter(f"id IN ({','.join(map(str, src))})").collect()}

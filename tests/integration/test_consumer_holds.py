@@ -15,12 +15,12 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 from cdc_lakehouse.config import OutputMaintenanceConfig, TableConfig
+from cdc_lakehouse.derived.run import read_tree_watermark
 from cdc_lakehouse.dev.workload import ID_STRIDE
 from cdc_lakehouse.feed.consumer import block_counts
 from cdc_lakehouse.feed.offsets import output_offsets
 from cdc_lakehouse.lake.tables import table_stats
-from cdc_lakehouse.lake.watermark import read_watermark
-from cdc_lakehouse.maintenance import maintain_table
+from cdc_lakehouse.maintenance import TableMaintenanceResult, maintain_table
 from cdc_lakehouse.serving.stores import store_uri_env
 
 from tests.integration.conftest import Source
@@ -40,7 +40,7 @@ def short_retention(cfg: TableConfig) -> TableConfig:
     return cfg.model_copy(update={"maintenance": m})
 
 
-def maintain(s: Source, *cfgs: TableConfig, hours: int) -> list[dict]:
+def maintain(s: Source, *cfgs: TableConfig, hours: int) -> list[TableMaintenanceResult]:
     """Each table's daily maintenance as if run `hours` from now."""
     now = datetime.now(UTC) + timedelta(hours=hours)
     return [maintain_table(s.spark, s.lake, c, run_id=f"m{hours}_{s.runs}", now=now) for c in cfgs]
@@ -79,7 +79,7 @@ def change(s: Source, i: int) -> None:
             f"UPDATE {schema}.block SET parent_id = {base + 2} WHERE id = {base + 20 + i}",
         ]
     s.execute(*sql)
-    assert s.ingest(s.block, s.capture()["run_id"], run=f"i{s.runs}")["status"] == "ok"
+    assert s.ingest(s.block, s.capture().manifest.run_id, run=f"i{s.runs}").metrics.status == "ok"
 
 
 @pytest.fixture
@@ -107,7 +107,7 @@ def with_grants(s: Source) -> Source:
 def test_a_lagging_feed_consumer_keeps_its_offset_snapshot_until_its_max_lag(held_source, unique):
     s = held_source
     output = f"feed_t.held_{unique}"
-    assert block_counts(s.spark, s.lake, s.block, output=output)["mode"] == "full"
+    assert block_counts(s.spark, s.lake, s.block, output=output).mode == "full"
     table = s.lake.qualified(output)
     offset = output_offsets(s.spark, table, "block_counts")[s.block.current_table].snapshot_id
     older = taken_before(s, s.block, offset)
@@ -117,7 +117,7 @@ def test_a_lagging_feed_consumer_keeps_its_offset_snapshot_until_its_max_lag(hel
     assert offset in kept, f"the consumer's snapshot {offset} was expired (left: {kept})"
     assert older and not set(older) & set(kept), "maintenance expired nothing: the scenario proves nothing"
     m = block_counts(s.spark, s.lake, s.block, output=output)
-    assert m["mode"] == "changelog", m  # the history between its two snapshots is still there
+    assert m.mode == "changelog", m  # the history between its two snapshots is still there
     assert lake_counts(s, output) == source_counts(s)
 
     # Its output, maintained two hours later with a one-hour retention: its first snapshot
@@ -128,7 +128,7 @@ def test_a_lagging_feed_consumer_keeps_its_offset_snapshot_until_its_max_lag(hel
     settings = OutputMaintenanceConfig(min_input_files=2, snapshot_retention_hours=1, min_snapshots_to_keep=1)
     later = datetime.now(UTC) + timedelta(hours=2)
     r = maintain_feed_output(s.spark, s.lake, "block_counts", output, settings, run_id="f1", now=later)
-    assert r["feed_output"]["after"]["data_files"] <= r["feed_output"]["before"]["data_files"], r
+    assert r.targets["feed_output"].after["data_files"] <= r.targets["feed_output"].before["data_files"], r
     assert first not in output_snapshots(s, table), "the output's maintenance expired nothing: it proves nothing"
     assert output_offsets(s.spark, table, "block_counts") == offsets
     assert lake_counts(s, output) == source_counts(s)
@@ -136,7 +136,7 @@ def test_a_lagging_feed_consumer_keeps_its_offset_snapshot_until_its_max_lag(hel
     # Past its max lag: the hold goes, then the snapshot; the consumer stops with the fix.
     change(s, 2)
     (m,) = maintain(s, s.block, hours=LAGGED)
-    assert "cdc_consumer_feed_block_counts" in m["current"]["holds_dropped"], m["current"]
+    assert "cdc_consumer_feed_block_counts" in m.targets["current"].holds_dropped, m.targets["current"]
     counts = lake_counts(s, output)
     with pytest.raises(RuntimeError) as err:
         block_counts(s.spark, s.lake, s.block, output=output)
@@ -144,9 +144,9 @@ def test_a_lagging_feed_consumer_keeps_its_offset_snapshot_until_its_max_lag(hel
     assert "feed consumer block_counts" in msg and s.block.current_table in msg, msg
     assert "expired" in msg and "mode=full" in msg and "since=None" in msg, msg
     assert lake_counts(s, output) == counts  # nothing written
-    assert block_counts(s.spark, s.lake, s.block, output=output, mode="full")["mode"] == "full"
+    assert block_counts(s.spark, s.lake, s.block, output=output, mode="full").mode == "full"
     assert lake_counts(s, output) == source_counts(s)
-    assert block_counts(s.spark, s.lake, s.block, output=output)["mode"] == "noop"
+    assert block_counts(s.spark, s.lake, s.block, output=output).mode == "noop"
 
 
 def test_a_lagging_derived_tree_keeps_its_input_snapshots_until_its_max_lag(held_source, unique):
@@ -158,9 +158,9 @@ def test_a_lagging_derived_tree_keeps_its_input_snapshots_until_its_max_lag(held
     cfg = tree_cfg(s, f"held_{unique}")
     m = cfg.maintenance.model_copy(update={"snapshot_retention_hours": 1, "min_snapshots_to_keep": 1})
     cfg = cfg.model_copy(update={"maintenance": m})
-    assert derive(s, cfg)["mode"] == "full"
-    inputs = read_watermark(s.spark, s.lake.qualified(cfg.output_table))["inputs"]
-    pinned = {name: p["snapshot"] for name, p in inputs.items()}
+    assert derive(s, cfg).mode == "full"
+    inputs = read_tree_watermark(s.spark, s.lake.qualified(cfg.output_table)).inputs
+    pinned = {name: p.snapshot for name, p in inputs.items()}
     older = taken_before(s, s.block, pinned[s.block.name])
     change(s, 1)
     maintain(s, s.block, hours=2)
@@ -168,7 +168,7 @@ def test_a_lagging_derived_tree_keeps_its_input_snapshots_until_its_max_lag(held
     assert pinned[s.block.name] in kept, f"the tree's input snapshot {pinned[s.block.name]} was expired ({kept})"
     assert older and not set(older) & set(kept), "nothing expired: the scenario proves nothing"
     m = derive(s, cfg)
-    assert m["mode"] == "incremental", m
+    assert m.mode == "incremental", m
     assert_tree_is_reference(s, cfg)
 
     # Its output, two hours later with a one-hour retention.
@@ -180,22 +180,22 @@ def test_a_lagging_derived_tree_keeps_its_input_snapshots_until_its_max_lag(held
     after = table_stats(s.spark, out)
     assert after["delete_files"] == 0 and after["data_files"] <= before["data_files"], (before, after)
     assert first not in output_snapshots(s, out), "the output's maintenance expired nothing: it proves nothing"
-    assert {"output", "unresolved"} <= set(r), r
+    assert {"output", "unresolved"} <= set(r.targets), r
     assert sorted(map(tuple, s.spark.table(out).collect())) == rows
     change(s, 2)
-    assert derive(s, cfg)["mode"] == "incremental"
+    assert derive(s, cfg).mode == "incremental"
     assert_tree_is_reference(s, cfg)
 
     # Past its max lag.
     change(s, 3)
     (m,) = maintain(s, s.block, hours=LAGGED)
-    assert f"cdc_consumer_derived_{cfg.name}" in m["current"]["holds_dropped"]
+    assert f"cdc_consumer_derived_{cfg.name}" in m.targets["current"].holds_dropped
     with pytest.raises(RuntimeError) as err:
         derive(s, cfg)
     msg = str(err.value)
     assert f"derived consumer {cfg.name} of lake.{s.block.current_table}" in msg and "expired" in msg, msg
     assert f"cdc_derived__{cfg.name} with mode=full" in msg and f"{MAX_LAG} h" in msg, msg
-    assert derive(s, cfg, full=True)["mode"] == "full"
+    assert derive(s, cfg, full=True).mode == "full"
     assert_tree_is_reference(s, cfg)
 
 
@@ -224,13 +224,13 @@ def test_a_lagging_export_keeps_its_position_and_pending_snapshots_until_its_max
     s, ecfg = held_source, held_export
     live = s.lake.qualified(s.block.current_table)
     first = export_run(s.spark, s.lake, ecfg, s)
-    assert first["mode"] == "full"
-    position = first["snapshot"]
+    assert first.mode == "full"
+    position = first.snapshot
     change(s, 1)
     maintain(s, s.block, hours=2)
     assert position in snapshots(s, s.block), "the exported snapshot was expired"
     m = export_run(s.spark, s.lake, ecfg, s)
-    assert m["mode"] == "incremental" and m["keys_from"] == "changelog", m
+    assert m.mode == "incremental" and m.keys_from == "changelog", m
     assert_store_equals(s.spark, ecfg, live)
 
     # A run killed after its writes leaves a pending snapshot: held too, until a run moves past it.
@@ -252,7 +252,7 @@ def test_a_lagging_export_keeps_its_position_and_pending_snapshots_until_its_max
     # Its position is a compaction's snapshot (maintenance ran before the run that set it): the
     # snapshot below it carrying the watermark stays too, so the range is still read from the changelog.
     m = export_run(s.spark, s.lake, ecfg, s)
-    assert m["mode"] == "incremental" and m["keys_from"] == "changelog", m
+    assert m.mode == "incremental" and m.keys_from == "changelog", m
     assert_store_equals(s.spark, ecfg, live)
     assert tags(s, live) == {f"cdc_consumer_export_{ecfg.name}"}  # the pending hold went with the move
 
@@ -263,5 +263,5 @@ def test_a_lagging_export_keeps_its_position_and_pending_snapshots_until_its_max
     msg = str(err.value)
     assert f"export consumer {ecfg.name} of {live}" in msg and "expired" in msg, msg
     assert f"cdc_export__{ecfg.name} with mode=full" in msg, msg
-    assert export_run(s.spark, s.lake, ecfg, s, mode="full")["mode"] == "full"
+    assert export_run(s.spark, s.lake, ecfg, s, mode="full").mode == "full"
     assert_store_equals(s.spark, ecfg, live)

@@ -5,7 +5,6 @@ land out of order, a straddling file, heartbeats, and reruns that converge."""
 
 from __future__ import annotations
 
-import json
 from datetime import UTC, date, datetime
 from decimal import Decimal
 
@@ -13,7 +12,7 @@ from cdc_lakehouse.feed.models import BEFORE_COL, FEED_OP_COL, OP_UPSERT
 from cdc_lakehouse.feed.offsets import commit_meta_offset, meta_offset
 from cdc_lakehouse.feed.read import read_changes
 from cdc_lakehouse.ingest.run import ingest_table
-from cdc_lakehouse.lake.watermark import read_watermark
+from cdc_lakehouse.lake.watermark import Watermark, read_watermark
 from cdc_lakehouse.landing.debezium import bootstrap_debezium
 from pyspark.sql import functions as F
 
@@ -117,8 +116,8 @@ def test_json_sink_full_ingest_with_toast_deletes_truncate_schema_change_and_rer
     ingest_table(spark, lake, cfg, upto_run=None, ingest_run="r1")
     assert_table(spark, lake, cfg, rows)
     wm = read_watermark(spark, lake.qualified(cfg.current_table))
-    assert wm["debezium"]["offsets"][TOPIC] == {"0": 3, "1": 3}
-    assert wm["shards"]["s1"]["lsn"] == 1001  # strictly above transaction A's position (1000)
+    assert wm.debezium["offsets"][TOPIC] == {"0": 3, "1": 3}
+    assert wm.shards["s1"].lsn == 1001  # strictly above transaction A's position (1000)
 
     # Partition 0 moves on (a delete with its tombstone, then an update that brings a new column);
     # partition 1's older transaction B has not landed yet: partition 0's changes wait for it.
@@ -127,8 +126,8 @@ def test_json_sink_full_ingest_with_toast_deletes_truncate_schema_change_and_rer
     ingest_table(spark, lake, cfg, upto_run=None, ingest_run="r2")
     assert_table(spark, lake, cfg, rows)
     wm = read_watermark(spark, lake.qualified(cfg.current_table))
-    assert wm["shards"]["s1"]["lsn"] == 1001 and wm["debezium"]["offsets"][TOPIC] == {"0": 3, "1": 3}
-    assert wm["debezium"]["frontier"]["s1"] == {"partition": f"{TOPIC} partition 1", "held": 2}
+    assert wm.shards["s1"].lsn == 1001 and wm.debezium["offsets"][TOPIC] == {"0": 3, "1": 3}
+    assert wm.debezium["frontier"]["s1"] == {"partition": f"{TOPIC} partition 1", "held": 2}
 
     # Transaction B lands late in partition 1: an update whose TOASTed note did not change. It
     # applies; partition 0's changes still wait (partition 1 may yet deliver up to 1350).
@@ -136,7 +135,7 @@ def test_json_sink_full_ingest_with_toast_deletes_truncate_schema_change_and_rer
     ingest_table(spark, lake, cfg, upto_run=None, ingest_run="r3")
     rows[5] = base(5, note=big, price=Decimal("55.55"))
     assert_table(spark, lake, cfg, rows)
-    assert read_watermark(spark, lake.qualified(cfg.current_table))["shards"]["s1"]["lsn"] == 1201
+    assert read_watermark(spark, lake.qualified(cfg.current_table)).shards["s1"].lsn == 1201
 
     # A truncate, then new rows in both partitions: everything applies.
     write(root, 0, 6, [json_line(ev("t", 1600, 1550)),
@@ -145,7 +144,7 @@ def test_json_sink_full_ingest_with_toast_deletes_truncate_schema_change_and_rer
     ingest_table(spark, lake, cfg, upto_run=None, ingest_run="r4")
     rows = {8: base(8), 9: base(9)}
     assert_table(spark, lake, cfg, rows, extra={8: 8, 9: 9})
-    assert read_watermark(spark, lake.qualified(cfg.current_table))["shards"]["s1"]["lsn"] == 1651
+    assert read_watermark(spark, lake.qualified(cfg.current_table)).shards["s1"].lsn == 1651
 
     # The sink rewrote partition 0 from offset 7 (already applied): only offset 8 on is new.
     # Offset 7 here differs from what was applied there, so reading it would show in the table.
@@ -157,8 +156,8 @@ def test_json_sink_full_ingest_with_toast_deletes_truncate_schema_change_and_rer
     rows |= {10: base(10), 12: base(12)}
     assert_table(spark, lake, cfg, rows, extra={8: 8, 9: 9, 10: 10, 12: 12})
     wm = read_watermark(spark, lake.qualified(cfg.current_table))
-    assert wm["debezium"]["offsets"][TOPIC] == {"0": 9, "1": 6}
-    assert wm["shards"]["s1"]["ts"] == "2030-03-17T17:47:40+00:00"  # the newest heartbeat: nothing waits
+    assert wm.debezium["offsets"][TOPIC] == {"0": 9, "1": 6}
+    assert wm.shards["s1"].ts == "2030-03-17T17:47:40+00:00"  # the newest heartbeat: nothing waits
 
     # Reruns with nothing new converge: same table, same watermark.
     ingest_table(spark, lake, cfg, upto_run=None, ingest_run="r6")
@@ -189,7 +188,7 @@ def test_avro_sink_bootstrap_toast_and_delete(spark, lake, tmp_root, unique):
     ingest_table(spark, lake, cfg, upto_run=None, ingest_run="a3")
     assert_table(spark, lake, cfg, want)
     wm = read_watermark(spark, lake.qualified(cfg.current_table))
-    assert wm["debezium"]["offsets"][TOPIC] == {"0": 5} and wm["shards"]["s1"]["lsn"] == 751
+    assert wm.debezium["offsets"][TOPIC] == {"0": 5} and wm.shards["s1"].lsn == 751
 
 
 def write_gz(root, partition, start, lines):
@@ -223,7 +222,7 @@ def test_a_gzip_backlog_is_applied_in_bounded_batches(spark, lake, tmp_root, uni
     ingest_table(spark, lake, cfg, upto_run=None, ingest_run="g1")
     assert_table(spark, lake, cfg, {1: base(1), 2: base(2), 4: base(4)})
     wm = read_watermark(spark, lake.qualified(cfg.current_table))
-    assert wm["debezium"]["offsets"][TOPIC] == {"0": 2, "1": 1} and wm["shards"]["s1"]["lsn"] == 1000
+    assert wm.debezium["offsets"][TOPIC] == {"0": 2, "1": 1} and wm.shards["s1"].lsn == 1000
     # Then lowest positions first until nothing more can apply.
     runs = 1
     while True:
@@ -237,19 +236,19 @@ def test_a_gzip_backlog_is_applied_in_bounded_batches(spark, lake, tmp_root, uni
     # Partition 1's update at 1250 waits: partition 0 delivered nothing past 1200.
     want = {1: base(1), 2: base(2, price=Decimal("7.77")), 5: base(5, note=big)}
     assert_table(spark, lake, cfg, want)
-    assert wm["debezium"]["offsets"][TOPIC] == {"0": 5, "1": 2} and wm["shards"]["s1"]["lsn"] == 1201
-    assert wm["debezium"]["frontier"]["s1"] == {"partition": f"{TOPIC} partition 0", "held": 1}
+    assert wm.debezium["offsets"][TOPIC] == {"0": 5, "1": 2} and wm.shards["s1"].lsn == 1201
+    assert wm.debezium["frontier"]["s1"] == {"partition": f"{TOPIC} partition 0", "held": 1}
     # A transaction over both partitions moves both past it: everything applies (in two runs of
     # two events: g5 the held 1250, g6 the transaction at 1300, both halves together).
     write_gz(root, 0, 5, [json_line(ev("u", 1310, 1300, after=base(2, price=Decimal("8.88"))))])
     write_gz(root, 1, 3, [json_line(ev("u", 1311, 1300, after=base(1, ratio=0.5)))])
     ingest_table(spark, lake, cfg, upto_run=None, ingest_run="g5")
-    assert read_watermark(spark, lake.qualified(cfg.current_table))["shards"]["s1"]["lsn"] == 1300
+    assert read_watermark(spark, lake.qualified(cfg.current_table)).shards["s1"].lsn == 1300
     ingest_table(spark, lake, cfg, upto_run=None, ingest_run="g6")
     want = {1: base(1, ratio=0.5), 2: base(2, price=Decimal("8.88")), 5: base(5, note=big, ratio=8.5)}
     assert_table(spark, lake, cfg, want)
     wm = read_watermark(spark, lake.qualified(cfg.current_table))
-    assert wm["shards"]["s1"]["lsn"] == 1301 and wm["debezium"]["frontier"]["s1"]["held"] == 0
+    assert wm.shards["s1"].lsn == 1301 and wm.debezium["frontier"]["s1"]["held"] == 0
 
 
 def price_total(spark, lake, cfg, consumer: str, total: Decimal) -> Decimal:
@@ -322,25 +321,25 @@ def test_a_partition_behind_holds_back_the_others_until_it_delivers(spark, lake,
     bootstrap_debezium(spark, lake, cfg)
     cur = lake.qualified(cfg.current_table)
 
-    def run(name: str) -> dict:
+    def run(name: str) -> Watermark:
         m = ingest_table(spark, lake, cfg, upto_run=None, ingest_run=name)
-        assert json.loads(m["watermark"]) == read_watermark(spark, cur)  # the run's metrics show it
+        assert Watermark.from_json(m.metrics.watermark) == read_watermark(spark, cur)  # the run's metrics show it
         return read_watermark(spark, cur)
 
     wm = run("h1")
     assert_table(spark, lake, cfg, {i: base(i) for i in (1, 2, 3, 4)})  # the snapshot only
-    assert wm["shards"]["s1"]["lsn"] == 1000 and wm["debezium"]["offsets"][TOPIC] == {"0": 2, "1": 2}
-    assert wm["debezium"]["frontier"]["s1"] == {"partition": f"{TOPIC} partition 1", "held": 2}
+    assert wm.shards["s1"].lsn == 1000 and wm.debezium["offsets"][TOPIC] == {"0": 2, "1": 2}
+    assert wm.debezium["frontier"]["s1"] == {"partition": f"{TOPIC} partition 1", "held": 2}
     write(root, 1, 2, [json_line(ev("u", 1060, 1050, after=base(3, note="c")))])
     wm = run("h2")  # partition 1 moved past 1000: the transaction at 1000 applies; 1100 still waits
     assert_table(spark, lake, cfg, {1: base(1), 2: base(2, note="a"), 3: base(3, note="c"), 4: base(4)})
-    assert wm["shards"]["s1"]["lsn"] == 1051 and wm["debezium"]["offsets"][TOPIC] == {"0": 3, "1": 3}
-    assert wm["debezium"]["frontier"]["s1"] == {"partition": f"{TOPIC} partition 1", "held": 1}
+    assert wm.shards["s1"].lsn == 1051 and wm.debezium["offsets"][TOPIC] == {"0": 3, "1": 3}
+    assert wm.debezium["frontier"]["s1"] == {"partition": f"{TOPIC} partition 1", "held": 1}
     write(root, 1, 3, [json_line(ev("u", 1210, 1200, after=base(1, note="d")))])
     wm = run("h3")  # partition 1 past 1100: it applies; now partition 0 (last 1100) holds 1200 back
     assert_table(spark, lake, cfg, {1: base(1), 2: base(2, note="a"), 3: base(3, note="c"), 4: base(4, note="b")})
-    assert wm["shards"]["s1"]["lsn"] == 1101 and wm["debezium"]["offsets"][TOPIC] == {"0": 4, "1": 3}
-    assert wm["debezium"]["frontier"]["s1"] == {"partition": f"{TOPIC} partition 0", "held": 1}
+    assert wm.shards["s1"].lsn == 1101 and wm.debezium["offsets"][TOPIC] == {"0": 4, "1": 3}
+    assert wm.debezium["frontier"]["s1"] == {"partition": f"{TOPIC} partition 0", "held": 1}
     assert run("h4") == wm  # a rerun applies nothing and moves nothing
     cl = spark.table(lake.qualified(cfg.changelog_table)).groupBy("id", "note").count().collect()
     assert sorted((r["id"], r["note"], r["count"]) for r in cl) == [

@@ -156,9 +156,9 @@ def assert_tree_is_reference(s: Source, cfg: TreeConfig, want: tuple[dict, dict]
 
 def apply_batch(s: Source, *sql: str) -> None:
     s.execute(*sql)
-    run = s.capture()["run_id"]
+    run = s.capture().manifest.run_id
     for cfg in (s.block, s.perm):
-        assert s.ingest(cfg, run, run=f"i{s.runs}")["status"] == "ok"
+        assert s.ingest(cfg, run, run=f"i{s.runs}").metrics.status == "ok"
 
 
 @pytest.fixture
@@ -184,7 +184,7 @@ def test_scripted_shapes_deep_chain_moves_root_grants_deletes_cycles_orphans(tre
     s = tree_source
     cfg = tree_cfg(s, f"tree_{unique}")
     first = derive(s, cfg)
-    assert first["mode"] == "full"
+    assert first.mode == "full"
     placed, reasons = assert_tree_is_reference(s, cfg)
     assert not reasons and len(placed) == 400
     base = ID_STRIDE  # shard s0
@@ -198,7 +198,7 @@ def test_scripted_shapes_deep_chain_moves_root_grants_deletes_cycles_orphans(tre
         f"INSERT INTO s0.permission (block_id, user_id, role) VALUES ({chain[0]}, 7, 'full'), ({chain[30]}, 7, 'read')",
     )
     m = derive(s, cfg)
-    assert m["mode"] == "incremental" and m["passes"] <= 8, m  # log2(60) passes, not 60
+    assert m.mode == "incremental" and m.passes <= 8, m  # log2(60) passes, not 60
     placed, _ = assert_tree_is_reference(s, cfg)
     deepest = placed[(shard_of(s)["s0"], chain[60])]
     assert deepest.depth == 60 and deepest.path == tuple(chain[:60])
@@ -298,11 +298,11 @@ def test_incremental_equals_reference_and_full_after_random_batches(tree_source,
         apply_batch(s, *random_batch(s, rng, next_id))
         m = derive(s, inc)
         print({k: m.get(k) for k in ("mode", "changed", "affected", "passes", "resolved", "unresolved", "spark_jobs")})
-        modes.append(m["mode"])
+        modes.append(m.mode)
         seen |= set(assert_tree_is_reference(s, inc)[1].values())
     assert modes == ["incremental"] * 5, (seed, modes)
     assert {"missing_parent", "parent_in_other_shard"} <= seen, (seed, seen)
-    assert derive(s, inc)["mode"] == "noop"
+    assert derive(s, inc).mode == "noop"
     derive(s, full, full=True)
     assert lake_tree(s, inc) == lake_tree(s, full), seed
 
@@ -334,13 +334,13 @@ def test_a_run_killed_between_its_commits_converges_on_the_next(tree_source, uni
         with pytest.raises(Killed):
             derive(s, cfg)
         monkeypatch.undo()
-        assert derive(s, cfg)["mode"] == "incremental"
+        assert derive(s, cfg).mode == "incremental"
         assert_tree_is_reference(s, cfg)
     # Updates of other columns only: nothing to recompute, yet the watermark moves (next run: noop).
     apply_batch(s, "UPDATE s0.block SET version = version + 1", "UPDATE s1.block SET content = 'x'")
     m = derive(s, cfg)
-    assert m["mode"] == "incremental" and m["affected"] == len(reference(s)[1]), m  # only the unresolved retried
-    assert derive(s, cfg)["mode"] == "noop"
+    assert m.mode == "incremental" and m.affected == len(reference(s)[1]), m  # only the unresolved retried
+    assert derive(s, cfg).mode == "noop"
     assert_tree_is_reference(s, cfg)
 
 
@@ -377,14 +377,14 @@ def test_surrogate_keyed_grants_revoked_or_moved_leave_every_node_that_inherited
         )
         for name in (f"sg_{unique}", f"sg_full_{unique}")
     )
-    assert derive_tree(s.spark, s.lake, dcfg, tables)["mode"] == "full"
+    assert derive_tree(s.spark, s.lake, dcfg, tables).mode == "full"
     placed, _ = assert_tree_is_reference(s, dcfg, reference(s, grants_table="block_grant"))
     shard0 = shard_of(s)["s0"]
     assert ("7", "full", b0 + 1) in placed[(shard0, b0 + 40)].grants  # inherited down the first tree
 
     def grant_batch(*sql):
         s.execute(*sql)
-        assert s.ingest(gcfg, s.capture()["run_id"], run=f"g{s.runs}")["status"] == "ok"
+        assert s.ingest(gcfg, s.capture().manifest.run_id, run=f"g{s.runs}").metrics.status == "ok"
 
     grant_batch(
         f"DELETE FROM s0.block_grant WHERE block_id = {b0 + 1} AND user_id = 7",  # revoked: the whole first tree
@@ -393,9 +393,9 @@ def test_surrogate_keyed_grants_revoked_or_moved_leave_every_node_that_inherited
         f"INSERT INTO s1.block_grant (block_id, user_id, role) VALUES ({b1 + 2}, 9, 'full')",
     )
     m = derive_tree(s.spark, s.lake, dcfg, tables)
-    assert m["mode"] == "incremental", m
+    assert m.mode == "incremental", m
     placed, _ = assert_tree_is_reference(s, dcfg, reference(s, grants_table="block_grant"))
-    assert m["keys_from"] == {s.block.name: "changelog", gcfg.name: "changelog"}, m
+    assert m.keys_from == {s.block.name: "changelog", gcfg.name: "changelog"}, m
     assert not any(g[0] == "7" and g[2] == b0 + 1 for n, p in placed.items() if n[0] == shard0 for g in p.grants)
     assert ("7", "read", b0 + 121) in placed[(shard0, b0 + 121)].grants
     derive_tree(s.spark, s.lake, full, tables, full=True)
@@ -412,5 +412,5 @@ def test_surrogate_keyed_grants_revoked_or_moved_leave_every_node_that_inherited
     ).collect()
     with pytest.raises(ConsumerLagError, match=f"derived consumer {dcfg.name} of .*mode=full"):
         derive_tree(s.spark, s.lake, dcfg, tables)
-    assert derive_tree(s.spark, s.lake, dcfg, tables, full=True)["mode"] == "full"
+    assert derive_tree(s.spark, s.lake, dcfg, tables, full=True).mode == "full"
     assert_tree_is_reference(s, dcfg, reference(s, grants_table="block_grant"))

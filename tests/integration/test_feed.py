@@ -132,8 +132,8 @@ def random_batch(s: Source, rng: random.Random, next_id: dict[str, int]) -> list
 
 
 def ingest(s: Source) -> None:
-    run = s.capture()["run_id"]
-    assert s.ingest(s.block, run, run=f"i{s.runs}")["status"] == "ok"
+    run = s.capture().manifest.run_id
+    assert s.ingest(s.block, run, run=f"i{s.runs}").metrics.status == "ok"
 
 
 @pytest.fixture
@@ -157,7 +157,7 @@ def test_consumers_follow_random_batches_key_changes_truncate_and_rebootstrap(fe
     py_state: dict = {}
     py = arrow_step(s, py_state, None)
     assert py.mode == "full" and py_state == state
-    assert block_counts(s.spark, s.lake, s.block, output=output)["mode"] == "full"
+    assert block_counts(s.spark, s.lake, s.block, output=output).mode == "full"
     assert lake_counts(s, output) == source_counts(s)
     next_id = dict(s.wl.next_id)
     modes = []
@@ -181,7 +181,7 @@ def test_consumers_follow_random_batches_key_changes_truncate_and_rebootstrap(fe
         py = arrow_step(s, py_state, py.offset)
         assert (py.mode, py.snapshot_id) == (r.mode, r.snapshot_id) and py_state == state, (seed, i, py)
         m = block_counts(s.spark, s.lake, s.block, output=output)
-        assert m["mode"] == r.mode and m["snapshot_id"] == r.snapshot_id, m
+        assert m.mode == r.mode and m.snapshot_id == r.snapshot_id, m
         assert lake_counts(s, output) == source_counts(s), (seed, i, m)
     assert modes[2] == "diff" and modes[4] == "diff", modes  # truncate; re-bootstrap
     assert modes[0] == modes[1] == modes[3] == modes[5] == "changelog", modes
@@ -262,7 +262,7 @@ def test_a_consumer_killed_around_its_commit_neither_skips_nor_repeats(feed_sour
         moved = output_offsets(s.spark, table, "block_counts") != before
         assert moved == (point == "feed_after_output_commit"), point  # output and offset: both or neither
         m = block_counts(s.spark, s.lake, s.block, output=output)
-        assert m["mode"] == then, (point, m)
+        assert m.mode == then, (point, m)
         assert lake_counts(s, output) == source_counts(s), (seed, point)
 
     # At least once (offset in cdc_meta after the output): killed in between, the same range comes again.

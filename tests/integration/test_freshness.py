@@ -19,6 +19,7 @@ import yaml
 from cdc_lakehouse.ingest.run import ingest_table
 from cdc_lakehouse.lake.freshness import latest_freshness
 from cdc_lakehouse.lake.snapshots import current_snapshot
+from cdc_lakehouse.lake.watermark import Watermark
 
 from tests.conftest import make_config
 from tests.integration.conftest import Source
@@ -45,18 +46,18 @@ def test_quiet_shard_moves_its_heartbeat_not_its_last_source_commit(source, spar
     s.bootstrap(cfg)
     _touch(s, "s0")
     _touch(s, "s1")
-    s.ingest(cfg, s.capture()["run_id"], run="f1")
+    s.ingest(cfg, s.capture().manifest.run_id, run="f1")
     f1 = _fresh(spark, lake, cfg)
     assert f1[quiet].last_source_commit_ts is not None and f1[quiet].last_source_commit_lsn is not None
     # The run's heartbeat is written after the updates, so it commits later.
     assert f1[quiet].last_source_commit_ts < f1[quiet].last_heartbeat_ts
 
     _touch(s, "s0")  # from here on s1 only gets the capture's heartbeats
-    s.ingest(cfg, s.capture()["run_id"], run="f2")
+    s.ingest(cfg, s.capture().manifest.run_id, run="f2")
     f2 = _fresh(spark, lake, cfg)
     m3 = s.capture()  # nothing changed anywhere: the ingest's no-event path (only the watermark moves)
-    r3 = s.ingest(cfg, m3["run_id"], run="f3")
-    assert r3["events_read"] == 0
+    r3 = s.ingest(cfg, m3.manifest.run_id, run="f3")
+    assert r3.metrics.events_read == 0
     f3 = _fresh(spark, lake, cfg)
 
     for a, b in ((f1, f2), (f2, f3)):
@@ -72,9 +73,9 @@ def test_quiet_shard_moves_its_heartbeat_not_its_last_source_commit(source, spar
     assert f3[busy].last_source_commit_lsn == f2[busy].last_source_commit_lsn  # no change in run 3
     # The heartbeat is the quiet shard's position; the recorded lake commit is the table's current
     # snapshot, and it carries that position.
-    hb = m3["heartbeats"]["s1"]
-    assert f3[quiet].last_heartbeat_lsn == hb["commit_lsn"]
-    assert f3[quiet].fresh_to == datetime.fromisoformat(hb["commit_ts"])
+    hb = m3.manifest.heartbeats["s1"]
+    assert f3[quiet].last_heartbeat_lsn == hb.commit_lsn
+    assert f3[quiet].fresh_to == datetime.fromisoformat(hb.commit_ts)
     snap = current_snapshot(spark, lake.qualified(cfg.current_table))
     assert f3[quiet].lake_snapshot_id == snap.snapshot_id
     assert f3[quiet].endpoint == s.endpoint and f3[quiet].source_schema == "s1"
@@ -143,7 +144,7 @@ def test_a_shard_beyond_the_sla_alerts_naming_it(two_endpoints, spark, lake, smt
     assert f"({SLA_SECONDS} s, alerts.freshness_sla)" in body
 
     # The audit's freshness check reads the same table: per shard, the stale one beyond its SLA.
-    ages = shard_ages(spark, lake, cfg, {}, datetime.now(UTC))
+    ages = shard_ages(spark, lake, cfg, Watermark.from_dict({}), datetime.now(UTC))
     assert ages[stale_shard] * 60 > SLA_SECONDS > 0 and ages[fresh_shard] * 60 < ages[stale_shard] * 60
     # The demo's summary reads it with pyiceberg: a line per shard.
     from cdc_lakehouse.dev.demo import _freshness_lines

@@ -36,16 +36,16 @@ def test_random_workload_converges_exactly(source, spark, lake):
     for i in range(4):
         s.wl.step(1200, pk_changes=2)
         m = s.capture()
-        runs.append(m["run_id"])
+        runs.append(m.manifest.run_id)
         if i == 1:
-            duplicate_file(lake, s.endpoint, m["run_id"], "block")
+            duplicate_file(lake, s.endpoint, m.manifest.run_id, "block")
         if i == 2:
             # (The unknown-op event names a key no row has: a quarantined event of a real key holds
             # back that key's later TOAST-unchanged events, which test_nothing_lost covers.)
             append_malformed(
                 lake,
                 s.endpoint,
-                m["run_id"],
+                m.manifest.run_id,
                 "block",
                 [
                     {"op": "x", "after": [("id", "999999999"), ("space_id", "1")]},
@@ -54,10 +54,10 @@ def test_random_workload_converges_exactly(source, spark, lake):
                 ],
             )
         for cfg in (s.block, s.perm):
-            r = s.ingest(cfg, m["run_id"], run=f"i{i}")
-            assert r["status"] == "ok"
+            r = s.ingest(cfg, m.manifest.run_id, run=f"i{i}")
+            assert r.metrics.status == "ok"
         if i == 1:
-            assert r["duplicates"] == 0  # permission had no duplicates; block's are checked below
+            assert r.metrics.duplicates == 0  # permission had no duplicates; block's are checked below
     metrics = (
         spark.table(lake.qualified(lake.meta_table("ingest_runs")))
         .filter(F.col("table_name") == s.block.name)
@@ -69,7 +69,7 @@ def test_random_workload_converges_exactly(source, spark, lake):
     assert sum(m["updates"] for m in metrics) > 3 * sum(m["inserts"] for m in metrics)
     wm_before = read_watermark(spark, lake.qualified(s.block.current_table))
     # A rerun of an old interval and a replay of everything: nothing changes.
-    assert s.ingest(s.block, runs[1], run="rerun")["events_read"] == 0
+    assert s.ingest(s.block, runs[1], run="rerun").metrics.events_read == 0
     snap = spark.table(lake.qualified(s.block.current_table)).count()
     assert read_watermark(spark, lake.qualified(s.block.current_table)) == wm_before
     assert spark.table(lake.qualified(s.block.current_table)).count() == snap
@@ -157,8 +157,8 @@ def test_toast_chains_truncate_and_pk_changes_in_one_batch(source, spark, lake, 
     )
     m = s.capture()
     since = last_execution(spark)
-    r = s.ingest(s.block, m["run_id"])
-    assert r["quarantined"] == 0 and r["merge_join"] == merge_join
+    r = s.ingest(s.block, m.manifest.run_id)
+    assert r.metrics.quarantined == 0 and r.metrics.merge_join == merge_join
     assert_lake_equals_source(spark, lake, s.block, s.dsn)
     assert spark.table(lake.qualified(s.block.current_table)).filter("id = 777").first()["content"] == big
     (plan,) = merge_plans(spark, since)
@@ -187,7 +187,7 @@ def test_toast_chains_truncate_and_pk_changes_in_one_batch(source, spark, lake, 
         for name, staged in left.items():
             props = f"TBLPROPERTIES ('cdc.staged-at' = '{staged}')" if staged else ""
             spark.sql(f"CREATE TABLE {lake.qualified(lake.meta_table(name))} (id bigint) USING iceberg {props}")
-        s.ingest(s.block, m["run_id"])
+        s.ingest(s.block, m.manifest.run_id)
         assert_lake_equals_source(spark, lake, s.block, s.dsn)
         s1 = [n for _, schema, n in s.block.shards() if schema == "s1"][0]
         assert spark.table(lake.qualified(s.block.current_table)).filter(F.col("_cdc_shard") == s1).count() == 1
@@ -212,10 +212,10 @@ def test_error_budget_stops_the_run_and_keeps_everything(source, spark, lake):
     s.bootstrap(strict)
     s.execute("UPDATE s0.block SET version = 2 WHERE id IN (SELECT id FROM s0.block LIMIT 5)")
     m = s.capture()
-    append_malformed(lake, s.endpoint, m["run_id"], "block", [{"op": "x"}, {"op": "y"}])
+    append_malformed(lake, s.endpoint, m.manifest.run_id, "block", [{"op": "x"}, {"op": "y"}])
     wm = read_watermark(spark, lake.qualified(strict.current_table))
     with pytest.raises(ErrorBudgetExceeded) as exc:
-        s.ingest(strict, m["run_id"])
+        s.ingest(strict, m.manifest.run_id)
     assert "2 of" in str(exc.value) and "unknown op" in str(exc.value) and "error_budget" in str(exc.value)
     assert read_watermark(spark, lake.qualified(strict.current_table)) == wm  # nothing applied
     assert quarantined(spark, lake, strict.name).count() == 2
@@ -230,7 +230,7 @@ def test_error_budget_stops_the_run_and_keeps_everything(source, spark, lake):
             )
         }
     )
-    s.ingest(lenient, m["run_id"])  # a wider budget accepts it; the quarantine is not duplicated
+    s.ingest(lenient, m.manifest.run_id)  # a wider budget accepts it; the quarantine is not duplicated
     assert quarantined(spark, lake, strict.name).count() == 2
     assert_lake_equals_source(spark, lake, s.block, s.dsn)
 
@@ -243,10 +243,14 @@ def test_schema_changes_additive_incompatible_and_isolated(source, spark, lake):
     s.wl.add_column("note", "varchar(40)")
     s.execute("UPDATE s0.block SET note = 'hi' WHERE id IN (SELECT id FROM s0.block ORDER BY id LIMIT 3)")
     m = s.capture()
-    r = s.ingest(s.block, m["run_id"])
+    r = s.ingest(s.block, m.manifest.run_id)
     assert spark.table(lake.qualified(s.block.current_table)).filter("note = 'hi'").count() == 3
     # The run's figures are its MERGE's, not those of the backfill's closing commit (no files).
-    assert r["updates"] == 3 and r["bytes_written"] > 0 and r["data_files_added"] + r["delete_files_added"] > 0, r
+    assert (
+        r.metrics.updates == 3
+        and r.metrics.bytes_written > 0
+        and r.metrics.data_files_added + r.metrics.delete_files_added > 0
+    ), r
     assert_lake_equals_source(spark, lake, s.block, s.dsn)
     # A dropped column the table keeps: this table stops, naming the column and the choices ...
     s.execute(
@@ -261,7 +265,7 @@ def test_schema_changes_additive_incompatible_and_isolated(source, spark, lake):
         spark,
         lake,
         [s.block, s.perm],
-        lambda sp, lk, c: ingest_table(sp, lk, c, upto_run=m["run_id"], ingest_run="x"),
+        lambda sp, lk, c: ingest_table(sp, lk, c, upto_run=m.manifest.run_id, ingest_run="x"),
     )
     assert [name for name, _ in failures] == [s.block.name]
     err = str(failures[0][1])
@@ -272,7 +276,7 @@ def test_schema_changes_additive_incompatible_and_isolated(source, spark, lake):
     keep = s.block.model_copy(
         update={"schema_changes": s.block.schema_changes.model_copy(update={"dropped_columns": {"score": "keep_null"}})}
     )
-    ingest_table(spark, lake, keep, upto_run=m["run_id"], ingest_run="y")
+    ingest_table(spark, lake, keep, upto_run=m.manifest.run_id, ingest_run="y")
     cur = spark.table(lake.qualified(keep.current_table))
     assert "score" in cur.columns
 
@@ -283,14 +287,14 @@ def test_missing_landing_file_is_an_error_unless_skipped(source, spark, lake):
     s.bootstrap(s.block)
     s.execute("UPDATE s0.block SET version = 7 WHERE id IN (SELECT id FROM s0.block LIMIT 3)")
     m = s.capture()
-    entry = next(e for e in m["tables"] if e["table"] == "block")
-    (landing_root(lake) / entry["dir"] / entry["files"][0]["name"]).unlink()
+    entry = next(e for e in m.manifest.tables if e.table == "block")
+    (landing_root(lake) / entry.dir / entry.files[0].name).unlink()
     with pytest.raises(LandingGap) as exc:
-        s.ingest(s.block, m["run_id"])
+        s.ingest(s.block, m.manifest.run_id)
     assert "missing" in str(exc.value) and "missing_landing_files: skip" in str(exc.value)
     skip = s.block.model_copy(update={"ingest": s.block.ingest.model_copy(update={"missing_landing_files": "skip"})})
-    r = s.ingest(skip, m["run_id"])
-    assert r["status"] == "ok_with_gaps"
+    r = s.ingest(skip, m.manifest.run_id)
+    assert r.metrics.status == "ok_with_gaps"
 
 
 @pytest.mark.slow
@@ -321,7 +325,7 @@ def test_killed_run_leaves_a_valid_table_and_the_next_run_converges(source, spar
             "--config-dir",
             str(tmp_path),
             "--upto-run",
-            m["run_id"],
+            m.manifest.run_id,
         ],
         env=env,
         capture_output=True,
@@ -333,7 +337,7 @@ def test_killed_run_leaves_a_valid_table_and_the_next_run_converges(source, spar
     spark.catalog.clearCache()
     cur = lake.qualified(s.block.current_table)
     assert spark.table(cur).count() > 0  # readable
-    s.ingest(s.block, m["run_id"], run="after-crash")
+    s.ingest(s.block, m.manifest.run_id, run="after-crash")
     assert_lake_equals_source(spark, lake, s.block, s.dsn)
     cl = spark.table(lake.qualified(s.block.changelog_table))
     # A change event is (shard, commit LSN, seq); the bootstrap's 'r' rows share one position per shard.
@@ -378,10 +382,10 @@ def test_ingest_stays_within_its_spark_job_budget(source, spark, lake):
     s.bootstrap(s.block)
     s.wl.step(600)
     m = s.capture()
-    r = s.ingest(s.block, m["run_id"], run="budget")
-    assert r["status"] == "ok" and r["quarantined"] == 0 and r["updates"] > 0, r
-    print(f"ingest of {r['events_read']} events: {r['spark_jobs']} Spark jobs (budget {INGEST_JOB_BUDGET})")
-    print("\n".join(r["spark_job_sites"]))
-    print(f"metadata reads: {r['spark_metadata_jobs']} (budget {INGEST_METADATA_READ_BUDGET})")
-    assert 0 < r["spark_jobs"] <= INGEST_JOB_BUDGET, r["spark_jobs"]
-    assert r["spark_metadata_jobs"] <= INGEST_METADATA_READ_BUDGET, r["spark_metadata_jobs"]
+    r = s.ingest(s.block, m.manifest.run_id, run="budget")
+    assert r.metrics.status == "ok" and r.metrics.quarantined == 0 and r.metrics.updates > 0, r
+    print(f"ingest of {r.metrics.events_read} events: {r.spark_jobs} Spark jobs (budget {INGEST_JOB_BUDGET})")
+    print("\n".join(r.spark_job_sites))
+    print(f"metadata reads: {r.spark_metadata_jobs} (budget {INGEST_METADATA_READ_BUDGET})")
+    assert 0 < r.spark_jobs <= INGEST_JOB_BUDGET, r.spark_jobs
+    assert r.spark_metadata_jobs <= INGEST_METADATA_READ_BUDGET, r.spark_metadata_jobs

@@ -21,8 +21,8 @@ FAR = 500_000_000  # new keys far above the workload's, inside the shard's id ra
 def _toast(s, ids: list[int], tag: str) -> None:
     """A batch of its own giving each row a large content, applied, so the table holds them."""
     s.execute(f"UPDATE s0.block SET content = {BIG.format(tag=f'id::text || {tag!r}')} WHERE id IN ({_in(ids)})")
-    r = s.ingest(s.block, s.capture()["run_id"], run="toast")
-    assert r["status"] == "ok"
+    r = s.ingest(s.block, s.capture().manifest.run_id, run="toast")
+    assert r.metrics.status == "ok"
 
 
 def _in(ids: list[int]) -> str:
@@ -68,8 +68,8 @@ def test_chains_of_1_2_100_and_1000_keep_toast_values_in_log_passes(source, spar
             sql.append(_chain_sql(k if j == 0 else first + j - 1, first + j, min(100, n - j), other))
         ends[k] = first + n - 1
     s.execute(*sql)
-    r = s.ingest(s.block, s.capture()["run_id"], run="chains")
-    assert r["quarantined"] == 0 and r["status"] == "ok"
+    r = s.ingest(s.block, s.capture().manifest.run_id, run="chains")
+    assert r.metrics.quarantined == 0 and r.metrics.status == "ok"
     assert_lake_equals_source(spark, lake, s.block, s.dsn)
     for k, end in ends.items():
         assert _content(spark, lake, s, end) == before[k]
@@ -110,8 +110,8 @@ def test_swaps_cycles_and_a_bulk_shift_end_equal_to_the_source(source, spark, la
         f"{shift[-1]} ORDER BY id DESC LOOP UPDATE s0.block SET id = r.id + 1 WHERE id = r.id; END LOOP; END $$",
         up.format(shift[0] + 1),
     )
-    r = s.ingest(s.block, s.capture()["run_id"], run="remaps")
-    assert r["quarantined"] == 0 and r["status"] == "ok"
+    r = s.ingest(s.block, s.capture().manifest.run_id, run="remaps")
+    assert r.metrics.quarantined == 0 and r.metrics.status == "ok"
     assert_lake_equals_source(spark, lake, s.block, s.dsn)
     assert _content(spark, lake, s, a) == before[a + 1] and _content(spark, lake, s, a + 1) == before[a]
     # Twice round c0 -> c1 -> c2 -> c3 -> c0: each key holds the row two places behind it.

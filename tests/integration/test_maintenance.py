@@ -50,7 +50,7 @@ def test_maintenance_compacts_without_changing_content(source, spark, lake):
             s.dsn, "DELETE FROM s0.block WHERE id IN (SELECT id FROM s0.block ORDER BY id LIMIT 2) RETURNING id"
         )
         m = s.capture()
-        s.ingest(s.block, m["run_id"])
+        s.ingest(s.block, m.manifest.run_id)
     cur = lake.qualified(s.block.current_table)
     cl = lake.qualified(s.block.changelog_table)
     cols = [c for c, _ in source_columns_of(spark, cur, s.block)]
@@ -65,10 +65,10 @@ def test_maintenance_compacts_without_changing_content(source, spark, lake):
 
     r = maintain_table(spark, lake, s.block, run_id="m1")
     # Metadata proves only rewrites committed: no full read of either table before or after.
-    print(f"maintenance Spark jobs: {r['spark_jobs']} (+{r['spark_metadata_jobs']} metadata reads)")
-    print("\n".join(r["spark_job_sites"]))
-    assert r["spark_jobs"] <= MAINTENANCE_JOB_BUDGET, r["spark_job_sites"]
-    assert r["spark_metadata_jobs"] <= MAINTENANCE_METADATA_READ_BUDGET, r["spark_metadata_jobs"]
+    print(f"maintenance Spark jobs: {r.spark_jobs} (+{r.spark_metadata_jobs} metadata reads)")
+    print("\n".join(r.spark_job_sites))
+    assert r.spark_jobs <= MAINTENANCE_JOB_BUDGET, r.spark_job_sites
+    assert r.spark_metadata_jobs <= MAINTENANCE_METADATA_READ_BUDGET, r.spark_metadata_jobs
 
     after = {t: table_stats(spark, t) for t in (cur, cl)}
     shards = len(list(s.block.shards()))
@@ -85,7 +85,7 @@ def test_maintenance_compacts_without_changing_content(source, spark, lake):
     assert_lake_equals_source(spark, lake, s.block, s.dsn)
     view = spark.table(lake.qualified(s.block.latest_view)).select(SHARD_COL, *cols)
     assertDataFrameEqual(view, spark.table(cur).select(SHARD_COL, *cols))
-    assert r["latest_rows"] == spark.table(cur).count()
+    assert r.latest_rows == spark.table(cur).count()
     # No deleted key came back.
     assert len(deleted) == 12
     assert spark.table(cur).filter(F.col("id").isin(sorted(deleted))).count() == 0
@@ -103,7 +103,7 @@ def test_maintenance_compacts_without_changing_content(source, spark, lake):
     # The next ingest after maintenance still converges (watermark survived expiry).
     s.wl.step(100)
     m = s.capture()
-    s.ingest(s.block, m["run_id"])
+    s.ingest(s.block, m.manifest.run_id)
     assert_lake_equals_source(spark, lake, s.block, s.dsn)
 
 
@@ -116,7 +116,7 @@ def test_maintenance_fails_when_another_writer_commits_meanwhile(source, spark, 
     for _ in range(2):
         s.wl.step(60)
         m = s.capture()
-        s.ingest(s.block, m["run_id"])
+        s.ingest(s.block, m.manifest.run_id)
     cur = lake.qualified(s.block.current_table)
     real_compact = maintenance_mod.compact
 

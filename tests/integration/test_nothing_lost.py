@@ -8,7 +8,7 @@ import time
 import psycopg2
 import pytest
 from cdc_lakehouse.bootstrap.run import bootstrap_table
-from cdc_lakehouse.capture.run import capture_run
+from cdc_lakehouse.capture.run import CaptureResult, capture_run
 from cdc_lakehouse.lake.watermark import read_watermark
 from cdc_lakehouse.landing.errors import CoverageError, SourceIdentityChanged
 from cdc_lakehouse.landing.stores import LocalLanding
@@ -25,7 +25,7 @@ from tests.integration.conftest import Source
 BIG = "(SELECT string_agg(md5(g::text || '{tag}'), '') FROM generate_series(1, 80) g)"  # 2.5 kB, out of line
 
 
-def capture_with(s: Source, tables: dict) -> dict:
+def capture_with(s: Source, tables: dict) -> CaptureResult:
     """A capture driven by other configs than the fixture's (one broken, one shard removed, ...)."""
     s.runs += 1
     ep = EndpointTables(s.endpoint, "cdc_test_source", tables)
@@ -48,11 +48,11 @@ def test_changes_of_a_table_whose_config_is_broken_still_land(source, spark, lak
         "UPDATE s1.permission SET role = 'editor' WHERE block_id IN (SELECT block_id FROM s1.permission LIMIT 20)"
     )
     m = capture_with(s, {"block": (s.schemas, ["id"])})
-    assert "permission" in {t["table"] for t in m["tables"]}
+    assert "permission" in {t.table for t in m.manifest.tables}
     s.wl.step(200)
     m = s.capture()
     for cfg in (s.block, s.perm):
-        assert s.ingest(cfg, m["run_id"])["status"] == "ok"
+        assert s.ingest(cfg, m.manifest.run_id).metrics.status == "ok"
         assert_lake_equals_source(spark, lake, cfg, s.dsn)
 
 
@@ -68,11 +68,11 @@ def test_a_run_that_did_not_cover_a_shard_never_moves_its_position(source, spark
         f"UPDATE s0.block SET version = version + 7 WHERE id = {s.wl.first_id['s0']}",
     )
     m = capture_with(s, {"block": (["s0"], ["id"]), "permission": (s.schemas, ["block_id", "user_id"])})
-    assert "s1.block" not in m["published"]
+    assert "s1.block" not in m.manifest.published
     cur = lake.qualified(s.block.current_table)
     wm = read_watermark(spark, cur)
     with pytest.raises(CoverageError) as exc:
-        s.ingest(s.block, m["run_id"])
+        s.ingest(s.block, m.manifest.run_id)
     msg = str(exc.value)
     assert shard_of(s, "s1") in msg and "s1.block" in msg and f"cdc_bootstrap__{s.block.name}" in msg
     assert read_watermark(spark, cur) == wm
@@ -80,7 +80,7 @@ def test_a_run_that_did_not_cover_a_shard_never_moves_its_position(source, spark
     s.bootstrap(s.block, shards=[shard_of(s, "s1")])
     s.wl.step(200)
     m = s.capture()
-    s.ingest(s.block, m["run_id"])
+    s.ingest(s.block, m.manifest.run_id)
     assert_lake_equals_source(spark, lake, s.block, s.dsn)
 
 
@@ -89,7 +89,7 @@ def test_positions_never_compare_across_servers_or_endpoints(source, source_uri,
     s.capture()
     s.bootstrap(s.block)
     wm = read_watermark(spark, lake.qualified(s.block.current_table))
-    ident = wm["shards"][shard_of(s, "s0")]["source"]
+    ident = wm.shards[shard_of(s, "s0")].source
     assert ident["database"] == s.db and ident["system_identifier"] and ident["timeline"] >= 1
     # A failover to a server on another timeline, behind the same connection and slot name.
     s.wl.step(100)
@@ -97,19 +97,19 @@ def test_positions_never_compare_across_servers_or_endpoints(source, source_uri,
     _update_manifest(
         lake,
         s.endpoint,
-        m["run_id"],
+        m.manifest.run_id,
         lambda mf: mf["source_identity"].update(timeline=mf["source_identity"]["timeline"] + 1),
     )
     with pytest.raises(SourceIdentityChanged) as exc:
-        s.ingest(s.block, m["run_id"])
+        s.ingest(s.block, m.manifest.run_id)
     assert "timeline" in str(exc.value) and "re-bootstrap" in str(exc.value)
     _update_manifest(
         lake,
         s.endpoint,
-        m["run_id"],
+        m.manifest.run_id,
         lambda mf: mf["source_identity"].update(timeline=mf["source_identity"]["timeline"] - 1),
     )
-    s.ingest(s.block, m["run_id"])
+    s.ingest(s.block, m.manifest.run_id)
     # The shards are now read through another connection (another host name, a proxy): another
     # endpoint with its own slot, whose positions say nothing about the old slot's.
     monkeypatch.setenv("AIRFLOW_CONN_CDC_TEST_ALIAS", source_uri)
@@ -120,12 +120,12 @@ def test_positions_never_compare_across_servers_or_endpoints(source, source_uri,
     s.wl.step(100)
     m = capture_run(ep, s.dsn, s.store, "20260101T510000Z")
     with pytest.raises(SourceIdentityChanged) as exc:
-        s.ingest(moved, m["run_id"])
+        s.ingest(moved, m.manifest.run_id)
     assert "endpoint" in str(exc.value) and "re-bootstrap" in str(exc.value)
     bootstrap_table(spark, lake, moved, run_id="moved", all_endpoint_tables={ep.endpoint_id: s.tables()})
     s.wl.step(100)
     m = capture_run(ep, s.dsn, s.store, "20260101T520000Z")
-    s.ingest(moved, m["run_id"])
+    s.ingest(moved, m.manifest.run_id)
     assert_lake_equals_source(spark, lake, moved, s.dsn)
 
 
@@ -137,7 +137,7 @@ def test_toast_fill_never_looks_across_a_delete_or_key_change(source, spark, lak
     a, b = s.wl.first_id["s0"], s.wl.first_id["s0"] + 1
     s.execute(f"UPDATE s0.block SET content = {BIG.format(tag='B')} WHERE id = {b}")
     m = s.capture()
-    s.ingest(s.block, m["run_id"])
+    s.ingest(s.block, m.manifest.run_id)
     s.execute(
         f"UPDATE s0.block SET content = {BIG.format(tag='A')} WHERE id = {a}",
         f"UPDATE s0.block SET id = 990099 WHERE id = {a}",
@@ -145,8 +145,8 @@ def test_toast_fill_never_looks_across_a_delete_or_key_change(source, spark, lak
         f"UPDATE s0.block SET version = version + 1 WHERE id = {a}",
     )
     m = s.capture()
-    r = s.ingest(s.block, m["run_id"])
-    assert r["quarantined"] == 0
+    r = s.ingest(s.block, m.manifest.run_id)
+    assert r.metrics.quarantined == 0
     assert_lake_equals_source(spark, lake, s.block, s.dsn)
     row = (
         spark.table(lake.qualified(s.block.current_table))
@@ -192,11 +192,11 @@ def test_publication_that_drops_changes_is_fixed_or_refused(scratch_db, tmp_path
         cur.execute("TRUNCATE public.items")
     m = capture_run(ep, dsn, store, "r2")
     ops = []
-    for t in m["tables"]:
+    for t in m.manifest.tables:
         import pyarrow.parquet as pq
 
-        for f in t["files"]:
-            ops += pq.read_table(store.root / t["dir"] / f["name"]).column("op").to_pylist()
+        for f in t.files:
+            ops += pq.read_table(store.root / t.dir / f.name).column("op").to_pylist()
     assert ops == ["d", "t"]
     with conn.cursor() as cur:
         cur.execute("ALTER PUBLICATION cdc_lakehouse SET TABLE public.items WHERE (id > 5), public._cdc_heartbeat")
@@ -242,8 +242,8 @@ def test_events_that_depend_on_a_quarantined_event_are_held_back(source, spark, 
         f"UPDATE s1.block SET version = 70, updated_at = now() WHERE id = {x}",
     )
     m = s.capture()
-    r = s.ingest(lenient, m["run_id"])
-    assert r["quarantined"] == 2
+    r = s.ingest(lenient, m.manifest.run_id)
+    assert r.metrics.quarantined == 2
     reasons = [
         q["reason"]
         for q in spark.table(lake.qualified(lake.meta_table("quarantine")))
@@ -257,12 +257,12 @@ def test_events_that_depend_on_a_quarantined_event_are_held_back(source, spark, 
     # The next batch still cannot know the value.
     s.execute(f"UPDATE s1.block SET version = 71 WHERE id = {x}")
     m = s.capture()
-    s.ingest(lenient, m["run_id"])
+    s.ingest(lenient, m.manifest.run_id)
     assert spark.table(cur).filter(key).first()["version"] == old["version"]
     # A full value ends the dependency.
     s.execute(f"UPDATE s1.block SET content = 'fresh' WHERE id = {x}")
     m = s.capture()
-    s.ingest(lenient, m["run_id"])
+    s.ingest(lenient, m.manifest.run_id)
     assert_lake_equals_source(spark, lake, lenient, s.dsn)
 
 
@@ -297,8 +297,8 @@ def test_a_second_writer_fences_out_a_zombie_run(source, spark, lake, monkeypatc
 
     s.wl.step(300)
     m1 = s.capture()
-    zombie(m1["run_id"], lambda: s.ingest(s.block, m1["run_id"], run="same-batch"))
-    assert read_watermark(spark, cur)["runs"][s.endpoint] == m1["run_id"]
+    zombie(m1.manifest.run_id, lambda: s.ingest(s.block, m1.manifest.run_id, run="same-batch"))
+    assert read_watermark(spark, cur).runs[s.endpoint] == m1.manifest.run_id
 
     s.wl.step(300)
     m2 = s.capture()
@@ -306,12 +306,12 @@ def test_a_second_writer_fences_out_a_zombie_run(source, spark, lake, monkeypatc
     def newer_batch():
         s.wl.step(300)
         m3 = s.capture()
-        s.ingest(s.block, m3["run_id"], run="newer")
+        s.ingest(s.block, m3.manifest.run_id, run="newer")
 
     with pytest.raises(ConcurrentWriterError) as exc:
-        zombie(m2["run_id"], newer_batch)
+        zombie(m2.manifest.run_id, newer_batch)
     assert "another writer" in str(exc.value)
-    assert read_watermark(spark, cur)["runs"][s.endpoint] > m2["run_id"]  # never moved back
+    assert read_watermark(spark, cur).runs[s.endpoint] > m2.manifest.run_id  # never moved back
     cl = spark.table(lake.qualified(s.block.changelog_table)).filter("_cdc_op <> 'r' AND _cdc_op <> 't'")
     assert cl.groupBy("_cdc_shard", "_cdc_commit_lsn", "_cdc_seq").count().filter("count > 1").count() == 0
     assert_lake_equals_source(spark, lake, s.block, s.dsn)
@@ -343,7 +343,7 @@ def test_every_schema_decision_keeps_bootstrap_ingest_repair_and_audit_working(s
         if step:
             s.execute(*touch)
         m = s.capture()
-        assert s.ingest(cfg, m["run_id"], run=f"d{step}")["status"] == "ok"
+        assert s.ingest(cfg, m.manifest.run_id, run=f"d{step}").metrics.status == "ok"
     cur = lake.qualified(cfg.current_table)
     assert "score" not in spark.table(cur).columns and "external_id" in spark.table(cur).columns
     assert_lake_equals_source(spark, lake, cfg, s.dsn, skip=("external_id",), check_changelog=False)
@@ -353,7 +353,7 @@ def test_every_schema_decision_keeps_bootstrap_ingest_repair_and_audit_working(s
         f"UPDATE s0.block SET score = 1.5 WHERE id BETWEEN {ids['s0']} AND {ids['s0'] + 5}",
     )
     m = s.capture()
-    s.ingest(cfg, m["run_id"], run="readd")
+    s.ingest(cfg, m.manifest.run_id, run="readd")
     assert spark.table(cur).filter("score = 1.5").count() == 6
     assert_lake_equals_source(spark, lake, cfg, s.dsn, skip=("external_id",), check_changelog=False)
     # A re-bootstrap with the kept column: NULL from the snapshot on.
@@ -363,7 +363,7 @@ def test_every_schema_decision_keeps_bootstrap_ingest_repair_and_audit_working(s
     # The audit's repair re-reads a key the lake lost.
     spark.sql(f"DELETE FROM {cur} WHERE id = {ids['s1']}")
     r = audit_table(spark, lake, cfg, audit_run="schema-a1")
-    assert r["repaired"] >= 1, r
+    assert r.repaired >= 1, r
     assert_lake_equals_source(spark, lake, cfg, s.dsn, skip=("external_id",), check_changelog=False)
 
 
@@ -384,16 +384,16 @@ def test_landing_runs_go_once_every_table_applied_them_and_are_private(source, s
     runs = []
     for _ in range(3):
         s.wl.step(100)
-        runs.append(s.capture()["run_id"])
+        runs.append(s.capture().manifest.run_id)
     s.ingest(s.block, runs[2])
     s.ingest(s.perm, runs[0])  # permission is behind: runs 1 and 2 are still needed
     root = landing_root(lake) / s.endpoint
     files = [p for p in root.rglob("*") if p.is_file()]
     assert files and all(not (p.stat().st_mode & stat.S_IROTH) for p in files)
     now = datetime.now(UTC)
-    assert prune_landing(spark, lake, s.block, [s.block, s.perm], now)["landing_runs_removed"] == {}
+    assert prune_landing(spark, lake, s.block, [s.block, s.perm], now) == {}
     later = now + timedelta(hours=s.block.maintenance.landing_retention_hours + 1)
-    out = prune_landing(spark, lake, s.block, [s.block, s.perm], later)["landing_runs_removed"]
+    out = prune_landing(spark, lake, s.block, [s.block, s.perm], later)
     removed = out[s.endpoint]
     assert runs[0] in removed and runs[1] not in removed and runs[2] not in removed
     assert not (root / "_manifests" / f"{runs[0]}.json").exists()
@@ -430,8 +430,8 @@ def test_everything_under_the_landing_zone_is_private(pg, source_uri, spark, lak
         s.bootstrap(block)
         s.wl.step(100)
         m = s.capture()
-        append_malformed(private, s.endpoint, m["run_id"], "block", [{"op": "x"}])
-        assert s.ingest(block, m["run_id"])["quarantined"] == 1
+        append_malformed(private, s.endpoint, m.manifest.run_id, "block", [{"op": "x"}])
+        assert s.ingest(block, m.manifest.run_id).metrics.quarantined == 1
     finally:
         s.close()
     sink = tmp_path / "sink"
@@ -472,11 +472,11 @@ def test_added_column_defaults_reach_the_rows_that_predate_them(source, spark, l
         f"UPDATE s1.block SET flag = 'set' WHERE id = {b}",
     )
     m = s.capture()
-    r = s.ingest(s.block, m["run_id"])
-    assert r["backfilled"] > 2000, r
+    r = s.ingest(s.block, m.manifest.run_id)
+    assert r.metrics.backfilled > 2000, r
     assert_lake_equals_source(spark, lake, s.block, s.dsn)
     cur = lake.qualified(s.block.current_table)
-    assert "backfill" not in read_watermark(spark, cur)
+    assert read_watermark(spark, cur).backfill is None
     # The run dies right after its MERGE: the watermark says a backfill is pending; the next run does it.
     s.execute(
         "ALTER TABLE s0.block ADD COLUMN rank int DEFAULT 7",
@@ -494,11 +494,11 @@ def test_added_column_defaults_reach_the_rows_that_predate_them(source, spark, l
 
     monkeypatch.setattr(ingest_mod, "crash_point", die_after_merge)
     with pytest.raises(RuntimeError, match="killed"):
-        s.ingest(s.block, m["run_id"])
+        s.ingest(s.block, m.manifest.run_id)
     monkeypatch.setattr(ingest_mod, "crash_point", real)
-    assert read_watermark(spark, cur)["backfill"]
-    s.ingest(s.block, m["run_id"])
-    assert "backfill" not in read_watermark(spark, cur)
+    assert read_watermark(spark, cur).backfill
+    s.ingest(s.block, m.manifest.run_id)
+    assert read_watermark(spark, cur).backfill is None
     assert_lake_equals_source(spark, lake, s.block, s.dsn)
 
 
@@ -516,19 +516,19 @@ def test_a_column_added_on_every_shard_reaches_the_rows_of_the_quiet_ones(pg, so
             *[f"ALTER TABLE {sch}.block ADD COLUMN seen timestamptz DEFAULT clock_timestamp()" for sch in s.schemas],
             f"UPDATE s0.block SET version = version + 1 WHERE id = {s.wl.first_id['s0']}",
         )
-        s.ingest(s.block, s.capture()["run_id"])
+        s.ingest(s.block, s.capture().manifest.run_id)
         assert_lake_equals_source(spark, lake, s.block, s.dsn)
         cur = lake.qualified(s.block.current_table)
-        assert read_watermark(spark, cur)["shards"][shard_of(s, "s1")]["filled"] == ["rank", "seen"]
+        assert read_watermark(spark, cur).shards[shard_of(s, "s1")].filled == ["rank", "seen"]
         # Filled once: the next batch leaves s1 alone.
-        assert s.ingest(s.block, s.capture()["run_id"])["backfilled"] is None
+        assert s.ingest(s.block, s.capture().manifest.run_id).metrics.backfilled is None
         # A re-bootstrap of s0 brings the next column; s1 is still quiet.
         s.execute(*[f"ALTER TABLE {sch}.block ADD COLUMN tier text DEFAULT 'gold'" for sch in s.schemas])
         s.bootstrap(s.block, shards=[shard_of(s, "s0")])
-        s.ingest(s.block, s.capture()["run_id"])
+        s.ingest(s.block, s.capture().manifest.run_id)
         assert_lake_equals_source(spark, lake, s.block, s.dsn)
         s.execute(f"UPDATE s1.block SET version = version + 1 WHERE id = {s.wl.first_id['s1']}")
-        s.ingest(s.block, s.capture()["run_id"])
+        s.ingest(s.block, s.capture().manifest.run_id)
         assert_lake_equals_source(spark, lake, s.block, s.dsn)
     finally:
         s.close()
@@ -563,7 +563,7 @@ def test_audit_reads_one_snapshot_fails_loudly_and_counts_retries_once(source, s
 
     monkeypatch.setattr(audit_mod, "inflight_from_slot", peek_then_a_writer_commits)
     r = audit_table(spark, lake, cfg, audit_run=f"{mode}-a1")
-    assert all(st.get("different", 0) == 0 and st.get("missing", 0) == 0 for st in r["shards"].values()), r
+    assert all(st.get("different", 0) == 0 and st.get("missing", 0) == 0 for st in r.shards.values()), r
     monkeypatch.setattr(audit_mod, "inflight_from_slot", real_peek)
 
     # The slot is busy for every attempt: no verdict instead of a wrong one.
@@ -579,11 +579,11 @@ def test_audit_reads_one_snapshot_fails_loudly_and_counts_retries_once(source, s
 
     # A key lost from the lake, seen by one audit run and its retry: one sighting, not two.
     m = s.capture()
-    s.ingest(cfg, m["run_id"])
+    s.ingest(cfg, m.manifest.run_id)
     spark.sql(f"DELETE FROM {lake.qualified(cfg.current_table)} WHERE id = {x + 1}")
     for _ in range(2):  # (the row-count quality check fails each time; the streak is what counts here)
-        assert audit_table(spark, lake, cfg, audit_run=f"{mode}-a3")["persistent"] == {}
-    assert sum(audit_table(spark, lake, cfg, audit_run=f"{mode}-a4")["persistent"].values()) == 1
+        assert audit_table(spark, lake, cfg, audit_run=f"{mode}-a3").persistent == {}
+    assert sum(audit_table(spark, lake, cfg, audit_run=f"{mode}-a4").persistent.values()) == 1
 
 
 def test_keepalive_advance_of_a_failed_capture_is_no_landing_gap(source, spark, lake, monkeypatch):
@@ -609,11 +609,15 @@ def test_keepalive_advance_of_a_failed_capture_is_no_landing_gap(source, spark, 
         capture_run(ep, s.dsn, s.store, "20260101T300000Z", limits=CaptureLimits(idle_timeout_s=14))
     monkeypatch.undo()
     with psycopg2.connect(s.dsn) as c:
-        assert slot_state(c, source_slot_name(s.endpoint)).confirmed_flush > m["end_lsn"]  # the keepalive moved it
+        assert (
+            slot_state(c, source_slot_name(s.endpoint)).confirmed_flush > m.manifest.end_lsn
+        )  # the keepalive moved it
     s.wl.step(100)
     m2 = capture_run(ep, s.dsn, s.store, "20260101T310000Z")
-    assert m2["start_lsn"] == m["end_lsn"] and m2["keepalive_advance"]["attempts"] == ["20260101T300000Z"]
-    assert s.ingest(s.block, m2["run_id"])["status"] == "ok"
+    assert m2.manifest.start_lsn == m.manifest.end_lsn and m2.manifest.keepalive_advance["attempts"] == [
+        "20260101T300000Z"
+    ]
+    assert s.ingest(s.block, m2.manifest.run_id).metrics.status == "ok"
     assert_lake_equals_source(spark, lake, s.block, s.dsn)
     # An advance nobody recorded (another consumer, a manual pg_replication_slot_advance) is a gap.
     s.execute(
@@ -622,7 +626,7 @@ def test_keepalive_advance_of_a_failed_capture_is_no_landing_gap(source, spark, 
     )
     m3 = capture_run(ep, s.dsn, s.store, "20260101T320000Z")
     with pytest.raises(LandingGap):
-        s.ingest(s.block, m3["run_id"])
+        s.ingest(s.block, m3.manifest.run_id)
 
 
 def test_a_shard_quiet_since_a_column_was_added_is_not_a_dropped_column(source, spark, lake):
@@ -633,12 +637,12 @@ def test_a_shard_quiet_since_a_column_was_added_is_not_a_dropped_column(source, 
     s.bootstrap(s.block)
     s.execute(*[f"UPDATE {sch}.block SET version = 5 WHERE id = {s.wl.first_id[sch]}" for sch in s.schemas])
     m = s.capture()  # both shards' schemas are now in the manifests
-    s.ingest(s.block, m["run_id"])
+    s.ingest(s.block, m.manifest.run_id)
     s.execute("ALTER TABLE s0.block ADD COLUMN note text", "ALTER TABLE s1.block ADD COLUMN note text")
     for value in ("x", "y"):
         s.execute(f"UPDATE s0.block SET note = '{value}' WHERE id = {s.wl.first_id['s0']}")
         m = s.capture()
-        assert s.ingest(s.block, m["run_id"])["status"] == "ok"
+        assert s.ingest(s.block, m.manifest.run_id).metrics.status == "ok"
     assert_lake_equals_source(spark, lake, s.block, s.dsn)
 
 
@@ -660,7 +664,7 @@ def test_a_long_decode_without_output_is_waited_for_not_failed(scratch_db, tmp_p
     t0 = time.monotonic()
     m = capture_run(ep, dsn, store, "r2", limits=CaptureLimits(idle_timeout_s=0.5))
     print(f"capture behind a 3M-row unpublished transaction: {time.monotonic() - t0:.1f}s")
-    assert m["events"] == 1
+    assert m.manifest.events == 1
 
 
 def test_a_database_that_is_not_utf8_is_refused_before_a_slot_exists(pg, unique, tmp_path):

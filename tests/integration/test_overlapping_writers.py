@@ -117,16 +117,16 @@ def test_ingest_writers_overlapping_inside_a_commit_apply_each_event_once(small,
     s.bootstrap(s.block)
     cur, cl = lake.qualified(s.block.current_table), lake.qualified(s.block.changelog_table)
     s.wl.step(30)
-    m1 = s.capture()["run_id"]
+    m1 = s.capture().manifest.run_id
     upto_b = m1
     if b_batch == "newer":
         s.wl.step(30)
-        upto_b = s.capture()["run_id"]
+        upto_b = s.capture().manifest.run_id
     with overlapping(cl if held_at == "changelog" else cur, _ingest_a(s, session_of_its_own(s.lake), m1)) as a:
         s.ingest(s.block, upto_b, run="B")
     assert not changelog_twice(spark, cl), "the changelog got an event twice"
-    assert read_watermark(spark, cur)["runs"][s.endpoint] == upto_b  # never moved back
-    assert read_watermark(spark, cl)["runs"][s.endpoint] == upto_b
+    assert read_watermark(spark, cur).runs[s.endpoint] == upto_b  # never moved back
+    assert read_watermark(spark, cl).runs[s.endpoint] == upto_b
     batch = batch_of_current_position(spark, cur)
     assert (batch_snapshots(spark, cl, batch), batch_snapshots(spark, cur, batch)) == (1, 1)
     assert_lake_equals_source(spark, lake, s.block, s.dsn)
@@ -137,7 +137,7 @@ def test_ingest_writers_overlapping_inside_a_commit_apply_each_event_once(small,
         assert (cl if held_at == "changelog" else cur) in str(a.error) and "another writer" in str(a.error)
     # The next batch starts where the winner ended: nothing is applied again.
     s.wl.step(20)
-    s.ingest(s.block, s.capture()["run_id"], run="next")
+    s.ingest(s.block, s.capture().manifest.run_id, run="next")
     assert not changelog_twice(spark, cl)
     assert_lake_equals_source(spark, lake, s.block, s.dsn)
 
@@ -154,19 +154,19 @@ def test_feed_consumers_overlapping_inside_the_output_commit_apply_a_range_once(
     out = lake.qualified(output)
     block_counts(spark, lake, s.block, output=output)
     s.wl.step(30)
-    s.ingest(s.block, s.capture()["run_id"], run="i1")
+    s.ingest(s.block, s.capture().manifest.run_id, run="i1")
     spark_a = session_of_its_own(lake)
     with overlapping(out, lambda: block_counts(spark_a, lake, s.block, output=output)) as a:
         if b_range == "newer":
             s.wl.step(30)
-            s.ingest(s.block, s.capture()["run_id"], run="i2")
+            s.ingest(s.block, s.capture().manifest.run_id, run="i2")
         b = block_counts(spark, lake, s.block, output=output)
-        assert b["committed"], b
+        assert b.committed, b
     assert lake_counts(s, output) == source_counts(s), "a range was applied twice or not at all"
     batch = batch_of_current_position_feed(spark, out)
     assert batch_snapshots(spark, out, batch) == 1
     if b_range == "same":
-        assert a.error is None and a.result["committed"] is False, (a.error, a.result)
+        assert a.error is None and a.result.committed is False, (a.error, a.result)
     else:
         assert isinstance(a.error, OffsetConflictError), repr(a.error)
         assert out in str(a.error) and "block_counts" in str(a.error)
@@ -215,7 +215,7 @@ def test_derived_runs_overlapping_inside_the_output_commit_commit_once(tree_sour
     with overlapping(out, lambda: derive_tree(spark_a, lake, cfg, tables)) as a:
         if b_inputs == "newer":
             apply_batch(s, f"UPDATE {schema}.block SET parent_id = {other} WHERE id = {node}")  # B: under `other`
-        assert derive(s, cfg)["mode"] == "incremental"
+        assert derive(s, cfg).mode == "incremental"
     assert_tree_is_reference(s, cfg)
     batch = batch_of_current_position(spark, out)
     assert batch_snapshots(spark, out, batch) == 1
@@ -243,7 +243,7 @@ def test_chunked_bootstraps_overlapping_inside_a_round_apply_each_chunk_once(sma
     spark_a = session_of_its_own(lake)
     with overlapping(cl, lambda: bootstrap_table(spark_a, lake, cfg, run_id="A", all_endpoint_tables=ends)) as a:
         r = bootstrap_table(spark, lake, cfg, run_id="B", all_endpoint_tables=ends)
-        assert r["done"], r
+        assert r.done, r
     spark.sql(f"REFRESH TABLE {cl}")
     rows = spark.table(cl).filter(F.col(OP_COL) == "r")
     twice = rows.groupBy(SHARD_COL, "id").count().filter("count > 1").limit(5).collect()
@@ -251,7 +251,7 @@ def test_chunked_bootstraps_overlapping_inside_a_round_apply_each_chunk_once(sma
     assert rows.count() == sum(s.wl.row_counts().values())
     assert isinstance(a.error, ConcurrentWriterError), repr(a.error)
     assert cl in str(a.error) and "another chunked bootstrap (run B)" in str(a.error)
-    s.ingest(cfg, s.capture()["run_id"])
+    s.ingest(cfg, s.capture().manifest.run_id)
     assert_lake_equals_source(spark, lake, cfg, s.dsn)
 
 
@@ -266,7 +266,7 @@ def test_a_fenced_write_must_go_to_its_branch_and_killed_runs_branches_are_dropp
 
     import cdc_lakehouse.lake.commits as commits
     from cdc_lakehouse.lake.snapshots import branch_names
-    from cdc_lakehouse.lake.watermark import WATERMARK_PROP
+    from cdc_lakehouse.lake.watermark import WATERMARK_PROP, Watermark
 
     spark.sql("CREATE NAMESPACE IF NOT EXISTS lake.fence_t")
     table = f"lake.fence_t.f_{unique}"
@@ -276,13 +276,16 @@ def test_a_fenced_write_must_go_to_its_branch_and_killed_runs_branches_are_dropp
         df = spark.createDataFrame([(n,)], "id bigint")
         df.writeTo(target).option(f"snapshot-property.{WATERMARK_PROP}", json.dumps({"n": n})).append()
 
-    assert commits.fenced_commit(spark, table, None, {"n": 1}, lambda t: append(t, 1), what="first")
+    def at(n: int) -> Watermark:  # the position append(_, n) commits, as the fence reads it back
+        return Watermark.from_dict({"n": n})
+
+    assert commits.fenced_commit(spark, table, None, at(1), lambda t: append(t, 1), what="first")
     with pytest.raises(RuntimeError, match="did not commit its new position to .*branch_cdc_w_"):
-        commits.fenced_commit(spark, table, {"n": 1}, {"n": 2}, lambda t: append(table, 2), what="bypass")
+        commits.fenced_commit(spark, table, at(1), at(2), lambda t: append(table, 2), what="bypass")
     old, young = "cdc_w_20000101000000_0badbeef", commits.BRANCH_PREFIX + "29990101000000_0000beef"
     for name in (old, young, "audit"):
         spark.sql(f"ALTER TABLE {table} CREATE BRANCH {name}")
     monkeypatch.setattr(commits, "_swept", {})
-    assert not commits.fenced_commit(spark, table, {"n": 1}, {"n": 2}, lambda t: append(t, 2), what="again")
+    assert not commits.fenced_commit(spark, table, at(1), at(2), lambda t: append(t, 2), what="again")
     assert branch_names(spark, table) == sorted(["main", young, "audit"])
     assert sorted(r["id"] for r in spark.table(table).collect()) == [1, 2]  # the bypass landed, unfenced

@@ -212,14 +212,14 @@ def test_every_type_same_value_through_snapshot_and_stream_and_the_audit_agrees(
         insert_rows(cur, 2001, shift=1)
         cur.execute("UPDATE public.edge SET f8 = 'NaN', a_f8 = '{-0}', ch = 'z' WHERE id = 2")
     m = capture_run(ep, dsn, store, "20260101T010000Z")
-    r = ingest_table(spark, lake, cfg, upto_run=m["run_id"], ingest_run="edge1")
-    assert r["quarantined"] == 0, r
+    r = ingest_table(spark, lake, cfg, upto_run=m.manifest.run_id, ingest_run="edge1")
+    assert r.metrics.quarantined == 0, r
     assert column_diffs(spark, lake, cfg, dsn) == []
     assert_lake_equals_source(spark, lake, cfg, dsn)
     assert canonical_diffs(spark, lake, cfg, dsn) == []
     for mode in ("full", "checksum"):
         a = audit_table(spark, lake, cfg, audit_run=f"edge-{mode}", mode=mode)
-        assert a["verdict"] == "ok", a
+        assert a.verdict == "ok", a
 
     # Values the lake cannot hold: quarantined at ingest; the audit still ends with a verdict.
     with conn.cursor() as cur:
@@ -228,8 +228,8 @@ def test_every_type_same_value_through_snapshot_and_stream_and_the_audit_agrees(
             "(9002, 1e30, '2000-01-01', '2000-01-01')"
         )
     m = capture_run(ep, dsn, store, "20260101T020000Z")
-    r = ingest_table(spark, lake, cfg, upto_run=m["run_id"], ingest_run="edge2")
-    assert r["quarantined"] == 2, r
+    r = ingest_table(spark, lake, cfg, upto_run=m.manifest.run_id, ingest_run="edge2")
+    assert r.metrics.quarantined == 2, r
     a = audit_table(spark, lake, cfg, audit_run="edge-unholdable", mode="full")
-    assert sum(st.get("missing", 0) for st in a["shards"].values()) == 2, a
-    assert sum(a["quarantine_reasons"].values()) == 2 and all("does not fit" in r for r in a["quarantine_reasons"]), a
+    assert sum(st.get("missing", 0) for st in a.shards.values()) == 2, a
+    assert sum(a.quarantine_reasons.values()) == 2 and all("does not fit" in r for r in a.quarantine_reasons), a

@@ -7,7 +7,7 @@ from __future__ import annotations
 import psycopg2
 import pyarrow.parquet as pq
 import pytest
-from cdc_lakehouse.capture.run import capture_run
+from cdc_lakehouse.capture.run import CaptureResult, capture_run
 from cdc_lakehouse.landing.stores import LocalLanding
 from cdc_lakehouse.source.catalog import EndpointTables
 from cdc_lakehouse.source.publication import consumed_column_lists
@@ -34,12 +34,12 @@ def db(pg, unique):
     pg.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
 
 
-def _landed(store, manifest, table: str) -> list[dict]:
+def _landed(store, run: CaptureResult, table: str) -> list[dict]:
     rows: list[dict] = []
-    for entry in manifest["tables"]:
-        if entry["table"] == table:
-            for f in entry["files"]:
-                rows += pq.read_table(store.root / entry["dir"] / f["name"]).to_pylist()
+    for entry in run.manifest.tables:
+        if entry.table == table:
+            for f in entry.files:
+                rows += pq.read_table(store.root / entry.dir / f.name).to_pylist()
     return rows
 
 

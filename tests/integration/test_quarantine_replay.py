@@ -67,15 +67,15 @@ def test_replay_after_a_widening_applies_what_fits_and_never_overwrites_newer(so
     append_malformed(
         lake,
         s.endpoint,
-        m["run_id"],
+        m.manifest.run_id,
         "block",
         [
             {"op": "x", "after": [("id", "999999999"), ("space_id", "1")]},
             {"after": [("id", "not-a-number"), ("space_id", "1")]},
         ],
     )
-    r = s.ingest(narrow, m["run_id"], run="q1")
-    assert r["quarantined"] == 7 and r["updates"] == 0, r
+    r = s.ingest(narrow, m.manifest.run_id, run="q1")
+    assert r.metrics.quarantined == 7 and r.metrics.updates == 0, r
     reasons = [x["reason"] for x in _quarantine(spark, lake, narrow).collect()]
     assert sum("column score: value '123456.5000' does not fit decimal(8,4)" in x for x in reasons) == 5, reasons
 
@@ -87,8 +87,8 @@ def test_replay_after_a_widening_applies_what_fits_and_never_overwrites_newer(so
         f"DELETE FROM s0.block WHERE id = {k3}",
         f"UPDATE s0.block SET version = version + 1 WHERE id = {k5}",
     )
-    r = s.ingest(wide, s.capture()["run_id"], run="q2")
-    assert r["updates"] == 1 and r["deletes"] == 1 and r["quarantined"] == 1, r
+    r = s.ingest(wide, s.capture().manifest.run_id, run="q2")
+    assert r.metrics.updates == 1 and r.metrics.deletes == 1 and r.metrics.quarantined == 1, r
     assert dict(source_columns_of(spark, cur, wide))["score"] == "decimal(12,4)"
     held = _quarantine(spark, lake, wide).filter(F.col("landing_file").isNull()).collect()
     assert len(held) == 1 and "depend on quarantined event" in held[0]["reason"], held
@@ -117,7 +117,7 @@ def test_replay_after_a_widening_applies_what_fits_and_never_overwrites_newer(so
     src_v5 = s.pg.execute(f"SELECT version FROM s0.block WHERE id = {k5}", dbname=s.db)[0][0]
     assert str(rows[k5]["score"]) == "123456.5000" and rows[k5]["content"] == "long " * 2000
     assert rows[k5]["version"] == src_v5 - 1
-    assert rows[k1][COMMIT_TS_COL] is not None and rows[k1][LSN_COL] < wm["shards"][rows[k1][SHARD_COL]]["lsn"]
+    assert rows[k1][COMMIT_TS_COL] is not None and rows[k1][LSN_COL] < wm.shards[rows[k1][SHARD_COL]].lsn
     assert read_watermark(spark, cur) == wm  # the watermark did not move, backwards or forwards
 
     # A second replay: nothing to apply, nothing committed to the table, the quarantine unchanged.
@@ -132,6 +132,6 @@ def test_replay_after_a_widening_applies_what_fits_and_never_overwrites_newer(so
         f"UPDATE s0.block SET score = 7 WHERE id = {k1}",
         f"UPDATE s0.block SET content = 'short again' WHERE id = {k5}",
     )
-    r = s.ingest(wide, s.capture()["run_id"], run="q3")
-    assert r["updates"] == 2 and r["quarantined"] == 0, r
+    r = s.ingest(wide, s.capture().manifest.run_id, run="q3")
+    assert r.metrics.updates == 2 and r.metrics.quarantined == 0, r
     assert_lake_equals_source(spark, lake, wide, s.dsn, check_changelog=False)

@@ -46,7 +46,7 @@ from cdc_lakehouse.audit.run import audit_table
 from cdc_lakehouse.bootstrap.run import bootstrap_table
 from cdc_lakehouse.capture.run import capture_run
 from cdc_lakehouse.config import SHARD_COL
-from cdc_lakehouse.ingest.run import ingest_table
+from cdc_lakehouse.ingest.run import IngestResult, ingest_table
 from cdc_lakehouse.lake.tables import source_columns_of
 from cdc_lakehouse.landing.format import manifest_path
 from cdc_lakehouse.landing.stores import LocalLanding
@@ -507,11 +507,11 @@ def test_random_batches_on_two_servers_converge_exactly(pg, pg_b, spark, lake, u
             f"{r.returncode}:\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
         )
 
-    def ingest(run_id: str, name: str) -> dict[str, Any]:
+    def ingest(run_id: str, name: str) -> IngestResult:
         t = time.time()
         m = ingest_table(spark, lake, cfg, upto_run=run_id, ingest_run=name)
         timings["ingest"] += time.time() - t
-        assert m["status"] == "ok" and m["quarantined"] == 0, ctx(f"{name}: {m}")
+        assert m.metrics.status == "ok" and m.metrics.quarantined == 0, ctx(f"{name}: {m}")
         return m
 
     def check(what: str) -> None:
@@ -523,7 +523,7 @@ def test_random_batches_on_two_servers_converge_exactly(pg, pg_b, spark, lake, u
         timings["audit"] += time.time() - t
         flagged = {
             shard: {k: st.get(k, 0) for k in ("missing", "extra", "different", "in_flight") if st.get(k)}
-            for shard, st in audit["shards"].items()
+            for shard, st in audit.shards.items()
         }
         flagged = {k: v for k, v in flagged.items() if v}
         # The audit must agree with the exact comparison either way: silent when they are equal,
@@ -538,8 +538,8 @@ def test_random_batches_on_two_servers_converge_exactly(pg, pg_b, spark, lake, u
                     f"last ops: {src.ops[-30:]}"
                 )
             )
-        assert audit["verdict"] == "ok" and not flagged, ctx(
-            f"{what}: lake == source but audit {flagged}: {audit['message']}"
+        assert audit.verdict == "ok" and not flagged, ctx(
+            f"{what}: lake == source but audit {flagged}: {audit.message}"
         )
 
     # The schedule, drawn from the seed: where the schema change, maintenance and the kills go.
@@ -657,12 +657,12 @@ def test_random_batches_on_two_servers_converge_exactly(pg, pg_b, spark, lake, u
                 audit = audit_table(spark, lake, cfg, audit_run=f"audit-{unique}-lag", mode="full")
                 wrong = {
                     sh: st
-                    for sh, st in audit["shards"].items()
+                    for sh, st in audit.shards.items()
                     if any(st.get(k) for k in ("missing", "extra", "different"))
                 }
-                in_flight = sum(st.get("in_flight", 0) for st in audit["shards"].values())
-                assert audit["verdict"] == "ok" and not wrong and in_flight > 0, ctx(
-                    f"audit of a lagging lake after batch {b}: {audit['message']}"
+                in_flight = sum(st.get("in_flight", 0) for st in audit.shards.values())
+                assert audit.verdict == "ok" and not wrong and in_flight > 0, ctx(
+                    f"audit of a lagging lake after batch {b}: {audit.message}"
                 )
         # The cases this test is about really happened (a silent change in the generator, or TOAST
         # no longer kicking in, would otherwise leave them untested).

@@ -30,6 +30,7 @@ from cdc_lakehouse.dev.workload import ID_STRIDE
 from cdc_lakehouse.feed.models import BEFORE_COL, FEED_OP_COL, OP_DELETE, FeedOffset, FeedRange
 from cdc_lakehouse.feed.read import live_rows, read_changes
 from cdc_lakehouse.ingest.replay import replay_quarantine
+from cdc_lakehouse.ingest.run import IngestResult
 from cdc_lakehouse.lake.columns import META_PREFIX
 from cdc_lakehouse.lake.tables import source_columns_of
 from cdc_lakehouse.lake.watermark import read_watermark
@@ -150,27 +151,27 @@ def follow(w: World, *, first: bool = False, like_source: bool = True) -> dict[s
         w.spark.sql(f"REFRESH TABLE {t}")
     fed = feed_step(w)
     ex = export(w.spark, w.s.lake, w.export, w.tables, {})
-    assert ex["mode"] in (("full",) if first else ("incremental", "noop")), ex
+    assert ex.mode in (("full",) if first else ("incremental", "noop")), ex
     assert_store_equals(w.spark, w.export, w.current)
     der = derive_tree(w.spark, w.s.lake, w.tree, w.tables)
-    assert der["mode"] in (("full",) if first else ("incremental", "noop")), der
+    assert der.mode in (("full",) if first else ("incremental", "noop")), der
     assert_tree_is_reference(w.s, w.tree, tree_of(*lake_inputs(w)))
     if like_source:
         assert_tree_is_reference(w.s, w.tree, reference(w.s))
     return {
         "feed": fed.mode,
-        "export": ex.get("keys_from", ex["mode"]),
-        "derived": der.get("keys_from", {}).get(w.cfg.name, der["mode"]),
+        "export": ex.keys_from or ex.mode,
+        "derived": (der.keys_from or {}).get(w.cfg.name, der.mode),
     }
 
 
 # --- writers' setup -------------------------------------------------------------------------------
 
 
-def ingest(w: World, *sql: str) -> dict:
+def ingest(w: World, *sql: str) -> IngestResult:
     w.s.execute(*sql)
-    out = w.s.ingest(w.cfg, w.s.capture()["run_id"], run=f"i{w.s.runs}")
-    assert out["status"] == "ok", out
+    out = w.s.ingest(w.cfg, w.s.capture().manifest.run_id, run=f"i{w.s.runs}")
+    assert out.metrics.status == "ok", out
     return out
 
 
@@ -179,11 +180,11 @@ def lose(w: World, *sql: str) -> None:
     misses them until a writer other than the ingest brings them."""
     w.s.execute(*sql)
     m = w.s.capture()
-    entry = next(e for e in m["tables"] if e["table"] == "block")
-    for f in entry["files"]:
-        (landing_root(w.s.lake) / entry["dir"] / f["name"]).unlink()
+    entry = next(e for e in m.manifest.tables if e.table == "block")
+    for f in entry.files:
+        (landing_root(w.s.lake) / entry.dir / f.name).unlink()
     skip = w.cfg.model_copy(update={"ingest": w.cfg.ingest.model_copy(update={"missing_landing_files": "skip"})})
-    assert w.s.ingest(skip, m["run_id"], run=f"i{w.s.runs}")["status"] == "ok_with_gaps"
+    assert w.s.ingest(skip, m.manifest.run_id, run=f"i{w.s.runs}").metrics.status == "ok_with_gaps"
 
 
 def source_row(w: World, schema: str, block: int) -> tuple:
@@ -228,7 +229,7 @@ def test_a_quarantine_replay_reaches_every_reader(world):
     w = world
     # content set too: an event that left a TOASTed value unchanged cannot be replayed (ingest.replay)
     w.s.execute(f"UPDATE s0.block SET score = 123456.5, parent_id = {B0 + 3}, content = 'r' WHERE id = {B0 + 10}")
-    assert w.s.ingest(w.cfg, w.s.capture()["run_id"], run=f"i{w.s.runs}")["quarantined"] == 1
+    assert w.s.ingest(w.cfg, w.s.capture().manifest.run_id, run=f"i{w.s.runs}").metrics.quarantined == 1
     w.cfg = lenient(w.s.block)  # the fix: the lake column widened to the source's numeric(12,4)
     ingest(w, f"UPDATE s1.block SET version = version + 1 WHERE id = {B1 + 5}")
     assert dict(source_columns_of(w.spark, w.current, w.cfg))["score"] == "decimal(12,4)"
@@ -273,7 +274,7 @@ def test_a_chunked_bootstrap_round_reaches_every_reader(world):
         update={"bootstrap": w.cfg.bootstrap.model_copy(update={"mode": "chunked", "chunk_rows": 1000})}
     )
     r = w.s.bootstrap(chunked, shards=[w.shard("s1")], should_stop=lambda _state: True)  # one round
-    assert r["mode"] == "chunked" and r["chunks"] == {w.shard("s1"): 1}, r
+    assert r.mode == "chunked" and r.chunks == {w.shard("s1"): 1}, r
     # The feed reads up to complete snapshots only: the chunk (no watermark) joins its next range.
     assert follow(w) == {**DIFFED, "feed": "changelog"}
     ingest(w, f"UPDATE s0.block SET version = version + 1 WHERE id = {B0 + 6}")

@@ -51,8 +51,8 @@ def test_capture_ingest_audit_maintenance_on_s3(pg, source_uri, spark, lake_s3, 
             s.wl.step(300, pk_changes=2)
             s.execute("DELETE FROM s1.block WHERE id IN (SELECT id FROM s1.block ORDER BY id LIMIT 3)")
             m = s.capture()
-            r = s.ingest(s.block, m["run_id"])
-            assert r["events_read"] > 0 and r["status"] == "ok", r
+            r = s.ingest(s.block, m.manifest.run_id)
+            assert r.metrics.events_read > 0 and r.metrics.status == "ok", r
         assert_lake_equals_source(spark, lake_s3, s.block, s.dsn)
 
         # Every byte went to the bucket: landing runs and Iceberg files, nothing on local disk.
@@ -70,14 +70,14 @@ def test_capture_ingest_audit_maintenance_on_s3(pg, source_uri, spark, lake_s3, 
         assert py_rows == spark.table(lake_s3.qualified(s.block.current_table)).count() > 0
 
         result = audit_table(spark, lake_s3, s.block, audit_run="s3-audit")
-        assert result["verdict"] == "ok", result
+        assert result.verdict == "ok", result
 
         # An orphan in the table's S3 location (a crashed writer's file) is removed by maintenance.
         orphan = table_prefix + "data/orphan-from-a-crashed-writer.parquet"
         s3_server.client().put_object(Bucket=BUCKET, Key=orphan, Body=b"not referenced by any snapshot")
         s3_server.age_object(BUCKET, orphan, timedelta(hours=s.block.maintenance.orphan_file_age_hours + 1))
         m = maintain_table(spark, lake_s3, s.block, run_id="s3-maint")
-        assert m["current"]["orphan_files_removed"] >= 1, m
+        assert m.targets["current"].orphan_files_removed >= 1, m
         assert orphan not in _objects(s3_server, table_prefix), m
         assert_lake_equals_source(spark, lake_s3, s.block, s.dsn)
         assert catalog.load_table(s.block.current_table).scan().to_arrow().num_rows == py_rows

@@ -109,17 +109,17 @@ def test_full_then_incremental_inserts_updates_deletes(spark, lake, lake_table, 
     rng = random.Random(seed)
     ecfg = make_export(target, f"full_{unique}", {"lake_table": lake_table[len("lake.") :]}, key=["id"])
     first = run(spark, lake, ecfg)
-    assert first["mode"] == "full" and first["keys"] == 300 and first["validated_sample"] == 100, first
+    assert first.mode == "full" and first.keys == 300 and first.validated_sample == 100, first
     assert assert_store_equals(spark, ecfg, lake_table) == 300
     for _ in range(2):
         change(spark, lake_table, rng)
         m = run(spark, lake, ecfg)
-        assert m["mode"] == "incremental" and m["version"] == first["version"], m
-        assert m["keys_from"] == "snapshot_diff", m  # a plain Iceberg table has no changelog
-        assert m["deletes"] >= 1 and m["upserts"] >= 1, m
-        assert m["upserts"] + m["deletes"] <= 60, m  # only the changed keys are written
+        assert m.mode == "incremental" and m.version == first.version, m
+        assert m.keys_from == "snapshot_diff", m  # a plain Iceberg table has no changelog
+        assert m.deletes >= 1 and m.upserts >= 1, m
+        assert m.upserts + m.deletes <= 60, m  # only the changed keys are written
         assert_store_equals(spark, ecfg, lake_table)
-    assert run(spark, lake, ecfg)["mode"] == "noop"
+    assert run(spark, lake, ecfg).mode == "noop"
 
 
 def test_killed_mid_write_moves_nothing_and_the_next_run_converges(spark, lake, lake_table, target, unique):
@@ -134,7 +134,7 @@ def test_killed_mid_write_moves_nothing_and_the_next_run_converges(spark, lake, 
     finally:
         os.environ.pop("CDC_TEST_CRASH_AT")
     assert store.alias(ns) is None  # a failed first version is never visible
-    v1 = run(spark, lake, ecfg)["version"]
+    v1 = run(spark, lake, ecfg).version
     assert store.alias(ns).current == v1 and len(store.versions(ns)) == 1  # the failed version was dropped
     assert_store_equals(spark, ecfg, lake_table)
     # An incremental run killed mid-write: some keys hold the new values, the position has not moved.
@@ -152,7 +152,7 @@ def test_killed_mid_write_moves_nothing_and_the_next_run_converges(spark, lake, 
     # shows which keys the killed run may have overwritten.
     spark.sql(f"UPDATE {lake_table} SET gen = 0, name = concat('n', id) WHERE id <= 100")
     m = run(spark, lake, ecfg)
-    assert m["mode"] == "incremental", m
+    assert m.mode == "incremental", m
     assert_store_equals(spark, ecfg, lake_table)
     assert store.meta(ns, v1).pending == []
     store.close()
@@ -164,7 +164,7 @@ def test_rollback_retention_and_a_reader_that_never_sees_a_mix(spark, lake, lake
     )
     store = open_for(ecfg)
     ns = ecfg.store.namespace
-    v1 = run(spark, lake, ecfg)["version"]
+    v1 = run(spark, lake, ecfg).version
     keys = [[i] for i in range(1, 301)]
     seen: list[tuple[int, set]] = []
     stop = threading.Event()
@@ -194,9 +194,9 @@ def test_rollback_retention_and_a_reader_that_never_sees_a_mix(spark, lake, lake
     assert back.current == v3 - 1 and back.held and Reader(store, ns).get(5)["gen"] == 1
     # Held: a scheduled run after a source change leaves the rolled-back version alone ...
     spark.sql(f"UPDATE {lake_table} SET gen = 3 WHERE id = 5")
-    assert run(spark, lake, ecfg)["mode"] == "held" and Reader(store, ns).get(5)["gen"] == 1
+    assert run(spark, lake, ecfg).mode == "held" and Reader(store, ns).get(5)["gen"] == 1
     # ... until `resume`: the version readers use catches up incrementally, and the hold is gone.
-    assert run(spark, lake, ecfg, mode="resume")["mode"] == "incremental"
+    assert run(spark, lake, ecfg, mode="resume").mode == "incremental"
     assert Reader(store, ns).get(5)["gen"] == 3 and not store.alias(ns).held
     assert_store_equals(spark, ecfg, lake_table)
     spark.sql(f"UPDATE {lake_table} SET gen = 2 WHERE id = 5")
@@ -220,16 +220,16 @@ def test_export_of_a_cdc_table_follows_capture_and_ingest(pg, source_uri, spark,
         ecfg = make_export(("redis", conn, {"buckets": 4}), f"perm_{unique}", {"table": s.perm.name})
         assert ecfg.store.kind == "redis"
         m = run(spark, lake, ecfg, s)
-        assert m["mode"] == "full" and ecfg.store.namespace
+        assert m.mode == "full" and ecfg.store.namespace
         live = f"lake.{s.perm.current_table}"
         n = assert_store_equals(spark, ecfg, live, where="NOT is_deleted")
         s.execute("DELETE FROM s0.permission WHERE block_id % 3 = 0")
         s.execute("UPDATE s1.permission SET role = 'editor' WHERE block_id % 4 = 0")
         s.execute("UPDATE s1.permission SET user_id = user_id + 100000 WHERE block_id % 5 = 1")  # key changes
-        captured = s.capture()["run_id"]
-        assert s.ingest(s.perm, captured, run=f"i{s.runs}")["status"] == "ok"
+        captured = s.capture().manifest.run_id
+        assert s.ingest(s.perm, captured, run=f"i{s.runs}").metrics.status == "ok"
         m = run(spark, lake, ecfg, s)
-        assert m["mode"] == "incremental" and m["deletes"] >= 1 and m["keys_from"] == "changelog", m
+        assert m.mode == "incremental" and m.deletes >= 1 and m.keys_from == "changelog", m
         assert assert_store_equals(spark, ecfg, live, where="NOT is_deleted") < n
     finally:
         s.close()
@@ -243,15 +243,15 @@ def test_an_empty_source_then_rows_then_a_new_layout_each_give_a_whole_version(s
     spark.sql(f"CREATE TABLE {t} ({COLUMNS}) USING iceberg")
     try:
         ecfg = make_export(target, f"empty_{unique}", {"lake_table": t[len("lake.") :]}, key=["id"])
-        assert run(spark, lake, ecfg)["keys"] == 0
-        assert run(spark, lake, ecfg)["mode"] == "noop"
+        assert run(spark, lake, ecfg).keys == 0
+        assert run(spark, lake, ecfg).mode == "noop"
         spark.sql(f"INSERT INTO {t} SELECT id, 0, 'x', NULL, NULL, NULL, NULL FROM range(1, 51)")
-        assert run(spark, lake, ecfg)["mode"] == "full"
+        assert run(spark, lake, ecfg).mode == "full"
         assert assert_store_equals(spark, ecfg, t) == 50
         if ecfg.store.kind == "redis":
             wider = ecfg.model_copy(update={"store": ecfg.store.model_copy(update={"buckets": 16})})
             m = run(spark, lake, wider)
-            assert m["mode"] == "full" and m["keys"] == 50, m
+            assert m.mode == "full" and m.keys == 50, m
             assert assert_store_equals(spark, wider, t) == 50
             rollback(open_for(wider), wider.store.namespace)  # the old version keeps its own layout
             assert assert_store_equals(spark, ecfg, t) == 50

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 from cdc_lakehouse.config import parse_table_config
+from cdc_lakehouse.landing.format import Manifest
 from cdc_lakehouse.orchestration.alerts import (
     AlertConfigError,
     AlertingConfig,
@@ -277,17 +278,13 @@ def test_freshness_alert_names_the_stalest_shard():
 def test_wal_alert_uses_the_smallest_threshold_of_the_slots_tables():
     a_cfg = table(alerts={"retained_wal_bytes": "1MiB"})
     b_cfg = table(name="other", alerts={"retained_wal_bytes": "off"})
-    manifest = {
-        "run_id": "20260301T010000Z",
-        "endpoint": "pg_a",
-        "conn_id": "pg_a",
-        "slot_after": {
-            "slot": "cdc_pg_a",
-            "retained_wal_bytes": 3 * 1024**2,
-            "lag_bytes": 10,
-            "wal_status": "reserved",
-        },
-    }
+    manifest = Manifest(
+        run_id="20260301T010000Z",
+        end_lsn=100,
+        endpoint="pg_a",
+        conn_id="pg_a",
+        slot_after={"slot": "cdc_pg_a", "retained_wal_bytes": 3 * 1024**2, "lag_bytes": 10, "wal_status": "reserved"},
+    )
     a = check_wal(manifest, [a_cfg, b_cfg], AlertingConfig(), [])
     assert a and a.tables == ["block", "other"] and a.threshold == 1024**2
     assert "slot cdc_pg_a of endpoint pg_a retains 3.0 MiB of WAL (> 1.0 MiB)" in a.summary

@@ -9,6 +9,7 @@ from decimal import Decimal
 
 import pytest
 from cdc_lakehouse.config import parse_table_config
+from cdc_lakehouse.lake.watermark import Watermark
 from cdc_lakehouse.landing.debezium import (
     DebeziumFormatError,
     SinkFile,
@@ -229,13 +230,13 @@ def plan_of(c, wm, files, stats, limit=1000):
 
 def test_the_watermark_sits_above_every_applied_event_and_waits_for_every_partition():
     c = cfg(partitions=2)
-    wm = {"v": 1, "shards": {"s1": {"lsn": 0, "endpoint": "app_db"}}, "runs": {}}
+    wm = Watermark.from_dict({"v": 1, "shards": {"s1": {"lsn": 0, "endpoint": "app_db"}}, "runs": {}})
     snap0, tx0 = SinkFile(f"{TOPIC}+0+0.json", TOPIC, 0, 0), SinkFile(f"{TOPIC}+0+2.json", TOPIC, 0, 2)
     stats = {snap0.name: stat(snap0.name, 2, 999, 999), tx0.name: stat(tx0.name, 1, 1000, 1000)}
     # Partition 1 never delivered: it may still hold any transaction, so nothing moves or applies.
     taken, fronts, first = plan_of(c, wm, [snap0, tx0], stats)
-    assert taken == [] and first["shards"]["s1"]["lsn"] == 0
-    assert first["debezium"]["frontier"]["s1"] == {"partition": f"{TOPIC} partition 1 (never delivered)", "held": 3}
+    assert taken == [] and first.shards["s1"].lsn == 0
+    assert first.debezium["frontier"]["s1"] == {"partition": f"{TOPIC} partition 1 (never delivered)", "held": 3}
     # Partition 1 delivers its snapshot row: the frontier is one above its last position (999 is
     # the commit before the next transaction: that one's position is higher), so partition 0's
     # transaction at 1000 waits, the snapshot rows below it apply.
@@ -244,23 +245,23 @@ def test_the_watermark_sits_above_every_applied_event_and_waits_for_every_partit
     stats |= {snap1.name: stat(snap1.name, 1, 999, 999), "h": stat("h", 0, records=1, heartbeat=1_904_153_600_000)}
     taken, fronts, second = plan_of(c, first, [snap0, tx0, snap1, hb], stats)
     assert sorted(t.file.name for t in taken if not t.file.heartbeat) == [snap0.name, snap1.name]
-    assert second["shards"]["s1"]["lsn"] == 1000
-    assert second["debezium"]["offsets"][TOPIC] == {"0": 2, "1": 1}
-    assert second["debezium"]["frontier"]["s1"] == {"partition": f"{TOPIC} partition 1", "held": 1}
-    assert second["shards"]["s1"]["ts"] == "2024-01-01T00:00:00+00:00"  # not the heartbeat's: an event waits
+    assert second.shards["s1"].lsn == 1000
+    assert second.debezium["offsets"][TOPIC] == {"0": 2, "1": 1}
+    assert second.debezium["frontier"]["s1"] == {"partition": f"{TOPIC} partition 1", "held": 1}
+    assert second.shards["s1"].ts == "2024-01-01T00:00:00+00:00"  # not the heartbeat's: an event waits
     # Partition 1 moves past it: the held transaction applies, the watermark is one above it, and
     # with nothing waiting the heartbeat makes the shard fresh.
     tx1 = SinkFile(f"{TOPIC}+1+1.json", TOPIC, 1, 1)
     stats[tx1.name] = stat(tx1.name, 1, 1200, 1200)
     tx0_again = SinkFile(tx0.uri, TOPIC, 0, 2, skip_below=2)
     taken, fronts, third = plan_of(c, second, [tx0_again, tx1, hb], stats)
-    assert third["shards"]["s1"]["lsn"] == 1001  # partition 0 is now the one behind (its last is 1000)
+    assert third.shards["s1"].lsn == 1001  # partition 0 is now the one behind (its last is 1000)
     assert [t.file.name for t in taken if t.events] == [tx0.name]
-    assert third["debezium"]["frontier"]["s1"] == {"partition": f"{TOPIC} partition 0", "held": 1}
+    assert third.debezium["frontier"]["s1"] == {"partition": f"{TOPIC} partition 0", "held": 1}
     one_partition = cfg()
     _taken, _fronts, alone = plan_of(one_partition, wm, [snap0, tx0, hb], stats)
-    assert alone["shards"]["s1"]["lsn"] == 1001 and alone["debezium"]["frontier"]["s1"]["held"] == 0
-    assert alone["shards"]["s1"]["ts"] == "2030-05-04T19:33:20+00:00"  # nothing waits: the heartbeat counts
+    assert alone.shards["s1"].lsn == 1001 and alone.debezium["frontier"]["s1"]["held"] == 0
+    assert alone.shards["s1"].ts == "2030-05-04T19:33:20+00:00"  # nothing waits: the heartbeat counts
 
 
 def test_a_file_is_cut_at_the_frontier_and_late_events_sit_at_the_watermark():

@@ -6,12 +6,15 @@ import pytest
 from cdc_lakehouse.feed.models import FeedError, FeedOffset, SnapshotInfo
 from cdc_lakehouse.feed.plan import plan_range
 from cdc_lakehouse.lake.holds import ConsumerLagError
+from cdc_lakehouse.lake.watermark import Watermark
 
 SRC = {"system_identifier": "1", "timeline": 1}
 
 
-def wm(**lsns: int) -> dict:
-    return {"v": 1, "shards": {s: {"lsn": n, "endpoint": "e", "source": SRC} for s, n in lsns.items()}}
+def wm(**lsns: int) -> Watermark:
+    return Watermark.from_dict(
+        {"v": 1, "shards": {s: {"lsn": n, "endpoint": "e", "source": SRC} for s, n in lsns.items()}}
+    )
 
 
 def chain(*snaps: tuple) -> dict[int, SnapshotInfo]:
@@ -56,7 +59,8 @@ def test_other_writers_rollbacks_and_moves_fall_back_to_a_diff():
     rolled = chain((1, "append", wm(a=10)), (2, "overwrite", wm(a=20)))
     rolled[3] = SnapshotInfo(3, 1, "overwrite", wm(a=15))  # current branches from 1; the offset is at 2
     assert "ancestor" in plan_range("n.t", "c", rolled, 3, off(2)).reason
-    moved = chain((1, "append", wm(a=10)), (2, "overwrite", {"shards": {"a": {"lsn": 5, "endpoint": "other"}}}))
+    other = Watermark.from_dict({"shards": {"a": {"lsn": 5, "endpoint": "other"}}})
+    moved = chain((1, "append", wm(a=10)), (2, "overwrite", other))
     assert plan_range("n.t", "c", moved, 2, off(1)).mode == "diff"
 
 

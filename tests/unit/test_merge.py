@@ -205,6 +205,7 @@ def test_table_fill_gives_matched_rows_the_table_value_and_leaves_orphans_unfill
     whose `title` the batch could not supply takes the table's; a column the batch did supply is
     kept; a key the table lacks keeps its unfilled mark (an orphan: held, never applied)."""
     from cdc_lakehouse.ingest import run
+    from cdc_lakehouse.ingest.batch import ReducedTotals
     from cdc_lakehouse.ingest.toast import UNAV_LEFT
 
     monkeypatch.setattr(run, "BASE_BROADCAST_BYTES", broadcast_bytes)
@@ -222,8 +223,9 @@ def test_table_fill_gives_matched_rows_the_table_value_and_leaves_orphans_unfill
         batch_schema,
     )
     cfg = hard_cfg()
-    c, base = run.classify(batch, run.table_positions(cfg, table, ["title"]), key, {"reduced": 5}, ["title"])
-    assert (c["based"], c["matched_upserts"], c["upd"], c["del"], c["stale"]) == (2, 3, 2, 1, 1), c
+    totals = ReducedTotals(reduced=5)
+    c, base = run.classify(batch, run.table_positions(cfg, table, ["title"]), key, totals, ["title"])
+    assert (c.based, c.matched_upserts, c.updates, c.deletes, c.stale) == (2, 3, 2, 1, 1), c
     got = run.fill_from_table(batch, base, key, ["title"])
     expected = [
         ("s1", 1, 10, "a", "u", 101, 0, T1, []),

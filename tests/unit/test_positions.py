@@ -6,8 +6,10 @@ import pytest
 from cdc_lakehouse.capture.positions import ATTEMPTS_DIR, start_position
 from cdc_lakehouse.ingest.backfill import columns_to_backfill, quiet_shard_fills
 from cdc_lakehouse.ingest.schema import known_columns
+from cdc_lakehouse.lake.watermark import ShardPosition, Watermark
 from cdc_lakehouse.landing.errors import CoverageError, SourceIdentityChanged
-from cdc_lakehouse.landing.reader import Plan, check_coverage, same_source_manifests
+from cdc_lakehouse.landing.format import Manifest, SchemaChange
+from cdc_lakehouse.landing.reader import EndpointSchemaChange, Plan, check_coverage, same_source_manifests
 from cdc_lakehouse.source.publication import identity_mismatch
 from cdc_lakehouse.source.slots import SlotState
 
@@ -22,24 +24,38 @@ def cfg():
     )
 
 
-def wm(lsn=100, ts="2026-01-01T00:00:00+00:00", **extra):
-    return {"db.s0": {"lsn": lsn, "ts": ts, "endpoint": "c__db", "source": IDENT, **extra}}
+def wm(lsn=100, ts="2026-01-01T00:00:00+00:00", **extra) -> dict[str, ShardPosition]:
+    """The shard positions of a watermark."""
+    return watermark(lsn, ts, **extra).shards
 
 
-def manifest(run, end, *, ident=IDENT, finished="2026-01-02T00:00:00+00:00", published=("s0.t",), start=None):
-    return {
-        "run_id": run,
-        "end_lsn": end,
-        "start_lsn": start,
-        "source_identity": ident,
-        "finished_at": finished,
-        "published": list(published),
-        "published_at_start": list(published),
-        "publication": "p",
-    }
+def watermark(lsn=100, ts="2026-01-01T00:00:00+00:00", **extra) -> Watermark:
+    return Watermark.from_dict(
+        {"shards": {"db.s0": {"lsn": lsn, "ts": ts, "endpoint": "c__db", "source": IDENT, **extra}}}
+    )
+
+
+def manifest(
+    run, end, *, ident=IDENT, finished="2026-01-02T00:00:00+00:00", published=("s0.t",), start=None, at_start=None
+) -> Manifest:
+    return Manifest(
+        run_id=run,
+        end_lsn=end,
+        start_lsn=start,
+        source_identity=ident,
+        finished_at=finished,
+        published=list(published),
+        published_at_start=list(published if at_start is None else at_start),
+        publication="p",
+    )
 
 
 SHARDS = [("s0", "db.s0")]
+
+
+def announced(**change) -> EndpointSchemaChange:
+    """A schema change as a run of the shard's endpoint announced it."""
+    return EndpointSchemaChange("c__db", SchemaChange(**change))
 
 
 def test_identity_mismatch_names_what_changed():
@@ -53,11 +69,11 @@ def test_runs_of_another_server_stop_the_shard_but_older_history_is_skipped():
         manifest("r1", 90, ident={**IDENT, "database": "old"}, finished="2025-12-31T00:00:00+00:00"),
         manifest("r2", 120),
     ]
-    assert [m["run_id"] for m in same_source_manifests(cfg(), "c__db", SHARDS, wm(), runs)] == ["r2"]
+    assert [m.run_id for m in same_source_manifests(cfg(), "c__db", SHARDS, wm(), runs)] == ["r2"]
     with pytest.raises(SourceIdentityChanged, match="timeline 1 -> 2"):
         same_source_manifests(cfg(), "c__db", SHARDS, wm(), [manifest("r3", 130, ident={**IDENT, "timeline": 2})])
     with pytest.raises(SourceIdentityChanged, match="endpoint other"):
-        same_source_manifests(cfg(), "c__db", SHARDS, {"db.s0": {**wm()["db.s0"], "endpoint": "other"}}, [])
+        same_source_manifests(cfg(), "c__db", SHARDS, wm(endpoint="other"), [])
 
 
 def test_a_run_counts_for_a_shard_only_if_it_was_published_for_the_whole_run():
@@ -65,7 +81,7 @@ def test_a_run_counts_for_a_shard_only_if_it_was_published_for_the_whole_run():
     check_coverage(cfg(), "c__db", SHARDS, wm(), manifest("r0", 90, published=()))  # below the shard: irrelevant
     with pytest.raises(CoverageError, match="db.s0"):
         check_coverage(cfg(), "c__db", SHARDS, wm(), manifest("r1", 120, published=()))
-    late = {**manifest("r1", 120, start=95), "published_at_start": []}
+    late = manifest("r1", 120, start=95, at_start=())
     check_coverage(cfg(), "c__db", SHARDS, wm(lsn=100), late)  # added mid-run, bootstrapped after the add
     with pytest.raises(CoverageError):
         check_coverage(cfg(), "c__db", SHARDS, wm(lsn=90), late)
@@ -75,34 +91,27 @@ def test_columns_seen_for_the_first_time_since_the_bootstrap_are_backfilled():
     plan = Plan(
         [],
         [],
-        {"shards": wm(columns=["id", "v"])},
+        watermark(columns=["id", "v"]),
         schema_changes=[
-            {
-                "table": "s0.t",
-                "endpoint": "c__db",
-                "at_commit_lsn": 150,
-                "first_seen": True,
-                "columns": ["id", "v", "w"],
-                "added": [],
-            },
-            {"table": "s0.t", "endpoint": "c__db", "at_commit_lsn": 160, "columns": ["id", "v", "w"], "added": []},
+            announced(table="s0.t", at_commit_lsn=150, first_seen=True, columns=["id", "v", "w"], added=[]),
+            announced(table="s0.t", at_commit_lsn=160, columns=["id", "v", "w"], added=[]),
         ],
     )
-    out = columns_to_backfill(cfg(), plan, {"shards": wm(columns=["id", "v"])})
+    out = columns_to_backfill(cfg(), plan, watermark(columns=["id", "v"]))
     assert [(c["at_commit_lsn"], c["added"]) for c in out] == [(150, ["w"])]
-    assert plan.new_watermark["shards"]["db.s0"]["columns"] == ["id", "v", "w"]
+    assert plan.new_watermark.shards["db.s0"].columns == ["id", "v", "w"]
 
 
 def test_a_quiet_shard_is_filled_once_at_its_new_position_and_only_when_it_moved():
     lake_cols = [("id", "bigint"), ("v", "int"), ("w", "int")]
-    old = {"shards": wm(lsn=100, columns=["id", "v"])}
-    moved = {"shards": wm(lsn=180, columns=["id", "v"])}
+    old = watermark(lsn=100, columns=["id", "v"])
+    moved = watermark(lsn=180, columns=["id", "v"])
     out = quiet_shard_fills(cfg(), old, moved, lake_cols)
     assert [(c["table"], c["endpoint"], c["at_commit_lsn"], c["added"]) for c in out] == [("s0.t", "c__db", 180, ["w"])]
     # Unmoved: a bootstrap's rows may sit at (100, -1), where the fill's changelog rows would go.
     assert quiet_shard_fills(cfg(), old, old, lake_cols) == []
     # Filled before: not again.
-    assert quiet_shard_fills(cfg(), old, {"shards": wm(lsn=180, columns=["id", "v"], filled=["w"])}, lake_cols) == []
+    assert quiet_shard_fills(cfg(), old, watermark(lsn=180, columns=["id", "v"], filled=["w"]), lake_cols) == []
     # A column dropped with keep_null stays NULL by choice.
     kept = make_config(
         "t",
@@ -116,13 +125,13 @@ def test_a_quiet_shard_is_filled_once_at_its_new_position_and_only_when_it_moved
 def test_a_schema_carried_over_from_earlier_runs_shows_no_drop():
     """Known columns count for the drop check only for a shard that announced a schema in the batch:
     after a re-bootstrap its watermark knows newer columns than the manifests' carried-over schema."""
-    watermark = {"shards": wm(columns=["id", "v", "w"])}
-    quiet = Plan([], [], watermark, schema_changes=[])
-    assert known_columns(cfg(), watermark, quiet) == {"s0": set()}
-    change = {"table": "s0.t", "endpoint": "c__db", "at_commit_lsn": 150, "columns": ["id", "v"], "added": []}
-    written = Plan([], [], watermark, schema_changes=[change])
-    assert known_columns(cfg(), watermark, written) == {"s0": {"id", "v", "w"}}
-    assert known_columns(cfg(), watermark, None) == {"s0": {"id", "v", "w"}}
+    wm_ = watermark(columns=["id", "v", "w"])
+    quiet = Plan([], [], wm_, schema_changes=[])
+    assert known_columns(cfg(), wm_, quiet) == {"s0": set()}
+    change = announced(table="s0.t", at_commit_lsn=150, columns=["id", "v"], added=[])
+    written = Plan([], [], wm_, schema_changes=[change])
+    assert known_columns(cfg(), wm_, written) == {"s0": {"id", "v", "w"}}
+    assert known_columns(cfg(), wm_, None) == {"s0": {"id", "v", "w"}}
 
 
 class Store:
@@ -141,7 +150,7 @@ def slot(confirmed):
 
 
 def test_a_keepalive_advance_of_failed_attempts_is_explained_anything_else_is_a_gap():
-    prev = [{"end_lsn": 100}]
+    prev = [Manifest(run_id="r0", end_lsn=100)]
     assert start_position(Store([]), "ep", prev, slot(100)) == (100, None)
     tried = [{"run_id": "a1", "from_lsn": 100, "started_at": "1"}, {"run_id": "a2", "from_lsn": 130, "started_at": "2"}]
     start, why = start_position(Store(tried), "ep", prev, slot(150))

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import pytest
 from cdc_lakehouse.lake.ranges import SnapshotInfo, between, effective_watermark, key_range
+from cdc_lakehouse.lake.watermark import Watermark
 from cdc_lakehouse.lake.writers import BY_NAME, INGEST, WRITER_PROP, WRITERS
 
 SRC = {"system_identifier": "1", "timeline": 1}
 
 
-def wm(endpoint: str = "e", **lsns: int) -> dict:
-    return {"v": 1, "shards": {s: {"lsn": n, "endpoint": endpoint, "source": SRC} for s, n in lsns.items()}}
+def wm(endpoint: str = "e", **lsns: int) -> Watermark:
+    shards = {s: {"lsn": n, "endpoint": endpoint, "source": SRC} for s, n in lsns.items()}
+    return Watermark.from_dict({"v": 1, "shards": shards})
 
 
 def chain(*snaps: tuple) -> dict[int, SnapshotInfo]:
@@ -78,7 +80,10 @@ def test_expired_rolled_back_moved_left_and_backfilling_ranges():
     assert "another server" in key_range(moved, 1, 2).reason
     left = chain((1, "append", wm(a=50, b=1), "ingest"), (2, "overwrite", wm(a=60), "ingest"))
     assert "left the table" in key_range(left, 1, 2).reason
-    pending = chain((1, "append", wm(a=50), "ingest"), (2, "overwrite", {**wm(a=60), "backfill": [{}]}, "ingest"))
+    pending = chain(
+        (1, "append", wm(a=50), "ingest"),
+        (2, "overwrite", Watermark.from_dict({**wm(a=60).to_dict(), "backfill": [{}]}), "ingest"),
+    )
     assert "backfill" in key_range(pending, 1, 2).reason
     unplaced = chain((1, "append", None, None), (2, "replace", None, None))
     assert "no watermark" in key_range(unplaced, 1, 2).reason
@@ -88,5 +93,5 @@ def test_expired_rolled_back_moved_left_and_backfilling_ranges():
 
 def test_snapshot_info_reads_the_writer_and_the_watermark_from_a_summary():
     s = SnapshotInfo.of(3, 2, "overwrite", {"cdc.watermark": '{"v":1,"shards":{}}', WRITER_PROP: "repair"})
-    assert (s.watermark, s.writer, s.names_its_changes) == ({"v": 1, "shards": {}}, "repair", False)
+    assert (s.watermark.to_dict(), s.writer, s.names_its_changes) == ({"v": 1, "shards": {}}, "repair", False)
     assert SnapshotInfo.of(3, None, "replace", None).names_its_changes

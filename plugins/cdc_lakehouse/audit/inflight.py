@@ -7,12 +7,12 @@ of its shard in flight.
 from __future__ import annotations
 
 import time  # time.sleep: tests patch it (through audit.run.time) to skip the back-off
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from cdc_lakehouse.audit.errors import AuditFailed
 from cdc_lakehouse.config import SHARD_COL, TableConfig
 from cdc_lakehouse.lake.casts import cast_text
-from cdc_lakehouse.lake.watermark import shard_lsn_map
+from cdc_lakehouse.lake.watermark import Watermark, shard_lsn_map
 from cdc_lakehouse.landing.format import landing_spark_schema
 from cdc_lakehouse.landing.reader import LandingFS, SparkLanding
 from cdc_lakehouse.settings import LakeSettings, SourceEndpoint
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 
 def inflight_from_landing(
-    spark: SparkSession, lake: LakeSettings, cfg: TableConfig, wm: dict[str, Any], key_cols: list[tuple[str, str]]
+    spark: SparkSession, lake: LakeSettings, cfg: TableConfig, wm: Watermark, key_cols: list[tuple[str, str]]
 ) -> DataFrame | None:
     """Keys of captured events the table has not applied yet (commit LSN >= its watermark)."""
     from functools import reduce

@@ -16,6 +16,8 @@ from cdc_lakehouse.settings import LakeSettings
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
 
+    from cdc_lakehouse.lake.watermark import Watermark
+
 logger = logging.getLogger(__name__)
 
 
@@ -40,7 +42,7 @@ def quality_checks(
     lake: LakeSettings,
     cfg: TableConfig,
     lake_df: DataFrame,
-    wm: dict[str, Any],
+    wm: Watermark,
     per_shard: dict[str, dict[str, Any]],
     lake_counts: dict[str, int],
     audit_run: str,
@@ -113,7 +115,7 @@ def _check_table(
 
 
 def _check_freshness(
-    spark: SparkSession, lake: LakeSettings, ds, cfg: TableConfig, wm: dict[str, Any], now: datetime
+    spark: SparkSession, lake: LakeSettings, ds, cfg: TableConfig, wm: Watermark, now: datetime
 ) -> list[dict[str, Any]]:
     """Freshness per shard, from cdc_meta.freshness (lake.freshness): how old each shard's lake
     position (its last applied change or heartbeat) is now. A shard with no row yet (ingested
@@ -147,7 +149,7 @@ def _check_freshness(
 
 
 def shard_ages(
-    spark: SparkSession, lake: LakeSettings, cfg: TableConfig, wm: dict[str, Any], now: datetime
+    spark: SparkSession, lake: LakeSettings, cfg: TableConfig, wm: Watermark, now: datetime
 ) -> dict[str, float | None]:
     """shard -> minutes its lake position is behind `now` (None: no time known)."""
     from cdc_lakehouse.lake.freshness import latest_freshness
@@ -157,8 +159,9 @@ def shard_ages(
     for _, _, shard in cfg.shards():
         f = rows.get(shard)
         ts = f.fresh_to if f is not None else None
-        if ts is None and wm.get("shards", {}).get(shard, {}).get("ts"):
-            ts = datetime.fromisoformat(wm["shards"][shard]["ts"])
+        pos = wm.shards.get(shard)
+        if ts is None and pos is not None and pos.ts:
+            ts = datetime.fromisoformat(pos.ts)
         out[shard] = None if ts is None else (now - ts).total_seconds() / 60
     return out
 

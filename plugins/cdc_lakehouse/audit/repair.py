@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from cdc_lakehouse.config import COMMIT_TS_COL, LSN_COL, OP_COL, SEQ_COL, SHARD_COL, TableConfig
 from cdc_lakehouse.identifiers import pg_ident, pg_qualified, spark_ident
@@ -16,7 +16,7 @@ from cdc_lakehouse.lake.casts import cast_text
 from cdc_lakehouse.lake.columns import INGESTED_COL, LSN_EVENT_COL, RUN_COL, UNAVAILABLE_COL, XID_COL
 from cdc_lakehouse.lake.commits import sql_with_commit_properties, with_commit_retries
 from cdc_lakehouse.lake.tables import changelog_columns, conform_to, null_metadata
-from cdc_lakehouse.lake.watermark import read_watermark, shard_lsn_map, watermark_json
+from cdc_lakehouse.lake.watermark import Watermark, read_watermark, shard_lsn_map
 from cdc_lakehouse.lake.writers import REPAIR, WRITER_PROP
 from cdc_lakehouse.settings import LakeSettings, SourceEndpoint, source_uri
 from cdc_lakehouse.source.catalog import describe_table, text_select
@@ -37,7 +37,7 @@ def repair_keys(
     keys_df: DataFrame,
     key_cols,
     lake_cols,
-    wm: dict[str, Any],
+    wm: Watermark,
     audit_run: str,
 ) -> int:
     """Re-read the mismatched keys from the source and merge them at the watermark's LSN (seq 0):
@@ -103,7 +103,7 @@ def _read_source_rows(cfg: TableConfig, g, schema: str, lake_cols, keys: list[tu
 
 
 def _repair_batch(
-    spark: SparkSession, cfg: TableConfig, checked: DataFrame, found_rows: list[tuple], lake_cols, wm: dict[str, Any]
+    spark: SparkSession, cfg: TableConfig, checked: DataFrame, found_rows: list[tuple], lake_cols, wm: Watermark
 ) -> DataFrame:
     """An ingest-shaped batch: an upsert per checked key the source has, a delete per checked key it
     has not."""
@@ -144,21 +144,28 @@ def _append_changelog(
         .select(*[c for c, _ in changelog_columns(lake_cols)])
     )
     cl_rows = conform_to(cl_rows, spark.table(cl).schema)
-    # The watermark is read from the newest snapshot: the repair's commit restates it unchanged.
+    # The watermark is read from the newest snapshot: the repair's commit restates it unchanged
+    # (a changelog has one from its bootstrap on).
     cwm = read_watermark(spark, cl)
-    with_commit_retries(
-        lambda: (
-            cl_rows.writeTo(cl)
-            .option("snapshot-property.cdc.watermark", watermark_json(cwm))
-            .option(f"snapshot-property.{WRITER_PROP}", REPAIR.name)
-            .append()
-        ),
-        what=f"{cfg.name} repair changelog",
-    )
+    props = {WRITER_PROP: REPAIR.name} if cwm is None else {"cdc.watermark": cwm.to_json(), WRITER_PROP: REPAIR.name}
+
+    def _append() -> None:
+        w = cl_rows.writeTo(cl)
+        for k, v in props.items():
+            w = w.option(f"snapshot-property.{k}", v)
+        w.append()
+
+    with_commit_retries(_append, what=f"{cfg.name} repair changelog")
 
 
 def _merge_current(
-    spark: SparkSession, lake: LakeSettings, cfg: TableConfig, batch: DataFrame, lake_cols, wm, audit_run: str
+    spark: SparkSession,
+    lake: LakeSettings,
+    cfg: TableConfig,
+    batch: DataFrame,
+    lake_cols,
+    wm: Watermark,
+    audit_run: str,
 ) -> None:
     """Through the ingest's LSN-guarded merge, so a row the stream has since moved on is left alone.
     The commit restates the watermark (the table's position did not move) and names its writer:
@@ -173,7 +180,7 @@ def _merge_current(
     sql = merge_sql(cfg, cur_t, view, [SHARD_COL, *names, OP_COL, LSN_COL, SEQ_COL, COMMIT_TS_COL], [])
     with_commit_retries(
         lambda: sql_with_commit_properties(
-            spark, sql, {"cdc.watermark": watermark_json(wm), "cdc.repair": audit_run, **REPAIR.props()}
+            spark, sql, {"cdc.watermark": wm.to_json(), "cdc.repair": audit_run, **REPAIR.props()}
         ),
         what=f"{cfg.name} repair merge",
     )

@@ -23,7 +23,7 @@ import json
 import logging
 import time  # noqa: F401 - tests patch audit.run.time.sleep to skip the slot peek's back-off
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from functools import cached_property, reduce
 from typing import TYPE_CHECKING, Any
@@ -45,7 +45,7 @@ from cdc_lakehouse.config import LSN_COL, SHARD_COL, TableConfig
 from cdc_lakehouse.identifiers import pg_qualified
 from cdc_lakehouse.lake.meta import meta_append
 from cdc_lakehouse.lake.tables import source_columns_of, table_exists
-from cdc_lakehouse.lake.watermark import read_watermark
+from cdc_lakehouse.lake.watermark import Watermark, read_watermark
 from cdc_lakehouse.runtime.phases import PhaseClock, SparkJobs, local_checkpoint, observed_counts
 from cdc_lakehouse.settings import LakeSettings, SourceEndpoint, source_uri
 from cdc_lakehouse.source.catalog import describe_table
@@ -74,7 +74,7 @@ class _Table:
     """The table as the audit sees it: the lake side at its watermark and every source shard."""
 
     cfg: TableConfig
-    wm: dict[str, Any]
+    wm: Watermark
     lake_cols: list[tuple[str, str]]
     key_cols: list[tuple[str, str]]
     lake_df: DataFrame  # live rows only (soft deletes filtered out)
@@ -110,8 +110,7 @@ def audit_table(
     The result carries the Spark jobs it took (`spark_jobs`), the figure AUDIT_JOB_BUDGET holds."""
     with SparkJobs(spark, f"audit {cfg.name} {audit_run}") as jobs:
         r = _audit_table(spark, lake, cfg, audit_run=audit_run, mode=mode, repair=repair)
-    r.spark_jobs, r.spark_job_sites = jobs.count, jobs.sites
-    return r
+    return replace(r, spark_jobs=jobs.count, spark_job_sites=jobs.sites)
 
 
 def _audit_table(
@@ -228,7 +227,7 @@ def _describe(spark: SparkSession, lake: LakeSettings, cfg: TableConfig) -> _Tab
     cur = lake.qualified(cfg.current_table)
     if not table_exists(spark, cur):
         raise AuditFailed(f"{cfg.name}: {cur} does not exist; bootstrap it first")
-    wm = read_watermark(spark, cur) or {"shards": {}}
+    wm = read_watermark(spark, cur) or Watermark.from_dict({"shards": {}})
     lake_cols = source_columns_of(spark, cur, cfg)
     types = dict(lake_cols)
     key_cols = [(k, types[k]) for k in cfg.primary_key]
@@ -602,7 +601,7 @@ def _result_rows(
                 "buckets_compared": st["buckets_compared"],
                 "buckets_differing": st["buckets_differing"],
                 "sample_keys": json.dumps(samples.get(shard, [])[: cfg.audit.sample_keys], default=str),
-                "watermark_lsn": (t.wm["shards"].get(shard) or {}).get("lsn"),
+                "watermark_lsn": t.wm.shard_lsns().get(shard),
                 "repaired": repaired if p else 0,
                 "verdict": "fail" if p else ("mismatch_pending" if pending else "ok"),
                 "seconds": seconds,

@@ -55,6 +55,7 @@ from cdc_lakehouse.bootstrap.chunks import (
     refuse_without_key,
 )
 from cdc_lakehouse.bootstrap.progress import ShardProgress, load_progress, progress_row, record_progress
+from cdc_lakehouse.bootstrap.result import ChunkedBootstrapResult
 from cdc_lakehouse.bootstrap.run import _event_columns, _prepare_tables, _Snapshot, _Target
 from cdc_lakehouse.bootstrap.snapshot import (
     BootstrapError,
@@ -69,7 +70,7 @@ from cdc_lakehouse.config import COMMIT_TS_COL, LSN_COL, OP_COL, SEQ_COL, SHARD_
 from cdc_lakehouse.lake.commits import ConcurrentWriterError, fenced_commit, sql_with_commit_properties
 from cdc_lakehouse.lake.snapshots import current_ancestors
 from cdc_lakehouse.lake.tables import changelog_columns, conform_to
-from cdc_lakehouse.lake.watermark import read_watermark, watermark_json
+from cdc_lakehouse.lake.watermark import ShardPosition, Watermark, read_watermark
 from cdc_lakehouse.lake.writers import CHUNKED_BOOTSTRAP, WRITER_PROP
 from cdc_lakehouse.runtime.failpoints import crash_point
 from cdc_lakehouse.runtime.phases import local_checkpoint
@@ -99,23 +100,22 @@ class ChunkedRun:
     # each round's commits are fenced on it (_apply_chunks).
     rounds: dict[str, Any] = field(default_factory=dict)
 
-    def to_dict(self) -> dict[str, Any]:
+    def result(self) -> ChunkedBootstrapResult:
         elapsed = time.monotonic() - self.started
         total = sum(self.rows.values())
-        return {
-            "table": self.table,
-            "run_id": self.run_id,
-            "mode": "chunked",
-            "rows": total,
-            "shards": dict(self.rows),
-            "chunks": dict(self.chunks),
-            "done": all(self.done.values()) and bool(self.done),
-            "resumed": dict(self.resumed),
-            "paused": self.paused,
-            "seconds": elapsed,
-            "rows_per_second": total / elapsed if elapsed else None,
-            "longest_xact_seconds": self.longest_xact_seconds,
-        }
+        return ChunkedBootstrapResult(
+            table=self.table,
+            run_id=self.run_id,
+            rows=total,
+            shards=dict(self.rows),
+            chunks=dict(self.chunks),
+            done=all(self.done.values()) and bool(self.done),
+            resumed=dict(self.resumed),
+            paused=self.paused,
+            seconds=elapsed,
+            rows_per_second=total / elapsed if elapsed else None,
+            longest_xact_seconds=self.longest_xact_seconds,
+        )
 
 
 def chunked_bootstrap(
@@ -128,7 +128,7 @@ def chunked_bootstrap(
     all_endpoint_tables: dict[str, dict] | None = None,
     should_stop: Callable[[ShardProgress], bool] | None = None,
     table_configs: list[TableConfig] | None = None,
-) -> dict[str, Any]:
+) -> ChunkedBootstrapResult:
     """Chunk cfg's shards (all, or `shards`) into its current table and changelog; resumes a run
     that was killed or paused. should_stop is asked after every chunk (pause from the DAG)."""
     endpoints = shards_by_endpoint(cfg, shards)
@@ -174,8 +174,8 @@ def chunked_bootstrap(
                     "bootstrap %s (chunked): paused; shards left %s", cfg.name, [sh.source.shard for sh in shards_left]
                 )
                 break
-    result = run.to_dict()
-    log.info("bootstrap %s (chunked): %s", cfg.name, result)
+    result = run.result()
+    log.info("bootstrap %s (chunked): %s", cfg.name, result.to_dict())
     return result
 
 
@@ -245,29 +245,26 @@ def _start_positions(
 ) -> None:
     """Shards with no watermark yet get one at P0, committed (with no rows) before the first
     chunk; a shard already in the watermark keeps its position (a re-sync, or a resumed run)."""
-    wm = read_watermark(spark, target.current) or {"v": 1, "shards": {}, "runs": {}}
-    cwm = read_watermark(spark, target.changelog) or {"v": 1, "shards": {}, "runs": {}}
-    new = [s for s in sources if s.shard not in wm["shards"]]
+    wm = read_watermark(spark, target.current) or Watermark.empty()
+    cwm = read_watermark(spark, target.changelog) or Watermark.empty()
+    new = [s for s in sources if s.shard not in wm.shards]
     if not new:
         return
     conn, point, _snapshot, identity = export_snapshot(sources[0].endpoint, endpoint_id, run_id)
     conn.close()  # only its consistent point is needed: the snapshot is released here
     ts = datetime.now(UTC).isoformat()
     for s in new:
-        pos = {
-            "lsn": point,
-            "ts": ts,
-            "endpoint": endpoint_id,
-            "source": identity,
-            "columns": [n for n, _ in target.columns],
-        }
-        wm["shards"][s.shard] = pos
-        cwm["shards"].setdefault(s.shard, pos)
+        pos = ShardPosition(
+            lsn=point, ts=ts, endpoint=endpoint_id, source=identity, columns=[n for n, _ in target.columns]
+        )
+        wm.set_shard(s.shard, pos)
+        if s.shard not in cwm.shards:
+            cwm.set_shard(s.shard, pos)
         progress.pop(s.shard, None)  # progress of an earlier table of this name does not apply
     log.info("bootstrap %s (chunked): shards %s start at LSN %s", cfg.name, [s.shard for s in new], point)
     for table, w in ((target.changelog, cwm), (target.current, wm)):
         spark.createDataFrame([], spark.table(table).schema).writeTo(table).option(
-            "snapshot-property.cdc.watermark", watermark_json(w)
+            "snapshot-property.cdc.watermark", w.to_json()
         ).option(f"snapshot-property.{WRITER_PROP}", CHUNKED_BOOTSTRAP.name).append()
 
 
@@ -505,7 +502,7 @@ def _apply_chunks(
 
     # An event whose row the stream superseded meanwhile is harmless in the changelog: the
     # stream's change of the key carries a higher LSN, so readers of the changelog see it as newer.
-    snap = _Snapshot(run.run_id, datetime.now(UTC).replace(tzinfo=None), {}, {})
+    snap = _Snapshot(run.run_id, datetime.now(UTC).replace(tzinfo=None), Watermark.empty(), Watermark.empty())
     rows = local_checkpoint(_not_superseded(spark, cfg, target, frame, shards, lowest))
     cl_cols = [c for c, _ in changelog_columns(target.columns)]
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
+from cdc_lakehouse.bootstrap.result import BootstrapResult, SnapshotBootstrapResult
 from cdc_lakehouse.bootstrap.snapshot import (
     BootstrapError,
     ShardSource,
@@ -31,13 +32,14 @@ from cdc_lakehouse.lake.tables import (
     source_columns_of,
     table_exists,
 )
-from cdc_lakehouse.lake.watermark import read_watermark, watermark_json
+from cdc_lakehouse.lake.watermark import ShardPosition, Watermark, read_watermark
 from cdc_lakehouse.lake.writers import BOOTSTRAP, WRITER_PROP
 from cdc_lakehouse.runtime.phases import PhaseClock
 from cdc_lakehouse.settings import LakeSettings
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
+
 
 log = logging.getLogger(__name__)
 
@@ -63,8 +65,8 @@ class _Snapshot:
 
     run_id: str
     time: datetime  # naive UTC, as Spark's timestamp literals want it
-    wm: dict[str, Any]
-    cwm: dict[str, Any]
+    wm: Watermark
+    cwm: Watermark
     per_endpoint: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -86,7 +88,7 @@ def bootstrap_table(
     all_endpoint_tables: dict[str, dict] | None = None,
     should_stop: Callable[[Any], bool] | None = None,
     table_configs: list[TableConfig] | None = None,
-) -> dict[str, Any]:
+) -> BootstrapResult:
     """Snapshot cfg's shards (all, or `shards`) into its current table and changelog; or chunk
     them (bootstrap.mode, bootstrap/chunked.py; should_stop pauses that mode between chunks)."""
     from cdc_lakehouse.bootstrap.chunked import choose_mode, chunked_bootstrap
@@ -155,8 +157,8 @@ def _prepare_tables(
 
 def _new_snapshot(spark: SparkSession, target: _Target, run_id: str) -> _Snapshot:
     """Start from the tables' watermarks: shards not bootstrapped now keep their positions."""
-    wm = (read_watermark(spark, target.current) if target.existed else None) or {"v": 1, "shards": {}, "runs": {}}
-    cwm = (read_watermark(spark, target.changelog) if target.existed else None) or {"v": 1, "shards": {}, "runs": {}}
+    wm = (read_watermark(spark, target.current) if target.existed else None) or Watermark.empty()
+    cwm = (read_watermark(spark, target.changelog) if target.existed else None) or Watermark.empty()
     return _Snapshot(run_id, datetime.now(UTC).replace(tzinfo=None), wm, cwm)
 
 
@@ -183,14 +185,15 @@ def _export_and_read(
         frames.append(read_shards(spark, cfg, shard_sources, snapshot, target.columns, pg_types))
         for s in shard_sources:
             # The position and the server it belongs to: positions of another identity never compare.
-            snap.wm["shards"][s.shard] = {
-                "lsn": point,
-                "ts": snap.time.replace(tzinfo=UTC).isoformat(),
-                "endpoint": endpoint_id,
-                "source": identity,
-                "columns": [n for n, _ in target.columns],
-            }
-            snap.cwm["shards"][s.shard] = snap.wm["shards"][s.shard]
+            pos = ShardPosition(
+                lsn=point,
+                ts=snap.time.replace(tzinfo=UTC).isoformat(),
+                endpoint=endpoint_id,
+                source=identity,
+                columns=[n for n, _ in target.columns],
+            )
+            snap.wm.set_shard(s.shard, pos)
+            snap.cwm.set_shard(s.shard, pos)
     return frames
 
 
@@ -237,7 +240,7 @@ def _write_changelog(
     # No shuffle before the changelog write: every snapshot row goes to one day partition,
     # and the JDBC tasks write as they read (10M rows: 207 s -> 183 s without the shuffle).
     events.writeTo(target.changelog).option("distribution-mode", "none").option(
-        "snapshot-property.cdc.watermark", watermark_json(snap.cwm)
+        "snapshot-property.cdc.watermark", snap.cwm.to_json()
     ).option("snapshot-property.cdc.bootstrap", snap.run_id).option(
         f"snapshot-property.{WRITER_PROP}", BOOTSTRAP.name
     ).append()
@@ -263,7 +266,7 @@ def _write_current(spark: SparkSession, cfg: TableConfig, target: _Target, snap:
     # Columns the source no longer has (kept under keep_null) are NULL in the new snapshot.
     rows = conform_to(rows, spark.table(target.current).schema)
     rows.writeTo(target.current).option("distribution-mode", CURRENT_DISTRIBUTION).option(
-        "snapshot-property.cdc.watermark", watermark_json(snap.wm)
+        "snapshot-property.cdc.watermark", snap.wm.to_json()
     ).option("snapshot-property.cdc.bootstrap", snap.run_id).option(
         f"snapshot-property.{WRITER_PROP}", BOOTSTRAP.name
     ).overwrite(cond)
@@ -271,7 +274,7 @@ def _write_current(spark: SparkSession, cfg: TableConfig, target: _Target, snap:
 
 def _result(
     spark: SparkSession, cfg: TableConfig, target: _Target, snap: _Snapshot, clock: PhaseClock
-) -> dict[str, Any]:
+) -> SnapshotBootstrapResult:
     from pyspark.sql import functions as F
 
     selected = [shard for shard, _ in snap.points()]
@@ -285,24 +288,24 @@ def _result(
     }
     total = sum(counts.values())
     elapsed = clock.elapsed()
-    result = {
-        "table": cfg.name,
-        "run_id": snap.run_id,
-        "shards": counts,
-        "rows": total,
-        "endpoints": snap.per_endpoint,
-        "read_and_changelog_seconds": clock.seconds["read_and_changelog"],
-        "current_write_seconds": clock.seconds["current_write"],
-        "seconds": elapsed,
-        "rows_per_second": total / elapsed if elapsed else None,
-        "watermark": snap.wm,
-    }
+    result = SnapshotBootstrapResult(
+        table=cfg.name,
+        run_id=snap.run_id,
+        shards=counts,
+        rows=total,
+        endpoints=snap.per_endpoint,
+        read_and_changelog_seconds=clock.seconds["read_and_changelog"],
+        current_write_seconds=clock.seconds["current_write"],
+        seconds=elapsed,
+        rows_per_second=total / elapsed if elapsed else None,
+        watermark=snap.wm,
+    )
     log.info(
         "bootstrap %s: %s rows in %.1fs (%s rows/s) shards %s; handoff LSNs %s",
         cfg.name,
         total,
         elapsed,
-        f"{result['rows_per_second'] or 0:,.0f}",
+        f"{result.rows_per_second or 0:,.0f}",
         counts,
         [ep["consistent_point"] for ep in snap.per_endpoint.values()],
     )

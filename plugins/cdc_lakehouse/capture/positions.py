@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cdc_lakehouse.source.errors import SlotLostError, SourceError
 from cdc_lakehouse.source.slots import SlotState, advance_slot, slot_state
+
+if TYPE_CHECKING:
+    from cdc_lakehouse.landing.format import Manifest
 
 log = logging.getLogger(__name__)
 
@@ -21,7 +24,7 @@ def attempt_path(endpoint: str, run_id: str) -> str:
 
 
 def start_position(
-    store, endpoint: str, previous: list[dict[str, Any]], state: SlotState
+    store, endpoint: str, previous: list[Manifest], state: SlotState
 ) -> tuple[int | None, dict[str, Any] | None]:
     """Where this run's changes start for the ingest's gap check, and how a skip was explained.
 
@@ -33,7 +36,7 @@ def start_position(
     past the last manifest and failed attempts since then started exactly there, the gap is
     that keepalive's, and the run starts at the last manifest. Any other advance (someone else
     consumed or advanced the slot) stays a gap, which stops the ingest."""
-    last_end = previous[-1]["end_lsn"] if previous else None
+    last_end = previous[-1].end_lsn if previous else None
     confirmed = state.confirmed_flush
     if last_end is None or confirmed is None or confirmed <= last_end:
         return confirmed, None

@@ -25,12 +25,13 @@ covered its shards before it advances their watermark.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
 from cdc_lakehouse.capture.positions import attempt_path, confirm, start_position
 from cdc_lakehouse.capture.stream import CaptureLimits, RunStart, Stream
-from cdc_lakehouse.landing.format import manifest_path
+from cdc_lakehouse.landing.format import Manifest, manifest_path, parse_manifest
 from cdc_lakehouse.landing.reader import list_manifests
 from cdc_lakehouse.source.catalog import EndpointTables, column_type_cache
 from cdc_lakehouse.source.errors import PreflightError, SourceError
@@ -54,6 +55,28 @@ from cdc_lakehouse.source.slots import slot_name as source_slot_name
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class CaptureResult:
+    """What a capture run did: its manifest (with the slot's state after the run, `slot_after`),
+    and whether the run existed already (a retry: only its slot position was confirmed)."""
+
+    manifest: Manifest
+    reused: bool = False
+
+    def xcom(self) -> dict[str, Any]:
+        """What the capture task returns (its XCom): the run's figures; `reused` is null for a new run."""
+        m = self.manifest
+        return {
+            "run_id": m.run_id,
+            "events": m.events,
+            "transactions": m.transactions,
+            "bytes": m.bytes,
+            "capped": m.capped,
+            "end_lsn": m.end_lsn,
+            "reused": True if self.reused else None,
+        }
+
+
 def capture_run(
     ep: EndpointTables,
     dsn: str,
@@ -64,7 +87,7 @@ def capture_run(
     database: str = "",
     limits: CaptureLimits = CaptureLimits(),
     table_configs: list[Any] | None = None,
-) -> dict[str, Any]:
+) -> CaptureResult:
     """Capture one run for an endpoint; returns its manifest (also when the run already existed).
     table_configs: the valid TableConfigs reading the endpoint; a table they all read as a subset of
     its columns (`columns:`) enters the publication with that column list (source.publication)."""
@@ -83,20 +106,20 @@ def capture_run(
         start = _start(conn, store, ep, run_id, slot, previous, state)
         manifest = Stream(ep, dsn, store, run_id, start, limits, host_label=host_label, database=database).run()
         _report(conn, ep, run_id, slot, manifest)
-        return manifest
+        return CaptureResult(parse_manifest(manifest))
     finally:
         conn.close()
 
 
-def _existing_run(ep: EndpointTables, dsn: str, store, run_id: str, slot: str) -> dict[str, Any] | None:
+def _existing_run(ep: EndpointTables, dsn: str, store, run_id: str, slot: str) -> CaptureResult | None:
     """A retry of a run whose manifest exists only makes sure its position is confirmed (step 4)."""
     mpath = manifest_path(ep.endpoint_id, run_id)
     if not store.exists(mpath):
         return None
-    manifest = store.read_json(mpath)
-    confirm(dsn, slot, manifest["end_lsn"], None)
-    log.info("capture %s: run %s already captured; slot confirmed at %s", ep.endpoint_id, run_id, manifest["end_lsn"])
-    return {**manifest, "reused": True}
+    manifest = parse_manifest(store.read_json(mpath))
+    confirm(dsn, slot, manifest.end_lsn, None)
+    log.info("capture %s: run %s already captured; slot confirmed at %s", ep.endpoint_id, run_id, manifest.end_lsn)
+    return CaptureResult(manifest, reused=True)
 
 
 def _check_source(conn, ep: EndpointTables, table_configs: list[Any] | None = None) -> None:
@@ -118,7 +141,7 @@ def _check_source(conn, ep: EndpointTables, table_configs: list[Any] | None = No
         raise PreflightError(problems)
 
 
-def _ready_slot(conn, dsn: str, ep: EndpointTables, slot: str, previous: list[dict[str, Any]]) -> SlotState:
+def _ready_slot(conn, dsn: str, ep: EndpointTables, slot: str, previous: list[Manifest]) -> SlotState:
     """The endpoint's slot, usable, free and confirmed up to the last manifest (step 1)."""
     state = slot_state(conn, slot)
     check_slot_usable(state, ep, captured_before=bool(previous))
@@ -131,15 +154,15 @@ def _ready_slot(conn, dsn: str, ep: EndpointTables, slot: str, previous: list[di
             "capture of this endpoint is running (captures of one endpoint share the pool "
             f"cdc_capture__{ep.endpoint_id}; check for a run outside Airflow)"
         )
-    if previous and previous[-1]["end_lsn"] > (state.confirmed_flush or 0):
+    if previous and previous[-1].end_lsn > (state.confirmed_flush or 0):
         # Step 1: a run that wrote its manifest but died before confirming.
-        confirm(dsn, slot, previous[-1]["end_lsn"], None)
+        confirm(dsn, slot, previous[-1].end_lsn, None)
         state = slot_state(conn, slot)
     return state
 
 
 def _start(
-    conn, store, ep: EndpointTables, run_id: str, slot: str, previous: list[dict[str, Any]], state: SlotState
+    conn, store, ep: EndpointTables, run_id: str, slot: str, previous: list[Manifest], state: SlotState
 ) -> RunStart:
     """Record the attempt, then write the heartbeat that bounds the run.
 
@@ -158,7 +181,7 @@ def _start(
         state=state,
         hb_xid=hb_xid,
         type_lookup=column_type_cache(conn),
-        known_schemas=previous[-1].get("schemas", {}) if previous else {},
+        known_schemas=previous[-1].schemas if previous else {},
         start_lsn=start_lsn,
         keepalive_advance=advanced,
         published_at_start=published_start,

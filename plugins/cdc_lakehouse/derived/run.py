@@ -23,8 +23,11 @@ from __future__ import annotations
 import json
 import logging
 import uuid
-from dataclasses import dataclass, field
+from collections.abc import Iterable
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
+
+from pydantic import Field
 
 from cdc_lakehouse.config import SHARD_COL, TableConfig
 from cdc_lakehouse.derived.config import TreeConfig
@@ -48,7 +51,7 @@ from cdc_lakehouse.lake.holds import hold, lag_error
 from cdc_lakehouse.lake.ranges import KeyRange, changed_keys, key_range, live_rows, table_snapshots
 from cdc_lakehouse.lake.snapshots import current_ancestors
 from cdc_lakehouse.lake.tables import ensure_namespace, table_exists
-from cdc_lakehouse.lake.watermark import WATERMARK_PROP, read_watermark, watermark_json
+from cdc_lakehouse.lake.watermark import WATERMARK_PROP, StoredJson, Watermark, watermark_text_in
 from cdc_lakehouse.runtime.failpoints import crash_point
 from cdc_lakehouse.runtime.phases import PhaseClock, SparkJobs, local_checkpoint
 from cdc_lakehouse.settings import LakeSettings
@@ -61,6 +64,37 @@ log = logging.getLogger(__name__)
 TREE_WATERMARK_VERSION = 1
 
 
+class InputPosition(StoredJson):
+    """An input as a run pinned it: its snapshot and that snapshot's shard positions."""
+
+    snapshot: int | None
+    shards: dict[str, int] = Field(default_factory=dict)
+
+
+class TreeWatermark(StoredJson):
+    """A derived table's `cdc.watermark` (the same property as a replicated table's, another
+    JSON): the inputs the run read and the depth it resolved to."""
+
+    v: int = TREE_WATERMARK_VERSION
+    max_depth: int | None = None
+    inputs: dict[str, InputPosition] = Field(default_factory=dict)
+
+    @classmethod
+    def from_json(cls, text: str) -> TreeWatermark:
+        return cls.model_validate_json(text)
+
+
+def tree_watermark_in(snapshots: Iterable[Any]) -> TreeWatermark | None:
+    """The newest tree watermark in a chain of snapshots (newest first); lake.commits fences on it."""
+    text = watermark_text_in(snapshots)
+    return None if text is None else TreeWatermark.from_json(text)
+
+
+def read_tree_watermark(spark: SparkSession, table: str) -> TreeWatermark | None:
+    """The derived table's watermark (current_ancestors refreshes the table first)."""
+    return tree_watermark_in(current_ancestors(spark, table))
+
+
 @dataclass(frozen=True)
 class Pinned:
     """An input as this run reads it: its current snapshot and that snapshot's shard positions."""
@@ -70,8 +104,30 @@ class Pinned:
     snapshot: int | None
     shards: dict[str, int]
 
-    def position(self) -> dict[str, Any]:
-        return {"snapshot": self.snapshot, "shards": self.shards}
+    def position(self) -> InputPosition:
+        return InputPosition(snapshot=self.snapshot, shards=self.shards)
+
+
+@dataclass(frozen=True)
+class DeriveResult:
+    """What one run of a derived tree did. Figures a run does not produce are None (a noop run
+    only pins; only an incremental run counts changed and affected nodes)."""
+
+    mode: str  # full | incremental | noop
+    spark_jobs: int | None  # None: not known (no Spark UI to count them on)
+    seconds: float
+    phases: dict[str, float]  # seconds per phase
+    keys_from: dict[str, str] | None = None  # input name -> how its changed keys were found (lake.ranges)
+    changed: int | None = None
+    affected: int | None = None
+    passes: int | None = None
+    resolved: int | None = None
+    unresolved: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """For the job's result line and the log: the figures the run produced."""
+        always = ("mode", "spark_jobs", "seconds", "phases")
+        return {f.name: v for f in fields(self) if (v := getattr(self, f.name)) is not None or f.name in always}
 
 
 @dataclass
@@ -84,17 +140,22 @@ class TreeRun:
     grants: Pinned | None
     out: str
     unresolved: str
-    previous: dict[str, Any] | None  # the output's watermark before this run
-    unresolved_previous: dict[str, Any] | None  # the unresolved table's (ahead after a kill between the commits)
+    previous: TreeWatermark | None  # the output's watermark before this run
+    unresolved_previous: TreeWatermark | None  # the unresolved table's (ahead after a kill between the commits)
     mode: str = "full"
     ranges: dict[str, KeyRange] = field(default_factory=dict)  # input name -> its range since the previous run
-    affected_count: int = 0  # nodes an incremental run recomputes (0: only the watermark moves)
-    metrics: dict[str, Any] = field(default_factory=dict)
+    # What the run reports (DeriveResult), set by the phase that finds it:
+    keys_from: dict[str, str] = field(default_factory=dict)  # input name -> how its changed keys were found
+    changed: int | None = None  # changed nodes (incremental)
+    affected_count: int | None = None  # nodes an incremental run recomputes (0: only the watermark moves)
+    passes: int | None = None  # pointer-jumping passes
+    resolved: int | None = None  # rows committed to the output
+    unresolved_count: int | None = None  # and to the unresolved table
 
     @property
-    def watermark(self) -> dict[str, Any]:
+    def watermark(self) -> TreeWatermark:
         inputs = {p.cfg.name: p.position() for p in (self.nodes, self.grants) if p is not None}
-        return {"v": TREE_WATERMARK_VERSION, "max_depth": self.dcfg.max_depth, "inputs": inputs}
+        return TreeWatermark(v=TREE_WATERMARK_VERSION, max_depth=self.dcfg.max_depth, inputs=inputs)
 
 
 def derive_tree(
@@ -104,8 +165,8 @@ def derive_tree(
     tables: dict[str, TableConfig],
     *,
     full: bool = False,
-) -> dict[str, Any]:
-    """Bring the tree table up to its inputs' current snapshots; returns the run's metrics."""
+) -> DeriveResult:
+    """Bring the tree table up to its inputs' current snapshots; returns what the run did."""
     clock = PhaseClock()
     with SparkJobs(spark, f"derive {dcfg.name}") as jobs:
         with clock.phase("pin"):
@@ -120,9 +181,20 @@ def derive_tree(
                 rows = output_rows(r, state, grants, previous, affected)
                 commit(spark, r, rows, unresolved_rows(r, state, nodes), affected)
         hold_inputs(spark, r)
-    r.metrics.update(mode=r.mode, spark_jobs=jobs.count, seconds=round(clock.elapsed(), 1), phases=clock.rounded())
-    log.info("derived %s: %s", dcfg.name, json.dumps(r.metrics, sort_keys=True))
-    return r.metrics
+    result = DeriveResult(
+        mode=r.mode,
+        spark_jobs=jobs.count,
+        seconds=round(clock.elapsed(), 1),
+        phases=clock.rounded(),
+        keys_from=r.keys_from or None,
+        changed=r.changed,
+        affected=r.affected_count,
+        passes=r.passes,
+        resolved=r.resolved,
+        unresolved=r.unresolved_count,
+    )
+    log.info("derived %s: %s", dcfg.name, json.dumps(result.to_dict(), sort_keys=True))
+    return result
 
 
 # --- pin and plan ---------------------------------------------------------------------------------
@@ -139,7 +211,7 @@ def pin_input(spark: SparkSession, lake: LakeSettings, cfg: TableConfig) -> Pinn
         snapshot = snapshot if snapshot is not None else int(snap.snapshot_id)
         wm = snap.summary.get(WATERMARK_PROP)
         if wm is not None:
-            shards = {s: int(p["lsn"]) for s, p in json.loads(wm).get("shards", {}).items()}
+            shards = Watermark.from_json(wm).shard_lsns()
             break
     return Pinned(cfg, table, snapshot, shards)
 
@@ -156,8 +228,8 @@ def pin_run(
         grants,
         out,
         unresolved,
-        read_watermark(spark, out) if table_exists(spark, out) else None,
-        read_watermark(spark, unresolved) if table_exists(spark, unresolved) else None,
+        read_tree_watermark(spark, out) if table_exists(spark, out) else None,
+        read_tree_watermark(spark, unresolved) if table_exists(spark, unresolved) else None,
     )
     r.mode = plan_mode(r, full=full)
     if r.mode == "incremental":
@@ -178,7 +250,7 @@ def input_ranges(spark: SparkSession, r: TreeRun) -> dict[str, KeyRange]:
     for p in (r.nodes, r.grants):
         if p is None:
             continue
-        lo = r.previous["inputs"][p.cfg.name].get("snapshot")
+        lo = r.previous.inputs[p.cfg.name].snapshot
         if p.snapshot is None:
             out[p.cfg.name] = KeyRange(lo, -1, "full", f"{p.table} has no snapshot")
             continue
@@ -202,11 +274,11 @@ def hold_inputs(spark: SparkSession, r: TreeRun) -> None:
 
 def plan_mode(r: TreeRun, *, full: bool) -> str:
     prev = r.previous
-    if full or prev is None or prev.get("max_depth") != r.dcfg.max_depth:
+    if full or prev is None or prev.max_depth != r.dcfg.max_depth:
         return "full"
-    if set(prev.get("inputs", {})) != set(r.watermark["inputs"]):
+    if set(prev.inputs) != set(r.watermark.inputs):
         return "full"  # an input was added or removed: nothing to diff against
-    if prev["inputs"] == r.watermark["inputs"]:
+    if prev.inputs == r.watermark.inputs:
         return "noop"
     return "incremental"
 
@@ -265,7 +337,7 @@ def input_changes(spark: SparkSession, r: TreeRun, p: Pinned) -> DataFrame:
     """Lake keys of input p changed since the previous run: from its changelog, or by diffing the
     snapshot the previous run pinned with this run's (lake.ranges decides which)."""
     found = changed_keys(spark, r.lake, p.cfg, r.ranges[p.cfg.name], at_hi=_at(spark, p))
-    r.metrics.setdefault("keys_from", {})[p.cfg.name] = found.found_by
+    r.keys_from[p.cfg.name] = found.found_by
     return found.keys
 
 
@@ -329,8 +401,7 @@ def affected_nodes(spark: SparkSession, r: TreeRun, nodes: DataFrame, previous: 
         SHARD_COL, ID
     )
     affected = local_checkpoint(seeds.unionByName(descendants).distinct())
-    r.affected_count = affected.count()
-    r.metrics.update(changed=seeds.count(), affected=r.affected_count)
+    r.affected_count, r.changed = affected.count(), seeds.count()
     return affected
 
 
@@ -342,7 +413,7 @@ def unresolved_at_watermark(spark: SparkSession, r: TreeRun) -> DataFrame | None
         return None
     for snap in current_ancestors(spark, r.unresolved):
         wm = snap.summary.get(WATERMARK_PROP)
-        if wm is not None and json.loads(wm) == r.previous:
+        if wm is not None and TreeWatermark.from_json(wm) == r.previous:
             return spark.sql(f"SELECT * FROM {r.unresolved} VERSION AS OF {int(snap.snapshot_id)}")
     return None
 
@@ -371,7 +442,7 @@ def resolve(
         lookup = state if known is None else state.unionByName(known, allowMissingColumns=True)
         state = local_checkpoint(jump(state, lookup, r.dcfg.max_depth))
         passes += 1
-    r.metrics["passes"] = passes
+    r.passes = passes
     return local_checkpoint(classify(state, r.dcfg.max_depth))
 
 
@@ -467,20 +538,21 @@ def commit(spark: SparkSession, r: TreeRun, rows: DataFrame, unresolved: DataFra
     run pinned its inputs, checked when it is published (lake.commits.fenced_commit): a run that
     overlaps another (a zombie, a manual run) neither lands stale rows over newer ones nor
     commits a batch twice."""
-    props = {WATERMARK_PROP: watermark_json(r.watermark)}
+    props = {WATERMARK_PROP: r.watermark.to_json()}
     ensure_namespace(spark, r.lake, r.dcfg.lake.namespace)
     for table, df in ((r.unresolved, unresolved), (r.out, rows)):
         _ensure_table(spark, table, df)
     rows = local_checkpoint(rows)
     unresolved = local_checkpoint(unresolved)
-    r.metrics.update(resolved=rows.count(), unresolved=unresolved.count())
-    batch = BatchId.of(f"derived:{r.out}", r.previous, r.watermark)
+    r.resolved, r.unresolved_count = rows.count(), unresolved.count()
+    previous = None if r.previous is None else r.previous.to_dict()
+    batch = BatchId.of(f"derived:{r.out}", previous, r.watermark.to_dict())
     what = f"derived {r.dcfg.name}"
 
-    def _fenced(name: str, table: str, previous: dict[str, Any] | None, df: DataFrame) -> BatchStep:
+    def _fenced(name: str, table: str, previous: TreeWatermark | None, df: DataFrame) -> BatchStep:
         def step(p: dict[str, str]) -> None:
             write = lambda target: _replace(spark, r, target, df, affected, {**props, **p})  # noqa: E731
-            fenced_commit(spark, table, previous, r.watermark, write, what=what)
+            fenced_commit(spark, table, previous, r.watermark, write, what=what, position=tree_watermark_in)
 
         return BatchStep(name, table, step, positioned=True)
 

@@ -10,6 +10,7 @@ change, which a count would show at once (a repeat counts a block twice).
 from __future__ import annotations
 
 import argparse
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from cdc_lakehouse.config import TableConfig
@@ -29,6 +30,21 @@ if TYPE_CHECKING:
 
 COUNT_COLUMNS = [("space_id", "bigint"), ("day", "date"), ("blocks", "bigint")]
 SPACE, CREATED = "space_id", "created_at"
+
+
+@dataclass(frozen=True)
+class ConsumerResult:
+    """What one run of the consumer did: the range it read (feed.plan) and what it committed."""
+
+    mode: str  # the range's: full | changelog | diff | noop
+    reason: str
+    snapshot_id: int  # read up to (inclusive)
+    committed: bool  # False: nothing new, or another run of the same range committed it
+    pairs: int  # (space, day) pairs written
+
+    def to_dict(self) -> dict[str, Any]:
+        """For the job's result line."""
+        return asdict(self)
 
 
 def ensure_output(spark: SparkSession, lake: LakeSettings, output: str) -> str:
@@ -67,7 +83,7 @@ def block_counts(
     upto: int | None = None,
     mode: str = "auto",
     max_lag_hours: int = DEFAULT_MAX_LAG_HOURS,
-) -> dict[str, Any]:
+) -> ConsumerResult:
     """One incremental run (mode=full: a reset, every live row replaces the counts); returns what
     it did (mode, range, pairs changed)."""
     from pyspark.sql import functions as F
@@ -78,10 +94,9 @@ def block_counts(
     since = None if mode == "full" else committed.get(cfg.current_table)
     batch = read_changes(spark, lake, cfg, consumer, since, upto=upto, with_before=True)
     rng = batch.range
-    result = {"mode": rng.mode, "reason": rng.reason, "snapshot_id": rng.snapshot_id}
     if rng.mode == "noop":
         hold_offsets(spark, lake.catalog_name, consumer, committed.values(), max_lag_hours)
-        return {**result, "committed": False, "pairs": 0}
+        return ConsumerResult(rng.mode, rng.reason, rng.snapshot_id, committed=False, pairs=0)
     for c in (SPACE, CREATED):
         if c not in batch.rows.columns:
             raise ValueError(
@@ -116,7 +131,7 @@ def block_counts(
         lambda target, props: write(target, {**props, **batch.props()}),
         max_lag_hours=max_lag_hours,
     )
-    return {**result, "committed": done, "pairs": pairs}
+    return ConsumerResult(rng.mode, rng.reason, rng.snapshot_id, committed=done, pairs=pairs)
 
 
 def _merge_writer(spark: SparkSession, consumer: str, deltas: DataFrame, pairs: int):

@@ -14,7 +14,6 @@ from __future__ import annotations
 from cdc_lakehouse.feed.models import FeedError, FeedOffset, FeedRange, SnapshotInfo
 from cdc_lakehouse.lake.holds import lag_error
 from cdc_lakehouse.lake.ranges import is_ancestor, key_range
-from cdc_lakehouse.lake.watermark import Watermark
 
 # What a consumer whose offset's snapshot is gone does: it asks for the resync itself.
 RESET_FIX = (
@@ -52,7 +51,7 @@ def plan_range(
 ) -> FeedRange:
     """The range after `since` up to the complete head, and the way to compute it."""
     head = complete_head(table, snaps, current, upto)
-    hi = Watermark.from_dict(head.watermark).shard_lsns()
+    hi = head.watermark.shard_lsns()
 
     def rng(mode, reason, lo=None):
         return FeedRange(table, consumer, since, head.snapshot_id, hi, mode, reason, lo or {})

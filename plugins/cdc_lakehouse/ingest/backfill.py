@@ -37,19 +37,17 @@ it). A column kept after a drop (schema_changes.dropped_columns: keep_null) is n
 
 from __future__ import annotations
 
-import json
 import logging
 from typing import TYPE_CHECKING, Any
 
 from cdc_lakehouse.config import LSN_COL, OP_COL, SEQ_COL, SHARD_COL, TableConfig
 from cdc_lakehouse.identifiers import pg_qualified, spark_ident
-from cdc_lakehouse.ingest.schema import BACKFILL
 from cdc_lakehouse.lake import writers
 from cdc_lakehouse.lake.casts import cast_text
 from cdc_lakehouse.lake.columns import INGESTED_COL, LSN_EVENT_COL, RUN_COL, UNAVAILABLE_COL, XID_COL
 from cdc_lakehouse.lake.commits import fenced_commit, sql_with_commit_properties, with_commit_retries
 from cdc_lakehouse.lake.tables import conform_to, null_metadata, source_columns_of
-from cdc_lakehouse.lake.watermark import watermark_json
+from cdc_lakehouse.lake.watermark import Watermark
 from cdc_lakehouse.landing.reader import Plan
 from cdc_lakehouse.runtime.phases import local_checkpoint
 from cdc_lakehouse.settings import LakeSettings, SourceEndpoint, source_uri
@@ -63,42 +61,41 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-FILLED = "filled"  # shard watermark key: lake columns a quiet shard's rows were filled with
 
-
-def columns_to_backfill(cfg: TableConfig, plan: Plan, wm: dict[str, Any]) -> list[dict[str, Any]]:
+def columns_to_backfill(cfg: TableConfig, plan: Plan, wm: Watermark) -> list[dict[str, Any]]:
     """The batch's schema changes that added columns to a shard, each with the columns it added.
 
     A shard's known columns are kept in its watermark (set by the bootstrap): a column seen for
     the first time since is new even when the capture had no earlier schema to diff with (no
     events of the shard since its bootstrap). Updates the new watermark's known columns."""
     shard_of = {(g.endpoint_id, schema): shard for g, schema, shard in cfg.shards()}
-    known = {s: set(v["columns"]) for s, v in wm.get("shards", {}).items() if "columns" in v}
+    known = {s: set(v.columns) for s, v in wm.shards.items() if v.columns is not None}
     out = []
-    for ch in plan.schema_changes:
-        shard = shard_of.get((ch.get("endpoint"), ch["table"].rpartition(".")[0]))
+    for c in plan.schema_changes:
+        ch = c.change
+        shard = shard_of.get((c.endpoint, ch.table.rpartition(".")[0]))
         if shard is None:
             continue
-        cols = ch.get("columns")
-        if shard in known and cols is not None:
-            new = [c for c in cols if c not in known[shard]]
+        if shard in known and ch.columns is not None:
+            new = [col for col in ch.columns if col not in known[shard]]
         else:
-            new = list(ch.get("added") or [])
-        if cols is not None:
-            known[shard] = set(cols)
+            new = list(ch.added)
+        if ch.columns is not None:
+            known[shard] = set(ch.columns)
         if new:
-            out.append({**ch, "added": new})
+            # As the watermark's pending backfill keeps it (JSON): the change, its endpoint, what it added.
+            out.append({**ch.to_dict(), "endpoint": c.endpoint, "added": new})
     for shard, cols in known.items():
-        pos = plan.new_watermark.get("shards", {}).get(shard)
+        pos = plan.new_watermark.shards.get(shard)
         if pos is not None:
-            pos["columns"] = sorted(cols)
-            if pos.get(FILLED):  # a column the shard has announced itself is no longer the fill's
-                pos[FILLED] = sorted(set(pos[FILLED]) - cols)
+            pos.columns = sorted(cols)
+            if pos.filled:  # a column the shard has announced itself is no longer the fill's
+                pos.filled = sorted(set(pos.filled) - cols)
     return out
 
 
 def quiet_shard_fills(
-    cfg: TableConfig, old_wm: dict[str, Any], new_wm: dict[str, Any], lake_cols: list[tuple[str, str]]
+    cfg: TableConfig, old_wm: Watermark, new_wm: Watermark, lake_cols: list[tuple[str, str]]
 ) -> list[dict[str, Any]]:
     """For each shard whose position moved and whose known columns lack lake columns, the fill at
     its new position, shaped like a schema change (see the module's docstring). A Debezium-fed
@@ -109,19 +106,19 @@ def quiet_shard_fills(
     kept = {c for c, policy in cfg.schema_changes.dropped_columns.items() if policy == "keep_null"}
     out = []
     for group, schema, shard in cfg.shards():
-        pos, was = new_wm.get("shards", {}).get(shard, {}), old_wm.get("shards", {}).get(shard, {})
-        if "columns" not in pos or "lsn" not in was or pos["lsn"] <= was["lsn"]:
+        pos, was = new_wm.shards.get(shard), old_wm.shards.get(shard)
+        if pos is None or pos.columns is None or was is None or pos.lsn <= was.lsn:
             continue
-        have = set(pos["columns"]) | set(pos.get(FILLED) or [])
+        have = set(pos.columns) | set(pos.filled or [])
         missing = [c for c, _ in lake_cols if c not in have and c not in kept and c not in cfg.primary_key]
         if missing:
             table = f"{schema}.{cfg.source.table}"
-            out.append({"table": table, "endpoint": group.endpoint_id, "at_commit_lsn": pos["lsn"], "added": missing})
+            out.append({"table": table, "endpoint": group.endpoint_id, "at_commit_lsn": pos.lsn, "added": missing})
     return out
 
 
 def fill_quiet_shards(
-    spark: SparkSession, lake: LakeSettings, cfg: TableConfig, cur: str, plan: Plan, old_wm: dict[str, Any], run: str
+    spark: SparkSession, lake: LakeSettings, cfg: TableConfig, cur: str, plan: Plan, old_wm: Watermark, run: str
 ) -> int:
     """Fill the lake columns the batch's quiet shards lack (quiet_shard_fills), then record the
     columns their sources have in their watermark's `filled`. Returns rows filled."""
@@ -130,14 +127,14 @@ def fill_quiet_shards(
     if not fills:
         return 0
     shard_of = {(g.endpoint_id, schema): shard for g, schema, shard in cfg.shards()}
-    new = json.loads(json.dumps(plan.new_watermark))
+    new = plan.new_watermark.model_copy(deep=True)
     total = 0
     for ch in fills:
         n, present = backfill_change(spark, lake, cfg, ch, dict(lake_cols), f"quiet-{run}")
         total += n
         if present:
-            pos = new["shards"][shard_of[(ch["endpoint"], ch["table"].rpartition(".")[0])]]
-            pos[FILLED] = sorted({*(pos.get(FILLED) or []), *present})
+            pos = new.shards[shard_of[(ch["endpoint"], ch["table"].rpartition(".")[0])]]
+            pos.filled = sorted({*(pos.filled or []), *present})
     if new != plan.new_watermark:
         mark = backfill_marker(spark, cur, new)
         fenced_commit(spark, cur, plan.new_watermark, new, mark, what=f"{cfg.name} quiet shards filled")
@@ -157,20 +154,20 @@ def finish_backfill(
     """Fill the columns the batch added for rows that predate them, then clear the pending mark."""
     lake_cols = source_columns_of(spark, cur, cfg)
     n = backfill_added_columns(spark, lake, cfg, added, lake_cols, ingest_run)
-    done = {k: v for k, v in plan.new_watermark.items() if k != BACKFILL}
+    done = plan.new_watermark.without_backfill()
     clear = backfill_marker(spark, cur, done)
     fenced_commit(spark, cur, plan.new_watermark, done, clear, what=f"{cfg.name} backfill done")
     plan.new_watermark = done
     return n
 
 
-def backfill_marker(spark: SparkSession, cur: str, watermark: dict[str, Any]) -> Callable[[str], None]:
+def backfill_marker(spark: SparkSession, cur: str, watermark: Watermark) -> Callable[[str], None]:
     """The write of a backfill's closing commit for lake.commits.fenced_commit: no rows, only the
     new watermark, named a backfill (lake.writers) so readers of ranges diff across it."""
 
     def write(target: str) -> None:
         spark.createDataFrame([], spark.table(cur).schema).writeTo(target).option(
-            "snapshot-property.cdc.watermark", watermark_json(watermark)
+            "snapshot-property.cdc.watermark", watermark.to_json()
         ).option(f"snapshot-property.{writers.WRITER_PROP}", writers.BACKFILL.name).append()
 
     return write

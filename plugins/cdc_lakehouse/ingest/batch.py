@@ -19,15 +19,16 @@ the multi-pass fill in ingest.toast.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field, fields
+from datetime import datetime
+from typing import TYPE_CHECKING, Any, Self
 
 from cdc_lakehouse.config import COMMIT_TS_COL, LSN_COL, OP_COL, SEQ_COL, SHARD_COL, TableConfig
 from cdc_lakehouse.ingest.reduce import split_pk_changes
 from cdc_lakehouse.ingest.toast import NO_TABLE, UNAV_LEFT
 from cdc_lakehouse.ingest.validate import BKEY, PKCHANGE, REASONS, typed_events
 from cdc_lakehouse.lake.columns import UNAVAILABLE_COL
-from cdc_lakehouse.lake.watermark import shard_lsn_map
+from cdc_lakehouse.lake.watermark import Watermark, shard_lsn_map
 from cdc_lakehouse.runtime.phases import materialize, timestamps_from_micros
 
 if TYPE_CHECKING:
@@ -41,10 +42,50 @@ _GEN = "_gen"
 _FIXED = ("bigint", "int", "smallint", "tinyint", "boolean", "float", "double", "date", "timestamp", "timestamp_ntz")
 
 
+@dataclass(frozen=True)
+class ReducedTotals:
+    """The batch's latest event per key, counted: what the MERGE gets. Observed by the fused plan
+    (_out_counters), or by ingest.run.reduced_totals for a batch it could not reduce."""
+
+    reduced: int = 0  # keys, each with its latest event
+    upserts: int = 0  # of which not a delete
+    needs_base: int = 0  # upserts with unchanged TOAST columns the batch could not fill
+    needs_base_no_table: int = 0  # of those, after a delete or key change of the key in the batch
+    filled: int = 0  # upserts that arrived with unchanged TOAST columns
+    min_ts: datetime | None = None  # commit time of the oldest and the newest of them
+    max_ts: datetime | None = None
+
+    @classmethod
+    def observed(cls, values: dict[str, Any]) -> Self:
+        """From observed metrics, named as the fields (a sum over no rows comes back NULL: 0)."""
+        names = {f.name for f in fields(cls)}
+        kwargs: dict[str, Any] = {k: v if k.endswith("_ts") else int(v or 0) for k, v in values.items() if k in names}
+        return cls(**kwargs)
+
+
+@dataclass(frozen=True)
+class BatchCounts(ReducedTotals):
+    """The fused plan's counters, observed while it is materialized (_in_counters over the typed
+    events, _out_counters over the flagged rows); the ReducedTotals fields are its latest events'."""
+
+    n: int = 0  # events of the table in the batch's files
+    applied: int = 0  # of which the table already has (below its watermark)
+    bad: int = 0  # pending and malformed: to quarantine
+    valid: int = 0  # pending valid row changes (truncates apart)
+    pk_changes: int = 0  # of which updates that change the key
+    truncates: int = 0  # pending valid truncates
+    duplicates: int = 0  # repeated deliveries (same shard, commit LSN, seq)
+    pk_unresolved: int = 0  # key changes whose new key lacks a TOAST value (the multi-pass fill)
+    truncated: list[str] = field(default_factory=list)  # shards truncated in the batch
+    unavailable: list[str] = field(default_factory=list)  # unchanged TOAST columns in the batch
+    # shard -> {"ts": micros, "lsn"} of its newest source commit in the batch (lake.freshness)
+    shard_commits: dict[str, dict[str, int]] = field(default_factory=dict)
+
+
 @dataclass
 class FusedBatch:
     rows: DataFrame  # materialized: every pending event of the batch, flagged (see the module doc)
-    counts: dict[str, Any]  # the observed counters (see _in_counters, _out_counters)
+    counts: BatchCounts
     filled_columns: list[str]  # the columns the one-pass fill looked at
 
     def malformed(self) -> DataFrame:
@@ -71,17 +112,18 @@ class FusedBatch:
     def needs_multipass_fill(self) -> bool:
         """A key change whose new key lacks a TOAST value (it comes from the old key), or an
         unavailable column the one pass did not look at."""
-        names = set(self.counts["unavailable"])
-        return bool(self.counts["pk_unresolved"]) or not names <= set(self.filled_columns)
+        names = set(self.counts.unavailable)
+        return bool(self.counts.pk_unresolved) or not names <= set(self.filled_columns)
 
 
 def fused_batch(
     raw: DataFrame,
     cfg: TableConfig,
     lake_cols: list[tuple[str, str]],
-    watermark: dict[str, Any],
+    watermark: Watermark | None,
 ) -> FusedBatch:
-    """Landing rows -> the batch's flagged events, materialized once, with its counters."""
+    """Landing rows -> the batch's flagged events, materialized once, with its counters. Events
+    below the watermark are already applied (none without one)."""
     from pyspark.sql import Observation
     from pyspark.sql import functions as F
 
@@ -99,18 +141,9 @@ def fused_batch(
     flagged = _per_key(events, cfg, names)
     out = Observation("cdc_batch_out")
     rows = materialize(flagged.observe(out, *_out_counters()))
-    # An input with no partitions never runs the observed node: its metrics are then empty.
-    counts = {**_plain(seen.get), **_plain(out.get)}
-    counts = {
-        **dict.fromkeys(_COUNTS, 0),
-        "unavailable": [],
-        "truncated": [],
-        "shard_commits": {},
-        "min_ts": None,
-        "max_ts": None,
-        **counts,
-    }
-    return FusedBatch(rows, counts, names)
+    # An input with no partitions never runs the observed node: its metrics are then empty (the
+    # fields' defaults).
+    return FusedBatch(rows, BatchCounts(**_plain(seen.get), **_plain(out.get)), names)
 
 
 def _per_key(events: DataFrame, cfg: TableConfig, names: list[str]) -> DataFrame:
@@ -152,7 +185,7 @@ def _per_key(events: DataFrame, cfg: TableConfig, names: list[str]) -> DataFrame
 
 
 def _in_counters(cfg: TableConfig) -> list[Column]:
-    """Per typed event, before anything is dropped (the old ingest.run.batch_counts)."""
+    """Per typed event, before anything is dropped; named as BatchCounts' fields."""
     from pyspark.sql import functions as F
 
     pend = ~F.col("_applied")
@@ -189,7 +222,8 @@ def _in_counters(cfg: TableConfig) -> list[Column]:
 
 
 def _out_counters() -> list[Column]:
-    """Over the flagged rows: duplicates, and the reduced batch's totals (ingest.run.reduced_totals)."""
+    """Over the flagged rows: duplicates, and the reduced batch's totals (ReducedTotals); named as
+    BatchCounts' fields."""
     from pyspark.sql import functions as F
 
     latest, upsert = F.col(LATEST), F.col(OP_COL) != "d"
@@ -205,10 +239,6 @@ def _out_counters() -> list[Column]:
         F.unix_micros(F.min(F.when(latest, F.col(COMMIT_TS_COL)))).alias("min_ts"),
         F.unix_micros(F.max(F.when(latest, F.col(COMMIT_TS_COL)))).alias("max_ts"),
     ]
-
-
-_COUNTS = ("n", "applied", "bad", "valid", "pk_changes", "truncates", "duplicates", "reduced", "upserts")
-_COUNTS += ("needs_base", "needs_base_no_table", "filled", "pk_unresolved")
 
 
 def _plain(observed: dict[str, Any]) -> dict[str, Any]:

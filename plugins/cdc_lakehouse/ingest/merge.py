@@ -5,11 +5,8 @@ table."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from cdc_lakehouse.config import COMMIT_TS_COL, LSN_COL, OP_COL, SEQ_COL, SHARD_COL, TableConfig
 from cdc_lakehouse.identifiers import spark_ident
-from cdc_lakehouse.lake.watermark import shard_lsn_map
 
 
 def merge_sql(
@@ -60,8 +57,3 @@ def merge_sql(
 def lsn_newer(lsn_a, seq_a, lsn_b, seq_b):
     """(lsn_a, seq_a) > (lsn_b, seq_b)"""
     return (lsn_a > lsn_b) | ((lsn_a == lsn_b) & (seq_a > seq_b))
-
-
-def wm_map(wm: dict[str, Any]):
-    """The watermark as a map column shard -> LSN: lake.watermark.shard_lsn_map (its one definition)."""
-    return shard_lsn_map(wm)

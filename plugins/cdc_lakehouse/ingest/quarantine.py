@@ -18,6 +18,8 @@ from cdc_lakehouse.settings import LakeSettings
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
 
+    from cdc_lakehouse.ingest.batch import ReducedTotals
+
 log = logging.getLogger(__name__)
 
 
@@ -61,7 +63,7 @@ def held_back(
     reduced: DataFrame,
     tgt: DataFrame,
     lake_cols: list[tuple[str, str]],
-    totals,
+    totals: ReducedTotals,
 ) -> DataFrame | None:
     """Rows whose unchanged TOAST value has no trustworthy source, as quarantine rows (or None).
 
@@ -88,9 +90,8 @@ def held_back(
             F.lit(" follow a delete or key change of this key in the batch whose value the batch does not hold"),
         ),
     )
-    no_table = totals.get("needs_base_no_table", totals["needs_base"])
-    rows = reduced.filter(needs_base & F.col(NO_TABLE)).join(tgt, key, "left") if no_table else None
-    if totals["filled"] and has_quarantine(spark, lake, cfg):
+    rows = reduced.filter(needs_base & F.col(NO_TABLE)).join(tgt, key, "left") if totals.needs_base_no_table else None
+    if totals.filled and has_quarantine(spark, lake, cfg):
         q = open_quarantine_keys(spark, lake, cfg, lake_cols)
         rows = reduced.filter(needs_base | filled).join(F.broadcast(q), key, "inner").join(tgt, key, "left")
         after_table = F.col("_t_lsn").isNull() | lsn_newer(

@@ -40,7 +40,7 @@ from cdc_lakehouse.ingest.toast import UNAV_LEFT
 from cdc_lakehouse.ingest.validate import REASONS
 from cdc_lakehouse.lake.commits import ConcurrentWriterError, sql_with_commit_properties, with_commit_retries
 from cdc_lakehouse.lake.tables import source_columns_of
-from cdc_lakehouse.lake.watermark import read_watermark, watermark_json
+from cdc_lakehouse.lake.watermark import Watermark, read_watermark
 from cdc_lakehouse.lake.writers import REPLAY
 from cdc_lakehouse.landing.format import landing_spark_schema
 from cdc_lakehouse.runtime.failpoints import crash_point
@@ -128,7 +128,7 @@ def revalidate(q: DataFrame, cfg: TableConfig, lake_cols: list[tuple[str, str]])
 
     schema = StructType([f for f in landing_spark_schema().fields if f.name in RAW_FIELDS])
     events = q.select(F.from_json("raw", schema).alias("e")).select("e.*")
-    return fused_batch(events, cfg, lake_cols, {"shards": {}})
+    return fused_batch(events, cfg, lake_cols, None)  # no floor: every quarantined event is pending
 
 
 # --- decide ---------------------------------------------------------------------------------------
@@ -239,7 +239,7 @@ def merge_replayed(
     spark: SparkSession,
     cfg: TableConfig,
     cur: str,
-    wm: dict[str, Any],
+    wm: Watermark,
     lake_cols: list[tuple[str, str]],
     apply: DataFrame,
     replay_run: str,
@@ -255,7 +255,7 @@ def merge_replayed(
         if now != wm:
             raise ConcurrentWriterError(
                 f"{cfg.name}: quarantine replay: {cur} was committed by another writer since the replay started "
-                f"(watermark {watermark_json(wm)} -> {watermark_json(now or {})}); nothing was applied. "
+                f"(watermark {wm.to_json()} -> {now.to_json() if now is not None else {}}); nothing was applied. "
                 "Run the replay again (it re-reads the table), outside the table's ingest runs"
             )
         # No cdc.watermark: see the module doc (positions).

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from cdc_lakehouse.config import COMMIT_TS_COL, LSN_COL, OP_COL, SEQ_COL, SHARD_COL, TableConfig
 from cdc_lakehouse.identifiers import spark_ident
@@ -34,13 +34,12 @@ from cdc_lakehouse.ingest.backfill import (
     fill_quiet_shards,
     finish_backfill,
 )
-from cdc_lakehouse.ingest.batch import FusedBatch, fused_batch
+from cdc_lakehouse.ingest.batch import FusedBatch, ReducedTotals, fused_batch
 from cdc_lakehouse.ingest.errors import ErrorBudgetExceeded, SchemaChangeError
-from cdc_lakehouse.ingest.merge import lsn_newer, merge_sql, wm_map
+from cdc_lakehouse.ingest.merge import lsn_newer, merge_sql
 from cdc_lakehouse.ingest.quarantine import as_held, held_back, hold_dependents, write_quarantine
 from cdc_lakehouse.ingest.reduce import latest_per_key
 from cdc_lakehouse.ingest.schema import (
-    BACKFILL,
     apply_schema_actions,
     event_schemas,
     known_columns,
@@ -62,10 +61,10 @@ from cdc_lakehouse.lake.ingest_metrics import IngestMetrics
 from cdc_lakehouse.lake.meta import meta_append
 from cdc_lakehouse.lake.snapshots import Snapshot, current_ancestors, summary_of
 from cdc_lakehouse.lake.tables import conform_to, partition_sql, props_sql, source_columns_of, table_exists
-from cdc_lakehouse.lake.watermark import WATERMARK_PROP, read_watermark, watermark_json
+from cdc_lakehouse.lake.watermark import WATERMARK_PROP, Watermark, read_watermark, shard_lsn_map
 from cdc_lakehouse.lake.writers import INGEST
 from cdc_lakehouse.landing.errors import LandingGap, NotBootstrapped
-from cdc_lakehouse.landing.format import landing_spark_schema
+from cdc_lakehouse.landing.format import Manifest, landing_spark_schema
 from cdc_lakehouse.landing.reader import Plan, SparkLanding, plan_landing
 from cdc_lakehouse.runtime.failpoints import crash_point
 from cdc_lakehouse.runtime.phases import SparkJobs, local_checkpoint, materialize, observed_counts
@@ -78,6 +77,36 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class IngestResult:
+    """What one ingest run did: its figures (the cdc_meta.ingest_runs record, and more) and the
+    Spark jobs it took."""
+
+    metrics: IngestMetrics
+    spark_jobs: int | None  # None: not known (no Spark UI to count them on)
+    spark_metadata_jobs: int | None  # of those, reads of Iceberg metadata tables
+    spark_job_sites: list[str]  # what started each job, in order
+
+    # What the ingest job's result line shows of the metrics (the whole run is in cdc_meta.ingest_runs).
+    LINE: ClassVar[tuple[str, ...]] = (
+        "events_read",
+        "inserts",
+        "updates",
+        "deletes",
+        "quarantined",
+        "write_amplification",
+        "apply_seconds",
+        "total_seconds",
+        "freshness_seconds",
+        "landing_runs",
+        "status",
+    )
+
+    def to_dict(self) -> dict[str, Any]:
+        """For the job's result line (cdc_lakehouse.jobs): the LINE figures."""
+        return {k: getattr(self.metrics, k) for k in self.LINE}
+
+
 def ingest_table(
     spark: SparkSession,
     lake: LakeSettings,
@@ -87,15 +116,15 @@ def ingest_table(
     ingest_run: str,
     interval_end: str | None = None,
     config_file: str | None = None,
-) -> dict[str, Any]:
+) -> IngestResult:
     """Apply every pending capture run (up to `upto_run`) to the table; returns the run's metrics,
-    with the number of Spark jobs it took (`spark_jobs`)."""
+    with the number of Spark jobs it took."""
     with SparkJobs(spark, f"ingest {cfg.name} {ingest_run}") as jobs:
-        out = apply_pending(spark, lake, cfg, upto_run, ingest_run, interval_end, config_file)
+        m = apply_pending(spark, lake, cfg, upto_run, ingest_run, interval_end, config_file)
     log.info(
         "ingest %s: %s Spark jobs (+%s metadata reads): %s", cfg.name, jobs.count, jobs.metadata, "; ".join(jobs.sites)
     )
-    return {**out, "spark_jobs": jobs.count, "spark_metadata_jobs": jobs.metadata, "spark_job_sites": jobs.sites}
+    return IngestResult(m, jobs.count, jobs.metadata, jobs.sites)
 
 
 def apply_pending(
@@ -106,7 +135,7 @@ def apply_pending(
     ingest_run: str,
     interval_end: str | None,
     config_file: str | None,
-) -> dict[str, Any]:
+) -> IngestMetrics:
     """The ingest's phases, in order: plan, prepare (one fused plan: validate, dedupe, split key
     changes, fill, reduce), quarantine, changelog, classify, MERGE (the watermark in the same
     commit), record."""
@@ -116,7 +145,7 @@ def apply_pending(
     )
     with m.timed("plan"):
         b = plan_batch(spark, lake, cfg, upto_run, ingest_run)
-    m.landing_runs = [r["run_id"] for r in b.plan.manifests]
+    m.landing_runs = [r.run_id for r in b.plan.manifests]
     m.status = "ok_with_gaps" if b.gaps else "ok"
     if not b.plan.files:
         advance_watermark(spark, cfg, b, batch_state(m, b.plan, None))
@@ -126,11 +155,11 @@ def apply_pending(
     b.lake_cols = evolve_schema(spark, cfg, b, raw, config_file)
     with m.timed("prepare"):
         fb = fused_batch(raw, cfg, b.lake_cols, b.wm)
-    m.events_read, m.already_applied = fb.counts["n"], fb.counts["applied"]
+    m.events_read, m.already_applied = fb.counts.n, fb.counts.applied
     m.quarantined = quarantine_malformed(spark, lake, cfg, fb, m.events_read - m.already_applied, ingest_run)
     with m.timed("fill"):
         ch = prepare_changes(spark, cfg, b, fb)
-    m.duplicates, m.truncates = ch.duplicates, fb.counts["truncates"]
+    m.duplicates, m.truncates = ch.duplicates, fb.counts.truncates
     crash_point("ingest_before_changelog")
     with m.timed("changelog"):
         m.changelog_rows = append_changelog(spark, cfg, b, ch)
@@ -144,7 +173,7 @@ def apply_pending(
     drop_stale_staging(spark, lake, cfg, datetime.now(UTC))
     with m.timed("merge"), merge_source(spark, lake, cfg, reduced, m.merge_join) as source:
         sql = lambda target: merge_sql(cfg, target, source, current_columns(b.lake_cols), ch.truncated)  # noqa: E731
-        commit_merge(spark, cfg, b, sql, ingest_run, batch_state(m, b.plan, fb.counts["shard_commits"]))
+        commit_merge(spark, cfg, b, sql, ingest_run, batch_state(m, b.plan, fb.counts.shard_commits))
     crash_point("ingest_after_merge")
     # The run's figures are its MERGE's: a backfill below commits on its own (its rows, counted in
     # m.backfilled, then an empty append that carries the watermark).
@@ -154,7 +183,7 @@ def apply_pending(
     fill_quiet(spark, lake, cfg, m, b, ingest_run)
     m.apply_seconds = m.timings["merge"]
     m.set_lag(out.min_ts, out.max_ts)
-    return finish(spark, lake, cfg, m, b, shard_commits=fb.counts["shard_commits"])
+    return finish(spark, lake, cfg, m, b, shard_commits=fb.counts.shard_commits)
 
 
 def fill_quiet(
@@ -175,8 +204,8 @@ class Batch:
 
     cur: str
     cl: str
-    wm: dict[str, Any]  # the current table's watermark; the MERGE is fenced on it
-    cl_wm: dict[str, Any] | None  # the changelog's (None before its first commit); its append is fenced on it
+    wm: Watermark  # the current table's watermark; the MERGE is fenced on it
+    cl_wm: Watermark | None  # the changelog's (None before its first commit); its append is fenced on it
     plan: Plan
     lake_cols: list[tuple[str, str]]
     added: list[dict[str, Any]]  # columns the batch adds at the source: backfilled after the MERGE
@@ -202,25 +231,28 @@ def plan_batch(
     gaps = check_landing(cfg, plan)
     lake_cols = source_columns_of(spark, cur, cfg)
     # A backfill of added columns that an earlier run committed as pending but did not finish.
-    if plan.new_watermark.pop(BACKFILL, None):
-        backfill_added_columns(spark, lake, cfg, wm[BACKFILL], lake_cols, ingest_run)
+    pending = plan.new_watermark.backfill
+    if pending is not None:
+        plan.new_watermark = plan.new_watermark.without_backfill()
+    if pending:
+        backfill_added_columns(spark, lake, cfg, pending, lake_cols, ingest_run)
     added = columns_to_backfill(cfg, plan, wm)
     if added:
-        plan.new_watermark[BACKFILL] = added
+        plan.new_watermark.backfill = added
     batch = ingest_batch_id(cur, wm, plan, ingest_run)
-    return Batch(cur, cl, wm, cl_wm, plan, lake_cols, added, watermark_json(plan.new_watermark), gaps, batch)
+    return Batch(cur, cl, wm, cl_wm, plan, lake_cols, added, plan.new_watermark.to_json(), gaps, batch)
 
 
-def ingest_batch_id(cur: str, wm: dict[str, Any], plan: Plan, ingest_run: str) -> BatchId:
+def ingest_batch_id(cur: str, wm: Watermark, plan: Plan, ingest_run: str) -> BatchId:
     """From the positions the batch moves the table between: a retry of the same data gets the
     same id. A run that moves nothing commits no data, so there is nothing to resume: its id is
     its own (a quiet table's runs each keep their run record)."""
     if plan.files or plan.new_watermark != wm:
-        return BatchId.of(f"ingest:{cur}", wm, plan.new_watermark)
-    return BatchId.of(f"ingest:{cur}", wm, {"noop": ingest_run, "at": datetime.now(UTC).isoformat()})
+        return BatchId.of(f"ingest:{cur}", wm.to_dict(), plan.new_watermark.to_dict())
+    return BatchId.of(f"ingest:{cur}", wm.to_dict(), {"noop": ingest_run, "at": datetime.now(UTC).isoformat()})
 
 
-def start_position(spark: SparkSession, cfg: TableConfig, cur: str) -> dict[str, Any]:
+def start_position(spark: SparkSession, cfg: TableConfig, cur: str) -> Watermark:
     """The current table's watermark; the ingest only continues what a bootstrap started."""
     if not table_exists(spark, cur):
         raise NotBootstrapped(
@@ -305,7 +337,7 @@ def quarantine_malformed(
     spark: SparkSession, lake: LakeSettings, cfg: TableConfig, fb: FusedBatch, n_new: int, ingest_run: str
 ) -> int:
     """Malformed events to quarantine; over the error budget nothing is applied. Returns rows added."""
-    n_bad = fb.counts["bad"]
+    n_bad = fb.counts.bad
     if not n_bad:
         return 0
     bad = fb.malformed()
@@ -341,7 +373,7 @@ class Changes:
     truncs: DataFrame  # truncates
     current: DataFrame  # the current table as read before the changelog commit
     latest: DataFrame  # the latest event per key (before truncates)
-    totals: dict[str, Any] | None  # latest's totals when the fused plan counted them (else counted later)
+    totals: ReducedTotals | None  # latest's totals when the fused plan counted them (else counted later)
     toast_columns: list[str]  # unchanged TOAST columns somewhere in the batch
     truncated: list[str]  # shards truncated in the batch
     duplicates: int
@@ -351,25 +383,24 @@ def prepare_changes(spark: SparkSession, cfg: TableConfig, b: Batch, fb: FusedBa
     """The fused plan's events; the multi-pass TOAST fill only where one pass could not decide
     (a key change whose new key takes its unchanged TOAST value from the old key)."""
     current = spark.table(b.cur)
-    names = fb.counts["unavailable"]
-    events, latest, totals = fb.events(), fb.latest(), fb.counts
+    names = fb.counts.unavailable
+    events, latest = fb.events(), fb.latest()
+    totals: ReducedTotals | None = fb.counts
     if fb.needs_multipass_fill():
         # Over the whole batch: narrowed to the keys key changes touch, it cost 7 Spark jobs more
         # and no time on the demo's batches (BENCHMARKS.md, "make demo"): the fill's cost is its
         # ~30 small jobs, not the rows.
-        log.info("%s: multi-pass TOAST fill (pk_unresolved %d)", cfg.name, fb.counts["pk_unresolved"])
+        log.info("%s: multi-pass TOAST fill (pk_unresolved %d)", cfg.name, fb.counts.pk_unresolved)
         events = local_checkpoint(fill_unavailable(events.drop(UNAV_LEFT, NO_TABLE), current, cfg, names))
         latest, totals = latest_per_key(events, [SHARD_COL, *cfg.primary_key]), None
-    return Changes(
-        events, fb.truncates(), current, latest, totals, names, fb.counts["truncated"], fb.counts["duplicates"]
-    )
+    return Changes(events, fb.truncates(), current, latest, totals, names, fb.counts.truncated, fb.counts.duplicates)
 
 
 def append_changelog(spark: SparkSession, cfg: TableConfig, b: Batch, ch: Changes) -> int:
     """Append what the changelog does not have yet, with its new watermark; returns rows added."""
     from pyspark.sql import functions as F
 
-    cl_floor = wm_map(b.cl_wm or {"shards": {}})
+    cl_floor = shard_lsn_map(b.cl_wm)
     ingested = F.current_timestamp()
 
     def _append(props: dict[str, str], target: str) -> None:
@@ -441,21 +472,21 @@ def reduce_and_classify(
     # keys it scans anyway, for the matched rows only: the MERGE then never references the
     # table's TOAST columns, which would carry them (the widest columns) through its shuffle of
     # every row of the table (bench/ingest_bench.py: 8.5 GiB instead of 4.8 GiB at 20M rows).
-    base_cols = list(ch.toast_columns) if int(totals["needs_base"] or 0) else []
+    base_cols = list(ch.toast_columns) if totals.needs_base else []
     c, base = classify(reduced, table_positions(cfg, ch.current, base_cols), key, totals, base_cols)
-    left_needing = reduced.filter(needs_base()).count() if n_held else int(totals["needs_base"] or 0)
-    n_orphans = hold_orphans(spark, lake, cfg, reduced, tgt, ingest_run) if left_needing > int(c["based"] or 0) else 0
+    left_needing = reduced.filter(needs_base()).count() if n_held else totals.needs_base
+    n_orphans = hold_orphans(spark, lake, cfg, reduced, tgt, ingest_run) if left_needing > c.based else 0
     if base is not None:
         # Still needing a value after the fill: orphans, just held in quarantine; never applied.
         reduced = fill_from_table(reduced, base, key, base_cols).filter(~needs_base())
     return reduced, Outcome(
-        inserts=int(totals["upserts"] or 0) - n_held - int(c["matched_upserts"] or 0) - n_orphans,
-        updates=int(c["upd"] or 0),
-        deletes=int(c["del"] or 0),
-        stale_skipped=int(c["stale"] or 0),
+        inserts=totals.upserts - n_held - c.matched_upserts - n_orphans,
+        updates=c.updates,
+        deletes=c.deletes,
+        stale_skipped=c.stale,
         held=n_held + n_orphans,
-        min_ts=totals["min_ts"],
-        max_ts=totals["max_ts"],
+        min_ts=totals.min_ts,
+        max_ts=totals.max_ts,
     )
 
 
@@ -488,12 +519,12 @@ def apply_truncates(reduced: DataFrame, truncs: DataFrame) -> DataFrame:
     )
 
 
-def reduced_totals(reduced: DataFrame) -> dict[str, Any]:
+def reduced_totals(reduced: DataFrame) -> ReducedTotals:
     """What the fused plan counts (ingest.batch._out_counters), for a batch it could not reduce."""
     from pyspark.sql import functions as F
 
     filled = (F.col(OP_COL) != "d") & (F.size(F.coalesce(UNAVAILABLE_COL, F.array())) > 0)
-    return observed_counts(
+    observed = observed_counts(
         reduced,
         F.count(F.lit(1)).alias("reduced"),
         F.sum((F.col(OP_COL) != "d").cast("int")).alias("upserts"),
@@ -503,6 +534,7 @@ def reduced_totals(reduced: DataFrame) -> dict[str, Any]:
         F.unix_micros(F.min(COMMIT_TS_COL)).alias("min_ts"),
         F.unix_micros(F.max(COMMIT_TS_COL)).alias("max_ts"),
     )
+    return ReducedTotals.observed(observed)
 
 
 def table_positions(cfg: TableConfig, current: DataFrame, values: list[str] | None = None) -> DataFrame:
@@ -522,9 +554,27 @@ BASE_PREFIX = "_base_"  # a table value fetched for an unchanged TOAST column (f
 BASE_BROADCAST_BYTES = 32 * 1024 * 1024  # fetched TOAST values up to this size are broadcast (~6x that in memory)
 
 
+@dataclass(frozen=True)
+class Classification:
+    """The batch's rows against the table's, counted in classify's one scan of the table's keys.
+    An empty table gives none (its scan has no partition to run the observation on): zeros."""
+
+    matched_upserts: int = 0  # upserts whose key the table has
+    updates: int = 0  # of those, newer than the table's row: the MERGE updates them
+    deletes: int = 0  # deletes newer than the table's live row: the MERGE deletes them
+    stale: int = 0  # rows the table has at a newer position: the MERGE skips them
+    based: int = 0  # matched rows that take unchanged TOAST values from the table (needs_base)
+    base_bytes: int = 0  # the size of those values (with base_cols only)
+
+    @classmethod
+    def observed(cls, values: dict[str, Any]) -> Classification:
+        """From observed metrics, named as the fields (a sum over no rows comes back NULL: 0)."""
+        return cls(**{k: int(v or 0) for k, v in values.items()})
+
+
 def classify(
-    reduced: DataFrame, tgt: DataFrame, key: list[str], totals: dict[str, Any], base_cols: list[str] | None = None
-) -> tuple[dict[str, Any], DataFrame | None]:
+    reduced: DataFrame, tgt: DataFrame, key: list[str], totals: ReducedTotals, base_cols: list[str] | None = None
+) -> tuple[Classification, DataFrame | None]:
     """Exact insert/update/delete counts: the batch's keys are broadcast and the table's key
     columns scanned once. With base_cols (tgt from table_positions(..., base_cols)), the same scan
     also returns the table's values of those columns for the matched rows that need them
@@ -533,20 +583,20 @@ def classify(
     from pyspark.sql import functions as F
 
     keys = reduced.select(*key, LSN_COL, SEQ_COL, OP_COL, needs_base().alias("_needs_base"))
-    if (totals["reduced"] or 0) <= BROADCAST_ROWS:
+    if totals.reduced <= BROADCAST_ROWS:
         keys = F.broadcast(keys)
     newer = lsn_newer(F.col(LSN_COL), F.col(SEQ_COL), F.col("_t_lsn"), F.col("_t_seq"))
     is_del = F.col(OP_COL) == "d"
     counts = (
         F.sum((~is_del).cast("int")).alias("matched_upserts"),
-        F.sum((~is_del & newer).cast("int")).alias("upd"),
-        F.sum((is_del & newer & F.col("_t_live")).cast("int")).alias("del"),
+        F.sum((~is_del & newer).cast("int")).alias("updates"),
+        F.sum((is_del & newer & F.col("_t_live")).cast("int")).alias("deletes"),
         F.sum((~newer).cast("int")).alias("stale"),
         F.sum(F.col("_needs_base").cast("int")).alias("based"),
     )
     matched = tgt.join(keys, key, "inner")
     if not base_cols:
-        return observed_counts(matched, *counts), None
+        return Classification.observed(observed_counts(matched, *counts)), None
     size = sum(F.coalesce(F.octet_length(F.col(BASE_PREFIX + c).cast("string")), F.lit(0)) for c in base_cols)
     base_bytes = F.sum(F.when(F.col("_needs_base"), size)).alias("base_bytes")
     obs = Observation(f"cdc_classify_{uuid.uuid4().hex[:8]}")
@@ -556,10 +606,9 @@ def classify(
         .select(*key, *[BASE_PREFIX + c for c in base_cols])
     )
     base = materialize(base)  # one job: the counts and the values
-    # An empty table has no partitions to run the observed node on: its metrics are then empty.
-    c = {"matched_upserts": 0, "upd": 0, "del": 0, "stale": 0, "based": 0, **obs.get}
+    c = Classification.observed(obs.get)
     # Small enough (the common case): joined to the batch without a shuffle, in the MERGE's own jobs.
-    return c, (F.broadcast(base) if (c.get("base_bytes") or 0) <= BASE_BROADCAST_BYTES else base)
+    return c, (F.broadcast(base) if c.base_bytes <= BASE_BROADCAST_BYTES else base)
 
 
 def fill_from_table(reduced: DataFrame, base: DataFrame, key: list[str], base_cols: list[str]) -> DataFrame:
@@ -715,15 +764,15 @@ def finish(
     m: IngestMetrics,
     b: Batch,
     shard_commits: dict[str, Any] | None = None,
-) -> dict[str, Any]:
+) -> IngestMetrics:
     """Record the run in cdc_meta.ingest_runs and cdc_meta.freshness and log its summary; returns
-    the metrics as a dict. shard_commits: the newest source commit per shard in the batch, when
+    the metrics. shard_commits: the newest source commit per shard in the batch, when
     the fused plan observed it (else freshness reads the landing files for it)."""
     m.committed_at = datetime.now(UTC)
     m.total_seconds = m.elapsed()
     record_run(spark, lake, cfg, m, b.plan, b.batch, int(m.started_at.timestamp() * 1000), shard_commits)
     log.info("%s", m.summary())
-    return m.as_dict()
+    return m
 
 
 def record_run(
@@ -738,8 +787,8 @@ def record_run(
 ) -> None:
     """The batch's last two commits, each once: the run record, then the freshness rows.
     since_ms: no earlier commit can carry the batch (lake.batches.committed)."""
-    m.watermark = watermark_json(plan.new_watermark)
-    ts = [v.get("ts") for v in plan.new_watermark.get("shards", {}).values() if v.get("ts")]
+    m.watermark = plan.new_watermark.to_json()
+    ts = [p.ts for p in plan.new_watermark.shards.values() if p.ts]
     if ts and m.committed_at is not None:
         m.freshness_seconds = (m.committed_at - min(datetime.fromisoformat(t) for t in ts)).total_seconds()
 
@@ -778,10 +827,16 @@ def batch_state(m: IngestMetrics, plan: Plan, shard_commits: dict[str, Any] | No
     run["started_at"] = m.started_at.isoformat()
     beats: dict[str, dict[str, Any]] = {}
     for man in plan.manifests:
-        beats.setdefault(man.get("endpoint") or "", {}).update(man.get("heartbeats") or {})
+        beats.setdefault(man.endpoint or "", {}).update({s: hb.to_dict() for s, hb in man.heartbeats.items()})
     heartbeats = [{"endpoint": ep, "heartbeats": hb} for ep, hb in beats.items()]
     state = {"run": run, "shard_commits": shard_commits or {}, "heartbeats": heartbeats}
     return json.dumps(state, separators=(",", ":"), sort_keys=True, default=str)
+
+
+def heartbeat_runs(heartbeats: list[dict[str, Any]]) -> list[Manifest]:
+    """batch_state's heartbeats as the runs record_run reads them from (their ids and positions
+    are not kept: only the heartbeats count there)."""
+    return [Manifest(run_id="", end_lsn=0, endpoint=h["endpoint"], heartbeats=h["heartbeats"]) for h in heartbeats]
 
 
 def last_batch_commit(spark: SparkSession, cur: str) -> tuple[Snapshot, Snapshot | None] | None:
@@ -815,5 +870,5 @@ def resume_batch(spark: SparkSession, lake: LakeSettings, cfg: TableConfig) -> N
     m.add_commit_stats(summary_of(parent) if parent is not None else {}, s)
     since_ms = int(snap.timestamp_ms)
     m.committed_at = datetime.fromtimestamp(since_ms / 1000, UTC)  # when its data became visible
-    plan = Plan(state["heartbeats"], [], json.loads(s[WATERMARK_PROP]))
+    plan = Plan(heartbeat_runs(state["heartbeats"]), [], Watermark.from_json(s[WATERMARK_PROP]))
     record_run(spark, lake, cfg, m, plan, BatchId(s[BATCH_PROP]), since_ms, state["shard_commits"])

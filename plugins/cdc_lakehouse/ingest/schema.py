@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import re
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from cdc_lakehouse.config import TableConfig
 from cdc_lakehouse.identifiers import spark_ident
@@ -17,10 +17,11 @@ from cdc_lakehouse.landing.reader import Plan
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
 
+    from cdc_lakehouse.lake.watermark import Watermark
+
 log = logging.getLogger(__name__)
 
 WIDENINGS = {("int", "bigint"), ("float", "double")}
-BACKFILL = "backfill"  # watermark key: added columns whose older rows still need the source's value
 
 
 def manifest_schemas(plan: Plan, cfg: TableConfig) -> tuple[list[list[dict]], dict[str, list[dict]]]:
@@ -29,7 +30,7 @@ def manifest_schemas(plan: Plan, cfg: TableConfig) -> tuple[list[list[dict]], di
     all_schemas: dict[str, list[dict]] = {}
     latest: dict[str, list[dict]] = {}
     for m in plan.manifests:
-        for key, cols in (m.get("schemas") or {}).items():
+        for key, cols in m.schemas.items():
             schema, _, table = key.rpartition(".")
             if table != cfg.source.table:
                 continue
@@ -38,19 +39,19 @@ def manifest_schemas(plan: Plan, cfg: TableConfig) -> tuple[list[list[dict]], di
     return list(all_schemas.values()), latest
 
 
-def known_columns(cfg: TableConfig, wm: dict[str, Any], plan: Plan | None) -> dict[str, set[str]]:
+def known_columns(cfg: TableConfig, wm: Watermark, plan: Plan | None) -> dict[str, set[str]]:
     """Per shard schema, the columns the shard is known to have had (its watermark), for
     schema_actions' drop check. With `plan`, a shard that announced no schema in the batch (no
     relation message: the manifests carry its schema over from earlier runs) has none: that
     schema may predate what the watermark knows (a re-bootstrap read the shard's newer columns),
     so it shows no drop. A drop is announced by the relation message of the shard's next change."""
-    announced = {(ch.get("endpoint"), ch["table"].rpartition(".")[0]) for ch in (plan.schema_changes if plan else [])}
+    announced = {(c.endpoint, c.change.table.rpartition(".")[0]) for c in (plan.schema_changes if plan else [])}
     out = {}
     for group, schema, shard in cfg.shards():
-        pos = wm.get("shards", {}).get(shard, {})
-        if "columns" in pos:
+        pos = wm.shards.get(shard)
+        if pos is not None and pos.columns is not None:
             seen = plan is None or (group.endpoint_id, schema) in announced
-            out[schema] = set(pos["columns"]) if seen else set()
+            out[schema] = set(pos.columns) if seen else set()
     return out
 
 

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from cdc_lakehouse.config import TableConfig
 from cdc_lakehouse.lake.columns import LSN_COL, SEQ_COL, SHARD_COL
-from cdc_lakehouse.lake.watermark import shard_lsn_map
+from cdc_lakehouse.lake.watermark import lsn_map
 from cdc_lakehouse.settings import LakeSettings
 
 if TYPE_CHECKING:
@@ -23,7 +23,7 @@ def changes_between(
     (seq < 0): those are in the table at it."""
     from pyspark.sql import functions as F
 
-    lo_map, hi_map = (shard_lsn_map({"shards": {s: {"lsn": lsn} for s, lsn in d.items()}}) for d in (lo, hi))
+    lo_map, hi_map = lsn_map(lo), lsn_map(hi)
     cl = spark.table(lake.qualified(cfg.changelog_table))
     lsn, snapshot_row = F.col(LSN_COL), F.col(SEQ_COL) < 0
     lo_s = F.coalesce(lo_map[F.col(SHARD_COL)], F.lit(-1))

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from cdc_lakehouse.lake.snapshots import branch_names, current_ancestors, current_snapshot, summary_of
 from cdc_lakehouse.lake.tables import table_exists
-from cdc_lakehouse.lake.watermark import watermark_in, watermark_json
+from cdc_lakehouse.lake.watermark import StoredJson, watermark_in
 from cdc_lakehouse.runtime.failpoints import crash_point
 
 if TYPE_CHECKING:
@@ -152,7 +152,7 @@ def fenced_commit(
 
 def _moved(table: str, what: str, expected: Any, now: Any) -> ConcurrentWriterError:
     def brief(wm: Any) -> str:
-        return watermark_json(wm) if isinstance(wm, dict) else json.dumps(wm, default=str)
+        return wm.to_json() if isinstance(wm, StoredJson) else json.dumps(wm, default=str)
 
     return ConcurrentWriterError(
         f"{what}: {table} was committed by another writer since this run started (position "

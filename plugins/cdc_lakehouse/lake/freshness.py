@@ -28,13 +28,14 @@ from cdc_lakehouse.config import TableConfig
 from cdc_lakehouse.lake.meta import META_TABLES, meta_append
 from cdc_lakehouse.lake.meta_rows import ShardFreshness  # one row of cdc_meta.freshness; its fields are the columns
 from cdc_lakehouse.lake.snapshots import current_ancestors
-from cdc_lakehouse.lake.watermark import WATERMARK_PROP
+from cdc_lakehouse.lake.watermark import WATERMARK_PROP, Watermark
 from cdc_lakehouse.landing.format import landing_spark_schema
 from cdc_lakehouse.settings import LakeSettings
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
 
+    from cdc_lakehouse.landing.format import Manifest
     from cdc_lakehouse.landing.reader import Plan
 
 FRESHNESS_TABLE = "freshness"
@@ -103,8 +104,8 @@ def record_freshness(
             _Commit(p.last_source_commit_lsn, p.last_source_commit_ts) if p else None, seen.get((ep, schema))
         )
         last_hb = _newer(_Commit(p.last_heartbeat_lsn, p.last_heartbeat_ts) if p else None, beats.get((ep, schema)))
-        pos = committed_wm.get("shards", {}).get(shard, {})
-        fresh_to = _ts(pos.get("ts"))
+        pos = committed_wm.shards.get(shard) if committed_wm is not None else None
+        fresh_to = _ts(pos.ts) if pos is not None else None
         rows.append(
             ShardFreshness(
                 table_name=cfg.name,
@@ -115,7 +116,7 @@ def record_freshness(
                 last_source_commit_ts=last_src.ts if last_src else None,
                 last_heartbeat_lsn=last_hb.lsn if last_hb else None,
                 last_heartbeat_ts=last_hb.ts if last_hb else None,
-                watermark_lsn=pos.get("lsn"),
+                watermark_lsn=pos.lsn if pos is not None else None,
                 fresh_to=fresh_to,
                 lake_snapshot_id=snap_id,
                 lake_committed_at=snap_at,
@@ -173,27 +174,25 @@ def _micros(col: str):
     return F.unix_micros(F.col(col))
 
 
-def _visible_commit(spark: SparkSession, table: str) -> tuple[int | None, datetime | None, dict[str, Any]]:
+def _visible_commit(spark: SparkSession, table: str) -> tuple[int | None, datetime | None, Watermark | None]:
     """(snapshot id, commit time, watermark) of the newest snapshot of the current table that
     carries a watermark: the commit that made the table's positions visible (a later maintenance
     snapshot carries none, and changes nothing a reader sees)."""
-    import json
-
     for snap in current_ancestors(spark, table):
         wm = snap.summary.get(WATERMARK_PROP)
         if wm is not None:
             at = datetime.fromtimestamp(int(snap.timestamp_ms) / 1000, UTC)
-            return int(snap.snapshot_id), at, json.loads(wm)
-    return None, None, {}
+            return int(snap.snapshot_id), at, Watermark.from_json(wm)
+    return None, None, None
 
 
-def _heartbeats(manifests: list[dict[str, Any]]) -> dict[tuple[str, str], _Commit]:
+def _heartbeats(manifests: list[Manifest]) -> dict[tuple[str, str], _Commit]:
     """(endpoint, schema) -> the newest heartbeat in the run's manifests."""
     out: dict[tuple[str, str], _Commit] = {}
     for m in manifests:
-        for schema, hb in (m.get("heartbeats") or {}).items():
-            key = (m.get("endpoint") or "", schema)
-            out[key] = _newer(out.get(key), _Commit(hb.get("commit_lsn"), _ts(hb.get("commit_ts"))))
+        for schema, hb in m.heartbeats.items():
+            key = (m.endpoint or "", schema)
+            out[key] = _newer(out.get(key), _Commit(hb.commit_lsn, _ts(hb.commit_ts)))
     return out
 
 

@@ -27,7 +27,6 @@ side (`table_snapshots`, `changed_keys`, `fingerprint_diff`) imports Spark lazil
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
@@ -53,7 +52,7 @@ class SnapshotInfo:
     snapshot_id: int
     parent_id: int | None
     operation: str | None
-    watermark: dict[str, Any] | None  # the parsed `cdc.watermark`, when the snapshot carries one
+    watermark: Watermark | None  # the parsed `cdc.watermark`, when the snapshot carries one
     writer: str | None = None  # `cdc.writer` (lake.writers), when the snapshot carries one
 
     @classmethod
@@ -65,7 +64,7 @@ class SnapshotInfo:
             int(snapshot_id),
             None if parent_id is None else int(parent_id),
             None if operation is None else str(operation),
-            None if wm is None else json.loads(str(wm)),
+            None if wm is None else Watermark.from_json(str(wm)),
             None if writer is None else str(writer),
         )
 
@@ -98,7 +97,7 @@ class KeyRange:
 # --- the rule (pure) -----------------------------------------------------------------------------
 
 
-def effective_watermark(snaps: Snapshots, sid: int | None) -> dict[str, Any] | None:
+def effective_watermark(snaps: Snapshots, sid: int | None) -> Watermark | None:
     """The watermark of `sid`, or of its nearest ancestor that carries one."""
     while sid is not None and sid in snaps:
         if snaps[sid].watermark is not None:
@@ -138,8 +137,8 @@ def key_range(snaps: Snapshots, lo: int | None, hi: int) -> KeyRange:
     return KeyRange(lo, hi, "changelog", "ingest commits and compactions only", _positions(lo_wm), hi_wm)
 
 
-def _positions(wm: dict[str, Any] | None) -> dict[str, int]:
-    return {} if wm is None else Watermark.from_dict(wm).shard_lsns()
+def _positions(wm: Watermark | None) -> dict[str, int]:
+    return {} if wm is None else wm.shard_lsns()
 
 
 def _history_unusable(snaps: Snapshots, lo: int, hi: int) -> str | None:
@@ -149,17 +148,16 @@ def _history_unusable(snaps: Snapshots, lo: int, hi: int) -> str | None:
     for snap in chain:
         if not snap.names_its_changes:
             return f"{snap.describe()} is not an ingest batch: the changelog may not name the rows it changed"
-        if snap.watermark is not None and "backfill" in snap.watermark:
+        if snap.watermark is not None and snap.watermark.backfill is not None:
             return f"snapshot {snap.snapshot_id} has a pending column backfill"
     return None
 
 
-def _positions_unusable(lo: int, lo_wm: dict[str, Any] | None, hi_wm: dict[str, Any] | None) -> str | None:
+def _positions_unusable(lo: int, lo_wm: Watermark | None, hi_wm: Watermark | None) -> str | None:
     if lo_wm is None or hi_wm is None:
         return f"no watermark at or below snapshot {lo}"
-    was, now = Watermark.from_dict(lo_wm), Watermark.from_dict(hi_wm)
-    for shard, pos in was.shards.items():
-        cur = now.shards.get(shard)
+    for shard, pos in lo_wm.shards.items():
+        cur = hi_wm.shards.get(shard)
         if cur is None:
             return f"shard {shard} left the table"
         if cur.lsn < pos.lsn or (cur.endpoint, cur.source) != (pos.endpoint, pos.source):

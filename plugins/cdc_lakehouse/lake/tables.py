@@ -184,7 +184,3 @@ def table_stats(spark: SparkSession, table: str) -> dict[str, Any]:
         "delete_files": int(f["d"]),
         "snapshots": int(f["s"]),
     }
-
-
-def df_columns(df: DataFrame) -> list[str]:
-    return list(df.columns)

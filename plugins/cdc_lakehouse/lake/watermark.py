@@ -12,11 +12,12 @@ in the table, and none at or above it. Bootstrap sets it to the snapshot's consi
 point; each ingest moves it to the end of the last capture run it applied. `endpoint` and
 `source` say which endpoint and server the position belongs to (positions of two servers
 never compare); `columns` are the shard's known source columns, `filled` the lake columns its
-rows got from the source while the shard was quiet (ingest.backfill). Other keys (the ingest's
-pending `backfill`) are kept as they are.
+rows got from the source while the shard was quiet (ingest.backfill). `backfill` lists the added
+columns whose older rows still wait for the source's value (ingest.backfill), `debezium` a
+Debezium-fed table's Kafka offsets (landing.debezium); other keys are kept as they are.
 
-Callers handle the watermark as a dict (read_watermark, watermark_json); `Watermark` is the
-typed model of the same JSON, and round-trips it byte for byte.
+read_watermark parses the JSON once into a `Watermark`; callers pass that model on. It round-trips
+the JSON byte for byte (to_json), and two watermarks are equal when their JSON is.
 """
 
 from __future__ import annotations
@@ -27,8 +28,6 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from cdc_lakehouse.lake.snapshots import current_ancestors
-
 if TYPE_CHECKING:
     from pyspark.sql import Column, SparkSession
 
@@ -36,10 +35,30 @@ WATERMARK_PROP = "cdc.watermark"
 WATERMARK_VERSION = 1
 
 
-class ShardPosition(BaseModel):
-    """One shard's position in a table."""
+class StoredJson(BaseModel):
+    """A JSON value stored in a snapshot property. Unknown keys are kept and keys never set are
+    left out, so a value read and written back is unchanged; equal when their JSON is (pydantic's
+    own equality would also call a key set to its default equal to a missing one)."""
 
     model_config = ConfigDict(extra="allow")
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(exclude_unset=True)
+
+    def to_json(self) -> str:
+        """As stored: compact, keys sorted."""
+        return json.dumps(self.to_dict(), separators=(",", ":"), sort_keys=True)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, StoredJson) or type(other) is not type(self):
+            return NotImplemented
+        return self.to_dict() == other.to_dict()
+
+    __hash__ = None  # type: ignore[assignment]  # mutable: never a dict key
+
+
+class ShardPosition(StoredJson):
+    """One shard's position in a table."""
 
     lsn: int = Field(description="exclusive: every transaction committed below it is in the table")
     ts: str | None = Field(None, description="ISO time the position is fresh to")
@@ -51,15 +70,20 @@ class ShardPosition(BaseModel):
     )
 
 
-class Watermark(BaseModel):
+class Watermark(StoredJson):
     """The `cdc.watermark` JSON. Fields never set are left out of to_dict/to_json, so a
-    watermark read and written back is unchanged; start a new one with Watermark.empty()."""
-
-    model_config = ConfigDict(extra="allow")
+    watermark read and written back is unchanged; start a new one with Watermark.empty().
+    Change `shards` and `runs` through set_shard/set_run (an assignment marks them set)."""
 
     v: int = WATERMARK_VERSION
     shards: dict[str, ShardPosition] = Field(default_factory=dict)
     runs: dict[str, str] = Field(default_factory=dict, description="endpoint -> last capture run applied")
+    backfill: list[dict[str, Any]] | None = Field(
+        None, description="schema changes whose added columns the rows before them still need (ingest.backfill)"
+    )
+    debezium: dict[str, Any] | None = Field(
+        None, description="a Debezium-fed table's Kafka offsets and frontiers (landing.debezium)"
+    )
 
     @classmethod
     def empty(cls) -> Watermark:
@@ -73,57 +97,64 @@ class Watermark(BaseModel):
     def from_json(cls, text: str) -> Watermark:
         return cls.from_dict(json.loads(text))
 
-    def to_dict(self) -> dict[str, Any]:
-        return self.model_dump(exclude_unset=True)
-
-    def to_json(self) -> str:
-        return watermark_json(self.to_dict())
-
     def shard_lsns(self) -> dict[str, int]:
         return {shard: pos.lsn for shard, pos in self.shards.items()}
+
+    def set_shard(self, shard: str, pos: ShardPosition) -> None:
+        self.shards = {**self.shards, shard: pos}
+
+    def set_run(self, endpoint: str, run_id: str) -> None:
+        self.runs = {**self.runs, endpoint: run_id}
+
+    def without_backfill(self) -> Watermark:
+        """This watermark with no pending backfill (the key left out, as if never set)."""
+        return Watermark.from_dict({k: v for k, v in self.to_dict().items() if k != "backfill"})
 
 
 # --- watermarks --------------------------------------------------------------------------------
 
 
-def read_watermark(spark: SparkSession, table: str) -> dict[str, Any] | None:
+def read_watermark(spark: SparkSession, table: str) -> Watermark | None:
     """The newest `cdc.watermark` among the current snapshot and its ancestors."""
     # Iceberg's catalog caches loaded tables; another process (a killed run, maintenance) may have
     # committed since, and a stale watermark would re-apply events the table already has:
     # current_ancestors refreshes the table first (lake.snapshots).
+    # Imported here: the model above is vocabulary the landing's plans use too (it sits in the
+    # lowest layer of tests/unit/test_layout.py), reading a table's snapshots is the lake's.
+    from cdc_lakehouse.lake.snapshots import current_ancestors
+
     return watermark_in(current_ancestors(spark, table))
 
 
-def watermark_in(snapshots: Iterable[Any]) -> dict[str, Any] | None:
+def watermark_in(snapshots: Iterable[Any]) -> Watermark | None:
     """The newest `cdc.watermark` in a chain of snapshots (newest first): a table's position as
     of its first snapshot (lake.commits fences commits on it)."""
+    text = watermark_text_in(snapshots)
+    return None if text is None else Watermark.from_json(text)
+
+
+def watermark_text_in(snapshots: Iterable[Any]) -> str | None:
+    """The newest `cdc.watermark` property in a chain of snapshots, as stored (a derived tree's
+    watermark has a JSON of its own: derived.run.TreeWatermark)."""
     for snap in snapshots:
         wm = snap.summary.get(WATERMARK_PROP)
         if wm is not None:
-            return json.loads(wm)
+            return wm
     return None
 
 
-def read_watermark_model(spark: SparkSession, table: str) -> Watermark | None:
-    """read_watermark, typed."""
-    wm = read_watermark(spark, table)
-    return None if wm is None else Watermark.from_dict(wm)
-
-
-def watermark_json(wm: dict[str, Any] | Watermark) -> str:
-    """The watermark as stored: compact, keys sorted."""
-    if isinstance(wm, Watermark):
-        wm = wm.to_dict()
-    return json.dumps(wm, separators=(",", ":"), sort_keys=True)
-
-
-def shard_lsn_map(wm: dict[str, Any] | Watermark) -> Column:
+def shard_lsn_map(wm: Watermark | None) -> Column:
     """The watermark as a Spark map column, shard -> exclusive LSN (an empty map<string,bigint>
-    when it has no shards): `shard_lsn_map(wm)[F.col(SHARD_COL)]` is a row's shard position."""
+    when it has no shards, or no watermark): `shard_lsn_map(wm)[F.col(SHARD_COL)]` is a row's
+    shard position."""
+    return lsn_map({} if wm is None else wm.shard_lsns())
+
+
+def lsn_map(lsns: dict[str, int]) -> Column:
+    """Shard positions (shard -> LSN) as a Spark map column (an empty map<string,bigint> when none)."""
     from pyspark.sql import functions as F
 
-    shards = wm.shard_lsns() if isinstance(wm, Watermark) else {s: v["lsn"] for s, v in wm.get("shards", {}).items()}
     pairs = []
-    for shard, lsn in sorted(shards.items()):
+    for shard, lsn in sorted(lsns.items()):
         pairs += [F.lit(shard), F.lit(int(lsn))]
     return F.create_map(*pairs) if pairs else F.create_map().cast("map<string,bigint>")

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 from cdc_lakehouse.config import LandingSource, TableConfig
 from cdc_lakehouse.landing.errors import NotBootstrapped
+from cdc_lakehouse.landing.format import Heartbeat, Manifest
 from cdc_lakehouse.landing.reader import LandingFS, Plan, spark_uri
 from cdc_lakehouse.landing.writer import local_dir, make_private, mkdirs
 from cdc_lakehouse.source.catalog import lake_type, schema_json
@@ -46,9 +47,10 @@ from cdc_lakehouse.source.catalog import lake_type, schema_json
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
 
+    from cdc_lakehouse.lake.watermark import Watermark
+
 log = logging.getLogger(__name__)
 
-WM_KEY = "debezium"
 # `.json.gz`: the sink's s3.compression.type=gzip (Avro files compress inside the container instead).
 FILE_RE = re.compile(r"^(?P<topic>.+)\+(?P<partition>\d+)\+(?P<start>\d+)\.(?P<ext>json|json\.gz|avro)$")
 GZIP_MAGIC = b"\x1f\x8b"
@@ -640,13 +642,12 @@ def event_record(row: tuple) -> dict[str, Any]:
     return rec
 
 
-def plan_debezium(spark: SparkSession, lake, cfg: TableConfig, watermark: dict[str, Any]) -> DebeziumPlan:
+def plan_debezium(spark: SparkSession, lake, cfg: TableConfig, watermark: Watermark) -> DebeziumPlan:
     """The sink objects above the table's committed Kafka offsets, converted into landing events
     (Parquet in the landing format, under `<landing>/_debezium/<table>/`), and the watermark
     after them: each shard at its frontier, and only the events below it applied (`frontiers`).
     The rest of the ingest reads those files like our own capture's."""
-    shards_wm = watermark.get("shards", {})
-    missing = [shard for _, _, shard in cfg.shards() if shard not in shards_wm]
+    missing = [shard for _, _, shard in cfg.shards() if shard not in watermark.shards]
     if missing:
         raise NotBootstrapped(
             f"{cfg.name}: shard(s) {missing} have no watermark; run the bootstrap (cdc_bootstrap__{cfg.name}), "
@@ -664,7 +665,8 @@ def plan_debezium(spark: SparkSession, lake, cfg: TableConfig, watermark: dict[s
     # may have grown), and an empty batch goes the quiet-shard way (the watermark only).
     events = [t.file for t in taken if not t.file.heartbeat and t.events]
     staged = stage_events(spark, lake, cfg, events) if events else []
-    manifests = [{"run_id": f.name} for f in events] + heartbeat_manifests(cfg, new_wm, chosen)
+    # The batch's "runs": its sink objects (no slot position: end_lsn 0), then the heartbeats read.
+    manifests = [Manifest(run_id=f.name, end_lsn=0) for f in events] + heartbeat_manifests(cfg, new_wm, chosen)
     return DebeziumPlan(manifests, staged, new_wm, sink_files=events)
 
 
@@ -673,13 +675,13 @@ def topic_shards(cfg: TableConfig) -> dict[str, str]:
     return {table_topic(cfg.landing, g.conn_id, schema, cfg.source.table): shard for g, schema, shard in cfg.shards()}
 
 
-def listed_files(fs: LandingFS, cfg: TableConfig, shape: Shape, watermark: dict[str, Any]) -> list[SinkFile]:
+def listed_files(fs: LandingFS, cfg: TableConfig, shape: Shape, watermark: Watermark) -> list[SinkFile]:
     """Every object above the committed offsets: the table topics' (each with its shard's
     watermark as the floor of its events' positions) and the heartbeat topics'."""
     src = cfg.landing
     base = spark_uri(str(src.uri).rstrip("/")) + "/" + src.topics_dir
-    offsets = watermark.get(WM_KEY, {}).get("offsets", {})
-    floors = {topic: watermark["shards"][shard]["lsn"] for topic, shard in topic_shards(cfg).items()}
+    offsets = (watermark.debezium or {}).get("offsets", {})
+    floors = {topic: watermark.shards[shard].lsn for topic, shard in topic_shards(cfg).items()}
     files = [
         replace(f, floor=floors[topic])
         for topic, _ in shape.endpoints
@@ -735,14 +737,14 @@ def partition_low(files: list[SinkFile], picked: set[str], stats: dict[str, dict
 
 
 def frontiers(
-    cfg: TableConfig, watermark: dict[str, Any], files: list[SinkFile], chosen: list[SinkFile], stats
+    cfg: TableConfig, watermark: Watermark, files: list[SinkFile], chosen: list[SinkFile], stats
 ) -> dict[str, Frontier]:
     """Per table topic, its shard's frontier: the lowest `partition_low` of its partitions (within
     a partition events arrive in commit order; across partitions they do not, so a partition
     behind the others holds them back), never below the shard's watermark. The watermark then
     means exactly what it means for our capture: every transaction below it is in the table,
     none at or above it, and every changelog row lies in one range between two watermarks."""
-    last = watermark.get(WM_KEY, {}).get("last", {})
+    last = (watermark.debezium or {}).get("last", {})
     picked = {f.name for f in chosen}
     out = {}
     for topic, shard in topic_shards(cfg).items():
@@ -751,7 +753,7 @@ def frontiers(
         seen = last.get(topic, {})
         lows = {p: partition_low([f for f in mine if f.partition == p], picked, stats, seen.get(str(p))) for p in parts}
         left = sum(stats[f.name]["events"] for f in mine if f.name not in picked)
-        out[topic] = frontier_of(shard, topic, watermark["shards"][shard]["lsn"], lows, left)
+        out[topic] = frontier_of(shard, topic, watermark.shards[shard].lsn, lows, left)
     return out
 
 
@@ -864,34 +866,29 @@ def stage_events(spark: SparkSession, lake, cfg: TableConfig, events: list[SinkF
     return [staging]
 
 
-def heartbeat_manifests(cfg: TableConfig, new_wm: dict[str, Any], files: list[SinkFile]) -> list[dict[str, Any]]:
-    """The heartbeats read, in the manifest shape the freshness record reads (endpoint, schema ->
-    commit time; Debezium's heartbeat carries no LSN)."""
+def heartbeat_manifests(cfg: TableConfig, new_wm: Watermark, files: list[SinkFile]) -> list[Manifest]:
+    """The heartbeats read, as manifests of the heartbeat topics (endpoint, schema -> commit time:
+    what the freshness record reads; Debezium's heartbeat carries no LSN, so end_lsn is 0)."""
     if not any(f.heartbeat for f in files):
         return []
-    beats = new_wm.get(WM_KEY, {}).get("heartbeats", {})
+    beats = (new_wm.debezium or {}).get("heartbeats", {})
     out = []
     for g in cfg.source.shards:
         beat = beats.get(cfg.landing.prefix_for(g.conn_id))
         if beat:
-            hb = {s: {"commit_lsn": None, "commit_ts": beat} for s in g.schemas}
-            out.append(
-                {
-                    "run_id": heartbeat_topic(cfg.landing.prefix_for(g.conn_id)),
-                    "endpoint": g.endpoint_id,
-                    "heartbeats": hb,
-                }
-            )
+            hb = {s: Heartbeat(commit_lsn=None, commit_ts=beat) for s in g.schemas}
+            run_id = heartbeat_topic(cfg.landing.prefix_for(g.conn_id))
+            out.append(Manifest(run_id=run_id, end_lsn=0, endpoint=g.endpoint_id, heartbeats=hb))
     return out
 
 
-def advance(cfg: TableConfig, watermark: dict[str, Any], taken: list[Taken], fronts: dict[str, Frontier]) -> dict:
+def advance(cfg: TableConfig, watermark: Watermark, taken: list[Taken], fronts: dict[str, Frontier]) -> Watermark:
     """The watermark once `taken` is applied: every partition's next offset and last position,
     each shard at its frontier (with the newest commit time applied), `debezium.frontier` saying
     per shard which partition holds it and how many events wait above it. A heartbeat newer than
     a shard's time makes it that fresh, only when nothing of the shard waits."""
-    new = json.loads(json.dumps(watermark))
-    st = new.setdefault(WM_KEY, {})
+    new = watermark.model_copy(deep=True)
+    st = new.debezium = dict(new.debezium or {})
     offsets, last, beats = st.setdefault("offsets", {}), st.setdefault("last", {}), st.setdefault("heartbeats", {})
     for t in sorted(taken, key=lambda t: (t.file.topic, t.file.partition, t.file.start)):
         f, p = t.file, str(t.file.partition)
@@ -907,12 +904,12 @@ def advance(cfg: TableConfig, watermark: dict[str, Any], taken: list[Taken], fro
     shown = st.setdefault("frontier", {})
     for g, _schema, shard in cfg.shards():
         fr = next(fr for fr in fronts.values() if fr.shard == shard)
-        pos = new["shards"][shard]
-        if fr.lsn > pos["lsn"]:
-            pos.update(lsn=fr.lsn, ts=_newest(pos.get("ts"), *(ts for _, ts in last.get(fr.topic, {}).values())))
+        pos = new.shards[shard]
+        if fr.lsn > pos.lsn:
+            pos.lsn, pos.ts = fr.lsn, _newest(pos.ts, *(ts for _, ts in last.get(fr.topic, {}).values()))
         beat = beats.get(cfg.landing.prefix_for(g.conn_id))
         if beat and fr.delivered and not fr.held and not fr.left:
-            pos["ts"] = _newest(pos.get("ts"), beat)
+            pos.ts = _newest(pos.ts, beat)
         shown[shard] = {"partition": fr.holder, "held": fr.held}
     return new
 
@@ -954,11 +951,12 @@ def first_columns(spark: SparkSession, cfg: TableConfig) -> list[dict[str, Any]]
     )
 
 
-def bootstrap_debezium(spark: SparkSession, lake, cfg: TableConfig) -> dict[str, Any]:
+def bootstrap_debezium(spark: SparkSession, lake, cfg: TableConfig) -> Watermark:
     """Create the lake tables of a Debezium-fed table, with every shard at the start of its topics:
-    the first ingest then loads the connector's snapshot ('r' events) and the changes after it."""
+    the first ingest then loads the connector's snapshot ('r' events) and the changes after it.
+    Returns the watermark the tables start at."""
     from cdc_lakehouse.lake.tables import create_lake_tables, table_exists
-    from cdc_lakehouse.lake.watermark import watermark_json
+    from cdc_lakehouse.lake.watermark import ShardPosition, Watermark
     from cdc_lakehouse.lake.writers import BOOTSTRAP, WRITER_PROP
 
     cur = lake.qualified(cfg.current_table)
@@ -970,14 +968,14 @@ def bootstrap_debezium(spark: SparkSession, lake, cfg: TableConfig) -> dict[str,
         raise DebeziumFormatError(f"{cfg.name}: columns {bad} have no lake type; set column_types for them")
     create_lake_tables(spark, lake, cfg, [(c["name"], cfg.column_types.get(c["name"]) or c["lake_type"]) for c in cols])
     names = [c["name"] for c in cols]
-    wm = {
-        "v": 1,
-        "shards": {shard: {"lsn": 0, "endpoint": g.endpoint_id, "columns": names} for g, _, shard in cfg.shards()},
-        "runs": {},
-        WM_KEY: {"offsets": {}, "last": {}, "heartbeats": {}},
-    }
+    wm = Watermark(
+        v=1,
+        shards={shard: ShardPosition(lsn=0, endpoint=g.endpoint_id, columns=names) for g, _, shard in cfg.shards()},
+        runs={},
+        debezium={"offsets": {}, "last": {}, "heartbeats": {}},
+    )
     empty = spark.createDataFrame([], spark.table(cur).schema)
-    empty.writeTo(cur).option("snapshot-property.cdc.watermark", watermark_json(wm)).option(
+    empty.writeTo(cur).option("snapshot-property.cdc.watermark", wm.to_json()).option(
         f"snapshot-property.{WRITER_PROP}", BOOTSTRAP.name
     ).append()
     return wm

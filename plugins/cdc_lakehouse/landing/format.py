@@ -211,6 +211,9 @@ class Manifest(_Part):
     published: list[str] | None = Field(None, description="tables in the publication at the end of the run")
     published_at_start: list[str] | None = None
     keepalive_advance: dict[str, Any] | None = None
+    bootstrap_markers: list[dict[str, Any]] | None = Field(
+        None, description="the chunked bootstraps' watermark messages the run read (bootstrap.chunked)"
+    )
 
     def files(self, tables: set[str] | None = None) -> list[tuple[str, str, ManifestFile]]:
         """(source table, relative path, file) of the run's files."""
@@ -229,6 +232,6 @@ def parse_manifest(data: dict[str, Any] | str | bytes) -> Manifest:
     return Manifest.model_validate(data)
 
 
-def dump_manifest(manifest: Manifest | dict[str, Any]) -> str:
+def dump_manifest(manifest: Manifest) -> str:
     """The manifest file's text, exactly as the stores write it."""
-    return dump_json(manifest.to_dict() if isinstance(manifest, Manifest) else manifest)
+    return dump_json(manifest.to_dict())

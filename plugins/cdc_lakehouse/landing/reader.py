@@ -1,54 +1,53 @@
 """landing.reader: the landing zone as the ingest reads it (Spark driver): the manifests of an
-endpoint in capture order, the plan of pending runs for a table (gaps, coverage, server identity,
-missing files) and its new watermark, and its files read from Python (pyarrow)."""
+endpoint in capture order (parsed into `Manifest`s as they are read), the plan of pending runs for
+a table (gaps, coverage, server identity, missing files) and its new watermark, and its files read
+from Python (pyarrow)."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from cdc_lakehouse.config import TableConfig
 from cdc_lakehouse.landing.errors import CoverageError, NotBootstrapped, SourceIdentityChanged
-from cdc_lakehouse.landing.format import MANIFEST_DIR, Manifest, parse_manifest
+from cdc_lakehouse.landing.format import MANIFEST_DIR, Manifest, SchemaChange, parse_manifest
 from cdc_lakehouse.source.publication import identity_mismatch
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
+    from cdc_lakehouse.lake.watermark import ShardPosition, Watermark
 
-def list_manifests(store, endpoint: str) -> list[dict[str, Any]]:
+
+def list_manifests(store, endpoint: str) -> list[Manifest]:
     """Every manifest of an endpoint, in capture order (by the slot position they start at)."""
     names = [n for n in store.list_names(f"{endpoint}/{MANIFEST_DIR}") if n.endswith(".json")]
-    manifests = [store.read_json(f"{endpoint}/{MANIFEST_DIR}/{n}") for n in names]
-    return sorted(manifests, key=lambda m: (m["end_lsn"], m["run_id"]))
+    manifests = [parse_manifest(store.read_json(f"{endpoint}/{MANIFEST_DIR}/{n}")) for n in names]
+    return sorted(manifests, key=lambda m: (m.end_lsn, m.run_id))
 
 
-def read_manifests(store, endpoint: str) -> list[Manifest]:
-    """list_manifests, typed."""
-    return [parse_manifest(m) for m in list_manifests(store, endpoint)]
+@dataclass(frozen=True)
+class EndpointSchemaChange:
+    """A schema change a run of `endpoint` announced (its table is `schema.table`, the schema the
+    shard's on that endpoint)."""
 
-
-def manifest_files(manifest: dict[str, Any], tables: Iterable[str] | None = None) -> list[tuple[str, str, dict]]:
-    """(source table, relative path, file info) of a manifest's files."""
-    out = []
-    for entry in manifest.get("tables", []):
-        if tables is not None and entry["table"] not in tables:
-            continue
-        for f in entry["files"]:
-            out.append((entry["table"], f"{entry['dir']}/{f['name']}", f))
-    return out
+    endpoint: str
+    change: SchemaChange
 
 
 @dataclass
 class Plan:
-    manifests: list[dict[str, Any]]
+    """The batch an ingest applies: the capture runs (in slot order), the table's files in them,
+    the watermark once they are applied, the landing problems met and the schema changes announced.
+    A Debezium-fed table's runs are its sink objects and heartbeats (landing.debezium)."""
+
+    manifests: list[Manifest]
     files: list[str]
-    new_watermark: dict[str, Any]
+    new_watermark: Watermark
     problems: list[str] = field(default_factory=list)
-    schema_changes: list[dict[str, Any]] = field(default_factory=list)
+    schema_changes: list[EndpointSchemaChange] = field(default_factory=list)
 
 
 def shard_endpoints(cfg: TableConfig) -> dict[str, list[tuple[str, str]]]:
@@ -60,16 +59,16 @@ def shard_endpoints(cfg: TableConfig) -> dict[str, list[tuple[str, str]]]:
 
 
 def plan_landing(
-    landing: SparkLanding, cfg: TableConfig, watermark: dict[str, Any], upto_run: str | None, check_files: bool = True
+    landing: SparkLanding, cfg: TableConfig, watermark: Watermark, upto_run: str | None, check_files: bool = True
 ) -> Plan:
     """Pending capture runs for this table, in slot order, stopping before any gap."""
-    shards_wm = watermark.get("shards", {})
-    new_wm = json.loads(json.dumps(watermark))
-    new_wm.setdefault("runs", {})
-    selected: list[dict[str, Any]] = []
+    shards_wm = watermark.shards
+    new_wm = watermark.model_copy(deep=True)
+    new_wm.runs = dict(new_wm.runs)  # set: the new watermark always lists the runs applied
+    selected: list[Manifest] = []
     files: list[str] = []
     problems: list[str] = []
-    changes: list[dict[str, Any]] = []
+    changes: list[EndpointSchemaChange] = []
     for endpoint, shards in sorted(shard_endpoints(cfg).items()):
         missing = [shard for _, shard in shards if shard not in shards_wm]
         if missing:
@@ -78,27 +77,27 @@ def plan_landing(
                 f'cdc_bootstrap__{cfg.name} (conf {{"shards": {missing}}}) before ingesting them'
             )
         manifests = same_source_manifests(cfg, endpoint, shards, shards_wm, list_manifests(landing, endpoint))
-        floor = min(shards_wm[shard]["lsn"] for _, shard in shards)
-        pending = [m for m in manifests if m["end_lsn"] > floor]
+        floor = min(shards_wm[shard].lsn for _, shard in shards)
+        pending = [m for m in manifests if m.end_lsn > floor]
         reached = floor
         last = None
         for m in pending:
-            if upto_run is not None and m["run_id"] > upto_run:
+            if upto_run is not None and m.run_id > upto_run:
                 break  # a later interval's capture; never skip over it to reach an older-named run
-            start = m.get("start_lsn")
+            start = m.start_lsn
             if start is not None and start > reached:
                 problems.append(
                     f"{cfg.name}: landing gap on endpoint {endpoint}: changes between LSN {reached} and {start} are "
-                    f"in no manifest (run {m['run_id']} starts after the table's position); a landing run was lost or "
+                    f"in no manifest (run {m.run_id} starts after the table's position); a landing run was lost or "
                     "deleted before this table applied it"
                 )
             check_coverage(cfg, endpoint, shards, shards_wm, m)
             files += _run_files(landing, cfg, m, check_files, problems)
-            for ch in m.get("schema_changes", []):
-                if ch["table"].split(".", 1)[-1] == cfg.source.table:
-                    changes.append({**ch, "endpoint": endpoint})
+            for ch in m.schema_changes:
+                if ch.table.split(".", 1)[-1] == cfg.source.table:
+                    changes.append(EndpointSchemaChange(endpoint, ch))
             selected.append(m)
-            reached = max(reached, m["end_lsn"])
+            reached = max(reached, m.end_lsn)
             last = m
         if last is not None:
             _advance(new_wm, endpoint, shards, shards_wm, last)
@@ -106,53 +105,59 @@ def plan_landing(
 
 
 def _run_files(
-    landing: SparkLanding, cfg: TableConfig, m: dict[str, Any], check_files: bool, problems: list[str]
+    landing: SparkLanding, cfg: TableConfig, m: Manifest, check_files: bool, problems: list[str]
 ) -> list[str]:
     """URIs of the table's files in run m; a listed file that is missing or truncated is a problem
     (and left out) when check_files."""
     out = []
-    for _table, rel, info in manifest_files(m, {cfg.source.table}):
+    for _table, rel, info in m.files({cfg.source.table}):
         uri = landing.file_uri(rel)
         if check_files:
             size = landing.fs.size(uri)
-            if size is None or ("bytes" in info and size != info["bytes"]):
-                state = "missing" if size is None else f"truncated ({size} of {info['bytes']} bytes)"
-                problems.append(f"{cfg.name}: landing file {uri} listed by run {m['run_id']} is {state}")
+            if size is None or ("bytes" in info.model_fields_set and size != info.bytes):
+                state = "missing" if size is None else f"truncated ({size} of {info.bytes} bytes)"
+                problems.append(f"{cfg.name}: landing file {uri} listed by run {m.run_id} is {state}")
                 continue
         out.append(uri)
     return out
 
 
 def _advance(
-    new_wm: dict[str, Any],
+    new_wm: Watermark,
     endpoint: str,
     shards: list[tuple[str, str]],
-    shards_wm: dict[str, Any],
-    last: dict[str, Any],
+    shards_wm: dict[str, ShardPosition],
+    last: Manifest,
 ) -> None:
     """Move the endpoint's shards in new_wm to the end of `last`, the last run applied."""
     for schema, shard in shards:
-        hb = last.get("heartbeats", {}).get(schema)
+        hb = last.heartbeats.get(schema)
         prev = shards_wm[shard]
-        if last["end_lsn"] > prev["lsn"]:
+        if last.end_lsn > prev.lsn:
             # Keep what else the position records (its endpoint and server identity).
-            new_wm["shards"][shard] = {
-                **prev,
-                "lsn": last["end_lsn"],
+            moved = {
+                "lsn": last.end_lsn,
                 "endpoint": endpoint,
-                "source": prev.get("source") or last.get("source_identity"),
-                "ts": hb["commit_ts"] if hb else last.get("last_commit_ts", prev.get("ts")),
+                "source": prev.source or last.source_identity,
+                "ts": hb.commit_ts if hb else _last_commit_ts(last, prev.ts),
             }
-    new_wm["runs"][endpoint] = last["run_id"]
+            new_wm.set_shard(shard, prev.model_copy(deep=True, update=moved))
+    new_wm.set_run(endpoint, last.run_id)
+
+
+def _last_commit_ts(m: Manifest, default: str | None) -> str | None:
+    """The run's last commit time; `default` for a manifest written without the key (one that
+    says null, a run with no commit, keeps it)."""
+    return m.last_commit_ts if "last_commit_ts" in m.model_fields_set else default
 
 
 def same_source_manifests(
     cfg: TableConfig,
     endpoint: str,
     shards: list[tuple[str, str]],
-    shards_wm: dict[str, Any],
-    manifests: list[dict[str, Any]],
-) -> list[dict[str, Any]]:
+    shards_wm: dict[str, ShardPosition],
+    manifests: list[Manifest],
+) -> list[Manifest]:
     """The endpoint's runs whose LSNs may be compared with the shards' positions.
 
     A position is only meaningful on the server (system, timeline, database) and endpoint that
@@ -162,7 +167,7 @@ def same_source_manifests(
     before the shard's position was taken (history from before a re-bootstrap) are skipped."""
     fix = f're-bootstrap the shard: trigger cdc_bootstrap__{cfg.name} with conf {{"shards": [...]}}'
     for _, shard in shards:
-        was = shards_wm[shard].get("endpoint")
+        was = shards_wm[shard].endpoint
         if was is not None and was != endpoint:
             raise SourceIdentityChanged(
                 f"{cfg.name}: shard {shard} is now read through endpoint {endpoint} but its lake position was taken "
@@ -171,17 +176,17 @@ def same_source_manifests(
             )
     out = []
     for m in manifests:
-        seen = m.get("source_identity")
+        seen = m.source_identity
         foreign = False
         for _, shard in shards:
             rec = shards_wm[shard]
-            why = identity_mismatch(rec.get("source"), seen)
+            why = identity_mismatch(rec.source, seen)
             if why is None:
                 continue
             foreign = True
-            if _after(m.get("finished_at"), rec.get("ts")):
+            if _after(m.finished_at, rec.ts):
                 raise SourceIdentityChanged(
-                    f"{cfg.name}: shard {shard}: landing run {m['run_id']} on endpoint {endpoint} comes from another "
+                    f"{cfg.name}: shard {shard}: landing run {m.run_id} on endpoint {endpoint} comes from another "
                     f"source server than the shard's lake position ({why}); after a move or a failover LSNs of the "
                     "two servers do not compare, so nothing was applied. Fix: " + fix.replace("[...]", f'["{shard}"]')
                 )
@@ -198,25 +203,29 @@ def _after(a: str | None, b: str | None) -> bool:
 
 
 def check_coverage(
-    cfg: TableConfig, endpoint: str, shards: list[tuple[str, str]], shards_wm: dict[str, Any], m: dict[str, Any]
+    cfg: TableConfig,
+    endpoint: str,
+    shards: list[tuple[str, str]],
+    shards_wm: dict[str, ShardPosition],
+    m: Manifest,
 ) -> None:
     """A run counts for a shard only if the shard's table was published for the whole run.
 
     Runs written before manifests listed their publication (format 1) are trusted."""
-    if "published" not in m:
+    if "published" not in m.model_fields_set:
         return
-    published = set(m["published"])
-    at_start = set(m["published_at_start"] if "published_at_start" in m else m["published"])
+    published = set(m.published or [])
+    at_start = set(m.published_at_start or []) if "published_at_start" in m.model_fields_set else published
     for schema, shard in shards:
         name = f"{schema}.{cfg.source.table}"
-        if m["end_lsn"] <= shards_wm[shard]["lsn"]:
+        if m.end_lsn <= shards_wm[shard].lsn:
             continue
         # Added during the run is fine when the shard's position (its bootstrap) came after the add.
-        covered = name in published and (name in at_start or shards_wm[shard]["lsn"] >= (m.get("start_lsn") or 0))
+        covered = name in published and (name in at_start or shards_wm[shard].lsn >= (m.start_lsn or 0))
         if not covered:
             raise CoverageError(
-                f"{cfg.name}: landing run {m['run_id']} on endpoint {endpoint} did not capture shard {shard}: "
-                f"{name} was not in publication {m.get('publication')} for the whole run, so its changes in that "
+                f"{cfg.name}: landing run {m.run_id} on endpoint {endpoint} did not capture shard {shard}: "
+                f"{name} was not in publication {m.publication} for the whole run, so its changes in that "
                 f"window were never read and the shard's position cannot move past it. Fix: make sure the table "
                 f"stays in the publication, then re-bootstrap the shard: trigger cdc_bootstrap__{cfg.name} with conf "
                 f'{{"shards": ["{shard}"]}}'

@@ -6,11 +6,15 @@ from __future__ import annotations
 import logging
 import os
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from cdc_lakehouse.config import ConfigSet, load_table_configs
-from cdc_lakehouse.settings import PROJECT_ROOT, LakeSettings, local_paths, source_uri_env, tables_dir
+from cdc_lakehouse.settings import PROJECT_ROOT, LakeSettings, source_uri_env, tables_dir
+
+if TYPE_CHECKING:
+    from cdc_lakehouse.capture.run import CaptureResult
+    from cdc_lakehouse.landing.format import Manifest
 
 log = logging.getLogger(__name__)
 LAKE_CONN_ID = os.environ.get("CDC_LAKE_CONN_ID", "cdc_lake")
@@ -103,7 +107,7 @@ def capture_endpoint(
     store = open_landing(lake.landing_uri, lake.landing_conn_id)
     run_id = run_id_for(interval_end)
     started = datetime.now(UTC)
-    manifest = capture_run(
+    result = capture_run(
         EndpointTables(endpoint_id, group.conn_id, tables),
         ep.dsn(),
         store,
@@ -115,18 +119,18 @@ def capture_endpoint(
         # whose columns cannot be narrowed out (a broken config loses nothing).
         table_configs=[t for t, _ in members] if not cs.errors else None,
     )
-    record_capture_metrics(lake, manifest, started)
+    record_capture_metrics(lake, result, started)
     from cdc_lakehouse.orchestration.alerts import notify_wal
 
-    notify_wal(manifest, [t for t, _ in members], lake, context)
-    return {k: manifest.get(k) for k in ("run_id", "events", "transactions", "bytes", "capped", "end_lsn", "reused")}
+    notify_wal(result, [t for t, _ in members], lake, context)
+    return result.xcom()
 
 
-def record_capture_metrics(lake: LakeSettings, manifest: dict[str, Any], started: datetime) -> None:
+def record_capture_metrics(lake: LakeSettings, result: CaptureResult, started: datetime) -> None:
     """Append one row to cdc_meta.capture_runs with pyiceberg (no Spark needed in the worker).
 
     Best effort: the run is already durable and confirmed; a metrics failure is logged, not raised."""
-    if manifest.get("reused"):
+    if result.reused:
         return
     try:
         import pyarrow as pa
@@ -142,23 +146,25 @@ def record_capture_metrics(lake: LakeSettings, manifest: dict[str, Any], started
                 lake.meta_table("capture_runs"),
             )
             return
-        table.append(pa.Table.from_pylist([_capture_metrics_row(manifest, started)], schema=table.schema().as_arrow()))
+        row = _capture_metrics_row(result.manifest, started)
+        table.append(pa.Table.from_pylist([row], schema=table.schema().as_arrow()))
     except Exception as exc:  # noqa: BLE001 - metrics must never fail a confirmed capture
         log.warning("capture metrics not recorded: %s", exc)
 
 
-def _capture_metrics_row(manifest: dict[str, Any], started: datetime) -> dict[str, Any]:
-    after = manifest.get("slot_after") or {}
-    finished = datetime.fromisoformat(manifest["finished_at"])
+def _capture_metrics_row(manifest: Manifest, started: datetime) -> dict[str, Any]:
+    """The run's row of cdc_meta.capture_runs (pyarrow's input: a dict per row)."""
+    after = manifest.slot_after or {}
+    finished = datetime.fromisoformat(manifest.finished_at or "")
     return {
-        "endpoint": manifest["endpoint"],
-        "run_id": manifest["run_id"],
-        "events": manifest["events"],
-        "bytes": manifest["bytes"],
-        "transactions": manifest["transactions"],
-        "capped": manifest["capped"],
-        "start_lsn": manifest.get("start_lsn"),
-        "end_lsn": manifest["end_lsn"],
+        "endpoint": manifest.endpoint,
+        "run_id": manifest.run_id,
+        "events": manifest.events,
+        "bytes": manifest.bytes,
+        "transactions": manifest.transactions,
+        "capped": manifest.capped,
+        "start_lsn": manifest.start_lsn,
+        "end_lsn": manifest.end_lsn,
         "retained_wal_bytes": after.get("retained_wal_bytes"),
         "lag_bytes": after.get("lag_bytes"),
         "seconds": (finished - started).total_seconds(),
@@ -224,10 +230,6 @@ def spark_jars() -> list[str]:
     return default_jars()
 
 
-def jars_dir() -> str:
-    return str(local_paths()["jars"])
-
-
 class AnnounceLakeSnapshots:
     """post_execute of an ingest task: each current table's Asset event carries the snapshot the
     run left complete (the newest carrying a `cdc.watermark`) and that watermark's shard positions,
@@ -243,7 +245,6 @@ class AnnounceLakeSnapshots:
     def __call__(self, context: Any, result: Any = None) -> None:
         from cdc_lakehouse.feed.arrow import load_catalog_for, pyiceberg_snapshots
         from cdc_lakehouse.feed.plan import complete_head
-        from cdc_lakehouse.lake.watermark import Watermark
 
         try:
             catalog = load_catalog_for(lake_settings())
@@ -253,7 +254,7 @@ class AnnounceLakeSnapshots:
                 context["outlet_events"][asset].extra = {
                     "table": table,
                     "snapshot_id": head.snapshot_id,
-                    "watermark": Watermark.from_dict(head.watermark).shard_lsns(),
+                    "watermark": head.watermark.shard_lsns(),
                 }
         except Exception as exc:  # noqa: BLE001 - see the docstring
             log.warning("asset events of %s go without their snapshot: %s", sorted(self.assets), exc)

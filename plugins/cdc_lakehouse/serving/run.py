@@ -22,7 +22,7 @@ import functools
 import json
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
@@ -56,6 +56,36 @@ log = logging.getLogger(__name__)
 CRASH_ENV = "CDC_TEST_CRASH_AT"  # `export_write:<n>`: a writer task fails after n items (kill tests)
 
 
+@dataclass(frozen=True)
+class ExportResult:
+    """What one export run did. Figures a mode does not produce are None: a full run writes
+    (rows_written), validates (keys, validated_sample) and retains (dropped_versions); an
+    incremental run changes keys (keys_from, upserts, deletes, keys); a noop only pins; a rollback
+    moves the alias back (version, previous) and starts no Spark job."""
+
+    mode: str  # full | incremental | noop | rollback
+    spark_jobs: int | None = None
+    seconds: float | None = None
+    phases: dict[str, float] | None = None  # seconds per phase
+    keys_from: str | None = None
+    version: int | None = None
+    snapshot: int | None = None  # the source snapshot the version now holds
+    rows_written: int | None = None
+    upserts: int | None = None
+    deletes: int | None = None
+    keys: int | None = None
+    validated_sample: int | None = None
+    dropped_versions: list[int] | None = None
+    previous: int | None = None  # rollback: the version rolled back from
+
+    def to_dict(self) -> dict[str, Any]:
+        """For the job's result line and the log: the figures the run produced."""
+        always = (
+            ("mode", "version", "previous") if self.mode == "rollback" else ("mode", "spark_jobs", "seconds", "phases")
+        )
+        return {f.name: v for f in fields(self) if (v := getattr(self, f.name)) is not None or f.name in always}
+
+
 @dataclass
 class ExportRun:
     """What the phases share."""
@@ -73,7 +103,15 @@ class ExportRun:
     alias: Alias | None
     live: VersionMeta | None  # the alias's current version
     mode: str = "full"
-    metrics: dict[str, Any] = field(default_factory=dict)
+    # What the run reports (ExportResult), set by the phase that finds it:
+    keys_from: str | None = None  # incremental: changelog | snapshot_diff
+    version: int | None = None  # the version written (full) or changed (incremental)
+    rows_written: int | None = None
+    upserts: int | None = None
+    deletes: int | None = None
+    keys: int | None = None  # keys the version holds
+    validated_sample: int | None = None
+    dropped_versions: list[int] | None = None
 
     @property
     def ns(self) -> str:
@@ -88,8 +126,8 @@ def export(
     derived: dict[str, TreeConfig],
     *,
     mode: str = "auto",
-) -> dict[str, Any]:
-    """Bring the export's namespace up to the source's current snapshot; returns the run's metrics."""
+) -> ExportResult:
+    """Bring the export's namespace up to the source's current snapshot; returns what the run did."""
     clock = PhaseClock()
     uri = store_uri(ecfg.store.conn_id)
     store = open_store(ecfg.store.kind, uri, buckets=ecfg.store.buckets, table_prefix=ecfg.store.table_prefix)
@@ -117,9 +155,23 @@ def export(
                 r.store.switch_alias(r.ns, r.alias, r.alias.model_copy(update={"held": False}))
     finally:
         store.close()
-    r.metrics.update(mode=r.mode, spark_jobs=jobs.count, seconds=round(clock.elapsed(), 1), phases=clock.rounded())
-    log.info("export %s: %s", ecfg.name, r.metrics)
-    return r.metrics
+    result = ExportResult(
+        mode=r.mode,
+        spark_jobs=jobs.count,
+        seconds=round(clock.elapsed(), 1),
+        phases=clock.rounded(),
+        keys_from=r.keys_from,
+        version=r.version,
+        snapshot=r.snapshot if r.version is not None else None,
+        rows_written=r.rows_written,
+        upserts=r.upserts,
+        deletes=r.deletes,
+        keys=r.keys,
+        validated_sample=r.validated_sample,
+        dropped_versions=r.dropped_versions,
+    )
+    log.info("export %s: %s", ecfg.name, result.to_dict())
+    return result
 
 
 # --- pin and plan ---------------------------------------------------------------------------------
@@ -218,7 +270,7 @@ def changed_keys(spark: SparkSession, r: ExportRun, since: list[int]) -> DataFra
     else from a diff of snapshots."""
     rng = changelog_range(spark, r, since)
     keys = changelog_keys(spark, r.lake, r.source.table_cfg, rng.lo_watermark, rng.hi_watermark) if rng else None
-    r.metrics["keys_from"] = "changelog" if keys is not None else "snapshot_diff"
+    r.keys_from = "changelog" if keys is not None else "snapshot_diff"
     return keys if keys is not None else diff_keys(spark, r, since)
 
 
@@ -348,7 +400,7 @@ def write_full(spark: SparkSession, r: ExportRun) -> int:
     )
     r.store.new_version(r.ns, meta)
     upserts, _ = write_rows(spark, r, rows_at(spark, r, r.snapshot).select(*r.key, *r.values), version)
-    r.metrics.update(version=version, snapshot=r.snapshot, rows_written=upserts)
+    r.version, r.rows_written = version, upserts
     return version
 
 
@@ -378,7 +430,7 @@ def write_changes(spark: SparkSession, r: ExportRun) -> None:
     done = marked.model_copy(update={"snapshot": r.snapshot, "pending": [], "count": count})
     r.store.put_meta(r.ns, marked, done)
     hold_position(spark, r, r.snapshot)
-    r.metrics.update(version=live.version, snapshot=r.snapshot, upserts=upserts, deletes=deletes, keys=count)
+    r.version, r.upserts, r.deletes, r.keys = live.version, upserts, deletes, count
 
 
 # --- validate, switch, retain ----------------------------------------------------------------------
@@ -386,7 +438,7 @@ def write_changes(spark: SparkSession, r: ExportRun) -> None:
 
 def validate(spark: SparkSession, r: ExportRun, version: int) -> None:
     """The new version holds one key per source row, and a sample decodes to the source's values."""
-    written = r.metrics["rows_written"]
+    written = r.rows_written
     count = r.store.count(r.ns, version)
     if count != written:
         raise RuntimeError(
@@ -402,12 +454,12 @@ def validate(spark: SparkSession, r: ExportRun, version: int) -> None:
         want = decode(encode({c: d[c] for c in r.values}))
         if got is None or decode(got) != want:
             raise RuntimeError(f"export {r.ecfg.name}: version {version} key {k} does not match the source row")
-    r.metrics.update(keys=count, validated_sample=len(sample))
+    r.keys, r.validated_sample = count, len(sample)
 
 
 def switch(r: ExportRun, version: int) -> None:
     meta = r.store.meta(r.ns, version)
-    r.store.put_meta(r.ns, meta, meta.model_copy(update={"state": "complete", "count": r.metrics["keys"]}))
+    r.store.put_meta(r.ns, meta, meta.model_copy(update={"state": "complete", "count": r.keys}))
     crash_point("export_before_switch")
     r.store.switch_alias(r.ns, r.alias, Alias(current=version, previous=r.alias.current if r.alias else None))
 
@@ -422,7 +474,7 @@ def retain(r: ExportRun) -> None:
     dropped = [v for v in r.store.versions(r.ns) if v not in keep]
     for v in dropped:
         r.store.drop_version(r.ns, v)
-    r.metrics["dropped_versions"] = dropped
+    r.dropped_versions = dropped
 
 
 def _complete(store: Store, ns: str, version: int) -> bool:
@@ -451,7 +503,7 @@ def rollback(store: Store, ns: str) -> Alias:
     return new
 
 
-def rollback_export(ecfg: ExportConfig) -> dict[str, Any]:
+def rollback_export(ecfg: ExportConfig) -> ExportResult:
     store = open_store(
         ecfg.store.kind, store_uri(ecfg.store.conn_id), buckets=ecfg.store.buckets, table_prefix=ecfg.store.table_prefix
     )
@@ -460,4 +512,4 @@ def rollback_export(ecfg: ExportConfig) -> dict[str, Any]:
     finally:
         store.close()
     log.info("export %s: alias of %s rolled back to version %s", ecfg.name, ecfg.store.namespace, alias.current)
-    return {"mode": "rollback", "version": alias.current, "previous": alias.previous}
+    return ExportResult(mode="rollback", version=alias.current, previous=alias.previous)

@@ -11,13 +11,17 @@ import json
 import logging
 from collections.abc import Callable, Sequence
 from datetime import datetime
-from typing import Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from cdc_lakehouse.config import TableConfig
 from cdc_lakehouse.lake.ingest_metrics import IngestMetrics
 from cdc_lakehouse.lake.meta_rows import AuditResult, CaptureRun, QualityResult, RawRow, ShardFreshness, as_records
+from cdc_lakehouse.lake.watermark import Watermark
 from cdc_lakehouse.orchestration.alerts.alert import Alert, fmt_bytes, fmt_seconds
 from cdc_lakehouse.orchestration.alerts.config import AlertingConfig, Rules, rules_for
+
+if TYPE_CHECKING:
+    from cdc_lakehouse.landing.format import Manifest
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +72,7 @@ def _latest_per_run(
 
 
 def check_wal(
-    manifest: dict[str, Any],
+    manifest: Manifest,
     members: list[TableConfig],
     ac: AlertingConfig,
     history: Sequence[CaptureRun | RawRow] | None = None,
@@ -77,7 +81,7 @@ def check_wal(
 
     history: earlier cdc_meta.capture_runs rows of the endpoint (any order); the current run is
     taken from the manifest."""
-    after = manifest.get("slot_after") or {}
+    after = manifest.slot_after or {}
     retained = after.get("retained_wal_bytes")
     rules = [rules_for(c, ac) for c in members]
     enabled = [r.retained_wal_bytes for r in rules if r.retained_wal_bytes > 0]
@@ -85,7 +89,7 @@ def check_wal(
         return None
     threshold = min(enabled)
     every = min(r.renotify_every_runs for r in rules)
-    run_id = manifest.get("run_id")
+    run_id = manifest.run_id
     past = sorted(
         (r for r in as_records(CaptureRun, history or []) if r.run_id != run_id and r.finished_at),
         key=lambda r: r.finished_at,
@@ -99,16 +103,16 @@ def check_wal(
 
 
 def _wal_alert(
-    manifest: dict[str, Any],
+    manifest: Manifest,
     members: list[TableConfig],
     state: Literal["firing", "resolved"],
     threshold: int,
     streak: int,
 ) -> Alert:
-    after = manifest.get("slot_after") or {}
+    after = manifest.slot_after or {}
     retained = after.get("retained_wal_bytes")
-    run_id = manifest.get("run_id")
-    endpoint, slot = manifest.get("endpoint"), after.get("slot") or manifest.get("slot")
+    run_id = manifest.run_id
+    endpoint, slot = manifest.endpoint, after.get("slot") or manifest.slot
     tables = sorted(c.name for c in members)
     if state == "resolved":
         summary = f"slot {slot} of endpoint {endpoint} retains {fmt_bytes(retained)} of WAL again"
@@ -116,7 +120,7 @@ def _wal_alert(
         summary = f"slot {slot} of endpoint {endpoint} retains {fmt_bytes(retained)} of WAL (> {fmt_bytes(threshold)})"
     details = {
         "tables": ", ".join(tables),
-        "endpoint": f"{endpoint} (connection {manifest.get('conn_id')})",
+        "endpoint": f"{endpoint} (connection {manifest.conn_id})",
         "slot": slot,
         "retained WAL": f"{fmt_bytes(retained)} ({retained} bytes)",
         "threshold": f"{fmt_bytes(threshold)} ({threshold} bytes, alerts.retained_wal_bytes)",
@@ -250,8 +254,8 @@ def check_freshness(
 def _stalest_shard(row: IngestMetrics) -> tuple[str | None, str | None]:
     """(shard, ts) of the oldest position in an ingest run's watermark; (None, None) if unreadable."""
     try:
-        shards = json.loads(row.watermark or "{}").get("shards") or {}
-        ts = {s: v["ts"] for s, v in shards.items() if v.get("ts")}
+        shards = Watermark.from_json(row.watermark).shards if row.watermark else {}
+        ts = {s: p.ts for s, p in shards.items() if p.ts}
         if ts:
             stalest = min(ts, key=lambda s: datetime.fromisoformat(ts[s]))
             return stalest, ts[stalest]

@@ -4,7 +4,7 @@ which read the run history in cdc_meta (pyiceberg, no Spark) and deliver."""
 from __future__ import annotations
 
 import logging
-from typing import Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from cdc_lakehouse.config import TableConfig, load_table_configs
 from cdc_lakehouse.lake.ingest_metrics import IngestMetrics
@@ -15,6 +15,9 @@ from cdc_lakehouse.orchestration.alerts.config import AlertDeliveryError, Alerti
 from cdc_lakehouse.orchestration.alerts.delivery import deliver
 from cdc_lakehouse.secrecy import redact
 from cdc_lakehouse.settings import tables_dir
+
+if TYPE_CHECKING:
+    from cdc_lakehouse.capture.run import CaptureResult
 
 log = logging.getLogger(__name__)
 
@@ -137,15 +140,16 @@ def _stamp(alert: Alert, context: dict[str, Any] | None, run_id: str | None) -> 
 
 
 def notify_wal(
-    manifest: dict[str, Any],
+    result: CaptureResult,
     members: list[TableConfig],
     lake,
     context: dict[str, Any] | None = None,
 ) -> Alert | None:
     """Called by the capture task after the run is confirmed and recorded. Never raises: a capture
     does not fail because of its slot's size or an alert channel."""
-    if manifest.get("reused"):
+    if result.reused:
         return None
+    manifest = result.manifest
     try:
         ac = load_alerting()
         try:
@@ -155,7 +159,7 @@ def notify_wal(
                     "capture_runs",
                     CaptureRun,
                     "endpoint",
-                    manifest["endpoint"],
+                    manifest.endpoint,
                     ("run_id", "retained_wal_bytes", "finished_at"),
                 )
                 or []
