@@ -1,6 +1,6 @@
-"""spark-submit entry point: audit (logic in cdc_lakehouse.audit.run; arguments in cdc_lakehouse.jobs)."""
+"""spark-submit entry point of the audit job: parameters and main in cdc_lakehouse.jobs.audit."""
 
-from cdc_lakehouse.jobs import main_audit
+from cdc_lakehouse.jobs.registry import run_job
 
 if __name__ == "__main__":
-    raise SystemExit(main_audit())
+    raise SystemExit(run_job("audit"))

@@ -1,6 +1,6 @@
-"""spark-submit entry point: bootstrap (logic in cdc_lakehouse.bootstrap.snapshot; arguments in cdc_lakehouse.jobs)."""
+"""spark-submit entry point of the bootstrap job: parameters and main in cdc_lakehouse.jobs.bootstrap."""
 
-from cdc_lakehouse.jobs import main_bootstrap
+from cdc_lakehouse.jobs.registry import run_job
 
 if __name__ == "__main__":
-    raise SystemExit(main_bootstrap())
+    raise SystemExit(run_job("bootstrap"))

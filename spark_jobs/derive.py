@@ -1,6 +1,6 @@
-"""spark-submit entry point: derive (logic in cdc_lakehouse.derived.run; arguments in cdc_lakehouse.jobs)."""
+"""spark-submit entry point of the derive job: parameters and main in cdc_lakehouse.jobs.derive."""
 
-from cdc_lakehouse.jobs import main_derive
+from cdc_lakehouse.jobs.registry import run_job
 
 if __name__ == "__main__":
-    raise SystemExit(main_derive())
+    raise SystemExit(run_job("derive"))

@@ -1,6 +1,6 @@
-"""spark-submit entry point: serving export (logic in cdc_lakehouse.serving.run; arguments in cdc_lakehouse.jobs)."""
+"""spark-submit entry point of the export job: parameters and main in cdc_lakehouse.jobs.export."""
 
-from cdc_lakehouse.jobs import main_export
+from cdc_lakehouse.jobs.registry import run_job
 
 if __name__ == "__main__":
-    raise SystemExit(main_export())
+    raise SystemExit(run_job("export"))

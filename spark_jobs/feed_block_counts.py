@@ -1,6 +1,6 @@
-"""spark-submit entry point: the demo feed consumer (logic in cdc_lakehouse.feed.consumer)."""
+"""spark-submit entry point of the feed_block_counts job: parameters and main in cdc_lakehouse.jobs.feed_block_counts."""
 
-from cdc_lakehouse.feed.consumer import main
+from cdc_lakehouse.jobs.registry import run_job
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_job("feed_block_counts"))

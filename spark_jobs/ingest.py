@@ -1,6 +1,6 @@
-"""spark-submit entry point: ingest (logic in cdc_lakehouse.ingest.run; arguments in cdc_lakehouse.jobs)."""
+"""spark-submit entry point of the ingest job: parameters and main in cdc_lakehouse.jobs.ingest."""
 
-from cdc_lakehouse.jobs import main_ingest
+from cdc_lakehouse.jobs.registry import run_job
 
 if __name__ == "__main__":
-    raise SystemExit(main_ingest())
+    raise SystemExit(run_job("ingest"))

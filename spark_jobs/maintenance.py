@@ -1,6 +1,6 @@
-"""spark-submit entry point: maintenance (logic in cdc_lakehouse.maintenance; arguments in cdc_lakehouse.jobs)."""
+"""spark-submit entry point of the maintenance job: parameters and main in cdc_lakehouse.jobs.maintenance."""
 
-from cdc_lakehouse.jobs import main_maintenance
+from cdc_lakehouse.jobs.registry import run_job
 
 if __name__ == "__main__":
-    raise SystemExit(main_maintenance())
+    raise SystemExit(run_job("maintenance"))

@@ -11,7 +11,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from cdc_lakehouse.ingest.errors import ErrorBudgetExceeded, SchemaChangeError
 from cdc_lakehouse.ingest.run import ingest_table
-from cdc_lakehouse.jobs import run_tables
+from cdc_lakehouse.jobs.runner import run_tables
 from cdc_lakehouse.lake.watermark import read_watermark
 from cdc_lakehouse.landing.errors import LandingGap
 from cdc_lakehouse.settings import SourceEndpoint

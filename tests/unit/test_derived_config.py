@@ -177,12 +177,12 @@ def test_derived_dir_follows_its_variable_or_sits_next_to_the_tables(monkeypatch
 
 
 def test_the_derive_job_refuses_an_unknown_name_before_spark_starts(tmp_path, monkeypatch):
-    from cdc_lakehouse.jobs import main_derive
+    from cdc_lakehouse.jobs.registry import run_job
 
     monkeypatch.delenv("CDC_SECRETS_FILE", raising=False)
     _write(tmp_path / "derived", "bad.yaml", "name: bad_tree\nnodes: {table: nope}\n")
     argv = ["--derived", "bad_tree", "--config-dir", str(ROOT / "include" / "tables")]
     with pytest.raises(SystemExit) as exc:
-        main_derive([*argv, "--derived-dir", str(tmp_path / "derived"), "--mode", "full"])
+        run_job("derive", [*argv, "--derived-dir", str(tmp_path / "derived"), "--mode", "full"])
     text = str(exc.value)
     assert "['bad_tree'] not found or invalid" in text and "bad.yaml: field 'nodes.table'" in text

@@ -9,7 +9,6 @@ change, which a count would show at once (a repeat counts a block twice).
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -157,35 +156,3 @@ def _merge_writer(spark: SparkSession, consumer: str, deltas: DataFrame, pairs: 
         )
 
     return write
-
-
-def main(argv: list[str] | None = None) -> int:
-    """spark-submit entry point (spark_jobs/feed_block_counts.py)."""
-    from cdc_lakehouse.jobs import run_per_table
-    from cdc_lakehouse.settings import tables_dir
-
-    p = argparse.ArgumentParser(description="Feed consumer: blocks per space and day (docs/change-feed.md)")
-    p.add_argument("--tables", required=True, help="the block table's config name")
-    p.add_argument("--config-dir", default=str(tables_dir()))
-    p.add_argument("--app-name", default=None)
-    p.add_argument("--consumer", default="block_counts")
-    p.add_argument("--output", default="feed.block_counts", help="namespace.table of the output")
-    p.add_argument("--upto", default="", help="snapshot id to read up to (an asset event's); empty: newest")
-    p.add_argument("--mode", choices=["auto", "full"], default="auto", help="full: reset, recount every live row")
-    p.add_argument("--max-lag-hours", type=int, default=DEFAULT_MAX_LAG_HOURS, help="how long its offset is held")
-    args = p.parse_args(argv)
-    upto = int(args.upto) if args.upto.strip() not in ("", "None") else None
-
-    def fn(spark, lake, cfg, a, file):
-        return block_counts(
-            spark,
-            lake,
-            cfg,
-            consumer=a.consumer,
-            output=a.output,
-            upto=upto,
-            mode=a.mode,
-            max_lag_hours=a.max_lag_hours,
-        )
-
-    return run_per_table("feed", args, fn)

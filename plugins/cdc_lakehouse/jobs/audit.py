@@ -1,0 +1,32 @@
+"""The audit job (spark_jobs/audit.py): source keys vs lake keys, Great Expectations checks and
+the optional repair, per table (audit.run.audit_table). A failing verdict fails the table."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+from cdc_lakehouse.jobs.params import JobParams, flag
+from cdc_lakehouse.jobs.runner import StageResult, load_tables, run_per_table
+
+
+@dataclass(frozen=True, kw_only=True)
+class AuditParams(JobParams):
+    description = "Audit: source keys vs lake keys, Great Expectations checks, optional repair"
+
+    tables: tuple[str, ...] = flag(help="comma-separated table names (config 'name')")
+    audit_run: str | None = flag(None, help="this run's id (default: manual-<now>)")
+
+
+def main(p: AuditParams) -> int:
+    def fn(spark, lake, cfg, file) -> StageResult:
+        from cdc_lakehouse.audit.errors import AuditFailed
+        from cdc_lakehouse.audit.run import audit_table
+
+        run = p.audit_run or datetime.now(UTC).strftime("manual-%Y%m%dT%H%M%S")
+        result = audit_table(spark, lake, cfg, audit_run=run)
+        if result.verdict == "fail":
+            raise AuditFailed(result.message)
+        return result
+
+    return run_per_table("audit", p.app_name, lambda: load_tables(p.config_dir, p.tables), fn)

@@ -1,0 +1,132 @@
+"""How every job runs: its secrets, then its configs (a bad one costs no JVM), then one
+SparkSession, the stage per table (one's failure never stops the others), one JSON result line per
+table, and an exit code.
+
+Secrets arrive by reference (CDC_SECRETS_FILE, see runtime.secrets.load_job_secrets) or through the
+environment of a job started by hand (CDC_CATALOG_PASSWORD, CDC_SOURCE_URI__<CONN>), never as
+arguments. A config directory left unset (None) is the job's environment's (settings.tables_dir(),
+derived_dir(), exports_dir()): the DAG never passes one, since the driver may run elsewhere.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+import traceback
+from collections.abc import Callable, Mapping
+from datetime import date, datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+
+from cdc_lakehouse.config import ConfigSet, load_table_configs
+from cdc_lakehouse.runtime.secrets import load_job_secrets
+from cdc_lakehouse.settings import LakeSettings, derived_dir, tables_dir
+
+if TYPE_CHECKING:
+    from cdc_lakehouse.derived.config import DerivedSet
+
+log = logging.getLogger("cdc_lakehouse.jobs")
+C = TypeVar("C")
+# What a job runs its stage on, each with a `name` (table, derived table, export, feed output), and
+# the config file of each by name (for the result rows that record it).
+Loaded = tuple[list[Any], dict[str, str]]
+
+
+class StageResult(Protocol):
+    """What a job's function returns per table: a stage's typed result (ingest.run.IngestResult,
+    audit.result.AuditResult, ...), printed on the job's result line as to_dict() gives it."""
+
+    def to_dict(self) -> dict[str, Any]: ...
+
+
+def _json_default(o: Any) -> Any:
+    if isinstance(o, (datetime, date)):
+        return o.isoformat()
+    return str(o)
+
+
+def _emit(kind: str, payload: dict[str, Any]) -> None:
+    print(f"CDC_RESULT {kind} " + json.dumps(payload, default=_json_default, sort_keys=True), flush=True)
+
+
+def table_configs(config_dir: str | None) -> ConfigSet:
+    """The table configs of --config-dir, or of the job's environment."""
+    return load_table_configs(config_dir or tables_dir())
+
+
+def derived_configs(config_dir: str | None, derived: str | None) -> tuple[ConfigSet, DerivedSet]:
+    from cdc_lakehouse.derived.config import load_derived_configs
+
+    cs = table_configs(config_dir)
+    return cs, load_derived_configs(derived or derived_dir(), cs.tables)
+
+
+def pick(what: str, names: tuple[str, ...], found: Mapping[str, C], where: Any, errors: list[Any]) -> list[C]:
+    """The configs `names` names, in order; a missing one stops the job before Spark starts,
+    with the errors of the config files (one of which may be the missing one's)."""
+    missing = [n for n in names if n not in found]
+    if missing:
+        errs = [str(e) for e in errors]
+        raise SystemExit(
+            f"{what} config(s) {missing} not found or invalid in {where}" + ("\n" + "\n".join(errs) if errs else "")
+        )
+    return [found[n] for n in names]
+
+
+def load_tables(config_dir: str | None, names: tuple[str, ...]) -> Loaded:
+    cs = table_configs(config_dir)
+    return pick("table", names, cs.tables, config_dir or tables_dir(), cs.errors), cs.files
+
+
+def load_derived(config_dir: str | None, derived: str | None, names: tuple[str, ...]) -> Loaded:
+    cs, ds = derived_configs(config_dir, derived)
+    return pick("derived", names, ds.derived, derived or derived_dir(), cs.errors + ds.errors), ds.files
+
+
+def run_tables(
+    kind: str, spark, lake: LakeSettings, cfgs: list[Any], fn: Callable[..., StageResult], *args: Any
+) -> tuple[dict[str, dict[str, Any]], list[tuple[str, Exception]]]:
+    """fn(spark, lake, cfg, *args) per table (or derived table); one's failure never stops the others.
+    Returns each table's result line (as printed) and the failures."""
+    results: dict[str, dict[str, Any]] = {}
+    failures: list[tuple[str, Exception]] = []
+    for cfg in cfgs:
+        t = time.time()
+        try:
+            result = fn(spark, lake, cfg, *args)
+            results[cfg.name] = {"table": cfg.name, "status": "ok", "seconds": time.time() - t, **result.to_dict()}
+        except Exception as exc:  # noqa: BLE001 - reported per table, the run fails at the end
+            failures.append((cfg.name, exc))
+            log.error("%s %s failed: %s\n%s", kind, cfg.name, exc, traceback.format_exc())
+            results[cfg.name] = {"table": cfg.name, "status": "failed", "error": str(exc), "seconds": time.time() - t}
+        _emit(kind, results[cfg.name])
+    return results, failures
+
+
+def run_per_table(kind: str, app_name: str | None, load: Callable[[], Loaded], fn: Callable[..., StageResult]) -> int:
+    """fn(spark, lake, cfg, config_file) per config `load` returns, in one Spark session; 1 when
+    any failed. `load` runs after the secrets are in place and before Spark starts."""
+    from cdc_lakehouse.lake.meta import ensure_meta_tables
+    from cdc_lakehouse.runtime.session import get_spark, release_spark
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    load_job_secrets()  # before anything reads CDC_CATALOG_PASSWORD, CDC_SOURCE_URI__*, AWS_*
+    cfgs, files = load()
+    lake = LakeSettings.from_env()
+    t0 = time.time()
+    names = ",".join(c.name for c in cfgs)
+    spark = get_spark(app_name or f"cdc-{kind}-{names[:40]}", lake)
+    try:  # a failed job still ends its Spark Connect session on the server
+        ensure_meta_tables(spark, lake)
+        log.info("%s: Spark session ready in %.1fs (package %s)", kind, time.time() - t0, Path(__file__).parents[1])
+        _, failures = run_tables(kind, spark, lake, cfgs, lambda s, lk, c: fn(s, lk, c, files.get(c.name)))
+    finally:
+        release_spark(spark)
+    if failures:
+        print(f"{kind}: {len(failures)} of {len(cfgs)} table(s) failed:", file=sys.stderr)
+        for name, exc in failures:
+            print(f"  {name}: {exc}", file=sys.stderr)
+        return 1
+    return 0
