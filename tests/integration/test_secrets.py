@@ -101,16 +101,15 @@ def probe_task(conn_id: str, unique: str):
     """The probe job as a task of the project's operator, on the Spark connection `conn_id`."""
     from cdc_lakehouse.orchestration.operators import CdcSparkSubmitOperator
 
-    op = CdcSparkSubmitOperator(
+    return CdcSparkSubmitOperator(
         task_id="probe",
         job="probe",
         job_args=[CONN, unique, f"{TENANT_KEY},{APIKEY_KEY}"],
         source_conn_ids=[CONN],
         conn_id=conn_id,
         conf={"spark.sql.shuffle.partitions": "2"},
+        application=str(ROOT / "tests" / "jobs" / "secret_probe.py"),  # a test's job: in no registry
     )
-    op.application = str(ROOT / "tests" / "jobs" / "secret_probe.py")
-    return op
 
 
 def assert_probe_shows_none(probe: dict, secrets_dir: Path) -> None:

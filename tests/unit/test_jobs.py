@@ -1,10 +1,14 @@
 """The Spark jobs' one definition of their parameters (cdc_lakehouse.jobs.params) and their one
-registry (jobs.registry): parameters survive their command line, and the registry and spark_jobs/
-agree."""
+registry (jobs.registry): parameters survive their command line, the DAG factory's tasks pass
+command lines their jobs parse into the parameters meant, and the registry and spark_jobs/ agree."""
 
 from __future__ import annotations
 
 import ast
+import textwrap
+from datetime import UTC, datetime
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from cdc_lakehouse.config import OutputMaintenanceConfig
@@ -18,6 +22,8 @@ from cdc_lakehouse.jobs.ingest import IngestParams
 from cdc_lakehouse.jobs.maintenance import MaintenanceParams
 from cdc_lakehouse.jobs.params import JobParams
 from cdc_lakehouse.jobs.registry import JOBS, JOBS_DIR
+
+ROOT = Path(__file__).resolve().parents[2]
 
 # Per parameters class: its defaults, and every field away from its default (or templated in a DAG).
 SAMPLES: list[JobParams] = [
@@ -108,3 +114,87 @@ def test_every_job_answers_help_without_spark(capsys):
             run_job(name, ["--help"])
         assert exc.value.code == 0
         assert job.params.description in capsys.readouterr().out
+
+
+# --- the DAG side ----------------------------------------------------------------------------------
+
+END = datetime(2026, 3, 1, 1, tzinfo=UTC)
+RUN_ID = "scheduled__2026-03-01T00:00:00+00:00"
+
+
+def _context(dag, **params) -> dict:
+    """What Airflow renders a task's templates with, for one run of `dag`."""
+    event = SimpleNamespace(extra={"snapshot_id": 42})
+    return {
+        "run_id": RUN_ID,
+        "ts_nodash": "20260301T000000",
+        "data_interval_end": END,
+        "params": {**dag.params.dump(), **params},
+        "triggering_asset_events": {"lake.t": [event]},
+    }
+
+
+def _parsed(dag, task_id: str, **params) -> JobParams:
+    """The task's command line, rendered as Airflow renders it, parsed as its job parses it."""
+    task = dag.get_task(task_id)
+    argv = [task.render_template(a, _context(dag, **params)) for a in task.application_args]
+    return JOBS[task.job].params.from_argv(argv)
+
+
+def test_the_dag_factorys_tasks_pass_what_their_jobs_parse(tmp_path):
+    from cdc_lakehouse.orchestration.dag_factory import build_dags
+
+    for name, group in (("t", ""), ("u", "ingest: {group: g}\n"), ("v", "ingest: {group: g}\n")):
+        (tmp_path / f"{name}.yaml").write_text(
+            textwrap.dedent(f"""
+            name: {name}
+            source: {{table: {name}, shards: [{{conn_id: pg_a, schemas: [s0]}}, {{conn_id: pg_b, schemas: [s1]}}]}}
+            primary_key: [id]
+            """)
+            + group
+        )
+    dags = build_dags(str(tmp_path), str(tmp_path / "no-derived"))
+    window = {"upto_run": "20260301T010000Z", "ingest_run": RUN_ID, "interval_end": END.isoformat()}
+    assert _parsed(dags["cdc_ingest__t"], "ingest") == IngestParams(tables=("t",), **window)
+    assert _parsed(dags["cdc_ingest_group__g"], "ingest") == IngestParams(tables=("u", "v"), **window)
+    assert _parsed(dags["cdc_bootstrap__t"], "bootstrap") == BootstrapParams(tables=("t",), run_id="20260301T000000")
+    assert _parsed(dags["cdc_bootstrap__t"], "bootstrap", shards=["pg_a", "pg_b"], pause_after_chunks=3) == (
+        BootstrapParams(tables=("t",), shards=("pg_a", "pg_b"), run_id="20260301T000000", pause_after_chunks=3)
+    )
+    assert _parsed(dags["cdc_maintenance__t"], "maintenance") == MaintenanceParams(
+        tables=("t",), run_id="20260301T000000"
+    )
+    assert _parsed(dags["cdc_audit__t"], "audit") == AuditParams(tables=("t",), audit_run=RUN_ID)
+
+
+def test_the_repositorys_dags_pass_what_their_jobs_parse(monkeypatch):
+    """Every Spark task of the repository's DAGs (the derived, export and feed ones too)."""
+    from cdc_lakehouse.orchestration.dag_factory import build_dags, feed_consumer_dag
+    from cdc_lakehouse.orchestration.operators import CdcSparkSubmitOperator
+
+    monkeypatch.setenv("CDC_TABLES_DIR", str(ROOT / "include" / "tables"))
+    dags = build_dags(str(ROOT / "include" / "tables"), str(ROOT / "include" / "derived"))
+    feed = feed_consumer_dag("block", "block_counts", "feed_block_counts", "feed.block_counts", "about")
+    dags[feed.dag_id] = feed
+    tasks = [(d, t) for d in dags.values() for t in d.tasks if isinstance(t, CdcSparkSubmitOperator)]
+    assert {t.job for _, t in tasks} == set(JOBS)
+    for dag, task in tasks:
+        assert isinstance(_parsed(dag, task.task_id), JOBS[task.job].params), (dag.dag_id, task.task_id)
+    assert _parsed(dags["cdc_derived__block_tree"], "derive", mode="full") == DeriveParams(
+        derived=("block_tree",), mode="full"
+    )
+    assert _parsed(dags["cdc_export__block_tree_serving"], "export") == ExportParams(exports=("block_tree_serving",))
+    assert _parsed(feed, "consume", mode="full") == BlockCountsParams(tables=("block",), mode="full", upto=42)
+    maintenance = _parsed(feed, "maintenance")
+    assert maintenance == MaintenanceParams(
+        feed_output="feed.block_counts", consumer="block_counts", settings=OutputMaintenanceConfig(), run_id=RUN_ID
+    )
+
+
+def test_a_dag_gives_a_job_only_its_own_parameters():
+    from cdc_lakehouse.orchestration.dag_factory import spark_task
+
+    with pytest.raises(TypeError, match="job feed_block_counts takes BlockCountsParams, not IngestParams"):
+        spark_task("t", "feed_block_counts", IngestParams(tables=("t",)), [], "default_pool")
+    with pytest.raises(ValueError, match="no Spark job 'nope'"):
+        spark_task("t", "nope", IngestParams(tables=("t",)), [], "default_pool")

@@ -30,10 +30,19 @@ import functools
 import operator
 import os
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, get_args
 
 from cdc_lakehouse.config import ConfigSet, OutputMaintenanceConfig, TableConfig, load_table_configs
 from cdc_lakehouse.derived.config import DerivedSet, TreeConfig, load_derived_configs
+from cdc_lakehouse.jobs.audit import AuditParams
+from cdc_lakehouse.jobs.bootstrap import BootstrapParams
+from cdc_lakehouse.jobs.derive import DeriveMode, DeriveParams
+from cdc_lakehouse.jobs.export import ExportMode, ExportParams
+from cdc_lakehouse.jobs.feed import FeedConsumerParams, FeedMode
+from cdc_lakehouse.jobs.ingest import IngestParams
+from cdc_lakehouse.jobs.maintenance import MaintenanceParams
+from cdc_lakehouse.jobs.params import JobParams
+from cdc_lakehouse.jobs.registry import job as registered_job
 from cdc_lakehouse.lake.holds import DEFAULT_MAX_LAG_HOURS
 from cdc_lakehouse.orchestration.dag_docs import (
     audit_doc,
@@ -61,6 +70,12 @@ PRESETS = {
     "@yearly": "0 0 1 1 *",
 }
 INTERVAL_END = "{{ data_interval_end.strftime('%Y%m%dT%H%M%SZ') }}"
+# What Airflow renders into a job's command line at run time, by parameter (JobParams.to_argv).
+INGEST_RUN = {
+    "upto_run": INTERVAL_END,
+    "ingest_run": "{{ run_id }}",
+    "interval_end": "{{ data_interval_end.isoformat() }}",
+}
 
 
 def _timetable(schedule: str):
@@ -122,13 +137,27 @@ def alert_check_task(kind: str, tables: list[str]):
     return check_alerts(tables).as_teardown()
 
 
-def spark_task(task_id: str, job: str, job_args: list[str], source_conn_ids: list[str], pool: str, **kw: Any):
+def spark_task(
+    task_id: str,
+    job: str,
+    params: JobParams,
+    source_conn_ids: list[str],
+    pool: str,
+    *,
+    templates: dict[str, str] | None = None,
+    **kw: Any,
+):
+    """The task running `job` (jobs.registry) on `params`, with `templates` (Jinja, by parameter
+    name) rendered into its command line at run time."""
     from cdc_lakehouse.orchestration.operators import CdcSparkSubmitOperator
 
+    takes = registered_job(job).params
+    if not issubclass(takes, type(params)):
+        raise TypeError(f"job {job} takes {takes.__name__}, not {type(params).__name__}")
     return CdcSparkSubmitOperator(
         task_id=task_id,
         job=job,
-        job_args=job_args,
+        job_args=params.to_argv(**(templates or {})),
         source_conn_ids=source_conn_ids,
         pool=pool,
         conn_id=SPARK_CONN_ID,
@@ -177,19 +206,6 @@ def _dag(dag_id: str, schedule, cfg: AnyConfig, tags: list[str], doc_md: str, de
     )
 
 
-def _ingest_args(cfgs: list[TableConfig]) -> list[str]:
-    return [
-        "--tables",
-        ",".join(c.name for c in cfgs),
-        "--upto-run",
-        INTERVAL_END,
-        "--ingest-run",
-        "{{ run_id }}",
-        "--interval-end",
-        "{{ data_interval_end.isoformat() }}",
-    ]
-
-
 def _endpoint_ids(cfgs: list[TableConfig]) -> list[str]:
     """Endpoints to capture before the ingest; a Debezium-fed table has none (its events come
     from the Kafka Connect S3 sink, and a slot of ours would only retain WAL)."""
@@ -213,9 +229,10 @@ def ingest_dag(cfg: TableConfig, cs: ConfigSet):
         ingest = spark_task(
             "ingest",
             "ingest",
-            _ingest_args([cfg]),
+            IngestParams(tables=(cfg.name,)),
             _conn_ids([cfg]),
             table_pool(cfg),
+            templates=INGEST_RUN,
             outlets=[asset(cfg.current_table), asset(cfg.changelog_table)],
             post_execute=announce_snapshots([cfg]),
             execution_timeout=timedelta(hours=2),
@@ -239,9 +256,10 @@ def group_ingest_dag(group: str, cfgs: list[TableConfig], cs: ConfigSet):
         ingest = spark_task(
             "ingest",
             "ingest",
-            _ingest_args(cfgs),
+            IngestParams(tables=tuple(c.name for c in cfgs)),
             _conn_ids(cfgs),
             group_pool(group),
+            templates=INGEST_RUN,
             outlets=outlets,
             post_execute=announce_snapshots(cfgs),
             execution_timeout=timedelta(hours=3),
@@ -285,18 +303,14 @@ def bootstrap_dag(cfg: TableConfig):
         spark_task(
             "bootstrap",
             "bootstrap",
-            [
-                "--tables",
-                cfg.name,
-                "--shards",
-                "{{ params.shards | join(',') }}",
-                "--run-id",
-                "{{ ts_nodash }}",
-                "--pause-after-chunks",
-                "{{ params.pause_after_chunks }}",
-            ],
+            BootstrapParams(tables=(cfg.name,)),
             _conn_ids([cfg]),
             table_pool(cfg),
+            templates={
+                "shards": "{{ params.shards | join(',') }}",
+                "run_id": "{{ ts_nodash }}",
+                "pause_after_chunks": "{{ params.pause_after_chunks }}",
+            },
             outlets=[asset(cfg.current_table), asset(cfg.changelog_table)],
             post_execute=announce_snapshots([cfg]),
             execution_timeout=timedelta(hours=24),
@@ -317,9 +331,10 @@ def maintenance_dag(cfg: TableConfig):
         spark_task(
             "maintenance",
             "maintenance",
-            ["--tables", cfg.name, "--run-id", "{{ ts_nodash }}"],
+            MaintenanceParams(tables=(cfg.name,)),
             [],
             table_pool(cfg),
+            templates={"run_id": "{{ ts_nodash }}"},
             inlets=[asset(cfg.current_table), asset(cfg.changelog_table)],
             outlets=outlets,
             execution_timeout=timedelta(hours=6),
@@ -339,9 +354,10 @@ def audit_dag(cfg: TableConfig):
         audit = spark_task(
             "audit",
             "audit",
-            ["--tables", cfg.name, "--audit-run", "{{ run_id }}"],
+            AuditParams(tables=(cfg.name,)),
             _conn_ids([cfg]),
             table_pool(cfg),
+            templates={"audit_run": "{{ run_id }}"},
             inlets=[asset(cfg.current_table)],
             execution_timeout=timedelta(hours=1),
         )
@@ -364,16 +380,20 @@ def derived_dag(dcfg: TreeConfig, tables: dict[str, TableConfig]):
         f"Derived tree {dcfg.output_table} from {', '.join(t.current_table for t in inputs)}",
         params={
             "mode": Param(
-                "auto", type="string", enum=["auto", "full"], description="auto: incremental; full: recompute all"
+                "auto",
+                type="string",
+                enum=list(get_args(DeriveMode)),
+                description="auto: incremental; full: recompute all",
             )
         },
     ) as dag:
         spark_task(
             "derive",
             "derive",
-            ["--derived", dcfg.name, "--mode", "{{ params.mode }}"],
+            DeriveParams(derived=(dcfg.name,)),
             [],  # reads the lake only, never a source
             dcfg.pool,
+            templates={"mode": "{{ params.mode }}"},
             inlets=inlets,
             outlets=[asset(dcfg.output_table)],
             execution_timeout=timedelta(hours=2),
@@ -394,9 +414,10 @@ def derived_maintenance_dag(dcfg: TreeConfig):
         spark_task(
             "maintenance",
             "maintenance",
-            ["--derived", dcfg.name, "--run-id", "{{ ts_nodash }}"],
+            MaintenanceParams(derived=(dcfg.name,)),
             [],
             dcfg.pool,
+            templates={"run_id": "{{ ts_nodash }}"},
             inlets=[asset(dcfg.output_table)],
             execution_timeout=timedelta(hours=6),
         )
@@ -418,7 +439,7 @@ def export_dag(ecfg: ExportConfig, tables: dict[str, TableConfig], derived: dict
             "mode": Param(
                 "auto",
                 type="string",
-                enum=["auto", "full", "rollback", "resume"],
+                enum=list(get_args(ExportMode)),
                 description="auto: incremental; full: a new version; rollback: alias back to the previous "
                 "version, held there; resume: release the hold",
             )
@@ -427,9 +448,10 @@ def export_dag(ecfg: ExportConfig, tables: dict[str, TableConfig], derived: dict
         spark_task(
             "export",
             "export",
-            ["--exports", ecfg.name, "--mode", "{{ params.mode }}"],
+            ExportParams(exports=(ecfg.name,)),
             [],  # reads the lake only
             ecfg.pool,
+            templates={"mode": "{{ params.mode }}"},
             store_conns=[(ecfg.store.kind, ecfg.store.conn_id)],
             inlets=[asset(source)],
             execution_timeout=timedelta(hours=2),
@@ -456,10 +478,10 @@ def feed_consumer_dag(
     max_lag_hours: int = DEFAULT_MAX_LAG_HOURS,
     maintenance: dict[str, Any] | None = None,
 ):
-    """`cdc_feed__<consumer>`: a change-feed consumer (cdc_lakehouse.feed) of one table, run by
-    spark_jobs/<job>.py whenever the table's ingest or bootstrap completes a snapshot. The job
-    takes --mode (auto | full: a reset) and --max-lag-hours (how long the table keeps its offset's
-    snapshot, lake.holds). Its Iceberg output is maintained by the same DAG once per
+    """`cdc_feed__<consumer>`: a change-feed consumer (cdc_lakehouse.feed) of one table, run by the
+    job `job` (jobs.registry: spark_jobs/<job>.py, taking jobs.feed.FeedConsumerParams) whenever
+    the table's ingest or bootstrap completes a snapshot. The job takes a mode (auto | full: a
+    reset) and max_lag_hours (how long the table keeps its offset's snapshot, lake.holds). Its Iceberg output is maintained by the same DAG once per
     `maintenance.schedule` (OutputMaintenanceConfig): after a consume, never beside one."""
     from airflow.sdk import Param
 
@@ -481,17 +503,20 @@ def feed_consumer_dag(
         f"Change-feed consumer {consumer} of {cfg.current_table} into {output}",
         params={
             "mode": Param(
-                "auto", type="string", enum=["auto", "full"], description="auto: incremental; full: reset, every row"
+                "auto",
+                type="string",
+                enum=list(get_args(FeedMode)),
+                description="auto: incremental; full: reset, every row",
             )
         },
     ) as dag:
         consume = spark_task(
             "consume",
             job,
-            ["--tables", table, "--consumer", consumer, "--output", output, "--mode", "{{ params.mode }}"]
-            + ["--max-lag-hours", str(max_lag_hours), "--upto", FEED_UPTO],
+            FeedConsumerParams(tables=(table,), consumer=consumer, output=output, max_lag_hours=max_lag_hours),
             [],  # reads the lake only
             "default_pool",  # writes only its own output; max_active_runs=1 keeps its runs apart
+            templates={"mode": "{{ params.mode }}", "upto": FEED_UPTO},
             inlets=[source],
             outlets=[asset(output)],
             execution_timeout=timedelta(hours=1),
@@ -515,10 +540,10 @@ def _feed_output_maintenance(consumer: str, output: str, settings: OutputMainten
     run = spark_task(
         "maintenance",
         "maintenance",
-        ["--feed-output", output, "--consumer", consumer, "--settings", settings.model_dump_json()]
-        + ["--run-id", "{{ run_id }}"],
+        MaintenanceParams(feed_output=output, consumer=consumer, settings=settings),
         [],
         "default_pool",
+        templates={"run_id": "{{ run_id }}"},
         inlets=[asset(output)],
         execution_timeout=timedelta(hours=6),
     )

@@ -1,4 +1,4 @@
-"""The Spark operator of this project: a job (its spark_jobs/<job>.py file) with the lake and source settings
+"""The Spark operator of this project: a job (jobs.registry: its spark_jobs/<job>.py file) with the lake and source settings
 resolved at run time (never at DAG parse time), sent where the task's Spark connection says:
 
 - a Spark Connect connection (conn type `spark_connect`, the Apache Spark provider's; the local
@@ -18,7 +18,7 @@ from typing import Any
 
 from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOperator
 
-from cdc_lakehouse.settings import PROJECT_ROOT
+from cdc_lakehouse.jobs.registry import job as registered_job
 
 
 class CdcSparkSubmitOperator(SparkSubmitOperator):
@@ -31,13 +31,14 @@ class CdcSparkSubmitOperator(SparkSubmitOperator):
         job_args: list[str],
         source_conn_ids: list[str],
         store_conns: list[tuple[str, str]] = (),
+        application: str | None = None,
         **kwargs: Any,
     ) -> None:
+        """`job` names an entry of jobs.registry, whose file is the application; `application`
+        runs another file instead (a test's own job)."""
         kwargs.setdefault("name", f"cdc-{job}")
         kwargs.setdefault("verbose", False)
-        super().__init__(
-            application=str(PROJECT_ROOT / "spark_jobs" / f"{job}.py"), application_args=job_args, **kwargs
-        )
+        super().__init__(application=application or str(registered_job(job).file), application_args=job_args, **kwargs)
         self.job = job
         self.source_conn_ids = list(source_conn_ids)
         self.store_conns = [tuple(c) for c in store_conns]  # (kind, conn_id) of serving stores
