@@ -33,7 +33,7 @@ test-fast: setup
 	@$(ENV) python -m pytest -m "not slow" $(PYTEST_ARGS)
 
 lint: setup
-	@$(ENV) ruff check . && ruff format --check .
+	@$(ENV) ruff check . && ruff format --check . && mypy
 
 format: setup
 	@$(ENV) ruff format . && ruff check --fix .

@@ -10,7 +10,7 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import yaml
 from pydantic import (
@@ -27,6 +27,9 @@ from pydantic import (
 )
 
 from cdc_lakehouse.identifiers import IdentifierError, check_ident, check_lake_ident
+
+if TYPE_CHECKING:
+    from pydantic_core import ErrorDetails
 
 # Columns the pipeline adds to lake tables, defined in lake.columns (the registry) and re-exported
 # here under the names modules import. Source columns may not use the prefix.
@@ -578,7 +581,7 @@ class ConfigSet:
         return out
 
 
-def _fix_for(loc: str, err: dict[str, Any]) -> str:
+def _fix_for(loc: str, err: ErrorDetails) -> str:
     kind = err.get("type", "")
     if kind == "extra_forbidden":
         return f"remove '{loc}' or check its spelling against the configuration reference in README.md"

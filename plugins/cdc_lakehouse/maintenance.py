@@ -263,6 +263,7 @@ def _prune_endpoint(
     cutoff = now - timedelta(hours=hours)
     removed = []
     for m in list_manifests(landing, endpoint)[:-1]:
+        assert m.finished_at is not None  # a capture run's manifest always says when it finished
         if m.end_lsn > floor or datetime.fromisoformat(m.finished_at) > cutoff:
             continue
         for entry in m.tables:

@@ -99,7 +99,9 @@ def export_snapshots(endpoints: dict[str, tuple[SourceEndpoint, dict[str, str]]]
             conn.set_session(isolation_level="REPEATABLE READ")
             with conn.cursor() as cur:
                 cur.execute("SELECT pg_export_snapshot()")
-                out[endpoint_id] = (conn, cur.fetchone()[0])
+                row = cur.fetchone()
+                assert row is not None  # a SELECT without FROM returns one row
+                out[endpoint_id] = (conn, row[0])
     except BaseException:
         release_snapshots(out)
         raise

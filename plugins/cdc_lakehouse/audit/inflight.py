@@ -7,7 +7,7 @@ of its shard in flight.
 from __future__ import annotations
 
 import time  # time.sleep: tests patch it (through audit.run.time) to skip the back-off
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeGuard
 
 from cdc_lakehouse.audit.errors import AuditFailed
 from cdc_lakehouse.config import SHARD_COL, TableConfig
@@ -45,13 +45,13 @@ def inflight_from_landing(
     shard_pairs = []
     for g, schema, shard in cfg.shards():
         shard_pairs += [F.lit(f"{g.endpoint_id}/{schema}"), F.lit(shard)]
-    shard = F.create_map(*shard_pairs)[F.concat_ws("/", "source.endpoint", "source.schema")]
+    shard_col = F.create_map(*shard_pairs)[F.concat_ws("/", "source.endpoint", "source.schema")]
     floor = shard_lsn_map(wm)
     ev = (
         spark.read.schema(landing_spark_schema())
         .parquet(*files)
         .filter(F.col("source.table") == cfg.source.table)
-        .withColumn(SHARD_COL, shard)
+        .withColumn(SHARD_COL, shard_col)
         .filter(F.col(SHARD_COL).isNotNull() & (F.col("source.commit_lsn") >= floor[F.col(SHARD_COL)]))
     )
     parts = []
@@ -131,7 +131,7 @@ def _peek_keys(
 
     rels: dict[int, Relation] = {}
 
-    def ours(r: Relation | None) -> bool:
+    def ours(r: Relation | None) -> TypeGuard[Relation]:
         return r is not None and r.name == cfg.source.table and r.schema in shards
 
     # A named (server-side) cursor streams the decoded backlog instead of holding it in memory.

@@ -16,6 +16,7 @@ from cdc_lakehouse.settings import LakeSettings
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
 
+    from cdc_lakehouse.audit.result import ShardStats
     from cdc_lakehouse.lake.watermark import Watermark
 
 logger = logging.getLogger(__name__)
@@ -43,7 +44,7 @@ def quality_checks(
     cfg: TableConfig,
     lake_df: DataFrame,
     wm: Watermark,
-    per_shard: dict[str, dict[str, Any]],
+    per_shard: dict[str, ShardStats],
     lake_counts: dict[str, int],
     audit_run: str,
     now: datetime,
@@ -84,17 +85,17 @@ def quality_checks(
 _RESULT_KEYS = ("expectation", "success", "observed", "details")
 
 
-def _expected_rows(per_shard: dict[str, dict[str, Any]], lake_counts: dict[str, int]) -> int:
+def _expected_rows(per_shard: dict[str, ShardStats], lake_counts: dict[str, int]) -> int:
     """The source's row count; in full mode (no source count) the lake's, corrected by the keys
     the audit found missing and extra."""
-    total = sum(st["source_rows"] for st in per_shard.values() if st.get("source_rows") is not None) or None
+    total = sum(n for st in per_shard.values() if (n := st.get("source_rows")) is not None) or None
     if total is None:
         total = sum(lake_counts.get(s, 0) + st.get("missing", 0) - st.get("extra", 0) for s, st in per_shard.items())
     return total
 
 
 def _check_table(
-    ds, cfg: TableConfig, lake_df: DataFrame, per_shard: dict[str, dict[str, Any]], lake_counts: dict[str, int]
+    ds, cfg: TableConfig, lake_df: DataFrame, per_shard: dict[str, ShardStats], lake_counts: dict[str, int]
 ) -> list[dict[str, Any]]:
     import great_expectations as gx
     import great_expectations.expectations as gxe
@@ -125,8 +126,9 @@ def _check_freshness(
     import pandas as pd
 
     ages = shard_ages(spark, lake, cfg, wm, now)
+    fresh: list[tuple[str | None, float | None]] = [(shard, age) for shard, age in sorted(ages.items())]
     fdf = pd.DataFrame(
-        [(shard, age) for shard, age in sorted(ages.items())] or [(None, None)],
+        fresh or [(None, None)],
         columns=["shard", "freshness_minutes"],
     ).astype({"shard": "object", "freshness_minutes": "float64"})
     fasset = ds.add_dataframe_asset(f"{cfg.name}_freshness")

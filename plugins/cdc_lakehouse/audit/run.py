@@ -26,7 +26,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from functools import cached_property, reduce
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from cdc_lakehouse.audit.compare import (
     compare,
@@ -83,6 +83,12 @@ class _Table:
     # (shard, key..., LSN, row hash, bucket) of the live rows, persisted: the audit's one read of
     # the lake table, which the counts, the comparison and Great Expectations all take from.
     lake_h: DataFrame | None = None
+
+    @property
+    def hashes(self) -> DataFrame:
+        """lake_h, which _audit_table sets before anything reads it."""
+        assert self.lake_h is not None
+        return self.lake_h
 
     @property
     def key(self) -> list[str]:
@@ -154,7 +160,7 @@ def _audit_loaded(
         persistent, streak_df = _track(spark, lake, cfg, flagged, now, audit_run)
         do_repair = cfg.audit.repair if repair is None else repair
         repaired = 0
-        if do_repair and persistent:
+        if do_repair and persistent and streak_df is not None:
             repaired = repair_keys(spark, lake, cfg, streak_df, t.key_cols, t.lake_cols, t.wm, audit_run)
     with clock.phase("quality"):
         # A fresh read of the live rows, not the comparison's cache: with the cache, GX counted
@@ -165,7 +171,7 @@ def _audit_loaded(
             quality = quality_checks(spark, lake, cfg, live, t.wm, per_shard, lake_counts, audit_run, now)
         finally:
             live.unpersist()
-    samples = _samples(cfg, streak_df) if flagged is not None and persistent else {}
+    samples = _samples(cfg, streak_df) if streak_df is not None and flagged is not None and persistent else {}
     rows = _result_rows(t, audit_run, now, per_shard, lake_counts, persistent, repaired, samples, clock.elapsed())
     meta_append(spark, lake, "audit_results", rows)
     failed_quality = [q for q in quality if not q["success"]]
@@ -187,8 +193,8 @@ def _audit_loaded(
 
 
 def _compare_with_source(
-    spark: SparkSession, lake: LakeSettings, t: _Table, mode: str, lake_counts, clock: PhaseClock
-) -> tuple[dict[str, dict[str, Any]], DataFrame | None, dict, Any]:
+    spark: SparkSession, lake: LakeSettings, t: _Table, mode: str, lake_counts: dict[str, int], clock: PhaseClock
+) -> tuple[dict[str, ShardStats], DataFrame | None, list[Row], dict[str, int]]:
     """Both sides hashed and compared, the keys in flight taken out; the source snapshots are
     released however this ends (an open one holds back vacuum on the source)."""
     # One snapshot per source database, taken before the keys in flight are computed: every
@@ -197,7 +203,7 @@ def _compare_with_source(
     pool = None
     try:
         pool, pending_sums = _start_source_sums(t, mode, snapshots)
-        lake_h = t.lake_h
+        lake_h = t.hashes
         lake_sums, lake_counts = _lake_side(t, lake_h, mode, lake_counts, clock)
         with clock.phase("source_sums_wait"):
             per_shard, mismatches = _compare_shards(spark, t, lake_h, mode, lake_sums, pending_sums, snapshots)
@@ -254,7 +260,9 @@ def _describe_shard(cfg: TableConfig, g, schema: str, shard: str, lake_cols: lis
                     "SELECT reltuples FROM pg_class WHERE oid = %s::regclass",
                     (pg_qualified(schema, cfg.source.table),),
                 )
-                estimate = float(cu.fetchone()[0])
+                row = cu.fetchone()
+                assert row is not None  # describe_table found the relation
+                estimate = float(row[0])
     finally:
         conn.close()
     if info is None:
@@ -269,7 +277,7 @@ def _count_lake(t: _Table) -> dict[str, int]:
     from pyspark.sql import functions as F
 
     shards = [s.shard for s in t.shards]
-    got = observed_counts(t.lake_h, *[F.count_if(F.col(SHARD_COL) == sh).alias(f"n{i}") for i, sh in enumerate(shards)])
+    got = observed_counts(t.hashes, *[F.count_if(F.col(SHARD_COL) == sh).alias(f"n{i}") for i, sh in enumerate(shards)])
     return {sh: int(got[f"n{i}"]) for i, sh in enumerate(shards)}
 
 
@@ -354,6 +362,7 @@ def _compare_shards(
     for s in t.shards:
         lh = lake_h.filter(F.col(SHARD_COL) == s.shard)
         snap = snapshots[s.endpoint_id][1]
+        m: DataFrame | None
         if mode == "full":
             per_shard[s.shard], m = _compare_full(spark, t, s, lh, snap)
         else:
@@ -465,7 +474,7 @@ def _flag_in_flight(
 def _tally(per_shard: dict[str, ShardStats], counts: list[Row]) -> None:
     for r in counts:
         st = per_shard[r[SHARD_COL]]
-        name = "in_flight" if r["_if"] else r["kind"]
+        name: Literal["in_flight", "missing", "extra", "different"] = "in_flight" if r["_if"] else r["kind"]
         st[name] = st.get(name, 0) + r["count"]
 
 

@@ -35,6 +35,7 @@ its manifest (`bootstrap_markers`), so the order of chunks and stream is visible
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import threading
@@ -526,7 +527,7 @@ def _apply_chunks(
             write,
             what=what,
             position=round_marker_in,
-            conflict=lambda now, table=table: _another_bootstrap(cfg, table, run.run_id, now),
+            conflict=functools.partial(_another_bootstrap, cfg, table, run.run_id),
         )
         run.rounds[table] = marker
 

@@ -48,7 +48,8 @@ class ChunkQuery:
         # (format('%s', ...)) or in a quoted name must not be taken for a placeholder.
         esc = (lambda x: x.replace("%", "%%")) if bounds else (lambda x: x)
         keys = esc(", ".join(pg_ident(k) for k in self.key))
-        conds, params = [], ()
+        conds: list[str] = []
+        params: tuple[str, ...] = ()
         for op, bound in bounds:
             if len(bound) != len(self.key):
                 raise ValueError(f"key {bound} does not match the key columns {list(self.key)}")

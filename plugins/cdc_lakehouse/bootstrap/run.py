@@ -109,7 +109,7 @@ def bootstrap_table(
     if not endpoints:
         raise BootstrapError(f"{cfg.name}: no shards selected")
     columns, pg_types = preflight(cfg, endpoints)
-    partial = bool(shards) and set(shards) != {s for _, _, s in cfg.shards()}
+    partial = bool(shards and set(shards) != {s for _, _, s in cfg.shards()})
     target = _prepare_tables(spark, lake, cfg, columns, partial)
     snap = _new_snapshot(spark, target, run_id)
     # The exported snapshots live as long as their connections: the changelog write reads under them.

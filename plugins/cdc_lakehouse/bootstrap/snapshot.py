@@ -204,7 +204,9 @@ def export_snapshot(ep: SourceEndpoint, endpoint_id: str, run_id: str):
     cur = conn.cursor()
     identity = source_identity(cur)
     cur.execute(f"CREATE_REPLICATION_SLOT {pg_ident(name)} TEMPORARY LOGICAL pgoutput (SNAPSHOT 'export')")
-    _, consistent_point, snapshot_name, _ = cur.fetchone()
+    created = cur.fetchone()
+    assert created is not None  # CREATE_REPLICATION_SLOT returns one row
+    _, consistent_point, snapshot_name, _ = created
     return conn, lsn_to_int(consistent_point), snapshot_name, identity
 
 
@@ -219,7 +221,9 @@ def ctid_ranges(ep: SourceEndpoint, schema: str, table: str, parts: int) -> list
                 "SELECT pg_relation_size(%s::regclass) / current_setting('block_size')::bigint",
                 (pg_qualified(schema, table),),
             )
-            blocks = int(cur.fetchone()[0])
+            row = cur.fetchone()
+            assert row is not None  # a SELECT without FROM returns one row
+            blocks = int(row[0])
     finally:
         conn.close()
     if blocks < parts * 8 or parts <= 1:

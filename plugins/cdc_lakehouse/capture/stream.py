@@ -182,14 +182,18 @@ class Stream:
         if r.heartbeat:
             self.tx_heartbeat_schemas.append(r.rel.schema)
             return
+        # pgoutput sends the new row with an insert or update, the old key or row with a delete.
         if m.kind == "I":
+            assert m.new is not None
             op, before = "c", None
             after, unavailable = row_pairs(r, m.new)
         elif m.kind == "U":
+            assert m.new is not None
             op = "u"
             before = key_pairs(r, m.old, m.old_is_key) if m.old is not None else None
             after, unavailable = row_pairs(r, m.new)
         else:
+            assert m.old is not None
             op, after, unavailable = "d", None, None
             before = key_pairs(r, m.old, m.old_is_key)
         self._add(r, op, before, after, unavailable, data_start, size)
@@ -217,6 +221,7 @@ class Stream:
         name = r.rel.name
         w = self.writers.get(name) or self._writer_for(name)
         tx = self.tx
+        assert tx is not None  # changes arrive between a transaction's BEGIN and COMMIT
         w.add(
             op,
             before,
@@ -244,14 +249,16 @@ class Stream:
     def _on_commit(self, m: Commit) -> None:
         self.txs += 1
         self.last_commit = m
+        tx = self.tx
+        assert tx is not None  # a COMMIT ends the transaction a BEGIN started
         for s in self.tx_heartbeat_schemas:
             self.heartbeats[s] = {
                 "commit_lsn": m.commit_lsn,
                 "end_lsn": m.end_lsn,
                 "commit_ts": pg_time(m.commit_ts).isoformat(),
-                "xid": self.tx.xid,
+                "xid": tx.xid,
             }
-        if self.tx.xid == self.start.hb_xid:
+        if tx.xid == self.start.hb_xid:
             self.done = True  # the run's bound: everything committed before it is in
         elif self.events >= self.limits.max_events or self.nbytes >= self.limits.max_bytes:
             # Checked at COMMIT only: a transaction is never split across runs.
@@ -290,6 +297,7 @@ class Stream:
         manifest = self._manifest(tables, identity)
         self.store.write_json(manifest_path(self.ep.endpoint_id, self.run_id), manifest)
         crash_point("after_manifest")
+        assert self.last_commit is not None  # the run ends at a COMMIT (its bound)
         confirm(self.dsn, self.start.slot, self.last_commit.end_lsn, cur)
         attempts = f"{self.ep.endpoint_id}/{ATTEMPTS_DIR}"
         for name in self.store.list_names(attempts):  # resolved by this manifest

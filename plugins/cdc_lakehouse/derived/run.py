@@ -174,7 +174,8 @@ def derive_tree(
         if r.mode != "noop":
             nodes, grants, previous = read_inputs(spark, r)
             with clock.phase("affected"):
-                affected = affected_nodes(spark, r, nodes, previous) if r.mode == "incremental" else None
+                # previous: the output before this run, which read_inputs reads for an incremental run only
+                affected = affected_nodes(spark, r, nodes, previous) if previous is not None else None
             with clock.phase("resolve"):
                 state = resolve(r, nodes, grants, affected, previous)
             with clock.phase("commit"):
@@ -247,6 +248,7 @@ def input_ranges(spark: SparkSession, r: TreeRun) -> dict[str, KeyRange]:
     snapshot that is gone (the tree lagged past its hold, lake.holds) stops the run naming the fix,
     instead of a whole recomputation nobody asked for."""
     out = {}
+    assert r.previous is not None, "an incremental run follows a previous one"
     for p in (r.nodes, r.grants):
         if p is None:
             continue
@@ -304,6 +306,7 @@ def read_inputs(spark: SparkSession, r: TreeRun) -> tuple[DataFrame, DataFrame |
     grants = None
     if r.grants is not None:
         g = r.dcfg.grants
+        assert g is not None  # r.grants is pinned from it
         grants = _at(spark, r.grants).select(
             SHARD_COL,
             F.col(g.node).alias(ID),
@@ -356,7 +359,9 @@ def changed_grant_nodes(spark: SparkSession, r: TreeRun) -> DataFrame:
     key nor the changelog names X; the grants table as of that snapshot does."""
     from pyspark.sql import functions as F
 
-    p, node = r.grants, r.dcfg.grants.node
+    p, g = r.grants, r.dcfg.grants
+    assert p is not None and g is not None, "called only for a tree with grants"
+    node = g.node
     keys = local_checkpoint(input_changes(spark, r, p))
     before = live_rows(spark, p.table, p.cfg, r.ranges[p.cfg.name].lo)
     on = [

@@ -49,7 +49,8 @@ def prepare(blocks_per_shard: int) -> NotionWorkload:
     try:
         with conn.cursor() as cur:
             cur.execute("SELECT count(*) FROM pg_tables WHERE schemaname = 'shard_00' AND tablename = 'block'")
-            exists = cur.fetchone()[0] == 1
+            row = cur.fetchone()
+            exists = row is not None and row[0] == 1  # count(*) always returns one row
     finally:
         conn.close()
     if exists:
@@ -274,7 +275,7 @@ def _export_line(ecfg) -> str:
     )
     try:
         alias, metas = store.alias(st.namespace), store.resolve(st.namespace)
-        if not metas:
+        if not metas or alias is None:
             return f"export {ecfg.name}: no complete version yet"
         count = store.count(st.namespace, metas[0].version)
         return (

@@ -17,6 +17,10 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from moto.server import ThreadedMotoServer
 
 SERVER_SETTINGS = {
     "wal_level": "logical",
@@ -193,7 +197,7 @@ class LocalS3:
 
     def __init__(self, port: int):
         self.port = port
-        self.server = None
+        self.server: ThreadedMotoServer | None = None
 
     @property
     def endpoint(self) -> str:
@@ -202,8 +206,8 @@ class LocalS3:
     def start(self) -> None:
         from moto.server import ThreadedMotoServer
 
-        self.server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
-        self.server.start()
+        self.server = server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
+        server.start()
 
     def stop(self) -> None:
         if self.server:

@@ -65,7 +65,10 @@ def _changelog_keys(catalog: Any, lake: LakeSettings, cfg: TableConfig, rng: Fee
 
     lo, hi = rng.lo_watermark, rng.watermark
     floor = min((lo.get(shard, -1) for shard in hi), default=0)  # a shard new in hi starts from -1
-    cl = catalog.load_table(cfg.changelog_table).scan(row_filter=GreaterThanOrEqual(LSN_COL, floor)).to_arrow()
+    # Keywords: pyiceberg's (term, literal) constructor takes the model's field names too, and the
+    # pydantic type-checker plugin knows only those.
+    row_filter = GreaterThanOrEqual(term=LSN_COL, value=floor)
+    cl = catalog.load_table(cfg.changelog_table).scan(row_filter=row_filter).to_arrow()
     found: set[tuple] = set()
     cols = [SHARD_COL, LSN_COL, SEQ_COL, OP_COL, *cfg.primary_key]
     for row in zip(*[cl[c].to_pylist() for c in cols], strict=True):
@@ -123,6 +126,7 @@ def read_changes_arrow(
         return rng, at_hi.add_column(0, FEED_OP_COL, pa.array([OP_UPSERT] * at_hi.num_rows, pa.string()))
     if rng.mode == "noop":
         return rng, _net(at_hi, set(), key)
+    assert since is not None, "without an offset the range is full"
     keys = _changelog_keys(catalog, lake, cfg, rng) if rng.mode == "changelog" else None
     if keys is None:
         keys = _diff_keys(_live(tbl, cfg, since.snapshot_id), at_hi, key)

@@ -120,14 +120,14 @@ def block_counts(
     # One output table: the offsets already make its commit exactly once; the batch id (lake.batches)
     # marks it like every other multi-table run's commits, from the range it applies.
     start = {t: o.snapshot_id for t, o in committed.items()}
-    batch = BatchId.of(f"feed:{consumer}:{table}", start, {cfg.current_table: rng.offset.snapshot_id})
+    batch_id = BatchId.of(f"feed:{consumer}:{table}", start, {cfg.current_table: rng.offset.snapshot_id})
     done = commit_with_offsets(
         spark,
         table,
         consumer,
         committed,
         [rng.offset],
-        lambda target, props: write(target, {**props, **batch.props()}),
+        lambda target, props: write(target, {**props, **batch_id.props()}),
         max_lag_hours=max_lag_hours,
     )
     return ConsumerResult(rng.mode, rng.reason, rng.snapshot_id, committed=done, pairs=pairs)

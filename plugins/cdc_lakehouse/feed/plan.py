@@ -14,6 +14,7 @@ from __future__ import annotations
 from cdc_lakehouse.feed.models import FeedError, FeedOffset, FeedRange, SnapshotInfo
 from cdc_lakehouse.lake.holds import lag_error
 from cdc_lakehouse.lake.ranges import is_ancestor, key_range
+from cdc_lakehouse.lake.watermark import Watermark
 
 # What a consumer whose offset's snapshot is gone does: it asks for the resync itself.
 RESET_FIX = (
@@ -23,9 +24,11 @@ RESET_FIX = (
 )
 
 
-def complete_head(table: str, snaps: dict[int, SnapshotInfo], current: int | None, upto: int | None) -> SnapshotInfo:
-    """The snapshot a read goes up to: `upto` (it must carry a watermark), else the newest
-    ancestor of the current snapshot that carries one."""
+def complete_head(
+    table: str, snaps: dict[int, SnapshotInfo], current: int | None, upto: int | None
+) -> tuple[SnapshotInfo, Watermark]:
+    """The snapshot a read goes up to, and its watermark: `upto` (it must carry one), else the
+    newest ancestor of the current snapshot that carries one."""
     if upto is not None:
         snap = snaps.get(upto)
         if snap is None or snap.watermark is None:
@@ -34,11 +37,12 @@ def complete_head(table: str, snaps: dict[int, SnapshotInfo], current: int | Non
                 f"{table}: snapshot {upto} asked for as the feed's upper bound {why}; "
                 "read without an upper bound (the newest complete snapshot) instead"
             )
-        return snap
+        return snap, snap.watermark
     sid = current
     while sid is not None and sid in snaps:
-        if snaps[sid].watermark is not None:
-            return snaps[sid]
+        wm = snaps[sid].watermark
+        if wm is not None:
+            return snaps[sid], wm
         sid = snaps[sid].parent_id
     raise FeedError(
         f"{table}: no snapshot carries a cdc.watermark yet, so nothing is complete to read; "
@@ -50,8 +54,8 @@ def plan_range(
     table: str, consumer: str, snaps: dict[int, SnapshotInfo], current: int | None, since: FeedOffset | None, upto=None
 ) -> FeedRange:
     """The range after `since` up to the complete head, and the way to compute it."""
-    head = complete_head(table, snaps, current, upto)
-    hi = head.watermark.shard_lsns()
+    head, head_wm = complete_head(table, snaps, current, upto)
+    hi = head_wm.shard_lsns()
 
     def rng(mode, reason, lo=None):
         return FeedRange(table, consumer, since, head.snapshot_id, hi, mode, reason, lo or {})

@@ -70,6 +70,7 @@ def read_changes(
         return FeedBatch(rng, rows.withColumn(BEFORE_COL, _null_struct(at_hi)) if with_before else rows)
     if rng.mode == "noop":
         return FeedBatch(rng, net_rows(at_hi.select(*key).limit(0), at_hi, at_hi, key, with_before))
+    assert since is not None, "without an offset the range is full"
     at_lo = live_rows(spark, lake, cfg, since.snapshot_id)
     keys = ranges.changed_keys(spark, lake, cfg, _key_range(rng), at_lo, at_hi)
     if keys.found_by != rng.mode:  # a truncate or re-bootstrap marker: vanished keys are in no changelog row
@@ -78,6 +79,7 @@ def read_changes(
 
 
 def _key_range(rng: FeedRange) -> KeyRange:
+    assert rng.since is not None and rng.mode != "noop", "a changelog or diff range"
     return KeyRange(rng.since.snapshot_id, rng.snapshot_id, rng.mode, rng.reason, rng.lo_watermark, rng.watermark)
 
 

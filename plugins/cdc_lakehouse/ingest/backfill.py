@@ -57,6 +57,7 @@ from cdc_lakehouse.source.session import SESSION_OPTIONS
 if TYPE_CHECKING:
     from collections.abc import Callable
 
+    from psycopg2.extensions import connection
     from pyspark.sql import DataFrame, SparkSession
 
 log = logging.getLogger(__name__)
@@ -173,7 +174,7 @@ def backfill_marker(spark: SparkSession, cur: str, watermark: Watermark) -> Call
     return write
 
 
-def added_column_source(conn, schema: str, table: str, column: str) -> tuple[str, Any]:
+def added_column_source(conn: connection, schema: str, table: str, column: str) -> tuple[str, Any]:
     """How the rows that predate `column` get their value: ("none", None) (no default: NULL),
     ("missing", text), ("reread", None), or ("absent", None) when the source has no such column."""
     with conn.cursor() as cur:
@@ -216,7 +217,8 @@ def backfill_change(
 
     groups = {(g.endpoint_id, schema): (g, shard) for g, schema, shard in cfg.shards()}
     schema = ch["table"].rpartition(".")[0]
-    target = groups.get((ch.get("endpoint"), schema))
+    endpoint: str | None = ch.get("endpoint")
+    target = groups.get((endpoint, schema)) if endpoint is not None else None
     added = [c for c in ch.get("added") or [] if c in types]
     if target is None or not added or ch.get("at_commit_lsn") is None:
         return 0, []
@@ -238,7 +240,7 @@ def backfill_change(
 def _values(
     spark: SparkSession,
     cfg: TableConfig,
-    conn,
+    conn: connection,
     schema: str,
     shard: str,
     wanted: dict[str, tuple[str, Any]],

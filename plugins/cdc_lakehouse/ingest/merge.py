@@ -5,8 +5,13 @@ table."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from cdc_lakehouse.config import COMMIT_TS_COL, LSN_COL, OP_COL, SEQ_COL, SHARD_COL, TableConfig
 from cdc_lakehouse.identifiers import spark_ident
+
+if TYPE_CHECKING:
+    from pyspark.sql import Column
 
 
 def merge_sql(
@@ -54,6 +59,6 @@ def merge_sql(
     return sql
 
 
-def lsn_newer(lsn_a, seq_a, lsn_b, seq_b):
+def lsn_newer(lsn_a: Column, seq_a: Column, lsn_b: Column, seq_b: Column) -> Column:
     """(lsn_a, seq_a) > (lsn_b, seq_b)"""
     return (lsn_a > lsn_b) | ((lsn_a == lsn_b) & (seq_a > seq_b))

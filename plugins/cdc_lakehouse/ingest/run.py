@@ -466,7 +466,7 @@ def reduce_and_classify(
     # classification below, which scans the table's keys anyway.
     held = held_back(spark, lake, cfg, reduced, tgt, b.lake_cols, totals)
     n_held = hold_dependents(spark, lake, cfg, held, ingest_run)
-    if n_held:
+    if held is not None and n_held:
         reduced = local_checkpoint(reduced.join(held.select(*key), key, "left_anti"))
     # The unchanged TOAST values the batch could not supply are read from the table here, with the
     # keys it scans anyway, for the matched rows only: the MERGE then never references the
@@ -710,7 +710,7 @@ def drop_stale_staging(spark: SparkSession, lake: LakeSettings, cfg: TableConfig
     leftover that cannot be dropped now is logged and left to the next run, never a failed ingest."""
     ns = f"{lake.catalog_name}.{lake.meta_namespace}"
     own = re.compile(rf"{STAGING_PREFIX}{re.escape(cfg.name)}_[0-9a-f]{{12}}")
-    dropped = []
+    dropped: list[str] = []
     try:
         names = [r.tableName for r in spark.sql(f"SHOW TABLES IN {ns} LIKE '{STAGING_PREFIX}*'").collect()]
     except Exception as e:  # noqa: BLE001 - see the docstring

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import re
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from cdc_lakehouse.config import TableConfig
 from cdc_lakehouse.identifiers import spark_ident
@@ -23,12 +23,16 @@ log = logging.getLogger(__name__)
 
 WIDENINGS = {("int", "bigint"), ("float", "double")}
 
+# A relation's columns as the capture records them (source.catalog.schema_json): one dict per
+# column, with its name, source type, lake type and whether it is in the key.
+SchemaJson = list[dict[str, Any]]
 
-def manifest_schemas(plan: Plan, cfg: TableConfig) -> tuple[list[list[dict]], dict[str, list[dict]]]:
+
+def manifest_schemas(plan: Plan, cfg: TableConfig) -> tuple[list[SchemaJson], dict[str, SchemaJson]]:
     """The table's schemas as the capture saw them (relation messages), from the runs' manifests:
     every schema of the batch, and the latest per shard. No scan of the events is needed."""
-    all_schemas: dict[str, list[dict]] = {}
-    latest: dict[str, list[dict]] = {}
+    all_schemas: dict[str, SchemaJson] = {}
+    latest: dict[str, SchemaJson] = {}
     for m in plan.manifests:
         for key, cols in m.schemas.items():
             schema, _, table = key.rpartition(".")
@@ -55,7 +59,7 @@ def known_columns(cfg: TableConfig, wm: Watermark, plan: Plan | None) -> dict[st
     return out
 
 
-def event_schemas(raw: DataFrame) -> tuple[list[list[dict]], dict[str, list[dict]]]:
+def event_schemas(raw: DataFrame) -> tuple[list[SchemaJson], dict[str, SchemaJson]]:
     """All distinct event schemas, and the latest schema per source shard schema."""
     from pyspark.sql import functions as F
 
@@ -67,8 +71,8 @@ def event_schemas(raw: DataFrame) -> tuple[list[list[dict]], dict[str, list[dict
         )
         .collect()
     )
-    all_schemas: dict[str, list[dict]] = {}
-    latest: dict[str, list[dict]] = {}
+    all_schemas: dict[str, SchemaJson] = {}
+    latest: dict[str, SchemaJson] = {}
     for r in rows:
         if r["latest"]:
             latest[r["s"]] = json.loads(r["latest"])
@@ -85,8 +89,8 @@ def _dec(t: str) -> tuple[int, int] | None:
 def schema_actions(
     cfg: TableConfig,
     lake_cols: list[tuple[str, str]],
-    schemas: list[list[dict]],
-    latest: dict[str, list[dict]],
+    schemas: list[SchemaJson],
+    latest: dict[str, SchemaJson],
     file_hint: str = "",
     known: dict[str, set[str]] | None = None,
 ) -> tuple[list[str], list[str]]:
@@ -118,13 +122,13 @@ def schema_actions(
     return ddl, sorted(set(errors))
 
 
-def consumed_schema(cfg: TableConfig, sch: list[dict]) -> list[dict]:
+def consumed_schema(cfg: TableConfig, sch: SchemaJson) -> SchemaJson:
     """A relation's columns (capture's schema JSON) that the table consumes."""
     return sch if cfg.columns.all else [c for c in sch if cfg.columns.consumes(c["name"])]
 
 
 def _new_and_changed(
-    cfg: TableConfig, lake: dict[str, str], schemas: list[list[dict]], where: str
+    cfg: TableConfig, lake: dict[str, str], schemas: list[SchemaJson], where: str
 ) -> tuple[list[str], list[str], set[str]]:
     """DDL and errors for columns new to the lake or of another type; `lake` takes the widenings.
     Also returns the names of the new columns."""
@@ -157,7 +161,7 @@ def _new_and_changed(
     return ddl, errors, added
 
 
-def _added_error(cfg: TableConfig, c: dict, want: str | None, where: str) -> str | None:
+def _added_error(cfg: TableConfig, c: dict[str, Any], want: str | None, where: str) -> str | None:
     name = c["name"]
     if not want:
         return (

@@ -23,7 +23,7 @@ from cdc_lakehouse.lake.columns import UNAVAILABLE_COL
 from cdc_lakehouse.runtime.phases import local_checkpoint
 
 if TYPE_CHECKING:
-    from pyspark.sql import Column, DataFrame
+    from pyspark.sql import Column, DataFrame, Row
 
 log = logging.getLogger(__name__)
 
@@ -273,13 +273,13 @@ def _table_values(graph: DataFrame, current: DataFrame, f: _Fill) -> DataFrame:
     return vals.join(F.broadcast(roots), a, "left_semi")
 
 
-def _key_filter(keys: list, f: _Fill) -> Column:
+def _key_filter(keys: list[Row], f: _Fill) -> Column:
     """Literal keys, so the scan can skip files whose key ranges miss them (the join stays exact):
     per shard an IN list for a one-column key, else one conjunction per key."""
     from pyspark.sql import functions as F
 
     a = f.ids("_rg_a")
-    by_shard: dict = {}
+    by_shard: dict[str, list[Row]] = {}
     for r in keys:
         by_shard.setdefault(r[a[0]], []).append(r)
     cond = F.lit(False)

@@ -12,7 +12,7 @@ from cdc_lakehouse.lake.watermark import lsn_map
 from cdc_lakehouse.settings import LakeSettings
 
 if TYPE_CHECKING:
-    from pyspark.sql import DataFrame, SparkSession
+    from pyspark.sql import Column, DataFrame, SparkSession
 
 
 def changes_between(
@@ -33,7 +33,7 @@ def changes_between(
     return cl.filter(_coarse_bounds(lo, hi)).filter(after_lo & upto_hi)
 
 
-def _coarse_bounds(lo: dict[str, int], hi: dict[str, int]):
+def _coarse_bounds(lo: dict[str, int], hi: dict[str, int]) -> Column:
     """A looser filter than the exact one, made of plain column-literal comparisons only, which
     Iceberg evaluates against each file's column stats: the per-shard map lookups above cannot be
     pushed down, and without this every read scans the whole changelog (a bootstrap's snapshot

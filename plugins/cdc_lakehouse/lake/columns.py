@@ -12,13 +12,14 @@ Pure Python, no Spark import: DAG files reach it at parse time through config.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Final, Literal
 
 META_PREFIX = "_cdc_"  # reserved: source columns may not use it
 
-CURRENT = "current"
-CHANGELOG = "changelog"
-QUARANTINE = "quarantine"
+# Final: each name then has its literal type, so it is a TableKind where one is expected.
+CURRENT: Final = "current"
+CHANGELOG: Final = "changelog"
+QUARANTINE: Final = "quarantine"
 TableKind = Literal["current", "changelog", "quarantine"]
 
 

@@ -13,7 +13,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterable
 from datetime import UTC, datetime, timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from cdc_lakehouse.lake.snapshots import branch_names, current_ancestors, current_snapshot, summary_of
 from cdc_lakehouse.lake.tables import table_exists
@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # --- commits that carry snapshot properties ---------------------------------------------------
 
@@ -51,8 +52,8 @@ def with_commit_properties(spark: SparkSession, props: dict[str, str], fn: Calla
     try:
         fn()
     finally:
-        for k, v in before.items():
-            spark.conf.set(k, v) if v is not None else spark.conf.unset(k)
+        for k, old in before.items():
+            spark.conf.set(k, old) if old is not None else spark.conf.unset(k)
 
 
 def is_commit_conflict(exc: BaseException) -> bool:
@@ -70,17 +71,18 @@ def is_commit_conflict(exc: BaseException) -> bool:
     )
 
 
-def with_commit_retries(fn, *, attempts: int = 5, what: str = "commit"):
+def with_commit_retries(fn: Callable[[], T], *, attempts: int = 5, what: str = "commit") -> T:
     """Retry fn on Iceberg commit conflicts (a concurrent writer won); fn must recompute from scratch."""
-    for i in range(1, attempts + 1):
+    for i in range(1, attempts):
         try:
             return fn()
         except Exception as exc:  # noqa: BLE001
-            if i == attempts or not is_commit_conflict(exc):
+            if not is_commit_conflict(exc):
                 raise
             wait = min(30.0, 0.5 * 2**i)
             logger.warning(f"{what}: commit conflict ({type(exc).__name__}); retry {i}/{attempts - 1} in {wait:.1f}s")
             time.sleep(wait)
+    return fn()  # the last attempt: its conflict, if any, propagates
 
 
 class ConcurrentWriterError(RuntimeError):
@@ -218,7 +220,7 @@ def _drop_stale_branches(spark: SparkSession, table: str, now: datetime) -> list
     if clock - _swept.get(table, -_SWEEP_EVERY_S) < _SWEEP_EVERY_S:
         return []
     _swept[table] = clock
-    dropped = []
+    dropped: list[str] = []
     try:
         names = branch_names(spark, table) if table_exists(spark, table) else []
     except Exception as exc:  # noqa: BLE001 - see the docstring

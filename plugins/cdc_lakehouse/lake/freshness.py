@@ -33,7 +33,7 @@ from cdc_lakehouse.landing.format import landing_spark_schema
 from cdc_lakehouse.settings import LakeSettings
 
 if TYPE_CHECKING:
-    from pyspark.sql import DataFrame, SparkSession
+    from pyspark.sql import Column, DataFrame, SparkSession
 
     from cdc_lakehouse.landing.format import Manifest
     from cdc_lakehouse.landing.reader import Plan
@@ -91,8 +91,10 @@ def record_freshness(
     snap_id, snap_at, committed_wm = _visible_commit(spark, cur)
     prev = previous_freshness(spark, lake, cfg.name)
     if shard_commits is not None:
-        seen = {(g.endpoint_id, schema): _from_observed(shard_commits.get(shard)) for g, schema, shard in cfg.shards()}
-        seen = {k: c for k, c in seen.items() if c is not None}
+        observed = {
+            (g.endpoint_id, schema): _from_observed(shard_commits.get(shard)) for g, schema, shard in cfg.shards()
+        }
+        seen = {k: c for k, c in observed.items() if c is not None}
     else:
         seen = _source_commits(spark, cfg, plan.files) if plan.files else {}
     beats = _heartbeats(plan.manifests)
@@ -166,7 +168,7 @@ def previous_freshness(spark: SparkSession, lake: LakeSettings, table_name: str)
     return latest_freshness(spark, lake, table_name)
 
 
-def _micros(col: str):
+def _micros(col: str) -> Column:
     """A timestamp column as microseconds since the epoch: Spark's collect() would hand back naive
     datetimes in the driver's local zone, which _ts could not tell from UTC."""
     from pyspark.sql import functions as F
@@ -186,9 +188,9 @@ def _visible_commit(spark: SparkSession, table: str) -> tuple[int | None, dateti
     return None, None, None
 
 
-def _heartbeats(manifests: list[Manifest]) -> dict[tuple[str, str], _Commit]:
-    """(endpoint, schema) -> the newest heartbeat in the run's manifests."""
-    out: dict[tuple[str, str], _Commit] = {}
+def _heartbeats(manifests: list[Manifest]) -> dict[tuple[str, str], _Commit | None]:
+    """(endpoint, schema) -> the newest heartbeat in the run's manifests (None: only heartbeats without a time)."""
+    out: dict[tuple[str, str], _Commit | None] = {}
     for m in manifests:
         for schema, hb in m.heartbeats.items():
             key = (m.endpoint or "", schema)
@@ -245,4 +247,5 @@ def latest_per_shard(rows: list[dict[str, Any]]) -> dict[str, ShardFreshness]:
 
 def from_row(r: dict[str, Any]) -> ShardFreshness:
     ts_cols = {c for c, k in META_TABLES[FRESHNESS_TABLE][0] if k == "timestamp"}
-    return ShardFreshness(**{k: (_ts(v) if k in ts_cols else v) for k, v in r.items()})
+    values: dict[str, Any] = {k: (_ts(v) if k in ts_cols else v) for k, v in r.items()}
+    return ShardFreshness(**values)

@@ -26,7 +26,8 @@ import logging
 import time
 from dataclasses import dataclass
 from datetime import datetime
-from typing import TYPE_CHECKING, Literal
+from functools import partial
+from typing import TYPE_CHECKING, Literal, cast
 
 from cdc_lakehouse.identifiers import check_lake_ident
 from cdc_lakehouse.runtime.phases import metadata_reads
@@ -164,7 +165,7 @@ def release(spark: SparkSession, table: str, names: list[str]) -> list[str]:
         if not name.startswith(HOLD_PREFIX):
             raise ValueError(f"{name!r} is not a consumer hold (they start with {HOLD_PREFIX})")
         sql = f"ALTER TABLE {table} DROP TAG IF EXISTS `{name}`"
-        with_commit_retries(lambda sql=sql: spark.sql(sql), what=f"release {name} on {table}")
+        with_commit_retries(partial(spark.sql, sql), what=f"release {name} on {table}")
     return names
 
 
@@ -262,7 +263,7 @@ def drop_consumer(spark: SparkSession, tables: list[str], consumer: str) -> list
     """Drop every hold of `consumer` (`<kind>:<name>`, its pending holds too) on the tables: a
     retired consumer then stops keeping snapshots. Returns the holds dropped."""
     kind, _, name = consumer.partition(":")
-    hold_name(kind, name)  # validates both parts
+    hold_name(cast(HoldKind, kind), name)  # validates both parts (the kind at run time)
     gone = []
     for table in tables:
         mine = [h for h in consumer_holds(spark, table) if h.consumer == consumer]

@@ -94,7 +94,7 @@ class IngestMetrics:
     def set_lag(self, min_ts: datetime | None, max_ts: datetime | None) -> None:
         """Commit timestamps of the batch's oldest and newest events (naive UTC) -> lag now."""
         now = datetime.now(UTC)
-        if min_ts is not None:
+        if min_ts is not None and max_ts is not None:
             self.lag_seconds_max = (now - min_ts.replace(tzinfo=UTC)).total_seconds()
             self.lag_seconds_min = (now - max_ts.replace(tzinfo=UTC)).total_seconds()
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import MISSING, dataclass, field, fields
 from datetime import datetime
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from cdc_lakehouse.lake.columns import COMMIT_LSN, RUN_ID, SHARD
 
@@ -54,7 +54,8 @@ def from_row(record: type[R], row: RawRow) -> R:
 
 def as_records(record: type[R], rows: Iterable[R | RawRow]) -> list[R]:
     """Rows as records of `record`: records pass through, mappings go through from_row."""
-    return [r if isinstance(r, record) else from_row(record, r) for r in rows]
+    # cast: isinstance on a type[R] does not narrow the union; what is not an R is a RawRow.
+    return [r if isinstance(r, record) else from_row(record, cast(RawRow, r)) for r in rows]
 
 
 @dataclass(frozen=True, kw_only=True)

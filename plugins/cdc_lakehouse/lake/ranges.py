@@ -108,7 +108,8 @@ def effective_watermark(snaps: Snapshots, sid: int | None) -> Watermark | None:
 
 def between(snaps: Snapshots, lo: int, hi: int) -> list[SnapshotInfo] | None:
     """The snapshots in (lo, hi], oldest first; None when lo is not hi or an ancestor of it."""
-    chain, sid = [], hi
+    chain: list[SnapshotInfo] = []
+    sid: int | None = hi
     while sid is not None and sid != lo:
         snap = snaps.get(sid)
         if snap is None:

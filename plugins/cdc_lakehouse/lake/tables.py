@@ -16,10 +16,11 @@ from cdc_lakehouse.runtime.phases import metadata_reads
 from cdc_lakehouse.settings import LakeSettings
 
 if TYPE_CHECKING:
-    from pyspark.sql import DataFrame, SparkSession
+    from pyspark.sql import Column, DataFrame, SparkSession
+    from pyspark.sql.types import StructType
 
 
-def conform_to(df: DataFrame, table_schema) -> DataFrame:
+def conform_to(df: DataFrame, table_schema: StructType) -> DataFrame:
     """df with exactly the table's columns, in its order; columns df lacks are NULL.
 
     Writers use this because a table can hold columns the batch does not: the changelog keeps a
@@ -100,7 +101,7 @@ def current_table_columns(cfg: TableConfig, source_columns: list[tuple[str, str]
     return cols
 
 
-def null_metadata(name: str):
+def null_metadata(name: str) -> Column:
     """A NULL of a metadata column's type (lake.columns): for rows no event produced, such as
     snapshot, repair and backfill rows (`_cdc_xid`, `_cdc_unavailable`)."""
     from pyspark.sql import functions as F

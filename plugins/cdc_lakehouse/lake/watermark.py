@@ -137,7 +137,7 @@ def watermark_text_in(snapshots: Iterable[Any]) -> str | None:
     """The newest `cdc.watermark` property in a chain of snapshots, as stored (a derived tree's
     watermark has a JSON of its own: derived.run.TreeWatermark)."""
     for snap in snapshots:
-        wm = snap.summary.get(WATERMARK_PROP)
+        wm: str | None = snap.summary.get(WATERMARK_PROP)
         if wm is not None:
             return wm
     return None

@@ -30,12 +30,12 @@ import logging
 import math
 import re
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from datetime import UTC, date, datetime, time, timedelta
 from decimal import Decimal
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from cdc_lakehouse.config import LandingSource, TableConfig
 from cdc_lakehouse.landing.errors import NotBootstrapped
@@ -45,9 +45,16 @@ from cdc_lakehouse.landing.writer import local_dir, make_private, mkdirs
 from cdc_lakehouse.source.catalog import lake_type, schema_json
 
 if TYPE_CHECKING:
+    import pyarrow as pa
     from pyspark.sql import DataFrame, SparkSession
+    from pyspark.sql.types import StructType
 
     from cdc_lakehouse.lake.watermark import Watermark
+    from cdc_lakehouse.settings import LakeSettings
+
+# A landing event as a row in landing_spark_schema's field order (op, before, after, unavailable,
+# source, table_schema, ts_ms, run_id), its `source` a tuple in the same way (commit_lsn at 6).
+EventRow = tuple[Any, ...]
 
 log = logging.getLogger(__name__)
 
@@ -227,7 +234,8 @@ def to_text(col: dict[str, Any], v: Any) -> str | None:  # noqa: PLR0911 (one re
     if sem == "io.debezium.time.ZonedTimestamp":
         return zoned_text(v)
     if sem == "io.debezium.time.ZonedTime":
-        return v[:-1] + "+00" if v.endswith("Z") else v
+        zoned: str = v
+        return zoned[:-1] + "+00" if zoned.endswith("Z") else zoned
     if typ == "boolean":
         return "t" if v else "f"
     if typ in ("float", "double", "float32", "float64"):
@@ -261,11 +269,14 @@ def is_unavailable(col: dict[str, Any], v: Any, placeholder: str) -> bool:
     return False
 
 
-def row_texts(schema: dict[str, Any], row: dict[str, Any] | None, placeholder: str):
+def row_texts(
+    schema: dict[str, Any], row: dict[str, Any] | None, placeholder: str
+) -> tuple[dict[str, str | None] | None, list[str]]:
     """(column -> text, unavailable columns) of a before/after struct."""
     if row is None:
         return None, []
-    out, unavailable = {}, []
+    out: dict[str, str | None] = {}
+    unavailable: list[str] = []
     for f in schema.get("fields", []):
         name = f["field"]
         v = row.get(name)
@@ -331,7 +342,7 @@ def heartbeat_topic(prefix: str) -> str:
     return f"__debezium-heartbeat.{prefix}"
 
 
-def avro_to_connect(s: Any, names: dict[str, Any]) -> dict[str, Any]:
+def avro_to_connect(s: Any, names: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """An Avro schema as written by Confluent's AvroConverter -> the Connect schema JsonConverter
     writes (type, name, parameters, fields/items), so both formats share one conversion."""
     if isinstance(s, list):
@@ -359,7 +370,7 @@ def avro_to_connect(s: Any, names: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def records(data: bytes, fmt: str, where: str) -> Iterator[tuple[dict | None, dict | None]]:
+def records(data: bytes, fmt: str, where: str) -> Iterator[tuple[dict[str, Any] | None, dict[str, Any] | None]]:
     """(value schema, payload) of every record of a sink file, in offset order; (None, None) for a
     tombstone (a null value)."""
     if fmt == "avro":
@@ -368,7 +379,8 @@ def records(data: bytes, fmt: str, where: str) -> Iterator[tuple[dict | None, di
         reader = fastavro.reader(io.BytesIO(data))
         schema = avro_to_connect(json.loads(reader.metadata["avro.schema"]), {})
         for rec in reader:
-            yield (schema, rec) if rec is not None else (None, None)
+            # cast: the values of a record schema (a Debezium envelope) decode to dicts.
+            yield (schema, cast(dict[str, Any], rec)) if rec is not None else (None, None)
         return
     if data[:2] == GZIP_MAGIC:
         import gzip
@@ -420,7 +432,9 @@ def commit_position(src: dict[str, Any], op: str, offset: int, partition: int) -
     return (int(seq[0]) if seq and seq[0] is not None else lsn), lsn
 
 
-def event_row(shape: Shape, sf: SinkFile, offset: int, schema: dict, payload: dict, st: FileState) -> tuple | None:
+def event_row(
+    shape: Shape, sf: SinkFile, offset: int, schema: dict[str, Any], payload: dict[str, Any], st: FileState
+) -> EventRow | None:
     """A Debezium change event -> a landing event row (landing_spark_schema order); None for
     records that are not row changes of the table."""
     op = payload.get("op")
@@ -446,7 +460,7 @@ def event_row(shape: Shape, sf: SinkFile, offset: int, schema: dict, payload: di
     return (op, before, after, unavailable or None, source, st.schemas[skey], payload.get("ts_ms"), sf.name)
 
 
-def _offset_events(shape: Shape, sf: SinkFile, data: bytes) -> Iterator[tuple[int, tuple, bool]]:
+def _offset_events(shape: Shape, sf: SinkFile, data: bytes) -> Iterator[tuple[int, EventRow, bool]]:
     """(offset, landing event row, placed at the floor) of the file's events from `skip_below` up
     to `stop_at` (tombstones and records already applied are left out).
 
@@ -464,6 +478,7 @@ def _offset_events(shape: Shape, sf: SinkFile, data: bytes) -> Iterator[tuple[in
             return
         if offset < sf.skip_below or payload is None or sf.heartbeat:
             continue
+        assert schema is not None  # only a tombstone has none, and it has no payload either
         row = event_row(shape, sf, offset, schema, payload, st)
         if row is None:
             continue
@@ -471,18 +486,18 @@ def _offset_events(shape: Shape, sf: SinkFile, data: bytes) -> Iterator[tuple[in
         yield offset, (_at_floor(row, sf.floor) if late else row), late
 
 
-def _at_floor(row: tuple, floor: int) -> tuple:
+def _at_floor(row: EventRow, floor: int) -> EventRow:
     source = row[4]
     return (*row[:4], (*source[:6], floor, *source[7:]), *row[5:])
 
 
-def file_events(shape: Shape, sf: SinkFile, data: bytes) -> Iterator[tuple]:
+def file_events(shape: Shape, sf: SinkFile, data: bytes) -> Iterator[EventRow]:
     """The landing event rows of one sink file, from its `skip_below` offset up to `stop_at`."""
     for _offset, row, _late in _offset_events(shape, sf, data):
         yield row
 
 
-def _last(last: list | None, row: tuple) -> list:
+def _last(last: list[Any] | None, row: EventRow) -> list[Any]:
     """[highest position, commit time of the latest event]: what the watermark keeps of a partition."""
     at = row[4][6]
     return [at if last is None else max(at, last[0]), row[4][10].isoformat()]
@@ -603,7 +618,12 @@ def read_bytes(fs: LandingFS, uri: str) -> bytes:
     return fs.read_bytes(uri)
 
 
-def _over_files(spark: SparkSession, files: list[SinkFile], fn, schema) -> DataFrame:
+def _over_files(
+    spark: SparkSession,
+    files: list[SinkFile],
+    fn: Callable[[SinkFile, bytes], Iterable[dict[str, Any]]],
+    schema: StructType | str,
+) -> DataFrame:
     """fn(SinkFile, bytes) -> records (dicts of `schema`'s fields) for every file, run on the
     executors: Spark's binaryFile source reads the objects, mapInArrow converts them. One Spark
     job for all of a batch's objects, and no object's bytes pass through this process (a Spark
@@ -616,9 +636,9 @@ def _over_files(spark: SparkSession, files: list[SinkFile], fn, schema) -> DataF
     raw = spark.read.format("binaryFile").load([f.uri for f in files]).select("path", "content")
     arrow = landing_arrow_schema() if not isinstance(schema, str) else None
 
-    def run(batches):
+    def run(batches: Iterable[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         for b in batches:
-            out = []
+            out: list[dict[str, Any]] = []
             for path, data in zip(b.column("path").to_pylist(), b.column("content").to_pylist()):
                 out.extend(fn(by_name[path.rsplit("/", 1)[-1]], data))
             if out:
@@ -627,13 +647,13 @@ def _over_files(spark: SparkSession, files: list[SinkFile], fn, schema) -> DataF
     return raw.mapInArrow(run, schema)
 
 
-def _json_rows(spark: SparkSession, files: list[SinkFile], fn) -> list[Any]:
+def _json_rows(spark: SparkSession, files: list[SinkFile], fn: Callable[[SinkFile, bytes], object]) -> list[Any]:
     """fn(SinkFile, bytes) -> one JSON-able value per file, collected."""
     out = _over_files(spark, files, lambda f, d: [{"v": json.dumps(fn(f, d), default=str)}], "v string")
     return [json.loads(r["v"]) for r in out.collect()]
 
 
-def event_record(row: tuple) -> dict[str, Any]:
+def event_record(row: EventRow) -> dict[str, Any]:
     """An event row (landing_spark_schema order) as the record Arrow builds a landing batch from."""
     from cdc_lakehouse.landing.format import LANDING_FIELDS, SOURCE_FIELDS
 
@@ -642,7 +662,7 @@ def event_record(row: tuple) -> dict[str, Any]:
     return rec
 
 
-def plan_debezium(spark: SparkSession, lake, cfg: TableConfig, watermark: Watermark) -> DebeziumPlan:
+def plan_debezium(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, watermark: Watermark) -> DebeziumPlan:
     """The sink objects above the table's committed Kafka offsets, converted into landing events
     (Parquet in the landing format, under `<landing>/_debezium/<table>/`), and the watermark
     after them: each shard at its frontier, and only the events below it applied (`frontiers`).
@@ -724,20 +744,26 @@ class Frontier:
     left: int = 0
 
 
-def partition_low(files: list[SinkFile], picked: set[str], stats: dict[str, dict[str, Any]], last) -> int | None:
+def partition_low(
+    files: list[SinkFile], picked: set[str], stats: dict[str, dict[str, Any]], last: list[Any] | None
+) -> int | None:
     """The lowest position a partition may still deliver after this batch: its first event the
     batch does not take; else one above the highest it ever delivered (Debezium's position is the
     previous transaction's commit, shared by a whole transaction, so the next transaction's is
     higher: +1 covers the last one delivered). None when it never delivered anything."""
-    rest = [stats[f.name]["lo"] for f in files if f.name not in picked and stats[f.name]["events"]]
+    rest: list[int] = [stats[f.name]["lo"] for f in files if f.name not in picked and stats[f.name]["events"]]
     if rest:
         return min(rest)
-    seen = [stats[f.name]["hi"] for f in files if stats[f.name]["events"]] + ([last[0]] if last else [])
+    seen: list[int] = [stats[f.name]["hi"] for f in files if stats[f.name]["events"]] + ([last[0]] if last else [])
     return max(seen) + 1 if seen else None
 
 
 def frontiers(
-    cfg: TableConfig, watermark: Watermark, files: list[SinkFile], chosen: list[SinkFile], stats
+    cfg: TableConfig,
+    watermark: Watermark,
+    files: list[SinkFile],
+    chosen: list[SinkFile],
+    stats: dict[str, dict[str, Any]],
 ) -> dict[str, Frontier]:
     """Per table topic, its shard's frontier: the lowest `partition_low` of its partitions (within
     a partition events arrive in commit order; across partitions they do not, so a partition
@@ -761,8 +787,9 @@ def frontier_of(shard: str, topic: str, lsn: int, lows: dict[int, int | None], l
     never = [p for p, low in lows.items() if low is None]
     if never:
         return Frontier(shard, topic, lsn, f"{topic} partition {never[0]} (never delivered)", False, left=left)
-    p = min(lows, key=lambda q: lows[q])  # `lows` in partition order: a tie names the lowest partition
-    return Frontier(shard, topic, max(lsn, lows[p]), f"{topic} partition {p}", True, left=left)
+    delivered = {p: low for p, low in lows.items() if low is not None}  # all of them, here
+    p = min(delivered, key=lambda q: delivered[q])  # in partition order: a tie names the lowest partition
+    return Frontier(shard, topic, max(lsn, delivered[p]), f"{topic} partition {p}", True, left=left)
 
 
 @dataclass(frozen=True)
@@ -774,12 +801,16 @@ class Taken:
     file: SinkFile
     end: int
     events: int = 0
-    last: list | None = None
+    last: list[Any] | None = None
     heartbeat: int | None = None
 
 
 def take_below(
-    spark: SparkSession, shape: Shape, chosen: list[SinkFile], stats, fronts: dict[str, Frontier]
+    spark: SparkSession,
+    shape: Shape,
+    chosen: list[SinkFile],
+    stats: dict[str, dict[str, Any]],
+    fronts: dict[str, Frontier],
 ) -> tuple[list[Taken], dict[str, Frontier]]:
     """The part of each chosen object below its shard's frontier, and the frontiers with the
     events held back counted. Per partition that is a prefix in offset order: the first event at
@@ -815,7 +846,9 @@ def take_below(
     return taken, {t: replace(fr, held=held.get(t, 0)) for t, fr in fronts.items()}
 
 
-def cut_points(spark: SparkSession, shape: Shape, files: list[SinkFile], fronts: dict[str, Frontier]) -> list[dict]:
+def cut_points(
+    spark: SparkSession, shape: Shape, files: list[SinkFile], fronts: dict[str, Frontier]
+) -> list[dict[str, Any]]:
     """cut_point of each file that crosses its shard's frontier (read again on the executors:
     only such files, at most one per partition)."""
     if not files:
@@ -846,7 +879,7 @@ def report(cfg: TableConfig, fronts: dict[str, Frontier], taken_stats: list[dict
         )
 
 
-def stage_events(spark: SparkSession, lake, cfg: TableConfig, events: list[SinkFile]) -> list[str]:
+def stage_events(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, events: list[SinkFile]) -> list[str]:
     """Write the events of `events` as landing Parquet; returns the directory. One staging
     directory per table, replaced by every plan: a batch that did not commit is planned again
     from the offsets in the watermark."""
@@ -951,7 +984,7 @@ def first_columns(spark: SparkSession, cfg: TableConfig) -> list[dict[str, Any]]
     )
 
 
-def bootstrap_debezium(spark: SparkSession, lake, cfg: TableConfig) -> Watermark:
+def bootstrap_debezium(spark: SparkSession, lake: LakeSettings, cfg: TableConfig) -> Watermark:
     """Create the lake tables of a Debezium-fed table, with every shard at the start of its topics:
     the first ingest then loads the connector's snapshot ('r' events) and the changes after it.
     Returns the watermark the tables start at."""

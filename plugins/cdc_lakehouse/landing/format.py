@@ -18,10 +18,15 @@ Pure Python: pyarrow and pyspark are imported only by the two schema functions.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+    from pyspark.sql import types as T
 
 MANIFEST_DIR = "_manifests"
 FORMAT_VERSION = 1
@@ -75,7 +80,7 @@ LANDING_FIELDS = [f.name for f in EVENT_SCHEMA]
 SOURCE_FIELDS = [f.name for f in SOURCE_SCHEMA]
 
 
-def _arrow_type(f: EventField):
+def _arrow_type(f: EventField) -> pa.DataType:
     import pyarrow as pa
 
     if f.type == "struct":
@@ -89,28 +94,29 @@ def _arrow_type(f: EventField):
     }[f.type]()
 
 
-def landing_arrow_schema():
+def landing_arrow_schema() -> pa.Schema:
     """The Arrow schema of a landing file (EVENT_SCHEMA)."""
     import pyarrow as pa
 
     return pa.schema([(f.name, _arrow_type(f)) for f in EVENT_SCHEMA])
 
 
-def _spark_type(f: EventField):
+def _spark_type(f: EventField) -> T.DataType:
     from pyspark.sql import types as T
 
     if f.type == "struct":
         return T.StructType([T.StructField(c.name, _spark_type(c)) for c in f.fields])
-    return {
+    makers: dict[str, Callable[[], T.DataType]] = {
         "string": T.StringType,
         "int64": T.LongType,
         "timestamp": T.TimestampType,
         "map<string,string>": lambda: T.MapType(T.StringType(), T.StringType()),
         "list<string>": lambda: T.ArrayType(T.StringType()),
-    }[f.type]()
+    }
+    return makers[f.type]()
 
 
-def landing_spark_schema():
+def landing_spark_schema() -> T.StructType:
     """The Spark schema of a landing file (EVENT_SCHEMA), as the ingest, the audit and the
     freshness record read it."""
     from pyspark.sql.types import StructField, StructType

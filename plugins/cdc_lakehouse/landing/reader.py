@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from cdc_lakehouse.config import TableConfig
 from cdc_lakehouse.landing.errors import CoverageError, NotBootstrapped, SourceIdentityChanged
@@ -16,12 +16,21 @@ from cdc_lakehouse.landing.format import MANIFEST_DIR, Manifest, SchemaChange, p
 from cdc_lakehouse.source.publication import identity_mismatch
 
 if TYPE_CHECKING:
+    from pyarrow import fs as pafs
     from pyspark.sql import SparkSession
 
     from cdc_lakehouse.lake.watermark import ShardPosition, Watermark
 
 
-def list_manifests(store, endpoint: str) -> list[Manifest]:
+class ManifestStore(Protocol):
+    """What manifests are read through: a landing store (landing.stores) or SparkLanding."""
+
+    def list_names(self, rel: str) -> list[str]: ...
+
+    def read_json(self, rel: str) -> Any: ...
+
+
+def list_manifests(store: ManifestStore, endpoint: str) -> list[Manifest]:
     """Every manifest of an endpoint, in capture order (by the slot position they start at)."""
     names = [n for n in store.list_names(f"{endpoint}/{MANIFEST_DIR}") if n.endswith(".json")]
     manifests = [parse_manifest(store.read_json(f"{endpoint}/{MANIFEST_DIR}/{n}")) for n in names]
@@ -269,9 +278,9 @@ class LandingFS:
 
     def __init__(self, spark: SparkSession):
         self._spark = spark  # its S3 settings are read on the first s3:// path (12 requests on Connect)
-        self._s3fs = None
+        self._s3fs: pafs.S3FileSystem | None = None
 
-    def _fs(self, uri: str):
+    def _fs(self, uri: str) -> tuple[pafs.FileSystem, str]:
         from urllib.parse import urlsplit
 
         from pyarrow import fs as pafs
@@ -295,14 +304,14 @@ class LandingFS:
             return self._s3fs, f"{u.netloc}{u.path}"
         return pafs.LocalFileSystem(), u.path if u.scheme == "file" else uri
 
-    def _info(self, uri: str):
+    def _info(self, uri: str) -> tuple[pafs.FileSystem, str, pafs.FileInfo]:
         fs, path = self._fs(uri)
         return fs, path, fs.get_file_info(path)
 
     def exists(self, uri: str) -> bool:
         from pyarrow import fs as pafs
 
-        return self._info(uri)[2].type != pafs.FileType.NotFound
+        return bool(self._info(uri)[2].type != pafs.FileType.NotFound)
 
     def size(self, uri: str) -> int | None:
         from pyarrow import fs as pafs
@@ -323,7 +332,8 @@ class LandingFS:
     def read_bytes(self, uri: str) -> bytes:
         fs, path = self._fs(uri)
         with fs.open_input_stream(path) as f:
-            return f.read()
+            data: bytes = f.read()
+        return data
 
     def read_text(self, uri: str) -> str:
         return self.read_bytes(uri).decode("utf-8")

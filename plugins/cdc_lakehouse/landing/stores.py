@@ -161,7 +161,7 @@ class S3Landing:
         return f"s3://{self.bucket}/{self._key(rel)}"
 
 
-def open_landing(uri: str, aws_conn_id: str | None = None):
+def open_landing(uri: str, aws_conn_id: str | None = None) -> LocalLanding | S3Landing:
     scheme = urlsplit(uri).scheme
     if scheme in ("", "file"):
         return LocalLanding(uri)

@@ -6,10 +6,17 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from cdc_lakehouse.landing.format import landing_arrow_schema
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+# A row image as the capture decodes it: (column, text or NULL) pairs, in the relation's order.
+RowPairs = list[tuple[str, str | None]]
 
 # Landing files hold row images (deleted rows included) and manifests: readable by the owner and
 # its group (the Spark user), never by everyone.
@@ -116,9 +123,9 @@ class TableWriter:
         self.flushes = 0
         self.file_rows = file_rows
         self.files: list[dict[str, Any]] = []
-        self._writer = None
+        self._writer: pq.ParquetWriter | None = None
         self._file_rows = 0
-        self._cols: dict[str, list] = {k: [] for k in self._LISTS}
+        self._cols: dict[str, list[Any]] = {k: [] for k in self._LISTS}
         self.rows = 0
         self.min_commit_lsn: int | None = None
         self.max_commit_lsn: int | None = None
@@ -127,9 +134,9 @@ class TableWriter:
     def add(
         self,
         op: str,
-        before,
-        after,
-        unavailable,
+        before: RowPairs | None,
+        after: RowPairs | None,
+        unavailable: list[str] | None,
         schema: str,
         table: str,
         commit_lsn: int,
@@ -165,7 +172,7 @@ class TableWriter:
         if len(c["op"]) >= self.batch_rows or self._bytes >= self.batch_bytes:
             self.flush()
 
-    def _table(self):
+    def _table(self) -> pa.Table:
         import pyarrow as pa
 
         schema = landing_arrow_schema()
@@ -173,7 +180,7 @@ class TableWriter:
         n = len(c["op"])
         k = self.constants
 
-        def const(v, t=pa.string()):
+        def const(v: object, t: pa.DataType = pa.string()) -> pa.Array:
             return pa.array([v] * n, t)
 
         source_type = schema.field("source").type
@@ -218,11 +225,12 @@ class TableWriter:
         self._cols = {k: [] for k in self._LISTS}
         self._bytes = 0
         self.flushes += 1
-        if self._writer is None:
+        writer = self._writer
+        if writer is None:
             name = f"part-{len(self.files):05d}.parquet"
-            self._writer = pq.ParquetWriter(self.directory / name, table.schema, compression="snappy")
+            writer = self._writer = pq.ParquetWriter(self.directory / name, table.schema, compression="snappy")
             self.files.append({"name": name, "rows": 0})
-        self._writer.write_table(table)
+        writer.write_table(table)
         del table
         # Hand freed Arrow buffers back to the OS each batch: the allocator otherwise keeps them,
         # and a large transaction would look like (and on a busy host act like) unbounded growth.

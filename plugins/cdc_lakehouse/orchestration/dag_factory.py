@@ -30,7 +30,7 @@ import functools
 import operator
 import os
 from datetime import UTC, datetime, timedelta
-from typing import Any, get_args
+from typing import Any, Literal, get_args
 
 from cdc_lakehouse.config import ConfigSet, OutputMaintenanceConfig, TableConfig, load_table_configs
 from cdc_lakehouse.derived.config import DerivedSet, TreeConfig, load_derived_configs
@@ -120,7 +120,7 @@ def default_args(
     return args
 
 
-def alert_check_task(kind: str, tables: list[str]):
+def alert_check_task(kind: Literal["audit", "freshness"], tables: list[str]):
     """check_alerts: after the DAG's work, the audit-streak or freshness alerts of its tables.
 
     A teardown: it runs whatever the upstream state (all done) and is left out of the DAG run's

@@ -14,6 +14,7 @@ See docs/secrets.md."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOperator
@@ -30,7 +31,7 @@ class CdcSparkSubmitOperator(SparkSubmitOperator):
         job: str,
         job_args: list[str],
         source_conn_ids: list[str],
-        store_conns: list[tuple[str, str]] = (),
+        store_conns: Sequence[tuple[str, str]] = (),
         application: str | None = None,
         **kwargs: Any,
     ) -> None:
@@ -41,7 +42,7 @@ class CdcSparkSubmitOperator(SparkSubmitOperator):
         super().__init__(application=application or str(registered_job(job).file), application_args=job_args, **kwargs)
         self.job = job
         self.source_conn_ids = list(source_conn_ids)
-        self.store_conns = [tuple(c) for c in store_conns]  # (kind, conn_id) of serving stores
+        self.store_conns = [(kind, conn_id) for kind, conn_id in store_conns]  # serving stores (lists from JSON too)
         self._secrets_cleanup: Any = None
 
     def _spark_conn_extra(self) -> dict[str, Any]:
@@ -122,13 +123,13 @@ class CdcSparkSubmitOperator(SparkSubmitOperator):
         self._yarn_tracking(master, deploy_mode, extra)
         saved_env: dict[str, str | None] = {}
         try:
-            self.conf = {**base_conf(), **(self.conf or {}), **transport.conf}
+            self.conf = conf = {**base_conf(), **(self.conf or {}), **transport.conf}
             self.files = ",".join([f for f in (self.files or "").split(",") if f] + transport.files) or None
-            self.env_vars = {**(self.env_vars or {}), **public, **transport.env}
-            self._refuse_secrets(secrets, transport)
+            self.env_vars = env_vars = {**(self.env_vars or {}), **public, **transport.env}
+            self._refuse_secrets(secrets, transport, conf, env_vars)
             if transport.process_env:  # the driver is the spark-submit process itself (k8s client mode)
-                saved_env = {k: os.environ.get(k) for k in self.env_vars}
-                os.environ.update(self.env_vars)
+                saved_env = {k: os.environ.get(k) for k in env_vars}
+                os.environ.update(env_vars)
             self._hook = None
             super().execute(context)
         finally:
@@ -151,18 +152,20 @@ class CdcSparkSubmitOperator(SparkSubmitOperator):
             self.log.info("YARN cluster mode without yarn_resourcemanager_webapp_address: not durable")
             self.durable = False
 
-    def _refuse_secrets(self, secrets: dict[str, str], transport: Any) -> None:
+    def _refuse_secrets(
+        self, secrets: dict[str, str], transport: Any, conf: dict[str, Any], env_vars: dict[str, Any]
+    ) -> None:
         """The last-line check: no secret value (cdc_lakehouse.secrecy: by origin, inner ones and
         encoded forms included) in what becomes spark-submit's command line, and no setting named like a credential there (the safety net). The transport's
         own settings hold a path or a mount, never a value."""
         from cdc_lakehouse.secrecy import find_secrets, secret_named, secrets_of_env
 
-        texts = [*self.conf.values(), *self.env_vars.values(), *map(str, self.application_args or [])]
+        texts = [*conf.values(), *env_vars.values(), *map(str, self.application_args or [])]
         leaked = find_secrets([*texts, self.files or "", self.name or ""], secrets_of_env(secrets))
         if leaked:
             raise ValueError(f"secret(s) {leaked} would appear in the spark-submit command; refusing")
-        named = secret_named([k for k in self.conf if k not in transport.conf])
-        named += secret_named([k for k in self.env_vars if k not in transport.env])
+        named = secret_named([k for k in conf if k not in transport.conf])
+        named += secret_named([k for k in env_vars if k not in transport.env])
         if named:
             raise ValueError(
                 f"{named} are named like credentials and would be on the spark-submit command line (a --conf; "

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
@@ -200,7 +201,7 @@ def store_uri_from_connection(kind: str, conn_id: str) -> str:
 
 
 def spark_job_env(
-    source_conn_ids: list[str], store_conns: list[tuple[str, str]] = ()
+    source_conn_ids: list[str], store_conns: Sequence[tuple[str, str]] = ()
 ) -> tuple[dict[str, str], dict[str, str]]:
     """(public, secrets) environment of a Spark job. Public: lake settings without secrets and
     PYTHONPATH, fit for env_vars (a --conf on YARN/Kubernetes). Secrets: catalog password,
@@ -250,11 +251,11 @@ class AnnounceLakeSnapshots:
             catalog = load_catalog_for(lake_settings())
             for table, asset in self.assets.items():
                 snaps, current = pyiceberg_snapshots(catalog.load_table(table))
-                head = complete_head(table, snaps, current, None)
+                head, head_wm = complete_head(table, snaps, current, None)
                 context["outlet_events"][asset].extra = {
                     "table": table,
                     "snapshot_id": head.snapshot_id,
-                    "watermark": head.watermark.shard_lsns(),
+                    "watermark": head_wm.shard_lsns(),
                 }
         except Exception as exc:  # noqa: BLE001 - see the docstring
             log.warning("asset events of %s go without their snapshot: %s", sorted(self.assets), exc)

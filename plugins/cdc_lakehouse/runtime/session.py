@@ -131,8 +131,8 @@ def session_conf(spark: SparkSession, conf: dict[str, str]) -> Iterator[None]:
     try:
         yield
     finally:
-        for k, v in prev.items():
-            spark.conf.set(k, v) if v is not None else spark.conf.unset(k)
+        for k, old in prev.items():
+            spark.conf.set(k, old) if old is not None else spark.conf.unset(k)
 
 
 def attach_lake(spark: SparkSession, lake: LakeSettings) -> None:

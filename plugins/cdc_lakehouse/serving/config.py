@@ -120,6 +120,7 @@ def resolve_source(
     if s.derived:
         d = derived[s.derived]
         return ResolvedSource(d.output_table, [SHARD_COL, d.nodes.id])
+    assert s.lake_table is not None  # ExportSource names exactly one of table, derived, lake_table
     return ResolvedSource(s.lake_table, None)
 
 

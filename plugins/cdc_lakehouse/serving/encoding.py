@@ -13,7 +13,7 @@ import json
 from collections.abc import Callable
 from datetime import date, datetime
 from decimal import Decimal
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 if TYPE_CHECKING:
     from pyspark.sql.types import DataType, StructType
@@ -101,4 +101,5 @@ def decoder(value_schema: str) -> Callable[[bytes], dict[str, Any]]:
     import fastavro
 
     parsed = fastavro.parse_schema(json.loads(value_schema))
-    return lambda data: fastavro.schemaless_reader(io.BytesIO(data), parsed, None)
+    # cast: a value schema is a record, which fastavro decodes to a dict.
+    return lambda data: cast(dict[str, Any], fastavro.schemaless_reader(io.BytesIO(data), parsed, None))

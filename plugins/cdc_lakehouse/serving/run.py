@@ -117,6 +117,18 @@ class ExportRun:
     def ns(self) -> str:
         return self.ecfg.store.namespace
 
+    # What plan_mode's choice guarantees: a run other than "full" has a live version, hence an alias.
+    @property
+    def exported(self) -> VersionMeta:
+        """The live version an incremental, noop or held run starts from."""
+        assert self.live is not None, "only a full export runs without a live version"
+        return self.live
+
+    @property
+    def live_alias(self) -> Alias:
+        assert self.alias is not None, "a live version is one the alias points at"
+        return self.alias
+
 
 def export(
     spark: SparkSession,
@@ -150,7 +162,7 @@ def export(
                 with clock.phase("write"):
                     write_changes(spark, r)
             elif r.mode == "noop":
-                hold_position(spark, r, r.live.snapshot)
+                hold_position(spark, r, r.exported.snapshot)
             if mode == "resume" and r.alias and r.alias.held:
                 r.store.switch_alias(r.ns, r.alias, r.alias.model_copy(update={"held": False}))
     finally:
@@ -212,7 +224,7 @@ def plan_mode(spark: SparkSession, r: ExportRun, *, full: bool, resume: bool = F
     live = r.live
     if full or live is None or live.state != "complete":
         return "full"
-    if r.alias.held and not resume:
+    if r.live_alias.held and not resume:
         # A rollback holds the alias: moving the version it points at to the source's current
         # snapshot would bring back what the rollback took away.
         log.warning("export %s: alias held by a rollback; trigger mode=full or mode=resume", r.ecfg.name)
@@ -228,7 +240,7 @@ def plan_mode(spark: SparkSession, r: ExportRun, *, full: bool, resume: bool = F
 
 
 def _changed_shape(r: ExportRun) -> str | None:
-    live = r.live
+    live = r.exported
     if live.value_schema != r.value_schema or live.key_columns != r.key or live.source != r.table:
         return "key, values, their types or the source changed"
     if r.ecfg.store.kind == "redis" and live.buckets not in (None, r.ecfg.store.buckets):
@@ -237,10 +249,11 @@ def _changed_shape(r: ExportRun) -> str | None:
 
 
 def _unreadable_position(spark: SparkSession, r: ExportRun) -> str | None:
-    if r.live.snapshot is None:
+    live = r.exported
+    if live.snapshot is None:
         return "the version was exported while the source had no snapshot"
     known = set(table_snapshots(spark, r.table)[0])
-    gone = [s for s in [r.live.snapshot, *r.live.pending] if s not in known]
+    gone = [s for s in [live.snapshot, *live.pending] if s not in known]
     if gone:
         # Not a silent new version: an export this far behind is something to look at.
         fix = f"trigger cdc_export__{r.ecfg.name} with mode=full (a new version from the current snapshot)"
@@ -268,8 +281,8 @@ def changed_keys(spark: SparkSession, r: ExportRun, since: list[int]) -> DataFra
     """Every key the store may hold a wrong value for: from the changelog when the source is a
     table's current rows and lake.ranges' rule allows it (cheap: the changes, not the table),
     else from a diff of snapshots."""
-    rng = changelog_range(spark, r, since)
-    keys = changelog_keys(spark, r.lake, r.source.table_cfg, rng.lo_watermark, rng.hi_watermark) if rng else None
+    rng, cfg = changelog_range(spark, r, since), r.source.table_cfg
+    keys = changelog_keys(spark, r.lake, cfg, rng.lo_watermark, rng.hi_watermark) if rng and cfg else None
     r.keys_from = "changelog" if keys is not None else "snapshot_diff"
     return keys if keys is not None else diff_keys(spark, r, since)
 
@@ -284,11 +297,12 @@ def changelog_range(spark: SparkSession, r: ExportRun, since: list[int]) -> KeyR
         # carries only the primary key), leaves the old key in no changelog row.
         return None
     snaps, _ = table_snapshots(spark, r.table)
-    rng = key_range(snaps, r.live.snapshot, r.snapshot)
-    if rng.mode != "changelog":
+    lo = r.exported.snapshot
+    rng = key_range(snaps, lo, r.snapshot)
+    if rng.mode != "changelog" or lo is None:  # (a changelog range has a start)
         log.info("export %s: diffing snapshots: %s", r.ecfg.name, rng.reason)
         return None
-    inside = {r.live.snapshot} | {s.snapshot_id for s in between(snaps, r.live.snapshot, r.snapshot) or []}
+    inside = {lo} | {s.snapshot_id for s in between(snaps, lo, r.snapshot) or []}
     return rng if set(since) <= inside else None
 
 
@@ -297,10 +311,11 @@ def diff_keys(spark: SparkSession, r: ExportRun, since: list[int]) -> DataFrame:
     exported position and the pending snapshots of runs that did not commit), or that exist in
     only one of the two."""
     now = rows_at(spark, r, r.snapshot)
-    keys = None
+    keys: DataFrame | None = None
     for s in since:
         diff = fingerprint_diff(rows_at(spark, r, s), now, r.key, r.values)
         keys = diff if keys is None else keys.unionByName(diff)
+    assert keys is not None, "an incremental run diffs from at least its exported snapshot"
     return keys.distinct()
 
 
@@ -370,6 +385,7 @@ def write_rows(spark: SparkSession, r: ExportRun, df: DataFrame, version: int) -
         fail_after=_fail_after(),
     )
     counts = utc_naive(df).mapInArrow(fn, COUNTS_SCHEMA).agg(F.sum("upserts"), F.sum("deletes")).first()
+    assert counts is not None  # a global aggregate has one row
     return int(counts[0] or 0), int(counts[1] or 0)
 
 
@@ -408,7 +424,7 @@ def write_changes(spark: SparkSession, r: ExportRun) -> None:
     """Incremental: pending first (so a kill leaves a trace), then the writes, then the position."""
     from pyspark.sql import functions as F
 
-    live = r.live
+    live = r.exported
     since = [s for s in dict.fromkeys([live.snapshot, *live.pending]) if s is not None]
     marked = live.model_copy(update={"pending": sorted({*live.pending, r.snapshot} - {None})})
     # Held before it is recorded as pending: whatever the metadata names, expiry keeps.
@@ -459,6 +475,7 @@ def validate(spark: SparkSession, r: ExportRun, version: int) -> None:
 
 def switch(r: ExportRun, version: int) -> None:
     meta = r.store.meta(r.ns, version)
+    assert meta is not None, f"version {version} was created by write_full"
     r.store.put_meta(r.ns, meta, meta.model_copy(update={"state": "complete", "count": r.keys}))
     crash_point("export_before_switch")
     r.store.switch_alias(r.ns, r.alias, Alias(current=version, previous=r.alias.current if r.alias else None))
@@ -468,6 +485,7 @@ def retain(r: ExportRun) -> None:
     """Keep the alias's two versions and the newest `keep_versions` complete ones; drop the rest
     (older versions, and versions of runs that failed before their switch)."""
     alias = r.store.alias(r.ns)
+    assert alias is not None, "switch set it"
     keep = {alias.current, alias.previous} - {None}
     complete = [v for v in sorted(r.store.versions(r.ns), reverse=True) if _complete(r.store, r.ns, v)]
     keep |= set(complete[: r.ecfg.keep_versions])

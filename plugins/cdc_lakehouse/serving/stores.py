@@ -49,7 +49,9 @@ class _Doc(BaseModel):
     def __eq__(self, other: object) -> bool:  # the fields, not where the text came from
         return type(other) is type(self) and self.model_dump() == other.model_dump()
 
-    __hash__ = None  # mutable model: unhashable, as pydantic's own
+    # mutable model: unhashable, as pydantic's own. ignore: typeshed types object.__hash__ as a
+    # method, and None is how Python spells "unhashable" (python/mypy#4266).
+    __hash__ = None  # type: ignore[assignment]
 
 
 class Alias(_Doc):
@@ -238,7 +240,7 @@ return 1
 
     def get_doc(self, key: str) -> str | None:
         v = self.client.get(key)
-        return v.decode() if v is not None else None
+        return v.decode() if isinstance(v, bytes) else v  # bytes: the client does not decode responses
 
     def cas_doc(self, key: str, expected: str | None, new: str | None) -> bool:
         return bool(self._cas(keys=[key], args=[expected or "", new or "", "1" if new is None else "0"]))
@@ -261,8 +263,9 @@ return 1
         return list(self.client.scan_iter(match=f"{ns}:v{version}:b*", count=1000))
 
     def new_version(self, ns: str, meta: VersionMeta) -> None:
-        meta = meta.model_copy(update={"buckets": meta.buckets or self.buckets})
-        self._layout[(ns, meta.version)] = meta.buckets
+        buckets = meta.buckets or self.buckets
+        meta = meta.model_copy(update={"buckets": buckets})
+        self._layout[(ns, meta.version)] = buckets
         super().new_version(ns, meta)
 
     def create_data(self, ns: str, version: int) -> None:
@@ -310,7 +313,7 @@ return 1
         except redis.ResponseError:
             return  # CONFIG is disabled on some managed Redis services: nothing to check with
         # volatile-* policies evict only keys with a TTL, and ours have none.
-        if policy.startswith("allkeys-"):
+        if policy is not None and policy.startswith("allkeys-"):
             raise RuntimeError(
                 f"the Redis server evicts keys under memory pressure (maxmemory-policy {policy}): an export "
                 "would lose keys silently. Set maxmemory-policy to noeviction (or a volatile-* policy) on it"

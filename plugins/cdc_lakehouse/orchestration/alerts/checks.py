@@ -11,7 +11,7 @@ import json
 import logging
 from collections.abc import Callable, Sequence
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast
 
 from cdc_lakehouse.config import TableConfig
 from cdc_lakehouse.lake.ingest_metrics import IngestMetrics
@@ -56,19 +56,20 @@ def _streak(flags: list[bool]) -> int:
 def _latest_per_run(
     rows: Sequence[R], run: Callable[[R], str], at: Callable[[R], datetime | None]
 ) -> dict[str, list[R]]:
-    """run -> the rows of its last attempt (a retried run is counted once, as it ended).
-    run, at: a row's run and its time."""
+    """run -> the rows of its last attempt (a retried run is counted once, as it ended), the
+    newest run first. run, at: a row's run and its time (rows without one are left out)."""
     out: dict[str, list[R]] = {}
+    latest: dict[str, datetime] = {}
     for r in rows:
         ts = at(r)
         if ts is None:
             continue
-        cur = out.get(run(r))
-        if not cur or ts > at(cur[0]):
-            out[run(r)] = [r]
-        elif ts == at(cur[0]):
-            cur.append(r)
-    return out
+        key = run(r)
+        if key not in out or ts > latest[key]:
+            out[key], latest[key] = [r], ts
+        elif ts == latest[key]:
+            out[key].append(r)
+    return {key: out[key] for key in sorted(out, key=lambda k: latest[k], reverse=True)}
 
 
 def check_wal(
@@ -90,11 +91,8 @@ def check_wal(
     threshold = min(enabled)
     every = min(r.renotify_every_runs for r in rules)
     run_id = manifest.run_id
-    past = sorted(
-        (r for r in as_records(CaptureRun, history or []) if r.run_id != run_id and r.finished_at),
-        key=lambda r: r.finished_at,
-        reverse=True,
-    )
+    finished = [r for r in as_records(CaptureRun, history or []) if r.run_id != run_id and r.finished_at]
+    past = sorted(finished, key=lambda r: cast(datetime, r.finished_at), reverse=True)  # cast: all finished
     flags = [retained > threshold] + [(r.retained_wal_bytes or 0) > threshold for r in past]
     state = decide(flags, 1, every)
     if state is None:
@@ -162,7 +160,7 @@ def check_audit(
             "audit %s: run %s recorded no results (a failed audit job is alerted as a failed task)", cfg.name, audit_run
         )
         return None
-    runs = sorted(res, key=lambda r: res[r][0].audited_at, reverse=True)
+    runs = list(res)  # newest first
     flags = [bool(_bad_shards(res.get(r, [])) or _bad_quality(qual.get(r, []))) for r in runs]
     state = decide(flags, rules.audit_failed_runs, rules.renotify_every_runs)
     if state is None:
@@ -243,7 +241,7 @@ def check_freshness(
             ingest_run,
         )
         return None
-    order = sorted(per_run, key=lambda r: per_run[r][0].committed_at, reverse=True)
+    order = list(per_run)  # newest first
     flags = [(per_run[r][0].freshness_seconds or 0) > rules.freshness_sla for r in order]
     state = decide(flags, 1, rules.renotify_every_runs)
     if state is None:

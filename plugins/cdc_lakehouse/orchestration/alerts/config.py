@@ -201,7 +201,7 @@ class AlertingConfig(_Model):
             raise ValueError(f"channel name(s) {dup} used twice; give each channel its own name")
         return self
 
-    def channel(self, name: str) -> AlertChannel | None:
+    def channel(self, name: str) -> Channel | None:
         return next((c for c in self.channels if c.name == name), None)
 
 
@@ -296,10 +296,10 @@ def rules_for(cfg: TableConfig, ac: AlertingConfig) -> Rules:
     )
 
 
-def channels_for(cfgs: list[TableConfig], ac: AlertingConfig) -> list[AlertChannel]:
+def channels_for(cfgs: list[TableConfig], ac: AlertingConfig) -> list[Channel]:
     """The channels of these tables: those named in their `alerts.channels` (default: all), plus
     one SMTP channel to the union of their `alert_emails`."""
-    out: list[AlertChannel] = []
+    out: list[Channel] = []
     for cfg in cfgs:
         names = cfg.alerts.channels if cfg.alerts.channels is not None else [c.name for c in ac.channels]
         for n in names:

@@ -5,18 +5,22 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from cdc_lakehouse.orchestration.alerts.alert import Alert
-from cdc_lakehouse.orchestration.alerts.config import AlertChannel, AlertingConfig
+from cdc_lakehouse.orchestration.alerts.config import AlertingConfig, Channel
 from cdc_lakehouse.secrecy import redact
+
+if TYPE_CHECKING:
+    from airflow.sdk import Context
 
 log = logging.getLogger(__name__)
 
 
 def deliver(
-    alert: Alert, channels: list[AlertChannel], context: dict[str, Any] | None = None, ac: AlertingConfig | None = None
+    alert: Alert, channels: list[Channel], context: Mapping[str, Any] | None = None, ac: AlertingConfig | None = None
 ) -> list[str]:
     """Log, record and send the alert through every channel that wants its kind.
 
@@ -30,7 +34,8 @@ def deliver(
         try:
             # notify(), not __call__: the message is final; rendering it as a template would
             # evaluate whatever an error text happens to contain.
-            ch.notifier(alert).notify(context or {})
+            # cast: the task's context as Airflow handed it over (or none), which is what Context types.
+            ch.notifier(alert).notify(cast("Context", context or {}))
             sent.append(ch.name)
         except Exception as exc:  # noqa: BLE001 - reported, the other channels still get it
             errors.append(f"channel {ch.name!r} ({ch.type}): {redact(exc)}")

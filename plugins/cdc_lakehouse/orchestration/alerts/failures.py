@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from airflow.sdk.bases.notifier import BaseNotifier
 
@@ -13,6 +14,9 @@ from cdc_lakehouse.orchestration.alerts.config import AlertConfigError, Alerting
 from cdc_lakehouse.orchestration.alerts.delivery import deliver
 from cdc_lakehouse.secrecy import redact
 from cdc_lakehouse.settings import tables_dir
+
+if TYPE_CHECKING:
+    from airflow.sdk import Context
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +42,7 @@ _FIXES = {
 }
 
 
-def failure_alert(context: dict[str, Any], tables: list[str] | None = None) -> Alert:
+def failure_alert(context: Mapping[str, Any], tables: list[str] | None = None) -> Alert:
     ti = context.get("task_instance") or context.get("ti")
     dag_id = getattr(ti, "dag_id", None) or getattr(context.get("dag"), "dag_id", None) or "?"
     task_id = getattr(ti, "task_id", None) or "?"
@@ -82,7 +86,7 @@ class CdcFailureNotifier(BaseNotifier):
         super().__init__()
         self.tables = list(tables or [])
 
-    def notify(self, context: dict[str, Any]) -> None:
+    def notify(self, context: Context) -> None:
         try:
             alert = failure_alert(context, self.tables)
             try:
@@ -100,6 +104,6 @@ class CdcFailureNotifier(BaseNotifier):
         return f"CdcFailureNotifier(tables={self.tables!r})"
 
 
-def on_task_failure(context: dict[str, Any]) -> None:
+def on_task_failure(context: Context) -> None:
     """Plain-callable form of CdcFailureNotifier (tables from the DAG id)."""
     CdcFailureNotifier().notify(context)

@@ -36,7 +36,9 @@ def _meta_rows(lake, name: str, record: type[R], column: str, value: str, fields
         table = catalog.load_table(lake.meta_table(name))
     except NoSuchTableError:
         return None
-    rows = table.scan(row_filter=EqualTo(column, value), selected_fields=fields).to_arrow().to_pylist()
+    # Keywords: pyiceberg's (term, literal) constructor takes the model's field names too, and the
+    # pydantic type-checker plugin knows only those.
+    rows = table.scan(row_filter=EqualTo(term=column, value=value), selected_fields=fields).to_arrow().to_pylist()
     return [from_row(record, r) for r in rows]
 
 
@@ -153,6 +155,7 @@ def notify_wal(
     try:
         ac = load_alerting()
         try:
+            assert manifest.endpoint is not None  # every capture manifest names its endpoint
             history = (
                 _meta_rows(
                     lake,
