@@ -297,7 +297,7 @@ def test_incremental_equals_reference_and_full_after_random_batches(tree_source,
     for _ in range(5):
         apply_batch(s, *random_batch(s, rng, next_id))
         m = derive(s, inc)
-        print({k: m.get(k) for k in ("mode", "changed", "affected", "passes", "resolved", "unresolved", "spark_jobs")})
+        print(m.to_dict())
         modes.append(m.mode)
         seen |= set(assert_tree_is_reference(s, inc)[1].values())
     assert modes == ["incremental"] * 5, (seed, modes)

@@ -17,7 +17,7 @@ import psycopg2
 import pytest
 from cdc_lakehouse.dev.workload import ID_STRIDE
 from cdc_lakehouse.feed.arrow import read_changes_arrow
-from cdc_lakehouse.feed.consumer import block_counts
+from cdc_lakehouse.feed.consumer import ConsumerResult, block_counts
 from cdc_lakehouse.feed.models import FEED_OP_COL, OP_DELETE, OP_UPSERT, FeedError
 from cdc_lakehouse.feed.offsets import commit_meta_offset, meta_offset, output_offsets
 from cdc_lakehouse.feed.read import read_changes
@@ -187,13 +187,13 @@ def test_consumers_follow_random_batches_key_changes_truncate_and_rebootstrap(fe
     assert modes[0] == modes[1] == modes[3] == modes[5] == "changelog", modes
     # Nothing new: a noop that commits nothing; the offset equals the head's.
     assert mirror_step(s, state)[0].mode == "noop"
-    assert block_counts(s.spark, s.lake, s.block, output=output) == {
-        "mode": "noop",
-        "reason": "no complete snapshot after the offset",
-        "snapshot_id": r.snapshot_id,
-        "committed": False,
-        "pairs": 0,
-    }
+    assert block_counts(s.spark, s.lake, s.block, output=output) == ConsumerResult(
+        mode="noop",
+        reason="no complete snapshot after the offset",
+        snapshot_id=r.snapshot_id,
+        committed=False,
+        pairs=0,
+    )
 
 
 def test_reads_are_bounded_by_a_complete_snapshot_an_asset_event_names(feed_source, monkeypatch):
