@@ -18,8 +18,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import psycopg2
@@ -32,7 +34,31 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def demo_env(pg, redis_server, spark_server, tmp_path_factory):
+def statsd():
+    """A StatsD server for Airflow's metrics: a UDP socket whose lines the test reads."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.settimeout(0.2)
+    lines: list[str] = []
+    stop = threading.Event()
+
+    def receive() -> None:
+        while not stop.is_set():
+            try:
+                lines.extend(sock.recv(65535).decode().splitlines())
+            except TimeoutError:
+                continue
+
+    t = threading.Thread(target=receive, daemon=True)
+    t.start()
+    yield sock.getsockname()[1], lines
+    stop.set()
+    t.join()
+    sock.close()
+
+
+@pytest.fixture(scope="module")
+def demo_env(pg, redis_server, spark_server, statsd, tmp_path_factory):
     base = tmp_path_factory.mktemp("demo")
     for db in ("notion", "e2e_catalog"):
         pg.ensure_database(db)
@@ -77,6 +103,11 @@ def demo_env(pg, redis_server, spark_server, tmp_path_factory):
         "CDC_CATALOG_PASSWORD": "",
         "CDC_WAREHOUSE": lake_extra["warehouse"],
         "CDC_LANDING_URI": lake_extra["landing_uri"],
+        # Airflow's metrics to the test's StatsD listener (orchestration.metrics adds the cdc.* ones).
+        "AIRFLOW__METRICS__STATSD_ON": "True",
+        "AIRFLOW__METRICS__STATSD_HOST": "127.0.0.1",
+        "AIRFLOW__METRICS__STATSD_PORT": str(statsd[0]),
+        "AIRFLOW__METRICS__STATSD_PREFIX": "airflow",
     }
     env.pop("CDC_LAKE_SETTINGS", None)
     init_airflow_home(env)
@@ -111,7 +142,27 @@ def _source_versions(pg) -> dict[tuple[str, int], int]:
     return out
 
 
-def test_demo_through_airflow_is_clean_and_a_rerun_converges(pg, demo_env):
+def _metrics(lines: list[str], prefix: str) -> dict[str, str]:
+    """StatsD lines `name:value|type` whose name starts with `prefix`: name -> `value|type` (the last)."""
+    return {n: v for n, _, v in (line.partition(":") for line in lines) if n.startswith(prefix)}
+
+
+def _assert_cdc_metrics(lines: list[str], shards: list[str]) -> None:
+    """The run's figures went out through Airflow's metrics, per endpoint, table and shard."""
+    cdc = _metrics(lines, "airflow.cdc.")
+    assert cdc, f"no cdc.* metric among {len(lines)} StatsD lines: {lines[:20]}"
+    for kind in ("lag_bytes", "retained_wal_bytes", "events", "duration"):
+        assert any(n.startswith(f"airflow.cdc.capture.{kind}.") for n in cdc), (kind, sorted(cdc))
+    assert cdc["airflow.cdc.ingest.quarantined_rows.block"] == "0|c", sorted(cdc)
+    assert cdc["airflow.cdc.ingest.duration.block"].endswith("|ms"), sorted(cdc)
+    for s in shards:  # the shard label ends with the schema (the source's `<endpoint>.<schema>`)
+        fresh = [v for n, v in cdc.items() if n.startswith("airflow.cdc.freshness_seconds.block.") and n.endswith(s)]
+        assert fresh and all(v.endswith("|g") for v in fresh), (s, sorted(cdc))
+        audit = [v for n, v in cdc.items() if n.startswith("airflow.cdc.audit.mismatches.block.") and n.endswith(s)]
+        assert audit == ["0|g"], (s, sorted(cdc))  # the audit was clean
+
+
+def test_demo_through_airflow_is_clean_and_a_rerun_converges(pg, demo_env, statsd):
     r = subprocess.run(
         [
             sys.executable,
@@ -144,6 +195,9 @@ def test_demo_through_airflow_is_clean_and_a_rerun_converges(pg, demo_env):
     source = _source_versions(pg)
     assert len(source) > 1000
     assert _lake_versions(demo_env) == source
+    from cdc_lakehouse.dev.demo import SHARDS
+
+    _assert_cdc_metrics(statsd[1], list(SHARDS))
     # Rerun the first interval (clearing a past run in the UI does the same): nothing changes.
     first = next(line for line in out.splitlines() if "interval 1/2" in line)
     hour = first.split("[", 2)[2].split("-")[0]  # "HH:MM"

@@ -137,11 +137,12 @@ def _wait_for_wal_flush(
     earlier) sees. Read-only, no privilege needed."""
     with conn.cursor() as cur:
         cur.execute("SELECT pg_current_wal_insert_lsn()")
-        target = cur.fetchone()[0]
+        (target,) = cur.fetchone() or (None,)
         deadline = time.monotonic() + timeout
         while True:
             cur.execute("SELECT pg_current_wal_flush_lsn() >= %s::pg_lsn", (target,))
-            if cur.fetchone()[0]:
+            (flushed,) = cur.fetchone() or (False,)
+            if flushed:
                 break
             if time.monotonic() > deadline:
                 raise AuditFailed(

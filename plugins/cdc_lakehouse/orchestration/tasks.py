@@ -6,15 +6,17 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Sequence
+from dataclasses import asdict
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from cdc_lakehouse.config import ConfigSet, load_table_configs
+from cdc_lakehouse.lake.meta_rows import CaptureRun, from_row
+from cdc_lakehouse.orchestration.metrics import capture_metrics
 from cdc_lakehouse.settings import PROJECT_ROOT, LakeSettings, source_uri_env, tables_dir
 
 if TYPE_CHECKING:
-    from cdc_lakehouse.capture.run import CaptureResult
     from cdc_lakehouse.landing.format import Manifest
 
 log = logging.getLogger(__name__)
@@ -120,19 +122,20 @@ def capture_endpoint(
         # whose columns cannot be narrowed out (a broken config loses nothing).
         table_configs=[t for t, _ in members] if not cs.errors else None,
     )
-    record_capture_metrics(lake, result, started)
+    if not result.reused:
+        run = from_row(CaptureRun, _capture_metrics_row(result.manifest, started))
+        record_capture_metrics(lake, run)
+        capture_metrics(run)
     from cdc_lakehouse.orchestration.alerts import notify_wal
 
     notify_wal(result, [t for t, _ in members], lake, context)
     return result.xcom()
 
 
-def record_capture_metrics(lake: LakeSettings, result: CaptureResult, started: datetime) -> None:
-    """Append one row to cdc_meta.capture_runs with pyiceberg (no Spark needed in the worker).
+def record_capture_metrics(lake: LakeSettings, run: CaptureRun) -> None:
+    """Append the run's row to cdc_meta.capture_runs with pyiceberg (no Spark needed in the worker).
 
     Best effort: the run is already durable and confirmed; a metrics failure is logged, not raised."""
-    if result.reused:
-        return
     try:
         import pyarrow as pa
         from pyiceberg.catalog import load_catalog
@@ -147,8 +150,7 @@ def record_capture_metrics(lake: LakeSettings, result: CaptureResult, started: d
                 lake.meta_table("capture_runs"),
             )
             return
-        row = _capture_metrics_row(result.manifest, started)
-        table.append(pa.Table.from_pylist([row], schema=table.schema().as_arrow()))
+        table.append(pa.Table.from_pylist([asdict(run)], schema=table.schema().as_arrow()))
     except Exception as exc:  # noqa: BLE001 - metrics must never fail a confirmed capture
         log.warning("capture metrics not recorded: %s", exc)
 

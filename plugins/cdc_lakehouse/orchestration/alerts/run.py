@@ -4,6 +4,8 @@ which read the run history in cdc_meta (pyiceberg, no Spark) and deliver."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
+from datetime import datetime
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from cdc_lakehouse.config import TableConfig, load_table_configs
@@ -13,6 +15,7 @@ from cdc_lakehouse.orchestration.alerts.alert import Alert
 from cdc_lakehouse.orchestration.alerts.checks import check_audit, check_freshness, check_shard_freshness, check_wal
 from cdc_lakehouse.orchestration.alerts.config import AlertDeliveryError, AlertingConfig, channels_for, load_alerting
 from cdc_lakehouse.orchestration.alerts.delivery import deliver
+from cdc_lakehouse.orchestration.metrics import audit_metrics, freshness_metrics, ingest_metrics
 from cdc_lakehouse.secrecy import redact
 from cdc_lakehouse.settings import tables_dir
 
@@ -99,15 +102,31 @@ _AUDIT_FIELDS = (
     "lake_rows",
     "sample_keys",
     "audited_at",
+    "seconds",
 )
 _QUALITY_FIELDS = ("audit_run", "expectation", "success", "observed", "checked_at")
 _INGEST_FIELDS = ("ingest_run", "freshness_seconds", "committed_at", "watermark", "events_read")
+# What the run's metrics add (orchestration.metrics).
+_INGEST_METRIC_FIELDS = ("table_name", *_INGEST_FIELDS, "quarantined", "inserts", "updates", "deletes", "total_seconds")
 
 
 def _audit_from_history(lake, name: str, cfg: TableConfig, run_id: str, ac: AlertingConfig) -> Alert | None:
     results = _meta_rows(lake, "audit_results", AuditResult, "table_name", name, _AUDIT_FIELDS)
     quality = _meta_rows(lake, "quality_results", QualityResult, "table_name", name, _QUALITY_FIELDS) or []
+    audit_metrics(_latest(r for r in results or [] if r.audit_run == run_id))
     return check_audit(cfg, run_id, ac, results or [], quality)
+
+
+def _latest(rows: Iterable[AuditResult]) -> list[AuditResult]:
+    """The newest row per shard (a retried audit records its shards again)."""
+    newest: dict[str, AuditResult] = {}
+    for r in sorted(rows, key=lambda r: _when(r.audited_at)):
+        newest[r.shard] = r
+    return list(newest.values())
+
+
+def _when(at: datetime | None) -> float:
+    return at.timestamp() if at is not None else 0.0
 
 
 _SHARD_FRESHNESS_FIELDS = (
@@ -129,10 +148,14 @@ def _freshness_from_history(lake, name: str, cfg: TableConfig, run_id: str, ac: 
     """Per shard from cdc_meta.freshness; runs recorded before that table existed (no rows for
     the run) are judged on the table-level figure of cdc_meta.ingest_runs."""
     shard_rows = _meta_rows(lake, "freshness", ShardFreshness, "table_name", name, _SHARD_FRESHNESS_FIELDS) or []
-    if any(r.ingest_run == run_id for r in shard_rows):
+    rows = _meta_rows(lake, "ingest_runs", IngestMetrics, "table_name", name, _INGEST_METRIC_FIELDS) or []
+    this_run = [r for r in shard_rows if r.ingest_run == run_id]
+    freshness_metrics(this_run)
+    # A rerun of the interval records the run again: its newest row.
+    ingest_metrics(sorted((r for r in rows if r.ingest_run == run_id), key=lambda r: _when(r.committed_at))[-1:])
+    if this_run:
         return check_shard_freshness(cfg, run_id, ac, shard_rows)
-    rows = _meta_rows(lake, "ingest_runs", IngestMetrics, "table_name", name, _INGEST_FIELDS)
-    return check_freshness(cfg, run_id, ac, rows or [])
+    return check_freshness(cfg, run_id, ac, rows)
 
 
 def _stamp(alert: Alert, context: dict[str, Any] | None, run_id: str | None) -> None:
