@@ -31,7 +31,7 @@ from cdc_lakehouse.landing.format import MANIFEST_DIR, manifest_path
 from cdc_lakehouse.landing.reader import SparkLanding
 from cdc_lakehouse.runtime.phases import PhaseClock, SparkJobs, metadata_reads
 from cdc_lakehouse.settings import LakeSettings
-from cdc_lakehouse.views import publish_latest
+from cdc_lakehouse.views.publish import publish_latest
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
