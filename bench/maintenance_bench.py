@@ -41,7 +41,7 @@ def main() -> int:
     from cdc_lakehouse.config import parse_table_config
     from cdc_lakehouse.ingest.run import ingest_table
     from cdc_lakehouse.lake.meta import ensure_meta_tables
-    from cdc_lakehouse.maintenance import maintain_table
+    from cdc_lakehouse.maintenance.run import maintain_table
     from cdc_lakehouse.runtime.session import get_spark
     from cdc_lakehouse.settings import LakeSettings
 

@@ -17,7 +17,7 @@ from cdc_lakehouse.lake.casts import cast_text
 from cdc_lakehouse.lake.tables import source_columns_of
 from cdc_lakehouse.source.catalog import describe_table, text_select
 from cdc_lakehouse.source.session import SESSION_OPTIONS
-from cdc_lakehouse.views import latest_rows
+from cdc_lakehouse.views.latest import latest_rows
 from pyspark.sql import functions as F
 from pyspark.testing import assertDataFrameEqual
 

@@ -7,7 +7,7 @@ The package is laid out along the data path, one subpackage per stage:
     -> landing    Parquet events + one manifest per run: the format, stores, writer, reader
     -> ingest     landing -> changelog -> current table (Spark driver)
     -> lake       Iceberg tables: metadata columns, DDL, watermark, commits, meta tables
-    -> views.py (latest-per-key view), maintenance.py (housekeeping), audit (source = lake?)
+    -> views (latest-per-key view), maintenance (housekeeping), audit (source = lake?)
   bootstrap  a consistent snapshot of every shard -> the lake, handed to the change stream
     -> derived    tables computed from lake tables: the block tree (ancestors, effective grants)
 

@@ -256,7 +256,7 @@ class BaseMaintenanceConfig(_Model):
     orphan_file_age_hours: int = Field(72, ge=24, description="never below a day: in-flight writes")
     min_input_files: int = Field(5, ge=2)
     # Maintenance proves nothing but rewrites committed while it ran from snapshot metadata alone
-    # (maintenance._only_rewrites_since). true adds a checksum of every row before and after: two
+    # (maintenance.verify.only_rewrites_since). true adds a checksum of every row before and after: two
     # full reads of each table, an end-to-end check of Iceberg's rewrite itself.
     verify_content: bool = False
 

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 from cdc_lakehouse.lake.watermark import read_watermark
-from cdc_lakehouse.maintenance import content_checksum
+from cdc_lakehouse.maintenance.verify import content_checksum
 from cdc_lakehouse.source.errors import PreflightError
 
 from tests.helpers import assert_lake_equals_source

@@ -20,7 +20,8 @@ from cdc_lakehouse.dev.workload import ID_STRIDE
 from cdc_lakehouse.feed.consumer import block_counts
 from cdc_lakehouse.feed.offsets import output_offsets
 from cdc_lakehouse.lake.tables import table_stats
-from cdc_lakehouse.maintenance import TableMaintenanceResult, maintain_table
+from cdc_lakehouse.maintenance.result import TableMaintenanceResult
+from cdc_lakehouse.maintenance.run import maintain_table
 from cdc_lakehouse.serving.stores import store_uri_env
 
 from tests.integration.conftest import Source
@@ -122,7 +123,7 @@ def test_a_lagging_feed_consumer_keeps_its_offset_snapshot_until_its_max_lag(hel
 
     # Its output, maintained two hours later with a one-hour retention: its first snapshot
     # expired, the snapshot carrying its offsets kept (the next run below reads them).
-    from cdc_lakehouse.maintenance import maintain_feed_output
+    from cdc_lakehouse.maintenance.run import maintain_feed_output
 
     offsets, first = output_offsets(s.spark, table, "block_counts"), output_snapshots(s, table)[0]
     settings = OutputMaintenanceConfig(min_input_files=2, snapshot_retention_hours=1, min_snapshots_to_keep=1)
@@ -152,7 +153,7 @@ def test_a_lagging_feed_consumer_keeps_its_offset_snapshot_until_its_max_lag(hel
 def test_a_lagging_derived_tree_keeps_its_input_snapshots_until_its_max_lag(held_source, unique):
     """And its output's maintenance: compacted (the incremental run left delete files), expired,
     the watermark's snapshots kept on both tables, so the next run is incremental and right."""
-    from cdc_lakehouse.maintenance import maintain_derived
+    from cdc_lakehouse.maintenance.run import maintain_derived
 
     s = with_grants(held_source)
     cfg = tree_cfg(s, f"held_{unique}")

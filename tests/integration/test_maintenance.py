@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import psycopg2
 import pytest
-from cdc_lakehouse import maintenance as maintenance_mod
 from cdc_lakehouse.config import SHARD_COL
 from cdc_lakehouse.lake.commits import ConcurrentWriterError
 from cdc_lakehouse.lake.tables import source_columns_of, table_stats
-from cdc_lakehouse.maintenance import content_checksum, maintain_table
+from cdc_lakehouse.maintenance import run as maintenance_run
+from cdc_lakehouse.maintenance.run import maintain_table
+from cdc_lakehouse.maintenance.verify import content_checksum
 from pyspark.sql import functions as F
 from pyspark.testing import assertDataFrameEqual
 
@@ -118,7 +119,7 @@ def test_maintenance_fails_when_another_writer_commits_meanwhile(source, spark, 
         m = s.capture()
         s.ingest(s.block, m.manifest.run_id)
     cur = lake.qualified(s.block.current_table)
-    real_compact = maintenance_mod.compact
+    real_compact = maintenance_run.compact
 
     def compact_then_stray_write(spark_, lake_, target):
         out = real_compact(spark_, lake_, target)
@@ -126,7 +127,7 @@ def test_maintenance_fails_when_another_writer_commits_meanwhile(source, spark, 
             spark.table(cur).limit(1).writeTo(cur).append()  # a duplicate row: what a stray writer leaves
         return out
 
-    monkeypatch.setattr(maintenance_mod, "compact", compact_then_stray_write)
+    monkeypatch.setattr(maintenance_run, "compact", compact_then_stray_write)
     with pytest.raises(ConcurrentWriterError) as err:
         maintain_table(spark, lake, s.block, run_id="m-stray")
     msg = str(err.value)

@@ -373,7 +373,7 @@ def test_landing_runs_go_once_every_table_applied_them_and_are_private(source, s
     import stat
     from datetime import UTC, datetime, timedelta
 
-    from cdc_lakehouse.maintenance import prune_landing
+    from cdc_lakehouse.maintenance.landing_retention import prune_landing
 
     from tests.helpers import landing_root
 

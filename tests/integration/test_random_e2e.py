@@ -50,9 +50,9 @@ from cdc_lakehouse.ingest.run import IngestResult, ingest_table
 from cdc_lakehouse.lake.tables import source_columns_of
 from cdc_lakehouse.landing.format import manifest_path
 from cdc_lakehouse.landing.stores import LocalLanding
-from cdc_lakehouse.maintenance import maintain_table
+from cdc_lakehouse.maintenance.run import maintain_table
 from cdc_lakehouse.source.catalog import EndpointTables
-from cdc_lakehouse.views import latest_rows
+from cdc_lakehouse.views.latest import latest_rows
 from pyspark.sql import functions as F
 from pyspark.testing import assertDataFrameEqual
 

@@ -7,7 +7,7 @@ export's pending snapshots). It holds that snapshot with an Iceberg tag on the t
 ids hold back its expiry. Any engine's `expire_snapshots` keeps a tagged snapshot while the tag
 lives; this project's maintenance also keeps every snapshot after the oldest live hold (and
 after the snapshot below it carrying the table's position), so the consumer's next read still
-sees the table's history between its two snapshots (range_floor_ms, maintenance.expire).
+sees the table's history between its two snapshots (range_floor_ms, maintenance.expiry.expire).
 
 A hold lasts `max_lag_hours` after the consumer last moved it. Iceberg counts a tag's RETAIN
 from its snapshot's commit time, not from the tag's creation, so the RETAIN set is the snapshot's

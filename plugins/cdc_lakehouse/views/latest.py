@@ -1,5 +1,6 @@
-"""views: the latest-per-key view of a table, computed from its changelog (Spark driver, run by
-maintenance): as an Iceberg table replaced atomically, or as an Iceberg view (SQL text).
+"""The latest-per-key view's query: the latest row per key over a table's changelog, without
+deleted keys and without keys a later truncate removed. Built twice, kept in step: as a DataFrame
+(published as a table, and read by tests) and as SQL text (an Iceberg view stores SQL).
 
 Its columns are the current table's: the metadata columns of lake.columns (CURRENT) around the
 source columns, so the view and the current table line up column for column.
@@ -7,8 +8,6 @@ source columns, so the view and the current table line up column for column.
 
 from __future__ import annotations
 
-import logging
-import time
 from typing import TYPE_CHECKING
 
 from cdc_lakehouse.config import TableConfig
@@ -23,13 +22,11 @@ from cdc_lakehouse.lake.columns import (
     UNAVAILABLE_COL,
     names_of,
 )
-from cdc_lakehouse.lake.tables import props_sql, source_columns_of, table_exists
+from cdc_lakehouse.lake.tables import source_columns_of
 from cdc_lakehouse.settings import LakeSettings
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
-
-logger = logging.getLogger(__name__)
 
 # The view's metadata columns, before and after the source columns (the current table's).
 _LEADING = names_of(CURRENT, leading=True)
@@ -86,42 +83,7 @@ def latest_rows(spark: SparkSession, lake: LakeSettings, cfg: TableConfig) -> Da
     )
 
 
-def publish_latest(spark: SparkSession, lake: LakeSettings, cfg: TableConfig) -> int | None:
-    """As an Iceberg table replaced atomically (CREATE OR REPLACE ... AS SELECT), or as an Iceberg
-    view (maintenance.latest_view); returns its rows, None when there is none."""
-    name = lake.qualified(cfg.latest_view)
-    mode = cfg.maintenance.latest_view
-    if mode == "none":
-        return None
-    t = time.time()
-    df = latest_rows(spark, lake, cfg)
-    if mode == "table":
-        if _is_view(spark, name):
-            spark.sql(f"DROP VIEW {name}")
-        view = f"cdc_latest_{cfg.name}"
-        df.createOrReplaceTempView(view)
-        part = f"PARTITIONED BY ({SHARD_COL})" if SHARD_COL in cfg.lake.partition_by else ""
-        props = props_sql({"format-version": "2", "cdc.table": cfg.name, "cdc.kind": "latest-per-key"})
-        spark.sql(f"CREATE OR REPLACE TABLE {name} USING iceberg {part} {props} AS SELECT * FROM {view}")
-        rows = spark.table(name).count()
-    else:
-        if table_exists(spark, name) and not _is_view(spark, name):
-            spark.sql(f"DROP TABLE {name}")
-        spark.sql(f"CREATE OR REPLACE VIEW {name} AS {_latest_sql(spark, lake, cfg)}")
-        rows = spark.table(name).count()
-    logger.info(f"maintenance {cfg.name}: latest-per-key {mode} {name}: {rows} rows in {time.time() - t:.1f}s")
-    return rows
-
-
-def _is_view(spark: SparkSession, name: str) -> bool:
-    cat, ns, tbl = name.split(".")
-    try:
-        return any(r["viewName"] == tbl for r in spark.sql(f"SHOW VIEWS IN {cat}.{ns}").collect())
-    except Exception:  # noqa: BLE001 - catalogs without views
-        return False
-
-
-def _latest_sql(spark: SparkSession, lake: LakeSettings, cfg: TableConfig) -> str:
+def latest_sql(spark: SparkSession, lake: LakeSettings, cfg: TableConfig) -> str:
     """The same query as latest_rows, as SQL text (an Iceberg view stores SQL)."""
     cl = lake.qualified(cfg.changelog_table)
     cols = [c for c, _ in source_columns_of(spark, lake.qualified(cfg.current_table), cfg)]
