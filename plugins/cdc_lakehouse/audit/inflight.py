@@ -137,11 +137,11 @@ def _wait_for_wal_flush(
     earlier) sees. Read-only, no privilege needed."""
     with conn.cursor() as cur:
         cur.execute("SELECT pg_current_wal_insert_lsn()")
-        target = cur.fetchone()[0]
+        (target,) = cur.fetchone() or (None,)  # a SELECT without FROM: always one row
         deadline = time.monotonic() + timeout
         while True:
             cur.execute("SELECT pg_current_wal_flush_lsn() >= %s::pg_lsn", (target,))
-            if cur.fetchone()[0]:
+            if (cur.fetchone() or (False,))[0]:
                 break
             if time.monotonic() > deadline:
                 raise AuditFailed(
