@@ -29,6 +29,8 @@ COPY --chown=airflow:root requirements.txt requirements.lock /opt/cdc/
 # The lock pins Airflow itself to the image's version, so nothing of Airflow's is replaced.
 RUN pip install --no-cache-dir -r /opt/cdc/requirements.txt -c /opt/cdc/requirements.lock
 
+# What Airflow and the Spark jobs run, nothing more: the development stack (devstack/), the
+# benchmarks and the tests stay out of the image.
 COPY --chown=airflow:root dags/ /opt/airflow/dags/
 COPY --chown=airflow:root plugins/ /opt/airflow/plugins/
 COPY --chown=airflow:root spark_jobs/ /opt/airflow/spark_jobs/

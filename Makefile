@@ -9,22 +9,22 @@ setup:
 	@scripts/setup.sh
 
 pg-start: setup
-	@$(ENV) python -m cdc_lakehouse.dev.localstack start
+	@$(ENV) python -m devstack.localstack start
 
 pg-stop:
-	@$(ENV) python -m cdc_lakehouse.dev.localstack stop
+	@$(ENV) python -m devstack.localstack stop
 
 pg-status:
-	@$(ENV) python -m cdc_lakehouse.dev.localstack status
+	@$(ENV) python -m devstack.localstack status
 
 airflow-init: pg-start
 	@$(ENV) scripts/airflow_init.sh
 
 demo: airflow-init
-	@$(ENV) python -m cdc_lakehouse.dev.demo run $(DEMO_ARGS)
+	@$(ENV) python -m devstack.demo run $(DEMO_ARGS)
 
 airflow: airflow-init
-	@$(ENV) python -m cdc_lakehouse.dev.demo prepare && $(ENV) scripts/airflow_ui.sh
+	@$(ENV) python -m devstack.demo prepare && $(ENV) scripts/airflow_ui.sh
 
 test: setup
 	@$(ENV) python -m pytest $(PYTEST_ARGS)
@@ -71,5 +71,5 @@ bench-maintenance: pg-start
 	@$(ENV) python bench/maintenance_bench.py $(BENCH_MAINTENANCE_ARGS)
 
 clean:
-	@$(ENV) python -m cdc_lakehouse.dev.localstack stop || true
+	@$(ENV) python -m devstack.localstack stop || true
 	rm -rf .local build

@@ -51,7 +51,8 @@ def _admin_dsn(db: str = "postgres") -> str:
 
 def prepare_source(blocks: int):
     import psycopg2
-    from cdc_lakehouse.dev.workload import NotionWorkload
+
+    from devstack.workload import NotionWorkload
 
     global CONN_ID  # noqa: PLW0603
     CONN_ID = f"bench_source_{blocks}"

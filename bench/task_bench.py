@@ -11,7 +11,7 @@ one Spark application, not timed), then runs, each in a new process:
                task builds (CdcSparkSubmitOperator: --jars, --py-files, base_conf, driver memory)
   ours-connect the same job file run as the Airflow task runs it on a `spark_connect`
                connection: a new Python process, a client of a Spark Connect server started
-               once beforehand (dev.localstack.LocalSparkConnect; its start is printed, not
+               once beforehand (devstack.localstack.LocalSparkConnect; its start is printed, not
                counted), timed from the spawn to the committed line
   spark-merge  a plain Spark MERGE of the already pre-combined batch, started the same way
 
@@ -149,7 +149,7 @@ def timed(cmd: list[str], env: dict[str, str]) -> dict:
 @contextmanager
 def connect_server() -> Iterator[str]:
     """A local Spark Connect server for the Connect runs (its start printed, not timed); its URL."""
-    from cdc_lakehouse.dev.localstack import LocalSparkConnect
+    from devstack.localstack import LocalSparkConnect
 
     server = LocalSparkConnect(WORK / "task-connect", memory=os.environ.get("CDC_SPARK_DRIVER_MEMORY", "4g"))
     t = time.time()

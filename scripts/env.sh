@@ -16,7 +16,8 @@ fi
 CDC_LOCAL_PG_PASSWORD="$(cat "$CDC_LOCAL_DIR/.pg-password")"
 export CDC_LOCAL_PG_PASSWORD
 export PATH="$CDC_ROOT/.venv/bin:$PATH"
-export PYTHONPATH="$CDC_ROOT/plugins${PYTHONPATH:+:$PYTHONPATH}"
+# plugins/ holds the shipped package; the repository root holds the development stack (devstack/).
+export PYTHONPATH="$CDC_ROOT/plugins:$CDC_ROOT${PYTHONPATH:+:$PYTHONPATH}"
 
 # Airflow on SQLite, DAGs and plugins from this repository.
 export AIRFLOW_HOME="${AIRFLOW_HOME:-$CDC_LOCAL_DIR/airflow}"
@@ -35,7 +36,7 @@ export AIRFLOW_CONN_CDC_SOURCE_LOCAL="${AIRFLOW_CONN_CDC_SOURCE_LOCAL:-postgresq
 # The serving export's local default store (redis-server, started with PostgreSQL by make pg-start).
 export CDC_LOCAL_REDIS_PORT="${CDC_LOCAL_REDIS_PORT:-56379}"
 export AIRFLOW_CONN_CDC_REDIS="${AIRFLOW_CONN_CDC_REDIS:-redis://127.0.0.1:$CDC_LOCAL_REDIS_PORT/0}"
-# Spark: the local stack's Spark Connect server (dev.localstack, started by make pg-start).
+# Spark: the local stack's Spark Connect server (devstack.localstack, started by make pg-start).
 export CDC_LOCAL_SPARK_PORT="${CDC_LOCAL_SPARK_PORT:-15002}"
 export CDC_LOCAL_SPARK_UI_PORT="${CDC_LOCAL_SPARK_UI_PORT:-4040}"
 export AIRFLOW_CONN_SPARK_DEFAULT="${AIRFLOW_CONN_SPARK_DEFAULT:-{\"conn_type\": \"spark_connect\", \"host\": \"127.0.0.1\", \"port\": $CDC_LOCAL_SPARK_PORT\}}"

@@ -29,7 +29,7 @@ def tmp_root():
 
 @pytest.fixture(scope="session")
 def pg(tmp_root):
-    from cdc_lakehouse.dev.localstack import LocalPostgres, free_port
+    from devstack.localstack import LocalPostgres, free_port
 
     server = LocalPostgres(tmp_root / "pg", free_port(), fast=True)
     server.start()
@@ -71,7 +71,7 @@ def lake(pg, tmp_root):
 @pytest.fixture(scope="session")
 def s3_server(tmp_root):
     """A local S3-compatible server (moto, server mode) for the session; started on first use."""
-    from cdc_lakehouse.dev.localstack import LocalS3, free_port
+    from devstack.localstack import LocalS3, free_port
 
     server = LocalS3(free_port())
     server.start()
@@ -82,7 +82,7 @@ def s3_server(tmp_root):
 @pytest.fixture(scope="session")
 def redis_server(tmp_root):
     """A private redis-server for the session (the serving export's local default store)."""
-    from cdc_lakehouse.dev.localstack import LocalRedis, free_port
+    from devstack.localstack import LocalRedis, free_port
 
     server = LocalRedis(tmp_root / "redis", free_port())
     server.start()
@@ -93,8 +93,8 @@ def redis_server(tmp_root):
 @pytest.fixture(scope="session")
 def spark_server(tmp_root):
     """The session's Spark Connect server: the one JVM every test's Spark work runs in, started
-    the way the local stack starts its own (dev.localstack.LocalSparkConnect)."""
-    from cdc_lakehouse.dev.localstack import LocalSparkConnect
+    the way the local stack starts its own (devstack.localstack.LocalSparkConnect)."""
+    from devstack.localstack import LocalSparkConnect
 
     server = LocalSparkConnect(tmp_root / "spark-connect", memory="3g")
     server.start()

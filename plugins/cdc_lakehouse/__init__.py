@@ -14,11 +14,11 @@ The package is laid out along the data path, one subpackage per stage:
 Around it:
   orchestration  the Airflow side: DAG factory, tasks, the Spark operator, alerts
   runtime        the Spark side: SparkSession, job command lines, --py-files zip, secrets
-  dev            local stack, workload and demo: not shipped to Spark executors
   config.py (table configs), settings.py (lake and source connections), identifiers.py, cli.py
 
 Shared by DAGs (parse-time safe: the __init__ files import nothing, config and settings stay
-light) and Spark jobs (shipped with --py-files, without dev/ and orchestration/).
+light) and Spark jobs (shipped with --py-files, without orchestration/). The development stack
+(local stack, workload, demo) is `devstack/` at the repository root: not part of this package.
 """
 
 __version__ = "0.1.0"

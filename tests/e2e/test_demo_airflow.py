@@ -70,7 +70,8 @@ def demo_env(pg, redis_server, spark_server, statsd, tmp_path_factory):
     env = {
         **os.environ,
         "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
-        "PYTHONPATH": str(ROOT / "plugins"),
+        # The package, and the repository root for the development stack the demo is (devstack/).
+        "PYTHONPATH": os.pathsep.join((str(ROOT / "plugins"), str(ROOT))),
         "AIRFLOW_HOME": str(base / "airflow"),
         # Its own local dir; the local stack's Spark Connect server is the session's (running, so
         # the demo does not start one), and so is the rerun's spark_default connection below.
@@ -128,7 +129,7 @@ def _lake_versions(env) -> dict[tuple[str, int], int]:
 
 
 def _source_versions(pg) -> dict[tuple[str, int], int]:
-    from cdc_lakehouse.dev.demo import SHARDS
+    from devstack.demo import SHARDS
 
     out = {}
     conn = psycopg2.connect(pg.dsn("notion"))
@@ -167,7 +168,7 @@ def test_demo_through_airflow_is_clean_and_a_rerun_converges(pg, demo_env, stats
         [
             sys.executable,
             "-m",
-            "cdc_lakehouse.dev.demo",
+            "devstack.demo",
             "run",
             "--blocks",
             "400",

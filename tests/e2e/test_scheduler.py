@@ -32,8 +32,8 @@ from pathlib import Path
 import psutil
 import psycopg2
 import pytest
-from cdc_lakehouse.dev.localstack import free_port
 
+from devstack.localstack import free_port
 from tests.conftest import ROOT
 from tests.helpers import init_airflow_home
 

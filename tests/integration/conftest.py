@@ -10,11 +10,11 @@ import pytest
 from cdc_lakehouse.bootstrap.result import BootstrapResult
 from cdc_lakehouse.bootstrap.run import bootstrap_table
 from cdc_lakehouse.capture.run import CaptureResult, capture_run
-from cdc_lakehouse.dev.workload import NotionWorkload
 from cdc_lakehouse.ingest.run import IngestResult, ingest_table
 from cdc_lakehouse.landing.stores import LocalLanding
 from cdc_lakehouse.source.catalog import EndpointTables
 
+from devstack.workload import NotionWorkload
 from tests.conftest import make_config
 
 

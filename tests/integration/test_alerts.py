@@ -73,7 +73,8 @@ class _Sink:
 @pytest.fixture(scope="module")
 def smtp():
     from aiosmtpd.controller import Controller
-    from cdc_lakehouse.dev.localstack import free_port
+
+    from devstack.localstack import free_port
 
     sink = _Sink()
     controller = Controller(sink, hostname="127.0.0.1", port=free_port())
@@ -86,8 +87,9 @@ def smtp():
 def sns(tmp_path_factory):
     """A moto server of its own; a topic whose messages land in an SQS queue."""
     import boto3
-    from cdc_lakehouse.dev.localstack import free_port
     from moto.server import ThreadedMotoServer
+
+    from devstack.localstack import free_port
 
     port = free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
@@ -210,7 +212,7 @@ def alert_env(pg, lake, smtp, sns, tmp_path_factory):
 
 
 def _closed_port() -> int:
-    from cdc_lakehouse.dev.localstack import free_port
+    from devstack.localstack import free_port
 
     return free_port()  # bound and released: nothing listens there
 

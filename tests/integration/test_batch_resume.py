@@ -117,7 +117,7 @@ def test_derived_tree_killed_between_its_two_commits_commits_each_once(tree_sour
     cfg = tree_cfg(s, f"batch_{unique}")
     derive(s, cfg)
     rng = random.Random(int(unique, 16))
-    from cdc_lakehouse.dev.workload import ID_STRIDE
+    from devstack.workload import ID_STRIDE
 
     next_id = {schema: s.wl.shard_no(schema) * ID_STRIDE + 201 for schema in s.schemas}
     apply_batch(s, *random_batch(s, rng, next_id))

@@ -415,7 +415,7 @@ def test_slot_of_the_same_endpoint_id_in_another_database_is_refused(db, pg, uni
 @pytest.fixture(scope="module")
 def small_cluster(tmp_root):
     """A second server: wal_level=replica first, then a tiny max_slot_wal_keep_size."""
-    from cdc_lakehouse.dev.localstack import LocalPostgres, free_port
+    from devstack.localstack import LocalPostgres, free_port
 
     server = LocalPostgres(tmp_root / "pg_small", free_port(), fast=True)
     server.init()

@@ -14,11 +14,11 @@ import urllib.request
 
 import pytest
 import yaml
-from cdc_lakehouse.dev.localstack import LocalSparkCluster
 from cdc_lakehouse.lake.meta import ensure_meta_tables
 from cdc_lakehouse.landing.stores import open_landing
 from cdc_lakehouse.runtime.session import attach_lake
 
+from devstack.localstack import LocalSparkCluster
 from tests.helpers import assert_lake_equals_source, lake_connection_json
 from tests.integration.conftest import S3_KEY_ID, S3_SECRET, Source
 

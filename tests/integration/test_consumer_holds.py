@@ -16,7 +16,6 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from cdc_lakehouse.config import OutputMaintenanceConfig, TableConfig
 from cdc_lakehouse.derived.run import read_tree_watermark
-from cdc_lakehouse.dev.workload import ID_STRIDE
 from cdc_lakehouse.feed.consumer import block_counts
 from cdc_lakehouse.feed.offsets import output_offsets
 from cdc_lakehouse.lake.tables import table_stats
@@ -24,6 +23,7 @@ from cdc_lakehouse.maintenance.result import TableMaintenanceResult
 from cdc_lakehouse.maintenance.run import maintain_table
 from cdc_lakehouse.serving.stores import store_uri_env
 
+from devstack.workload import ID_STRIDE
 from tests.integration.conftest import Source
 from tests.integration.test_derived_tree import GROUP, assert_tree_is_reference, derive, tree_cfg
 from tests.integration.test_feed import lake_counts, source_counts

@@ -14,9 +14,9 @@ import psycopg2
 import pytest
 from cdc_lakehouse.derived.config import TreeConfig
 from cdc_lakehouse.derived.run import derive_tree
-from cdc_lakehouse.dev.workload import ID_STRIDE
 from cdc_lakehouse.lake.holds import ConsumerLagError, drop_consumer
 
+from devstack.workload import ID_STRIDE
 from tests.conftest import make_config
 from tests.integration.conftest import Source
 

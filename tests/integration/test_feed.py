@@ -15,7 +15,6 @@ from types import SimpleNamespace
 import jinja2
 import psycopg2
 import pytest
-from cdc_lakehouse.dev.workload import ID_STRIDE
 from cdc_lakehouse.feed.arrow import read_changes_arrow
 from cdc_lakehouse.feed.consumer import ConsumerResult, block_counts
 from cdc_lakehouse.feed.models import FEED_OP_COL, OP_DELETE, OP_UPSERT, FeedError
@@ -23,6 +22,7 @@ from cdc_lakehouse.feed.offsets import commit_meta_offset, meta_offset, output_o
 from cdc_lakehouse.feed.read import read_changes
 from cdc_lakehouse.orchestration.dag_factory import FEED_UPTO, announce_snapshots, asset
 
+from devstack.workload import ID_STRIDE
 from tests.helpers import lake_connection_json
 from tests.integration.conftest import Source
 

@@ -147,8 +147,9 @@ def test_a_shard_beyond_the_sla_alerts_naming_it(two_endpoints, spark, lake, smt
     ages = shard_ages(spark, lake, cfg, Watermark.from_dict({}), datetime.now(UTC))
     assert ages[stale_shard] * 60 > SLA_SECONDS > 0 and ages[fresh_shard] * 60 < ages[stale_shard] * 60
     # The demo's summary reads it with pyiceberg: a line per shard.
-    from cdc_lakehouse.dev.demo import _freshness_lines
     from pyiceberg.catalog import load_catalog
+
+    from devstack.demo import _freshness_lines
 
     cat = load_catalog(lake.catalog_name, **lake.pyiceberg_properties())
     lines = [ln for ln in _freshness_lines(cat, lake) if ln.startswith(f"freshness {cfg.name} ")]

@@ -86,7 +86,7 @@ CAPTURE_CHILD = (
 @pytest.fixture(scope="module")
 def pg_b(tmp_root):
     """Server B: a second cluster of its own (LocalPostgres sets wal_level=logical)."""
-    from cdc_lakehouse.dev.localstack import LocalPostgres, free_port
+    from devstack.localstack import LocalPostgres, free_port
 
     server = LocalPostgres(tmp_root / "pg_rand_b", free_port(), fast=True)
     server.init()

@@ -26,7 +26,6 @@ from cdc_lakehouse.audit.repair import repair_keys
 from cdc_lakehouse.config import SHARD_COL, TableConfig
 from cdc_lakehouse.derived.config import TreeConfig
 from cdc_lakehouse.derived.run import derive_tree
-from cdc_lakehouse.dev.workload import ID_STRIDE
 from cdc_lakehouse.feed.models import BEFORE_COL, FEED_OP_COL, OP_DELETE, FeedOffset, FeedRange
 from cdc_lakehouse.feed.read import live_rows, read_changes
 from cdc_lakehouse.ingest.replay import replay_quarantine
@@ -38,6 +37,7 @@ from cdc_lakehouse.serving.config import ExportConfig
 from cdc_lakehouse.serving.run import export
 from cdc_lakehouse.serving.stores import store_uri_env
 
+from devstack.workload import ID_STRIDE
 from tests.helpers import landing_root
 from tests.integration.conftest import Source
 from tests.integration.test_derived_tree import assert_tree_is_reference, reference, tree_cfg, tree_of

@@ -19,9 +19,9 @@ from pathlib import Path
 import psycopg2
 import pytest
 import structlog
-from cdc_lakehouse.dev.localstack import LocalPostgres, free_port
 from cdc_lakehouse.settings import LakeSettings, SourceEndpoint
 
+from devstack.localstack import LocalPostgres, free_port
 from tests.conftest import ROOT
 from tests.helpers import lake_connection_json
 from tests.unit.test_secrets_transport import (

@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 
 import pytest
-from cdc_lakehouse.dev.localstack import free_port
 
+from devstack.localstack import free_port
 from tests.conftest import ROOT
 
 

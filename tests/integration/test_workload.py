@@ -6,7 +6,8 @@ from __future__ import annotations
 from collections import Counter
 
 import psycopg2
-from cdc_lakehouse.dev.workload import NotionWorkload
+
+from devstack.workload import NotionWorkload
 
 
 def test_the_workload_leaves_no_block_without_its_parent(pg, unique):

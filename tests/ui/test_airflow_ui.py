@@ -17,7 +17,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from cdc_lakehouse.dev.localstack import free_port
+
+from devstack.localstack import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"

@@ -5,7 +5,8 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pyarrow as pa
-from cdc_lakehouse.dev.demo import _tree_lines, unresolved_text
+
+from devstack.demo import _tree_lines, unresolved_text
 
 
 class _Catalog:

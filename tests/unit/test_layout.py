@@ -1,5 +1,6 @@
 """The package's shape is a contract: the tree follows the data path, imports point down one order
-of layers, the Spark side never imports the Airflow or dev side, nothing dev-only is shipped to
+of layers, the Spark side never imports the Airflow side, the shipped package never imports the
+development stack (devstack/), the benchmarks or the tests, nothing Airflow-only is shipped to
 executors, and functions stay short."""
 
 from __future__ import annotations
@@ -12,6 +13,11 @@ import pytest
 from cdc_lakehouse.runtime.packaging import NOT_SHIPPED, PACKAGE_DIR, pyfiles_zip
 
 MODULES = sorted(p for p in PACKAGE_DIR.rglob("*.py") if "__pycache__" not in p.parts)
+# The development stack: beside the package at the repository root, never shipped.
+DEVSTACK_DIR = PACKAGE_DIR.parents[1] / "devstack"
+DEVSTACK_MODULES = sorted(p for p in DEVSTACK_DIR.rglob("*.py") if "__pycache__" not in p.parts)
+# Top-level packages of the repository that the shipped package must never import, at any level.
+NOT_IMPORTED = ("devstack", "bench", "tests")
 # Packages whose code runs on the Spark driver or executors (shipped with --py-files).
 SPARK_SIDE = ("source", "capture", "landing", "ingest", "lake", "bootstrap", "audit", "derived", "runtime", "jobs")
 MAX_LINES = 60
@@ -20,7 +26,7 @@ LONG_MARK = "# Long because"
 
 
 def _rel(p: Path) -> str:
-    return str(p.relative_to(PACKAGE_DIR))
+    return str(p.relative_to(PACKAGE_DIR if p.is_relative_to(PACKAGE_DIR) else PACKAGE_DIR.parents[1]))
 
 
 def _imports(tree: ast.AST) -> set[str]:
@@ -36,7 +42,7 @@ def _imports(tree: ast.AST) -> set[str]:
 def test_the_tree_names_the_data_path():
     packages = {p.name for p in PACKAGE_DIR.iterdir() if (p / "__init__.py").exists()}
     assert {"source", "capture", "landing", "ingest", "lake", "bootstrap", "audit"} <= packages
-    assert {"orchestration", "runtime", "dev"} <= packages
+    assert {"orchestration", "runtime"} <= packages
     for pkg in packages:
         doc = ast.get_docstring(ast.parse((PACKAGE_DIR / pkg / "__init__.py").read_text()))
         assert doc, f"{pkg}/__init__.py needs a docstring saying what stage it holds"
@@ -71,10 +77,10 @@ LAYERS: list[list[str]] = [
     ["serving"],
     ["views"],  # published by maintenance
     ["maintenance"],  # keeps every table fit, derived trees' and feed outputs' included
-    # entry points: the Spark jobs' command lines, Airflow, the development tools, the CLI
+    # entry points: the Spark jobs' command lines, Airflow, the CLI (the development stack,
+    # devstack/, is outside the package and above all of it)
     ["jobs"],
     ["orchestration"],
-    ["dev"],
     ["cli"],
 ]
 PACKAGE = "cdc_lakehouse"
@@ -205,7 +211,7 @@ def test_module_level_imports_have_no_cycle():
 @pytest.mark.parametrize(
     "path", [p for p in MODULES if _rel(p).split("/")[0].removesuffix(".py") in SPARK_SIDE], ids=_rel
 )
-def test_spark_side_does_not_import_airflow_or_dev(path):
+def test_spark_side_does_not_import_airflow(path):
     # Module level only: a driver without Airflow must import every Spark-side module. Functions
     # that run on the Airflow worker (the capture's S3 store, `secrets write`) import the
     # provider lazily, where that path is taken.
@@ -214,20 +220,28 @@ def test_spark_side_does_not_import_airflow_or_dev(path):
     for node in tree.body:
         if isinstance(node, (ast.Import, ast.ImportFrom, ast.If)):
             top_level |= _imports(node)
-    bad = sorted(m for m in top_level if m.startswith(("cdc_lakehouse.orchestration", "cdc_lakehouse.dev", "airflow")))
-    assert not bad, f"{_rel(path)} imports {bad}: the Spark side must not need Airflow or the dev tools"
+    bad = sorted(m for m in top_level if m.startswith(("cdc_lakehouse.orchestration", "airflow")))
+    assert not bad, f"{_rel(path)} imports {bad}: the Spark side must not need Airflow"
 
 
-def test_dev_tools_are_not_shipped_to_executors(tmp_path):
+@pytest.mark.parametrize("path", MODULES, ids=_rel)
+def test_shipped_package_never_imports_devstack_bench_or_tests(path):
+    # Every import, inside functions too: the Airflow image and the --py-files zip carry none of
+    # them, so a lazy import would fail only in production.
+    bad = sorted(m for m in _imports(ast.parse(path.read_text())) if m.split(".")[0] in NOT_IMPORTED)
+    assert not bad, f"{_rel(path)} imports {bad}: the shipped package must not need {', '.join(NOT_IMPORTED)}"
+
+
+def test_airflow_side_and_devstack_are_not_shipped_to_executors(tmp_path):
     with zipfile.ZipFile(pyfiles_zip(tmp_path)) as zf:
         names = zf.namelist()
     assert "cdc_lakehouse/ingest/run.py" in names
-    assert not [n for n in names if n.split("/")[1] in NOT_SHIPPED]
+    assert not [n for n in names if n.split("/")[0] != "cdc_lakehouse" or n.split("/")[1] in NOT_SHIPPED]
 
 
 def _long_functions() -> list[str]:
     out = []
-    for path in MODULES:
+    for path in MODULES + DEVSTACK_MODULES:  # the development stack is read by newcomers too
         lines = path.read_text().splitlines()
         for node in ast.walk(ast.parse("\n".join(lines))):
             if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):

@@ -1,7 +1,8 @@
 """The package as Spark receives it on a cluster: a zip for --py-files, rebuilt when stale.
 
-Everything but `dev/` (the local stack, the workload generator, the demo) and the Airflow-only
-`orchestration/` package: executors never import those, and they would only grow the zip.
+Everything but the Airflow-only `orchestration/` package: executors never import it, and it would
+only grow the zip. The development stack (devstack/ at the repository root) is outside the package
+and never in the zip.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import zipfile
 from pathlib import Path
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1]
-NOT_SHIPPED = ("dev", "orchestration")
+NOT_SHIPPED = ("orchestration",)
 
 
 def pyfiles_zip(build_dir: Path | None = None) -> Path:

@@ -3,7 +3,7 @@
 Two ways to reach Spark; the code after them is the same (no JVM access from Python):
 
 - Spark Connect (`CDC_SPARK_REMOTE=sc://host:port`, or an Airflow Spark Connect connection): this
-  process is a client of a long-lived Spark, the local stack's (dev.localstack.LocalSparkConnect)
+  process is a client of a long-lived Spark, the local stack's (devstack.localstack.LocalSparkConnect)
   or a team's own. Each job gets a session of its own on the server.
 - A classic session: under spark-submit (YARN, Kubernetes: the JVM is already there), or a JVM
   started here (`python spark_jobs/x.py` with no remote).

@@ -1,10 +1,9 @@
 """The demo: a Notion-like source on the local PostgreSQL, replicated through Airflow.
 
-python -m cdc_lakehouse.dev.demo prepare   create and load the source if missing
-python -m cdc_lakehouse.dev.demo run       prepare, then bootstrap, workload, ingest intervals (the
-                                       first and last followed by the derived trees and serving exports),
-                                       audit and maintenance via
-                                       `airflow dags test`, then a summary
+python -m devstack.demo prepare   create and load the source if missing
+python -m devstack.demo run       prepare, then bootstrap, workload, ingest intervals (the
+                                  first and last followed by the derived trees and serving exports),
+                                  audit and maintenance via `airflow dags test`, then a summary
 """
 
 from __future__ import annotations
@@ -23,8 +22,9 @@ from typing import Any
 
 from cdc_lakehouse.config import OP_COL, SHARD_COL, load_table_configs
 from cdc_lakehouse.derived.config import TreeConfig, load_derived_configs
-from cdc_lakehouse.dev.workload import NotionWorkload
 from cdc_lakehouse.settings import LakeSettings, derived_dir, tables_dir
+
+from devstack.workload import NotionWorkload
 
 SHARDS = ["shard_00", "shard_01", "shard_02", "shard_03"]
 
@@ -333,7 +333,7 @@ def _node_line(dcfg: TreeConfig, r: dict[str, Any]) -> str:
 
 
 SPARK_CONNECTIONS = {
-    # The local stack's Spark Connect server (dev.localstack.local_stack_spark), started by make.
+    # The local stack's Spark Connect server (devstack.localstack.local_stack_spark), started by make.
     "connect": lambda: json.dumps(
         {
             "conn_type": "spark_connect",
@@ -350,7 +350,7 @@ def spark_jobs_on(mode: str) -> Iterator[None]:
     """`connect` (default): the demo's Spark tasks are clients of the local stack's Spark Connect
     server (started if it is not running); `submit`: a spark-submit per task. Through the Spark
     connection the DAGs' tasks use (spark_default), as a deployment would switch them."""
-    from cdc_lakehouse.dev.localstack import local_stack_spark
+    from devstack.localstack import local_stack_spark
 
     if mode == "connect":
         server = local_stack_spark()
@@ -427,7 +427,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m cdc_lakehouse.dev.demo")
+    p = argparse.ArgumentParser(prog="python -m devstack.demo")
     p.add_argument("cmd", choices=["prepare", "run"])
     p.add_argument("--blocks", type=int, default=25_000, help="blocks per shard in the initial load")
     p.add_argument("--changes", type=int, default=20_000, help="row changes per interval")

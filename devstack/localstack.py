@@ -3,7 +3,7 @@
 Its own data directory and port, `wal_level=logical`. When run as root the server runs as
 the `postgres` OS user (PostgreSQL refuses to run as root).
 
-    python -m cdc_lakehouse.dev.localstack {init,start,stop,status}
+    python -m devstack.localstack {init,start,stop,status}
 """
 
 from __future__ import annotations
@@ -520,7 +520,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"spark connect: {'running' if sc.is_running() else 'stopped'} at {sc.url}")
         return 0 if running else 3
     else:
-        print("usage: python -m cdc_lakehouse.dev.localstack {init,start,stop,status}", file=sys.stderr)
+        print("usage: python -m devstack.localstack {init,start,stop,status}", file=sys.stderr)
         return 2
     return 0
 
