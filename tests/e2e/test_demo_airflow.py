@@ -196,7 +196,7 @@ def test_demo_through_airflow_is_clean_and_a_rerun_converges(pg, demo_env, stats
     source = _source_versions(pg)
     assert len(source) > 1000
     assert _lake_versions(demo_env) == source
-    from cdc_lakehouse.dev.demo import SHARDS
+    from devstack.demo import SHARDS
 
     _assert_cdc_metrics(statsd[1], list(SHARDS))
     # Rerun the first interval (clearing a past run in the UI does the same): nothing changes.
