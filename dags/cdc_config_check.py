@@ -3,7 +3,7 @@
 The other DAGs still load; each line of the error names the file, the field and the fix.
 """
 
-from cdc_lakehouse.orchestration.dag_factory import config_errors
+from cdc_lakehouse.orchestration.dag_parts import config_errors
 
 _errors = config_errors()
 if _errors:

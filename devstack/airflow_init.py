@@ -16,7 +16,7 @@ from pathlib import Path
 def main() -> int:
     home = Path(os.environ.get("AIRFLOW_HOME") or Path.home() / "airflow")
     home.mkdir(parents=True, exist_ok=True)
-    from cdc_lakehouse.orchestration.dag_factory import pools
+    from cdc_lakehouse.orchestration.dag_parts import pools
 
     pools_file, wanted = home / "pools.json", pools()
     pools_file.write_text(json.dumps(wanted, indent=2, sort_keys=True))

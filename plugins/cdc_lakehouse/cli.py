@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{len(es.exports)} valid export config(s): {', '.join(sorted(es.exports))}")
         return 1 if cs.errors or ds.errors or es.errors else 0
     if args.cmd == "pools":
-        from cdc_lakehouse.orchestration.dag_factory import pools
+        from cdc_lakehouse.orchestration.dag_parts import pools
 
         print(json.dumps(pools(), indent=2, sort_keys=True))
         return 0

@@ -53,10 +53,10 @@ def test_every_table_has_its_four_dags(dagbag):
 
 
 def _dag_ids() -> list[str]:
-    from cdc_lakehouse.orchestration.dag_factory import build_dags
+    from tests.dag_files import dags_of
 
     # and the example change-feed consumer, a DAG file of its own (dags/cdc_feed_block_counts.py)
-    return sorted([*build_dags(str(TABLES), str(DERIVED)), "cdc_feed__block_counts"])
+    return sorted([*dags_of(TABLES, DERIVED), "cdc_feed__block_counts"])
 
 
 @pytest.mark.parametrize("dag_id", _dag_ids())
@@ -85,7 +85,7 @@ def test_dag_policy(dagbag, dag_id):
 def test_writers_of_one_table_share_a_single_slot_pool(dagbag):
     """Ingest, bootstrap and maintenance of a table never run at once: they queue on one pool."""
     from cdc_lakehouse.config import load_table_configs
-    from cdc_lakehouse.orchestration.dag_factory import pools, table_pool
+    from cdc_lakehouse.orchestration.dag_parts import pools, table_pool
 
     cs = load_table_configs(TABLES)
     declared = pools(str(TABLES))
@@ -106,7 +106,7 @@ def test_derived_tables_run_on_their_inputs_assets(dagbag):
     those assets, producing its output's asset, in its own one-slot pool, with a mode param."""
     from cdc_lakehouse.config import load_table_configs
     from cdc_lakehouse.derived.config import load_derived_configs
-    from cdc_lakehouse.orchestration.dag_factory import asset, pools
+    from cdc_lakehouse.orchestration.dag_parts import asset, pools
 
     cs = load_table_configs(TABLES)
     ds = load_derived_configs(DERIVED, cs.tables)
@@ -137,7 +137,7 @@ def test_exports_run_on_their_source_asset_with_the_store_secret_resolved_at_run
     with a mode param (auto, full, rollback) and the store connection named, not resolved."""
     from cdc_lakehouse.config import load_table_configs
     from cdc_lakehouse.derived.config import load_derived_configs
-    from cdc_lakehouse.orchestration.dag_factory import asset, pools
+    from cdc_lakehouse.orchestration.dag_parts import asset, pools
     from cdc_lakehouse.serving.config import load_export_configs, resolve_source
 
     cs = load_table_configs(TABLES)

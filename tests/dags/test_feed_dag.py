@@ -8,7 +8,7 @@ from tests.dags.test_dag_integrity import TABLES, dagbag  # noqa: F401 - the mod
 def test_feed_consumer_dag_runs_on_the_block_asset_and_keeps_the_dag_policy(dagbag):  # noqa: F811
     from cdc_lakehouse.config import load_table_configs
     from cdc_lakehouse.orchestration.alerts import CdcFailureNotifier
-    from cdc_lakehouse.orchestration.dag_factory import FEED_UPTO, asset
+    from cdc_lakehouse.orchestration.dag_parts import FEED_UPTO, asset
     from cdc_lakehouse.orchestration.tasks import AnnounceLakeSnapshots
 
     block = load_table_configs(TABLES).tables["block"]

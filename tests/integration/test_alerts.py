@@ -218,9 +218,11 @@ def _closed_port() -> int:
 
 
 def _dags():
-    from cdc_lakehouse.orchestration.dag_factory import build_dags
+    from cdc_lakehouse.settings import tables_dir
 
-    return build_dags()
+    from tests.dag_files import dags_of
+
+    return dags_of(tables_dir())
 
 
 def _ti(dag_id: str, task_id: str, try_number: int = 1):

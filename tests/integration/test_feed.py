@@ -20,7 +20,7 @@ from cdc_lakehouse.feed.consumer import ConsumerResult, block_counts
 from cdc_lakehouse.feed.models import FEED_OP_COL, OP_DELETE, OP_UPSERT, FeedError
 from cdc_lakehouse.feed.offsets import commit_meta_offset, meta_offset, output_offsets
 from cdc_lakehouse.feed.read import read_changes
-from cdc_lakehouse.orchestration.dag_factory import FEED_UPTO, announce_snapshots, asset
+from cdc_lakehouse.orchestration.dag_parts import FEED_UPTO, announce_snapshots, asset
 
 from devstack.workload import ID_STRIDE
 from tests.helpers import lake_connection_json

@@ -295,7 +295,7 @@ def test_wal_alert_uses_the_smallest_threshold_of_the_slots_tables():
 
 
 def test_dag_alert_wiring_is_cheap_to_parse(tmp_path):
-    from cdc_lakehouse.orchestration.dag_factory import build_dags
+    from tests.dag_files import dags_of
 
     (tmp_path / "t.yaml").write_text(
         textwrap.dedent("""
@@ -305,7 +305,7 @@ def test_dag_alert_wiring_is_cheap_to_parse(tmp_path):
         alert_emails: [owner@example.com]
     """)
     )
-    dags = build_dags(str(tmp_path))
+    dags = dags_of(tmp_path)
     for dag in dags.values():
         for task in dag.tasks:
             notifiers = [c for c in task.on_failure_callback if isinstance(c, CdcFailureNotifier)]

@@ -283,7 +283,7 @@ def test_a_file_is_cut_at_the_frontier_and_late_events_sit_at_the_watermark():
 
 
 def test_config_needs_uri_and_prefix_and_capture_dags_skip_debezium_tables():
-    from cdc_lakehouse.orchestration.dag_factory import _endpoint_ids
+    from cdc_lakehouse.orchestration.dag_parts import endpoint_ids
 
     _c, errors = parse_table_config(
         {
@@ -303,7 +303,7 @@ def test_config_needs_uri_and_prefix_and_capture_dags_skip_debezium_tables():
         },
         "items.yaml",
     )[0]
-    assert _endpoint_ids([cfg(), own]) == ["other_db"]
+    assert endpoint_ids([cfg(), own]) == ["other_db"]
 
 
 def test_gzip_objects_read_like_plain_json():

@@ -23,6 +23,8 @@ from cdc_lakehouse.jobs.maintenance import MaintenanceParams
 from cdc_lakehouse.jobs.params import JobParams
 from cdc_lakehouse.jobs.registry import JOBS, JOBS_DIR
 
+from tests.dag_files import dags_of
+
 ROOT = Path(__file__).resolve().parents[2]
 
 # Per parameters class: its defaults, and every field away from its default (or templated in a DAG).
@@ -141,9 +143,7 @@ def _parsed(dag, task_id: str, **params) -> JobParams:
     return JOBS[task.job].params.from_argv(argv)
 
 
-def test_the_dag_factorys_tasks_pass_what_their_jobs_parse(tmp_path):
-    from cdc_lakehouse.orchestration.dag_factory import build_dags
-
+def test_the_dag_files_tasks_pass_what_their_jobs_parse(tmp_path):
     for name, group in (("t", ""), ("u", "ingest: {group: g}\n"), ("v", "ingest: {group: g}\n")):
         (tmp_path / f"{name}.yaml").write_text(
             textwrap.dedent(f"""
@@ -153,7 +153,7 @@ def test_the_dag_factorys_tasks_pass_what_their_jobs_parse(tmp_path):
             """)
             + group
         )
-    dags = build_dags(str(tmp_path), str(tmp_path / "no-derived"))
+    dags = dags_of(tmp_path, tmp_path / "no-derived")
     window = {"upto_run": "20260301T010000Z", "ingest_run": RUN_ID, "interval_end": END.isoformat()}
     assert _parsed(dags["cdc_ingest__t"], "ingest") == IngestParams(tables=("t",), **window)
     assert _parsed(dags["cdc_ingest_group__g"], "ingest") == IngestParams(tables=("u", "v"), **window)
@@ -169,11 +169,11 @@ def test_the_dag_factorys_tasks_pass_what_their_jobs_parse(tmp_path):
 
 def test_the_repositorys_dags_pass_what_their_jobs_parse(monkeypatch):
     """Every Spark task of the repository's DAGs (the derived, export and feed ones too)."""
-    from cdc_lakehouse.orchestration.dag_factory import build_dags, feed_consumer_dag
+    from cdc_lakehouse.orchestration.dag_parts import feed_consumer_dag
     from cdc_lakehouse.orchestration.operators import CdcSparkSubmitOperator
 
     monkeypatch.setenv("CDC_TABLES_DIR", str(ROOT / "include" / "tables"))
-    dags = build_dags(str(ROOT / "include" / "tables"), str(ROOT / "include" / "derived"))
+    dags = dags_of(ROOT / "include" / "tables", ROOT / "include" / "derived")
     feed = feed_consumer_dag("block", "block_counts", "feed_block_counts", "feed.block_counts", "about")
     dags[feed.dag_id] = feed
     tasks = [(d, t) for d in dags.values() for t in d.tasks if isinstance(t, CdcSparkSubmitOperator)]
@@ -192,7 +192,7 @@ def test_the_repositorys_dags_pass_what_their_jobs_parse(monkeypatch):
 
 
 def test_a_dag_gives_a_job_only_its_own_parameters():
-    from cdc_lakehouse.orchestration.dag_factory import spark_task
+    from cdc_lakehouse.orchestration.dag_parts import spark_task
 
     with pytest.raises(TypeError, match="job feed_block_counts takes BlockCountsParams, not IngestParams"):
         spark_task("t", "feed_block_counts", IngestParams(tables=("t",)), [], "default_pool")

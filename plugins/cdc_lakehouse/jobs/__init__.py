@@ -5,7 +5,7 @@
   registry   every job once: name (= spark_jobs/<name>.py), parameters, main
   ingest, bootstrap, maintenance, audit, derive, export, feed_block_counts
              one module per job: its parameters and its main; `feed` holds what every feed
-             consumer job takes (dag_factory.feed_consumer_dag passes it)
+             consumer job takes (dag_parts.feed_consumer_dag passes it)
 
 Each job imports its stage inside its main, so a job loads only the code it runs, and the DAG
 factory can import the parameters at parse time.

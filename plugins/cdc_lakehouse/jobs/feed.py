@@ -1,4 +1,4 @@
-"""What every change-feed consumer job takes: dag_factory.feed_consumer_dag passes it to the job it
+"""What every change-feed consumer job takes: dag_parts.feed_consumer_dag passes it to the job it
 names, whose registry entry (jobs.registry) declares these parameters or a subclass of them (with
 other defaults, say). A consumer's main reads them and runs its consume per table."""
 

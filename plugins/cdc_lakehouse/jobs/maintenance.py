@@ -30,7 +30,7 @@ class MaintenanceParams(JobParams):
 
 @dataclass(frozen=True)
 class FeedOutput:
-    """A feed consumer's Iceberg output, as the consumer's DAG declares it (dag_factory.feed_consumer_dag)."""
+    """A feed consumer's Iceberg output, as the consumer's DAG declares it (dag_parts.feed_consumer_dag)."""
 
     name: str  # the consumer
     output: str  # namespace.table

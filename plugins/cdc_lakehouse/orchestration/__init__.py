@@ -5,8 +5,8 @@ Spark work is submitted as Spark jobs (cdc_lakehouse.jobs), never run in the wor
 shipped to Spark executors (the --py-files zip leaves it out).
 
   alerts       alerts through Airflow's notifiers (e-mail, SNS, Slack, ...)
-  dag_docs     doc_md of the generated DAGs
-  dag_factory  builds the per-table DAGs from the table configs
+  dag_docs     doc_md of the DAGs, per table (each DAG file's docstring leads it)
+  dag_parts    what the DAG files in dags/ are built of: configs, tasks, assets, pools, settings
   operators    the project's Spark submit operator (the provider's, plus lake settings and secrets)
   tasks        what the Airflow tasks run
 """

@@ -239,3 +239,31 @@ after every write succeeded. {ecfg.keep_versions} complete versions are kept. De
   run after that finds them expired and stops: trigger `{{"mode": "full"}}`.
 - Runs never overlap (pool `{ecfg.pool}`).
 """
+
+
+def feed_doc(cfg: TableConfig, consumer: str, output: str, about: str, max_lag_hours: int) -> str:
+    return f"""# Change-feed consumer: `{consumer}`
+
+{about}
+
+## What it does
+Runs when `lake.{cfg.current_table}` gets a complete snapshot (its ingest's or bootstrap's
+Asset event, which carries the snapshot id). It reads the table's net changes since the offset
+committed with `lake.{output}` (one row per key: upsert or delete), applies them, and commits
+the output and the new offset in one Iceberg commit: a run killed anywhere neither skips nor
+repeats a change. Contract: docs/change-feed.md.
+
+## How to operate it
+- **Where it is**: the offset is the `cdc.feed.offsets` property of the output's newest
+  snapshot: `SELECT committed_at, summary['cdc.feed.offsets'] FROM lake.{output}.snapshots`.
+- **Failed**: the task log names the cause; fix it and clear the task (it starts from the
+  committed offset). An `OffsetConflictError` means another run committed first: look for a
+  second deployment; nothing was written by the failed run.
+- **Start over**: trigger with `{{"mode": "full"}}` (every live row replaces the output, one
+  commit with the new offset), or drop `lake.{output}`; the next run rebuilds it.
+- **Too far behind** (`ConsumerLagError`): `lake.{cfg.current_table}` keeps the offset's snapshot
+  for {max_lag_hours} h after the consumer's last run (tag `cdc_consumer_feed_{consumer}`); a run
+  after that finds it expired and stops, naming the fix: trigger with `{{"mode": "full"}}`.
+- **Maintenance**: the `maintenance` task compacts and expires `lake.{output}` once per schedule,
+  after a consume (`maintenance_due` skips it otherwise); it never removes the offsets' snapshot.
+"""

@@ -161,7 +161,7 @@ def load_job_secrets(environ: dict[str, str] | None = None) -> list[str]:
 
 def _store_conns() -> list[tuple[str, str]]:
     """(kind, conn_id) of every serving export's store (docs/serving-export.md)."""
-    from cdc_lakehouse.orchestration.dag_factory import load_configs
+    from cdc_lakehouse.orchestration.dag_parts import load_configs
 
     _, _, es = load_configs(None, None)
     return sorted({(e.store.kind, e.store.conn_id) for e in es.exports.values()})

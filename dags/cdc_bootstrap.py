@@ -1,0 +1,67 @@
+"""Snapshot bootstrap: loads a table's every shard (or the shards given) from a consistent
+snapshot of the source, and sets its watermark where the incremental ingest continues, so there
+is no gap and no overlap. Also the way back after a dropped or invalidated replication slot.
+
+One DAG per table of include/tables/*.yaml (`cdc_bootstrap__<table>`), triggered by hand (no
+schedule). It shares the table's writer pool with the ingest and the maintenance.
+"""
+
+from datetime import timedelta
+
+from airflow.sdk import DAG, Param
+from cdc_lakehouse.jobs.bootstrap import BootstrapParams
+from cdc_lakehouse.orchestration.dag_docs import bootstrap_doc
+from cdc_lakehouse.orchestration.dag_parts import (
+    START_DATE,
+    announce_snapshots,
+    asset,
+    conn_ids,
+    dag_tags,
+    default_args,
+    load_configs,
+    spark_task,
+    table_pool,
+)
+
+tables, _, _ = load_configs()
+
+for cfg in tables.tables.values():
+    with DAG(
+        dag_id=f"cdc_bootstrap__{cfg.name}",
+        schedule=None,
+        start_date=START_DATE,
+        catchup=False,
+        max_active_runs=1,
+        default_args=default_args(cfg),
+        tags=dag_tags("bootstrap", cfg),
+        doc_md=f"{__doc__}\n{bootstrap_doc(cfg)}",
+        description=f"Snapshot bootstrap of {cfg.name} (all shards, or those in the 'shards' param)",
+        params={
+            "shards": Param([], type="array", description="shards to (re-)bootstrap; empty = all"),
+            # Chunked mode (bootstrap.mode): pause after about N chunks; the next run resumes there.
+            "pause_after_chunks": Param(
+                0,
+                type="integer",
+                minimum=0,
+                description="chunked mode: stop cleanly at the end of the round (one chunk per shard) "
+                "in which this many chunks completed (0 = to the end); trigger again to resume after "
+                "the last completed chunk",
+            ),
+        },
+    ) as dag:
+        spark_task(
+            task_id="bootstrap",
+            job="bootstrap",
+            params=BootstrapParams(tables=(cfg.name,)),
+            source_conn_ids=conn_ids([cfg]),
+            pool=table_pool(cfg),
+            templates={
+                "shards": "{{ params.shards | join(',') }}",
+                "run_id": "{{ ts_nodash }}",
+                "pause_after_chunks": "{{ params.pause_after_chunks }}",
+            },
+            outlets=[asset(cfg.current_table), asset(cfg.changelog_table)],
+            post_execute=announce_snapshots([cfg]),
+            execution_timeout=timedelta(hours=24),
+        )
+    globals()[dag.dag_id] = dag

@@ -1,0 +1,63 @@
+"""Derived trees: places every node of a table in its tree (root, depth, ancestor path, effective
+grants) and keeps the result in the lake, incrementally from the output's watermark; nodes that
+cannot be placed go to an unresolved table and are retried every run. Reads the lake only.
+
+One DAG per derived table of include/derived/*.yaml (`cdc_derived__<derived>`), run when any of
+its input tables' current table gets a new snapshot (their assets). Its compaction and expiry:
+`cdc_maintenance__<derived>` (dags/cdc_maintenance.py). Details: docs/derived-trees.md.
+"""
+
+import functools
+import operator
+from datetime import timedelta
+from typing import get_args
+
+from airflow.sdk import DAG, Param
+from cdc_lakehouse.jobs.derive import DeriveMode, DeriveParams
+from cdc_lakehouse.orchestration.dag_docs import derived_doc
+from cdc_lakehouse.orchestration.dag_parts import (
+    START_DATE,
+    asset,
+    dag_tags,
+    default_args,
+    load_configs,
+    spark_task,
+)
+
+tables, derived, _ = load_configs()
+
+for dcfg in derived.derived.values():
+    inputs = [tables.tables[n] for n in dict.fromkeys(dcfg.input_names)]
+    inlets = [asset(t.current_table) for t in inputs]
+    with DAG(
+        dag_id=f"cdc_derived__{dcfg.name}",
+        # Asset-driven (AssetAny): a new snapshot of either input's current table triggers a run.
+        schedule=functools.reduce(operator.or_, inlets),
+        start_date=START_DATE,
+        catchup=False,
+        max_active_runs=1,
+        default_args=default_args(dcfg),
+        tags=dag_tags("derived", dcfg),
+        doc_md=f"{__doc__}\n{derived_doc(dcfg, inputs)}",
+        description=f"Derived tree {dcfg.output_table} from {', '.join(t.current_table for t in inputs)}",
+        params={
+            "mode": Param(
+                "auto",
+                type="string",
+                enum=list(get_args(DeriveMode)),
+                description="auto: incremental; full: recompute all",
+            )
+        },
+    ) as dag:
+        spark_task(
+            task_id="derive",
+            job="derive",
+            params=DeriveParams(derived=(dcfg.name,)),
+            source_conn_ids=[],  # reads the lake only, never a source
+            pool=dcfg.pool,
+            templates={"mode": "{{ params.mode }}"},
+            inlets=inlets,
+            outlets=[asset(dcfg.output_table)],
+            execution_timeout=timedelta(hours=2),
+        )
+    globals()[dag.dag_id] = dag

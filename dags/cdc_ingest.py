@@ -1,0 +1,92 @@
+"""Incremental ingest: each source endpoint's committed changes are captured into the landing
+zone, then one Spark job applies them to the lake (changelog append, LSN-guarded MERGE into the
+current table, the watermark in the same commit), then the freshness alerts are checked.
+
+One DAG per table of include/tables/*.yaml (`cdc_ingest__<table>`), or one per ingest group
+(`cdc_ingest_group__<group>`: the tables with that `ingest.group`, in one Spark application), on
+the table's `ingest.schedule`. Each run covers its data interval; reruns converge. Its current
+and changelog tables' assets trigger the derived, export and feed DAGs downstream.
+"""
+
+from datetime import timedelta
+
+from airflow.sdk import DAG
+from cdc_lakehouse.jobs.ingest import IngestParams
+from cdc_lakehouse.orchestration.dag_docs import group_doc, ingest_doc
+from cdc_lakehouse.orchestration.dag_parts import (
+    INGEST_RUN,
+    START_DATE,
+    alert_check_task,
+    announce_snapshots,
+    asset,
+    capture_tasks,
+    conn_ids,
+    dag_tags,
+    default_args,
+    endpoint_ids,
+    group_pool,
+    ingest_groups,
+    load_configs,
+    spark_task,
+    table_pool,
+    timetable,
+)
+
+tables, _, _ = load_configs()
+
+for cfg in tables.tables.values():
+    if cfg.ingest.group:
+        continue  # ingested by its group's DAG, below
+    with DAG(
+        dag_id=f"cdc_ingest__{cfg.name}",
+        schedule=timetable(cfg.ingest.schedule),
+        start_date=START_DATE,
+        catchup=False,
+        max_active_runs=1,
+        default_args=default_args(cfg),
+        tags=dag_tags("ingest", cfg),
+        doc_md=f"{__doc__}\n{ingest_doc(cfg)}",
+        description=f"Hourly CDC ingest of {cfg.name} into {cfg.current_table}",
+    ) as dag:
+        captures = capture_tasks(endpoint_ids([cfg]))
+        ingest = spark_task(
+            task_id="ingest",
+            job="ingest",
+            params=IngestParams(tables=(cfg.name,)),
+            source_conn_ids=conn_ids([cfg]),
+            pool=table_pool(cfg),
+            templates=INGEST_RUN,
+            outlets=[asset(cfg.current_table), asset(cfg.changelog_table)],
+            post_execute=announce_snapshots([cfg]),
+            execution_timeout=timedelta(hours=2),
+        )
+        captures >> ingest >> alert_check_task("freshness", [cfg.name])
+    globals()[dag.dag_id] = dag
+
+for group, cfgs in ingest_groups(tables).items():
+    names = [c.name for c in cfgs]
+    with DAG(
+        dag_id=f"cdc_ingest_group__{group}",
+        schedule=timetable(cfgs[0].ingest.schedule),
+        start_date=START_DATE,
+        catchup=False,
+        max_active_runs=1,
+        default_args=default_args(cfgs[0], tables=names),
+        tags=dag_tags("ingest", group=group),
+        doc_md=f"{__doc__}\n{group_doc(group, cfgs)}",
+        description=f"CDC ingest of {len(cfgs)} tables in one Spark application",
+    ) as dag:
+        captures = capture_tasks(endpoint_ids(cfgs))
+        ingest = spark_task(
+            task_id="ingest",
+            job="ingest",
+            params=IngestParams(tables=tuple(names)),
+            source_conn_ids=conn_ids(cfgs),
+            pool=group_pool(group),
+            templates=INGEST_RUN,
+            outlets=[a for c in cfgs for a in (asset(c.current_table), asset(c.changelog_table))],
+            post_execute=announce_snapshots(cfgs),
+            execution_timeout=timedelta(hours=3),
+        )
+        captures >> ingest >> alert_check_task("freshness", names)
+    globals()[dag.dag_id] = dag
