@@ -98,3 +98,22 @@ def test_each_record_sends_its_figures(stats):
 def test_a_broken_metrics_backend_never_fails_the_task(monkeypatch):
     monkeypatch.setattr(metrics, "_stats", lambda: _Recorder(fail=True))
     assert metrics.capture_metrics(CaptureRun(endpoint="ep", run_id="r1", events=1)) == 0
+
+
+def test_the_fields_the_alert_checks_read_are_enough_for_the_metrics(stats, caplog):
+    """The check_alerts tasks read only some columns of cdc_meta (alerts.run); the metrics they
+    send are made from those records, so every field a metric needs must be among them."""
+    from cdc_lakehouse.lake.meta_rows import from_row
+    from cdc_lakehouse.orchestration.alerts import run
+
+    def partial(record, fields, **values):
+        return from_row(record, {f: values.get(f, 1) for f in fields})
+
+    now = datetime.now(UTC)
+    fresh = partial(ShardFreshness, run._SHARD_FRESHNESS_FIELDS, table_name="t", shard="ep.s0", updated_at=now)
+    audit = partial(AuditResult, run._AUDIT_FIELDS, table_name="t", shard="ep.s0", audited_at=now)
+    ingest = partial(IngestMetrics, run._INGEST_METRIC_FIELDS, table_name="t", committed_at=now)
+    assert metrics.freshness_metrics([fresh]) == 1
+    assert metrics.audit_metrics([audit]) == 3
+    assert metrics.ingest_metrics([ingest]) == 6
+    assert "metrics not sent" not in caplog.text

@@ -90,6 +90,7 @@ def run_checks(
 
 # The columns each check reads (checks.py); the records' other fields stay None.
 _AUDIT_FIELDS = (
+    "table_name",  # the metrics name it
     "audit_run",
     "shard",
     "verdict",
@@ -130,6 +131,7 @@ def _when(at: datetime | None) -> float:
 
 
 _SHARD_FRESHNESS_FIELDS = (
+    "table_name",  # the metrics name it
     "ingest_run",
     "shard",
     "endpoint",
