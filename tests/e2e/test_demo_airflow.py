@@ -160,7 +160,7 @@ def _assert_cdc_metrics(lines: list[str], shards: list[str]) -> None:
         fresh = [v for n, v in cdc.items() if n.startswith("airflow.cdc.freshness_seconds.block.") and n.endswith(s)]
         assert fresh and all(v.endswith("|g") for v in fresh), (s, sorted(cdc))
         audit = [v for n, v in cdc.items() if n.startswith("airflow.cdc.audit.mismatches.block.") and n.endswith(s)]
-        assert audit == ["0|g"], (s, sorted(cdc))  # the audit was clean
+        assert audit == ["0.0|g"], (s, sorted(cdc))  # the audit was clean
 
 
 def test_demo_through_airflow_is_clean_and_a_rerun_converges(pg, demo_env, statsd):
