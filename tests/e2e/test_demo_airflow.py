@@ -109,6 +109,14 @@ def demo_env(pg, redis_server, spark_server, statsd, tmp_path_factory):
         "AIRFLOW__METRICS__STATSD_HOST": "127.0.0.1",
         "AIRFLOW__METRICS__STATSD_PORT": str(statsd[0]),
         "AIRFLOW__METRICS__STATSD_PREFIX": "airflow",
+        # OpenLineage events of every task to a file (orchestration.lineage adds the datasets and
+        # the cdc_* facets). In a thread: the provider's default forked emitter was killed by its
+        # own timeout on this loaded machine (2 cores), and only the DAG's event arrived.
+        "AIRFLOW__OPENLINEAGE__TRANSPORT": json.dumps(
+            {"type": "file", "log_file_path": str(base / "lineage.jsonl"), "append": True}
+        ),
+        "AIRFLOW__OPENLINEAGE__NAMESPACE": "cdc_demo",
+        "AIRFLOW__OPENLINEAGE__EXECUTE_IN_THREAD": "True",
     }
     env.pop("CDC_LAKE_SETTINGS", None)
     init_airflow_home(env)
@@ -163,6 +171,48 @@ def _assert_cdc_metrics(lines: list[str], shards: list[str]) -> None:
         assert audit == ["0.0|g"], (s, sorted(cdc))  # the audit was clean
 
 
+def _complete(events: list[dict], task: str) -> list[dict]:
+    """The COMPLETE events of a task (`<dag_id>.<task_id>`, the provider's job name)."""
+    return [e for e in events if e.get("eventType") == "COMPLETE" and e["job"]["name"] == task]
+
+
+def _names(datasets: list[dict]) -> set[tuple[str, str]]:
+    return {(d["namespace"], d["name"]) for d in datasets}
+
+
+def _symlink(d: dict) -> str | None:
+    ids = d.get("facets", {}).get("symlinks", {}).get("identifiers", [])
+    return ids[0]["name"] if ids else None
+
+
+def _assert_lineage(path: Path, shards: list[str]) -> None:
+    """Source shards -> landing -> changelog and current table, and the audit's verdict, as
+    OpenLineage events with this project's facets; the graph joins on the landing datasets."""
+    events = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    captures = [e for e in events if e.get("eventType") == "COMPLETE" and ".capture__" in e["job"]["name"]]
+    assert captures, sorted({e["job"]["name"] for e in events})
+    cap = captures[-1]
+    assert {n.split(".")[-2] for _, n in _names(cap["inputs"]) if n.endswith(".block")} == set(shards), cap["inputs"]
+    assert all(ns.startswith("postgres://") for ns, _ in _names(cap["inputs"])), cap["inputs"]
+    facet = cap["run"]["facets"]["cdc_capture"]
+    assert facet["endLsn"] and "/" in facet["endLsn"] and facet["events"] is not None, facet
+    landed = _names(cap["outputs"])
+    ingests = _complete(events, "cdc_ingest__block.ingest")
+    assert ingests, sorted({e["job"]["name"] for e in events})
+    ing = ingests[-1]
+    assert {n for n in _names(ing["inputs"]) if n[1].endswith("/block")} <= landed, (ing["inputs"], landed)
+    assert {_symlink(d) for d in ing["outputs"]} == {"notion.block", "notion.block__changelog"}, ing["outputs"]
+    figures = ing["run"]["facets"]["cdc_ingest"]["tables"]["block"]
+    assert figures["rowsQuarantined"] == 0 and figures["eventsRead"] >= 0, figures
+    assert {s.split(".")[-1] for s in figures["shards"]} == set(shards), figures
+    assert all(v["watermarkLsn"] and v["snapshotId"] for v in figures["shards"].values()), figures
+    audits = _complete(events, "cdc_audit__block.audit")
+    assert audits, sorted({e["job"]["name"] for e in events})
+    [table] = [d for d in audits[-1]["inputs"] if _symlink(d) == "notion.block"]
+    checks = table["inputFacets"]["dataQualityAssertions"]["assertions"]
+    assert len(checks) == len(shards) and all(c["success"] for c in checks), checks
+
+
 def test_demo_through_airflow_is_clean_and_a_rerun_converges(pg, demo_env, statsd):
     r = subprocess.run(
         [
@@ -199,6 +249,7 @@ def test_demo_through_airflow_is_clean_and_a_rerun_converges(pg, demo_env, stats
     from devstack.demo import SHARDS
 
     _assert_cdc_metrics(statsd[1], list(SHARDS))
+    _assert_lineage(Path(demo_env["AIRFLOW_HOME"]).parent / "lineage.jsonl", list(SHARDS))
     # Rerun the first interval (clearing a past run in the UI does the same): nothing changes.
     first = next(line for line in out.splitlines() if "interval 1/2" in line)
     hour = first.split("[", 2)[2].split("-")[0]  # "HH:MM"

@@ -72,6 +72,7 @@ class CaptureResult:
             "transactions": m.transactions,
             "bytes": m.bytes,
             "capped": m.capped,
+            "start_lsn": m.start_lsn,
             "end_lsn": m.end_lsn,
             "reused": True if self.reused else None,
         }

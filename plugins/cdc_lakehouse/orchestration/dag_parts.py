@@ -147,16 +147,18 @@ def spark_task(
 
 def capture_tasks(endpoint_ids: list[str]):
     """capture__<endpoint>: one task per source endpoint, each in its endpoint's one-slot pool."""
-    from airflow.sdk import task
+    from cdc_lakehouse.orchestration.operators import CdcCaptureOperator
 
-    @task(execution_timeout=timedelta(minutes=50))
-    def capture(endpoint_id: str, **context: Any) -> dict[str, Any]:
-        """One bounded capture run of the endpoint's replication slot into the landing zone."""
-        from cdc_lakehouse.orchestration.tasks import capture_endpoint
-
-        return capture_endpoint(endpoint_id, context["data_interval_end"], context=context)
-
-    return [capture.override(task_id=f"capture__{e}", pool=f"cdc_capture__{e}")(e) for e in endpoint_ids]
+    return [
+        CdcCaptureOperator(
+            task_id=f"capture__{e}",
+            endpoint_id=e,
+            pool=f"cdc_capture__{e}",
+            execution_timeout=timedelta(minutes=50),
+            doc_md="One bounded capture run of the endpoint's replication slot into the landing zone.",
+        )
+        for e in endpoint_ids
+    ]
 
 
 def dag_tags(kind: str, cfg: AnyConfig | None = None, group: str | None = None) -> list[str]:

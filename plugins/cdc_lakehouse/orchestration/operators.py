@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOperator
+from airflow.sdk import BaseOperator
 
 from cdc_lakehouse.jobs.registry import job as registered_job
 
@@ -173,6 +174,13 @@ class CdcSparkSubmitOperator(SparkSubmitOperator):
                 "property through the lake connection's secret_catalog_properties; see docs/secrets.md"
             )
 
+    def get_openlineage_facets_on_complete(self, task_instance: Any) -> Any:
+        """What the job read and wrote, for Airflow's OpenLineage provider (orchestration.lineage)."""
+        from cdc_lakehouse.orchestration.lineage import spark_job_lineage
+
+        params = registered_job(self.job).params.from_argv([str(a) for a in self.application_args or []])
+        return spark_job_lineage(self.job, params)
+
     def _remove_secrets(self) -> None:
         cleanup, self._secrets_cleanup = self._secrets_cleanup, None
         if cleanup:
@@ -186,6 +194,30 @@ class CdcSparkSubmitOperator(SparkSubmitOperator):
             super().on_kill()
         finally:
             self._remove_secrets()
+
+
+class CdcCaptureOperator(BaseOperator):
+    """capture__<endpoint>: one bounded capture run of the endpoint's replication slot into the
+    landing zone (orchestration.tasks.capture_endpoint); its XCom is the run's figures."""
+
+    ui_color = "#8ecae6"
+
+    def __init__(self, *, endpoint_id: str, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.endpoint_id = endpoint_id
+        self._result: dict[str, Any] = {}
+
+    def execute(self, context: Any) -> dict[str, Any]:
+        from cdc_lakehouse.orchestration.tasks import capture_endpoint
+
+        self._result = capture_endpoint(self.endpoint_id, context["data_interval_end"], context=context)
+        return self._result
+
+    def get_openlineage_facets_on_complete(self, task_instance: Any) -> Any:
+        """Source tables -> landing, with the run's WAL range (orchestration.lineage)."""
+        from cdc_lakehouse.orchestration.lineage import capture_lineage
+
+        return capture_lineage(self.endpoint_id, self._result)
 
 
 def run_application(path: str, args: list[str]) -> int:

@@ -6,15 +6,16 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal
 
 from cdc_lakehouse.config import TableConfig, load_table_configs
 from cdc_lakehouse.lake.ingest_metrics import IngestMetrics
-from cdc_lakehouse.lake.meta_rows import AuditResult, CaptureRun, QualityResult, ShardFreshness, from_row
+from cdc_lakehouse.lake.meta_rows import AuditResult, CaptureRun, QualityResult, ShardFreshness
 from cdc_lakehouse.orchestration.alerts.alert import Alert
 from cdc_lakehouse.orchestration.alerts.checks import check_audit, check_freshness, check_shard_freshness, check_wal
 from cdc_lakehouse.orchestration.alerts.config import AlertDeliveryError, AlertingConfig, channels_for, load_alerting
 from cdc_lakehouse.orchestration.alerts.delivery import deliver
+from cdc_lakehouse.orchestration.history import meta_rows
 from cdc_lakehouse.orchestration.metrics import audit_metrics, freshness_metrics, ingest_metrics
 from cdc_lakehouse.secrecy import redact
 from cdc_lakehouse.settings import tables_dir
@@ -23,26 +24,6 @@ if TYPE_CHECKING:
     from cdc_lakehouse.capture.run import CaptureResult
 
 log = logging.getLogger(__name__)
-
-R = TypeVar("R")
-
-
-def _meta_rows(lake, name: str, record: type[R], column: str, value: str, fields: tuple[str, ...]) -> list[R] | None:
-    """Rows of cdc_meta.<name> where column == value, as records of its table with only `fields`
-    read (the others are None); pyiceberg, no Spark. None if the table does not exist."""
-    from pyiceberg.catalog import load_catalog
-    from pyiceberg.exceptions import NoSuchTableError
-    from pyiceberg.expressions import EqualTo
-
-    catalog = load_catalog(lake.catalog_name, **lake.pyiceberg_properties())
-    try:
-        table = catalog.load_table(lake.meta_table(name))
-    except NoSuchTableError:
-        return None
-    # Keywords: pyiceberg's (term, literal) constructor takes the model's field names too, and the
-    # pydantic type-checker plugin knows only those.
-    rows = table.scan(row_filter=EqualTo(term=column, value=value), selected_fields=fields).to_arrow().to_pylist()
-    return [from_row(record, r) for r in rows]
 
 
 def run_checks(
@@ -112,8 +93,8 @@ _INGEST_METRIC_FIELDS = ("table_name", *_INGEST_FIELDS, "quarantined", "inserts"
 
 
 def _audit_from_history(lake, name: str, cfg: TableConfig, run_id: str, ac: AlertingConfig) -> Alert | None:
-    results = _meta_rows(lake, "audit_results", AuditResult, "table_name", name, _AUDIT_FIELDS)
-    quality = _meta_rows(lake, "quality_results", QualityResult, "table_name", name, _QUALITY_FIELDS) or []
+    results = meta_rows(lake, "audit_results", AuditResult, "table_name", name, _AUDIT_FIELDS)
+    quality = meta_rows(lake, "quality_results", QualityResult, "table_name", name, _QUALITY_FIELDS) or []
     audit_metrics(_latest(r for r in results or [] if r.audit_run == run_id))
     return check_audit(cfg, run_id, ac, results or [], quality)
 
@@ -149,8 +130,8 @@ _SHARD_FRESHNESS_FIELDS = (
 def _freshness_from_history(lake, name: str, cfg: TableConfig, run_id: str, ac: AlertingConfig) -> Alert | None:
     """Per shard from cdc_meta.freshness; runs recorded before that table existed (no rows for
     the run) are judged on the table-level figure of cdc_meta.ingest_runs."""
-    shard_rows = _meta_rows(lake, "freshness", ShardFreshness, "table_name", name, _SHARD_FRESHNESS_FIELDS) or []
-    rows = _meta_rows(lake, "ingest_runs", IngestMetrics, "table_name", name, _INGEST_METRIC_FIELDS) or []
+    shard_rows = meta_rows(lake, "freshness", ShardFreshness, "table_name", name, _SHARD_FRESHNESS_FIELDS) or []
+    rows = meta_rows(lake, "ingest_runs", IngestMetrics, "table_name", name, _INGEST_METRIC_FIELDS) or []
     this_run = [r for r in shard_rows if r.ingest_run == run_id]
     freshness_metrics(this_run)
     # A rerun of the interval records the run again: its newest row.
@@ -182,7 +163,7 @@ def notify_wal(
         try:
             assert manifest.endpoint is not None  # every capture manifest names its endpoint
             history = (
-                _meta_rows(
+                meta_rows(
                     lake,
                     "capture_runs",
                     CaptureRun,
