@@ -162,7 +162,7 @@ def _assert_cdc_metrics(lines: list[str], shards: list[str]) -> None:
     assert cdc, f"no cdc.* metric among {len(lines)} StatsD lines: {lines[:20]}"
     for kind in ("lag_bytes", "retained_wal_bytes", "events", "duration"):
         assert any(n.startswith(f"airflow.cdc.capture.{kind}.") for n in cdc), (kind, sorted(cdc))
-    assert cdc["airflow.cdc.ingest.quarantined_rows.block"] == "0|c", sorted(cdc)
+    assert cdc["airflow.cdc.ingest.quarantined_rows.block"] == "0.0|g", sorted(cdc)
     assert cdc["airflow.cdc.ingest.duration.block"].endswith("|ms"), sorted(cdc)
     for s in shards:  # the shard label ends with the schema (the source's `<endpoint>.<schema>`)
         fresh = [v for n, v in cdc.items() if n.startswith("airflow.cdc.freshness_seconds.block.") and n.endswith(s)]

@@ -19,15 +19,27 @@ def test_landing_datasets_follow_openlineage_naming():
     assert lineage.landing(local, "ep1", "block") == lineage.Dataset("file", "/data/landing/ep1/block")
     s3 = LakeSettings(landing_uri="s3://bucket/cdc/landing", warehouse="s3://bucket/w")
     assert lineage.landing(s3, "ep1", "block") == lineage.Dataset("s3://bucket", "cdc/landing/ep1/block")
+    s3a = LakeSettings(landing_uri="s3a://bucket", warehouse="s3a://bucket/w")
+    assert lineage.landing(s3a, "ep1", "block") == lineage.Dataset("s3://bucket", "ep1/block")
 
 
 def test_the_audit_verdict_becomes_assertions_per_shard():
     d = lineage.Dataset("file", "/w/notion/block")
-    shards = {"ep.s1": {"verdict": "fail", "missing": 2}, "ep.s0": {"verdict": "ok"}}
+    shards = {
+        "ep.s1": {"verdict": "fail", "missing": 2},
+        "ep.s0": {"verdict": "ok"},
+        "ep.s2": {"verdict": "mismatch_pending", "different": 1},  # one sighting: not yet a failure
+        "ep.s3": {"verdict": "fail", "repaired": 4},
+    }
     with_checks = lineage._with_assertions(d, shards)
     event = Serde.to_dict(with_checks)
     checks = event["inputFacets"]["dataQualityAssertions"]["assertions"]
-    assert [(c["name"], c["success"]) for c in checks] == [("audit ep.s0", True), ("audit ep.s1", False)]
+    assert [(c["name"], c["success"]) for c in checks] == [
+        ("audit ep.s0", True),
+        ("audit ep.s1", False),
+        ("audit ep.s2", True),
+        ("audit ep.s3", True),
+    ]
     assert checks[1]["actual"] == "missing 2, extra 0, different 0"
 
 

@@ -24,9 +24,6 @@ class _Recorder:
     def gauge(self, stat, value, *, tags):
         self._add("gauge", stat, value, tags)
 
-    def incr(self, stat, count, *, tags):
-        self._add("incr", stat, count, tags)
-
     def timing(self, stat, dt, *, tags):
         self._add("timing", stat, dt, tags)
 
@@ -83,8 +80,8 @@ def test_each_record_sends_its_figures(stats):
     got = {(kind, stat): value for kind, stat, value, _ in stats.sent}
     assert got[("gauge", "cdc.capture.lag_bytes.ep")] == 4096
     assert got[("timing", "cdc.capture.duration.ep")] == 1500
-    assert got[("incr", "cdc.ingest.quarantined_rows.block")] == 2
-    assert got[("incr", "cdc.ingest.events.block")] == 9
+    assert got[("gauge", "cdc.ingest.quarantined_rows.block")] == 2
+    assert got[("gauge", "cdc.ingest.events.block")] == 9
     assert got[("timing", "cdc.ingest.duration.block")] == 3000
     assert got[("gauge", "cdc.freshness_seconds.block.ep_s0")] == 7.5
     assert ("gauge", "cdc.freshness_seconds.block.ep_s1") not in got  # no position time: nothing invented

@@ -6,6 +6,7 @@ of its shard in flight.
 
 from __future__ import annotations
 
+import logging
 import time  # time.sleep: tests patch it (through audit.run.time) to skip the back-off
 from typing import TYPE_CHECKING, TypeGuard
 
@@ -19,6 +20,8 @@ from cdc_lakehouse.settings import LakeSettings, SourceEndpoint
 from cdc_lakehouse.source.publication import PUBLICATION
 from cdc_lakehouse.source.session import SESSION_OPTIONS
 from cdc_lakehouse.source.slots import slot_name
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -125,32 +128,47 @@ def inflight_from_slot(
 
 
 def _wait_for_wal_flush(
-    conn: psycopg2.extensions.connection, cfg: TableConfig, slot: str, timeout: float = 60.0
+    conn: psycopg2.extensions.connection, cfg: TableConfig, slot: str, timeout: float = 10.0
 ) -> None:
-    """Wait until the WAL written so far is flushed: the decoding functions read flushed WAL only.
+    """Make the WAL written so far flushed: the decoding functions read flushed WAL only.
 
     A transaction committed with synchronous_commit off is visible to the audit's snapshot at
     once, but reaches the flushed WAL only when the WAL writer next runs (wal_writer_delay,
     longer on a loaded server). Peeked before that, its keys were neither in the slot nor in the
     landing, and the audit called them mismatches: seed 22 of test_random_e2e, in CI and under
-    load only. Any insert position read now is past every commit the snapshot (exported
-    earlier) sees. Read-only, no privilege needed."""
+    load only.
+
+    A commit that holds a transaction id flushes the WAL up to its own commit record, which lies
+    past every commit the snapshot (exported earlier) sees; no privilege needed, one xid per
+    audit. Waiting for the flush position to pass the insert position instead would never end on
+    a quiet server whose last record ends at a page boundary (after a WAL switch, say)."""
+    import psycopg2
+
+    try:
+        with conn.cursor() as cur:
+            cur.execute("SET LOCAL synchronous_commit = local")  # the local flush, not the standbys
+            cur.execute("SELECT txid_current()")
+        conn.commit()
+        return
+    except psycopg2.Error as exc:  # a read-only session, say: wait for the WAL writer instead
+        conn.rollback()
+        log.info("%s: audit peek cannot force a WAL flush (%s); waiting for the WAL writer", cfg.name, exc)
     with conn.cursor() as cur:
         cur.execute("SELECT pg_current_wal_insert_lsn()")
         (target,) = cur.fetchone() or (None,)
         deadline = time.monotonic() + timeout
-        while True:
+        while time.monotonic() < deadline:
             cur.execute("SELECT pg_current_wal_flush_lsn() >= %s::pg_lsn", (target,))
             (flushed,) = cur.fetchone() or (False,)
             if flushed:
                 break
-            if time.monotonic() > deadline:
-                raise AuditFailed(
-                    f"{cfg.name}: the source's WAL was not flushed up to {target} within {timeout:.0f} s, so slot "
-                    f"{slot} cannot show the latest changes. No verdict was recorded; check the source's WAL "
-                    "writer (wal_writer_delay) or disk, and the audit's retry or next run will try again"
-                )
             time.sleep(0.05)
+        else:
+            # Keys committed just before the audit may then count as mismatches once (pending,
+            # never persistent on one sighting); the next audit sees them in the slot.
+            log.warning(
+                "%s: WAL not flushed to %s within %.0f s; peeking slot %s anyway", cfg.name, target, timeout, slot
+            )
     conn.commit()
 
 

@@ -108,16 +108,25 @@ def source_tables(cfg: TableConfig, endpoint: str | None = None) -> list[Dataset
 
 def landing(lake: LakeSettings, endpoint: str, table: str) -> Dataset:
     """One source table's landing files of one endpoint (landing.format.run_dir's parent)."""
-    u = urlsplit(lake.landing_uri.rstrip("/"))
-    if u.scheme == "s3":
-        return Dataset(f"s3://{u.netloc}", f"{u.path.lstrip('/')}/{endpoint}/{table}".lstrip("/"))
-    return Dataset("file", f"{u.path}/{endpoint}/{table}")
+    ns, path = _location(lake.landing_uri.rstrip("/"))
+    name = f"{path}/{endpoint}/{table}"
+    return Dataset(ns, name if ns == "file" else name.lstrip("/"))  # a bucket's root: no leading "/"
+
+
+def _location(uri: str) -> tuple[str, str]:
+    """(namespace, name) of a file or object-store location, as OpenLineage names them: `file`
+    and the absolute path, or `<scheme>://<bucket>` and the key (s3a and s3n are s3, as
+    OpenLineage's Spark integration writes them)."""
+    u = urlsplit(uri)
+    if not u.netloc:
+        return "file", u.path
+    scheme = "s3" if u.scheme in ("s3a", "s3n") else u.scheme
+    return f"{scheme}://{u.netloc}", u.path.lstrip("/")
 
 
 def lake_table(lake: LakeSettings, table: str, catalog: Any) -> Dataset:
     """An Iceberg table by its location, with the catalog's name as a symlink."""
-    loc = urlsplit(catalog.load_table(table).location())
-    ns, name = (f"{loc.scheme}://{loc.netloc}", loc.path.lstrip("/")) if loc.netloc else ("file", loc.path)
+    ns, name = _location(catalog.load_table(table).location())
     symlink = Identifier(namespace=f"iceberg://{lake.catalog_name}", name=table, type="TABLE")
     return Dataset(ns, name, facets={"symlinks": SymlinksDatasetFacet(identifiers=[symlink])})
 
@@ -141,18 +150,20 @@ def capture_lineage(endpoint: str, xcom: dict[str, Any]) -> Any:
     members = cs.endpoints().get(endpoint, [])
     inputs = [d for cfg, _ in members for d in source_tables(cfg, endpoint)]
     outputs = [landing(lake, endpoint, t) for t in sorted({cfg.source.table for cfg, _ in members})]
-    facet = CdcCaptureRunFacet(
-        endpoint=endpoint,
-        captureRun=str(xcom.get("run_id")),
-        startLsn=lsn_text(xcom.get("start_lsn")),
-        endLsn=lsn_text(xcom.get("end_lsn")),
-        events=xcom.get("events"),
-        reused=bool(xcom.get("reused")),
-    )
+    facets: dict[str, Any] = {}
+    if xcom.get("run_id"):  # a failed run (its FAIL event comes here too) landed nothing to describe
+        facets["cdc_capture"] = CdcCaptureRunFacet(
+            endpoint=endpoint,
+            captureRun=str(xcom["run_id"]),
+            startLsn=lsn_text(xcom.get("start_lsn")),
+            endLsn=lsn_text(xcom.get("end_lsn")),
+            events=xcom.get("events"),
+            reused=bool(xcom.get("reused")),
+        )
     return OperatorLineage(
         inputs=[_as_input(d) for d in _unique(inputs)],
         outputs=[_as_output(d) for d in outputs],
-        run_facets={"cdc_capture": facet},
+        run_facets=facets,
     )
 
 
@@ -218,17 +229,29 @@ def _ingest_figures(lake: LakeSettings, cfg: TableConfig, run: str) -> dict[str,
     from cdc_lakehouse.lake.meta_rows import ShardFreshness
     from cdc_lakehouse.orchestration.history import meta_rows
 
-    fields = ("table_name", "ingest_run", "events_read", "inserts", "updates", "deletes", "quarantined", "status")
-    runs = [r for r in meta_rows(lake, "ingest_runs", IngestMetrics, "ingest_run", run, fields) or []]
-    mine = [r for r in runs if r.table_name == cfg.name]
+    fields = (
+        "table_name",
+        "ingest_run",
+        "events_read",
+        "inserts",
+        "updates",
+        "deletes",
+        "quarantined",
+        "status",
+        "committed_at",
+    )
+    runs = meta_rows(lake, "ingest_runs", IngestMetrics, "ingest_run", run, fields) or []
+    # A retried run records again: its newest row (a scan's order is no time order).
+    mine = sorted((r for r in runs if r.table_name == cfg.name), key=lambda r: _when(r.committed_at))
     fresh = meta_rows(
         lake,
         "freshness",
         ShardFreshness,
         "ingest_run",
         run,
-        ("table_name", "shard", "watermark_lsn", "lake_snapshot_id", "freshness_seconds"),
+        ("table_name", "shard", "watermark_lsn", "lake_snapshot_id", "freshness_seconds", "updated_at"),
     )
+    fresh = sorted(fresh or [], key=lambda f: _when(f.updated_at))  # the newest row per shard wins below
     out: dict[str, Any] = {}
     if mine:
         m = mine[-1]
@@ -246,7 +269,7 @@ def _ingest_figures(lake: LakeSettings, cfg: TableConfig, run: str) -> dict[str,
             "snapshotId": f.lake_snapshot_id,
             "freshnessSeconds": f.freshness_seconds,
         }
-        for f in fresh or []
+        for f in fresh
         if f.table_name == cfg.name
     }
     return out
@@ -256,8 +279,22 @@ def _audit_figures(lake: LakeSettings, cfg: TableConfig, run: str) -> dict[str, 
     from cdc_lakehouse.lake.meta_rows import AuditResult
     from cdc_lakehouse.orchestration.history import meta_rows
 
-    fields = ("table_name", "audit_run", "shard", "verdict", "missing", "extra", "different", "in_flight", "persistent")
-    rows = [r for r in meta_rows(lake, "audit_results", AuditResult, "audit_run", run, fields) or []]
+    fields = (
+        "table_name",
+        "audit_run",
+        "shard",
+        "verdict",
+        "missing",
+        "extra",
+        "different",
+        "in_flight",
+        "persistent",
+        "repaired",
+        "audited_at",
+    )
+    rows = sorted(
+        meta_rows(lake, "audit_results", AuditResult, "audit_run", run, fields) or [], key=lambda r: _when(r.audited_at)
+    )
     return {
         r.shard: {
             "verdict": r.verdict,
@@ -266,6 +303,7 @@ def _audit_figures(lake: LakeSettings, cfg: TableConfig, run: str) -> dict[str, 
             "different": r.different,
             "inFlight": r.in_flight,
             "persistent": r.persistent,
+            "repaired": r.repaired,
         }
         for r in rows
         if r.table_name == cfg.name
@@ -282,7 +320,9 @@ def _with_assertions(d: Dataset, shards: dict[str, dict[str, Any]]) -> InputData
     assertions = [
         Assertion(
             assertion="keys_and_values_equal_source",
-            success=s.get("verdict") == "ok",
+            # As the alerts judge a run: a shard fails when its mismatches persisted and were not
+            # repaired; a first sighting (mismatch_pending) is not yet a failure.
+            success=s.get("verdict") != "fail" or bool(s.get("repaired")),
             name=f"audit {shard}",
             actual=f"missing {s.get('missing') or 0}, extra {s.get('extra') or 0}, different {s.get('different') or 0}",
         )
@@ -294,6 +334,10 @@ def _with_assertions(d: Dataset, shards: dict[str, dict[str, Any]]) -> InputData
         inputFacets={"dataQualityAssertions": DataQualityAssertionsDatasetFacet(assertions=assertions)},
         facets=d.facets,
     )
+
+
+def _when(at: Any) -> float:
+    return at.timestamp() if at is not None else 0.0
 
 
 def _unique(ds: list[Dataset]) -> list[Dataset]:

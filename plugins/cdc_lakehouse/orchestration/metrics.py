@@ -8,11 +8,14 @@ out as tags (table, shard, endpoint) for the tag-capable forms (Datadog, InfluxD
 
   cdc.capture.lag_bytes.<endpoint>             gauge   WAL the slot has not confirmed yet, after the run
   cdc.capture.retained_wal_bytes.<endpoint>    gauge   WAL the slot holds back on the source
-  cdc.capture.events.<endpoint>                count   events landed by the run
+  cdc.capture.events.<endpoint>                gauge   events landed by the run
   cdc.capture.duration.<endpoint>              timer   the run, from start to confirmed manifest
-  cdc.ingest.events.<table>                    count   events read by the ingest run
-  cdc.ingest.quarantined_rows.<table>          count   events kept in cdc_meta.quarantine
-  cdc.ingest.{inserted,updated,deleted}_rows.<table>  count
+  cdc.ingest.events.<table>                    gauge   events read by the ingest run
+  cdc.ingest.quarantined_rows.<table>          gauge   events of the run kept in cdc_meta.quarantine
+  cdc.ingest.{inserted,updated,deleted}_rows.<table>  gauge   the run's rows
+
+Per-run figures are gauges (the figure of the latest run), never counters: a retried or cleared
+task sends its run's figures again, and a gauge set twice still says the same.
   cdc.ingest.duration.<table>                  timer
   cdc.freshness_seconds.<table>.<shard>        gauge   how far the lake's shard is behind its source
   cdc.audit.mismatches.<table>.<shard>         gauge   missing + extra + different keys seen
@@ -60,8 +63,6 @@ def _send(sends: Iterable[tuple[str, str, float, dict[str, str]]]) -> int:
         for kind, stat, value, tags in sends:
             if kind == "gauge":
                 stats.gauge(stat, value, tags=tags)
-            elif kind == "incr":
-                stats.incr(stat, int(value), tags=tags)
             else:  # timing, in milliseconds
                 stats.timing(stat, value, tags=tags)
             n += 1
@@ -73,7 +74,7 @@ def _send(sends: Iterable[tuple[str, str, float, dict[str, str]]]) -> int:
 def capture_metrics(run: CaptureRun) -> int:
     ep = run.endpoint
     tags = {"endpoint": ep}
-    sends = [("incr", name("capture", "events", ep), float(run.events or 0), tags)]
+    sends = [("gauge", name("capture", "events", ep), float(run.events or 0), tags)]
     if run.lag_bytes is not None:
         sends.append(("gauge", name("capture", "lag_bytes", ep), float(run.lag_bytes), tags))
     if run.retained_wal_bytes is not None:
@@ -87,12 +88,14 @@ def ingest_metrics(runs: Iterable[IngestMetrics]) -> int:
     sends = []
     for m in runs:
         t, tags = m.table_name, {"table": m.table_name}
+        # Gauges, not counters: the check_alerts teardown that sends them can be retried or
+        # cleared, and a counter would count the run again each time.
         sends += [
-            ("incr", name("ingest", "events", t), float(m.events_read or 0), tags),
-            ("incr", name("ingest", "quarantined_rows", t), float(m.quarantined or 0), tags),
-            ("incr", name("ingest", "inserted_rows", t), float(m.inserts or 0), tags),
-            ("incr", name("ingest", "updated_rows", t), float(m.updates or 0), tags),
-            ("incr", name("ingest", "deleted_rows", t), float(m.deletes or 0), tags),
+            ("gauge", name("ingest", "events", t), float(m.events_read or 0), tags),
+            ("gauge", name("ingest", "quarantined_rows", t), float(m.quarantined or 0), tags),
+            ("gauge", name("ingest", "inserted_rows", t), float(m.inserts or 0), tags),
+            ("gauge", name("ingest", "updated_rows", t), float(m.updates or 0), tags),
+            ("gauge", name("ingest", "deleted_rows", t), float(m.deletes or 0), tags),
         ]
         if m.total_seconds is not None:
             sends.append(("timing", name("ingest", "duration", t), m.total_seconds * 1000, tags))

@@ -123,20 +123,21 @@ def capture_endpoint(
         table_configs=[t for t, _ in members] if not cs.errors else None,
     )
     if not result.reused:
-        run = from_row(CaptureRun, _capture_metrics_row(result.manifest, started))
-        record_capture_metrics(lake, run)
-        capture_metrics(run)
+        record_capture_metrics(lake, result.manifest, started)
     from cdc_lakehouse.orchestration.alerts import notify_wal
 
     notify_wal(result, [t for t, _ in members], lake, context)
     return result.xcom()
 
 
-def record_capture_metrics(lake: LakeSettings, run: CaptureRun) -> None:
-    """Append the run's row to cdc_meta.capture_runs with pyiceberg (no Spark needed in the worker).
+def record_capture_metrics(lake: LakeSettings, manifest: Manifest, started: datetime) -> None:
+    """Append the run's row to cdc_meta.capture_runs with pyiceberg (no Spark needed in the worker),
+    and send its figures as Airflow metrics.
 
     Best effort: the run is already durable and confirmed; a metrics failure is logged, not raised."""
     try:
+        run = from_row(CaptureRun, _capture_metrics_row(manifest, started))
+        capture_metrics(run)
         import pyarrow as pa
         from pyiceberg.catalog import load_catalog
         from pyiceberg.exceptions import NoSuchTableError
