@@ -128,31 +128,23 @@ def inflight_from_slot(
 
 
 def _wait_for_wal_flush(
-    conn: psycopg2.extensions.connection, cfg: TableConfig, slot: str, timeout: float = 10.0
+    conn: psycopg2.extensions.connection, cfg: TableConfig, slot: str, timeout: float = 5.0
 ) -> None:
-    """Make the WAL written so far flushed: the decoding functions read flushed WAL only.
+    """Wait (at most `timeout`) until the WAL inserted so far is flushed: the decoding functions
+    read flushed WAL only.
 
     A transaction committed with synchronous_commit off is visible to the audit's snapshot at
     once, but reaches the flushed WAL only when the WAL writer next runs (wal_writer_delay,
-    longer on a loaded server). Peeked before that, its keys were neither in the slot nor in the
-    landing, and the audit called them mismatches: seed 22 of test_random_e2e, in CI and under
-    load only.
+    200 ms by default, longer on a loaded server). Peeked before that, its keys were neither in
+    the slot nor in the landing, and the audit called them mismatches: seed 22 of
+    test_random_e2e, in CI and under load only. The insert position read now is past every
+    commit the snapshot (exported earlier) sees. Read-only, no privilege needed.
 
-    A commit that holds a transaction id flushes the WAL up to its own commit record, which lies
-    past every commit the snapshot (exported earlier) sees; no privilege needed, one xid per
-    audit. Waiting for the flush position to pass the insert position instead would never end on
-    a quiet server whose last record ends at a page boundary (after a WAL switch, say)."""
-    import psycopg2
-
-    try:
-        with conn.cursor() as cur:
-            cur.execute("SET LOCAL synchronous_commit = local")  # the local flush, not the standbys
-            cur.execute("SELECT txid_current()")
-        conn.commit()
-        return
-    except psycopg2.Error as exc:  # a read-only session, say: wait for the WAL writer instead
-        conn.rollback()
-        log.info("%s: audit peek cannot force a WAL flush (%s); waiting for the WAL writer", cfg.name, exc)
+    The wait is bounded, and then the peek goes on, because on a quiet server whose last record
+    ends at a page boundary (after a WAL switch, say) the flush position stays one page header
+    short of the insert position until the next write. A commit holding an xid does not force
+    the flush either: without WAL of its own it commits asynchronously (measured: the test below
+    still missed every key)."""
     with conn.cursor() as cur:
         cur.execute("SELECT pg_current_wal_insert_lsn()")
         (target,) = cur.fetchone() or (None,)
@@ -166,9 +158,7 @@ def _wait_for_wal_flush(
         else:
             # Keys committed just before the audit may then count as mismatches once (pending,
             # never persistent on one sighting); the next audit sees them in the slot.
-            log.warning(
-                "%s: WAL not flushed to %s within %.0f s; peeking slot %s anyway", cfg.name, target, timeout, slot
-            )
+            log.info("%s: WAL not flushed to %s within %.0f s; peeking slot %s anyway", cfg.name, target, timeout, slot)
     conn.commit()
 
 
