@@ -10,9 +10,8 @@ its input tables' current table gets a new snapshot (their assets). Its compacti
 import functools
 import operator
 from datetime import timedelta
-from typing import get_args
 
-from airflow.sdk import DAG, Param
+from airflow.sdk import DAG
 from cdc_lakehouse.jobs.derive import DeriveMode, DeriveParams
 from cdc_lakehouse.orchestration.dag_docs import derived_doc
 from cdc_lakehouse.orchestration.dag_parts import (
@@ -21,6 +20,7 @@ from cdc_lakehouse.orchestration.dag_parts import (
     dag_tags,
     default_args,
     load_configs,
+    mode_param,
     spark_task,
 )
 
@@ -40,14 +40,7 @@ for dcfg in derived.derived.values():
         tags=dag_tags("derived", dcfg),
         doc_md=f"{__doc__}\n{derived_doc(dcfg, inputs)}",
         description=f"Derived tree {dcfg.output_table} from {', '.join(t.current_table for t in inputs)}",
-        params={
-            "mode": Param(
-                "auto",
-                type="string",
-                enum=list(get_args(DeriveMode)),
-                description="auto: incremental; full: recompute all",
-            )
-        },
+        params={"mode": mode_param(DeriveMode, "auto: incremental; full: recompute all")},
     ) as dag:
         spark_task(
             task_id="derive",

@@ -8,9 +8,8 @@ changes (its asset) or on the export's own `schedule`. Details: docs/serving-exp
 """
 
 from datetime import timedelta
-from typing import get_args
 
-from airflow.sdk import DAG, Param
+from airflow.sdk import DAG
 from cdc_lakehouse.jobs.export import ExportMode, ExportParams
 from cdc_lakehouse.orchestration.dag_docs import export_doc
 from cdc_lakehouse.orchestration.dag_parts import (
@@ -19,6 +18,7 @@ from cdc_lakehouse.orchestration.dag_parts import (
     dag_tags,
     default_args,
     load_configs,
+    mode_param,
     spark_task,
     timetable,
 )
@@ -39,11 +39,9 @@ for ecfg in exports.exports.values():
         doc_md=f"{__doc__}\n{export_doc(ecfg, source)}",
         description=f"Serving export of {source} into {ecfg.store.kind} namespace {ecfg.store.namespace}",
         params={
-            "mode": Param(
-                "auto",
-                type="string",
-                enum=list(get_args(ExportMode)),
-                description="auto: incremental; full: a new version; rollback: alias back to the previous "
+            "mode": mode_param(
+                ExportMode,
+                "auto: incremental; full: a new version; rollback: alias back to the previous "
                 "version, held there; resume: release the hold",
             )
         },

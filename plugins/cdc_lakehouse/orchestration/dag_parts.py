@@ -161,6 +161,14 @@ def capture_tasks(endpoint_ids: list[str]):
     ]
 
 
+def mode_param(modes: Any, description: str) -> Any:
+    """The `mode` a derived, export or feed run takes ("auto" unless triggered otherwise); the
+    choices are the job's Literal `modes`."""
+    from airflow.sdk import Param
+
+    return Param("auto", type="string", enum=list(get_args(modes)), description=description)
+
+
 def dag_tags(kind: str, cfg: AnyConfig | None = None, group: str | None = None) -> list[str]:
     tags = ["cdc", kind]
     if cfg:
@@ -224,7 +232,7 @@ def feed_consumer_dag(
     reset) and max_lag_hours (how long the table keeps its offset's snapshot, lake.holds). Its
     Iceberg output is maintained by the same DAG once per
     `maintenance.schedule` (OutputMaintenanceConfig): after a consume, never beside one."""
-    from airflow.sdk import DAG, Param
+    from airflow.sdk import DAG
 
     cs = load_table_configs(config_dir or tables_dir())
     cfg = cs.tables.get(table)
@@ -245,14 +253,7 @@ def feed_consumer_dag(
         tags=dag_tags("feed", cfg),
         doc_md=feed_doc(cfg, consumer, output, about, max_lag_hours),
         description=f"Change-feed consumer {consumer} of {cfg.current_table} into {output}",
-        params={
-            "mode": Param(
-                "auto",
-                type="string",
-                enum=list(get_args(FeedMode)),
-                description="auto: incremental; full: reset, every row",
-            )
-        },
+        params={"mode": mode_param(FeedMode, "auto: incremental; full: reset, every row")},
     ) as dag:
         consume = spark_task(
             "consume",

@@ -24,7 +24,7 @@ the event without our part).
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 from urllib.parse import urlsplit
 
 import attr
@@ -52,8 +52,21 @@ def lsn_text(lsn: int | None) -> str | None:
 
 
 @attr.define
-class CdcCaptureRunFacet(RunFacet):
+class _CdcRunFacet(RunFacet):
+    """A run facet of this project: its schema is its section of docs/lineage.md."""
+
+    _section: ClassVar[str] = ""
+
+    @classmethod
+    def _get_schema(cls) -> str:
+        return f"{FACETS_DOC}#{cls._section}"
+
+
+@attr.define
+class CdcCaptureRunFacet(_CdcRunFacet):
     """One capture run of an endpoint: the WAL range it landed, and how much."""
+
+    _section: ClassVar[str] = "cdc_capture"
 
     endpoint: str
     captureRun: str  # noqa: N815 - OpenLineage facets spell fields in camelCase
@@ -62,31 +75,23 @@ class CdcCaptureRunFacet(RunFacet):
     events: int | None
     reused: bool
 
-    @staticmethod
-    def _get_schema() -> str:
-        return f"{FACETS_DOC}#cdc_capture"
-
 
 @attr.define
-class CdcIngestRunFacet(RunFacet):
+class CdcIngestRunFacet(_CdcRunFacet):
     """One ingest run, per table: rows applied, quarantined, and where each shard now stands."""
 
-    tables: dict[str, dict[str, Any]]
+    _section: ClassVar[str] = "cdc_ingest"
 
-    @staticmethod
-    def _get_schema() -> str:
-        return f"{FACETS_DOC}#cdc_ingest"
+    tables: dict[str, dict[str, Any]]
 
 
 @attr.define
-class CdcAuditRunFacet(RunFacet):
+class CdcAuditRunFacet(_CdcRunFacet):
     """One audit run, per table and shard: the verdict and the keys that differed."""
 
-    tables: dict[str, dict[str, Any]]
+    _section: ClassVar[str] = "cdc_audit"
 
-    @staticmethod
-    def _get_schema() -> str:
-        return f"{FACETS_DOC}#cdc_audit"
+    tables: dict[str, dict[str, Any]]
 
 
 # --- datasets -------------------------------------------------------------------------------------
