@@ -26,11 +26,17 @@ demo: airflow-init
 airflow: airflow-init
 	@$(ENV) python -m devstack.demo prepare && $(ENV) scripts/airflow_ui.sh
 
+# Two pytest workers (pytest-xdist), one test file each at a time, sharing one Spark Connect
+# server (tests/conftest.py): the share of the suite one worker spends waiting on Airflow, Python
+# and PostgreSQL the other spends on Spark (BENCHMARKS.md, "Test suite"). TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 2
+XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+
 test: setup
-	@$(ENV) python -m pytest $(PYTEST_ARGS)
+	@$(ENV) python -m pytest $(XDIST) $(PYTEST_ARGS)
 
 test-fast: setup
-	@$(ENV) python -m pytest -m "not slow" $(PYTEST_ARGS)
+	@$(ENV) python -m pytest -m "not slow" $(XDIST) $(PYTEST_ARGS)
 
 lint: setup
 	@$(ENV) ruff check . && ruff format --check . && mypy

@@ -399,6 +399,11 @@ class LocalSparkConnect:
     def log(self) -> Path:
         return self.workdir / "server.log"
 
+    @property
+    def pid(self) -> int | None:
+        """The server's process id: its own child's, or (a server another process started) the pidfile's."""
+        return self.proc.pid if self.proc else _read_pid(self.pidfile)
+
     def is_running(self) -> bool:
         try:
             socket.create_connection(("127.0.0.1", self.port), 1).close()
@@ -431,7 +436,7 @@ class LocalSparkConnect:
     def stop(self, timeout: float = 30) -> None:
         import signal
 
-        pid = self.proc.pid if self.proc else _read_pid(self.pidfile)
+        pid = self.pid
         if pid is None:
             return
         for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 10)):

@@ -3,6 +3,12 @@ lake (Iceberg JDBC catalog in that PostgreSQL, warehouse and landing in a temp d
 
 Everything real; nothing mocked. The cluster, the catalog and the lake are private to the
 test session and removed at its end.
+
+Under pytest-xdist (`make test` runs two workers, one test file each at a time) every worker has
+its own PostgreSQL, lake, Redis and S3 server, all cheap to start, and the workers share the one
+Spark Connect server the controller starts before them (pytest_sessionstart below): a second
+server would cost a second JVM start and a second cold JIT. Their sessions on it are apart
+(their own catalogs, settings and artifacts), as any two clients' are.
 """
 
 from __future__ import annotations
@@ -17,6 +23,36 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+
+# Where the controller's shared Spark Connect server is (JSON: workdir, port, ui_port), for the
+# workers it spawns after setting it.
+SHARED_SPARK_ENV = "CDC_TESTS_SHARED_SPARK"
+_SHARED_SPARK = pytest.StashKey[object]()
+
+
+def pytest_sessionstart(session):
+    """The xdist controller starts the session's Spark Connect server before its workers exist
+    (xdist starts them in its own, last, pytest_sessionstart); they inherit where it is."""
+    config = session.config
+    if hasattr(config, "workerinput") or config.getoption("dist", "no") == "no":
+        return
+    from devstack.localstack import LocalSparkConnect
+
+    workdir = Path(tempfile.mkdtemp(prefix="cdc-tests-spark-"))
+    server = LocalSparkConnect(workdir / "spark-connect", memory="4g")
+    server.start()
+    config.stash[_SHARED_SPARK] = server
+    os.environ[SHARED_SPARK_ENV] = json.dumps(
+        {"workdir": str(server.workdir), "port": server.port, "ui_port": server.ui_port}
+    )
+
+
+def pytest_sessionfinish(session):
+    server = session.config.stash.get(_SHARED_SPARK, None)
+    if server is not None:
+        server.stop()
+        shutil.rmtree(server.workdir.parent, ignore_errors=True)
+
 
 
 @pytest.fixture(scope="session")
@@ -96,8 +132,12 @@ def spark_server(tmp_root):
     the way the local stack starts its own (devstack.localstack.LocalSparkConnect)."""
     from devstack.localstack import LocalSparkConnect
 
-    server = LocalSparkConnect(tmp_root / "spark-connect", memory="3g")
-    server.start()
+    shared = json.loads(os.environ.get(SHARED_SPARK_ENV) or "null")
+    if shared:  # an xdist worker: the controller's server, started and stopped by it
+        server = LocalSparkConnect(Path(shared["workdir"]), shared["port"], ui_port=shared["ui_port"])
+    else:
+        server = LocalSparkConnect(tmp_root / "spark-connect", memory="3g")
+        server.start()
     # Whatever the tests start that reaches for Spark (a job run in-process, a DAG's task, the
     # CLI) goes to this server, not to the local stack's.
     os.environ["CDC_SPARK_REMOTE"] = server.url
@@ -108,7 +148,8 @@ def spark_server(tmp_root):
     from cdc_lakehouse.runtime.session import release_all
 
     release_all()  # every session of the suite (and of the jobs it ran in-process) first
-    server.stop()
+    if not shared:
+        server.stop()
 
 
 @pytest.fixture(scope="session")

@@ -100,15 +100,17 @@ def sql_executions(spark) -> list[dict]:
         return json.load(r)
 
 
-def merge_plans(spark, after: int) -> list[str]:
-    """Physical plans of the row-level writes (MERGE) Spark ran after execution id `after`."""
+def merge_plans(spark, after: int, table: str) -> list[str]:
+    """Physical plans of the row-level writes (MERGE) into `table` Spark ran after execution id
+    `after` (the server's other clients, another test worker's, run theirs too)."""
     # The listener bus records an execution's end asynchronously: wait until none is running.
     for _ in range(100):
         execs = [e for e in sql_executions(spark) if e["id"] > after]
         if all(e.get("status") != "RUNNING" for e in execs):
             break
         time.sleep(0.1)
-    return [e["planDescription"] for e in execs if "WriteDelta" in (e.get("planDescription") or "")]
+    plans = [e.get("planDescription") or "" for e in execs]
+    return [p for p in plans if "WriteDelta" in p and table in p]
 
 
 def last_execution(spark) -> int:
@@ -161,7 +163,7 @@ def test_toast_chains_truncate_and_pk_changes_in_one_batch(source, spark, lake, 
     assert r.metrics.quarantined == 0 and r.metrics.merge_join == merge_join
     assert_lake_equals_source(spark, lake, s.block, s.dsn)
     assert spark.table(lake.qualified(s.block.current_table)).filter("id = 777").first()["content"] == big
-    (plan,) = merge_plans(spark, since)
+    (plan,) = merge_plans(spark, since, lake.qualified(s.block.current_table))
     assert table_side_shuffled(plan, lake.qualified(s.block.current_table)) == (merge_join == "shuffle"), plan
     # The staged batch is gone.
     staged = spark.sql(f"SHOW TABLES IN {lake.catalog_name}.{lake.meta_namespace} LIKE 'merge_batch_*'").collect()

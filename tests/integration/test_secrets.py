@@ -136,7 +136,7 @@ def test_a_spark_connect_task_gets_its_secrets_and_the_server_shows_none(
     assert_probe_shows_none(probe, secrets_dir)
     # The server process: its command line, the files it was started with, its log, its event log.
     assert list((spark_server.workdir / "events").iterdir()), "the server keeps no event log"
-    cmdline = Path(f"/proc/{spark_server.proc.pid}/cmdline").read_bytes().decode(errors="replace")
+    cmdline = Path(f"/proc/{spark_server.pid}/cmdline").read_bytes().decode(errors="replace")
     assert "SparkConnectServer" in cmdline and not leaks(cmdline)
     for f in spark_server.workdir.rglob("*"):
         if f.is_file() and f.stat().st_size < 50_000_000:

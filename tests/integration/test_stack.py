@@ -52,7 +52,7 @@ def test_a_killed_tasks_spark_work_stops_on_the_server(spark, spark_server, lake
     import threading
     import urllib.request
 
-    from cdc_lakehouse.runtime.phases import status_api
+    from cdc_lakehouse.runtime.phases import _has_tag, status_api
     from cdc_lakehouse.runtime.session import get_spark, interrupt_all, release_spark
 
     job = get_spark("kill-probe", lake, remote=spark_server.url)
@@ -60,6 +60,8 @@ def test_a_killed_tasks_spark_work_stops_on_the_server(spark, spark_server, lake
     outcome: dict[str, object] = {}
 
     def hang():  # hours of work for two cores
+        # A tag to tell its job from other clients' (another test worker's); tags are per thread.
+        job.addTag("cdc-kill-probe")
         try:
             job.range(0, 10**13, numPartitions=2).selectExpr("sum(id * id % 7) AS s").collect()
             outcome["done"] = True
@@ -71,7 +73,7 @@ def test_a_killed_tasks_spark_work_stops_on_the_server(spark, spark_server, lake
 
     def running() -> list:
         with urllib.request.urlopen(jobs_url, timeout=5) as r:  # noqa: S310 - the server's own UI
-            return json.load(r)
+            return [j for j in json.load(r) if _has_tag(j, "cdc-kill-probe")]
 
     deadline = time.time() + 60
     while not running():
