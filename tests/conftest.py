@@ -54,7 +54,6 @@ def pytest_sessionfinish(session):
         shutil.rmtree(server.workdir.parent, ignore_errors=True)
 
 
-
 @pytest.fixture(scope="session")
 def tmp_root():
     d = Path(tempfile.mkdtemp(prefix="cdc-tests-"))
