@@ -370,6 +370,86 @@ class LocalSparkCluster:
                     os.killpg(p.pid, signal.SIGKILL)
 
 
+class LocalRestCatalog:
+    """Apache Iceberg's REST catalog server (RESTCatalogServer, the server of Iceberg's REST
+    compatibility kit; jars from devstack/rest-catalog.pom.xml, scripts/fetch_rest_catalog.sh)
+    on loopback, its tables kept by a JDBC catalog in a PostgreSQL database. Spark and pyiceberg
+    reach it as a team's REST catalog: `LakeSettings(catalog_type="rest", catalog_uri=.url)`.
+
+    It answers the OAuth2 client-credentials exchange (/v1/oauth/tokens) with a token but checks
+    no credential: what a client sends is tested on the client's side (tests/integration/
+    test_rest_catalog.py). Its settings go in its environment (CATALOG_*), none is secret."""
+
+    def __init__(self, workdir: Path, *, backend_uri: str, warehouse: str, port: int | None = None):
+        self.workdir = Path(workdir)
+        self.backend_uri = backend_uri  # jdbc:postgresql://host:port/db
+        self.warehouse = warehouse
+        self.port = port or free_port()
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def log(self) -> Path:
+        return self.workdir / "server.log"
+
+    @staticmethod
+    def classpath() -> Path:
+        from cdc_lakehouse.settings import PROJECT_ROOT
+
+        jars = Path(os.environ.get("CDC_REST_CATALOG_DIR") or PROJECT_ROOT / ".cache" / "rest-catalog")
+        if not any(jars.glob("iceberg-open-api-*-test-fixtures.jar")):
+            raise RuntimeError(f"no REST catalog server in {jars}: run scripts/fetch_rest_catalog.sh (make setup)")
+        return jars
+
+    def is_running(self) -> bool:
+        import urllib.request
+
+        try:
+            with urllib.request.urlopen(f"{self.url}/v1/config", timeout=2) as r:  # noqa: S310 - loopback
+                return r.status == 200
+        except OSError:
+            return False
+
+    def start(self, *, timeout: float = 60) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        env = {
+            **os.environ,
+            # RCKUtils maps CATALOG_<KEY> to catalog property <key> ("__" -> "-", "_" -> ".").
+            "CATALOG_CATALOG__IMPL": "org.apache.iceberg.jdbc.JdbcCatalog",
+            "CATALOG_URI": self.backend_uri,
+            "CATALOG_JDBC_USER": "postgres",
+            "CATALOG_JDBC_SCHEMA__VERSION": "V1",  # views too (the latest-per-key views)
+            "CATALOG_WAREHOUSE": self.warehouse,
+            "CATALOG_REST_PORT": str(self.port),
+        }
+        argv = ["java", "-Xmx256m", "-cp", f"{self.classpath()}/*", "org.apache.iceberg.rest.RESTCatalogServer"]
+        out = open(self.log, "ab")
+        self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.is_running():
+                return
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.3)
+        tail = self.log.read_text(errors="replace")[-3000:]
+        self.stop()
+        raise RuntimeError(f"the Iceberg REST catalog server did not start (log {self.log}):\n{tail}")
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(5)
+
+
 class LocalSparkConnect:
     """A Spark Connect server on loopback: the long-lived Spark that the local stack's tasks, the
     demo, the benchmarks and the tests send their jobs to (runtime.session.get_spark with

@@ -52,6 +52,8 @@ fi
 
 # --- jars, package, local folders ---------------------------------------------------------
 scripts/fetch_jars.sh | sed 's/^/[setup] /'
+# The Iceberg REST catalog server of the tests and the local stack (its own classpath).
+scripts/fetch_rest_catalog.sh | sed 's/^/[setup] /'
 PYTHONPATH="$ROOT/plugins" .venv/bin/python -m cdc_lakehouse.runtime.packaging >/dev/null
 mkdir -p .local
 log "done"

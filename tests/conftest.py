@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import tempfile
 import uuid
@@ -28,6 +29,21 @@ ROOT = Path(__file__).resolve().parents[1]
 # workers it spawns after setting it.
 SHARED_SPARK_ENV = "CDC_TESTS_SHARED_SPARK"
 _SHARED_SPARK = pytest.StashKey[object]()
+
+
+# The run's seed for tests parametrized by random seeds. Every xdist worker must collect the same
+# tests: the controller draws it (pytest_configure) and the workers inherit it. Set it to replay.
+SEED_ENV = "CDC_TEST_SEED"
+
+
+def pytest_configure(config):
+    os.environ.setdefault(SEED_ENV, str(random.randrange(10**6)))
+
+
+def session_seeds(n: int) -> list[int]:
+    """n seeds drawn from the run's seed (CDC_TEST_SEED): new ones every run, the same in every worker."""
+    rng = random.Random(int(os.environ[SEED_ENV]))
+    return [rng.randrange(10**6) for _ in range(n)]
 
 
 def pytest_sessionstart(session):

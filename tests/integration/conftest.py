@@ -110,3 +110,45 @@ def lake_s3(s3_server, pg):
         landing_conn_id=S3_AWS_CONN,
     )
     return with_aws_connection(configured)
+
+
+# The REST catalog's OAuth2 client: the secret reaches Spark and pyiceberg as a secret catalog
+# property, as a team's would from the lake connection.
+REST_CLIENT_ID, REST_CLIENT_SECRET = "cdc-tests", "rest-client-secret/for+test"
+
+
+@pytest.fixture(scope="session")
+def rest_catalog(pg, tmp_root):
+    """Apache Iceberg's REST catalog server, its tables kept in the session's PostgreSQL."""
+    from devstack.localstack import LocalRestCatalog
+
+    pg.ensure_database("rest_catalog")
+    server = LocalRestCatalog(
+        tmp_root / "rest-catalog",
+        backend_uri=f"jdbc:postgresql://127.0.0.1:{pg.port}/rest_catalog",
+        warehouse=f"file://{tmp_root / 'rest-warehouse'}",
+    )
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def lake_rest(rest_catalog, tmp_root):
+    """A third lake, catalog `lake_rest`, on the REST catalog, read from an Airflow connection
+    shaped as README's "Production" shows: its client authenticates with OAuth2 client
+    credentials, a secret catalog property."""
+    from airflow.models.connection import Connection
+    from cdc_lakehouse.settings import LakeSettings
+
+    extra = {
+        "catalog_type": "rest",
+        "catalog_name": "lake_rest",
+        "catalog_uri": rest_catalog.url,
+        "warehouse": rest_catalog.warehouse,
+        "landing_uri": f"file://{tmp_root / 'rest-landing'}",
+        "catalog_properties": {"rest.auth.type": "oauth2", "oauth2-server-uri": f"{rest_catalog.url}/v1/oauth/tokens"},
+        "secret_catalog_properties": {"credential": f"{REST_CLIENT_ID}:{REST_CLIENT_SECRET}"},
+    }
+    conn = Connection(conn_id="cdc_lake_rest", conn_type="generic", extra=json.dumps(extra))
+    return LakeSettings.from_airflow_connection(conn)

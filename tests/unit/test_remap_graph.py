@@ -20,7 +20,7 @@ from cdc_lakehouse.ingest.validate import PKCHANGE
 from cdc_lakehouse.lake.columns import UNAVAILABLE_COL
 from pyspark.sql import functions as F
 
-from tests.conftest import make_config
+from tests.conftest import make_config, session_seeds
 
 SCHEMA = (
     f"{SHARD_COL} string, id bigint, {LSN_COL} bigint, {SEQ_COL} bigint, {OP_COL} string, "
@@ -231,7 +231,7 @@ def random_batch(seed: int, n_ops: int = 400) -> tuple[Source, dict[int, dict]]:
     return src, table
 
 
-@pytest.mark.parametrize("seed", [random.randrange(10**6) for _ in range(2)] + [7])
+@pytest.mark.parametrize("seed", [*session_seeds(2), 7])
 def test_random_batches_one_pass_then_graph_and_graph_alone_equal_the_source(spark, seed):
     """The fill ingest.run takes when a key change lacks its value (the fused plan's one pass, then
     the graph over its output) and the graph alone over the raw batch both end where the source
