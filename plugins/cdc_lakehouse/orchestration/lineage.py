@@ -9,11 +9,16 @@ and Spark operators answer its `get_openlineage_facets_on_complete` from here:
   bootstrap             source shard tables            -> current table
   audit                 current table, source shards   (the verdict as data-quality assertions)
   maintenance           -                              -> the table it compacts
+  derive                current tables the tree reads  -> its output and unresolved tables
+  export                the table it exports           -> the store's namespace (Redis, DynamoDB)
+  consume (a feed)      the table's current table      -> the consumer's output table
 
 Dataset names follow OpenLineage's naming: a PostgreSQL table is `postgres://host:port` +
 `database.schema.table`; the landing is a path in `file` or `s3://bucket`; an Iceberg table is
 named by its location (what OpenLineage's Spark integration names it by, so the two graphs join),
-with the catalog's name for it as a symlink.
+with the catalog's name for it as a symlink. OpenLineage names no key-value store: a Redis
+export is `redis://host:port` + its key namespace, a DynamoDB one `dynamodb://<region>` (or the
+endpoint's host:port off AWS) + its tables' prefix; never a credential.
 
 Run facets (cdc_capture, cdc_ingest, cdc_audit) carry the LSN range per shard, the watermark,
 the snapshot ids and the row counts, read from the run's own records (the capture's manifest, the
@@ -39,6 +44,7 @@ from airflow.providers.common.compat.openlineage.facet import (
 
 if TYPE_CHECKING:
     from cdc_lakehouse.config import TableConfig
+    from cdc_lakehouse.serving.config import ExportStore
     from cdc_lakehouse.settings import LakeSettings
 
 log = logging.getLogger(__name__)
@@ -130,10 +136,49 @@ def _location(uri: str) -> tuple[str, str]:
 
 
 def lake_table(lake: LakeSettings, table: str, catalog: Any) -> Dataset:
-    """An Iceberg table by its location, with the catalog's name as a symlink."""
-    ns, name = _location(catalog.load_table(table).location())
+    """An Iceberg table by its location, with the catalog's name as a symlink; by that name alone
+    while the table does not exist."""
+    from pyiceberg.exceptions import NoSuchNamespaceError, NoSuchTableError
+
     symlink = Identifier(namespace=f"iceberg://{lake.catalog_name}", name=table, type="TABLE")
+    try:
+        location = catalog.load_table(table).location()
+    except (NoSuchTableError, NoSuchNamespaceError):
+        # A job's first run creates its outputs (and a derived tree's namespace): an event sent
+        # before they exist (that run's FAIL, which the provider also asks on_complete for) names
+        # them by the catalog's identifier instead of losing every dataset of the event. Once the
+        # table exists, its location names it, with this same identifier as its symlink.
+        return Dataset(symlink.namespace, table)
+    ns, name = _location(location)
     return Dataset(ns, name, facets={"symlinks": SymlinksDatasetFacet(identifiers=[symlink])})
+
+
+def redis_store(host: str, port: int, db: str, namespace: str) -> Dataset:
+    """A serving export's namespace in Redis (its keys are `<namespace>:...`). A db other than the
+    default 0 is part of the name: one server's dbs may each hold a namespace of that name."""
+    return Dataset(f"redis://{host}:{port}", namespace if db in ("", "0") else f"{db}/{namespace}")
+
+
+def dynamodb_store(region: str, endpoint: str, table_prefix: str, namespace: str) -> Dataset:
+    """A serving export's namespace in DynamoDB: its version tables are `<prefix><namespace>.v<N>`,
+    so the name is `<prefix><namespace>`. On AWS the region names the store (an ARN would need the
+    account id, which only a credentialed call tells); off AWS (DynamoDB Local, a test server), the
+    endpoint's host:port does."""
+    on_aws = not endpoint or endpoint.partition(":")[0].endswith(".amazonaws.com")
+    return Dataset(f"dynamodb://{region if on_aws else endpoint}", f"{table_prefix}{namespace}")
+
+
+def export_store(store: ExportStore) -> Dataset:
+    """An export's store, from its Airflow connection's public parts: host, port, db, region."""
+    from cdc_lakehouse.orchestration.tasks import dynamodb_address, dynamodb_hook, redis_address
+
+    if store.kind == "redis":
+        from airflow.sdk import BaseHook
+
+        host, port, db = redis_address(BaseHook.get_connection(store.conn_id))
+        return redis_store(host, port, db, store.namespace)
+    region, _, endpoint = dynamodb_address(dynamodb_hook(store.conn_id))
+    return dynamodb_store(region, endpoint, store.table_prefix, store.namespace)
 
 
 def _catalog(lake: LakeSettings) -> Any:
@@ -173,13 +218,14 @@ def capture_lineage(endpoint: str, xcom: dict[str, Any]) -> Any:
 
 
 def spark_job_lineage(job: str, params: Any) -> Any:
-    """The Spark task of `job` (jobs.registry) on its parsed parameters; None for the jobs whose
-    datasets are not described yet (derive, export, feed: their task events carry no datasets)."""
+    """The Spark task of `job` (jobs.registry) on its parsed parameters: ingest, bootstrap, audit,
+    maintenance (of replicated tables), derive, export, and any change-feed consumer's job; None
+    for a job not described (its task events carry no datasets)."""
     from airflow.providers.openlineage.extractors import OperatorLineage
 
     from cdc_lakehouse.orchestration.tasks import configs, lake_settings
 
-    describe = _JOBS.get(job)
+    describe = _describer(job, params)
     if describe is None:
         return None
     cs, lake = configs(), lake_settings()
@@ -191,6 +237,16 @@ def spark_job_lineage(job: str, params: Any) -> Any:
         outputs=[_as_output(d) for d in _unique(outputs)],
         run_facets=facets,
     )
+
+
+def _describer(job: str, params: Any) -> Any:
+    from cdc_lakehouse.jobs.feed import FeedConsumerParams
+
+    # A feed consumer's job is its author's, named as they like (feed_block_counts, ...): known
+    # by its parameters, which every consumer's job takes (dag_parts.feed_consumer_dag).
+    if isinstance(params, FeedConsumerParams):
+        return _feed
+    return _JOBS.get(job)
 
 
 def _ingest(lake, catalog, cfgs, params):
@@ -223,7 +279,48 @@ def _maintenance(lake, catalog, cfgs, params):
     return [], [lake_table(lake, cfg.current_table, catalog) for cfg in cfgs], {}
 
 
-_JOBS = {"ingest": _ingest, "bootstrap": _bootstrap, "audit": _audit, "maintenance": _maintenance}
+def _derive(lake, catalog, cfgs, params):
+    from cdc_lakehouse.jobs.runner import derived_configs
+
+    cs, ds = derived_configs(params.config_dir, params.derived_dir)  # as the job loads them
+    # A missing or invalid config: the job refuses it before Spark starts, so nothing to describe.
+    trees = [ds.derived[n] for n in params.derived if n in ds.derived]
+    # The current tables each tree is computed from (an incremental run may also consult their
+    # changelogs for the keys that changed: the same rows' history, not another input).
+    inputs = [lake_table(lake, cs.tables[t].current_table, catalog) for d in trees for t in d.input_names]
+    outputs = [lake_table(lake, t, catalog) for d in trees for t in (d.output_table, d.unresolved_table)]
+    return inputs, outputs, {}
+
+
+def _export(lake, catalog, cfgs, params):
+    from cdc_lakehouse.jobs.runner import derived_configs
+    from cdc_lakehouse.serving.config import load_export_configs, resolve_source
+    from cdc_lakehouse.settings import exports_dir
+
+    cs, ds = derived_configs(params.config_dir, params.derived_dir)
+    es = load_export_configs(params.exports_dir or exports_dir(), cs.tables, ds.derived)
+    exports = [es.exports[n] for n in params.exports if n in es.exports]  # the job refuses the others
+    # A rollback only moves the store's alias back: it reads no table.
+    sources = [] if params.mode == "rollback" else [resolve_source(e, cs.tables, ds.derived).table for e in exports]
+    return [lake_table(lake, t, catalog) for t in sources], [export_store(e.store) for e in exports], {}
+
+
+def _feed(lake, catalog, cfgs, params):
+    return (
+        [lake_table(lake, cfg.current_table, catalog) for cfg in cfgs],
+        [lake_table(lake, params.output, catalog)],
+        {},
+    )
+
+
+_JOBS = {
+    "ingest": _ingest,
+    "bootstrap": _bootstrap,
+    "audit": _audit,
+    "maintenance": _maintenance,
+    "derive": _derive,
+    "export": _export,
+}
 
 
 # --- the run's figures, from cdc_meta -------------------------------------------------------------

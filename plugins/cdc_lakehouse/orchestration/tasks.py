@@ -188,19 +188,37 @@ def store_uri_from_connection(kind: str, conn_id: str) -> str:
         c = BaseHook.get_connection(conn_id)
         auth = f"{quote(c.login or '', safe='')}:{quote(c.password, safe='')}@" if c.password else ""
         scheme = "rediss" if c.extra_dejson.get("ssl") else "redis"
-        return f"{scheme}://{auth}{c.host or '127.0.0.1'}:{c.port or 6379}/{c.extra_dejson.get('db', c.schema or 0)}"
-    from airflow.providers.amazon.aws.hooks.base_aws import AwsBaseHook
-
-    hook = AwsBaseHook(aws_conn_id=conn_id, client_type="dynamodb")
+        host, port, db = redis_address(c)
+        return f"{scheme}://{auth}{host}:{port}/{db}"
+    hook = dynamodb_hook(conn_id)
     creds = hook.get_credentials()
-    endpoint = urlsplit(hook.conn_config.get_service_endpoint_url("dynamodb") or "")
+    region, scheme, endpoint = dynamodb_address(hook)
     auth = f"{quote(creds.access_key, safe='')}:{quote(creds.secret_key, safe='')}@" if creds.access_key else ""
-    query = {"region": hook.conn_region_name or "us-east-1", "scheme": endpoint.scheme or "https"}
+    query = {"region": region, "scheme": scheme}
     if creds.token:
         query["session_token"] = creds.token
-    return f"dynamodb://{auth}{endpoint.netloc.rpartition('@')[2]}/?" + "&".join(
-        f"{k}={quote(v, safe='')}" for k, v in query.items()
-    )
+    return f"dynamodb://{auth}{endpoint}/?" + "&".join(f"{k}={quote(v, safe='')}" for k, v in query.items())
+
+
+def redis_address(conn: Any) -> tuple[str, int, str]:
+    """(host, port, db) a Redis connection points at: public, unlike its password (lineage names
+    the store by them)."""
+    return conn.host or "127.0.0.1", int(conn.port or 6379), str(conn.extra_dejson.get("db", conn.schema or 0))
+
+
+def dynamodb_hook(conn_id: str) -> Any:
+    from airflow.providers.amazon.aws.hooks.base_aws import AwsBaseHook
+
+    return AwsBaseHook(aws_conn_id=conn_id, client_type="dynamodb")
+
+
+def dynamodb_address(hook: Any) -> tuple[str, str, str]:
+    """(region, scheme, host[:port]) of a DynamoDB connection's endpoint ("" for AWS's regional
+    one): read from the connection's settings, no credentials resolved (the caller asks the hook
+    for those when it needs them)."""
+    endpoint = urlsplit(hook.conn_config.get_service_endpoint_url("dynamodb") or "")
+    # netloc, not hostname: the port stays; whatever user info an endpoint URL carried does not.
+    return hook.conn_region_name or "us-east-1", endpoint.scheme or "https", endpoint.netloc.rpartition("@")[2]
 
 
 def spark_job_env(
