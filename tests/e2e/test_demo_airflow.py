@@ -211,6 +211,13 @@ def _assert_lineage(path: Path, shards: list[str]) -> None:
     [table] = [d for d in audits[-1]["inputs"] if _symlink(d) == "notion.block"]
     checks = table["inputFacets"]["dataQualityAssertions"]["assertions"]
     assert len(checks) == len(shards) and all(c["success"] for c in checks), checks
+    # On to the derived tree and its serving export: current table -> tree -> the Redis store.
+    [derive] = _complete(events, "cdc_derived__block_tree.derive")[-1:]
+    assert "notion.block" in {_symlink(d) for d in derive["inputs"]}, derive["inputs"]
+    trees = {_symlink(d) for d in derive["outputs"]}
+    [export] = _complete(events, "cdc_export__block_tree_serving.export")[-1:]
+    assert {_symlink(d) for d in export["inputs"]} <= trees and export["inputs"], (export["inputs"], trees)
+    assert export["outputs"] and all(d["namespace"].startswith("redis://") for d in export["outputs"]), export
 
 
 def test_demo_through_airflow_is_clean_and_a_rerun_converges(pg, demo_env, statsd):
