@@ -29,8 +29,10 @@ airflow: airflow-init
 # Two pytest workers (pytest-xdist), one test file each at a time, sharing one Spark Connect
 # server (tests/conftest.py): the share of the suite one worker spends waiting on Airflow, Python
 # and PostgreSQL the other spends on Spark (BENCHMARKS.md, "Test suite"). TEST_WORKERS=0: one process.
+# Files go out in collection order (the end-to-end tests, the longest, first; the many quick unit
+# files last, to even out the end), not xdist's default of the files with most tests first.
 TEST_WORKERS ?= 2
-XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 
 test: setup
 	@$(ENV) python -m pytest $(XDIST) $(PYTEST_ARGS)

@@ -237,6 +237,92 @@ class LocalS3:
         obj.last_modified = obj.last_modified - by
 
 
+class LocalS3Gateway:
+    """A real S3-compatible server on loopback: Versity's S3 gateway (versitygw, Apache-2.0; built
+    by scripts/build_s3_gateway.sh) over a folder, each object a plain file. It checks every
+    request's signature against its one root key pair, which it reads from its environment (never
+    its command line). The same surface as LocalS3 for the tests: endpoint, client(), buckets,
+    age_object()."""
+
+    REGION = "us-east-1"
+
+    def __init__(self, workdir: Path, port: int, access_key: str, secret_key: str):
+        self.workdir = Path(workdir)
+        self.port = port
+        self.access_key, self.secret_key = access_key, secret_key
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def data(self) -> Path:
+        return self.workdir / "data"
+
+    @staticmethod
+    def binary() -> Path:
+        from cdc_lakehouse.settings import PROJECT_ROOT
+
+        path = PROJECT_ROOT / ".cache" / "bin" / "versitygw"
+        if not path.exists():
+            raise RuntimeError(f"no S3 gateway at {path}: run scripts/build_s3_gateway.sh (make setup; needs Go)")
+        return path
+
+    def start(self, timeout: float = 30) -> None:
+        self.data.mkdir(parents=True, exist_ok=True)
+        env = {
+            **os.environ,
+            "ROOT_ACCESS_KEY_ID": self.access_key,
+            "ROOT_SECRET_ACCESS_KEY": self.secret_key,
+            "VGW_REGION": self.REGION,
+            "VGW_PORT": f"127.0.0.1:{self.port}",
+        }
+        log = open(self.workdir / "server.log", "ab")
+        argv = [str(self.binary()), "posix", str(self.data)]
+        self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        deadline = time.time() + timeout
+        while time.time() < deadline and self.proc.poll() is None:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), 1).close()
+                return
+            except OSError:
+                time.sleep(0.2)
+        tail = (self.workdir / "server.log").read_text(errors="replace")[-3000:]
+        self.stop()
+        raise RuntimeError(f"the S3 gateway did not start:\n{tail}")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+    def client(self, service: str = "s3"):
+        import boto3
+
+        return boto3.client(
+            service,
+            endpoint_url=self.endpoint,
+            region_name=self.REGION,
+            aws_access_key_id=self.access_key,
+            aws_secret_access_key=self.secret_key,
+        )
+
+    def create_bucket(self, name: str) -> None:
+        self.client().create_bucket(Bucket=name)
+
+    def age_object(self, bucket: str, key: str, by) -> None:
+        """Move an object's LastModified back by the timedelta `by` (the posix backend reports
+        the file's modification time)."""
+        path = self.data / bucket / key
+        mtime = path.stat().st_mtime - by.total_seconds()
+        os.utime(path, (mtime, mtime))
+
+
 class LocalRedis:
     """A private Redis server (Debian's redis-server): the serving export's local default store.
 

@@ -131,6 +131,18 @@ def s3_server(tmp_root):
 
 
 @pytest.fixture(scope="session")
+def s3_gateway(tmp_root):
+    """A real S3-compatible server (Versity's S3 gateway over a folder) for the session; it checks
+    signatures against its one key pair."""
+    from devstack.localstack import LocalS3Gateway, free_port
+
+    server = LocalS3Gateway(tmp_root / "s3-gateway", free_port(), "CDCGATEWAYKEY", "gateway-secret/for+test")
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
 def redis_server(tmp_root):
     """A private redis-server for the session (the serving export's local default store)."""
     from devstack.localstack import LocalRedis, free_port

@@ -87,27 +87,37 @@ S3_KEY_ID, S3_SECRET = "AKIDCDCTEST", "s3-secret/for+test"
 
 @pytest.fixture(scope="session")
 def lake_s3(s3_server, pg):
-    """A second lake, catalog `lake_s3`, whose warehouse and landing are on the local S3 server;
+    """A second lake, catalog `lake_s3`, whose warehouse and landing are on the local S3 mock;
     endpoint, region and keys come from an Airflow AWS connection, as in the tasks."""
+    return s3_lake(s3_server, pg, "lake_s3", S3_AWS_CONN, S3_KEY_ID, S3_SECRET)
+
+
+@pytest.fixture(scope="session")
+def lake_s3_gateway(s3_gateway, pg):
+    """The same on the real S3-compatible server (catalog `lake_s3gw`), with its own keys."""
+    return s3_lake(s3_gateway, pg, "lake_s3gw", "cdc_test_s3_gateway", s3_gateway.access_key, s3_gateway.secret_key)
+
+
+def s3_lake(server, pg, catalog: str, conn_id: str, key_id: str, secret: str):
     from cdc_lakehouse.orchestration.tasks import with_aws_connection
     from cdc_lakehouse.settings import LakeSettings
 
-    s3_server.create_bucket(S3_BUCKET)
-    os.environ[f"AIRFLOW_CONN_{S3_AWS_CONN.upper()}"] = json.dumps(
+    server.create_bucket(S3_BUCKET)
+    os.environ[f"AIRFLOW_CONN_{conn_id.upper()}"] = json.dumps(
         {
             "conn_type": "aws",
-            "login": S3_KEY_ID,
-            "password": S3_SECRET,
-            "extra": {"endpoint_url": s3_server.endpoint, "region_name": s3_server.REGION, "s3_path_style": True},
+            "login": key_id,
+            "password": secret,
+            "extra": {"endpoint_url": server.endpoint, "region_name": server.REGION, "s3_path_style": True},
         }
     )
     configured = LakeSettings(
         catalog_type="jdbc",
-        catalog_name="lake_s3",
+        catalog_name=catalog,
         catalog_uri=f"postgresql://postgres@127.0.0.1:{pg.port}/lake_catalog",
         warehouse=f"s3://{S3_BUCKET}/warehouse",
         landing_uri=f"s3://{S3_BUCKET}/landing",
-        landing_conn_id=S3_AWS_CONN,
+        landing_conn_id=conn_id,
     )
     return with_aws_connection(configured)
 

@@ -1,15 +1,19 @@
-"""The production storage path for real: landing and warehouse on S3 (a local moto server).
+"""The production storage path for real: landing and warehouse on a real S3-compatible server
+(Versity's S3 gateway, which checks every request's signature; devstack.localstack.LocalS3Gateway).
 
 Capture writes landing files through the Amazon provider's S3Hook; Spark reads them through
 Hadoop S3A and keeps the Iceberg tables on S3 through S3FileIO; pyiceberg reads the same
 tables; the audit and maintenance (orphan cleanup included) run against S3. Credentials and
 the endpoint come from an Airflow AWS connection, resolved the way the tasks resolve them.
+(moto's S3 mock serves the cluster test and the settings test: cheap to start in-process.)
 """
 
 from __future__ import annotations
 
 from datetime import timedelta
 
+import pytest
+from botocore.exceptions import ClientError
 from cdc_lakehouse.audit.run import audit_table
 from cdc_lakehouse.lake.meta import ensure_meta_tables
 from cdc_lakehouse.landing.stores import S3Landing, open_landing
@@ -17,6 +21,7 @@ from cdc_lakehouse.maintenance.run import maintain_table
 from cdc_lakehouse.runtime.session import attach_lake
 from cdc_lakehouse.settings import LakeSettings
 
+from devstack.localstack import LocalS3Gateway
 from tests.helpers import assert_lake_equals_source
 from tests.integration.conftest import S3_BUCKET, S3_KEY_ID, S3_SECRET, Source
 
@@ -38,7 +43,12 @@ def test_settings_come_from_the_aws_connection(lake_s3, s3_server):
     assert SECRET not in repr(lake_s3)
 
 
-def test_capture_ingest_audit_maintenance_on_s3(pg, source_uri, spark, lake_s3, s3_server, unique):
+def test_capture_ingest_audit_maintenance_on_s3(pg, source_uri, spark, lake_s3_gateway, s3_gateway, unique):
+    lake_s3, s3_server = lake_s3_gateway, s3_gateway
+    # A real server: a wrong secret is refused.
+    with pytest.raises(ClientError, match="SignatureDoesNotMatch|InvalidAccessKeyId|AccessDenied"):
+        wrong = LocalS3Gateway(s3_server.workdir, s3_server.port, s3_server.access_key, "not-the-secret")
+        wrong.client().list_objects_v2(Bucket=BUCKET)
     attach_lake(spark, lake_s3)
     ensure_meta_tables(spark, lake_s3)
     s = Source(pg, spark, lake_s3, unique, schemas=("s0", "s1"), blocks=400)
