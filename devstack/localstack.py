@@ -278,28 +278,18 @@ class LocalS3Gateway:
             "VGW_REGION": self.REGION,
             "VGW_PORT": f"127.0.0.1:{self.port}",
         }
-        log = open(self.workdir / "server.log", "ab")
         argv = [str(self.binary()), "posix", str(self.data)]
-        self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        deadline = time.time() + timeout
-        while time.time() < deadline and self.proc.poll() is None:
-            try:
-                socket.create_connection(("127.0.0.1", self.port), 1).close()
-                return
-            except OSError:
-                time.sleep(0.2)
-        tail = (self.workdir / "server.log").read_text(errors="replace")[-3000:]
-        self.stop()
-        raise RuntimeError(f"the S3 gateway did not start:\n{tail}")
+        self.proc = _spawn(argv, env, self.workdir / "server.log", self._listening, timeout, "the S3 gateway")
+
+    def _listening(self) -> bool:
+        try:
+            socket.create_connection(("127.0.0.1", self.port), 1).close()
+            return True
+        except OSError:
+            return False
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        _terminate(self.proc)
 
     def client(self, service: str = "s3"):
         import boto3
@@ -512,28 +502,33 @@ class LocalRestCatalog:
             "CATALOG_REST_PORT": str(self.port),
         }
         argv = ["java", "-Xmx256m", "-cp", f"{self.classpath()}/*", "org.apache.iceberg.rest.RESTCatalogServer"]
-        out = open(self.log, "ab")
-        self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            if self.is_running():
-                return
-            if self.proc.poll() is not None:
-                break
-            time.sleep(0.3)
-        tail = self.log.read_text(errors="replace")[-3000:]
-        self.stop()
-        raise RuntimeError(f"the Iceberg REST catalog server did not start (log {self.log}):\n{tail}")
+        self.proc = _spawn(argv, env, self.log, self.is_running, timeout, "the Iceberg REST catalog server")
 
     def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.terminate()
-        try:
-            self.proc.wait(15)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(5)
+        _terminate(self.proc)
+
+
+def _spawn(argv: list[str], env: dict[str, str], log: Path, ready, timeout: float, what: str) -> subprocess.Popen:
+    """A server in a session of its own, its output appended to `log`, once `ready()` says so."""
+    proc = subprocess.Popen(argv, stdout=open(log, "ab"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        if ready():
+            return proc
+        time.sleep(0.3)
+    _terminate(proc)
+    raise RuntimeError(f"{what} did not start (log {log}):\n{log.read_text(errors='replace')[-3000:]}")
+
+
+def _terminate(proc: subprocess.Popen | None) -> None:
+    if proc is None or proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(5)
 
 
 class LocalSparkConnect:
