@@ -3,7 +3,7 @@
 SHELL := /bin/bash
 ENV := source scripts/env.sh &&
 
-.PHONY: setup pg-start pg-stop pg-status airflow-init demo airflow test test-fast lint format bench bench-tree bench-serving bench-feed bench-remap bench-maintenance clean
+.PHONY: setup test-servers pg-start pg-stop pg-status airflow-init demo airflow test test-fast lint format bench bench-tree bench-serving bench-feed bench-remap bench-maintenance clean
 
 setup:
 	@scripts/setup.sh
@@ -34,10 +34,15 @@ airflow: airflow-init
 TEST_WORKERS ?= 2
 XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 
-test: setup
+# The servers only the tests start: Iceberg's REST catalog (Maven) and an S3 gateway (Go).
+test-servers: setup
+	@set -o pipefail; scripts/fetch_rest_catalog.sh | sed 's/^/[setup] /'
+	@set -o pipefail; scripts/build_s3_gateway.sh | sed 's/^/[setup] /'
+
+test: test-servers
 	@$(ENV) python -m pytest $(XDIST) $(PYTEST_ARGS)
 
-test-fast: setup
+test-fast: test-servers
 	@$(ENV) python -m pytest -m "not slow" $(XDIST) $(PYTEST_ARGS)
 
 lint: setup

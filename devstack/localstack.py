@@ -272,7 +272,6 @@ class LocalS3Gateway:
     def start(self, timeout: float = 30) -> None:
         self.data.mkdir(parents=True, exist_ok=True)
         env = {
-            **os.environ,
             "ROOT_ACCESS_KEY_ID": self.access_key,
             "ROOT_SECRET_ACCESS_KEY": self.secret_key,
             "VGW_REGION": self.REGION,
@@ -492,7 +491,6 @@ class LocalRestCatalog:
     def start(self, *, timeout: float = 60) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
         env = {
-            **os.environ,
             # RCKUtils maps CATALOG_<KEY> to catalog property <key> ("__" -> "-", "_" -> ".").
             "CATALOG_CATALOG__IMPL": "org.apache.iceberg.jdbc.JdbcCatalog",
             "CATALOG_URI": self.backend_uri,
@@ -509,11 +507,16 @@ class LocalRestCatalog:
 
 
 def _spawn(argv: list[str], env: dict[str, str], log: Path, ready, timeout: float, what: str) -> subprocess.Popen:
-    """A server in a session of its own, its output appended to `log`, once `ready()` says so."""
-    proc = subprocess.Popen(argv, stdout=open(log, "ab"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    """A server in a session of its own, its output appended to `log`, once `ready()` says so. It
+    inherits none of this process's secrets (the Spark Connect server's rule), only `env`'s own."""
+    from cdc_lakehouse.runtime.session import SERVER_ENV_DROPPED
+
+    base = {k: v for k, v in os.environ.items() if not SERVER_ENV_DROPPED.search(k)}
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env={**base, **env}, start_new_session=True)
     deadline = time.time() + timeout
     while time.time() < deadline and proc.poll() is None:
-        if ready():
+        if ready() and proc.poll() is None:  # ours answering, not another process on the port
             return proc
         time.sleep(0.3)
     _terminate(proc)

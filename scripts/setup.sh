@@ -52,10 +52,6 @@ fi
 
 # --- jars, package, local folders ---------------------------------------------------------
 scripts/fetch_jars.sh | sed 's/^/[setup] /'
-# The Iceberg REST catalog server of the tests and the local stack (its own classpath).
-scripts/fetch_rest_catalog.sh | sed 's/^/[setup] /'
-# The S3-compatible server of the tests (a Go binary, built once).
-scripts/build_s3_gateway.sh | sed 's/^/[setup] /'
 PYTHONPATH="$ROOT/plugins" .venv/bin/python -m cdc_lakehouse.runtime.packaging >/dev/null
 mkdir -p .local
 log "done"

@@ -40,6 +40,10 @@ def pytest_configure(config):
     os.environ.setdefault(SEED_ENV, str(random.randrange(10**6)))
 
 
+def pytest_report_header(config):
+    return f"{SEED_ENV}={os.environ[SEED_ENV]} (set it to replay this run's seeded tests)"
+
+
 def session_seeds(n: int) -> list[int]:
     """n seeds drawn from the run's seed (CDC_TEST_SEED): new ones every run, the same in every worker."""
     rng = random.Random(int(os.environ[SEED_ENV]))
@@ -50,7 +54,10 @@ def pytest_sessionstart(session):
     """The xdist controller starts the session's Spark Connect server before its workers exist
     (xdist starts them in its own, last, pytest_sessionstart); they inherit where it is."""
     config = session.config
-    if hasattr(config, "workerinput") or config.getoption("dist", "no") == "no":
+    workers = config.getoption("numprocesses", None)
+    if hasattr(config, "workerinput") or not workers or config.getoption("dist", "no") == "no":
+        return
+    if config.getoption("collectonly", False):
         return
     from devstack.localstack import LocalSparkConnect
 

@@ -79,7 +79,6 @@ def test_ingest_killed_between_each_pair_of_commits_converges(source, spark, lak
         s.ingest(s.block, m.manifest.run_id, run="killed")
     monkeypatch.delenv(FAIL_ENV)
     s.ingest(s.block, m.manifest.run_id, run="rerun")
-    spark.catalog.clearCache()
 
     assert_lake_equals_source(spark, lake, s.block, s.dsn)
     # The changelog: every event of the run once, nothing else, no row twice.

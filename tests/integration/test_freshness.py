@@ -34,7 +34,7 @@ def _touch(s: Source, schema: str, n: int = 3) -> None:
 
 
 def _fresh(spark, lake, cfg):
-    spark.catalog.clearCache()
+    spark.sql(f"REFRESH TABLE {lake.qualified(lake.meta_table('freshness'))}")
     return latest_freshness(spark, lake, cfg.name)
 
 

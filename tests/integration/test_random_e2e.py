@@ -630,7 +630,6 @@ def test_random_batches_on_two_servers_converge_exactly(pg, pg_b, spark, lake, u
                     point,
                     f"batch {b} ingest",
                 )
-                spark.catalog.clearCache()
                 spark.sql(f"REFRESH TABLE {lake.qualified(cfg.current_table)}")
                 assert spark.table(lake.qualified(cfg.current_table)).count() > 0, ctx(f"batch {b}: readable")
                 if rng.random() < 0.5:
