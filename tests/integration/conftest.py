@@ -60,6 +60,14 @@ class Source:
     def ingest(self, cfg, upto, run="t") -> IngestResult:
         return ingest_table(self.spark, self.lake, cfg, upto_run=upto, ingest_run=run)
 
+    def change_and_ingest(self, rounds: int) -> None:
+        """Rounds of workload (key changes among them) plus a few deletes, each captured and ingested."""
+        for _ in range(rounds):
+            self.wl.step(300, pk_changes=2)
+            self.execute("DELETE FROM s1.block WHERE id IN (SELECT id FROM s1.block ORDER BY id LIMIT 3)")
+            r = self.ingest(self.block, self.capture().manifest.run_id)
+            assert r.metrics.events_read > 0 and r.metrics.status == "ok", r
+
     def execute(self, *sql):
         conn = psycopg2.connect(self.dsn)
         conn.autocommit = True
