@@ -5,7 +5,9 @@ current table, the watermark in the same commit), then the freshness alerts are 
 One DAG per table of include/tables/*.yaml (`cdc_ingest__<table>`), or one per ingest group
 (`cdc_ingest_group__<group>`: the tables with that `ingest.group`, in one Spark application), on
 the table's `ingest.schedule`. Each run covers its data interval; reruns converge. Its current
-and changelog tables' assets trigger the derived, export and feed DAGs downstream.
+and changelog tables' assets trigger the derived, export and feed DAGs downstream; the endpoint's
+asset (`cdc://points/<endpoint>`) announces its newest consistent point across tables
+(lake.points).
 """
 
 from datetime import timedelta
@@ -18,7 +20,6 @@ from cdc_lakehouse.orchestration.dag_parts import (
     START_DATE,
     alert_check_task,
     announce_snapshots,
-    asset,
     capture_tasks,
     conn_ids,
     dag_tags,
@@ -26,6 +27,7 @@ from cdc_lakehouse.orchestration.dag_parts import (
     endpoint_ids,
     group_pool,
     ingest_groups,
+    ingest_outlets,
     load_configs,
     spark_task,
     table_pool,
@@ -56,7 +58,7 @@ for cfg in tables.tables.values():
             source_conn_ids=conn_ids([cfg]),
             pool=table_pool(cfg),
             templates=INGEST_RUN,
-            outlets=[asset(cfg.current_table), asset(cfg.changelog_table)],
+            outlets=ingest_outlets([cfg]),
             post_execute=announce_snapshots([cfg]),
             execution_timeout=timedelta(hours=2),
         )
@@ -84,7 +86,7 @@ for group, cfgs in ingest_groups(tables).items():
             source_conn_ids=conn_ids(cfgs),
             pool=group_pool(group),
             templates=INGEST_RUN,
-            outlets=[a for c in cfgs for a in (asset(c.current_table), asset(c.changelog_table))],
+            outlets=ingest_outlets(cfgs),
             post_execute=announce_snapshots(cfgs),
             execution_timeout=timedelta(hours=3),
         )

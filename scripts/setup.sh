@@ -36,9 +36,23 @@ if ! command -v uv >/dev/null 2>&1; then
 fi
 stamp=".venv/.cdc-requirements.sha"
 want="$(cat requirements.txt requirements-dev.txt requirements.lock | sha256sum | cut -d' ' -f1)"
+# A first install needs about 4 GB (the venv and uv's cache, measured: pyspark alone is built from
+# its 400 MB source archive); a full disk would otherwise fail mid-extract with os error 28.
+need_gb=5
+free_gb() { df -Pk "$1" 2>/dev/null | awk 'NR==2 {print int($4 / 1048576)}'; }
 if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
   log "venv: up to date"
 else
+  uv_cache="${UV_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/uv}"
+  mkdir -p "$uv_cache"
+  for d in "$ROOT" "$uv_cache"; do
+    f="$(free_gb "$d")"
+    if [[ -n "$f" && "$f" -lt "$need_gb" ]]; then
+      echo "[setup] error: ${f} GB free on the disk of $d; installing the venv needs about ${need_gb} GB." >&2
+      echo "[setup] fix: free space there, or point UV_CACHE_DIR (uv's cache) at a disk with room." >&2
+      exit 1
+    fi
+  done
   if command -v uv >/dev/null 2>&1; then
     [[ -x .venv/bin/python ]] || uv venv -q --seed --python "$PY" .venv
     VIRTUAL_ENV="$ROOT/.venv" uv pip install -q -r requirements.txt -r requirements-dev.txt -c requirements.lock

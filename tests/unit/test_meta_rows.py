@@ -74,6 +74,11 @@ EXISTING = {
         "avg_file_bytes double, delete_files bigint, snapshots bigint, total_bytes bigint, records bigint, "
         "checksum string, seconds double, at timestamp",
     ),
+    "consistent_points": (
+        "",
+        "endpoint string, lsn bigint, table_name string, snapshot_id bigint, run_id string, source string, "
+        "recorded_at timestamp, ingest_run string",
+    ),
 }
 
 # The Python type each Spark SQL column type is read back as (pyiceberg and Spark alike).

@@ -17,11 +17,11 @@ from cdc_lakehouse.feed.models import (
     OP_UPSERT,
     FeedOffset,
     FeedRange,
-    SnapshotInfo,
     check_consumer_name,
 )
 from cdc_lakehouse.feed.plan import plan_range
 from cdc_lakehouse.lake.columns import LSN_COL, META_PREFIX, OP_COL, SEQ_COL, SHARD_COL
+from cdc_lakehouse.lake.ranges import pyiceberg_snapshots
 from cdc_lakehouse.settings import LakeSettings
 
 if TYPE_CHECKING:
@@ -32,16 +32,6 @@ def load_catalog_for(lake: LakeSettings) -> Any:
     from pyiceberg.catalog import load_catalog
 
     return load_catalog(lake.catalog_name, **lake.pyiceberg_properties())
-
-
-def pyiceberg_snapshots(tbl: Any) -> tuple[dict[int, SnapshotInfo], int | None]:
-    snaps = {}
-    for s in tbl.snapshots():
-        summary = s.summary
-        op = summary.operation.value if summary is not None else None
-        snaps[s.snapshot_id] = SnapshotInfo.of(s.snapshot_id, s.parent_snapshot_id, op, summary)
-    cur = tbl.current_snapshot()
-    return snaps, None if cur is None else cur.snapshot_id
 
 
 def _live(tbl: Any, cfg: TableConfig, snapshot_id: int) -> pa.Table:

@@ -29,4 +29,12 @@ def main(p: IngestParams) -> int:
             spark, lake, cfg, upto_run=p.upto_run, ingest_run=run, interval_end=p.interval_end, config_file=file
         )
 
-    return run_per_table("ingest", p.app_name, lambda: load_tables(p.config_dir, p.tables), fn)
+    def record_points(spark, lake, cfgs) -> None:
+        """The endpoints' new consistent points into cdc_meta.consistent_points (lake.points)."""
+        from cdc_lakehouse.jobs.runner import table_configs
+        from cdc_lakehouse.lake.points import record_points
+
+        endpoints = {g.endpoint_id for c in cfgs for g in c.source.shards}
+        record_points(spark, lake, table_configs(p.config_dir), endpoints, p.ingest_run or "manual")
+
+    return run_per_table("ingest", p.app_name, lambda: load_tables(p.config_dir, p.tables), fn, record_points)

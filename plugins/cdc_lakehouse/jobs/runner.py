@@ -105,9 +105,17 @@ def run_tables(
     return results, failures
 
 
-def run_per_table(kind: str, app_name: str | None, load: Callable[[], Loaded], fn: Callable[..., StageResult]) -> int:
+def run_per_table(
+    kind: str,
+    app_name: str | None,
+    load: Callable[[], Loaded],
+    fn: Callable[..., StageResult],
+    after: Callable[..., None] | None = None,
+) -> int:
     """fn(spark, lake, cfg, config_file) per config `load` returns, in one Spark session; 1 when
-    any failed. `load` runs after the secrets are in place and before Spark starts."""
+    any failed. `load` runs after the secrets are in place and before Spark starts. Then
+    after(spark, lake, cfgs), in the same session, whatever the tables' outcome; its failure is
+    logged and fails nothing (what it does must be derivable again later)."""
     from cdc_lakehouse.lake.meta import ensure_meta_tables
     from cdc_lakehouse.runtime.session import get_spark, release_spark
 
@@ -122,6 +130,13 @@ def run_per_table(kind: str, app_name: str | None, load: Callable[[], Loaded], f
         ensure_meta_tables(spark, lake)
         log.info("%s: Spark session ready in %.1fs (package %s)", kind, time.time() - t0, Path(__file__).parents[1])
         _, failures = run_tables(kind, spark, lake, cfgs, lambda s, lk, c: fn(s, lk, c, files.get(c.name)))
+        if after is not None:
+            try:
+                after(spark, lake, cfgs)
+            except Exception as after_exc:  # noqa: BLE001 - see the docstring
+                log.warning(
+                    "%s: %s failed after the tables ran: %s", kind, getattr(after, "__name__", after), after_exc
+                )
     finally:
         release_spark(spark)
     if failures:

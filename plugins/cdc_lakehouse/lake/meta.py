@@ -15,6 +15,7 @@ from cdc_lakehouse.lake.meta_rows import (
     BootstrapChunk,
     CaptureRun,
     MaintenanceStats,
+    PointTable,
     QualityResult,
     QuarantinedEvent,
     ShardFreshness,
@@ -43,6 +44,8 @@ META_RECORDS: dict[str, tuple[type, str]] = {
     # (table, shard) is where a killed or paused bootstrap resumes.
     "bootstrap_progress": (BootstrapChunk, "PARTITIONED BY (table_name)"),
     "maintenance_runs": (MaintenanceStats, "PARTITIONED BY (table_name)"),
+    # One row per table of each consistent point of an endpoint (lake.points).
+    "consistent_points": (PointTable, ""),
 }
 # Table -> (its (column, Spark SQL type) list, its partitioning), generated from META_RECORDS.
 META_TABLES: dict[str, tuple[list[tuple[str, str]], str]] = {

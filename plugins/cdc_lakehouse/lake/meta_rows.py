@@ -195,6 +195,21 @@ class BootstrapChunk:
 
 
 @dataclass(frozen=True, kw_only=True)
+class PointTable:
+    """cdc_meta.consistent_points: one table of one consistent point (lake.points): read every
+    table of the endpoint's point (endpoint, lsn) at its snapshot_id."""
+
+    endpoint: str = column("string", required=True)
+    lsn: int = column("bigint", required=True)  # exclusive, as in the watermark
+    table_name: str = column("string", required=True)  # catalog.namespace.name
+    snapshot_id: int = column("bigint", required=True)
+    run_id: str | None = column("string")  # the capture run that ended at lsn
+    source: str | None = column("string")  # JSON of the server identity
+    recorded_at: datetime | None = column("timestamp")
+    ingest_run: str | None = column("string")
+
+
+@dataclass(frozen=True, kw_only=True)
 class MaintenanceStats:
     """cdc_meta.maintenance_runs: a table's figures before or after one maintenance of one target."""
 

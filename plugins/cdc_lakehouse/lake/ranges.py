@@ -77,6 +77,17 @@ class SnapshotInfo:
         return f"snapshot {self.snapshot_id} ({self.operation}, {WRITER_PROP}={self.writer or 'none'})"
 
 
+def pyiceberg_snapshots(tbl: Any) -> tuple[dict[int, SnapshotInfo], int | None]:
+    """A pyiceberg table's snapshots (id -> SnapshotInfo) and its current snapshot id."""
+    snaps = {}
+    for s in tbl.snapshots():
+        summary = s.summary
+        op = summary.operation.value if summary is not None else None
+        snaps[s.snapshot_id] = SnapshotInfo.of(s.snapshot_id, s.parent_snapshot_id, op, summary)
+    cur = tbl.current_snapshot()
+    return snaps, None if cur is None else cur.snapshot_id
+
+
 Snapshots = Mapping[int, SnapshotInfo]
 
 

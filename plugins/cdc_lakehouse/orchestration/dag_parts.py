@@ -73,12 +73,30 @@ def asset(lake_table: str):
     return Asset(uri=f"iceberg://lake/{ns}/{name}", name=f"lake.{lake_table}")
 
 
+def point_asset(endpoint: str):
+    """The endpoint's newest consistent point across its tables (lake.points)."""
+    from airflow.sdk import Asset
+
+    return Asset(uri=f"cdc://points/{endpoint}", name=f"points.{endpoint}")
+
+
 def announce_snapshots(cfgs: list[TableConfig]):
     """The ingest task's post_execute: its current tables' Asset events carry the new complete
-    snapshot id and watermark (orchestration.tasks.AnnounceLakeSnapshots, docs/change-feed.md)."""
+    snapshot id and watermark, its endpoints' the newest consistent point
+    (orchestration.tasks.AnnounceLakeSnapshots, docs/change-feed.md)."""
     from cdc_lakehouse.orchestration.tasks import AnnounceLakeSnapshots
 
-    return AnnounceLakeSnapshots({c.current_table: asset(c.current_table) for c in cfgs})
+    return AnnounceLakeSnapshots(
+        {c.current_table: asset(c.current_table) for c in cfgs}, {e: point_asset(e) for e in endpoint_ids(cfgs)}
+    )
+
+
+def ingest_outlets(cfgs: list[TableConfig]) -> list[Any]:
+    """What an ingest task updates: each table's current and changelog tables, and the
+    consistent points of its endpoints."""
+    return [a for c in cfgs for a in (asset(c.current_table), asset(c.changelog_table))] + [
+        point_asset(e) for e in endpoint_ids(cfgs)
+    ]
 
 
 def default_args(

@@ -261,15 +261,18 @@ class AnnounceLakeSnapshots:
     the task would re-run the ingest for nothing; a consumer then reads up to the newest complete
     snapshot, which includes this run's."""
 
-    def __init__(self, assets: dict[str, Any]) -> None:
+    def __init__(self, assets: dict[str, Any], points: dict[str, Any] | None = None) -> None:
         self.assets = assets  # lake table (namespace.name) -> its Asset
+        self.points = points or {}  # endpoint -> the Asset of its consistent points
 
     def __call__(self, context: Any, result: Any = None) -> None:
-        from cdc_lakehouse.feed.arrow import load_catalog_for, pyiceberg_snapshots
+        from cdc_lakehouse.feed.arrow import load_catalog_for
         from cdc_lakehouse.feed.plan import complete_head
+        from cdc_lakehouse.lake.ranges import pyiceberg_snapshots
 
         try:
-            catalog = load_catalog_for(lake_settings())
+            lake = lake_settings()
+            catalog = load_catalog_for(lake)
             for table, asset in self.assets.items():
                 snaps, current = pyiceberg_snapshots(catalog.load_table(table))
                 head, head_wm = complete_head(table, snaps, current, None)
@@ -278,5 +281,22 @@ class AnnounceLakeSnapshots:
                     "snapshot_id": head.snapshot_id,
                     "watermark": head_wm.shard_lsns(),
                 }
+            self.announce_points(context, lake, catalog)
         except Exception as exc:  # noqa: BLE001 - see the docstring
             log.warning("asset events of %s go without their snapshot: %s", sorted(self.assets), exc)
+
+    def announce_points(self, context: Any, lake: Any, catalog: Any) -> None:
+        """Each endpoint's newest consistent point (lake.points), read after this task's commits:
+        of two ingests committing at once, the later one's post_execute sees the point both made."""
+        if not self.points:
+            return
+        from cdc_lakehouse.lake.points import read_points
+
+        found = read_points(lake, configs(), self.points, catalog=catalog)
+        for endpoint, asset in self.points.items():
+            newest = found.get(endpoint) or []
+            context["outlet_events"][asset].extra = (
+                {"endpoint": endpoint, "point": newest[0].model_dump()}
+                if newest
+                else {"endpoint": endpoint, "point": None}
+            )
