@@ -3,7 +3,8 @@ Iceberg: source transactions that each write a `block` row on shard s0 and its `
 on shard s1, the two tables ingested separately in a random order per capture run, one ingest
 killed between its changelog and current-table commits, one left behind for a run. After every
 step, a reader at the newest point sees every transaction whole: the same (tag, version) pairs
-in both tables; cdc_meta.consistent_points and the endpoint's Asset event name the same point. The tables' current snapshots are also compared, to prove the steps do expose
+in both tables; a change-feed consumer reading both up to each point has mirrors that agree;
+cdc_meta.consistent_points and the endpoint's Asset event name the same point. The tables' current snapshots are also compared, to prove the steps do expose
 half-applied transactions (so the test would fail if the rule were wrong)."""
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from types import SimpleNamespace
 
 import pytest
 from cdc_lakehouse.config import ConfigSet
+from cdc_lakehouse.feed.models import FEED_OP_COL, OP_DELETE, FeedOffset
+from cdc_lakehouse.feed.read import read_changes
 from cdc_lakehouse.lake.points import ConsistentPoint, read_points, record_points
 from cdc_lakehouse.orchestration import tasks
 from cdc_lakehouse.orchestration.dag_parts import announce_snapshots, ingest_outlets, point_asset
@@ -115,8 +118,41 @@ def test_a_reader_at_a_consistent_point_never_sees_part_of_a_transaction(small_s
         rows = spark.sql(f"SELECT DISTINCT lsn, table_name, snapshot_id FROM {meta} WHERE endpoint = '{s.endpoint}'")
         recorded = {(r["table_name"], r["snapshot_id"]) for r in rows.collect() if r["lsn"] == point.lsn}
         assert recorded == set(point.snapshots.items()), (step, recorded, point)
+        if last is None or point.lsn != last.lsn:
+            feed_to(point)
         last = point
         return point
+
+    # A change-feed consumer of both tables reads each up to the same point: its two mirrors
+    # agree after every range, as the tables at the point do.
+    offsets: dict[str, FeedOffset | None] = {s.block.name: None, s.perm.name: None}
+    mirrors: dict[str, dict] = {s.block.name: {}, s.perm.name: {}}
+
+    def feed_to(point: ConsistentPoint) -> None:
+        for cfg, key, value in (
+            (s.block, ("_cdc_shard", "id"), "version"),
+            (s.perm, ("_cdc_shard", "block_id", "user_id"), "role"),
+        ):
+            batch = read_changes(
+                spark, lake, cfg, "points", offsets[cfg.name], upto=point.snapshots[lake.qualified(cfg.current_table)]
+            )
+            mirror = mirrors[cfg.name]
+            if batch.range.mode == "full":
+                mirror.clear()
+            for r in batch.rows.collect():
+                k = tuple(r[c] for c in key)
+                if r[FEED_OP_COL] == OP_DELETE:
+                    mirror.pop(k, None)
+                else:
+                    mirror[k] = r[value]
+            offsets[cfg.name] = batch.range.offset
+        fb = {(k[1], v) for k, v in mirrors[s.block.name].items() if k[0].endswith("s0") and TAG <= k[1] <= TAG + TAGS}
+        fp = {
+            (k[1], int(v[1:]))
+            for k, v in mirrors[s.perm.name].items()
+            if k[0].endswith("s1") and TAG <= k[1] <= TAG + TAGS
+        }
+        assert fb == fp == pairs_in(spark, lake, s, point.snapshots)[0], f"seed {seed}: feed at point {point.lsn}"
 
     kill_round, lag_round = rng.sample(range(5), 2)
     print(f"consistent points: kill in round {kill_round}, a table left behind in round {lag_round}")

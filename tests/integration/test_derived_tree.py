@@ -414,3 +414,33 @@ def test_surrogate_keyed_grants_revoked_or_moved_leave_every_node_that_inherited
         derive_tree(s.spark, s.lake, dcfg, tables)
     assert derive_tree(s.spark, s.lake, dcfg, tables, full=True).mode == "full"
     assert_tree_is_reference(s, dcfg, reference(s, grants_table="block_grant"))
+
+
+def test_the_tree_reads_both_inputs_at_one_consistent_point(tree_source, unique):
+    """One source transaction moves a block under another root and grants on that root; only
+    block is ingested. Read at the inputs' consistent point (the default), the tree shows neither
+    half; read at their current snapshots (`read_at: current`), it shows the move without the
+    grant. Once permission is ingested too, the tree is the reference again."""
+    s = tree_source
+    at_point = tree_cfg(s, f"pt_{unique}")
+    current = tree_cfg(s, f"cur_{unique}").model_copy(update={"read_at": "current"})
+    b0 = s.wl.shard_no("s0") * ID_STRIDE
+    # Both tables apply one run: their first point (the two bootstraps left them apart).
+    apply_batch(s, f"UPDATE s0.block SET version = version + 1 WHERE id = {b0 + 2}")
+    for cfg in (at_point, current):
+        assert derive(s, cfg).mode == "full"
+    before = assert_tree_is_reference(s, at_point)
+    s.execute(
+        f"BEGIN; UPDATE s0.block SET parent_id = {b0 + 1} WHERE id = {b0 + 45}; "
+        f"INSERT INTO s0.permission (block_id, user_id, role) VALUES ({b0 + 1}, 77, 'full') "
+        "ON CONFLICT DO NOTHING; COMMIT"
+    )
+    run = s.capture().manifest.run_id
+    assert s.ingest(s.block, run, run="blk").metrics.status == "ok"
+    assert derive(s, at_point).mode == "noop"  # the point did not move
+    assert_tree_is_reference(s, at_point, before)
+    assert derive(s, current).mode == "incremental"  # the half that is in
+    assert lake_tree(s, current) != lake_tree(s, at_point)
+    assert s.ingest(s.perm, run, run="perm").metrics.status == "ok"
+    assert derive(s, at_point).mode == "incremental"
+    assert_tree_is_reference(s, at_point)

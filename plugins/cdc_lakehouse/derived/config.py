@@ -90,6 +90,14 @@ class TreeConfig(_Model):
         "incremental run fails and asks for mode=full",
     )
 
+    read_at: Literal["point", "current"] = Field(
+        "point",
+        description="point: both inputs at their endpoint's newest consistent point (lake.points), so no "
+        "source transaction that wrote both is seen in half; each at its current snapshot while they "
+        "have none (inputs on several endpoints, or not yet met after a bootstrap). current: always "
+        "each input's current snapshot (fresher, without that promise)",
+    )
+
     @field_validator("name")
     @classmethod
     def _name(cls, v: str) -> str:

@@ -1,7 +1,10 @@
 """One run of a derived tree (docs/derived-trees.md): current lake tables in, the tree table and
 its unresolved nodes out.
 
-    pin       the inputs' current snapshots and watermarks: what this run reads, and its watermark
+    pin       the inputs' snapshots and watermarks: what this run reads, and its watermark. Both
+              inputs at their endpoint's newest consistent point (lake.points: no source
+              transaction that wrote both is read in half), or each at its current snapshot
+              while they have none or with `read_at: current`
     plan      full (first run, `full`, a changed max_depth or set of inputs), incremental, or
               nothing; an input's previous snapshot expired is an error asking for `full`
     affected  nodes whose parent, existence or root attribute changed, nodes whose grants changed
@@ -48,6 +51,7 @@ from cdc_lakehouse.identifiers import spark_ident
 from cdc_lakehouse.lake.batches import BatchId, BatchStep, commit_once
 from cdc_lakehouse.lake.commits import fenced_commit, sql_with_commit_properties
 from cdc_lakehouse.lake.holds import hold, lag_error
+from cdc_lakehouse.lake.points import latest_point, spark_history
 from cdc_lakehouse.lake.ranges import KeyRange, changed_keys, key_range, live_rows, table_snapshots
 from cdc_lakehouse.lake.snapshots import current_ancestors
 from cdc_lakehouse.lake.tables import ensure_namespace, table_exists
@@ -222,10 +226,13 @@ def pin_run(
 ) -> TreeRun:
     grants = pin_input(spark, lake, tables[dcfg.grants.table]) if dcfg.grants else None
     out, unresolved = lake.qualified(dcfg.output_table), lake.qualified(dcfg.unresolved_table)
+    nodes = pin_input(spark, lake, tables[dcfg.nodes.table])
+    if grants is not None and dcfg.read_at == "point":
+        nodes, grants = pin_at_point(spark, nodes, grants)
     r = TreeRun(
         dcfg,
         lake,
-        pin_input(spark, lake, tables[dcfg.nodes.table]),
+        nodes,
         grants,
         out,
         unresolved,
@@ -240,6 +247,32 @@ def pin_run(
             log.info("derived %s: recomputing the whole tree (%s)", dcfg.name, "; ".join(gone))
             r.mode = "full"
     return r
+
+
+def pin_at_point(spark: SparkSession, *pins: Pinned) -> tuple[Pinned, ...]:
+    """The inputs at the newest consistent point of their one endpoint; as pinned (current) when
+    they are on several endpoints or have no point yet."""
+    endpoints = {g.endpoint_id for p in pins for g in p.cfg.source.shards}
+    if len(endpoints) != 1 or any(p.cfg.landing.kind != "capture" for p in pins):
+        log.info(
+            "derived: inputs %s span endpoints %s: read at their current snapshots",
+            [p.table for p in pins],
+            sorted(endpoints),
+        )
+        return pins
+    (endpoint,) = endpoints
+    histories = {p.table: spark_history(spark, p.table, frozenset(s for _, _, s in p.cfg.shards())) for p in pins}
+    point = latest_point(endpoint, histories.values())
+    if point is None:
+        log.info("derived: inputs %s have no consistent point yet: read at their current snapshots", list(histories))
+        return pins
+    out = []
+    for p in pins:
+        sid = point.snapshots[p.table]
+        wm = histories[p.table].snaps[sid].watermark
+        out.append(Pinned(p.cfg, p.table, sid, wm.shard_lsns() if wm is not None else {}))
+    log.info("derived: inputs at consistent point %s of %s: %s", point.lsn, endpoint, point.snapshots)
+    return tuple(out)
 
 
 def input_ranges(spark: SparkSession, r: TreeRun) -> dict[str, KeyRange]:
