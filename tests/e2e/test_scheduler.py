@@ -450,6 +450,14 @@ def test_scheduled_ingest_and_audit_run_on_their_own_one_writer_at_a_time(sched_
     assert len(ingest_tis) >= 2, context
     assert _ts(ingest_tis[1]["start_date"]) >= _ts(ingest_tis[0]["end_date"]), context
 
+    # The ingest task's post_execute announced the endpoint's consistent point (lake.points) in
+    # its Asset event: read from the catalog after the commit, in the real worker.
+    events = st.api("GET", "/assets/events?limit=100&order_by=-timestamp")["asset_events"]
+    points = [e for e in events if str(e.get("name") or e.get("uri") or "").startswith(("points.", "cdc://points/"))]
+    assert points, f"no consistent-point asset event among {[e.get('name') for e in events]}\n{context}"
+    newest = points[0]["extra"].get("point")
+    assert newest and newest["snapshots"] and newest["lsn"] > 0, (points[0], context)
+
     # --- the lake: both rounds of changes arrived, nothing else ----------------------------
     expected = source.rows()
     assert len(expected) == len(SCHEMAS) * (ROWS + 10 - 4)
