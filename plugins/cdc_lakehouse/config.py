@@ -544,6 +544,10 @@ class TableConfig(_Model):
         """(group, schema, shard name) for every shard."""
         return [(g, s, shard_name(g, s)) for g in self.source.shards for s in g.schemas]
 
+    def shard_map(self) -> dict[tuple[str, str], str]:
+        """(endpoint, schema) -> shard name."""
+        return {(g.endpoint_id, schema): shard for g, schema, shard in self.shards()}
+
 
 @dataclass(frozen=True)
 class ConfigError:

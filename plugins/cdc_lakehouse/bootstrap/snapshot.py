@@ -34,6 +34,7 @@ from cdc_lakehouse.source.catalog import (
     key_violations,
     text_select_list,
 )
+from cdc_lakehouse.source.ddl import capture_ddl
 from cdc_lakehouse.source.errors import PreflightError, SlotLostError
 from cdc_lakehouse.source.publication import check_publication, consumed_column_lists, source_identity
 from cdc_lakehouse.source.publication import preflight as source_preflight
@@ -170,6 +171,7 @@ def prepare_endpoint(
     try:
         ensure_heartbeat_tables(conn, eptables.schemas)
         conn.commit()
+        capture_ddl(conn, eptables)
         lists = consumed_column_lists(conn, eptables, table_configs) if table_configs else None
         problems = check_publication(conn, eptables, column_lists=lists)
         conn.commit()

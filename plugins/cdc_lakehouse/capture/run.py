@@ -34,6 +34,7 @@ from cdc_lakehouse.capture.stream import CaptureLimits, RunStart, Stream
 from cdc_lakehouse.landing.format import Manifest, manifest_path, parse_manifest
 from cdc_lakehouse.landing.reader import list_manifests
 from cdc_lakehouse.source.catalog import EndpointTables, column_type_cache
+from cdc_lakehouse.source.ddl import capture_ddl
 from cdc_lakehouse.source.errors import PreflightError, SourceError
 from cdc_lakehouse.source.publication import (
     check_publication,
@@ -131,6 +132,7 @@ def _check_source(conn, ep: EndpointTables, table_configs: list[Any] | None = No
         raise PreflightError(problems)
     ensure_heartbeat_tables(conn, ep.schemas)
     conn.commit()
+    capture_ddl(conn, ep)
     # Column lists keep unconsumed columns out of the WAL stream the slot decodes. They exist from
     # PostgreSQL 15 on; before that none are passed: the whole row is published and the ingest keeps
     # only the consumed columns. A list is set when a table enters the publication; an existing

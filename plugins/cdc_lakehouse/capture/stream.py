@@ -20,6 +20,7 @@ from cdc_lakehouse.landing.format import manifest_path, run_dir
 from cdc_lakehouse.landing.writer import TableWriter
 from cdc_lakehouse.runtime.failpoints import crash_point
 from cdc_lakehouse.source.catalog import EndpointTables
+from cdc_lakehouse.source.ddl import DDL_PREFIX, ddl_diff
 from cdc_lakehouse.source.errors import SourceError
 from cdc_lakehouse.source.markers import MARKER_PREFIX
 from cdc_lakehouse.source.pgoutput import Begin, Change, Commit, Relation, Truncate, decode, pg_time
@@ -91,6 +92,7 @@ class Stream:
         self.schema_changes: list[dict[str, Any]] = []
         self.heartbeats: dict[str, dict[str, Any]] = {}
         self.markers: list[dict[str, Any]] = []  # the chunked bootstrap's watermarks, in WAL order
+        self.ddl: list[dict[str, Any]] = []  # the captured tables' DDL (source.ddl), in WAL order
         self.events = self.nbytes = self.txs = 0
         self.capped = self.done = False
         self.last_commit: Commit | None = None
@@ -199,8 +201,12 @@ class Stream:
         self._add(r, op, before, after, unavailable, data_start, size)
 
     def _on_message(self, payload: bytes) -> None:
-        """Record the bootstrap's watermark messages with the commit LSN of their transaction."""
+        """Record the bootstrap's watermark messages and the DDL trigger's (source.ddl) with the
+        commit LSN of their transaction."""
         lsn, prefix, content = parse_logical_message(payload)
+        if prefix == DDL_PREFIX:
+            self._on_ddl(lsn, content)
+            return
         if prefix != MARKER_PREFIX:
             return
         try:
@@ -208,6 +214,20 @@ class Stream:
         except ValueError:
             body = {"raw": content.decode("utf-8", "replace")}
         self.markers.append({"lsn": lsn, "commit_lsn": self.tx.final_lsn if self.tx else None, **body})
+
+    def _on_ddl(self, lsn: int, content: bytes) -> None:
+        """A DDL of a captured table, as the columns it renamed, added, dropped, retyped or gave
+        another default; in the manifest's `ddl`, in WAL order."""
+        body = json.loads(content)
+        schema, _, table = str(body.get("table", "")).rpartition(".")
+        if schema not in self.ep.tables.get(table, ([], []))[0]:
+            return
+        diff = ddl_diff(body.get("before") or {}, body.get("after") or {})
+        at = {"table": body["table"], "lsn": lsn, "at_commit_lsn": self.tx.final_lsn if self.tx else None}
+        self.ddl.append({**at, "tag": body.get("tag"), **diff})
+        log.warning(
+            "capture %s: DDL on %s: %s", self.ep.endpoint_id, body["table"], {k: v for k, v in diff.items() if v}
+        )
 
     def _on_truncate(self, m: Truncate, data_start: int) -> None:
         for relid in m.relids:
@@ -361,6 +381,8 @@ class Stream:
             manifest["keepalive_advance"] = start.keepalive_advance
         if self.markers:
             manifest["bootstrap_markers"] = self.markers
+        if self.ddl:
+            manifest["ddl"] = self.ddl
         return manifest
 
 

@@ -127,8 +127,7 @@ def fused_batch(
     from pyspark.sql import Observation
     from pyspark.sql import functions as F
 
-    shard_map = {(g.endpoint_id, schema): shard for g, schema, shard in cfg.shards()}
-    typed = typed_events(raw, cfg, lake_cols, shard_map).filter(F.col(SHARD_COL).isNotNull())
+    typed = typed_events(raw, cfg, lake_cols, cfg.shard_map()).filter(F.col(SHARD_COL).isNotNull())
     # Events the table already has (replays, reruns) are dropped before validation, so an old
     # malformed event is not quarantined twice.
     floor = shard_lsn_map(watermark)

@@ -22,7 +22,7 @@ import re
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -39,6 +39,7 @@ from cdc_lakehouse.ingest.errors import ErrorBudgetExceeded, SchemaChangeError
 from cdc_lakehouse.ingest.merge import lsn_newer, merge_sql
 from cdc_lakehouse.ingest.quarantine import as_held, held_back, hold_dependents, write_quarantine
 from cdc_lakehouse.ingest.reduce import latest_per_key
+from cdc_lakehouse.ingest.renames import Renames, apply_renames, in_lake_names, rename_fields
 from cdc_lakehouse.ingest.schema import (
     apply_schema_actions,
     event_schemas,
@@ -47,7 +48,7 @@ from cdc_lakehouse.ingest.schema import (
     schema_actions,
 )
 from cdc_lakehouse.ingest.toast import BROADCAST_ROWS, NO_TABLE, UNAV_LEFT, fill_unavailable
-from cdc_lakehouse.ingest.validate import REASONS
+from cdc_lakehouse.ingest.validate import REASONS, shard_expr
 from cdc_lakehouse.lake.batches import BATCH_PROP, BATCH_STATE_PROP, BatchId, BatchStep, commit_once, run_batch
 from cdc_lakehouse.lake.columns import INGESTED_COL, UNAVAILABLE_COL
 from cdc_lakehouse.lake.commits import (
@@ -151,7 +152,7 @@ def apply_pending(
         advance_watermark(spark, cfg, b, batch_state(m, b.plan, None))
         fill_quiet(spark, lake, cfg, m, b, ingest_run)
         return finish(spark, lake, cfg, m, b)
-    raw = read_events(spark, cfg, b.plan)
+    raw = rename_fields(read_events(spark, cfg, b.plan), b.renames, shard_expr(cfg.shard_map()))
     b.lake_cols = evolve_schema(spark, cfg, b, raw, config_file)
     with m.timed("prepare"):
         fb = fused_batch(raw, cfg, b.lake_cols, b.wm)
@@ -212,6 +213,7 @@ class Batch:
     new_wm_json: str  # both commits write the same new watermark
     gaps: bool  # landing problems skipped (missing_landing_files: skip)
     batch: BatchId  # every commit of the run carries it (lake.batches); the same for a retry of the same data
+    renames: Renames = field(default_factory=Renames)  # source column renames (ingest.renames)
 
 
 def plan_batch(
@@ -229,6 +231,8 @@ def plan_batch(
         else plan_landing(SparkLanding(spark, lake.landing_uri), cfg, wm, upto_run)
     )
     gaps = check_landing(cfg, plan)
+    # Source renames (DDL events) first: the lake's columns, and the plan's names, are the new ones.
+    renames = Renames() if debezium else apply_renames(spark, cfg, cur, cl, plan, wm)
     lake_cols = source_columns_of(spark, cur, cfg)
     # A backfill of added columns that an earlier run committed as pending but did not finish.
     pending = plan.new_watermark.backfill
@@ -236,11 +240,11 @@ def plan_batch(
         plan.new_watermark = plan.new_watermark.without_backfill()
     if pending:
         backfill_added_columns(spark, lake, cfg, pending, lake_cols, ingest_run)
-    added = columns_to_backfill(cfg, plan, wm)
+    added = columns_to_backfill(cfg, plan, in_lake_names(wm, renames))
     if added:
         plan.new_watermark.backfill = added
     batch = ingest_batch_id(cur, wm, plan, ingest_run)
-    return Batch(cur, cl, wm, cl_wm, plan, lake_cols, added, plan.new_watermark.to_json(), gaps, batch)
+    return Batch(cur, cl, wm, cl_wm, plan, lake_cols, added, plan.new_watermark.to_json(), gaps, batch, renames)
 
 
 def ingest_batch_id(cur: str, wm: Watermark, plan: Plan, ingest_run: str) -> BatchId:
@@ -325,7 +329,7 @@ def evolve_schema(
     if not latest:
         schemas, latest = event_schemas(raw)  # runs written without schemas in their manifest
         announced = None  # the events' own schemas: each was announced in the batch
-    known = known_columns(cfg, b.wm, announced)
+    known = known_columns(cfg, in_lake_names(b.wm, b.renames), announced)
     ddl, errors = schema_actions(cfg, b.lake_cols, schemas, latest, config_file or "", known)
     if errors:
         raise SchemaChangeError("\n".join(errors))

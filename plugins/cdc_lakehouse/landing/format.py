@@ -187,6 +187,20 @@ class SchemaChange(_Part):
     first_seen: bool | None = None
 
 
+class DdlChange(_Part):
+    """One DDL of a captured table, from the source's event trigger (source.ddl), at its LSN."""
+
+    table: str = Field(description="schema.table")
+    lsn: int
+    at_commit_lsn: int | None = None
+    tag: str | None = None
+    renamed: list[list[str]] = Field(default_factory=list, description="[old, new] pairs")
+    added: list[str] = Field(default_factory=list)
+    dropped: list[str] = Field(default_factory=list)
+    retyped: list[Any] = Field(default_factory=list)
+    defaults: list[Any] = Field(default_factory=list)
+
+
 class Manifest(_Part):
     """`_manifests/<run_id>.json`: what a capture run wrote and where the slot stands."""
 
@@ -211,6 +225,7 @@ class Manifest(_Part):
     heartbeats: dict[str, Heartbeat] = Field(default_factory=dict, description="per shard schema")
     schemas: dict[str, Any] = Field(default_factory=dict, description="per table: the columns last seen")
     schema_changes: list[SchemaChange] = Field(default_factory=list)
+    ddl: list[DdlChange] = Field(default_factory=list, description="DDL events (source.ddl), in WAL order")
     slot_before: dict[str, Any] | None = None
     slot_after: dict[str, Any] | None = None
     source_identity: dict[str, Any] | None = Field(None, description="IDENTIFY_SYSTEM of the server")

@@ -1,0 +1,117 @@
+"""Schema changes as events (source.ddl, ingest.renames) against real PostgreSQL, capture, Spark
+and Iceberg: the event trigger writes each DDL into the WAL in order with the data.
+
+A rename of block.type to kind happens on shard s0 in one batch and on s1 in the next, each
+between writes of the same batch; the lake renames the column once (same Iceberg field id, so
+the changelog keeps its history under the new name) and reads each shard's old name as the new
+one until that shard's own rename. On s0, a column added back under the old name after the
+rename is a new column. Every row equals the source's after each batch."""
+
+from __future__ import annotations
+
+import psycopg2
+import pytest
+from cdc_lakehouse.source.ddl import DDL_SCHEMA, TRIGGER, ensure_ddl_capture
+
+from tests.helpers import assert_lake_equals_source
+from tests.integration.conftest import Source
+
+
+@pytest.fixture
+def ddl_source(pg, source_uri, spark, lake, unique):
+    s = Source(pg, spark, lake, unique, blocks=100)
+    yield s
+    s.close()
+
+
+def source_values(s: Source, column: dict[str, str]) -> set[tuple]:
+    """(schema, id, value of the column named column[schema] there)."""
+    conn = psycopg2.connect(s.dsn)
+    try:
+        with conn.cursor() as cur:
+            out = set()
+            for schema, col in column.items():
+                cur.execute(f"SELECT id, {col} FROM {schema}.block")
+                out |= {(schema, i, v) for i, v in cur.fetchall()}
+            return out
+    finally:
+        conn.close()
+
+
+def lake_values(s: Source, column: str) -> set[tuple]:
+    table = s.lake.qualified(s.block.current_table)
+    s.spark.sql(f"REFRESH TABLE {table}")
+    rows = s.spark.table(table).select("_cdc_shard", "id", column).collect()
+    return {(r["_cdc_shard"].rsplit(".", 1)[-1], r["id"], r[column]) for r in rows}
+
+
+def field_id(s: Source, table: str, column: str) -> int:
+    from pyiceberg.catalog import load_catalog
+
+    catalog = load_catalog(s.lake.catalog_name, **s.lake.pyiceberg_properties())
+    return catalog.load_table(table).schema().find_field(column).field_id
+
+
+def test_a_rename_on_two_shards_at_different_times_keeps_the_column(ddl_source, spark, lake):
+    s = ddl_source
+    s.capture()  # installs the trigger and records the tables' columns
+    s.bootstrap(s.block)
+    cur, cl = s.block.current_table, s.block.changelog_table
+    type_id = field_id(s, cur, "type")
+    b0, b1 = s.wl.first_id["s0"], s.wl.first_id["s1"]
+
+    # Batch 1: s0 renames between two of its writes; s1 writes under the old name.
+    s.execute(
+        f"UPDATE s0.block SET type = 'before' WHERE id = {b0}",
+        "ALTER TABLE s0.block RENAME COLUMN type TO kind",
+        f"UPDATE s0.block SET kind = 'after' WHERE id = {b0 + 1}",
+        "ALTER TABLE s0.block ALTER COLUMN kind SET DEFAULT 'text'",
+        f"UPDATE s1.block SET type = 'old-name' WHERE id = {b1}",
+    )
+    m = s.capture().manifest
+    assert [(d.table, d.renamed) for d in m.ddl if d.renamed] == [("s0.block", [["type", "kind"]])], m.ddl
+    assert any(d.defaults and d.defaults[0]["column"] == "kind" for d in m.ddl), m.ddl
+    r = s.ingest(s.block, m.run_id)
+    assert r.metrics.status == "ok" and not r.metrics.quarantined, r
+    assert "type" not in spark.table(lake.qualified(cur)).columns
+    assert field_id(s, cur, "kind") == type_id  # an Iceberg rename: the same field
+    assert lake_values(s, "kind") == source_values(s, {"s0": "kind", "s1": "type"})
+
+    # Batch 2: s1 renames too; s0 adds a new column under the old name after its rename.
+    s.execute(
+        f"UPDATE s1.block SET type = 'still-old' WHERE id = {b1 + 1}",
+        "ALTER TABLE s1.block RENAME COLUMN type TO kind",
+        f"UPDATE s1.block SET kind = 'renamed' WHERE id = {b1 + 2}",
+        "ALTER TABLE s0.block ADD COLUMN type text",
+        f"UPDATE s0.block SET type = 'a new column' WHERE id = {b0}",
+    )
+    m = s.capture().manifest
+    r = s.ingest(s.block, m.run_id)
+    assert r.metrics.status == "ok" and not r.metrics.quarantined, r
+    assert field_id(s, cur, "kind") == type_id and field_id(s, cur, "type") != type_id
+    assert lake_values(s, "kind") == source_values(s, {"s0": "kind", "s1": "kind"})
+    assert lake_values(s, "type") == {
+        (sh, i, "a new column" if (sh, i) == ("s0", b0) else None) for sh, i, _ in lake_values(s, "kind")
+    }
+    assert_lake_equals_source(spark, lake, s.block, s.dsn, skip=("type",))
+
+    # The changelog kept the column's history under its new name.
+    hist = spark.table(lake.qualified(cl)).where(f"id = {b0} AND _cdc_shard LIKE '%s0'").select("kind").collect()
+    assert "before" in {row["kind"] for row in hist}, hist
+
+
+def test_without_the_privilege_nothing_is_installed_and_the_miss_is_named(ddl_source, pg, unique):
+    s = ddl_source
+    role = f"cdc_noddl_{unique}"
+    s.execute(f"CREATE ROLE {role} LOGIN PASSWORD 'x'", f"GRANT ALL ON SCHEMA s0 TO {role}")
+    conn = psycopg2.connect(pg.dsn(s.db, user=role, password="x"))
+    try:
+        missed = ensure_ddl_capture(conn, [("s0", "block")])
+        assert missed and "superuser" in missed and "drop plus an add" in missed
+        with conn.cursor() as cur:
+            cur.execute("SELECT count(*) FROM pg_event_trigger WHERE evtname = %s", (TRIGGER,))
+            assert cur.fetchone()[0] == 0
+    finally:
+        conn.close()
+        s.execute(f"DROP OWNED BY {role}", f"DROP ROLE {role}")
+    assert DDL_SCHEMA == "_cdc_lakehouse"
