@@ -10,6 +10,9 @@
              JDBC-free: driver COPY per chunk + MERGE) on a fresh table instead; for every mode a
              sampler on pg_stat_activity records the longest time one transaction, and one
              backend_xmin, was held open on the source while it ran
+  column     a one-column backfill (bootstrap/column.py: `score` of every row, chunks of
+             --chunk-rows between WAL markers, MERGEd under the LSN guard) beside a snapshot
+             re-bootstrap (copy reader) of the same table, side by side in each repeat
   audit      time and peak memory (this process and its JVM) of the key-set audit of the table,
              full comparison and checksum-first
   capture    events/s of one capture run against pg_recvlogical draining the same changes
@@ -422,6 +425,40 @@ def bench_capture(dsn: str, wl, changes: int, repeat: int) -> dict:
     }
 
 
+def bench_column(spark, lake, dsn: str, blocks: int, repeat: int, chunk_rows: int) -> dict:
+    """The re-bootstrap and the one-column backfill of the same table, side by side per repeat."""
+    from cdc_lakehouse.bootstrap.column import backfill_columns
+
+    cfg = _reader_config(blocks, "copy", chunk_rows)
+    cfg = cfg.model_copy(update={"bootstrap": cfg.bootstrap.model_copy(update={"chunk_rows": chunk_rows})})
+    runs: list[dict] = []
+    for i in range(repeat):
+        boot = _one_bootstrap(spark, lake, cfg, f"col-boot{i}", dsn)
+        with PeakRSS() as mem, HeldOpen(dsn) as held:
+            t = time.time()
+            r = backfill_columns(spark, lake, cfg, ["score"], run_id=f"col{i}")
+            secs = time.time() - t
+        runs.append(
+            {
+                "rebootstrap_seconds": boot["seconds"],
+                "column_seconds": secs,
+                "column_rows": r.rows_read,
+                "column_chunks": r.chunks,
+                "column_peak_rss_mb": mem.peak_mb,
+                "column_longest_xact_seconds": held.longest_xact,
+            }
+        )
+        print(
+            f"  re-bootstrap {boot['rows']} rows {boot['seconds']:.1f}s; one-column backfill {r.rows_read} rows in "
+            f"{r.chunks} chunks {secs:.1f}s (longest transaction {held.longest_xact:.2f}s)",
+            flush=True,
+        )
+    rb = statistics.median(x["rebootstrap_seconds"] for x in runs)
+    col = statistics.median(x["column_seconds"] for x in runs)
+    print(f"column backfill {blocks} rows: median {col:.1f}s vs re-bootstrap {rb:.1f}s = {col / rb:.2f}x", flush=True)
+    return {"runs": runs, "median_rebootstrap_seconds": rb, "median_column_seconds": col, "ratio": col / rb}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--blocks", type=int, default=1_000_000)
@@ -441,7 +478,7 @@ def main() -> int:
     if "capture" in what:
         print("capture:", flush=True)
         results["capture"] = bench_capture(dsn, wl, args.changes, args.repeat)
-    if "bootstrap" in what or "audit" in what:
+    if "bootstrap" in what or "audit" in what or "column" in what:
         from cdc_lakehouse.lake.meta import ensure_meta_tables
         from cdc_lakehouse.runtime.session import get_spark
         from cdc_lakehouse.settings import LakeSettings
@@ -458,6 +495,9 @@ def main() -> int:
             results["bootstrap"] = bench_bootstrap(
                 spark, lake, dsn, args.blocks, args.repeat, args.readers.split(","), args.chunk_rows
             )
+        if "column" in what:
+            print("column backfill:", flush=True)
+            results["column"] = bench_column(spark, lake, dsn, args.blocks, args.repeat, args.chunk_rows)
         if "audit" in what:
             print("audit:", flush=True)
             results["audit"] = bench_audit(spark, lake, args.blocks, args.repeat)

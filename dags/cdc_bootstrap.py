@@ -1,6 +1,7 @@
 """Snapshot bootstrap: loads a table's every shard (or the shards given) from a consistent
 snapshot of the source, and sets its watermark where the incremental ingest continues, so there
 is no gap and no overlap. Also the way back after a dropped or invalidated replication slot.
+With the `columns` param it fills only those columns of the rows the lake has, online.
 
 One DAG per table of include/tables/*.yaml (`cdc_bootstrap__<table>`), triggered by hand (no
 schedule). It shares the table's writer pool with the ingest and the maintenance.
@@ -47,6 +48,14 @@ for cfg in tables.tables.values():
                 "in which this many chunks completed (0 = to the end); trigger again to resume after "
                 "the last completed chunk",
             ),
+            # A one-column backfill instead (bootstrap/column.py): only these columns of the rows
+            # the lake has, from the source, in chunks between WAL markers; resumes like chunked mode.
+            "columns": Param(
+                [],
+                type="array",
+                description="fill only these columns of the existing rows from the source, online "
+                "(a column newly consumed, given a volatile default, or to repair); empty = a bootstrap",
+            ),
         },
     ) as dag:
         spark_task(
@@ -59,6 +68,7 @@ for cfg in tables.tables.values():
                 "shards": "{{ params.shards | join(',') }}",
                 "run_id": "{{ ts_nodash }}",
                 "pause_after_chunks": "{{ params.pause_after_chunks }}",
+                "columns": "{{ params.columns | join(',') }}",
             },
             outlets=[asset(cfg.current_table), asset(cfg.changelog_table)],
             post_execute=announce_snapshots([cfg]),

@@ -21,6 +21,9 @@ class BootstrapParams(JobParams):
     pause_after_chunks: int = flag(
         0, help="chunked mode: stop cleanly after this many chunks (0 = to the end); the next run resumes"
     )
+    columns: tuple[str, ...] = flag(
+        (), help="comma-separated columns: fill only these of the existing rows, online (bootstrap.column)"
+    )
 
 
 def main(p: BootstrapParams) -> int:
@@ -39,6 +42,13 @@ def main(p: BootstrapParams) -> int:
             done[0] += 1
             return 0 < p.pause_after_chunks <= done[0]
 
+        if p.columns:
+            from cdc_lakehouse.bootstrap.column import backfill_columns
+
+            shards = list(p.shards) or None
+            return backfill_columns(
+                spark, lake, cfg, list(p.columns), run_id=run, shards=shards, should_stop=should_stop
+            )
         return bootstrap_table(
             spark,
             lake,

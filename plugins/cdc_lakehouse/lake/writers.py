@@ -59,7 +59,13 @@ CHUNKED_BOOTSTRAP = Writer(
     "low watermarks, below or above the table's watermark",
 )
 
-WRITERS: tuple[Writer, ...] = (INGEST, REPAIR, REPLAY, BACKFILL, BOOTSTRAP, CHUNKED_BOOTSTRAP)
+COLUMN_BACKFILL = Writer(
+    "column-backfill",
+    "a one-column backfill (bootstrap.column): some columns of rows below a chunk's low watermark set "
+    "from the source, no changelog rows",
+)
+
+WRITERS: tuple[Writer, ...] = (INGEST, REPAIR, REPLAY, BACKFILL, BOOTSTRAP, CHUNKED_BOOTSTRAP, COLUMN_BACKFILL)
 BY_NAME: dict[str, Writer] = {w.name: w for w in WRITERS}
 
 

@@ -1,0 +1,215 @@
+"""One-column backfill, online: the source's values of some columns for the rows the lake already
+has, without a re-bootstrap and without a long transaction (the chunked bootstrap's machinery).
+
+When a column becomes consumed (config `columns:`), gets a volatile default, is widened after
+its values were quarantined, or needs a repair, the rows the stream has not rewritten since hold
+the wrong value (NULL, most often). Per shard, in key order (keyset pagination, bootstrap.chunks):
+a low watermark message L in the WAL, the key and the columns of `chunk_rows` rows read in one
+short transaction, a high watermark H; then one MERGE into the current table that sets only those
+columns, and only on rows whose position is below L:
+
+  - a row the ingest wrote at or after L came from an event after L, which carried the column
+    (it was consumed before the backfill started): the stream's value stays;
+  - a row below L gets the value read after L; a change committed between L and the read that the
+    ingest has not applied yet arrives later with a higher position and sets the same column again
+    (its event carries it), so the two commute as the chunked bootstrap's chunks and ingests do;
+  - a key missing from the lake (inserted after L, not ingested yet) is not inserted: the stream
+    brings it; a key deleted at the source is in no chunk, and the stream deletes it.
+
+The row's position and every other column stay as they are; the changelog is not rewritten (it
+keeps what was captured; the current table, the feed and exports see the filled values).
+Progress is one row per chunk in cdc_meta.bootstrap_progress (table_name `<table>:columns:<c,...>`);
+a killed or paused run resumes after the last recorded chunk of each shard. A finished backfill
+of the same columns run again starts over (a repair).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from cdc_lakehouse.bootstrap.chunked import _check_keys
+from cdc_lakehouse.bootstrap.chunks import (
+    APPLICATION_NAME,
+    ChunkRead,
+    chunk_query,
+    estimated_rows,
+    last_key,
+    read_chunk,
+)
+from cdc_lakehouse.bootstrap.progress import ShardProgress, load_progress, progress_row, record_progress
+from cdc_lakehouse.bootstrap.snapshot import BootstrapError, ShardSource, preflight, shards_by_endpoint, typed_rows
+from cdc_lakehouse.config import LSN_COL, SHARD_COL, TableConfig
+from cdc_lakehouse.identifiers import spark_ident
+from cdc_lakehouse.lake.commits import sql_with_commit_properties
+from cdc_lakehouse.lake.tables import source_columns_of
+from cdc_lakehouse.lake.writers import COLUMN_BACKFILL
+from cdc_lakehouse.settings import LakeSettings
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ColumnBackfillResult:
+    table: str
+    columns: list[str]
+    run_id: str
+    chunks: int = 0
+    rows_read: int = 0
+    seconds: float = 0.0
+    paused: bool = False
+    shards: dict[str, int] = field(default_factory=dict)  # shard -> rows read this run
+    resumed: dict[str, int] = field(default_factory=dict)  # shard -> the chunk it resumed after
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def progress_key(cfg: TableConfig, columns: list[str]) -> str:
+    return f"{cfg.name}:columns:{','.join(sorted(columns))}"
+
+
+def backfill_columns(
+    spark: SparkSession,
+    lake: LakeSettings,
+    cfg: TableConfig,
+    columns: list[str],
+    *,
+    run_id: str,
+    shards: list[str] | None = None,
+    should_stop: Callable[[ShardProgress], bool] | None = None,
+) -> ColumnBackfillResult:
+    """Fill `columns` of cfg's current table from the source (all shards, or `shards`); resumes a
+    run that was killed or paused. should_stop is asked after every chunk."""
+    t0 = time.monotonic()
+    endpoints = shards_by_endpoint(cfg, shards)
+    if not endpoints:
+        raise BootstrapError(f"{cfg.name}: no shards selected")
+    _check_keys(cfg, endpoints)
+    source_cols, pg_types = preflight(cfg, endpoints)
+    cur = lake.qualified(cfg.current_table)
+    read_cols = _columns_to_read(cfg, columns, dict(source_columns_of(spark, cur, cfg)), dict(source_cols))
+    key = progress_key(cfg, columns)
+    progress = load_progress(spark, lake, key)
+    result = ColumnBackfillResult(cfg.name, sorted(columns), run_id)
+    run = _Fill(spark, lake, cfg, cur, read_cols, pg_types, result)
+    for s in [s for sources in endpoints.values() for s in sources]:
+        state = progress.get(s.shard)
+        if state is None or (state.done and state.run_id != run_id):
+            state = ShardProgress(key, s.shard, run_id)  # a first run, or a finished one again
+        elif state.chunk >= 0 and not state.done:
+            result.resumed[s.shard] = state.chunk
+        result.shards[s.shard] = 0
+        if not state.done and run.shard(s, state, should_stop):
+            result.paused = True
+            break
+    result.seconds = round(time.monotonic() - t0, 1)
+    log.info("column backfill %s %s: %s", cfg.name, result.columns, result.to_dict())
+    return result
+
+
+@dataclass
+class _Fill:
+    """What every shard's fill shares."""
+
+    spark: SparkSession
+    lake: LakeSettings
+    cfg: TableConfig
+    cur: str
+    read_cols: list[tuple[str, str]]
+    pg_types: dict[str, str]
+    result: ColumnBackfillResult
+
+    def shard(self, s: ShardSource, state: ShardProgress, should_stop: Callable[[ShardProgress], bool] | None) -> bool:
+        """Chunks of one shard to its end, each merged then recorded; True when told to stop."""
+        import psycopg2
+
+        cfg, r, limit = self.cfg, self.result, self.cfg.bootstrap.chunk_rows
+        conn = psycopg2.connect(s.endpoint.dsn(), application_name=APPLICATION_NAME)
+        conn.autocommit = True  # each marker and chunk read its own short transaction
+        try:
+            q = chunk_query(s.schema, cfg.source.table, self.read_cols, self.pg_types, cfg.primary_key, limit)
+            with conn.cursor() as c:
+                state.chunks_total = max(state.chunks_total, estimated_rows(c, s.schema, cfg.source.table) // limit + 1)
+            upto = last_key(conn, q)  # rows inserted later come through the stream
+            names = tuple(n for n, _ in self.read_cols)
+            while not state.done:
+                marker = {
+                    "table": cfg.name,
+                    "shard": s.shard,
+                    "chunk": state.chunk + 1,
+                    "run": r.run_id,
+                    "columns": r.columns,
+                }
+                chunk = read_chunk(conn, q, names, state.last_key, marker, upto)
+                merge_chunk(self.spark, cfg, self.cur, chunk, self.read_cols, r.columns, r.run_id)
+                state.advance(chunk, limit)
+                record_progress(self.spark, self.lake, [progress_row(state, chunk)])
+                r.chunks += 1
+                r.rows_read += chunk.rows.num_rows
+                r.shards[s.shard] += chunk.rows.num_rows
+                if not state.done and should_stop is not None and should_stop(state):
+                    return True
+        finally:
+            conn.close()
+        return False
+
+
+def _columns_to_read(
+    cfg: TableConfig, columns: list[str], lake_cols: dict[str, str], source_cols: dict[str, str]
+) -> list[tuple[str, str]]:
+    """The key and the columns to fill, with the lake's types; an unknown column stops the run."""
+    if not columns:
+        raise BootstrapError(f"{cfg.name}: no columns to backfill given")
+    for c in columns:
+        if c in cfg.primary_key:
+            raise BootstrapError(f"{cfg.name}: column {c!r} is part of the primary key; re-bootstrap to change keys")
+        if c not in lake_cols:
+            raise BootstrapError(
+                f"{cfg.name}: column {c!r} is not in the lake table; let an ingest add it first (it is added when "
+                "the column is consumed and its first change arrives) or add it with ALTER TABLE, then backfill"
+            )
+        if c not in source_cols:
+            raise BootstrapError(
+                f"{cfg.name}: column {c!r} is not in the source table {cfg.source.table}; check its name"
+            )
+    return [(k, lake_cols[k]) for k in cfg.primary_key] + [(c, lake_cols[c]) for c in columns]
+
+
+def merge_chunk(
+    spark: SparkSession,
+    cfg: TableConfig,
+    cur: str,
+    chunk: ChunkRead,
+    read_cols: list[tuple[str, str]],
+    columns: list[str],
+    run_id: str,
+) -> None:
+    """Set `columns` from the chunk on the current table's rows of its keys that sit below L."""
+    import pyarrow as pa
+    from pyspark.sql.types import StringType, StructField, StructType
+
+    if not chunk.rows.num_rows:
+        return
+    names = [n for n, _ in read_cols]
+    rows = chunk.rows.select(names).append_column(SHARD_COL, pa.array([chunk.shard] * chunk.rows.num_rows, pa.string()))
+    schema = StructType([StructField(c, StringType(), True) for c in [*names, SHARD_COL]])
+    typed = typed_rows(spark.createDataFrame(rows.to_pandas(), schema), cfg, read_cols)
+    view = f"cdc_colfill_{uuid.uuid4().hex[:12]}"
+    typed.createOrReplaceTempView(view)
+    on = " AND ".join(f"t.{spark_ident(c)} = s.{spark_ident(c)}" for c in [SHARD_COL, *cfg.primary_key])
+    sets = ", ".join(f"t.{spark_ident(c)} = s.{spark_ident(c)}" for c in columns)
+    sql = f"MERGE INTO {cur} t USING {view} s ON {on} WHEN MATCHED AND t.{LSN_COL} < {int(chunk.low)} THEN UPDATE SET {sets}"
+    try:
+        sql_with_commit_properties(
+            spark, sql, {**COLUMN_BACKFILL.props(), "cdc.column-backfill": f"{run_id}:{chunk.shard}:{chunk.no}"}
+        )
+    finally:
+        spark.catalog.dropTempView(view)
