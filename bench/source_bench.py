@@ -436,11 +436,12 @@ def bench_column(spark, lake, dsn: str, blocks: int, repeat: int, chunk_rows: in
         boot = _one_bootstrap(spark, lake, cfg, f"col-boot{i}", dsn)
         with PeakRSS() as mem, HeldOpen(dsn) as held:
             t = time.time()
-            r = backfill_columns(spark, lake, cfg, ["score"], run_id=f"col{i}")
+            r = backfill_columns(spark, lake, cfg, ["score"], run_id=f"col{i}-{time.time_ns()}")
             secs = time.time() - t
         runs.append(
             {
                 "rebootstrap_seconds": boot["seconds"],
+                "rebootstrap_longest_xact_seconds": boot["longest_xact_seconds"],
                 "column_seconds": secs,
                 "column_rows": r.rows_read,
                 "column_chunks": r.chunks,
@@ -449,7 +450,8 @@ def bench_column(spark, lake, dsn: str, blocks: int, repeat: int, chunk_rows: in
             }
         )
         print(
-            f"  re-bootstrap {boot['rows']} rows {boot['seconds']:.1f}s; one-column backfill {r.rows_read} rows in "
+            f"  re-bootstrap {boot['rows']} rows {boot['seconds']:.1f}s (longest transaction "
+            f"{boot['longest_xact_seconds']:.2f}s); one-column backfill {r.rows_read} rows in "
             f"{r.chunks} chunks {secs:.1f}s (longest transaction {held.longest_xact:.2f}s)",
             flush=True,
         )

@@ -46,7 +46,7 @@ from cdc_lakehouse.bootstrap.snapshot import BootstrapError, ShardSource, prefli
 from cdc_lakehouse.config import LSN_COL, SHARD_COL, TableConfig
 from cdc_lakehouse.identifiers import spark_ident
 from cdc_lakehouse.lake.commits import sql_with_commit_properties
-from cdc_lakehouse.lake.tables import source_columns_of
+from cdc_lakehouse.lake.tables import source_columns_of, sql_string
 from cdc_lakehouse.lake.writers import COLUMN_BACKFILL
 from cdc_lakehouse.settings import LakeSettings
 
@@ -70,6 +70,10 @@ class ColumnBackfillResult:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+# Key types PostgreSQL and Spark order alike: a chunk's first and last keys bound it in both.
+ORDERED_THE_SAME = frozenset({"smallint", "int", "bigint", "date", "timestamp", "timestamp_ntz"})
 
 
 def progress_key(cfg: TableConfig, columns: list[str]) -> str:
@@ -183,6 +187,19 @@ def _columns_to_read(
     return [(k, lake_cols[k]) for k in cfg.primary_key] + [(c, lake_cols[c]) for c in columns]
 
 
+def _chunk_bounds(cfg: TableConfig, chunk: ChunkRead, types: dict[str, str]) -> str:
+    """The chunk's shard and the range of its first key column, on the target alone: Iceberg
+    reads only the files that can hold them (by partition and column bounds), not the table."""
+    shard = f"t.{spark_ident(SHARD_COL)} = {sql_string(chunk.shard)}"
+    first = cfg.primary_key[0]
+    col, typ = f"t.{spark_ident(first)}", types[first]
+    if not (typ in ORDERED_THE_SAME or typ.startswith("decimal")):
+        return shard  # text sorts by the source's collation, which Spark's order need not match
+    keys = chunk.rows.column(first)
+    lo, hi = keys[0].as_py(), keys[len(keys) - 1].as_py()
+    return f"{shard} AND {col} >= CAST({sql_string(lo)} AS {typ}) AND {col} <= CAST({sql_string(hi)} AS {typ})"
+
+
 def merge_chunk(
     spark: SparkSession,
     cfg: TableConfig,
@@ -205,6 +222,7 @@ def merge_chunk(
     view = f"cdc_colfill_{uuid.uuid4().hex[:12]}"
     typed.createOrReplaceTempView(view)
     on = " AND ".join(f"t.{spark_ident(c)} = s.{spark_ident(c)}" for c in [SHARD_COL, *cfg.primary_key])
+    on += " AND " + _chunk_bounds(cfg, chunk, dict(read_cols))
     sets = ", ".join(f"t.{spark_ident(c)} = s.{spark_ident(c)}" for c in columns)
     sql = f"MERGE INTO {cur} t USING {view} s ON {on} WHEN MATCHED AND t.{LSN_COL} < {int(chunk.low)} THEN UPDATE SET {sets}"
     try:
