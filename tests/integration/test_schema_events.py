@@ -45,6 +45,11 @@ def lake_values(s: Source, column: str) -> set[tuple]:
     return {(r["_cdc_shard"].rsplit(".", 1)[-1], r["id"], r[column]) for r in rows}
 
 
+def timing(r) -> str:
+    t = r.metrics.timings
+    return f"{r.metrics.total_seconds:.2f} s (plan {t.get('plan', 0):.2f} s, {r.spark_jobs} Spark jobs)"
+
+
 def field_id(s: Source, table: str, column: str) -> int:
     from pyiceberg.catalog import load_catalog
 
@@ -59,6 +64,15 @@ def test_a_rename_on_two_shards_at_different_times_keeps_the_column(ddl_source, 
     cur, cl = s.block.current_table, s.block.changelog_table
     type_id = field_id(s, cur, "type")
     b0, b1 = s.wl.first_id["s0"], s.wl.first_id["s1"]
+
+    # Batch 0, for comparison: the same writes as batch 1, no DDL.
+    s.execute(
+        f"UPDATE s0.block SET type = 'x' WHERE id = {b0}",
+        f"UPDATE s0.block SET type = 'y' WHERE id = {b0 + 1}",
+        f"UPDATE s1.block SET type = 'z' WHERE id = {b1}",
+    )
+    r0 = s.ingest(s.block, s.capture().manifest.run_id)
+    assert r0.metrics.status == "ok", r0
 
     # Batch 1: s0 renames between two of its writes; s1 writes under the old name.
     s.execute(
@@ -76,6 +90,7 @@ def test_a_rename_on_two_shards_at_different_times_keeps_the_column(ddl_source, 
     assert "type" not in spark.table(lake.qualified(cur)).columns
     assert field_id(s, cur, "kind") == type_id  # an Iceberg rename: the same field
     assert lake_values(s, "kind") == source_values(s, {"s0": "kind", "s1": "type"})
+    print(f"schema events: ingest without DDL {timing(r0)}; with a rename and a SET DEFAULT {timing(r)}")
 
     # Batch 2: s1 renames too; s0 adds a new column under the old name after its rename.
     s.execute(
