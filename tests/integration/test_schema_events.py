@@ -9,9 +9,12 @@ rename is a new column. Every row equals the source's after each batch."""
 
 from __future__ import annotations
 
+import json
+
 import psycopg2
 import pytest
-from cdc_lakehouse.source.ddl import DDL_SCHEMA, TRIGGER, ensure_ddl_capture
+from cdc_lakehouse.lake.watermark import read_watermark
+from cdc_lakehouse.source.ddl import DDL_PREFIX, DDL_SCHEMA, TRIGGER, ensure_ddl_capture
 
 from tests.helpers import assert_lake_equals_source
 from tests.integration.conftest import Source
@@ -74,11 +77,12 @@ def test_a_rename_on_two_shards_at_different_times_keeps_the_column(ddl_source, 
     r0 = s.ingest(s.block, s.capture().manifest.run_id)
     assert r0.metrics.status == "ok", r0
 
-    # Batch 1: s0 renames between two of its writes; s1 writes under the old name.
+    # Batch 1: s0 renames between two of its writes, all three in one transaction (the writes
+    # share the rename's commit LSN); s1 writes under the old name.
     s.execute(
-        f"UPDATE s0.block SET type = 'before' WHERE id = {b0}",
-        "ALTER TABLE s0.block RENAME COLUMN type TO kind",
-        f"UPDATE s0.block SET kind = 'after' WHERE id = {b0 + 1}",
+        f"BEGIN; UPDATE s0.block SET type = 'before' WHERE id = {b0}; "
+        "ALTER TABLE s0.block RENAME COLUMN type TO kind; "
+        f"UPDATE s0.block SET kind = 'after' WHERE id = {b0 + 1}; COMMIT",
         "ALTER TABLE s0.block ALTER COLUMN kind SET DEFAULT 'text'",
         f"UPDATE s1.block SET type = 'old-name' WHERE id = {b1}",
     )
@@ -92,18 +96,33 @@ def test_a_rename_on_two_shards_at_different_times_keeps_the_column(ddl_source, 
     assert lake_values(s, "kind") == source_values(s, {"s0": "kind", "s1": "type"})
     print(f"schema events: ingest without DDL {timing(r0)}; with a rename and a SET DEFAULT {timing(r)}")
 
-    # Batch 2: s1 renames too; s0 adds a new column under the old name after its rename.
+    # Batch 2: s1 renames too; s0 adds a new column under the old name after its rename. Anyone
+    # may emit a message with the trigger's prefix: a forged rename and a malformed message are
+    # left out (the trigger's own log has neither).
+    forged = {
+        "table": "s0.block",
+        "tag": "ALTER TABLE",
+        "before": {"3": {"name": "parent_id", "type": "bigint"}},
+        "after": {"3": {"name": "hijacked", "type": "bigint"}},
+    }
     s.execute(
+        f"SELECT pg_logical_emit_message(true, '{DDL_PREFIX}', '{json.dumps(forged)}')",
+        f"SELECT pg_logical_emit_message(true, '{DDL_PREFIX}', 'not json')",
         f"UPDATE s1.block SET type = 'still-old' WHERE id = {b1 + 1}",
-        "ALTER TABLE s1.block RENAME COLUMN type TO kind",
-        f"UPDATE s1.block SET kind = 'renamed' WHERE id = {b1 + 2}",
+        "ALTER TABLE s1.block RENAME COLUMN type TO kind",  # and s1 writes nothing after it
         "ALTER TABLE s0.block ADD COLUMN type text",
         f"UPDATE s0.block SET type = 'a new column' WHERE id = {b0}",
     )
     m = s.capture().manifest
+    assert [(d.table, d.renamed) for d in m.ddl if d.renamed] == [("s1.block", [["type", "kind"]])], m.ddl
     r = s.ingest(s.block, m.run_id)
     assert r.metrics.status == "ok" and not r.metrics.quarantined, r
     assert field_id(s, cur, "kind") == type_id and field_id(s, cur, "type") != type_id
+    assert "parent_id" in spark.table(lake.qualified(cur)).columns
+    # s1 wrote nothing after its rename: its known columns follow the rename all the same.
+    wm = read_watermark(spark, lake.qualified(cur))
+    s1_known = next(p.columns for shard, p in wm.shards.items() if shard.endswith("s1"))
+    assert "kind" in s1_known and "type" not in s1_known, s1_known
     assert lake_values(s, "kind") == source_values(s, {"s0": "kind", "s1": "kind"})
     assert lake_values(s, "type") == {
         (sh, i, "a new column" if (sh, i) == ("s0", b0) else None) for sh, i, _ in lake_values(s, "kind")

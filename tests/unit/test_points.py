@@ -33,13 +33,24 @@ def test_the_newest_position_both_tables_reached_is_the_point():
     assert p.as_of_sql("block") == f"SELECT * FROM block VERSION AS OF {min(block.snaps)}"
 
 
-def test_every_point_newest_first_and_the_newest_commit_at_a_position():
-    # a later commit at the same position (an audit repair) is the better state of it
+def test_every_point_newest_first_and_the_first_commit_at_a_position():
+    # a later commit at the same position (an audit repair) holds values read after it
     block = history("block", [wm({"s0": 10, "s1": 10}, "r1"), wm({"s0": 10, "s1": 10}, "r1"), wm({"s0": 20, "s1": 20})])
     perm = history("perm", [wm({"s0": 10, "s1": 10}), wm({"s0": 20, "s1": 20})])
     points = consistent_points(E, [block, perm])
     assert [p.lsn for p in points] == [20, 10]
-    assert points[1].snapshots["block"] == min(block.snaps) + 1
+    assert points[1].snapshots["block"] == min(block.snaps)
+
+
+def test_rows_read_from_the_source_past_a_position_spoil_it():
+    # a column backfill's chunk of s0 read up to 25, committed between the ingests at 20 and 30
+    block = history("block", [wm({"s0": 10, "s1": 10}), wm({"s0": 20, "s1": 20}), None, wm({"s0": 30, "s1": 30})])
+    chunk = min(block.snaps) + 2
+    block.snaps[chunk] = SnapshotInfo(chunk, chunk - 1, "overwrite", None, "column-backfill", {"s0": 25})
+    perm = history("perm", [wm({"s0": 10, "s1": 10}), wm({"s0": 20, "s1": 20}), wm({"s0": 30, "s1": 30})])
+    assert [p.lsn for p in consistent_points(E, [block, perm])] == [30, 20, 10]  # 20 came before the chunk
+    block.snaps[chunk] = SnapshotInfo(chunk, chunk - 1, "overwrite", None, "column-backfill", {"s0": 35})
+    assert [p.lsn for p in consistent_points(E, [block, perm])] == [20, 10]  # 30 is below what it read
 
 
 def test_shards_at_different_positions_make_no_point():

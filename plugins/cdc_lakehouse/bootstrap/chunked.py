@@ -72,7 +72,7 @@ from cdc_lakehouse.lake.commits import ConcurrentWriterError, fenced_commit, sql
 from cdc_lakehouse.lake.snapshots import current_ancestors
 from cdc_lakehouse.lake.tables import changelog_columns, conform_to
 from cdc_lakehouse.lake.watermark import ShardPosition, Watermark, read_watermark
-from cdc_lakehouse.lake.writers import CHUNKED_BOOTSTRAP, WRITER_PROP
+from cdc_lakehouse.lake.writers import CHUNKED_BOOTSTRAP, READ_UPTO_PROP, WRITER_PROP
 from cdc_lakehouse.runtime.failpoints import crash_point
 from cdc_lakehouse.runtime.phases import local_checkpoint
 from cdc_lakehouse.runtime.session import session_conf
@@ -499,7 +499,11 @@ def _apply_chunks(
     shards = sorted({c.shard for c in chunks})
     lowest = min(c.low for c in chunks)
     marker = {"run": run.run_id, "chunks": {c.shard: c.no for c in chunks}}
-    props = {ROUND_PROP: json.dumps(marker, separators=(",", ":"), sort_keys=True)}
+    props = {
+        ROUND_PROP: json.dumps(marker, separators=(",", ":"), sort_keys=True),
+        # The chunks' values were read up to their high markers (lake.points).
+        READ_UPTO_PROP: json.dumps({c.shard: c.high for c in chunks}, sort_keys=True),
+    }
 
     # An event whose row the stream superseded meanwhile is harmless in the changelog: the
     # stream's change of the key carries a higher LSN, so readers of the changelog see it as newer.

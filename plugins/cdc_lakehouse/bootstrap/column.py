@@ -25,6 +25,7 @@ of the same columns run again starts over (a repair).
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 import uuid
@@ -45,9 +46,9 @@ from cdc_lakehouse.bootstrap.progress import ShardProgress, load_progress, progr
 from cdc_lakehouse.bootstrap.snapshot import BootstrapError, ShardSource, preflight, shards_by_endpoint, typed_rows
 from cdc_lakehouse.config import LSN_COL, SHARD_COL, TableConfig
 from cdc_lakehouse.identifiers import spark_ident
-from cdc_lakehouse.lake.commits import sql_with_commit_properties
+from cdc_lakehouse.lake.commits import sql_with_commit_properties, with_commit_retries
 from cdc_lakehouse.lake.tables import source_columns_of, sql_string
-from cdc_lakehouse.lake.writers import COLUMN_BACKFILL
+from cdc_lakehouse.lake.writers import COLUMN_BACKFILL, READ_UPTO_PROP
 from cdc_lakehouse.settings import LakeSettings
 
 if TYPE_CHECKING:
@@ -104,10 +105,14 @@ def backfill_columns(
     progress = load_progress(spark, lake, key)
     result = ColumnBackfillResult(cfg.name, sorted(columns), run_id)
     run = _Fill(spark, lake, cfg, cur, read_cols, pg_types, result)
-    for s in [s for sources in endpoints.values() for s in sources]:
+    selected = [s for sources in endpoints.values() for s in sources]
+    # Every selected shard finished: a new backfill (a repair) starts over. Otherwise the shards an
+    # earlier run finished stay finished and the others resume, whatever run paused them.
+    finished = all(s.shard in progress and progress[s.shard].done for s in selected)
+    for s in selected:
         state = progress.get(s.shard)
-        if state is None or (state.done and state.run_id != run_id):
-            state = ShardProgress(key, s.shard, run_id)  # a first run, or a finished one again
+        if state is None or (finished and state.run_id != run_id):
+            state = ShardProgress(key, s.shard, run_id)
         elif state.chunk >= 0 and not state.done:
             result.resumed[s.shard] = state.chunk
         result.shards[s.shard] = 0
@@ -159,6 +164,11 @@ class _Fill:
                 r.chunks += 1
                 r.rows_read += chunk.rows.num_rows
                 r.shards[s.shard] += chunk.rows.num_rows
+                log.info(
+                    "column backfill %s %s: %s chunk %d (%d of ~%d), %d rows, read in %.2fs (transaction %.2fs)",
+                    cfg.name, r.columns, s.shard, chunk.no, state.chunks_done, state.chunks_total,
+                    chunk.rows.num_rows, chunk.read_seconds, chunk.xact_seconds,
+                )  # fmt: skip
                 if not state.done and should_stop is not None and should_stop(state):
                     return True
         finally:
@@ -225,9 +235,14 @@ def merge_chunk(
     on += " AND " + _chunk_bounds(cfg, chunk, dict(read_cols))
     sets = ", ".join(f"t.{spark_ident(c)} = s.{spark_ident(c)}" for c in columns)
     sql = f"MERGE INTO {cur} t USING {view} s ON {on} WHEN MATCHED AND t.{LSN_COL} < {int(chunk.low)} THEN UPDATE SET {sets}"
+    props = {
+        **COLUMN_BACKFILL.props(),
+        "cdc.column-backfill": f"{run_id}:{chunk.shard}:{chunk.no}",
+        # Values read up to H: positions of the shard below it are no consistent point (lake.points).
+        READ_UPTO_PROP: json.dumps({chunk.shard: chunk.high}),
+    }
     try:
-        sql_with_commit_properties(
-            spark, sql, {**COLUMN_BACKFILL.props(), "cdc.column-backfill": f"{run_id}:{chunk.shard}:{chunk.no}"}
-        )
+        # An ingest committing meanwhile: the same chunk at the same L again is the same MERGE.
+        with_commit_retries(lambda: sql_with_commit_properties(spark, sql, props), what=f"{cfg.name} column chunk")
     finally:
         spark.catalog.dropTempView(view)

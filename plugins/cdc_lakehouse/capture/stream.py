@@ -20,7 +20,7 @@ from cdc_lakehouse.landing.format import manifest_path, run_dir
 from cdc_lakehouse.landing.writer import TableWriter
 from cdc_lakehouse.runtime.failpoints import crash_point
 from cdc_lakehouse.source.catalog import EndpointTables
-from cdc_lakehouse.source.ddl import DDL_PREFIX, ddl_diff
+from cdc_lakehouse.source.ddl import DDL_PREFIX, ddl_diff, logged_ddl
 from cdc_lakehouse.source.errors import SourceError
 from cdc_lakehouse.source.markers import MARKER_PREFIX
 from cdc_lakehouse.source.pgoutput import Begin, Change, Commit, Relation, Truncate, decode, pg_time
@@ -174,7 +174,7 @@ class Stream:
         elif isinstance(m, Commit):
             self._on_commit(m)
         elif isinstance(m, Relation):
-            self._on_relation(m)
+            self._on_relation(m, msg.data_start)
         elif isinstance(m, Truncate):
             self._on_truncate(m, msg.data_start)
         # Type messages and those decode() does not know carry nothing the landing needs.
@@ -217,17 +217,49 @@ class Stream:
 
     def _on_ddl(self, lsn: int, content: bytes) -> None:
         """A DDL of a captured table, as the columns it renamed, added, dropped, retyped or gave
-        another default; in the manifest's `ddl`, in WAL order."""
-        body = json.loads(content)
-        schema, _, table = str(body.get("table", "")).rpartition(".")
+        another default; in the manifest's `ddl`, in WAL order, once the trigger's log confirms it
+        (_verified_ddl). A message that is not the trigger's shape is logged and left out: the
+        change is then inferred from relation messages, as without the trigger."""
+        try:
+            body = json.loads(content)
+            key = str(body["table"])
+            diff = ddl_diff(body.get("before") or {}, body.get("after") or {})
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            log.warning(
+                "capture %s: DDL message at %s ignored (not the trigger's shape: %s)", self.ep.endpoint_id, lsn, exc
+            )
+            return
+        schema, _, table = key.rpartition(".")
         if schema not in self.ep.tables.get(table, ([], []))[0]:
             return
-        diff = ddl_diff(body.get("before") or {}, body.get("after") or {})
-        at = {"table": body["table"], "lsn": lsn, "at_commit_lsn": self.tx.final_lsn if self.tx else None}
+        at = {"table": key, "lsn": lsn, "at_commit_lsn": self.tx.final_lsn if self.tx else None}
         self.ddl.append({**at, "tag": body.get("tag"), **diff})
-        log.warning(
-            "capture %s: DDL on %s: %s", self.ep.endpoint_id, body["table"], {k: v for k, v in diff.items() if v}
-        )
+        # The table's schema as this run tracks it follows the rename at once: a shard that writes
+        # nothing after it still lists the new names in the manifest.
+        cols = self.schemas_seen.get(key) or self.start.known_schemas.get(key)
+        if cols and diff["renamed"]:
+            names = dict(diff["renamed"])
+            self.schemas_seen[key] = [{**c, "name": names.get(c["name"], c["name"])} for c in cols]
+        log.warning("capture %s: DDL on %s: %s", self.ep.endpoint_id, key, {k: v for k, v in diff.items() if v})
+
+    def _verified_ddl(self) -> list[dict[str, Any]]:
+        """The run's DDL messages that the trigger logged itself; any role may emit a message with
+        the prefix, and a forged rename must not rename a lake column."""
+        if not self.ddl:
+            return []
+        import psycopg2
+
+        conn = psycopg2.connect(self.dsn, application_name="cdc_lakehouse capture")
+        try:
+            logged = logged_ddl(conn, [d["lsn"] for d in self.ddl])
+        finally:
+            conn.close()
+        forged = [d for d in self.ddl if d["lsn"] not in logged]
+        if forged:
+            log.warning(
+                "capture %s: DDL messages not written by the trigger, left out: %s", self.ep.endpoint_id, forged
+            )
+        return [d for d in self.ddl if d["lsn"] in logged]
 
     def _on_truncate(self, m: Truncate, data_start: int) -> None:
         for relid in m.relids:
@@ -285,7 +317,7 @@ class Stream:
             self.capped = self.done = True
         self.tx = None
 
-    def _on_relation(self, m: Relation) -> None:
+    def _on_relation(self, m: Relation, data_start: int = 0) -> None:
         r = Rel(m, self.start.type_lookup)
         self.rels[m.oid] = r
         if r.heartbeat:
@@ -294,6 +326,7 @@ class Stream:
         at = {
             "table": r.key,
             "at_commit_lsn": self.tx.final_lsn if self.tx else None,
+            "at_lsn": data_start or None,  # where in its transaction (a DDL there may precede it)
             "columns": [c["name"] for c in r.columns],
         }
         if prev is None:
@@ -312,6 +345,7 @@ class Stream:
     def _finish(self, cur, identity: dict[str, Any]) -> dict[str, Any]:
         """Files first, durably; then the manifest; then the slot. Confirming earlier would lose the
         run's events to a crash; the failpoints let the crash tests stop between the steps."""
+        self.ddl = self._verified_ddl()
         tables = self._publish_files()
         crash_point("after_files")
         manifest = self._manifest(tables, identity)

@@ -227,8 +227,9 @@ def pin_run(
     grants = pin_input(spark, lake, tables[dcfg.grants.table]) if dcfg.grants else None
     out, unresolved = lake.qualified(dcfg.output_table), lake.qualified(dcfg.unresolved_table)
     nodes = pin_input(spark, lake, tables[dcfg.nodes.table])
+    previous = read_tree_watermark(spark, out) if table_exists(spark, out) else None
     if grants is not None and dcfg.read_at == "point":
-        nodes, grants = pin_at_point(spark, nodes, grants)
+        nodes, grants = pin_at_point(spark, previous, nodes, grants)
     r = TreeRun(
         dcfg,
         lake,
@@ -236,7 +237,7 @@ def pin_run(
         grants,
         out,
         unresolved,
-        read_tree_watermark(spark, out) if table_exists(spark, out) else None,
+        previous,
         read_tree_watermark(spark, unresolved) if table_exists(spark, unresolved) else None,
     )
     r.mode = plan_mode(r, full=full)
@@ -249,9 +250,10 @@ def pin_run(
     return r
 
 
-def pin_at_point(spark: SparkSession, *pins: Pinned) -> tuple[Pinned, ...]:
+def pin_at_point(spark: SparkSession, previous: TreeWatermark | None, *pins: Pinned) -> tuple[Pinned, ...]:
     """The inputs at the newest consistent point of their one endpoint; as pinned (current) when
-    they are on several endpoints or have no point yet."""
+    they are on several endpoints, have no point yet, or the point is behind what the previous
+    run read (it read current snapshots before the inputs first met): the output never goes back."""
     endpoints = {g.endpoint_id for p in pins for g in p.cfg.source.shards}
     if len(endpoints) != 1 or any(p.cfg.landing.kind != "capture" for p in pins):
         log.info(
@@ -271,6 +273,19 @@ def pin_at_point(spark: SparkSession, *pins: Pinned) -> tuple[Pinned, ...]:
         sid = point.snapshots[p.table]
         wm = histories[p.table].snaps[sid].watermark
         out.append(Pinned(p.cfg, p.table, sid, wm.shard_lsns() if wm is not None else {}))
+    read = previous.inputs if previous is not None else {}
+    behind = [
+        p.table
+        for p in out
+        if p.cfg.name in read and any(n < read[p.cfg.name].shards.get(sh, 0) for sh, n in p.shards.items())
+    ]
+    if behind:
+        log.info(
+            "derived: consistent point %s is behind the last run's read of %s: read at current snapshots",
+            point.lsn,
+            behind,
+        )
+        return pins
     log.info("derived: inputs at consistent point %s of %s: %s", point.lsn, endpoint, point.snapshots)
     return tuple(out)
 

@@ -11,7 +11,10 @@ transaction of E committed below L is in each of those snapshots and none at or 
 reader that reads every table at its snapshot id sees each transaction whole or not at all.
 One capture run reads the whole endpoint up to one position (its manifest's end), and each
 ingest moves every shard of E to the end of the last run it applied, quiet shards included
-(heartbeats), so the tables meet at each capture run's end once they have all applied it.
+(heartbeats), so the tables meet at each capture run's end that all of them committed at. Each
+table's snapshot is its first commit at L (a later one there, such as an audit repair, holds
+values read from the source after L), and none after a commit of rows read past L
+(`cdc.read-upto`, table_positions).
 
 Points are derived from the tables' own snapshot histories (no second source of truth that a
 killed run could leave behind); `cdc_meta.consistent_points` records them for engines that read
@@ -20,7 +23,8 @@ point lives as long as every one of its snapshots does (maintenance expires old 
 
 What a point does not promise: positions of two endpoints never compare (a source transaction
 never spans two databases), so a point is per endpoint; a Debezium-fed table (its positions are
-Kafka offsets) never joins one.
+Kafka offsets) never joins one; during a chunked bootstrap a point can form before its last
+chunk; a quarantined event is missing from it until replayed.
 
 Pure over `SnapshotInfo` (lake.ranges); `read_points` loads the histories with pyiceberg, without
 Spark. CLI: `python -m cdc_lakehouse.lake.points [--endpoint E] [--all]` prints points as JSON.
@@ -78,15 +82,24 @@ def _source_key(source: dict[str, Any] | None) -> str:
 
 
 def table_positions(h: TableHistory, endpoint: str) -> dict[tuple[int, str], tuple[int, str | None]]:
-    """(position, server) -> (the newest snapshot at exactly that position, the run it names),
+    """(position, server) -> (the first snapshot at exactly that position, the run it names),
     over the ancestors of the current snapshot whose watermark puts every shard of h at one
-    position of `endpoint`. The newest: a later commit at the same position (an audit repair, a
-    finished backfill) is the better state of that position."""
-    out: dict[tuple[int, str], tuple[int, str | None]] = {}
+    position of `endpoint`, with no backfill pending and no row read from the source past it.
+
+    The first: a later commit at the same position (an audit repair, a backfill) holds values
+    read from the source after it. And a commit of rows read between WAL markers (a chunk of a
+    chunked bootstrap or of a column backfill, `cdc.read-upto`) makes every position of its
+    shards below its high marker unusable from then on: those rows may be newer."""
+    line = []
     sid = h.current
     while sid is not None and sid in h.snaps:
-        snap = h.snaps[sid]
-        sid = snap.parent_id
+        line.append(h.snaps[sid])
+        sid = h.snaps[sid].parent_id
+    out: dict[tuple[int, str], tuple[int, str | None]] = {}
+    read: dict[str, int] = {}
+    for snap in reversed(line):  # oldest first
+        for shard, lsn in (snap.read_upto or {}).items():
+            read[shard] = max(read.get(shard, lsn), lsn)
         wm = snap.watermark
         if wm is None or wm.backfill:
             continue  # not a complete position, or rows still waiting for a column's values
@@ -95,9 +108,12 @@ def table_positions(h: TableHistory, endpoint: str) -> dict[tuple[int, str], tup
             continue
         lsns = {p.lsn for p in at if p is not None}
         servers = {_source_key(p.source) for p in at if p is not None}
-        if len(lsns) == 1 and len(servers) == 1:
-            key = (lsns.pop(), servers.pop())
-            out.setdefault(key, (snap.snapshot_id, wm.runs.get(endpoint)))
+        if len(lsns) != 1 or len(servers) != 1:
+            continue
+        lsn = lsns.pop()
+        if any(read.get(s, 0) > lsn for s in h.shards):
+            continue
+        out.setdefault((lsn, servers.pop()), (snap.snapshot_id, wm.runs.get(endpoint)))
     return out
 
 
@@ -202,13 +218,17 @@ def record_points(spark: SparkSession, lake: LakeSettings, cs: ConfigSet, endpoi
         if not tables or not all(table_exists(spark, t) for t in tables):
             continue
         points = consistent_points(endpoint, (spark_history(spark, t, s) for t, s in tables.items()))
-        newest = spark.sql(f"SELECT max(lsn) AS lsn FROM {meta} WHERE endpoint = {sql_string(endpoint)}").collect()[0][
-            "lsn"
-        ]
+        recorded_max = {
+            r["source"]: r["lsn"]
+            for r in spark.sql(
+                f"SELECT source, max(lsn) AS lsn FROM {meta} WHERE endpoint = {sql_string(endpoint)} GROUP BY source"
+            ).collect()
+        }
         now = datetime.now(UTC).replace(tzinfo=None)
         for p in points:
+            newest = recorded_max.get(_source_key(p.source))  # positions of one server only compare
             if newest is not None and p.lsn <= newest:
-                break
+                continue
             recorded += 1
             for table, sid in p.snapshots.items():
                 rows.append(

@@ -27,6 +27,7 @@ side (`table_snapshots`, `changed_keys`, `fingerprint_diff`) imports Spark lazil
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
@@ -34,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from cdc_lakehouse.config import TableConfig
 from cdc_lakehouse.lake.columns import META_PREFIX, OP_COL
 from cdc_lakehouse.lake.watermark import WATERMARK_PROP, Watermark
-from cdc_lakehouse.lake.writers import WRITER_PROP, names_its_changes
+from cdc_lakehouse.lake.writers import READ_UPTO_PROP, WRITER_PROP, names_its_changes
 from cdc_lakehouse.runtime.phases import local_checkpoint
 from cdc_lakehouse.settings import LakeSettings
 
@@ -54,18 +55,20 @@ class SnapshotInfo:
     operation: str | None
     watermark: Watermark | None  # the parsed `cdc.watermark`, when the snapshot carries one
     writer: str | None = None  # `cdc.writer` (lake.writers), when the snapshot carries one
+    read_upto: dict[str, int] | None = None  # `cdc.read-upto` (lake.writers), when it carries one
 
     @classmethod
     def of(cls, snapshot_id: int, parent_id: int | None, operation: str | None, summary: Any) -> SnapshotInfo:
         """From a snapshot summary (anything with `.get`: pyiceberg's Summary, a dict)."""
         get = summary.get if summary is not None else (lambda _k: None)
-        wm, writer = get(WATERMARK_PROP), get(WRITER_PROP)
+        wm, writer, upto = get(WATERMARK_PROP), get(WRITER_PROP), get(READ_UPTO_PROP)
         return cls(
             int(snapshot_id),
             None if parent_id is None else int(parent_id),
             None if operation is None else str(operation),
             None if wm is None else Watermark.from_json(str(wm)),
             None if writer is None else str(writer),
+            None if upto is None else {str(k): int(v) for k, v in json.loads(str(upto)).items()},
         )
 
     @property

@@ -15,6 +15,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 WRITER_PROP = "cdc.writer"
+# A commit of rows read from the source at some time (a chunk between WAL markers) says how far,
+# per shard, those reads reached: JSON {shard: LSN of the chunk's high marker}. Below that
+# position its values may be newer than the watermark says (lake.points).
+READ_UPTO_PROP = "cdc.read-upto"
 
 
 @dataclass(frozen=True)

@@ -180,6 +180,7 @@ class Heartbeat(_Part):
 class SchemaChange(_Part):
     table: str = Field(description="schema.table")
     at_commit_lsn: int | None = None
+    at_lsn: int | None = Field(None, description="the relation message's position in its transaction")
     columns: list[str] | None = None
     added: list[str] = Field(default_factory=list)
     dropped: list[str] = Field(default_factory=list)
