@@ -38,7 +38,7 @@ _PATH = "SET search_path = pg_catalog, pg_temp"
 _FUNCTION = f"""
 CREATE OR REPLACE FUNCTION {DDL_SCHEMA}.columns_of(rel pg_catalog.oid) RETURNS pg_catalog.jsonb
 LANGUAGE sql STABLE {_PATH} AS $f$
-  SELECT pg_catalog.coalesce(pg_catalog.jsonb_object_agg(a.attnum::pg_catalog.text, pg_catalog.jsonb_build_object(
+  SELECT COALESCE(pg_catalog.jsonb_object_agg(a.attnum::pg_catalog.text, pg_catalog.jsonb_build_object(
            'name', a.attname, 'type', pg_catalog.format_type(a.atttypid, a.atttypmod),
            'default', pg_catalog.pg_get_expr(d.adbin, d.adrelid))), '{{}}'::pg_catalog.jsonb)
   FROM pg_catalog.pg_attribute a
