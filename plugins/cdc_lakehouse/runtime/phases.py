@@ -150,6 +150,10 @@ def _status_api(spark: SparkSession) -> str | None:
         return None
     app = get("spark.app.id", None)
     url = get("spark.ui.reverseProxyUrl", None) or None
+    if url is None and getattr(spark, "session_id", None) is None:
+        # A classic driver knows the port its UI bound: spark.ui.port is only the first one it
+        # tried (another application on 4040 moves it to 4041, and the conf still says 4040).
+        url = spark.sparkContext.uiWebUrl or None
     if url is None:
         host, port = get("spark.driver.host", None), get("spark.ui.port", "4040")
         if not host or not app:
