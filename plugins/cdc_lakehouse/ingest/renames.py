@@ -32,7 +32,7 @@ from pydantic import BaseModel, Field
 from cdc_lakehouse.config import TableConfig
 from cdc_lakehouse.identifiers import spark_ident
 from cdc_lakehouse.ingest.errors import SchemaChangeError
-from cdc_lakehouse.lake.tables import sql_string, table_exists
+from cdc_lakehouse.lake.tables import sql_string, table_exists, table_property
 from cdc_lakehouse.lake.watermark import Watermark
 from cdc_lakehouse.landing.reader import Plan
 
@@ -102,9 +102,7 @@ class Renames(BaseModel):
 
 
 def read_renames(spark: SparkSession, table: str) -> Renames:
-    rows = spark.sql(f"SHOW TBLPROPERTIES {table} ({sql_string(RENAMES_PROP)})").collect()
-    value = rows[0]["value"] if rows else None
-    return Renames.from_json(value if value and not value.startswith("Table ") else None)
+    return Renames.from_json(table_property(spark, table, RENAMES_PROP))
 
 
 def apply_renames(spark: SparkSession, cfg: TableConfig, cur: str, cl: str, plan: Plan, wm: Watermark) -> Renames:

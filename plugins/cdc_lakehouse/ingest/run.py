@@ -61,7 +61,14 @@ from cdc_lakehouse.lake.freshness import FRESHNESS_TABLE, record_freshness
 from cdc_lakehouse.lake.ingest_metrics import IngestMetrics
 from cdc_lakehouse.lake.meta import meta_append
 from cdc_lakehouse.lake.snapshots import Snapshot, current_ancestors, summary_of
-from cdc_lakehouse.lake.tables import conform_to, partition_sql, props_sql, source_columns_of, table_exists
+from cdc_lakehouse.lake.tables import (
+    conform_to,
+    partition_sql,
+    props_sql,
+    source_columns_of,
+    table_exists,
+    table_property,
+)
 from cdc_lakehouse.lake.watermark import WATERMARK_PROP, Watermark, read_watermark, shard_lsn_map
 from cdc_lakehouse.lake.writers import INGEST
 from cdc_lakehouse.landing.errors import LandingGap, NotBootstrapped
@@ -738,9 +745,8 @@ def drop_stale_staging(spark: SparkSession, lake: LakeSettings, cfg: TableConfig
 
 def _staged_at(spark: SparkSession, table: str) -> datetime:
     """When the batch was staged (UTC if the value has no zone); the epoch if unknown or unreadable."""
-    props = {r.key: r.value for r in spark.sql(f"SHOW TBLPROPERTIES {table}").collect()}
     try:
-        at = datetime.fromisoformat(props.get(STAGED_AT_PROP) or "")
+        at = datetime.fromisoformat(table_property(spark, table, STAGED_AT_PROP) or "")
     except ValueError:
         return datetime.fromtimestamp(0, UTC)
     return at if at.tzinfo else at.replace(tzinfo=UTC)

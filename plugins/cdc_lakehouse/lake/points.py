@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict
 
-from cdc_lakehouse.lake.ranges import SnapshotInfo, pyiceberg_snapshots
+from cdc_lakehouse.lake.ranges import SnapshotInfo, pyiceberg_snapshots, table_snapshots
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -167,13 +167,9 @@ def pyiceberg_history(tbl: Any, table: str, shards: frozenset[str]) -> TableHist
 
 
 def spark_history(spark: SparkSession, table: str, shards: frozenset[str]) -> TableHistory:
-    """The same from lake.snapshots (pyiceberg where the session registered it, else Iceberg's
-    metadata tables through Spark)."""
-    from cdc_lakehouse.lake.snapshots import read_snapshots
-
-    ts = read_snapshots(spark, table, refresh=False)
-    snaps = {i: SnapshotInfo.of(i, s.parent_id, s.operation, s.summary) for i, s in ts.by_id.items()}
-    return TableHistory(table, snaps, ts.current_id, shards)
+    """The same through the session (lake.ranges.table_snapshots)."""
+    snaps, current = table_snapshots(spark, table)
+    return TableHistory(table, snaps, current, shards)
 
 
 def read_points(

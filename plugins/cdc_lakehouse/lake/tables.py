@@ -82,6 +82,11 @@ def table_properties(cfg: TableConfig, changelog: bool = False) -> dict[str, str
     return props
 
 
+def table_property(spark: SparkSession, table: str, key: str) -> str | None:
+    """One property of a table, None when it has none."""
+    return {r.key: r.value for r in spark.sql(f"SHOW TBLPROPERTIES {table}").collect()}.get(key)
+
+
 def sql_string(value: object) -> str:
     """A Spark SQL string literal: single-quoted, backslash and single quote backslash-escaped
     (Spark's default parser reads backslash escapes in string literals)."""
