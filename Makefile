@@ -34,9 +34,10 @@ airflow: airflow-init
 TEST_WORKERS ?= 2
 XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 
-# The servers only the tests start: Iceberg's REST catalog (Maven) and an S3 gateway (Go).
+# The servers only the tests start: Iceberg's REST catalog and Trino (Maven), an S3 gateway (Go).
 test-servers: setup
 	@set -o pipefail; scripts/fetch_rest_catalog.sh | sed 's/^/[setup] /'
+	@set -o pipefail; scripts/fetch_trino.sh | sed 's/^/[setup] /'
 	@set -o pipefail; scripts/build_s3_gateway.sh | sed 's/^/[setup] /'
 
 test: test-servers

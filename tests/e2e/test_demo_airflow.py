@@ -77,6 +77,7 @@ def demo_env(pg, redis_server, spark_server, statsd, tmp_path_factory):
         # the demo does not start one), and so is the rerun's spark_default connection below.
         "CDC_LOCAL_DIR": str(base / "local"),
         "CDC_LOCAL_SPARK_PORT": str(spark_server.port),
+        "CDC_LOCAL_SPARK_START": "never",  # never a second server on the session's port
         "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{base}/airflow/airflow.db",
         "AIRFLOW__CORE__DAGS_FOLDER": str(ROOT / "dags"),
         "AIRFLOW__CORE__PLUGINS_FOLDER": str(ROOT / "plugins"),

@@ -152,6 +152,34 @@ def rest_catalog(pg, tmp_root):
 
 
 @pytest.fixture(scope="session")
+def trino(rest_catalog, tmp_root):
+    """Trino (476, from Maven Central) with one Iceberg catalog, `rest`, on the REST catalog
+    server: OAuth2 client credentials exchanged at the server's token endpoint, the secret in
+    the server's environment (Trino's ${ENV:...}), never in its catalog file."""
+    from devstack.localstack import LocalTrino
+
+    rest = {
+        "connector.name": "iceberg",
+        "iceberg.catalog.type": "rest",
+        "iceberg.rest-catalog.uri": rest_catalog.url,
+        "iceberg.rest-catalog.security": "OAUTH2",
+        "iceberg.rest-catalog.oauth2.server-uri": f"{rest_catalog.url}/v1/oauth/tokens",
+        "iceberg.rest-catalog.oauth2.credential": "${ENV:CDC_TRINO_REST_CREDENTIAL}",
+        # The warehouse is file:// on this machine: Trino's own local file system reads it.
+        "fs.native-local.enabled": "true",
+        "local.location": "/",
+    }
+    server = LocalTrino(
+        tmp_root / "trino",
+        {"rest": rest},
+        secret_env={"CDC_TRINO_REST_CREDENTIAL": f"{REST_CLIENT_ID}:{REST_CLIENT_SECRET}"},
+    )
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
 def lake_rest(rest_catalog, tmp_root):
     """A third lake, catalog `lake_rest`, on the REST catalog, read from an Airflow connection
     shaped as README's "Production" shows: its client authenticates with OAuth2 client

@@ -1,10 +1,12 @@
 """The lake on a real Iceberg REST catalog: Apache Iceberg's own REST server (devstack.localstack.
 LocalRestCatalog, 1.11.0 from Maven), its tables kept in PostgreSQL, Spark (Iceberg 1.12.0),
-pyiceberg and DuckDB its clients, each authenticated with OAuth2 client credentials.
+pyiceberg, DuckDB and Trino (476, from Maven) its clients, each authenticated with OAuth2 client
+credentials.
 
-One table's whole life on it: capture, bootstrap, ingests, the reads of two other engines, the
-audit, maintenance (the latest-per-key view included) and a feed consumer. Every table the
-project creates is the server's: listed by its REST API, not by our own code.
+One table's whole life on it: capture, bootstrap, ingests, the reads of three other engines, the
+audit, maintenance (the latest-per-key table included) and a feed consumer; and the same source
+table into a format-v3 table, whose deletion vectors DuckDB applies and Trino 476 cannot read.
+Every table the project creates is the server's: listed by its REST API, not by our own code.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import urllib.request
 from collections import Counter
 from pathlib import Path
 
+import pytest
 from cdc_lakehouse.audit.run import audit_table
 from cdc_lakehouse.feed.models import FEED_OP_COL, OP_DELETE
 from cdc_lakehouse.feed.offsets import commit_meta_offset, meta_offset
@@ -22,7 +25,9 @@ from cdc_lakehouse.feed.read import read_changes
 from cdc_lakehouse.lake.meta import ensure_meta_tables
 from cdc_lakehouse.maintenance.run import maintain_table
 from cdc_lakehouse.runtime.session import attach_lake
+from trino import exceptions as trino_errors
 
+from tests.conftest import make_config
 from tests.helpers import assert_lake_equals_source
 from tests.integration.conftest import REST_CLIENT_ID, REST_CLIENT_SECRET, Source
 
@@ -50,12 +55,26 @@ def duckdb_on(rest_url: str):
     return con
 
 
+ROW_COLS = ["_cdc_shard", "id", "version", "space_id"]
+
+
+def spark_rows(spark, lake, table: str) -> Counter:
+    return Counter(tuple(r) for r in spark.table(lake.qualified(table)).select(*ROW_COLS).collect())
+
+
 def assert_same_rows(duck, spark, lake, table: str) -> None:
-    cols = ["_cdc_shard", "id", "version", "space_id"]
     ns, name = table.split(".")
-    got = Counter(duck.sql(f'SELECT {", ".join(cols)} FROM rest."{ns}"."{name}"').fetchall())
-    want = Counter(tuple(r) for r in spark.table(lake.qualified(table)).select(*cols).collect())
+    got = Counter(duck.sql(f'SELECT {", ".join(ROW_COLS)} FROM rest."{ns}"."{name}"').fetchall())
+    want = spark_rows(spark, lake, table)
     assert got == want and got, (table, got.total(), want.total())
+
+
+def assert_trino_reads(trino, spark, lake, table: str) -> None:
+    """Trino reads `table` through its own REST client and sees the rows Spark sees."""
+    ns, name = table.split(".")
+    got = Counter(trino.query(f'SELECT {", ".join(ROW_COLS)} FROM rest."{ns}"."{name}"'))
+    want = spark_rows(spark, lake, table)
+    assert got == want and got, ("trino", table, got.total(), want.total())
 
 
 def feed_step(s: Source, state: dict, consumer: str) -> str:
@@ -75,17 +94,23 @@ def feed_step(s: Source, state: dict, consumer: str) -> str:
     return batch.range.mode
 
 
-def test_capture_to_feed_on_an_iceberg_rest_catalog(pg, source_uri, spark, lake_rest, rest_catalog, unique):
+def test_capture_to_feed_on_an_iceberg_rest_catalog(pg, source_uri, spark, lake_rest, rest_catalog, trino, unique):
     attach_lake(spark, lake_rest)
     ensure_meta_tables(spark, lake_rest)
     s = Source(pg, spark, lake_rest, unique, schemas=("s0", "s1"), blocks=400)
     mirror: dict = {}
+    # The same source table into a format-v3 table: its deletes are deletion vectors (Puffin).
+    shards = {"conn_id": "cdc_test_source", "database": s.db, "schemas": s.schemas}
+    v3 = make_config(f"b3_{unique}", [], source={"table": "block", "shards": [shards]}, lake={"format_version": 3})
     try:
         s.capture()
         s.bootstrap(s.block)
+        s.bootstrap(v3)
         assert feed_step(s, mirror, "rest_mirror") == "full"
         s.change_and_ingest(rounds=2)
         assert_lake_equals_source(spark, lake_rest, s.block, s.dsn)
+        assert s.ingest(v3, f"20260101T{s.runs:02d}0000Z").metrics.status == "ok"
+        assert_lake_equals_source(spark, lake_rest, v3, s.dsn)
 
         # The server holds the tables (and the meta tables), as its own API lists them.
         ns, current = s.block.current_table.split(".")
@@ -106,6 +131,7 @@ def test_capture_to_feed_on_an_iceberg_rest_catalog(pg, source_uri, spark, lake_
         duck = duckdb_on(rest_catalog.url)
         for table in (s.block.current_table, s.block.changelog_table):
             assert_same_rows(duck, spark, lake_rest, table)
+            assert_trino_reads(trino, spark, lake_rest, table)
 
         result = audit_table(spark, lake_rest, s.block, audit_run="rest-audit")
         assert result.verdict == "ok", result
@@ -113,6 +139,14 @@ def test_capture_to_feed_on_an_iceberg_rest_catalog(pg, source_uri, spark, lake_
         assert maint.latest_rows == py_rows, maint
         assert_lake_equals_source(spark, lake_rest, s.block, s.dsn)
         assert_same_rows(duck, spark, lake_rest, s.block.latest_view)  # the latest-per-key table
+        assert_trino_reads(trino, spark, lake_rest, s.block.latest_view)
+
+        # Format v3: DuckDB applies the deletion vectors; Trino 476 cannot read them (README).
+        formats = spark.table(f"{lake_rest.qualified(v3.current_table)}.delete_files").select("file_format").collect()
+        assert formats and {r[0] for r in formats} == {"PUFFIN"}, formats
+        assert_same_rows(duck, spark, lake_rest, v3.current_table)
+        with pytest.raises(trino_errors.TrinoExternalError, match="PUFFIN"):
+            assert_trino_reads(trino, spark, lake_rest, v3.current_table)
 
         # The feed's incremental range brings the consumer to the lake's live rows.
         assert feed_step(s, mirror, "rest_mirror") in ("changelog", "diff")
@@ -121,6 +155,8 @@ def test_capture_to_feed_on_an_iceberg_rest_catalog(pg, source_uri, spark, lake_
 
         # The OAuth2 client secret is not in the REST server's log.
         assert REST_CLIENT_SECRET not in rest_catalog.log.read_text(errors="replace")
+        for f in [trino.log, *trino.workdir.joinpath("etc").rglob("*.properties")]:
+            assert REST_CLIENT_SECRET not in f.read_text(errors="replace"), f
         assert REST_CLIENT_SECRET not in repr(lake_rest)
     finally:
         s.close()
