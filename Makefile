@@ -3,7 +3,7 @@
 SHELL := /bin/bash
 ENV := source scripts/env.sh &&
 
-.PHONY: setup test-servers pg-start pg-stop pg-status airflow-init demo airflow test test-fast lint format bench bench-tree bench-serving bench-feed bench-remap bench-maintenance clean
+.PHONY: setup test-servers pg-start pg-stop pg-status airflow-init demo airflow test test-fast lint format bench bench-tree bench-serving bench-feed bench-remap bench-maintenance bench-readers clean
 
 setup:
 	@scripts/setup.sh
@@ -34,9 +34,11 @@ airflow: airflow-init
 TEST_WORKERS ?= 2
 XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 
-# The servers only the tests start: Iceberg's REST catalog and Trino (Maven), an S3 gateway (Go).
+# The servers only the tests start: Iceberg's REST catalog, Kafka with Debezium, Trino (Maven), an
+# S3 gateway (Go).
 test-servers: setup
-	@set -o pipefail; scripts/fetch_rest_catalog.sh | sed 's/^/[setup] /'
+	@set -o pipefail; scripts/fetch_pom.sh rest-catalog | sed 's/^/[setup] /'
+	@set -o pipefail; scripts/fetch_pom.sh debezium-connect | sed 's/^/[setup] /'
 	@set -o pipefail; scripts/fetch_trino.sh | sed 's/^/[setup] /'
 	@set -o pipefail; scripts/build_s3_gateway.sh | sed 's/^/[setup] /'
 
@@ -73,6 +75,12 @@ bench-serving: pg-start
 FEED_ROWS ?= 10000000
 bench-feed: setup
 	@$(ENV) for n in $(FEED_ROWS); do python bench/feed_bench.py --rows $$n $(BENCH_FEED_ARGS) || exit 1; done
+
+# Other engines reading our current table (#37): Spark, Trino and DuckDB, one full scan each, per
+# size in READER_ROWS (the local stack's catalog: make pg-start). BENCHMARKS.md, "Other engines".
+READER_ROWS ?= 2000000 20000000
+bench-readers: pg-start
+	@$(ENV) for n in $(READER_ROWS); do python bench/readers_bench.py --rows $$n $(BENCH_READERS_ARGS) || exit 1; done
 
 # Key-change chains (#19): the TOAST fill's graph step vs the old pass-per-link fill (no
 # PostgreSQL). BENCHMARKS.md, "Key-change chains".

@@ -8,6 +8,7 @@ the `postgres` OS user (PostgreSQL refuses to run as root).
 
 from __future__ import annotations
 
+import base64
 import glob
 import json
 import os
@@ -282,11 +283,7 @@ class LocalS3Gateway:
         self.proc = _spawn(argv, env, self.workdir / "server.log", self._listening, timeout, "the S3 gateway")
 
     def _listening(self) -> bool:
-        try:
-            socket.create_connection(("127.0.0.1", self.port), 1).close()
-            return True
-        except OSError:
-            return False
+        return _port_open(self.port)
 
     def stop(self) -> None:
         _terminate(self.proc)
@@ -446,20 +443,26 @@ class LocalSparkCluster:
                     os.killpg(p.pid, signal.SIGKILL)
 
 
-class LocalRestCatalog:
-    """Apache Iceberg's REST catalog server (RESTCatalogServer, the server of Iceberg's REST
-    compatibility kit; jars from devstack/rest-catalog.pom.xml, scripts/fetch_rest_catalog.sh)
-    on loopback, its tables kept by a JDBC catalog in a PostgreSQL database. Spark and pyiceberg
-    reach it as a team's REST catalog: `LakeSettings(catalog_type="rest", catalog_uri=.url)`.
+def _port_open(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), 1).close()
+        return True
+    except OSError:
+        return False
 
-    It answers the OAuth2 client-credentials exchange (/v1/oauth/tokens) with a token but checks
-    no credential: what a client sends is tested on the client's side (tests/integration/
-    test_rest_catalog.py). Its settings go in its environment (CATALOG_*), none is secret."""
 
-    def __init__(self, workdir: Path, *, backend_uri: str, warehouse: str, port: int | None = None):
+def _cache_dir(env_var: str, name: str) -> Path:
+    """Where a fetch script put a server's files: $env_var, else .cache/<name> of the project."""
+    from cdc_lakehouse.settings import PROJECT_ROOT
+
+    return Path(os.environ.get(env_var) or PROJECT_ROOT / ".cache" / name)
+
+
+class _HttpServer:
+    """A server of ours on a loopback HTTP port, its output in <workdir>/server.log."""
+
+    def __init__(self, workdir: Path, port: int | None = None):
         self.workdir = Path(workdir)
-        self.backend_uri = backend_uri  # jdbc:postgresql://host:port/db
-        self.warehouse = warehouse
         self.port = port or free_port()
         self.proc: subprocess.Popen | None = None
 
@@ -471,13 +474,32 @@ class LocalRestCatalog:
     def log(self) -> Path:
         return self.workdir / "server.log"
 
+    def stop(self) -> None:
+        _terminate(self.proc)
+
+
+class LocalRestCatalog(_HttpServer):
+    """Apache Iceberg's REST catalog server (RESTCatalogServer, the server of Iceberg's REST
+    compatibility kit; jars from devstack/rest-catalog.pom.xml, scripts/fetch_pom.sh)
+    on loopback, its tables kept by a JDBC catalog in a PostgreSQL database. Spark and pyiceberg
+    reach it as a team's REST catalog: `LakeSettings(catalog_type="rest", catalog_uri=.url)`.
+
+    It answers the OAuth2 client-credentials exchange (/v1/oauth/tokens) with a token but checks
+    no credential: what a client sends is tested on the client's side (tests/integration/
+    test_rest_catalog.py). Its settings go in its environment (CATALOG_*), none is secret."""
+
+    def __init__(self, workdir: Path, *, backend_uri: str, warehouse: str, port: int | None = None):
+        super().__init__(workdir, port)
+        self.backend_uri = backend_uri  # jdbc:postgresql://host:port/db
+        self.warehouse = warehouse
+
     @staticmethod
     def classpath() -> Path:
-        from cdc_lakehouse.settings import PROJECT_ROOT
-
-        jars = Path(os.environ.get("CDC_REST_CATALOG_DIR") or PROJECT_ROOT / ".cache" / "rest-catalog")
+        jars = _cache_dir("CDC_REST_CATALOG_DIR", "rest-catalog")
         if not any(jars.glob("iceberg-open-api-*-test-fixtures.jar")):
-            raise RuntimeError(f"no REST catalog server in {jars}: run scripts/fetch_rest_catalog.sh (make setup)")
+            raise RuntimeError(
+                f"no REST catalog server in {jars}: run scripts/fetch_pom.sh rest-catalog (make test-servers)"
+            )
         return jars
 
     def is_running(self) -> bool:
@@ -503,11 +525,149 @@ class LocalRestCatalog:
         argv = ["java", "-Xmx256m", "-cp", f"{self.classpath()}/*", "org.apache.iceberg.rest.RESTCatalogServer"]
         self.proc = _spawn(argv, env, self.log, self.is_running, timeout, "the Iceberg REST catalog server")
 
+
+class LocalKafkaConnect:
+    """Debezium as a team runs it, on loopback: a one-node Kafka broker (KRaft, broker and
+    controller in one JVM) and a Kafka Connect worker (standalone mode, offsets in a file) that
+    runs Debezium's PostgreSQL connector, both from devstack/debezium-connect.pom.xml's jars
+    (scripts/fetch_pom.sh debezium-connect into .cache/debezium-connect).
+
+    Connectors are added over Connect's REST API (add_connector). A connector's secrets are
+    written as `${env:NAME}` (Kafka's EnvVarConfigProvider) and their values given in
+    `secret_env`, which reaches the worker's environment only: never a file, its REST API or its
+    command line."""
+
+    def __init__(self, workdir: Path, *, secret_env: dict[str, str] | None = None):
+        self.workdir = Path(workdir)
+        self.secret_env = dict(secret_env or {})
+        self.broker_port, self.controller_port, self.rest_port = free_port(), free_port(), free_port()
+        self.broker: subprocess.Popen | None = None
+        self.worker: subprocess.Popen | None = None
+
+    @property
+    def bootstrap(self) -> str:
+        return f"127.0.0.1:{self.broker_port}"
+
+    @property
+    def rest_url(self) -> str:
+        return f"http://127.0.0.1:{self.rest_port}"
+
+    @staticmethod
+    def classpath() -> str:
+        jars = _cache_dir("CDC_DEBEZIUM_CONNECT_DIR", "debezium-connect")
+        if not any(jars.glob("debezium-connector-postgres-*.jar")):
+            raise RuntimeError(
+                f"no Debezium connector in {jars}: run scripts/fetch_pom.sh debezium-connect (make test-servers)"
+            )
+        return f"{jars}/*"
+
+    def _properties(self, name: str, props: dict[str, str]) -> Path:
+        path = self.workdir / name
+        path.write_text("".join(f"{k}={v}\n" for k, v in props.items()))
+        return path
+
+    def _broker_up(self) -> bool:
+        return _port_open(self.broker_port)
+
+    def _worker_up(self) -> bool:
+        import urllib.request
+
+        try:
+            with urllib.request.urlopen(f"{self.rest_url}/connectors", timeout=2) as r:  # noqa: S310 - loopback
+                return r.status == 200
+        except OSError:
+            return False
+
+    def _broker_properties(self) -> Path:
+        return self._properties(
+            "server.properties",
+            {
+                "process.roles": "broker,controller",
+                "node.id": "1",
+                "controller.quorum.voters": f"1@127.0.0.1:{self.controller_port}",
+                "listeners": f"PLAINTEXT://127.0.0.1:{self.broker_port},CONTROLLER://127.0.0.1:{self.controller_port}",
+                "advertised.listeners": f"PLAINTEXT://127.0.0.1:{self.broker_port}",
+                "controller.listener.names": "CONTROLLER",
+                "listener.security.protocol.map": "CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT",
+                "log.dirs": str(self.workdir / "kafka-logs"),
+                # One node: every internal topic has one replica.
+                "offsets.topic.replication.factor": "1",
+                "transaction.state.log.replication.factor": "1",
+                "transaction.state.log.min.isr": "1",
+                "share.coordinator.state.topic.replication.factor": "1",
+                "share.coordinator.state.topic.min.isr": "1",
+                "group.initial.rebalance.delay.ms": "0",
+                "num.partitions": "1",
+            },
+        )
+
+    def _worker_properties(self) -> Path:
+        return self._properties(
+            "worker.properties",
+            {
+                "bootstrap.servers": self.bootstrap,
+                # The JSON the S3 sink's JsonFormat writes: each record's value with its schema.
+                "key.converter": "org.apache.kafka.connect.json.JsonConverter",
+                "value.converter": "org.apache.kafka.connect.json.JsonConverter",
+                "key.converter.schemas.enable": "true",
+                "value.converter.schemas.enable": "true",
+                "offset.storage.file.filename": str(self.workdir / "connect.offsets"),
+                "offset.flush.interval.ms": "1000",
+                "listeners": self.rest_url,
+                "config.providers": "env",
+                "config.providers.env.class": "org.apache.kafka.common.config.provider.EnvVarConfigProvider",
+            },
+        )
+
+    def start(self, *, timeout: float = 120) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.workdir, 0o700)
+        java = ["java", "-Xmx384m", "-cp", self.classpath()]
+        server = self._broker_properties()
+        cluster = base64.urlsafe_b64encode(os.urandom(16)).decode().rstrip("=")
+        subprocess.run(
+            [*java, "kafka.tools.StorageTool", "format", "-t", cluster, "-c", str(server)],
+            check=True,
+            capture_output=True,
+        )
+        broker_log = self.workdir / "broker.log"
+        self.broker = _spawn(
+            [*java, "kafka.Kafka", str(server)], {}, broker_log, self._broker_up, timeout, "the Kafka broker"
+        )
+        worker = [*java, "org.apache.kafka.connect.cli.ConnectStandalone", str(self._worker_properties())]
+        connect_log = self.workdir / "connect.log"
+        self.worker = _spawn(worker, self.secret_env, connect_log, self._worker_up, timeout, "the Kafka Connect worker")
+
+    def _rest(self, method: str, path: str, body: dict | None = None) -> dict | list | None:
+        import urllib.request
+
+        req = urllib.request.Request(  # noqa: S310 - loopback
+            f"{self.rest_url}{path}",
+            data=json.dumps(body).encode() if body is not None else None,
+            method=method,
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=30) as r:  # noqa: S310 - loopback
+            data = r.read()
+        return json.loads(data) if data else None
+
+    def add_connector(self, name: str, config: dict[str, str]) -> None:
+        self._rest("POST", "/connectors", {"name": name, "config": config})
+
+    def connector_state(self, name: str) -> dict:
+        status = self._rest("GET", f"/connectors/{name}/status")
+        assert isinstance(status, dict)
+        return status
+
+    def delete_connector(self, name: str) -> None:
+        self._rest("DELETE", f"/connectors/{name}")
+
     def stop(self) -> None:
-        _terminate(self.proc)
+        _terminate(self.worker)
+        _terminate(self.broker)
 
 
-class LocalTrino:
+class LocalTrino(_HttpServer):
     """A one-node Trino (coordinator and worker in one JVM) on loopback: `trino-server-core` and
     the Iceberg plugin from Maven Central (scripts/fetch_trino.sh into .cache/trino), run with the
     Java 24+ that script found. The tests point its Iceberg catalogs at the lake's catalog and
@@ -518,25 +678,13 @@ class LocalTrino:
     the server's environment only: never a file, never its command line."""
 
     def __init__(self, workdir: Path, catalogs: dict[str, dict[str, str]], *, secret_env: dict[str, str] | None = None):
-        self.workdir = Path(workdir)
+        super().__init__(workdir)
         self.catalogs = catalogs
         self.secret_env = dict(secret_env or {})
-        self.port = free_port()
-        self.proc: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def log(self) -> Path:
-        return self.workdir / "server.log"
 
     @staticmethod
     def home() -> Path:
-        from cdc_lakehouse.settings import PROJECT_ROOT
-
-        home = Path(os.environ.get("CDC_TRINO_DIR") or PROJECT_ROOT / ".cache" / "trino")
+        home = _cache_dir("CDC_TRINO_DIR", "trino")
         if not (home / "java_home").exists():
             raise RuntimeError(f"no Trino server in {home}: run scripts/fetch_trino.sh (make test-servers)")
         return home
@@ -601,9 +749,6 @@ class LocalTrino:
             cur = conn.cursor()
             cur.execute(sql)
             return [tuple(r) for r in cur.fetchall()]
-
-    def stop(self) -> None:
-        _terminate(self.proc)
 
 
 def _spawn(argv: list[str], env: dict[str, str], log: Path, ready, timeout: float, what: str) -> subprocess.Popen:

@@ -151,6 +151,23 @@ def rest_catalog(pg, tmp_root):
     server.stop()
 
 
+DBZ_PASSWORD_MARKER = "dbz-password/for+test"
+
+
+@pytest.fixture(scope="session")
+def kafka_connect(tmp_root):
+    """A Kafka broker and a Kafka Connect worker with Debezium's PostgreSQL connector (Maven jars,
+    devstack/debezium-connect.pom.xml). The connectors' database password comes from the worker's
+    environment; the session's PostgreSQL trusts loopback, so the value is a marker the test
+    looks for in the worker's files."""
+    from devstack.localstack import LocalKafkaConnect
+
+    server = LocalKafkaConnect(tmp_root / "kafka-connect", secret_env={"CDC_DBZ_PG_PASSWORD": DBZ_PASSWORD_MARKER})
+    server.start()
+    yield server
+    server.stop()
+
+
 @pytest.fixture(scope="session")
 def trino(rest_catalog, tmp_root):
     """Trino (476, from Maven Central) with one Iceberg catalog, `rest`, on the REST catalog

@@ -958,7 +958,48 @@ def read_debezium(spark: SparkSession, cfg: TableConfig, files: list[SinkFile]) 
 
     shape = shape_of(cfg)
     schema = landing_spark_schema()
-    return _over_files(spark, files, lambda f, d: (event_record(r) for r in file_events(shape, f, d)), schema)
+    events = _over_files(spark, files, lambda f, d: (event_record(r) for r in file_events(shape, f, d)), schema)
+    return paired_key_changes(events)
+
+
+def paired_key_changes(events: DataFrame) -> DataFrame:
+    """An UPDATE that changes the primary key reaches Debezium's topic as a delete of the old key
+    and a create of the new one, both at the UPDATE's WAL position (the old key is only in a
+    Kafka header, which the S3 sink drops). The create's unchanged TOASTed columns are
+    placeholders that no row of the new key can fill. Paired back into one update whose before
+    image holds the old key, as our own capture reads it, the ingest moves the row and fills
+    them from the old key's row (ingest.reduce.split_pk_changes).
+
+    A pair is a delete and a create of one transaction at one event LSN: no two other changes
+    share a WAL position. Both halves must be in the batch: with several partitions per topic
+    they can land in different partitions and batches, and then stay a delete and a create."""
+    from pyspark.sql import Window
+    from pyspark.sql import functions as F
+
+    at = ["_k_ep", "_k_schema", "_k_table", "_k_lsn", "_k_xid"]
+    keyed = events.withColumns(
+        {
+            "_k_ep": F.col("source.endpoint"),
+            "_k_schema": F.col("source.schema"),
+            "_k_table": F.col("source.table"),
+            "_k_lsn": F.col("source.lsn"),
+            "_k_xid": F.col("source.xid"),
+        }
+    )
+    w = Window.partitionBy(*at)
+    halves = F.col("op").isin("c", "d")
+    keyed = keyed.withColumn(
+        "_pair",
+        halves & (F.count(F.when(halves, 1)).over(w) == 2) & (F.count(F.when(F.col("op") == "d", 1)).over(w) == 1),
+    )
+    olds = keyed.filter(F.col("_pair") & (F.col("op") == "d")).select(*at, F.col("before").alias("_old"))
+    moved = (
+        keyed.filter(F.col("_pair") & (F.col("op") == "c"))
+        .join(olds, at)
+        .withColumns({"op": F.lit("u"), "before": F.col("_old")})
+    )
+    rest = keyed.filter(~F.col("_pair"))
+    return rest.unionByName(moved.drop("_old")).select(*events.columns)
 
 
 # --- bootstrap ---------------------------------------------------------------------------------------

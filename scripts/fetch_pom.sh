@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
-# Resolves devstack/rest-catalog.pom.xml (Apache Iceberg's REST catalog server) with Maven's own
-# client into .cache/rest-catalog (or CDC_REST_CATALOG_DIR), transitive dependencies included.
+# Resolves one of devstack's POMs (a server the tests run: devstack/<name>.pom.xml) with Maven's
+# own client into .cache/<name> (or $2), transitive dependencies included.
+#   scripts/fetch_pom.sh rest-catalog     Apache Iceberg's REST catalog server
+#   scripts/fetch_pom.sh debezium-connect Kafka (broker and Connect) with Debezium's connector
 # A stamp of the POM's checksum makes a re-run a no-op; a changed POM refills the folder.
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
-POM="$ROOT/devstack/rest-catalog.pom.xml"
-DIR="${CDC_REST_CATALOG_DIR:-$ROOT/.cache/rest-catalog}"
-log() { echo "[rest-catalog] $*"; }
-command -v mvn >/dev/null 2>&1 || { echo "[rest-catalog] Maven (mvn) is needed: apt-get install maven" >&2; exit 1; }
+NAME="$1"
+POM="$ROOT/devstack/$NAME.pom.xml"
+DIR="${2:-$ROOT/.cache/$NAME}"
+log() { echo "[$NAME] $*"; }
+command -v mvn >/dev/null 2>&1 || { echo "[$NAME] Maven (mvn) is needed: apt-get install maven" >&2; exit 1; }
 
 want="$(sha256sum "$POM" | cut -d' ' -f1)"
 if [[ "$(cat "$DIR/.stamp" 2>/dev/null)" != "$want" ]]; then
@@ -16,7 +19,7 @@ if [[ "$(cat "$DIR/.stamp" 2>/dev/null)" != "$want" ]]; then
   if ! mvn -B -ntp -Dstyle.color=never -f "$POM" dependency:copy-dependencies \
        -DoutputDirectory="$DIR" -DincludeScope=runtime > "$DIR/mvn.log" 2>&1; then
     grep -E "ERROR|Could not" "$DIR/mvn.log" | head -20 >&2
-    echo "[rest-catalog] Maven could not resolve $(basename "$POM") (above)" >&2; exit 1
+    echo "[$NAME] Maven could not resolve $(basename "$POM") (above)" >&2; exit 1
   fi
   echo "$want" > "$DIR/.stamp"
 fi
