@@ -16,6 +16,7 @@ import pytest
 from cdc_lakehouse.lake.watermark import read_watermark
 from cdc_lakehouse.source.ddl import DDL_PREFIX, DDL_SCHEMA, TRIGGER, ensure_ddl_capture
 
+from tests.conftest import make_config
 from tests.helpers import assert_lake_equals_source
 from tests.integration.conftest import Source
 
@@ -132,6 +133,60 @@ def test_a_rename_on_two_shards_at_different_times_keeps_the_column(ddl_source, 
     # The changelog kept the column's history under its new name.
     hist = spark.table(lake.qualified(cl)).where(f"id = {b0} AND _cdc_shard LIKE '%s0'").select("kind").collect()
     assert "before" in {row["kind"] for row in hist}, hist
+
+
+def ddl_between_writes(s: Source, schema: str, b: int, new_id: int) -> None:
+    """Every DDL kind the trigger records, each between writes, on one shard: ADD with a default
+    (older rows get it), a widening type change, SET DEFAULT (an insert after it takes it), DROP."""
+    s.execute(
+        f"UPDATE {schema}.block SET version = version + 1 WHERE id = {b}",
+        f"ALTER TABLE {schema}.block ADD COLUMN note text DEFAULT 'pre-existing'",
+        f"UPDATE {schema}.block SET note = 'written' WHERE id = {b + 1}",
+        f"ALTER TABLE {schema}.block ALTER COLUMN version TYPE bigint",
+        f"UPDATE {schema}.block SET version = 3000000000 WHERE id = {b + 2}",
+        f"ALTER TABLE {schema}.block ALTER COLUMN type SET DEFAULT 'dflt'",
+        f"INSERT INTO {schema}.block (id, space_id, created_at, updated_at) VALUES ({new_id}, 1, now(), now())",
+        f"ALTER TABLE {schema}.block DROP COLUMN created_day",
+        f"UPDATE {schema}.block SET score = 1 WHERE id = {b + 3}",
+    )
+
+
+def test_each_ddl_kind_between_writes_on_two_shards_at_different_times(ddl_source, spark, lake, unique):
+    s = ddl_source
+    shards = {"conn_id": "cdc_test_source", "database": s.db, "schemas": s.schemas}
+    cfg = make_config(
+        f"k_{unique}",
+        [],
+        source={"table": "block", "shards": [shards]},
+        schema_changes={"dropped_columns": {"created_day": "keep_null"}},
+    )
+    s.capture()
+    s.bootstrap(cfg)
+    kinds = {"added": "note", "retyped": "version", "defaults": "type", "dropped": "created_day"}
+    for n, schema in enumerate(s.schemas):  # s0 in one batch, s1 in the next
+        other = s.schemas[1 - n]
+        b = s.wl.first_id[schema]
+        s.execute(f"UPDATE {other}.block SET score = score + 1 WHERE id = {s.wl.first_id[other]}")
+        ddl_between_writes(s, schema, b, b + 900_000)
+        m = s.capture().manifest
+        seen = {k for d in m.ddl if d.table == f"{schema}.block" for k in kinds if getattr(d, k)}
+        assert seen == set(kinds), m.ddl
+        r = s.ingest(cfg, m.run_id)
+        assert r.metrics.status == "ok" and not r.metrics.quarantined, r
+        # Until its own ADD, the other shard has no `note`: compared column by column below.
+        assert_lake_equals_source(spark, lake, cfg, s.dsn, skip=("created_day", "note") if n == 0 else ("created_day",))
+        s.block = cfg  # for lake_values
+        notes = lake_values(s, "note")
+        added = s.schemas[: n + 1]  # the shards that ran their ADD so far
+        assert {v for v in notes if v[0] in added} == source_values(s, dict.fromkeys(added, "note"))
+        assert all(v[2] is None for v in notes if v[0] not in added)
+        table = spark.table(lake.qualified(cfg.current_table))
+        assert dict(table.dtypes)["version"] == "bigint"
+        # The dropped column is kept NULL from the drop on (keep_null); older values stay.
+        dropped = table.where(f"_cdc_shard LIKE '%{schema}' AND id = {b + 3}").select("created_day").first()
+        assert dropped is not None and dropped[0] is None
+        inserted = table.where(f"_cdc_shard LIKE '%{schema}' AND id = {b + 900_000}").select("type").first()
+        assert inserted is not None and inserted[0] == "dflt"
 
 
 def test_without_the_privilege_nothing_is_installed_and_the_miss_is_named(ddl_source, pg, unique):

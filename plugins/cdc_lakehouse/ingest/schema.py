@@ -148,6 +148,10 @@ def _new_and_changed(
                 else:
                     ddl.append(f"ADD COLUMN {spark_ident(name)} {want}")
             elif want and lake[name] != want:
+                if _fits(want, lake[name]):
+                    # The lake is wider already (another shard widened first, or column_types):
+                    # this shard's values fit as they are. Shards widen at different times.
+                    continue
                 if _widens(cfg, lake[name], want):
                     ddl.append(f"ALTER COLUMN {spark_ident(name)} TYPE {want}")
                     lake[name] = want
@@ -176,12 +180,16 @@ def _added_error(cfg: TableConfig, c: dict[str, Any], want: str | None, where: s
     return None
 
 
+def _fits(narrow: str, wide: str) -> bool:
+    """Every value of `narrow` is one of `wide`, as Iceberg widens (int -> bigint, float ->
+    double, a decimal of the same scale and more precision)."""
+    nd, wd = _dec(narrow), _dec(wide)
+    return (narrow, wide) in WIDENINGS or bool(nd and wd and wd[1] == nd[1] and wd[0] > nd[0])
+
+
 def _widens(cfg: TableConfig, old: str, new: str) -> bool:
-    """A type change Iceberg takes in place (int -> bigint, float -> double, a wider decimal of
-    the same scale), and the table accepts additive changes."""
-    od, nd = _dec(old), _dec(new)
-    widening = (old, new) in WIDENINGS or bool(od and nd and nd[1] == od[1] and nd[0] > od[0])
-    return widening and cfg.schema_changes.mode == "additive"
+    """A type change Iceberg takes in place (`_fits`), and the table accepts additive changes."""
+    return _fits(old, new) and cfg.schema_changes.mode == "additive"
 
 
 def _dropped(
