@@ -451,6 +451,12 @@ def _port_open(port: int) -> bool:
         return False
 
 
+def _write_properties(path: Path, props: dict[str, str]) -> Path:
+    """A Java .properties file of `props` (public settings only: secrets go by environment)."""
+    path.write_text("".join(f"{k}={v}\n" for k, v in props.items()))
+    return path
+
+
 def _cache_dir(env_var: str, name: str) -> Path:
     """Where a fetch script put a server's files: $env_var, else .cache/<name> of the project."""
     from cdc_lakehouse.settings import PROJECT_ROOT
@@ -562,9 +568,7 @@ class LocalKafkaConnect:
         return f"{jars}/*"
 
     def _properties(self, name: str, props: dict[str, str]) -> Path:
-        path = self.workdir / name
-        path.write_text("".join(f"{k}={v}\n" for k, v in props.items()))
-        return path
+        return _write_properties(self.workdir / name, props)
 
     def _broker_up(self) -> bool:
         return _port_open(self.broker_port)
@@ -720,7 +724,7 @@ class LocalTrino(_HttpServer):
             **{f"catalog/{name}.properties": props for name, props in self.catalogs.items()},
         }
         for name, props in files.items():
-            (etc / name).write_text("".join(f"{k}={v}\n" for k, v in props.items()))
+            _write_properties(etc / name, props)
         (etc / "jvm.config").write_text(
             "-server\n-Xmx1G\n-XX:+UseG1GC\n-XX:+ExitOnOutOfMemoryError\n-Djdk.attach.allowAttachSelf=true\n"
         )
