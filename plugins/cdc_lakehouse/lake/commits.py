@@ -189,8 +189,10 @@ def _write_and_publish(
                 "target it was given; write there (DataFrameWriterV2 or SQL on that name), never to the table"
             )
         crash_point(publish_point(table))
-        catalog, name = table.split(".", 1)
-        _ref_ddl(spark, table, f"CALL {catalog}.system.fast_forward('{name}', 'main', '{branch}')")
+        # The whole name, catalog first: given `namespace.table`, Iceberg first looks the namespace
+        # up as a catalog and logs a WARN with a stack trace (CatalogNotFoundException) every time.
+        catalog = table.split(".", 1)[0]
+        _ref_ddl(spark, table, f"CALL {catalog}.system.fast_forward('{table}', 'main', '{branch}')")
     finally:
         try:
             _ref_ddl(spark, table, f"ALTER TABLE {table} DROP BRANCH IF EXISTS {branch}")

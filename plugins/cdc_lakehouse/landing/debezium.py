@@ -986,20 +986,15 @@ def paired_key_changes(events: DataFrame) -> DataFrame:
             "_k_xid": F.col("source.xid"),
         }
     )
+    # One window, no self-join: the sink files' conversion (_over_files) is then evaluated once.
     w = Window.partitionBy(*at)
-    halves = F.col("op").isin("c", "d")
-    keyed = keyed.withColumn(
-        "_pair",
-        halves & (F.count(F.when(halves, 1)).over(w) == 2) & (F.count(F.when(F.col("op") == "d", 1)).over(w) == 1),
-    )
-    olds = keyed.filter(F.col("_pair") & (F.col("op") == "d")).select(*at, F.col("before").alias("_old"))
-    moved = (
-        keyed.filter(F.col("_pair") & (F.col("op") == "c"))
-        .join(olds, at)
-        .withColumns({"op": F.lit("u"), "before": F.col("_old")})
-    )
-    rest = keyed.filter(~F.col("_pair"))
-    return rest.unionByName(moved.drop("_old")).select(*events.columns)
+    halves, is_del = F.col("op").isin("c", "d"), F.col("op") == "d"
+    pair = halves & (F.count(F.when(halves, 1)).over(w) == 2) & (F.count(F.when(is_del, 1)).over(w) == 1)
+    old = F.first(F.when(is_del, F.col("before")), ignorenulls=True).over(w)
+    keyed = keyed.withColumns({"_pair": pair, "_old": old}).filter(~(F.col("_pair") & is_del))
+    moved = {"op": F.when(F.col("_pair"), F.lit("u")).otherwise(F.col("op"))}
+    moved["before"] = F.when(F.col("_pair"), F.col("_old")).otherwise(F.col("before"))
+    return keyed.withColumns(moved).select(*events.columns)
 
 
 # --- bootstrap ---------------------------------------------------------------------------------------

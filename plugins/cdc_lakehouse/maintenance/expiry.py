@@ -40,7 +40,9 @@ def expire(spark: SparkSession, lake: LakeSettings, target: Target, now: datetim
     """expire_snapshots older than the retention, never the position's snapshot nor anything a
     live consumer hold keeps (lake.holds); then remove_orphan_files."""
     cat = lake.catalog_name
-    name = target.table.split(".", 1)[1]
+    # The whole name, catalog first: given `namespace.table`, Iceberg first looks the namespace up
+    # as a catalog and logs a WARN with a stack trace (CatalogNotFoundException) on every call.
+    name = target.table
     m = target.settings
     older = now - timedelta(hours=m.snapshot_retention_hours)
     held = sweep(spark, target.table, now)

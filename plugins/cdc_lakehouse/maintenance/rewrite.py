@@ -18,7 +18,9 @@ log = logging.getLogger(__name__)
 def compact(spark: SparkSession, lake: LakeSettings, target: Target) -> dict[str, Any]:
     """rewrite_data_files (+ position deletes, manifests) through CALL statements."""
     cat = lake.catalog_name
-    name = target.table.split(".", 1)[1]
+    # The whole name, catalog first: given `namespace.table`, Iceberg first looks the namespace up
+    # as a catalog and logs a WARN with a stack trace (CatalogNotFoundException) on every call.
+    name = target.table
     out = _rewrite_data_files(spark, cat, name, target)
     if target.format_version == 2:
         out.update(_rewrite_delete_files(spark, cat, name, target))
