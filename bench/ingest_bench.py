@@ -38,8 +38,9 @@ WORK = Path(os.environ.get("CDC_BENCH_WORK", HERE / ".work"))
 ENGINES = ["ours-mor", "ours-cow", "spark-merge", "pyiceberg", "delta", "rewrite"]
 
 
-def prepare(rows: int, changes: int) -> dict:
-    """Base table and batch on disk (cached), with the expected checksum."""
+def prepare(rows: int, changes: int, toast_share: float = 0.3) -> dict:
+    """Base table and batch on disk (cached), with the expected checksum. toast_share: the share
+    of updates that leave the content column out (an unchanged TOAST value)."""
     import pyarrow.parquet as pq
 
     from bench.workload import base_table, change_batch, expected_checksum, reduced_changes, write_landing
@@ -59,10 +60,10 @@ def prepare(rows: int, changes: int) -> dict:
         writer.close()
         tmp.rename(base)
     # v2: no update after a delete of the same key; v3: landing row groups of the capture's size.
-    bdir = d / f"c{changes}-v3"
+    bdir = d / (f"c{changes}-v3" if toast_share == 0.3 else f"c{changes}-t{toast_share:g}-v3")
     meta = bdir / "meta.json"
     if not meta.exists():
-        batch = change_batch(rows, changes)
+        batch = change_batch(rows, changes, toast_share=toast_share)
         write_landing(batch, bdir / "landing", "bench", "20260601T010000Z", start_lsn=500)
         reduced = reduced_changes(batch, str(base))
         pq.write_table(reduced, bdir / "reduced.parquet")
@@ -409,7 +410,7 @@ def _dir_bytes(path: Path) -> int:
 # --- orchestration --------------------------------------------------------------------------------
 
 
-def run_engine(engine: str, rows: int, changes: int, repeat: int) -> dict:
+def run_engine(engine: str, rows: int, changes: int, repeat: int, toast_share: float = 0.3) -> dict:
     cmd = [
         sys.executable,
         str(Path(__file__)),
@@ -421,6 +422,8 @@ def run_engine(engine: str, rows: int, changes: int, repeat: int) -> dict:
         str(changes),
         "--repeat",
         str(repeat),
+        "--toast-share",
+        str(toast_share),
     ]
     t = time.time()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -455,9 +458,12 @@ def main() -> int:
     p.add_argument("--changes", type=int, default=200_000)
     p.add_argument("--engines", default=",".join(ENGINES))
     p.add_argument("--repeat", type=int, default=3)
+    p.add_argument(
+        "--toast-share", type=float, default=0.3, help="share of updates without the content column (unchanged TOAST)"
+    )
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
-    prep = prepare(args.rows, args.changes)
+    prep = prepare(args.rows, args.changes, args.toast_share)
     if args.worker:
         fn = {
             "ours-mor": lambda: run_ours("merge-on-read", prep, args.rows, args.repeat),
@@ -476,11 +482,12 @@ def main() -> int:
         f"deletes, {prep['toast_unchanged']} with unchanged TOAST) over {prep['keys']} keys; table {args.rows} rows"
     )
     results = []
-    out = HERE / "results" / f"ingest-{args.rows}-{args.changes}.json"
+    tag = "" if args.toast_share == 0.3 else f"-t{args.toast_share:g}"
+    out = HERE / "results" / f"ingest-{args.rows}-{args.changes}{tag}.json"
     out.parent.mkdir(exist_ok=True)
     for engine in args.engines.split(","):
         print(f"{engine}:", flush=True)
-        results.append(run_engine(engine, args.rows, args.changes, args.repeat))
+        results.append(run_engine(engine, args.rows, args.changes, args.repeat, args.toast_share))
         # Written after every engine: a long run stopped half-way keeps what it measured.
         out.write_text(
             json.dumps(

@@ -237,3 +237,50 @@ def test_table_fill_gives_matched_rows_the_table_value_and_leaves_orphans_unfill
     assertDataFrameEqual(got, spark.createDataFrame(expected, batch_schema))
     # What reduce_and_classify hands the MERGE: the orphan is gone.
     assert [r["id"] for r in got.filter(~run.needs_base()).orderBy(*key).collect()] == [1, 2, 3, 1]
+
+
+@pytest.mark.parametrize("mode", ["merge-on-read", "copy-on-write"])
+def test_the_merge_summary_counts_what_the_classification_counts(spark, unique, mode):
+    """ingest.run takes inserts, updates and deletes from the MERGE's snapshot summary when no row
+    needs a table value (counts_from_merge) instead of classifying the batch against the table
+    first. Random tables and batches (stale and newer events, deletes of absent keys, a truncated
+    shard): both give the same counts."""
+    import random
+
+    from cdc_lakehouse.ingest import run
+    from cdc_lakehouse.ingest.batch import ReducedTotals
+    from cdc_lakehouse.ingest.toast import UNAV_LEFT
+    from cdc_lakehouse.lake.commits import snapshot_summary
+    from cdc_lakehouse.lake.ingest_metrics import IngestMetrics
+
+    seed = random.randrange(1 << 30)
+    print(f"seed {seed}")
+    rng = random.Random(seed)
+    cfg, key = hard_cfg(), [SHARD_COL, "id"]
+    target = [(s, i, i, f"t{i}", "u", 100, 2, T0) for s in ("s1", "s2") for i in range(1, 41) if rng.random() < 0.7]
+    batch = []
+    for s in ("s1", "s2"):
+        for i in rng.sample(range(1, 61), 35):
+            op, lsn = rng.choice(["c", "u", "d"]), rng.choice([90, 100, 100, 110])
+            row = (None, None) if op == "d" else (i * 10, f"b{i}")
+            batch.append((s, i, *row, op, lsn, rng.choice([1, 2, 3]), T1))
+    cur = _tables(spark, unique)
+    spark.sql(f"ALTER TABLE {cur} SET TBLPROPERTIES ('write.merge.mode' = '{mode}')")
+    spark.createDataFrame(target, spark.table(cur).schema).writeTo(cur).append()
+    reduced = spark.createDataFrame(batch, SCHEMA).withColumn(UNAV_LEFT, F.array().cast("array<string>"))
+    totals = ReducedTotals(reduced=len(batch), upserts=sum(r[4] != "d" for r in batch))
+    c, _ = run.classify(reduced, run.table_positions(cfg, spark.table(cur)), key, totals)
+    counted = run.Outcome(len(batch), 0, None, None, totals.upserts - c.matched_upserts, c.updates, c.deletes)
+
+    view = f"batch_{unique}"
+    reduced.drop(UNAV_LEFT).createOrReplaceTempView(view)
+    spark.sql(merge_sql(cfg, cur, view, COLUMNS, rng.choice([[], ["s2"]])))
+    by_merge, by_classify = (
+        IngestMetrics(table_name="mg", ingest_run="r", write_mode=mode),
+        IngestMetrics(table_name="mg", ingest_run="r", write_mode=mode),
+    )
+    assert by_merge.take_merge_counts(snapshot_summary(spark, cur), len(batch))
+    counted.set_counts(by_classify)
+    got = (by_merge.inserts, by_merge.updates, by_merge.deletes, by_merge.stale_skipped)
+    want = (by_classify.inserts, by_classify.updates, by_classify.deletes, by_classify.stale_skipped)
+    assert got == want and sum(want[:3]) > 0, (seed, got, want)

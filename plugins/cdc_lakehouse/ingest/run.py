@@ -174,18 +174,19 @@ def apply_pending(
     crash_point("ingest_after_changelog")
     with m.timed("reduce_classify"):
         reduced, out = reduce_and_classify(spark, lake, cfg, b, ch, ingest_run)
-    m.inserts, m.updates, m.deletes, m.stale_skipped = out.inserts, out.updates, out.deletes, out.stale_skipped
+    out.set_counts(m)
     m.quarantined += out.held
     pre = snapshot_summary(spark, b.cur)
     m.merge_join = merge_join_for(cfg, int(pre.get("total-records", 0)))
     drop_stale_staging(spark, lake, cfg, datetime.now(UTC))
     with m.timed("merge"), merge_source(spark, lake, cfg, reduced, m.merge_join) as source:
         sql = lambda target: merge_sql(cfg, target, source, current_columns(b.lake_cols), ch.truncated)  # noqa: E731
-        commit_merge(spark, cfg, b, sql, ingest_run, batch_state(m, b.plan, fb.counts.shard_commits))
+        state = batch_state(m, b.plan, fb.counts.shard_commits, None if out.counted else out.rows)
+        commit_merge(spark, cfg, b, sql, ingest_run, state)
     crash_point("ingest_after_merge")
     # The run's figures are its MERGE's: a backfill below commits on its own (its rows, counted in
     # m.backfilled, then an empty append that carries the watermark).
-    m.add_commit_stats(pre, snapshot_summary(spark, b.cur))
+    merge_figures(cfg, m, pre, snapshot_summary(spark, b.cur), out)
     if b.added:
         m.backfilled = finish_backfill(spark, lake, cfg, b.cur, b.plan, b.added, ingest_run)
     fill_quiet(spark, lake, cfg, m, b, ingest_run)
@@ -442,15 +443,23 @@ def append_changelog(spark: SparkSession, cfg: TableConfig, b: Batch, ch: Change
 
 @dataclass
 class Outcome:
-    """What the MERGE will do, counted against the table before it runs."""
+    """What the MERGE will do: counted against the table before it runs, or (counted False)
+    left to the MERGE's own snapshot summary."""
 
-    inserts: int
-    updates: int
-    deletes: int
-    stale_skipped: int
+    rows: int  # rows of the reduced batch the MERGE is given
     held: int  # rows held back in quarantine (unchanged TOAST value unknown)
     min_ts: datetime | None  # commit time of the batch's oldest and newest applied events
     max_ts: datetime | None
+    inserts: int = 0
+    updates: int = 0
+    deletes: int = 0
+    counted: bool = True
+
+    def set_counts(self, m: IngestMetrics) -> None:
+        """Counted before the MERGE: into the run's metrics (the MERGE's summary does it otherwise)."""
+        if self.counted:
+            m.inserts, m.updates, m.deletes = self.inserts, self.updates, self.deletes
+            m.stale_skipped = self.rows - self.inserts - self.updates - self.deletes
 
 
 def needs_base() -> Column:
@@ -479,6 +488,10 @@ def reduce_and_classify(
     n_held = hold_dependents(spark, lake, cfg, held, ingest_run)
     if held is not None and n_held:
         reduced = local_checkpoint(reduced.join(held.select(*key), key, "left_anti"))
+    if counts_from_merge(cfg, totals):
+        # Nothing to read from the table: the MERGE's snapshot summary counts what it did, so the
+        # table is not scanned (bench/ingest_bench.py --toast-share 0: BENCHMARKS.md, #38).
+        return reduced, Outcome(totals.reduced - n_held, n_held, totals.min_ts, totals.max_ts, counted=False)
     # The unchanged TOAST values the batch could not supply are read from the table here, with the
     # keys it scans anyway, for the matched rows only: the MERGE then never references the
     # table's TOAST columns, which would carry them (the widest columns) through its shuffle of
@@ -491,14 +504,20 @@ def reduce_and_classify(
         # Still needing a value after the fill: orphans, just held in quarantine; never applied.
         reduced = fill_from_table(reduced, base, key, base_cols).filter(~needs_base())
     return reduced, Outcome(
-        inserts=totals.upserts - n_held - c.matched_upserts - n_orphans,
-        updates=c.updates,
-        deletes=c.deletes,
-        stale_skipped=c.stale,
+        rows=totals.reduced - n_held - n_orphans,
         held=n_held + n_orphans,
         min_ts=totals.min_ts,
         max_ts=totals.max_ts,
+        inserts=totals.upserts - n_held - c.matched_upserts - n_orphans,
+        updates=c.updates,
+        deletes=c.deletes,
     )
+
+
+def counts_from_merge(cfg: TableConfig, totals: ReducedTotals) -> bool:
+    """The MERGE's own counts (MERGE_COUNTS) suffice: no row takes a value from the table, and a
+    delete is a delete (a soft delete is an update in them)."""
+    return not totals.needs_base and cfg.deletes == "hard"
 
 
 def reduce_batch(cfg: TableConfig, b: Batch, ch: Changes) -> DataFrame:
@@ -767,6 +786,24 @@ def commit_merge(
     commit_once(spark, b.batch, BatchStep("ingest_merge", b.cur, _merge, positioned=True))
 
 
+def merge_figures(cfg: TableConfig, m: IngestMetrics, pre: dict[str, str], post: dict[str, str], out: Outcome) -> None:
+    """The MERGE's counts (unless counted before it), files and bytes, from its snapshot summary."""
+    if not out.counted:
+        merge_counts(cfg, m, post, out.rows)
+    m.add_commit_stats(pre, post)
+
+
+def merge_counts(cfg: TableConfig, m: IngestMetrics, summary: dict[str, str], rows: int) -> None:
+    """The MERGE's counts from its snapshot summary (Outcome.counted False)."""
+    if not m.take_merge_counts(summary, rows):
+        log.error(
+            "%s: the MERGE's snapshot summary has no row counts (spark.merge-into.*, written by Iceberg 1.11+ "
+            "on Spark 4.1+); inserts, updates and deletes are recorded as unknown. Use the Iceberg runtime of "
+            "requirements-jvm.txt",
+            cfg.name,
+        )
+
+
 def finish(
     spark: SparkSession,
     lake: LakeSettings,
@@ -829,17 +866,22 @@ def record_run(
 # --- a batch stopped after its data committed ------------------------------------------------------
 
 
-def batch_state(m: IngestMetrics, plan: Plan, shard_commits: dict[str, Any] | None) -> str:
+def batch_state(
+    m: IngestMetrics, plan: Plan, shard_commits: dict[str, Any] | None, merge_rows: int | None = None
+) -> str:
     """JSON committed with the current table's commit: what another run needs to write this
     batch's run record and freshness rows if this one is stopped right after that commit. The
-    heartbeats are kept per endpoint and schema, the latest in slot order (what freshness uses)."""
+    heartbeats are kept per endpoint and schema, the latest in slot order (what freshness uses).
+    merge_rows: the rows the MERGE is given, when its own summary counts them (not m)."""
     run = {k: v for k, v in m.meta_row().items() if v is not None and k != "watermark"}
     run["started_at"] = m.started_at.isoformat()
     beats: dict[str, dict[str, Any]] = {}
     for man in plan.manifests:
         beats.setdefault(man.endpoint or "", {}).update({s: hb.to_dict() for s, hb in man.heartbeats.items()})
     heartbeats = [{"endpoint": ep, "heartbeats": hb} for ep, hb in beats.items()]
-    state = {"run": run, "shard_commits": shard_commits or {}, "heartbeats": heartbeats}
+    state: dict[str, Any] = {"run": run, "shard_commits": shard_commits or {}, "heartbeats": heartbeats}
+    if merge_rows is not None:
+        state["merge_rows"] = merge_rows
     return json.dumps(state, separators=(",", ":"), sort_keys=True, default=str)
 
 
@@ -877,6 +919,8 @@ def resume_batch(spark: SparkSession, lake: LakeSettings, cfg: TableConfig) -> N
     s = summary_of(snap)
     state = json.loads(s[BATCH_STATE_PROP])
     m = IngestMetrics(**{**state["run"], "started_at": datetime.fromisoformat(state["run"]["started_at"])})
+    if "merge_rows" in state:
+        merge_counts(cfg, m, s, state["merge_rows"])
     m.add_commit_stats(summary_of(parent) if parent is not None else {}, s)
     since_ms = int(snap.timestamp_ms)
     m.committed_at = datetime.fromtimestamp(since_ms / 1000, UTC)  # when its data became visible

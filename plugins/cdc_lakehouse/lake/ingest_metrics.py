@@ -17,6 +17,15 @@ from typing import Any
 
 from cdc_lakehouse.runtime.phases import PhaseClock
 
+# The row counts Spark (4.1 on) hands the MERGE's write and Iceberg (1.11 on) records in its
+# snapshot summary (BaseSparkWrite.setMergeSummaryProperties). Hard deletes only: a soft delete is
+# an update there. Matched only: a truncate's deletes are the not-matched-by-source ones.
+MERGE_COUNTS = {
+    "inserts": "spark.merge-into.num-target-rows-inserted",
+    "updates": "spark.merge-into.num-target-rows-matched-updated",
+    "deletes": "spark.merge-into.num-target-rows-matched-deleted",
+}
+
 
 def _col(sql_type: str, default: Any = MISSING, default_factory: Any = MISSING) -> Any:
     return field(default=default, default_factory=default_factory, metadata={"sql": sql_type})
@@ -32,10 +41,10 @@ class IngestMetrics:
     events_read: int = _col("bigint", 0)
     duplicates: int = _col("bigint", 0)
     already_applied: int = _col("bigint", 0)
-    inserts: int = _col("bigint", 0)
-    updates: int = _col("bigint", 0)
-    deletes: int = _col("bigint", 0)
-    stale_skipped: int = _col("bigint", 0)
+    inserts: int | None = _col("bigint", 0)  # None: not known (MERGE_COUNTS missing from the summary)
+    updates: int | None = _col("bigint", 0)
+    deletes: int | None = _col("bigint", 0)
+    stale_skipped: int | None = _col("bigint", 0)  # batch rows the MERGE did not apply (table newer, no such key)
     truncates: int = _col("bigint", 0)
     quarantined: int = _col("bigint", 0)
     changelog_rows: int = _col("bigint", 0)
@@ -73,6 +82,22 @@ class IngestMetrics:
     def elapsed(self) -> float:
         return self._clock.elapsed()
 
+    def take_merge_counts(self, summary: dict[str, str], rows: int) -> bool:
+        """inserts, updates, deletes from the MERGE's snapshot summary (MERGE_COUNTS), and
+        stale_skipped as the rest of the `rows` it was given; False (counts left None) when the
+        summary lacks them. A MERGE given no rows counts nothing (Spark then records no counts)."""
+        if not rows:
+            self.inserts = self.updates = self.deletes = self.stale_skipped = 0
+            return True
+        if not all(k in summary for k in MERGE_COUNTS.values()):
+            self.inserts = self.updates = self.deletes = self.stale_skipped = None
+            return False
+        self.inserts, self.updates, self.deletes = (
+            int(summary[MERGE_COUNTS[k]]) for k in ("inserts", "updates", "deletes")
+        )
+        self.stale_skipped = rows - self.inserts - self.updates - self.deletes
+        return True
+
     def add_commit_stats(self, pre: dict[str, str], post: dict[str, str]) -> None:
         """Files and bytes of the MERGE's snapshot; write amplification against the bytes the
         changed rows take in the table before it (average row size times rows changed)."""
@@ -86,7 +111,7 @@ class IngestMetrics:
         self.bytes_written = n(post, "added-files-size")
         self.bytes_removed = n(post, "removed-files-size")
         records, size = n(pre, "total-records"), n(pre, "total-files-size")
-        changed = self.inserts + self.updates + self.deletes
+        changed = (self.inserts or 0) + (self.updates or 0) + (self.deletes or 0)
         if records and changed:
             self.changed_rows_bytes = int(size / records * changed)
             self.write_amplification = self.bytes_written / self.changed_rows_bytes if self.changed_rows_bytes else None
