@@ -284,3 +284,23 @@ def test_the_merge_summary_counts_what_the_classification_counts(spark, unique, 
     got = (by_merge.inserts, by_merge.updates, by_merge.deletes, by_merge.stale_skipped)
     want = (by_classify.inserts, by_classify.updates, by_classify.deletes, by_classify.stale_skipped)
     assert got == want and sum(want[:3]) > 0, (seed, got, want)
+
+
+def test_the_run_reads_its_own_merge_commit_not_a_later_one(spark, unique):
+    """A commit that lands after the MERGE (a compaction, another writer) must not lend the run
+    its summary: merge_summary finds the batch's own commit by its id and state."""
+    from cdc_lakehouse.ingest import run
+    from cdc_lakehouse.lake.batches import BATCH_PROP, BATCH_STATE_PROP, BatchId
+
+    cur = _tables(spark, unique)
+    batch = BatchId.of("ingest:test", {"a": 1}, {"a": 2})
+    rows = spark.createDataFrame(TARGET, spark.table(cur).schema)
+    props = {BATCH_PROP: batch.value, BATCH_STATE_PROP: "{}", "spark.merge-into.num-target-rows-inserted": "6"}
+    w = rows.writeTo(cur)
+    for k, v in props.items():
+        w = w.option(f"snapshot-property.{k}", v)
+    w.append()
+    rows.writeTo(cur).option("snapshot-property.other", "x").append()  # a later commit, not the batch's
+    got = run.merge_summary(spark, cur, batch)
+    assert got.get("spark.merge-into.num-target-rows-inserted") == "6" and "other" not in got, got
+    assert "other" in run.merge_summary(spark, cur, BatchId("not-this-one"))  # none found: the head's

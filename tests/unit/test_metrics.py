@@ -114,3 +114,23 @@ def test_the_fields_the_alert_checks_read_are_enough_for_the_metrics(stats, capl
     assert metrics.audit_metrics([audit]) == 3
     assert metrics.ingest_metrics([ingest]) == 6
     assert "metrics not sent" not in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("summary", "rows", "want"),
+    [
+        ({"inserted": "3", "matched-updated": "5", "matched-deleted": "1"}, 10, (3, 5, 1, 1)),
+        ({}, 0, (0, 0, 0, 0)),  # a MERGE given no rows: Spark records no counts
+        ({}, 10, (None, None, None, None)),  # an Iceberg that does not record them
+        ({"inserted": "8", "matched-updated": "5", "matched-deleted": "1"}, 10, (None, None, None, None)),  # 14 > 10
+    ],
+)
+def test_merge_counts_are_taken_only_when_they_add_up(stats, summary, rows, want):
+    """IngestMetrics.take_merge_counts: the MERGE's counts, or unknown (never zeros sent as a quiet run)."""
+    m = IngestMetrics(table_name="block", ingest_run="r1", write_mode="merge-on-read")
+    keys = {k: f"spark.merge-into.num-target-rows-{k}" for k in ("inserted", "matched-updated", "matched-deleted")}
+    assert m.take_merge_counts({keys[k]: v for k, v in summary.items()}, rows) == (want[0] is not None)
+    assert (m.inserts, m.updates, m.deletes, m.stale_skipped) == want
+    metrics.ingest_metrics([m])
+    sent = {stat for _, stat, _, _ in stats.sent}
+    assert ("cdc.ingest.inserted_rows.block" in sent) == (want[0] is not None)

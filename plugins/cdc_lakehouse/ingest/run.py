@@ -58,7 +58,7 @@ from cdc_lakehouse.lake.commits import (
     with_commit_properties,
 )
 from cdc_lakehouse.lake.freshness import FRESHNESS_TABLE, record_freshness
-from cdc_lakehouse.lake.ingest_metrics import IngestMetrics
+from cdc_lakehouse.lake.ingest_metrics import MERGE_COUNTS, IngestMetrics
 from cdc_lakehouse.lake.meta import meta_append
 from cdc_lakehouse.lake.snapshots import Snapshot, current_ancestors, summary_of
 from cdc_lakehouse.lake.tables import (
@@ -186,7 +186,7 @@ def apply_pending(
     crash_point("ingest_after_merge")
     # The run's figures are its MERGE's: a backfill below commits on its own (its rows, counted in
     # m.backfilled, then an empty append that carries the watermark).
-    merge_figures(cfg, m, pre, snapshot_summary(spark, b.cur), out)
+    merge_figures(cfg, m, pre, merge_summary(spark, b.cur, b.batch), out)
     if b.added:
         m.backfilled = finish_backfill(spark, lake, cfg, b.cur, b.plan, b.added, ingest_run)
     fill_quiet(spark, lake, cfg, m, b, ingest_run)
@@ -453,13 +453,14 @@ class Outcome:
     inserts: int = 0
     updates: int = 0
     deletes: int = 0
+    redeleted: int = 0  # applied, but neither an update nor a delete (Classification.redeleted)
     counted: bool = True
 
     def set_counts(self, m: IngestMetrics) -> None:
         """Counted before the MERGE: into the run's metrics (the MERGE's summary does it otherwise)."""
         if self.counted:
             m.inserts, m.updates, m.deletes = self.inserts, self.updates, self.deletes
-            m.stale_skipped = self.rows - self.inserts - self.updates - self.deletes
+            m.stale_skipped = self.rows - self.inserts - self.updates - self.deletes - self.redeleted
 
 
 def needs_base() -> Column:
@@ -511,6 +512,7 @@ def reduce_and_classify(
         inserts=totals.upserts - n_held - c.matched_upserts - n_orphans,
         updates=c.updates,
         deletes=c.deletes,
+        redeleted=c.redeleted,
     )
 
 
@@ -592,6 +594,7 @@ class Classification:
     matched_upserts: int = 0  # upserts whose key the table has
     updates: int = 0  # of those, newer than the table's row: the MERGE updates them
     deletes: int = 0  # deletes newer than the table's live row: the MERGE deletes them
+    redeleted: int = 0  # deletes newer than a soft-deleted row: the MERGE moves its position only
     stale: int = 0  # rows the table has at a newer position: the MERGE skips them
     based: int = 0  # matched rows that take unchanged TOAST values from the table (needs_base)
     base_bytes: int = 0  # the size of those values (with base_cols only)
@@ -621,6 +624,7 @@ def classify(
         F.sum((~is_del).cast("int")).alias("matched_upserts"),
         F.sum((~is_del & newer).cast("int")).alias("updates"),
         F.sum((is_del & newer & F.col("_t_live")).cast("int")).alias("deletes"),
+        F.sum((is_del & newer & ~F.col("_t_live")).cast("int")).alias("redeleted"),
         F.sum((~newer).cast("int")).alias("stale"),
         F.sum(F.col("_needs_base").cast("int")).alias("based"),
     )
@@ -786,6 +790,17 @@ def commit_merge(
     commit_once(spark, b.batch, BatchStep("ingest_merge", b.cur, _merge, positioned=True))
 
 
+def merge_summary(spark: SparkSession, cur: str, batch: BatchId) -> dict[str, str]:
+    """The summary of the batch's MERGE commit (the newest ancestor with the batch's id and state),
+    not of whatever is the head by now: another writer (a compaction, a late run of the same
+    batch) may have committed since. The head's if there is none."""
+    for snap in current_ancestors(spark, cur):
+        s = summary_of(snap)
+        if s.get(BATCH_PROP) == batch.value and BATCH_STATE_PROP in s:
+            return s
+    return snapshot_summary(spark, cur)
+
+
 def merge_figures(cfg: TableConfig, m: IngestMetrics, pre: dict[str, str], post: dict[str, str], out: Outcome) -> None:
     """The MERGE's counts (unless counted before it), files and bytes, from its snapshot summary."""
     if not out.counted:
@@ -797,10 +812,12 @@ def merge_counts(cfg: TableConfig, m: IngestMetrics, summary: dict[str, str], ro
     """The MERGE's counts from its snapshot summary (Outcome.counted False)."""
     if not m.take_merge_counts(summary, rows):
         log.error(
-            "%s: the MERGE's snapshot summary has no row counts (spark.merge-into.*, written by Iceberg 1.11+ "
-            "on Spark 4.1+); inserts, updates and deletes are recorded as unknown. Use the Iceberg runtime of "
-            "requirements-jvm.txt",
+            "%s: the MERGE's snapshot summary has no usable row counts (spark.merge-into.*: %s; written by "
+            "Iceberg 1.11+ on Spark 4.1+, for the %d rows it was given); inserts, updates and deletes are "
+            "recorded as unknown. If the keys are missing, use the Iceberg runtime of requirements-jvm.txt",
             cfg.name,
+            {k: summary.get(v) for k, v in MERGE_COUNTS.items()},
+            rows,
         )
 
 

@@ -85,17 +85,20 @@ class IngestMetrics:
     def take_merge_counts(self, summary: dict[str, str], rows: int) -> bool:
         """inserts, updates, deletes from the MERGE's snapshot summary (MERGE_COUNTS), and
         stale_skipped as the rest of the `rows` it was given; False (counts left None) when the
-        summary lacks them. A MERGE given no rows counts nothing (Spark then records no counts)."""
+        summary lacks them or they do not add up. A MERGE given no rows counts nothing (Spark then records no counts)."""
         if not rows:
             self.inserts = self.updates = self.deletes = self.stale_skipped = 0
             return True
         if not all(k in summary for k in MERGE_COUNTS.values()):
             self.inserts = self.updates = self.deletes = self.stale_skipped = None
             return False
-        self.inserts, self.updates, self.deletes = (
-            int(summary[MERGE_COUNTS[k]]) for k in ("inserts", "updates", "deletes")
-        )
-        self.stale_skipped = rows - self.inserts - self.updates - self.deletes
+        i, u, d = (int(summary[MERGE_COUNTS[k]]) for k in ("inserts", "updates", "deletes"))
+        if min(i, u, d) < 0 or i + u + d > rows:
+            # Spark's SQL metrics are accumulators: a stage run again (a lost executor, a fetch
+            # failure, speculation) can count its rows twice. Unknown, rather than invented.
+            self.inserts = self.updates = self.deletes = self.stale_skipped = None
+            return False
+        self.inserts, self.updates, self.deletes, self.stale_skipped = i, u, d, rows - i - u - d
         return True
 
     def add_commit_stats(self, pre: dict[str, str], post: dict[str, str]) -> None:

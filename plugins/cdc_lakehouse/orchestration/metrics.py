@@ -93,10 +93,10 @@ def ingest_metrics(runs: Iterable[IngestMetrics]) -> int:
         sends += [
             ("gauge", name("ingest", "events", t), float(m.events_read or 0), tags),
             ("gauge", name("ingest", "quarantined_rows", t), float(m.quarantined or 0), tags),
-            ("gauge", name("ingest", "inserted_rows", t), float(m.inserts or 0), tags),
-            ("gauge", name("ingest", "updated_rows", t), float(m.updates or 0), tags),
-            ("gauge", name("ingest", "deleted_rows", t), float(m.deletes or 0), tags),
         ]
+        # Unknown counts (None: see IngestMetrics.take_merge_counts) are not sent as zeros.
+        counts = {"inserted_rows": m.inserts, "updated_rows": m.updates, "deleted_rows": m.deletes}
+        sends += [("gauge", name("ingest", k, t), float(v), tags) for k, v in counts.items() if v is not None]
         if m.total_seconds is not None:
             sends.append(("timing", name("ingest", "duration", t), m.total_seconds * 1000, tags))
     return _send(sends)
