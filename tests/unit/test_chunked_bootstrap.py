@@ -99,3 +99,33 @@ def test_config_mode_defaults_to_auto_and_rejects_unknown_modes():
         "x.yaml",
     )
     assert errors and errors[0].field == "bootstrap.mode"
+
+
+def test_a_rounds_key_range_is_literals_only_and_bounds_what_it_can():
+    """The MERGE's target-side range (ingest.merge.within_keys): values travel as escaped string
+    literals or integers, whatever they hold; a key column of a type without an exact literal is
+    left unbounded."""
+    from cdc_lakehouse.ingest.merge import KeyRange, merge_sql, range_kind, within_keys
+
+    evil = "x') OR true OR ('"
+    w = within_keys(
+        {
+            "s1": [KeyRange("tenant", "string", "", evil), KeyRange("n", "int", -3, 7)],
+            "s0": [
+                KeyRange("at", "timestamp", -1, 5),
+                KeyRange("d", "date", 0, 1),
+                KeyRange("m", "decimal(5,2)", "-1.50", "2.00"),
+            ],
+        }
+    )
+    assert "BETWEEN '' AND 'x\\') OR true OR (\\''" in w, w
+    assert w.index("'s0'") < w.index("'s1'"), "shards in a stable order"
+    assert "t.`n` BETWEEN CAST(-3 AS int) AND CAST(7 AS int)" in w
+    assert "timestamp_micros(-1) AND timestamp_micros(5)" in w and "date_from_unix_date(0)" in w
+    assert "CAST('-1.50' AS decimal(5,2))" in w
+    assert within_keys({}) == "false"
+    assert [range_kind(t) for t in ("double", "binary", "timestamp_ntz", "boolean")] == [None] * 4
+    cfg = make_config("cfg_within", ["s0"], primary_key=["tenant", "n"])
+    sql = merge_sql(cfg, "lake.db.t", "v", ["tenant", "n"], [], w)
+    assert f"ON t.`_cdc_shard` = s.`_cdc_shard` AND t.`tenant` = s.`tenant` AND t.`n` = s.`n` AND ({w}) WHEN" in sql
+    assert "AND (" not in merge_sql(cfg, "lake.db.t", "v", ["tenant", "n"], []).split("WHEN")[0]

@@ -79,7 +79,7 @@ from cdc_lakehouse.runtime.session import session_conf
 from cdc_lakehouse.settings import LakeSettings
 
 if TYPE_CHECKING:
-    from pyspark.sql import DataFrame, SparkSession
+    from pyspark.sql import Column, DataFrame, SparkSession
 
 log = logging.getLogger(__name__)
 
@@ -374,7 +374,15 @@ def _finish_round(
 ) -> bool:
     """Apply the round's chunks in one commit pair, record their progress, log them; True when
     should_stop (asked once per chunk, as callers count chunks with it) asks to pause."""
+    started = time.monotonic()
     _apply_chunks(spark, cfg, target, [c for _, c in reads], run)
+    log.info(
+        "bootstrap %s (chunked): round of %d chunk(s), %d rows, applied in %.2fs",
+        cfg.name,
+        len(reads),
+        sum(c.rows.num_rows for _, c in reads),
+        time.monotonic() - started,
+    )
     for _, chunk in reads:
         crash_point(f"bootstrap_chunk_applied:{chunk.no}")
     rows = []
@@ -496,6 +504,7 @@ def _apply_chunks(
     if not chunks:
         return
     frame = local_checkpoint(_chunks_frame(spark, cfg, target, chunks))
+    within = round_key_range(cfg, frame)
     shards = sorted({c.shard for c in chunks})
     lowest = min(c.low for c in chunks)
     marker = {"run": run.run_id, "chunks": {c.shard: c.no for c in chunks}}
@@ -519,7 +528,7 @@ def _apply_chunks(
 
     def merge(into: str) -> None:  # the skip list again: an ingest that won the commit race may have deleted keys
         kept = _not_superseded(spark, cfg, target, frame, shards, lowest)
-        _merge_current(spark, cfg, target, kept.withColumn(COMMIT_TS_COL, F.lit(snap.time)), into, props)
+        _merge_current(spark, cfg, target, kept.withColumn(COMMIT_TS_COL, F.lit(snap.time)), into, props, within)
 
     what = f"{cfg.name} chunks " + ", ".join(f"{c.shard}#{c.no}" for c in chunks)
     for table, write in ((target.changelog, append), (target.current, merge)):
@@ -545,12 +554,50 @@ def _another_bootstrap(cfg: TableConfig, table: str, run_id: str, now: dict[str,
     )
 
 
+def round_key_range(cfg: TableConfig, frame: DataFrame) -> str | None:
+    """The key range of a round's rows, per shard (ingest.merge.within_keys): its MERGE then reads
+    only the table's files that may hold those keys. Chunks come in key order, so the rounds
+    before wrote files below the range, and each round costs its own rows, not the table loaded so
+    far (BENCHMARKS.md, "A chunked bootstrap's round"). Text keys come in the source's collation
+    order, which Spark's byte order need not follow: their range is still exact for the round's
+    rows, it only prunes less. None when no key column can be bounded."""
+    from pyspark.sql import functions as F
+
+    from cdc_lakehouse.ingest.merge import KeyRange, range_kind, within_keys
+
+    types = {k: frame.schema[k].dataType.simpleString() for k in cfg.primary_key}
+    cols = [k for k in cfg.primary_key if range_kind(types[k])]
+    if not cols:
+        return None
+
+    def carried(k: str, v: Column) -> Column:
+        kind = range_kind(types[k])
+        return F.unix_micros(v) if kind == "micros" else F.unix_date(v) if kind == "days" else v.cast("string")
+
+    aggs = [
+        carried(k, agg(F.col(k))).alias(f"_{n}{i}")
+        for i, k in enumerate(cols)
+        for agg, n in ((F.min, "lo"), (F.max, "hi"))
+    ]
+    ranges = {
+        r[SHARD_COL]: [KeyRange(k, types[k], r[f"_lo{i}"], r[f"_hi{i}"]) for i, k in enumerate(cols)]
+        for r in frame.groupBy(SHARD_COL).agg(*aggs).collect()
+    }
+    return within_keys(ranges)
+
+
 def _merge_current(
-    spark: SparkSession, cfg: TableConfig, target: _Target, rows: DataFrame, into: str, props: dict[str, str]
+    spark: SparkSession,
+    cfg: TableConfig,
+    target: _Target,
+    rows: DataFrame,
+    into: str,
+    props: dict[str, str],
+    within: str | None = None,
 ) -> None:
     """The ingest's MERGE (ingest.merge.merge_sql) with its row-level LSN guard into `into` (the
     current table's branch), its commit carrying props: a row the stream wrote later stays.
-    Every chunk row is op 'r', so its delete clauses never fire."""
+    Every chunk row is op 'r', so its delete clauses never fire. within: round_key_range."""
 
     from cdc_lakehouse.ingest.merge import merge_sql
 
@@ -566,7 +613,7 @@ def _merge_current(
     try:
         # Rows merged at the chunk's own position, below or above the watermark (which does not
         # move): readers of ranges diff across this commit (lake.ranges), as its writer says.
-        sql = merge_sql(cfg, into, view, [f.name for f in schema.fields if f.name not in flags], [])
+        sql = merge_sql(cfg, into, view, [f.name for f in schema.fields if f.name not in flags], [], within)
         sql_with_commit_properties(spark, sql, {**props, **CHUNKED_BOOTSTRAP.props()})
     finally:
         spark.catalog.dropTempView(view)

@@ -5,10 +5,13 @@ table."""
 
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from cdc_lakehouse.config import COMMIT_TS_COL, LSN_COL, OP_COL, SEQ_COL, SHARD_COL, TableConfig
 from cdc_lakehouse.identifiers import spark_ident
+from cdc_lakehouse.lake.tables import sql_string
 
 if TYPE_CHECKING:
     from pyspark.sql import Column
@@ -20,9 +23,14 @@ def merge_sql(
     view: str,
     columns: list[str],
     truncated: list[str],
+    within: str | None = None,
 ) -> str:
+    """within: a condition on the target's rows that every row the source can match meets
+    (within_keys); the scan of the target is pruned to the files that may hold them."""
     key = [SHARD_COL, *cfg.primary_key]
     on = " AND ".join(f"t.{spark_ident(k)} = s.{spark_ident(k)}" for k in key)
+    if within:
+        on += f" AND ({within})"
     newer = f"(s.{LSN_COL} > t.{LSN_COL} OR (s.{LSN_COL} = t.{LSN_COL} AND s.{SEQ_COL} > t.{SEQ_COL}))"
     sets = ", ".join(f"t.{spark_ident(c)} = s.{spark_ident(c)}" for c in columns)
     ins_cols = ", ".join(spark_ident(c) for c in columns)
@@ -62,3 +70,63 @@ def merge_sql(
 def lsn_newer(lsn_a: Column, seq_a: Column, lsn_b: Column, seq_b: Column) -> Column:
     """(lsn_a, seq_a) > (lsn_b, seq_b)"""
     return (lsn_a > lsn_b) | ((lsn_a == lsn_b) & (seq_a > seq_b))
+
+
+# --- a key range the target's scan is pruned with ----------------------------------------------------
+
+_INTEGRAL = {"tinyint", "smallint", "int", "bigint"}
+_DECIMAL = re.compile(r"decimal\(\d+,\d+\)")
+
+
+def range_kind(spark_type: str) -> str | None:
+    """How a key column's bounds are carried (KeyRange.lo/hi), or None: not bounded (float keys,
+    binary, timestamp_ntz ...; the range then only narrows the other columns).
+    'micros' and 'days' are exact integers, where a timestamp or date printed as text would
+    depend on the session's time zone or calendar; 'text' is the value cast to string."""
+    if spark_type == "timestamp":
+        return "micros"
+    if spark_type == "date":
+        return "days"
+    if spark_type in _INTEGRAL or spark_type == "string" or _DECIMAL.fullmatch(spark_type):
+        return "text"
+    return None
+
+
+@dataclass(frozen=True)
+class KeyRange:
+    """One key column's lowest and highest value among one shard's source rows, as range_kind
+    carries them (integers for micros and days, else text)."""
+
+    column: str
+    spark_type: str
+    lo: int | str
+    hi: int | str
+
+
+def within_keys(ranges: dict[str, list[KeyRange]]) -> str:
+    """The target rows the source rows can match: per shard, every bounded key column between
+    the source's lowest and highest value of that shard. Literals only, so the condition reaches
+    the Iceberg scan as a filter and files outside the range are not read (a chunked bootstrap's
+    round touches only its chunks' key range, not the table loaded so far). Values travel as hex
+    literals (lake.tables.sql_string) or integers."""
+    per_shard = []
+    for shard, cols in sorted(ranges.items()):
+        parts = [f"t.{spark_ident(SHARD_COL)} = {sql_string(shard)}"]
+        for r in cols:
+            c = f"t.{spark_ident(r.column)}"
+            parts.append(f"{c} BETWEEN {_literal(r, r.lo)} AND {_literal(r, r.hi)}")
+        per_shard.append("(" + " AND ".join(parts) + ")")
+    return " OR ".join(per_shard) if per_shard else "false"
+
+
+def _literal(r: KeyRange, v: int | str) -> str:
+    kind = range_kind(r.spark_type)
+    if kind == "micros":
+        return f"timestamp_micros({int(v)})"
+    if kind == "days":
+        return f"date_from_unix_date({int(v)})"
+    if r.spark_type in _INTEGRAL:
+        return f"CAST({int(v)} AS {r.spark_type})"
+    if kind == "text":
+        return sql_string(str(v)) if r.spark_type == "string" else f"CAST({sql_string(str(v))} AS {r.spark_type})"
+    raise ValueError(f"key column {r.column}: no range literal for type {r.spark_type}")

@@ -459,8 +459,7 @@ class Outcome:
     def set_counts(self, m: IngestMetrics) -> None:
         """Counted before the MERGE: into the run's metrics (the MERGE's summary does it otherwise)."""
         if self.counted:
-            m.inserts, m.updates, m.deletes = self.inserts, self.updates, self.deletes
-            m.stale_skipped = self.rows - self.inserts - self.updates - self.deletes - self.redeleted
+            m.set_counts(self.rows, self.inserts, self.updates, self.deletes, unchanged=self.redeleted)
 
 
 def needs_base() -> Column:

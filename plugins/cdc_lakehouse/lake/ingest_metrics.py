@@ -82,23 +82,29 @@ class IngestMetrics:
     def elapsed(self) -> float:
         return self._clock.elapsed()
 
+    def set_counts(self, rows: int, inserts: int, updates: int, deletes: int, unchanged: int = 0) -> None:
+        """What the MERGE did with the `rows` it was given; stale_skipped is the rest: rows the
+        table held at a newer position, deletes of keys it lacks (unchanged: applied rows that
+        are none of the three, such as a soft delete of a soft-deleted row)."""
+        self.inserts, self.updates, self.deletes = inserts, updates, deletes
+        self.stale_skipped = rows - inserts - updates - deletes - unchanged
+
     def take_merge_counts(self, summary: dict[str, str], rows: int) -> bool:
-        """inserts, updates, deletes from the MERGE's snapshot summary (MERGE_COUNTS), and
-        stale_skipped as the rest of the `rows` it was given; False (counts left None) when the
-        summary lacks them or they do not add up. A MERGE given no rows counts nothing (Spark then records no counts)."""
+        """set_counts from the MERGE's snapshot summary (MERGE_COUNTS); False (counts left None)
+        when the summary lacks them or they do not add up. A MERGE given no rows counts nothing
+        (Spark then records no counts)."""
         if not rows:
-            self.inserts = self.updates = self.deletes = self.stale_skipped = 0
+            self.set_counts(0, 0, 0, 0)
             return True
-        if not all(k in summary for k in MERGE_COUNTS.values()):
+        counts = [
+            int(summary[MERGE_COUNTS[k]]) for k in ("inserts", "updates", "deletes") if MERGE_COUNTS[k] in summary
+        ]
+        # Spark's SQL metrics are accumulators: a stage run again (a lost executor, a fetch
+        # failure, speculation) can count its rows twice. Unknown, rather than invented.
+        if len(counts) < 3 or min(counts) < 0 or sum(counts) > rows:
             self.inserts = self.updates = self.deletes = self.stale_skipped = None
             return False
-        i, u, d = (int(summary[MERGE_COUNTS[k]]) for k in ("inserts", "updates", "deletes"))
-        if min(i, u, d) < 0 or i + u + d > rows:
-            # Spark's SQL metrics are accumulators: a stage run again (a lost executor, a fetch
-            # failure, speculation) can count its rows twice. Unknown, rather than invented.
-            self.inserts = self.updates = self.deletes = self.stale_skipped = None
-            return False
-        self.inserts, self.updates, self.deletes, self.stale_skipped = i, u, d, rows - i - u - d
+        self.set_counts(rows, *counts)
         return True
 
     def add_commit_stats(self, pre: dict[str, str], post: dict[str, str]) -> None:
