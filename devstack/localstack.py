@@ -830,11 +830,12 @@ class LocalSparkConnect:
                 continue
         return False
 
-    def start(self, *, timeout: float = 180) -> None:
+    def start(self, *, timeout: float = 180) -> bool:
+        """Start the server unless one runs on its port; True if this call started it."""
         from cdc_lakehouse.runtime.session import connect_server_argv
 
         if self.is_running():
-            return
+            return False
         self.workdir.mkdir(parents=True, exist_ok=True)
         os.chmod(self.workdir, 0o700)
         argv, env = connect_server_argv(self.workdir, self.port, self.ui_port, self.memory)
@@ -844,7 +845,7 @@ class LocalSparkConnect:
         deadline = time.time() + timeout
         while time.time() < deadline:
             if self.is_running():
-                return
+                return True
             if self.proc.poll() is not None:
                 break
             time.sleep(0.5)
@@ -930,8 +931,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"redis: running on 127.0.0.1:{rd.port}")
         sc = local_stack_spark()
         t = time.time()
-        sc.start()
+        started = sc.start()
         print(f"spark connect: running at {sc.url} (ready in {time.time() - t:.0f}s; UI :{sc.ui_port}, log {sc.log})")
+        if started:  # the demo's and the scheduler's first task then finds it warm
+            from devstack.warm import warm_local_server
+
+            print(f"spark connect: warmed up in {warm_local_server(sc.url, sc.workdir):.0f}s (devstack/warm.py)")
     elif cmd == "stop":
         local_stack_spark().stop()
         pg.stop()

@@ -92,6 +92,24 @@ def test_a_killed_tasks_spark_work_stops_on_the_server(spark, spark_server, lake
 
 
 @pytest.mark.slow
+def test_the_warm_ups_work_in_scratch_catalogs_of_their_own_sessions(spark, spark_server, lake, tmp_path):
+    """runtime.warmup (shipped) and devstack.warm (one real ingest) on the suite's server: they
+    run, MERGE and ingest included, and leave nothing behind: neither their folders, nor a
+    namespace in the lake, nor their catalogs in another session."""
+    from cdc_lakehouse.runtime.warmup import CATALOG, warm_server
+
+    from devstack.warm import CATALOG as LAKE_CATALOG
+    from devstack.warm import warm_local_server
+
+    before = {r[0] for r in spark.sql(f"SHOW NAMESPACES IN {lake.catalog_name}").collect()}
+    assert warm_server(spark_server.url, tmp_path, rows=2_000) > 0
+    assert warm_local_server(spark_server.url, tmp_path) > 0
+    assert list(tmp_path.iterdir()) == []
+    assert {r[0] for r in spark.sql(f"SHOW NAMESPACES IN {lake.catalog_name}").collect()} == before
+    for catalog in (CATALOG, LAKE_CATALOG):
+        assert spark.conf.get(f"spark.sql.catalog.{catalog}", None) is None
+
+
 def test_a_task_conf_the_server_cannot_take_says_where_it_goes(spark):
     """An operator's `conf` reaches its Spark Connect session; a setting Spark reads only when the
     server starts is refused with the fix, not half-applied."""
