@@ -162,7 +162,10 @@ def connect_server() -> Iterator[str]:
     elif os.environ.get("CDC_BENCH_WARM_SERVER") == "ingest":
         from devstack.warm import warm_local_server
 
-        print(f"... and warmed up with an ingest (not timed): {warm_local_server(server.url, server.workdir):.1f}s")
+        print(
+            f"... and warmed up with an ingest (not timed): {warm_local_server(server.url, server.workdir):.1f}s",
+            flush=True,
+        )
     try:
         yield server.url
     finally:

@@ -915,6 +915,17 @@ def local_stack_postgres() -> LocalPostgres:
     )
 
 
+def warm(sc: LocalSparkConnect) -> None:
+    """Warm a server just started (devstack.warm). A failed warm-up leaves a working server, only
+    a slower first task: a warning, not a failed start."""
+    from devstack.warm import warm_local_server
+
+    try:
+        print(f"spark connect: warmed up in {warm_local_server(sc.url, sc.workdir):.0f}s (devstack/warm.py)")
+    except Exception as e:  # noqa: BLE001 - see the docstring
+        print(f"spark connect: the warm-up failed ({type(e).__name__}: {e}); the first task will be slower")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     cmd = argv[0] if argv else "status"
@@ -934,9 +945,7 @@ def main(argv: list[str] | None = None) -> int:
         started = sc.start()
         print(f"spark connect: running at {sc.url} (ready in {time.time() - t:.0f}s; UI :{sc.ui_port}, log {sc.log})")
         if started:  # the demo's and the scheduler's first task then finds it warm
-            from devstack.warm import warm_local_server
-
-            print(f"spark connect: warmed up in {warm_local_server(sc.url, sc.workdir):.0f}s (devstack/warm.py)")
+            warm(sc)
     elif cmd == "stop":
         local_stack_spark().stop()
         pg.stop()

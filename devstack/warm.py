@@ -1,8 +1,9 @@
 """The local stack's Spark Connect server, warmed before its first task: one real ingest of a
 small synthetic batch (the bench's workload: bench/workload.py) into a scratch lake of its own,
 a Hadoop catalog in the server's folder. It does what the shipped, generic warm-up
-(cdc_lakehouse.runtime.warmup) does, and more. The ingest's own plans are then compiled and its code paths hot when the demo's first
-task arrives (BENCHMARKS.md, "Spark Connect: the first task on a new server")."""
+(cdc_lakehouse.runtime.warmup) does, and more: the ingest's own plans are compiled and its code
+paths hot when the demo's first task arrives (BENCHMARKS.md, "Spark Connect: the first task on a
+new server"). The bench's generator is why this lives in the local stack, not the package."""
 
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ def _one_ingest(url: str, scratch: Path) -> None:
     from cdc_lakehouse.config import parse_table_config
     from cdc_lakehouse.ingest.run import ingest_table
     from cdc_lakehouse.lake.meta import ensure_meta_tables
-    from cdc_lakehouse.runtime.session import configure_session, connect_session
+    from cdc_lakehouse.runtime.session import configure_session, connect_session, release_spark
     from cdc_lakehouse.settings import LakeSettings
 
     from bench.ingest_bench import bench_table_config, load_base
@@ -45,7 +46,8 @@ def _one_ingest(url: str, scratch: Path) -> None:
     scratch.mkdir(parents=True)
     pq.write_table(base_table(ROWS), scratch / "base.parquet")
     write_landing(change_batch(ROWS, CHANGES), scratch / "landing", "bench", "20260601T010000Z", start_lsn=500)
-    lake = LakeSettings.from_env().with_(
+    # Its own settings, nothing from the environment: no catalog property of the user's lake.
+    lake = LakeSettings(
         catalog_name=CATALOG,
         catalog_type="hadoop",
         warehouse=f"file://{scratch}/warehouse",
@@ -60,4 +62,4 @@ def _one_ingest(url: str, scratch: Path) -> None:
         load_base(spark, lake, cfg, {"base": str(scratch / "base.parquet")})
         ingest_table(spark, lake, cfg, upto_run=None, ingest_run="warm-up")
     finally:
-        spark.stop()
+        release_spark(spark)

@@ -177,11 +177,8 @@ def test_killed_chunked_bootstrap_resumes_after_the_last_recorded_chunk(source, 
     assert_lake_equals_source(spark, lake, cfg, s.dsn)
 
 
-def test_composite_text_key_chunks_in_key_order(source, spark, lake, monkeypatch):
-    """(text, int) key with values that sort differently by byte and by locale (and an empty
-    one); chunks of 7. Every round's MERGE hands its key range to the Iceberg scan of the current
-    table, so the scan skips the files of earlier rounds instead of reading the table so far."""
-    s = source
+def _merge_plans(monkeypatch) -> list[str]:
+    """The plan of every chunk round's MERGE, as EXPLAIN prints it, in a list filled as they run."""
     plans: list[str] = []
     real = chunked_mod.sql_with_commit_properties
 
@@ -190,6 +187,15 @@ def test_composite_text_key_chunks_in_key_order(source, spark, lake, monkeypatch
         return real(spark_, sql, props)
 
     monkeypatch.setattr(chunked_mod, "sql_with_commit_properties", explained)
+    return plans
+
+
+def test_composite_text_key_chunks_in_key_order(source, spark, lake, monkeypatch):
+    """(text, int) key with values that sort differently by byte and by locale (and an empty
+    one); chunks of 7. Every round's MERGE hands its key range to the Iceberg scan of the current
+    table, so the scan skips the files of earlier rounds instead of reading the table so far."""
+    s = source
+    plans = _merge_plans(monkeypatch)
     names = ["Zoë", "zebra", "apple", "Apple", "a b", "a-b", "ß", "É", "e", "10", "9", ""]
     for schema in s.schemas:
         s.execute(
@@ -289,3 +295,47 @@ def test_a_key_deleted_after_its_chunks_low_marker_stays_deleted(pg, source_uri,
         assert_lake_equals_source(spark, lake, cfg, s.dsn)
     finally:
         s.close()
+
+
+def test_typed_keys_an_ingest_wrote_before_their_chunk_are_matched_not_doubled(source, spark, lake, monkeypatch):
+    """A (timestamptz, date, numeric) key, chunks of 7. After the first round the source updates a
+    row of a later chunk, inserts one inside a later chunk's range and deletes one; capture and
+    ingest apply them. The later rounds' MERGEs carry their key range as literals of these types
+    (micros, days, decimal text), and must still find those rows: the LSN guard keeps the
+    stream's version, where a range that missed them would insert a second row per key."""
+    s = source
+    key = ["at", "day", "amount"]
+    for schema in s.schemas:
+        s.execute(
+            f"CREATE TABLE {schema}.ev (at timestamptz NOT NULL, day date NOT NULL, amount numeric(12,3) NOT NULL, "
+            "body text, PRIMARY KEY (at, day, amount))",
+            f"INSERT INTO {schema}.ev SELECT timestamptz '2024-11-03 01:00:00-04' + g * interval '17 min 0.000123 s', "
+            "date '2024-02-20' + g, g * 1.125 - 20, 'v' || g FROM generate_series(1, 40) g",
+        )
+    tables = s.tables()
+    monkeypatch.setattr(s, "tables", lambda: {**tables, "ev": (s.schemas, key)})
+    plans = _merge_plans(monkeypatch)
+    cfg = _chunked(s, f"cy_{s.db[-8:]}", 7, table="ev", primary_key=key)
+    s.capture()
+    r = s.bootstrap(cfg, should_stop=lambda _state: True)  # pauses after the first round
+    assert r.paused and not r.done, r
+    at = "timestamptz '2024-11-03 01:00:00-04' + {} * interval '17 min 0.000123 s'"
+    for schema in s.schemas:
+        s.execute(
+            f"UPDATE {schema}.ev SET body = 'streamed' WHERE at = {at.format(38)}",
+            f"INSERT INTO {schema}.ev VALUES ({at.format(30)} + interval '1 s', date '2024-03-21', 13.375, 'new')",
+            f"DELETE FROM {schema}.ev WHERE at = {at.format(33)}",
+        )
+    s.ingest(cfg, s.capture().manifest.run_id)
+    r = s.bootstrap(cfg)
+    assert r.done, r
+    s.ingest(cfg, s.capture().manifest.run_id)
+    assert_lake_equals_source(spark, lake, cfg, s.dsn)
+    lake_rows = spark.table(lake.qualified(cfg.current_table))
+    assert lake_rows.count() == lake_rows.select("_cdc_shard", *key).distinct().count() == 2 * 40
+    assert lake_rows.filter("body = 'streamed'").count() == 2
+    for plan in plans:
+        scan = next(
+            line for line in plan.splitlines() if "IcebergScan" in line and "filters=" in line and "at >=" in line
+        )
+        assert "day >=" in scan and "amount >=" in scan, scan

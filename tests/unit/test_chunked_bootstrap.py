@@ -102,9 +102,8 @@ def test_config_mode_defaults_to_auto_and_rejects_unknown_modes():
 
 
 def test_a_rounds_key_range_is_literals_only_and_bounds_what_it_can():
-    """The MERGE's target-side range (ingest.merge.within_keys): values travel as escaped string
-    literals or integers, whatever they hold; a key column of a type without an exact literal is
-    left unbounded."""
+    """The MERGE's target-side range (ingest.merge.within_keys): values travel as hex or integers,
+    whatever they hold; a key column of a type without an exact literal is left unbounded."""
     from cdc_lakehouse.ingest.merge import KeyRange, merge_sql, range_kind, within_keys
 
     evil = "x') OR true OR ('"
@@ -118,14 +117,16 @@ def test_a_rounds_key_range_is_literals_only_and_bounds_what_it_can():
             ],
         }
     )
-    assert "BETWEEN '' AND 'x\\') OR true OR (\\''" in w, w
-    assert w.index("'s0'") < w.index("'s1'"), "shards in a stable order"
+    assert w is not None and evil not in w and f"BETWEEN CAST(X'' AS STRING) AND CAST(X'{evil.encode().hex()}'" in w
+    assert w.index("X'7330'") < w.index("X'7331'"), "shards in a stable order"
     assert "t.`n` BETWEEN CAST(-3 AS int) AND CAST(7 AS int)" in w
     assert "timestamp_micros(-1) AND timestamp_micros(5)" in w and "date_from_unix_date(0)" in w
-    assert "CAST('-1.50' AS decimal(5,2))" in w
-    assert within_keys({}) == "false"
+    assert f"CAST(CAST(X'{b'-1.50'.hex()}' AS STRING) AS decimal(5,2))" in w
+    assert within_keys({}) is None
     assert [range_kind(t) for t in ("double", "binary", "timestamp_ntz", "boolean")] == [None] * 4
     cfg = make_config("cfg_within", ["s0"], primary_key=["tenant", "n"])
     sql = merge_sql(cfg, "lake.db.t", "v", ["tenant", "n"], [], w)
     assert f"ON t.`_cdc_shard` = s.`_cdc_shard` AND t.`tenant` = s.`tenant` AND t.`n` = s.`n` AND ({w}) WHEN" in sql
     assert "AND (" not in merge_sql(cfg, "lake.db.t", "v", ["tenant", "n"], []).split("WHEN")[0]
+    with pytest.raises(ValueError, match="truncated"):
+        merge_sql(cfg, "lake.db.t", "v", ["tenant", "n"], ["s0"], w)

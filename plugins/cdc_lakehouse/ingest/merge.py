@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING
 
 from cdc_lakehouse.config import COMMIT_TS_COL, LSN_COL, OP_COL, SEQ_COL, SHARD_COL, TableConfig
 from cdc_lakehouse.identifiers import spark_ident
-from cdc_lakehouse.lake.tables import sql_string
 
 if TYPE_CHECKING:
     from pyspark.sql import Column
@@ -26,7 +25,10 @@ def merge_sql(
     within: str | None = None,
 ) -> str:
     """within: a condition on the target's rows that every row the source can match meets
-    (within_keys); the scan of the target is pruned to the files that may hold them."""
+    (within_keys); the scan of the target is pruned to the files that may hold them. Not with
+    `truncated`: NOT MATCHED BY SOURCE must see every row (Spark then prunes nothing anyway)."""
+    if within and truncated:
+        raise ValueError("merge_sql: a key range (within) and truncated shards do not go together")
     key = [SHARD_COL, *cfg.primary_key]
     on = " AND ".join(f"t.{spark_ident(k)} = s.{spark_ident(k)}" for k in key)
     if within:
@@ -103,20 +105,26 @@ class KeyRange:
     hi: int | str
 
 
-def within_keys(ranges: dict[str, list[KeyRange]]) -> str:
+def within_keys(ranges: dict[str, list[KeyRange]]) -> str | None:
     """The target rows the source rows can match: per shard, every bounded key column between
-    the source's lowest and highest value of that shard. Literals only, so the condition reaches
-    the Iceberg scan as a filter and files outside the range are not read (a chunked bootstrap's
-    round touches only its chunks' key range, not the table loaded so far). Values travel as hex
-    literals (lake.tables.sql_string) or integers."""
+    the source's lowest and highest value of that shard; None for no shard (no range at all).
+    Literals only, so the condition reaches the Iceberg scan as a filter and files outside the
+    range are not read (a chunked bootstrap's round touches only its chunks' key range, not the
+    table loaded so far). Values travel as integers or as hex (`X'..'`, UTF-8): a string literal
+    would depend on the session's spark.sql.parser.escapedStringLiterals, and a bound read wrong
+    would turn a match into a second row."""
     per_shard = []
     for shard, cols in sorted(ranges.items()):
-        parts = [f"t.{spark_ident(SHARD_COL)} = {sql_string(shard)}"]
+        parts = [f"t.{spark_ident(SHARD_COL)} = {_text(shard)}"]
         for r in cols:
             c = f"t.{spark_ident(r.column)}"
             parts.append(f"{c} BETWEEN {_literal(r, r.lo)} AND {_literal(r, r.hi)}")
         per_shard.append("(" + " AND ".join(parts) + ")")
-    return " OR ".join(per_shard) if per_shard else "false"
+    return " OR ".join(per_shard) if per_shard else None
+
+
+def _text(v: str) -> str:
+    return f"CAST(X'{v.encode().hex()}' AS STRING)"
 
 
 def _literal(r: KeyRange, v: int | str) -> str:
@@ -128,5 +136,5 @@ def _literal(r: KeyRange, v: int | str) -> str:
     if r.spark_type in _INTEGRAL:
         return f"CAST({int(v)} AS {r.spark_type})"
     if kind == "text":
-        return sql_string(str(v)) if r.spark_type == "string" else f"CAST({sql_string(str(v))} AS {r.spark_type})"
+        return _text(str(v)) if r.spark_type == "string" else f"CAST({_text(str(v))} AS {r.spark_type})"
     raise ValueError(f"key column {r.column}: no range literal for type {r.spark_type}")

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from pyspark.sql import SparkSession
+    from pyspark.sql import DataFrame, SparkSession
 
 log = logging.getLogger(__name__)
 
@@ -27,8 +27,10 @@ ROUNDS = 2  # the second round runs what the first compiled: the JIT's hot metho
 
 def warm_server(url: str, workdir: Path, rows: int = 20_000) -> float:
     """Run the warm-up on the server at `url`, in a session of its own; returns its seconds.
-    workdir: a folder of the caller's for the scratch catalog (emptied before and after)."""
-    from cdc_lakehouse.runtime.session import connect_session
+    workdir: a folder for the scratch catalog, emptied before and after. The server writes there
+    and this process removes it, so it must be a folder both see: a server on this host (the
+    local stack's, a team's single-machine server)."""
+    from cdc_lakehouse.runtime.session import connect_session, release_spark
 
     started = time.monotonic()
     scratch = Path(workdir) / "warmup"
@@ -39,7 +41,7 @@ def warm_server(url: str, workdir: Path, rows: int = 20_000) -> float:
         for i in range(ROUNDS):
             _one_round(spark, scratch, rows, i)
     finally:
-        spark.stop()
+        release_spark(spark)
         shutil.rmtree(scratch, ignore_errors=True)
     seconds = time.monotonic() - started
     log.info("Spark Connect server %s warmed up in %.1fs", url, seconds)
@@ -66,13 +68,16 @@ def _one_round(spark: SparkSession, scratch: Path, rows: int, i: int) -> None:
         "PARTITIONED BY (shard) TBLPROPERTIES ('format-version'='2', 'write.merge.mode'='merge-on-read', "
         "'write.update.mode'='merge-on-read', 'write.delete.mode'='merge-on-read')"
     )
-    rows_of = lambda n, lsn: spark.range(n).select(  # noqa: E731
-        F.concat(F.lit("s"), (F.col("id") % 2).cast("string")).alias("shard"),
-        F.col("id").alias("k"),
-        F.sha2(F.col("id").cast("string"), 256).alias("v"),
-        F.lit(lsn).cast("bigint").alias("lsn"),
-        (F.col("id") % 7).alias("seq"),
-    )
+
+    def rows_of(n: int, lsn: int) -> DataFrame:
+        return spark.range(n).select(
+            F.concat(F.lit("s"), (F.col("id") % 2).cast("string")).alias("shard"),
+            F.col("id").alias("k"),
+            F.sha2(F.col("id").cast("string"), 256).alias("v"),
+            F.lit(lsn).cast("bigint").alias("lsn"),
+            (F.col("id") % 7).alias("seq"),
+        )
+
     rows_of(rows, 1).writeTo(table).append()
     events = scratch / f"events{i}"
     rows_of(rows // 10, 2).union(rows_of(rows // 10, 3)).write.parquet(str(events))
