@@ -155,11 +155,12 @@ def connect_server() -> Iterator[str]:
     t = time.time()
     server.start()
     print(f"Spark Connect server started (not timed): {time.time() - t:.1f}s", flush=True)
-    if os.environ.get("CDC_BENCH_WARM_SERVER") == "1":
+    warm = os.environ.get("CDC_BENCH_WARM_SERVER", "")
+    if warm == "1":
         from cdc_lakehouse.runtime.warmup import warm_server
 
         print(f"... and warmed up (not timed): {warm_server(server.url, server.workdir):.1f}s", flush=True)
-    elif os.environ.get("CDC_BENCH_WARM_SERVER") == "ingest":
+    elif warm == "ingest":
         from devstack.warm import warm_local_server
 
         print(

@@ -128,13 +128,15 @@ def _text(v: str) -> str:
 
 
 def _literal(r: KeyRange, v: int | str) -> str:
-    kind = range_kind(r.spark_type)
-    if kind == "micros":
-        return f"timestamp_micros({int(v)})"
-    if kind == "days":
-        return f"date_from_unix_date({int(v)})"
-    if r.spark_type in _INTEGRAL:
-        return f"CAST({int(v)} AS {r.spark_type})"
-    if kind == "text":
-        return _text(str(v)) if r.spark_type == "string" else f"CAST({_text(str(v))} AS {r.spark_type})"
+    match range_kind(r.spark_type):
+        case "micros":
+            return f"timestamp_micros({int(v)})"
+        case "days":
+            return f"date_from_unix_date({int(v)})"
+        case "text" if r.spark_type in _INTEGRAL:
+            return f"CAST({int(v)} AS {r.spark_type})"
+        case "text" if r.spark_type == "string":
+            return _text(str(v))
+        case "text":
+            return f"CAST({_text(str(v))} AS {r.spark_type})"  # decimal(p,s)
     raise ValueError(f"key column {r.column}: no range literal for type {r.spark_type}")
