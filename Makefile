@@ -28,7 +28,8 @@ airflow: airflow-init
 
 # Two pytest workers (pytest-xdist), one test file each at a time, sharing one Spark Connect
 # server (tests/conftest.py): the share of the suite one worker spends waiting on Airflow, Python
-# and PostgreSQL the other spends on Spark (BENCHMARKS.md, "Test suite"). TEST_WORKERS=0: one process.
+# and PostgreSQL the other spends on Spark (docs/benchmarks-history.md, "Test suite in two xdist
+# workers sharing one Spark Connect server"). TEST_WORKERS=0: one process.
 # Files go out in collection order (the end-to-end tests, the longest, first; the many quick unit
 # files last, to even out the end), not xdist's default of the files with most tests first.
 TEST_WORKERS ?= 2
@@ -58,37 +59,37 @@ bench: pg-start
 	@$(ENV) python bench/run.py $(BENCH_ARGS)
 
 # Derived trees (#17): ours full and incremental vs a naive level loop, per size in TREE_BLOCKS
-# (no PostgreSQL; about 25 min on 2 cores for both sizes). BENCHMARKS.md, "Derived trees".
+# (no PostgreSQL; about 25 min on 2 cores for both sizes). docs/benchmarks-history.md, "Derived trees".
 TREE_BLOCKS ?= 1000000 10000000
 bench-tree: setup
 	@$(ENV) for n in $(TREE_BLOCKS); do python bench/tree_bench.py --blocks $$n $(BENCH_TREE_ARGS) || exit 1; done
 
 # Serving export: ours full and incremental into the local Redis vs Redis's own bulk-load rate,
 # per rows:repeats in SERVING_RUNS (catalog in the local PostgreSQL, redis db 1; about 7 min on 2
-# cores for both). BENCHMARKS.md, "Serving export".
+# cores for both). docs/benchmarks-history.md, "Serving export".
 SERVING_RUNS ?= 1000000:3 10000000:1
 bench-serving: pg-start
 	@$(ENV) for nr in $(SERVING_RUNS); do python bench/serving_bench.py --rows $${nr%:*} --repeat $${nr#*:} $(BENCH_SERVING_ARGS) || exit 1; done
 
 # Change feed (#19): net changes of 1% changed keys vs a full scan, per size in FEED_ROWS
-# (no PostgreSQL). BENCHMARKS.md, "Change feed".
+# (no PostgreSQL). docs/benchmarks-history.md, "Change feed".
 FEED_ROWS ?= 10000000
 bench-feed: setup
 	@$(ENV) for n in $(FEED_ROWS); do python bench/feed_bench.py --rows $$n $(BENCH_FEED_ARGS) || exit 1; done
 
 # Other engines reading our current table (#37): Spark, Trino and DuckDB, one full scan each, per
-# size in READER_ROWS (the local stack's catalog: make pg-start). BENCHMARKS.md, "Other engines".
+# size in READER_ROWS (the local stack's catalog: make pg-start). docs/benchmarks-history.md, "Other engines".
 READER_ROWS ?= 2000000 20000000
 bench-readers: pg-start
 	@$(ENV) for n in $(READER_ROWS); do python bench/readers_bench.py --rows $$n $(BENCH_READERS_ARGS) || exit 1; done
 
 # Key-change chains (#19): the TOAST fill's graph step vs the old pass-per-link fill (no
-# PostgreSQL). BENCHMARKS.md, "Key-change chains".
+# PostgreSQL). docs/benchmarks-history.md, "Key-change chains".
 bench-remap: setup
 	@$(ENV) python bench/remap_bench.py $(BENCH_REMAP_ARGS)
 
 # Maintenance (#16): the snapshot-lineage check against full-scan checksums, same table.
-# BENCHMARKS.md, "Maintenance".
+# docs/benchmarks-history.md, "Maintenance".
 bench-maintenance: pg-start
 	@$(ENV) python bench/maintenance_bench.py $(BENCH_MAINTENANCE_ARGS)
 

@@ -5,7 +5,7 @@
   ingest_grid.png        apply time vs batch size, one panel per table size, one line per engine
   ingest_wa.png          write amplification vs batch size (bytes written / bytes of changed rows)
   ingest_table_size.png  the 200k-change batch into 2M and 20M rows, per engine
-The markdown tables it prints are the ones in BENCHMARKS.md.
+The markdown tables it prints are the ones in docs/benchmarks-history.md ("Ingest: batch size x table size").
 """
 
 from __future__ import annotations

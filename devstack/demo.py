@@ -72,7 +72,7 @@ def dags_test(dag_id: str, logical_date: datetime | None = None, conf: str | Non
 
     The CLI's own function, called in this process: Airflow's start, its in-process execution API
     and the imports of the tasks that run in Airflow (capture) are paid once for the demo rather
-    than once per DAG run (about 10 s each here, BENCHMARKS.md "`make demo`")."""
+    than once per DAG run (about 10 s each here, docs/benchmarks-history.md "`make demo`")."""
     from airflow.cli.commands import dag_command
 
     t = time.time()

@@ -2,8 +2,8 @@
 small synthetic batch (the bench's workload: bench/workload.py) into a scratch lake of its own,
 a Hadoop catalog in the server's folder. It does what the shipped, generic warm-up
 (cdc_lakehouse.runtime.warmup) does, and more: the ingest's own plans are compiled and its code
-paths hot when the demo's first task arrives (BENCHMARKS.md, "Spark Connect: the first task on a
-new server"). The bench's generator is why this lives in the local stack, not the package."""
+paths hot when the demo's first task arrives (docs/benchmarks-history.md, "Spark Connect: the first task
+on a new server"). The bench's generator is why this lives in the local stack, not the package."""
 
 from __future__ import annotations
 

@@ -280,7 +280,7 @@ class BootstrapConfig(_Model):
     fetch_size: int = Field(10_000, ge=100)
     # jdbc: Spark's JDBC reader; copy: COPY ... TO STDOUT (CSV) parsed into Arrow on the executors
     # (bootstrap/copy_read.py). Same query, snapshot, cap and casts. jdbc is the default because it
-    # measured faster here (10M rows, read alone: 29.8 s vs 42.4 s, COPY 29.7 s; BENCHMARKS.md).
+    # measured faster here (10M rows, read alone: 29.8 s vs 42.4 s, COPY 29.7 s; docs/benchmarks-history.md).
     reader: Literal["jdbc", "copy"] = "jdbc"
     # snapshot: one exported snapshot per endpoint for the whole read (bootstrap/snapshot.py).
     # chunked: key-range chunks between WAL watermarks, nothing held open between chunks,
@@ -288,7 +288,7 @@ class BootstrapConfig(_Model):
     # (pg_class.reltuples, summed over the shards) reaches auto_chunked_rows.
     mode: Literal["snapshot", "chunked", "auto"] = "auto"
     chunk_rows: int = Field(50_000, ge=1, le=10_000_000)
-    # 5M rows: about a minute of exported snapshot on the 2-core machine (BENCHMARKS.md, ~90k
+    # 5M rows: about a minute of exported snapshot on the 2-core machine (docs/benchmarks-history.md, ~90k
     # rows/s), short enough that the snapshot's held xmin costs little vacuum; above it, the
     # hours-long snapshot that issue #21 is about starts to matter, and chunking pays for its
     # per-chunk MERGE. Small tables keep the snapshot mode, which is faster.

@@ -8,7 +8,7 @@ maintenance; then a rerun of the first interval. The audit verdict must be clean
 
 The Spark tasks are clients of the session's Spark Connect server, reached as the demo reaches the
 local stack's (CDC_LOCAL_SPARK_PORT): a second server would cost its start and a second cold JIT
-(about 100 s here, BENCHMARKS.md "Test suite"). Starting that server is what every session does
+(about 100 s here, docs/benchmarks-history.md "Test suite"). Starting that server is what every session does
 (tests/conftest.py spark_server); a spark-submit per task is covered by test_secrets.py and
 test_cluster.py.
 """

@@ -365,7 +365,7 @@ def test_source_endpoint_parsing():
 # 13 since the table-side TOAST fill (ingest.run.fill_from_table): a batch with unchanged TOAST
 # values the batch cannot supply (this test's workload has them) broadcasts the values the
 # classification fetched (+1). In exchange the MERGE no longer carries the TOAST columns through
-# its shuffle of the whole table: 37.7 -> 25.7 s at 20M rows (BENCHMARKS.md).
+# its shuffle of the whole table: 37.7 -> 25.7 s at 20M rows (docs/benchmarks-history.md).
 # 18 on Spark Connect (2026-11-26, Spark 4.1.3; the suite's session is a Connect client): a
 # materialized plan costs 4 jobs where a classic session's localCheckpoint cost 2 (runtime.phases.
 # materialize persists and runs a no-op write so Connect delivers the plan's observations, then

@@ -558,7 +558,7 @@ def round_key_range(cfg: TableConfig, frame: DataFrame) -> str | None:
     """The key range of a round's rows, per shard (ingest.merge.within_keys): its MERGE then reads
     only the table's files that may hold those keys. Chunks come in key order, so the rounds
     before wrote files below the range, and each round costs its own rows, not the table loaded so
-    far (BENCHMARKS.md, "A chunked bootstrap's round"). Text keys come in the source's collation
+    far (docs/benchmarks-history.md, "A chunked bootstrap's round"). Text keys come in the source's collation
     order, which Spark's byte order need not follow: their range is still exact for the round's
     rows, it only prunes less. None when no key column can be bounded."""
     from pyspark.sql import functions as F

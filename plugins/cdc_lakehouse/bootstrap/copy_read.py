@@ -1,7 +1,7 @@
 """The snapshot read through `COPY (SELECT ...) TO STDOUT`, parsed into Arrow on the executors.
 
 `bootstrap.reader: copy`; the default, `jdbc`, is Spark's JDBC reader, which measured faster on
-the 2-core machine (BENCHMARKS.md: 10M rows read alone in 29.8 s against 42.4 s here, COPY itself
+the 2-core machine (docs/benchmarks-history.md: 10M rows read alone in 29.8 s against 42.4 s here, COPY itself
 29.7 s): Spark's JDBC reader already reads at COPY's rate there, and this path adds a Python worker
 per task and the Arrow hand-over. Both send the same SELECT (text_select_list: every column as the text its output function
 prints) under the same exported snapshot, and both hand the same text columns to typed_rows, so

@@ -400,7 +400,7 @@ def prepare_changes(spark: SparkSession, cfg: TableConfig, b: Batch, fb: FusedBa
     totals: ReducedTotals | None = fb.counts
     if fb.needs_multipass_fill():
         # Over the whole batch: narrowed to the keys key changes touch, it cost 7 Spark jobs more
-        # and no time on the demo's batches (BENCHMARKS.md, "make demo"): the fill's cost is its
+        # and no time on the demo's batches (docs/benchmarks-history.md, "make demo"): the fill's cost is its
         # ~30 small jobs, not the rows.
         log.info("%s: multi-pass TOAST fill (pk_unresolved %d)", cfg.name, fb.counts.pk_unresolved)
         events = local_checkpoint(fill_unavailable(events.drop(UNAV_LEFT, NO_TABLE), current, cfg, names))
@@ -490,7 +490,7 @@ def reduce_and_classify(
         reduced = local_checkpoint(reduced.join(held.select(*key), key, "left_anti"))
     if counts_from_merge(cfg, totals):
         # Nothing to read from the table: the MERGE's snapshot summary counts what it did, so the
-        # table is not scanned (bench/ingest_bench.py --toast-share 0: BENCHMARKS.md, #38).
+        # table is not scanned (bench/ingest_bench.py --toast-share 0: docs/benchmarks-history.md, #38).
         return reduced, Outcome(totals.reduced - n_held, n_held, totals.min_ts, totals.max_ts, counted=False)
     # The unchanged TOAST values the batch could not supply are read from the table here, with the
     # keys it scans anyway, for the matched rows only: the MERGE then never references the

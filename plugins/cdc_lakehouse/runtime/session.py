@@ -65,7 +65,7 @@ def server_conf() -> dict[str, str]:
         "spark.ui.showConsoleProgress": "false",
         # Spark keeps 100 generated classes; one ingest's MERGE, writes and meta tables generate
         # more, so the next run's fused plan recompiled and ran its new classes unwarmed (about 2 s
-        # of its 6 s, measured; see BENCHMARKS.md). A long-lived server keeps them all.
+        # of its 6 s, measured; see docs/benchmarks-history.md). A long-lived server keeps them all.
         "spark.sql.codegen.cache.maxEntries": "1000",
         # The UI's environment and SQL tabs, event logs and history server show session settings
         # too (the catalog password, S3 keys set per session). Spark's default,

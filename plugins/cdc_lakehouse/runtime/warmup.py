@@ -1,7 +1,7 @@
 """Warm a freshly started Spark Connect server before the first task reaches it.
 
 A new server's first ingest took 27.7 s where the next took 12.8 s (bench/task_bench.py,
-BENCHMARKS.md "Spark Connect: the first task on a new server"): the JVM loads and compiles
+docs/benchmarks-history.md "Spark Connect: the first task on a new server"): the JVM loads and compiles
 Spark's planner, Iceberg's write path and the Parquet writers on first use. warm_server runs the
 ingest's kinds of work once on a scratch catalog of its own (a Hadoop catalog in a local folder),
 so none of it touches a lake and no secret is needed: a Parquet read, the per-key window, an

@@ -334,7 +334,7 @@ def _write_batches(batches, *, kind, uri, options, ns, version, key, values, val
     """Executor side (mapInArrow): encode and write one partition's Arrow batches; rows whose
     `_present` is false are deletes. Yields one row: how many upserts and deletes it wrote.
 
-    Arrow batches, not Rows: Row objects cost a third of a full export's write time (BENCHMARKS.md)."""
+    Arrow batches, not Rows: Row objects cost a third of a full export's write time (docs/benchmarks-history.md)."""
     import pyarrow as pa
 
     store = open_store(kind, uri, **options)
