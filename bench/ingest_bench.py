@@ -5,6 +5,8 @@
 Engines, each on the same base table and the same batch, each checked against the same
 expected final state (computed by DuckDB from the inputs):
   ours-mor / ours-cow   cdc_lakehouse.ingest.run (validate, changelog, pre-combine, LSN-guarded MERGE)
+                        of the batch landed typed, as the capture lands it (format 2)
+  ours-text             ours-mor of the same batch landed as text (format 1, before issue #56)
   ours-mor-shuffle, ours-mor-colocated   ours-mor with ingest.merge_join forced (default auto)
                         on Spark + Iceberg, merge-on-read / copy-on-write
   spark-merge           a plain Spark MERGE of the pre-combined batch into the same Iceberg layout:
@@ -38,9 +40,10 @@ WORK = Path(os.environ.get("CDC_BENCH_WORK", HERE / ".work"))
 ENGINES = ["ours-mor", "ours-cow", "spark-merge", "pyiceberg", "delta", "rewrite"]
 
 
-def prepare(rows: int, changes: int, toast_share: float = 0.3) -> dict:
+def prepare(rows: int, changes: int, toast_share: float = 0.3, landing_format: int = 2) -> dict:
     """Base table and batch on disk (cached), with the expected checksum. toast_share: the share
-    of updates that leave the content column out (an unchanged TOAST value)."""
+    of updates that leave the content column out (an unchanged TOAST value); landing_format: 2,
+    typed as the capture lands it now, or 1, the text landing of before issue #56."""
     import pyarrow.parquet as pq
 
     from bench.workload import base_table, change_batch, expected_checksum, reduced_changes, write_landing
@@ -60,11 +63,14 @@ def prepare(rows: int, changes: int, toast_share: float = 0.3) -> dict:
         writer.close()
         tmp.rename(base)
     # v2: no update after a delete of the same key; v3: landing row groups of the capture's size.
-    bdir = d / (f"c{changes}-v3" if toast_share == 0.3 else f"c{changes}-t{toast_share:g}-v3")
+    fmt = "v3" if landing_format == 1 else "v4-typed"
+    bdir = d / (f"c{changes}-{fmt}" if toast_share == 0.3 else f"c{changes}-t{toast_share:g}-{fmt}")
     meta = bdir / "meta.json"
     if not meta.exists():
         batch = change_batch(rows, changes, toast_share=toast_share)
-        write_landing(batch, bdir / "landing", "bench", "20260601T010000Z", start_lsn=500)
+        write_landing(
+            batch, bdir / "landing", "bench", "20260601T010000Z", start_lsn=500, landing_format=landing_format
+        )
         reduced = reduced_changes(batch, str(base))
         pq.write_table(reduced, bdir / "reduced.parquet")
         info = {
@@ -465,8 +471,11 @@ def main() -> int:
     args = p.parse_args()
     prep = prepare(args.rows, args.changes, args.toast_share)
     if args.worker:
+        # ours-text: the same batch landed as text (format 1, the capture's format before #56).
+        text = lambda: prepare(args.rows, args.changes, args.toast_share, landing_format=1)  # noqa: E731
         fn = {
             "ours-mor": lambda: run_ours("merge-on-read", prep, args.rows, args.repeat),
+            "ours-text": lambda: run_ours("merge-on-read", text(), args.rows, args.repeat),
             "ours-cow": lambda: run_ours("copy-on-write", prep, args.rows, args.repeat),
             "ours-mor-shuffle": lambda: run_ours("merge-on-read", prep, args.rows, args.repeat, "shuffle"),
             "ours-mor-colocated": lambda: run_ours("merge-on-read", prep, args.rows, args.repeat, "colocated"),

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+from cdc_lakehouse.landing.format import TYPED_FORMAT
 from cdc_lakehouse.landing.writer import ROW_GROUP_ROWS
 
 SHARDS = ["s0", "s1", "s2", "s3"]
@@ -173,13 +174,18 @@ def change_batch(rows: int, changes: int, seed: int = 2, toast_share: float = 0.
     return Batch(table, n, n_upd, n_ins, n_del, int(toast.sum()))
 
 
-def write_landing(batch: Batch, root: Path, endpoint: str, run_id: str, start_lsn: int) -> dict:
-    """The batch as one capture run: Parquet files and a manifest, as capture would write them."""
+def write_landing(
+    batch: Batch, root: Path, endpoint: str, run_id: str, start_lsn: int, landing_format: int = TYPED_FORMAT
+) -> dict:
+    """The batch as one capture run: Parquet files and a manifest, as capture would write them:
+    typed (format 2) through the capture's own writer, or as text (format 1, before issue #56)."""
     d = root / endpoint / "block" / f"run={run_id}"
     d.mkdir(parents=True, exist_ok=True)
     files = []
     per_file = 500_000
-    for i in range(0, batch.table.num_rows, per_file):
+    if landing_format == TYPED_FORMAT:
+        files = _write_typed(batch, d, endpoint, run_id, per_file)
+    for i in range(0, batch.table.num_rows if landing_format != TYPED_FORMAT else 0, per_file):
         name = f"part-{i // per_file:05d}.parquet"
         # Row groups as the capture's writer flushes them (landing.writer.ROW_GROUP_ROWS).
         pq.write_table(batch.table.slice(i, per_file), d / name, compression="snappy", row_group_size=ROW_GROUP_ROWS)
@@ -189,7 +195,7 @@ def write_landing(batch: Batch, root: Path, endpoint: str, run_id: str, start_ls
     max_lsn = int(np.max(batch.table.column("source").combine_chunks().field("commit_lsn")))
     schemas = {f"{s}.block": json.loads(SCHEMA_JSON) for s in SHARDS}
     manifest = {
-        "format": 1,
+        "format": landing_format,
         "run_id": run_id,
         "endpoint": endpoint,
         "start_lsn": start_lsn,
@@ -218,6 +224,35 @@ def write_landing(batch: Batch, root: Path, endpoint: str, run_id: str, start_ls
     mdir.mkdir(parents=True, exist_ok=True)
     (mdir / f"{run_id}.json").write_text(json.dumps(manifest))
     return manifest
+
+
+def _write_typed(batch: Batch, d: Path, endpoint: str, run_id: str, per_file: int) -> list[dict]:
+    """The batch's events through landing.writer.TableWriter (the capture's writer: values typed
+    per column at each row group); returns the manifest's file entries."""
+    from cdc_lakehouse.landing.writer import ImageColumns, TableWriter
+
+    names = [n for n, _, _ in COLUMNS]
+    image = ImageColumns(tuple((n, lt) for n, _, lt in COLUMNS), SCHEMA_JSON)
+    consts = {
+        "connector": "postgresql",
+        "endpoint": endpoint,
+        "host": "bench",
+        "db": "bench",
+        "ts_ms": 0,
+        "run_id": run_id,
+    }
+    w = TableWriter(d, consts, file_rows=per_file, table="block")
+    t = batch.table
+    src = t.column("source").combine_chunks()
+    ts_us = src.field("commit_ts").cast(pa.int64()).to_pylist()
+    cols = [src.field(k).to_pylist() for k in ("schema", "commit_lsn", "lsn", "xid", "seq")]
+    for i, (op, before, after, unav) in enumerate(
+        zip(*(t.column(c).to_pylist() for c in ("op", "before", "after", "unavailable")), strict=True)
+    ):
+        images = [None if img is None else [dict(img).get(n) for n in names] for img in (before, after)]
+        schema, commit_lsn, lsn, xid, seq = (c[i] for c in cols)
+        w.add(op, images[0], images[1], unav, schema, image, commit_lsn, lsn, xid, seq, ts_us[i])
+    return [f.to_dict() for f in w.close()]
 
 
 def reduced_changes(batch: Batch, base_path: str):

@@ -92,6 +92,59 @@ def duplicate_file(lake, endpoint: str, run_id: str, table: str) -> None:
     _update_manifest(lake, endpoint, run_id, fn)
 
 
+def pg_text(value):
+    """A typed landing value as PostgreSQL printed it (what format 1 held): tests that read the
+    landing files compare the text the source sent, whichever format carried it."""
+    import datetime as dt
+    import math
+    from decimal import Decimal
+
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, bool):
+        return "t" if value else "f"
+    if isinstance(value, int | Decimal):
+        return str(value)
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "NaN"
+        if math.isinf(value):
+            return "Infinity" if value > 0 else "-Infinity"
+        return repr(value)
+    if isinstance(value, bytes):
+        return "\\x" + value.hex()
+    if isinstance(value, dt.datetime):
+        text = value.strftime("%Y-%m-%d %H:%M:%S") + (
+            f".{value.microsecond:06d}".rstrip("0") if value.microsecond else ""
+        )
+        return text + ("+00" if value.tzinfo is not None else "")
+    if isinstance(value, dt.date):
+        return value.isoformat()
+    if isinstance(value, list):
+        return json.dumps([pg_text(v) for v in value], separators=(",", ":"))
+    raise TypeError(f"no text for {value!r}")
+
+
+def landed_rows(source) -> list[dict]:
+    """The events of a landing file (a path or a file object) in format 1's shape whatever format
+    it is in: images as (column, text) pairs; a typed image's value as PostgreSQL printed it
+    (pg_text; the text kept at capture for a value that did not fit), its unchanged TOAST columns
+    absent, and an old image's columns the source did not send (key-only) absent."""
+    t = pq.read_table(source)
+    rows = t.to_pylist()
+    if "after_raw" not in t.schema.names:
+        return rows
+    for r in rows:
+        for image in ("before", "after"):
+            values, raw = r[image], dict(r.pop(image + "_raw") or [])
+            if values is None:
+                continue
+            skip = set(r["unavailable"] or [])
+            pairs = [(k, raw.get(k, pg_text(v))) for k, v in values.items() if k not in skip]
+            r[image] = [(k, v) for k, v in pairs if v is not None] if image == "before" else pairs
+    return rows
+
+
 def append_malformed(lake, endpoint: str, run_id: str, table: str, rows: list[dict]) -> None:
     """Malformed events written into a run (as a broken producer would): rows built from a real event."""
 
@@ -108,6 +161,8 @@ def append_malformed(lake, endpoint: str, run_id: str, table: str, rows: list[di
             for k, v in r.items():
                 if k == "source":
                     ev["source"].update(v)
+                elif f.get("columns") and k in ("before", "after"):
+                    ev[k], ev[k + "_raw"] = _typed_image(v, dict(f["columns"]))
                 else:
                     ev[k] = v
             extra.append(ev)
@@ -117,6 +172,39 @@ def append_malformed(lake, endpoint: str, run_id: str, table: str, rows: list[di
         f["bytes"] = path.stat().st_size
 
     _update_manifest(lake, endpoint, run_id, fn)
+
+
+def as_text_run(lake, endpoint: str, run_id: str) -> None:
+    """Rewrite a captured run as the capture wrote it before typed landing (format 1: images as
+    maps of PostgreSQL text, no columns per file): a run in flight across the upgrade."""
+    from cdc_lakehouse.landing.format import TEXT_FORMAT, landing_arrow_schema
+
+    def fn(m):
+        m["format"] = TEXT_FORMAT
+        for entry in m["tables"]:
+            for f in entry["files"]:
+                path = landing_root(lake) / entry["dir"] / f["name"]
+                pq.write_table(pa.Table.from_pylist(landed_rows(path), schema=landing_arrow_schema()), path)
+                f.pop("columns", None)
+                f["bytes"] = path.stat().st_size
+
+    _update_manifest(lake, endpoint, run_id, fn)
+
+
+def _typed_image(pairs, types: dict[str, str]):
+    """(column, text) pairs as a typed landing image and its kept text, as the capture lands them
+    (landing.values): a text that does not fit its column's type is kept as text."""
+    from cdc_lakehouse.landing.values import typed_column
+
+    if pairs is None:
+        return None, None
+    image, raw = dict.fromkeys(types), []
+    for k, text in pairs:
+        if k in types:
+            arr, misfits = typed_column([text], types[k])
+            image[k] = arr[0].as_py()
+            raw += [(k, text)] if misfits else []
+    return image, raw or None
 
 
 def init_airflow_home(env: dict[str, str]) -> None:

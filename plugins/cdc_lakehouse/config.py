@@ -584,6 +584,24 @@ class ConfigSet:
                 tables[t.source.table] = (schemas + [s for s in g.schemas if s not in schemas], t.primary_key)
         return out
 
+    def endpoint_column_types(self) -> dict[str, dict[str, dict[str, str]]]:
+        """endpoint id -> source table -> column -> the lake type its configs read it as
+        (column_types). Configs that read one column as two types (or one of them as its own
+        type) get `string`: its values then land as text, which either type is cast from."""
+        out: dict[str, dict[str, dict[str, str]]] = {}
+        for endpoint, members in self.endpoints().items():
+            readers: dict[str, list[dict[str, str]]] = {}
+            for t, _ in members:
+                readers.setdefault(t.source.table, []).append(t.column_types)
+            out[endpoint] = {table: _agreed_types(types) for table, types in readers.items()}
+        return out
+
+
+def _agreed_types(column_types: list[dict[str, str]]) -> dict[str, str]:
+    columns = {c for types in column_types for c in types}
+    agreed = {c: {types.get(c) for types in column_types} for c in columns}
+    return {c: (next(iter(ts)) or "string") if len(ts) == 1 else "string" for c, ts in agreed.items() if ts != {None}}
+
 
 def _fix_for(loc: str, err: ErrorDetails) -> str:
     kind = err.get("type", "")

@@ -10,7 +10,6 @@ import threading
 import time
 
 import psycopg2
-import pyarrow.parquet as pq
 import pytest
 from cdc_lakehouse.capture.run import CaptureLimits, CaptureResult, capture_run
 from cdc_lakehouse.landing.format import manifest_path
@@ -22,6 +21,7 @@ from cdc_lakehouse.source.slots import slot_name as source_slot_name
 from cdc_lakehouse.source.slots import slot_state
 
 from tests.conftest import ROOT
+from tests.helpers import landed_rows
 
 TYPES_DDL = """
 CREATE TABLE {s}.items (
@@ -61,7 +61,7 @@ def events_of(store: LocalLanding, run: CaptureResult) -> list[dict]:
     out = []
     for entry in run.manifest.tables:
         for f in entry.files:
-            out += pq.read_table(store.root / entry.dir / f.name).to_pylist()
+            out += landed_rows(store.root / entry.dir / f.name)
     return sorted(out, key=lambda e: (e["source"]["commit_lsn"], e["source"]["seq"]))
 
 
@@ -496,6 +496,6 @@ def test_s3_landing_through_the_amazon_provider(db, s3_server, monkeypatch):
     assert [x.run_id for x in list_manifests(store, "ep")] == ["r1", "r2"]
     key = f"landing/{m.manifest.tables[0].dir}/{m.manifest.tables[0].files[0].name}"
     body = S3Hook(aws_conn_id="cdc_test_s3_capture").get_key(key, bucket_name="cdc-capture-lake").get()["Body"].read()
-    rows = pq.read_table(io.BytesIO(body)).to_pylist()
+    rows = landed_rows(io.BytesIO(body))
     assert sorted(kv(r["after"])["title"] for r in rows) == ["too"]
     assert capture_run(ep, dsn, store, "r2").reused

@@ -18,7 +18,7 @@ from cdc_lakehouse.settings import SourceEndpoint
 from pyspark.sql import functions as F
 
 from tests.conftest import ROOT
-from tests.helpers import append_malformed, assert_lake_equals_source, duplicate_file, landing_root
+from tests.helpers import append_malformed, as_text_run, assert_lake_equals_source, duplicate_file, landing_root
 
 
 def quarantined(spark, lake, table):
@@ -391,3 +391,22 @@ def test_ingest_stays_within_its_spark_job_budget(source, spark, lake):
     print(f"metadata reads: {r.spark_metadata_jobs} (budget {INGEST_METADATA_READ_BUDGET})")
     assert 0 < r.spark_jobs <= INGEST_JOB_BUDGET, r.spark_jobs
     assert r.spark_metadata_jobs <= INGEST_METADATA_READ_BUDGET, r.spark_metadata_jobs
+
+
+def test_a_landing_written_as_text_then_typed_ingests_into_one_table_equal_to_the_source(source, spark, lake):
+    """An upgrade with runs in flight (issue #56): runs the capture wrote as text (format 1) before
+    it typed values where they enter (format 2) are still read, alone, and in one batch with
+    typed runs; the table ends equal to the source, every type of the block table included."""
+    s = source
+    s.capture()
+    s.bootstrap(s.block)
+    runs = []
+    for _ in range(4):
+        s.wl.step(400, pk_changes=2)
+        runs.append(s.capture().manifest.run_id)
+    as_text_run(lake, s.endpoint, runs[0])
+    as_text_run(lake, s.endpoint, runs[1])
+    for upto in (runs[0], runs[2], runs[3]):  # text alone; text and typed in one batch; typed alone
+        r = s.ingest(s.block, upto, run=f"u{upto}")
+        assert r.metrics.status == "ok" and r.metrics.quarantined == 0 and r.metrics.events_read > 0, r
+    assert_lake_equals_source(spark, lake, s.block, s.dsn)

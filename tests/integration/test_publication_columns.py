@@ -5,7 +5,6 @@ captured events carry no unconsumed column; tables read whole, or read by no con
 from __future__ import annotations
 
 import psycopg2
-import pyarrow.parquet as pq
 import pytest
 from cdc_lakehouse.capture.run import CaptureResult, capture_run
 from cdc_lakehouse.landing.stores import LocalLanding
@@ -13,6 +12,7 @@ from cdc_lakehouse.source.catalog import EndpointTables
 from cdc_lakehouse.source.publication import consumed_column_lists
 
 from tests.conftest import make_config
+from tests.helpers import landed_rows
 from tests.integration.test_consumed_columns import _attnames
 
 
@@ -39,7 +39,7 @@ def _landed(store, run: CaptureResult, table: str) -> list[dict]:
     for entry in run.manifest.tables:
         if entry.table == table:
             for f in entry.files:
-                rows += pq.read_table(store.root / entry.dir / f.name).to_pylist()
+                rows += landed_rows(store.root / entry.dir / f.name)
     return rows
 
 

@@ -57,7 +57,7 @@ from pyspark.sql import functions as F
 from pyspark.testing import assertDataFrameEqual
 
 from tests.conftest import ROOT, make_config
-from tests.helpers import source_df
+from tests.helpers import landed_rows, source_df
 
 DEFAULT_SEED = 22
 SEED = int(os.environ.get("CDC_RANDOM_SEED") or DEFAULT_SEED)
@@ -407,12 +407,11 @@ def lake_problems(spark, lake, cfg, servers: list[Server]) -> list[str]:
 
 def landed_cases(store: LocalLanding, servers: list[Server]) -> Counter:
     """What kinds of events the capture landed, from the landing files."""
-    import pyarrow.parquet as pq
 
     seen: Counter = Counter()
     for srv in servers:
         for f in sorted((store.root / srv.endpoint_id / TABLE).glob("run=*/*.parquet")):
-            for e in pq.read_table(f, columns=["op", "before", "after", "unavailable"]).to_pylist():
+            for e in landed_rows(f):
                 before, after = dict(e["before"] or []), dict(e["after"] or [])
                 unchanged = "body" in (e["unavailable"] or [])
                 seen[{"c": "insert", "u": "update", "d": "delete", "t": "truncate"}[e["op"]]] += 1

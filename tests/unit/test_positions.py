@@ -175,12 +175,13 @@ def test_a_quiet_shard_missing_a_column_added_elsewhere_is_no_drop():
 
 def test_the_landing_buffer_is_bounded_in_bytes_not_only_rows(tmp_path):
     """A few events with huge TOAST values must not wait for batch_rows before reaching disk."""
-    from cdc_lakehouse.landing.writer import TableWriter
+    from cdc_lakehouse.landing.writer import ImageColumns, TableWriter
 
     consts = {"connector": "postgresql", "endpoint": "e", "host": "h", "db": "d", "ts_ms": 0, "run_id": "r"}
     w = TableWriter(tmp_path, consts, batch_rows=20_000, batch_bytes=3_000_000)
     big = "x" * 1_000_000
+    image = ImageColumns((("id", "bigint"), ("body", "string")), "[]")
     for i in range(7):
-        w.add("c", None, [("id", str(i)), ("body", big)], None, "s0", "t", 1, i, 1, i, 0, "[]", size=len(big))
+        w.add("c", None, [str(i), big], None, "s0", image, 1, i, 1, i, 0, size=len(big))
     files = w.close()
-    assert w.flushes == 3 and sum(f["rows"] for f in files) == 7  # 3 + 3 + the last 1
+    assert w.flushes == 3 and sum(f.rows for f in files) == 7  # 3 + 3 + the last 1

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import logging
 import time  # time.sleep: tests patch it (through audit.run.time) to skip the back-off
+from dataclasses import replace
 from typing import TYPE_CHECKING, TypeGuard
 
 from cdc_lakehouse.audit.errors import AuditFailed
 from cdc_lakehouse.config import SHARD_COL, TableConfig
+from cdc_lakehouse.ingest.landed import images_of, read_landed
 from cdc_lakehouse.lake.casts import cast_text
 from cdc_lakehouse.lake.watermark import Watermark, shard_lsn_map
-from cdc_lakehouse.landing.format import landing_spark_schema
 from cdc_lakehouse.landing.reader import LandingFS, SparkLanding
 from cdc_lakehouse.settings import LakeSettings, SourceEndpoint
 from cdc_lakehouse.source.publication import PUBLICATION
@@ -50,20 +51,18 @@ def inflight_from_landing(
         shard_pairs += [F.lit(f"{g.endpoint_id}/{schema}"), F.lit(shard)]
     shard_col = F.create_map(*shard_pairs)[F.concat_ws("/", "source.endpoint", "source.schema")]
     floor = shard_lsn_map(wm)
-    ev = (
-        spark.read.schema(landing_spark_schema())
-        .parquet(*files)
-        .filter(F.col("source.table") == cfg.source.table)
-        .withColumn(SHARD_COL, shard_col)
-        .filter(F.col(SHARD_COL).isNotNull() & (F.col("source.commit_lsn") >= floor[F.col(SHARD_COL)]))
-    )
-    parts = []
-    for image in ("after", "before"):
-        parts.append(
-            ev.filter(F.col(image).isNotNull()).select(
-                SHARD_COL, *[cast_text(F.col(image)[c], t).alias(c) for c, t in key_cols]
-            )
+    landed = read_landed(spark, cfg, replace(plan, files=files))
+    parts, events = [], []
+    for frame in landed.frames:
+        images = images_of(frame, landed)
+        ev = frame.rows.withColumn(SHARD_COL, shard_col).filter(
+            F.col(SHARD_COL).isNotNull() & (F.col("source.commit_lsn") >= floor[F.col(SHARD_COL)])
         )
+        events.append(ev.select(SHARD_COL, "op"))
+        for image in ("after", "before"):
+            keys = [images.value(c, t, image)[0].alias(c) for c, t in key_cols]
+            parts.append(ev.filter(images.present(image)).select(SHARD_COL, *keys))
+    ev = reduce(lambda a, b: a.unionByName(b), events)
     trunc = [r[0] for r in ev.filter(F.col("op") == "t").select(SHARD_COL).distinct().collect()]
     out = reduce(lambda a, b: a.unionByName(b), parts).withColumn("_all", F.lit(False))
     if trunc:

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from cdc_lakehouse.capture.events import Rel, key_pairs, row_pairs, schema_diff
+from cdc_lakehouse.capture.events import Rel, old_values, row_values, schema_diff
 from cdc_lakehouse.capture.positions import ATTEMPTS_DIR, confirm
-from cdc_lakehouse.landing.format import manifest_path, run_dir
+from cdc_lakehouse.landing.format import FORMAT_VERSION, manifest_path, run_dir
 from cdc_lakehouse.landing.writer import TableWriter
 from cdc_lakehouse.runtime.failpoints import crash_point
 from cdc_lakehouse.source.catalog import EndpointTables
@@ -185,19 +185,15 @@ class Stream:
             self.tx_heartbeat_schemas.append(r.rel.schema)
             return
         # pgoutput sends the new row with an insert or update, the old key or row with a delete.
-        if m.kind == "I":
+        before = after = unavailable = None
+        if m.kind != "D":
             assert m.new is not None
-            op, before = "c", None
-            after, unavailable = row_pairs(r, m.new)
-        elif m.kind == "U":
-            assert m.new is not None
-            op = "u"
-            before = key_pairs(r, m.old, m.old_is_key) if m.old is not None else None
-            after, unavailable = row_pairs(r, m.new)
-        else:
-            assert m.old is not None
-            op, after, unavailable = "d", None, None
-            before = key_pairs(r, m.old, m.old_is_key)
+            after, missing = row_values(m.new)
+            if missing:
+                unavailable = [r.names[i] for i in missing]
+        if m.old is not None:
+            before = old_values(r, m.old, m.old_is_key)
+        op = "c" if m.kind == "I" else "u" if m.kind == "U" else "d"
         self._add(r, op, before, after, unavailable, data_start, size)
 
     def _on_message(self, payload: bytes) -> None:
@@ -280,13 +276,12 @@ class Stream:
             after,
             unavailable,
             r.rel.schema,
-            name,
+            r.image,
             tx.final_lsn,
             data_start,
             tx.xid,
             self.seq,
             self.tx_commit_us,
-            r.schema_json,
             size,
         )
         self.events += 1
@@ -295,7 +290,7 @@ class Stream:
         d = self.staging / table
         d.mkdir()
         lim = self.limits
-        self.writers[table] = TableWriter(d, self.consts, lim.batch_rows, lim.file_rows, lim.batch_bytes)
+        self.writers[table] = TableWriter(d, self.consts, lim.batch_rows, lim.file_rows, lim.batch_bytes, table)
         return self.writers[table]
 
     def _on_commit(self, m: Commit) -> None:
@@ -318,7 +313,7 @@ class Stream:
         self.tx = None
 
     def _on_relation(self, m: Relation, data_start: int = 0) -> None:
-        r = Rel(m, self.start.type_lookup)
+        r = Rel(m, self.start.type_lookup, self.ep.column_types.get(m.name))
         self.rels[m.oid] = r
         if r.heartbeat:
             return
@@ -368,7 +363,7 @@ class Stream:
                 {
                     "table": name,
                     "dir": rel,
-                    "files": files,
+                    "files": [f.to_dict() for f in files],
                     "events": w.rows,
                     "min_commit_lsn": w.min_commit_lsn,
                     "max_commit_lsn": w.max_commit_lsn,
@@ -385,7 +380,7 @@ class Stream:
         # whole run. The ingest checks its shards against this before moving their watermark.
         published_end = start.published()
         manifest = {
-            "format": 1,
+            "format": FORMAT_VERSION,
             "run_id": self.run_id,
             "endpoint": self.ep.endpoint_id,
             "conn_id": self.ep.conn_id,

@@ -24,6 +24,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any, Self
 
 from cdc_lakehouse.config import COMMIT_TS_COL, LSN_COL, OP_COL, SEQ_COL, SHARD_COL, TableConfig
+from cdc_lakehouse.ingest.landed import Landed
 from cdc_lakehouse.ingest.reduce import split_pk_changes
 from cdc_lakehouse.ingest.toast import NO_TABLE, UNAV_LEFT
 from cdc_lakehouse.ingest.validate import BKEY, PKCHANGE, REASONS, typed_events
@@ -117,13 +118,13 @@ class FusedBatch:
 
 
 def fused_batch(
-    raw: DataFrame,
+    raw: Landed | DataFrame,
     cfg: TableConfig,
     lake_cols: list[tuple[str, str]],
     watermark: Watermark | None,
 ) -> FusedBatch:
-    """Landing rows -> the batch's flagged events, materialized once, with its counters. Events
-    below the watermark are already applied (none without one)."""
+    """Landing rows (ingest.landed, or format-1 rows) -> the batch's flagged events, materialized
+    once, with its counters. Events below the watermark are already applied (none without one)."""
     from pyspark.sql import Observation
     from pyspark.sql import functions as F
 

@@ -36,10 +36,11 @@ from cdc_lakehouse.ingest.backfill import (
 )
 from cdc_lakehouse.ingest.batch import FusedBatch, ReducedTotals, fused_batch
 from cdc_lakehouse.ingest.errors import ErrorBudgetExceeded, SchemaChangeError
+from cdc_lakehouse.ingest.landed import Landed, read_landed
 from cdc_lakehouse.ingest.merge import lsn_newer, merge_sql
 from cdc_lakehouse.ingest.quarantine import as_held, held_back, hold_dependents, write_quarantine
 from cdc_lakehouse.ingest.reduce import latest_per_key
-from cdc_lakehouse.ingest.renames import Renames, apply_renames, in_lake_names, rename_fields
+from cdc_lakehouse.ingest.renames import Renames, apply_renames, in_lake_names
 from cdc_lakehouse.ingest.schema import (
     apply_schema_actions,
     event_schemas,
@@ -72,7 +73,7 @@ from cdc_lakehouse.lake.tables import (
 from cdc_lakehouse.lake.watermark import WATERMARK_PROP, Watermark, read_watermark, shard_lsn_map
 from cdc_lakehouse.lake.writers import INGEST
 from cdc_lakehouse.landing.errors import LandingGap, NotBootstrapped
-from cdc_lakehouse.landing.format import Manifest, landing_spark_schema
+from cdc_lakehouse.landing.format import Manifest
 from cdc_lakehouse.landing.reader import Plan, SparkLanding, plan_landing
 from cdc_lakehouse.runtime.failpoints import crash_point
 from cdc_lakehouse.runtime.phases import SparkJobs, local_checkpoint, materialize, observed_counts
@@ -159,10 +160,10 @@ def apply_pending(
         advance_watermark(spark, cfg, b, batch_state(m, b.plan, None))
         fill_quiet(spark, lake, cfg, m, b, ingest_run)
         return finish(spark, lake, cfg, m, b)
-    raw = rename_fields(read_events(spark, cfg, b.plan), b.renames, shard_expr(cfg.shard_map()))
-    b.lake_cols = evolve_schema(spark, cfg, b, raw, config_file)
+    landed = read_landed(spark, cfg, b.plan).renamed(b.renames, shard_expr(cfg.shard_map()))
+    b.lake_cols = evolve_schema(spark, cfg, b, landed, config_file)
     with m.timed("prepare"):
-        fb = fused_batch(raw, cfg, b.lake_cols, b.wm)
+        fb = fused_batch(landed, cfg, b.lake_cols, b.wm)
     m.events_read, m.already_applied = fb.counts.n, fb.counts.applied
     m.quarantined = quarantine_malformed(spark, lake, cfg, fb, m.events_read - m.already_applied, ingest_run)
     with m.timed("fill"):
@@ -319,23 +320,15 @@ def advance_watermark(spark: SparkSession, cfg: TableConfig, b: Batch, state: st
 # --- schema, validate, quarantine -----------------------------------------------------------------
 
 
-def read_events(spark: SparkSession, cfg: TableConfig, plan: Plan) -> DataFrame:
-    from pyspark.sql import functions as F
-
-    return (
-        spark.read.schema(landing_spark_schema()).parquet(*plan.files).filter(F.col("source.table") == cfg.source.table)
-    )
-
-
 def evolve_schema(
-    spark: SparkSession, cfg: TableConfig, b: Batch, raw: DataFrame, config_file: str | None
+    spark: SparkSession, cfg: TableConfig, b: Batch, landed: Landed, config_file: str | None
 ) -> list[tuple[str, str]]:
     """Additive schema changes applied before the data; anything else stops the table. Returns
     the lake columns the batch is written with."""
     schemas, latest = manifest_schemas(b.plan, cfg)
     announced: Plan | None = b.plan
     if not latest:
-        schemas, latest = event_schemas(raw)  # runs written without schemas in their manifest
+        schemas, latest = event_schemas(landed.table_schemas())  # runs written without schemas in their manifest
         announced = None  # the events' own schemas: each was announced in the batch
     known = known_columns(cfg, in_lake_names(b.wm, b.renames), announced)
     ddl, errors = schema_actions(cfg, b.lake_cols, schemas, latest, config_file or "", known)

@@ -202,8 +202,11 @@ def _source_commits(spark: SparkSession, cfg: TableConfig, files: list[str]) -> 
     """(endpoint, schema) -> the newest commit of this table's changes in the run's landing files
     (one aggregation over the source struct only; Parquet reads just those columns)."""
     from pyspark.sql import functions as F
+    from pyspark.sql.types import StructType
 
-    df = spark.read.schema(landing_spark_schema()).parquet(*files).filter(F.col("source.table") == cfg.source.table)
+    # Only `source`: both landing formats hold it as is (landing.format).
+    schema = StructType([landing_spark_schema()["source"]])
+    df = spark.read.schema(schema).parquet(*files).filter(F.col("source.table") == cfg.source.table)
     rows = (
         df.groupBy(F.col("source.endpoint").alias("ep"), F.col("source.schema").alias("schema"))
         .agg(

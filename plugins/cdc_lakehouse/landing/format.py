@@ -1,4 +1,4 @@
-"""The landing format: the layout, the event schema and the manifest (docs/landing-format.md).
+"""The landing format: the layout, the event schemas and the manifest (docs/landing-format.md).
 
 Layout under the landing URI (a local path or an s3:// prefix):
 
@@ -8,17 +8,26 @@ Layout under the landing URI (a local path or an s3:// prefix):
 A run's files count only once its manifest exists; the manifest is written after the files
 are durable and before the slot is confirmed.
 
-One event schema (EVENT_SCHEMA) is the definition: the Arrow schema the capture writes
-(landing_arrow_schema) and the Spark schema the ingest reads (landing_spark_schema) both derive
-from it. The manifest is JSON; `Manifest` is its typed model, and parse_manifest /
-dump_manifest keep files byte-compatible (fields a file lacks stay absent, unknown ones are kept).
-Pure Python: pyarrow and pyspark are imported only by the two schema functions.
+Two event formats. Format 2 (TYPED_FORMAT, what the capture writes): `before` and `after` are
+structs of the relation's columns, each typed with its lake type when the value entered
+(landing.values); a value that does not fit its type is NULL there and kept as text, with its
+column, in `before_raw` / `after_raw`. A file holds one schema version of one table; the manifest
+lists each file's columns (ManifestFile.columns). Format 1 (TEXT_FORMAT: files written before
+format 2, and the Debezium staging) carries every value as PostgreSQL text in maps; the ingest
+still reads it (ingest.landed).
+
+One event schema (EVENT_SCHEMA, format 1; typed_event_fields for format 2) is the definition: the
+Arrow schemas the capture writes and the Spark schemas the ingest reads derive from it. The
+manifest is JSON; `Manifest` is its typed model, and parse_manifest / dump_manifest keep files
+byte-compatible (fields a file lacks stay absent, unknown ones are kept). Pure Python: pyarrow and
+pyspark are imported only by the schema functions.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -29,7 +38,12 @@ if TYPE_CHECKING:
     from pyspark.sql import types as T
 
 MANIFEST_DIR = "_manifests"
-FORMAT_VERSION = 1
+TEXT_FORMAT = 1  # images as maps of PostgreSQL text
+TYPED_FORMAT = 2  # images as structs typed where the values entered (issue #56)
+FORMAT_VERSION = TYPED_FORMAT  # what the capture writes
+
+# A column of a typed image: (name, lake type); the lake type is a Spark type name (source.catalog).
+LandedColumn = tuple[str, str]
 
 
 # --- the event ---------------------------------------------------------------------------------
@@ -124,6 +138,110 @@ def landing_spark_schema() -> T.StructType:
     return StructType([StructField(f.name, _spark_type(f)) for f in EVENT_SCHEMA])
 
 
+# --- format 2: typed images ----------------------------------------------------------------------
+
+# The fields of a format-2 event, in file order: format 1's, with `before` and `after` typed
+# structs (columns given per file) and the text of the values that did not fit beside them.
+TYPED_EVENT_FIELDS = (
+    "op",
+    "before",
+    "after",
+    "unavailable",
+    "before_raw",
+    "after_raw",
+    "source",
+    "table_schema",
+    "ts_ms",
+    "run_id",
+)
+RAW_SUFFIX = "_raw"  # before_raw, after_raw: column -> PostgreSQL text of a value that did not fit
+
+_SCALAR_ARROW = {
+    "bigint": "int64",
+    "int": "int32",
+    "smallint": "int16",
+    "tinyint": "int8",
+    "boolean": "bool_",
+    "float": "float32",
+    "double": "float64",
+    "string": "string",
+    "date": "date32",
+    "binary": "binary",
+}
+_DECIMAL_TYPE = re.compile(r"^decimal\((\d+),(\d+)\)$")
+
+
+def arrow_type(lake_type: str) -> pa.DataType:
+    """The Arrow type a typed image holds a column of this lake type in (Spark reads it back as
+    that lake type)."""
+    import pyarrow as pa
+
+    t = lake_type.replace(" ", "")
+    if t.startswith("array<") and t.endswith(">"):
+        return pa.list_(arrow_type(t[6:-1]))
+    if t == "timestamp":
+        return pa.timestamp("us", tz="UTC")
+    if t == "timestamp_ntz":
+        return pa.timestamp("us")
+    m = _DECIMAL_TYPE.match(t)
+    if m:
+        return pa.decimal128(int(m.group(1)), int(m.group(2)))
+    if t in _SCALAR_ARROW:
+        return getattr(pa, _SCALAR_ARROW[t])()
+    raise ValueError(f"no landing type for lake type {lake_type!r}")
+
+
+def spark_type(lake_type: str) -> T.DataType:
+    """The Spark type of a lake type name (what source.catalog.lake_type and column_types give)."""
+    from pyspark.sql import types as T
+
+    t = lake_type.replace(" ", "")
+    if t.startswith("array<") and t.endswith(">"):
+        return T.ArrayType(spark_type(t[6:-1]))
+    m = _DECIMAL_TYPE.match(t)
+    if m:
+        return T.DecimalType(int(m.group(1)), int(m.group(2)))
+    scalars: dict[str, Callable[[], T.DataType]] = {
+        "bigint": T.LongType,
+        "int": T.IntegerType,
+        "smallint": T.ShortType,
+        "tinyint": T.ByteType,
+        "boolean": T.BooleanType,
+        "float": T.FloatType,
+        "double": T.DoubleType,
+        "string": T.StringType,
+        "date": T.DateType,
+        "timestamp": T.TimestampType,
+        "timestamp_ntz": T.TimestampNTZType,
+        "binary": T.BinaryType,
+    }
+    if t in scalars:
+        return scalars[t]()
+    raise ValueError(f"no Spark type for lake type {lake_type!r}")
+
+
+def typed_arrow_schema(columns: Sequence[LandedColumn]) -> pa.Schema:
+    """The Arrow schema of a format-2 file whose images have these columns."""
+    import pyarrow as pa
+
+    v1 = landing_arrow_schema()
+    image = pa.struct([(n, arrow_type(t)) for n, t in columns])
+    raw = pa.map_(pa.string(), pa.string())
+    types = {"before": image, "after": image, "before_raw": raw, "after_raw": raw}
+    return pa.schema([(f, types[f] if f in types else v1.field(f).type) for f in TYPED_EVENT_FIELDS])
+
+
+def typed_spark_schema(columns: Sequence[LandedColumn]) -> T.StructType:
+    """The Spark schema the ingest reads a format-2 file with (typed_arrow_schema, in Spark)."""
+    from pyspark.sql import types as T
+
+    v1 = landing_spark_schema()
+    image = T.StructType([T.StructField(n, spark_type(t)) for n, t in columns])
+    raw = T.MapType(T.StringType(), T.StringType())
+    types = {"before": image, "after": image, "before_raw": raw, "after_raw": raw}
+    return T.StructType([T.StructField(f, types[f] if f in types else v1[f].dataType) for f in TYPED_EVENT_FIELDS])
+
+
 # --- the layout --------------------------------------------------------------------------------
 
 
@@ -156,6 +274,9 @@ class ManifestFile(_Part):
     name: str = Field(description="file name in the table's run directory")
     rows: int
     bytes: int | None = Field(None, description="size once closed; the ingest checks it")
+    columns: list[tuple[str, str]] | None = Field(
+        None, description="format 2: the images' columns and lake types; absent for a text file (format 1)"
+    )
 
 
 class ManifestTable(_Part):

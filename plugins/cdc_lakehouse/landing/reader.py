@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from cdc_lakehouse.config import TableConfig
 from cdc_lakehouse.landing.errors import CoverageError, NotBootstrapped, SourceIdentityChanged
-from cdc_lakehouse.landing.format import MANIFEST_DIR, Manifest, SchemaChange, parse_manifest
+from cdc_lakehouse.landing.format import MANIFEST_DIR, LandedColumn, Manifest, SchemaChange, parse_manifest
 from cdc_lakehouse.source.publication import identity_mismatch
 
 if TYPE_CHECKING:
@@ -57,6 +57,12 @@ class Plan:
     new_watermark: Watermark
     problems: list[str] = field(default_factory=list)
     schema_changes: list[EndpointSchemaChange] = field(default_factory=list)
+    # file URI -> its images' columns, for the typed files (format 2); the others hold text (format 1)
+    typed: dict[str, list[LandedColumn]] = field(default_factory=dict)
+
+    def file_columns(self) -> dict[str, list[LandedColumn] | None]:
+        """Every file of the batch with its images' columns (None: a text file, format 1)."""
+        return {f: self.typed.get(f) for f in self.files}
 
 
 def shard_endpoints(cfg: TableConfig) -> dict[str, list[tuple[str, str]]]:
@@ -76,6 +82,7 @@ def plan_landing(
     new_wm.runs = dict(new_wm.runs)  # set: the new watermark always lists the runs applied
     selected: list[Manifest] = []
     files: list[str] = []
+    typed: dict[str, list[LandedColumn]] = {}
     problems: list[str] = []
     changes: list[EndpointSchemaChange] = []
     for endpoint, shards in sorted(shard_endpoints(cfg).items()):
@@ -101,7 +108,7 @@ def plan_landing(
                     "deleted before this table applied it"
                 )
             check_coverage(cfg, endpoint, shards, shards_wm, m)
-            files += _run_files(landing, cfg, m, check_files, problems)
+            files += _run_files(landing, cfg, m, check_files, problems, typed)
             for ch in m.schema_changes:
                 if ch.table.split(".", 1)[-1] == cfg.source.table:
                     changes.append(EndpointSchemaChange(endpoint, ch))
@@ -110,14 +117,19 @@ def plan_landing(
             last = m
         if last is not None:
             _advance(new_wm, endpoint, shards, shards_wm, last)
-    return Plan(selected, files, new_wm, problems, changes)
+    return Plan(selected, files, new_wm, problems, changes, typed)
 
 
 def _run_files(
-    landing: SparkLanding, cfg: TableConfig, m: Manifest, check_files: bool, problems: list[str]
+    landing: SparkLanding,
+    cfg: TableConfig,
+    m: Manifest,
+    check_files: bool,
+    problems: list[str],
+    typed: dict[str, list[LandedColumn]],
 ) -> list[str]:
     """URIs of the table's files in run m; a listed file that is missing or truncated is a problem
-    (and left out) when check_files."""
+    (and left out) when check_files. The typed files' columns go to `typed`."""
     out = []
     for _table, rel, info in m.files({cfg.source.table}):
         uri = landing.file_uri(rel)
@@ -127,6 +139,8 @@ def _run_files(
                 state = "missing" if size is None else f"truncated ({size} of {info.bytes} bytes)"
                 problems.append(f"{cfg.name}: landing file {uri} listed by run {m.run_id} is {state}")
                 continue
+        if info.columns is not None:
+            typed[uri] = list(info.columns)
         out.append(uri)
     return out
 

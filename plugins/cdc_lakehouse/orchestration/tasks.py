@@ -111,7 +111,7 @@ def capture_endpoint(
     run_id = run_id_for(interval_end)
     started = datetime.now(UTC)
     result = capture_run(
-        EndpointTables(endpoint_id, group.conn_id, tables),
+        EndpointTables(endpoint_id, group.conn_id, tables, cs.endpoint_column_types().get(endpoint_id, {})),
         ep.dsn(),
         store,
         run_id,

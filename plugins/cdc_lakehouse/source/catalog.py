@@ -208,6 +208,9 @@ class EndpointTables:
     endpoint_id: str
     conn_id: str
     tables: dict[str, tuple[list[str], list[str]]]  # table -> (schemas, primary key)
+    # table -> column -> the lake type its config reads it as (column_types): the capture lands the
+    # column's values typed that way (capture.events.landing_type)
+    column_types: dict[str, dict[str, str]] = field(default_factory=dict)
 
     @property
     def schemas(self) -> list[str]:
