@@ -133,3 +133,55 @@ def test_derived_tree_killed_between_its_two_commits_commits_each_once(tree_sour
     assert batch_snapshots(spark, unresolved, batch) == 1
     assert batch_snapshots(spark, lake.qualified(cfg.output_table), batch) == 1
     assert sum(1 for _ in current_ancestors(spark, unresolved)) == before + 1  # the rerun did not commit it again
+
+
+def test_a_group_records_its_tables_in_one_commit_and_a_killed_group_loses_none(source, spark, lake, monkeypatch):
+    """A group run (one job over many tables) commits each metadata table once for all its tables
+    (issue #56); killed before or between those commits, each table's next run records what the
+    group did not, and no batch is recorded twice."""
+    from cdc_lakehouse.ingest.records import RunRecords
+    from cdc_lakehouse.ingest.run import ingest_table
+    from cdc_lakehouse.lake.batches import BATCH_IDS_PROP
+
+    s = source
+    s.capture()
+    s.bootstrap(s.block)
+    s.bootstrap(s.perm)
+    meta = [lake.qualified(lake.meta_table(n)) for n in ("ingest_runs", "freshness")]
+
+    def group(run: str, kill: str | None = None) -> None:
+        s.wl.step(300)
+        upto = s.capture().manifest.run_id
+        records = RunRecords()
+        for cfg in (s.block, s.perm):
+            ingest_table(spark, lake, cfg, upto_run=upto, ingest_run=run, records=records)
+        if kill == "before_records":
+            return  # the group's process died before its records
+        if kill:
+            monkeypatch.setenv(FAIL_ENV, kill)
+            with pytest.raises(FailpointHit):
+                records.commit(spark, lake)
+            monkeypatch.delenv(FAIL_ENV)
+            return
+        records.commit(spark, lake)
+
+    def heads() -> list[dict[str, str]]:
+        return [next(current_ancestors(spark, t)).summary for t in meta]
+
+    group("g1")
+    assert all(len(h[BATCH_IDS_PROP].split(",")) == 2 for h in heads()), heads()  # both tables, one commit
+    group("g2", kill="ingest_run_record_committed")
+    group("g3", kill="before_records")
+    for cfg in (s.block, s.perm):  # each table's next run records the group's last batch of it
+        s.ingest(cfg, s.capture().manifest.run_id, run="next")
+    for cfg in (s.block, s.perm):
+        runs = spark.table(meta[0]).filter(F.col("table_name") == cfg.name).groupBy("ingest_run").count().collect()
+        assert {r["ingest_run"]: r["count"] for r in runs} == {"g1": 1, "g2": 1, "g3": 1, "next": 1}, runs
+        fresh = spark.table(meta[1]).filter(F.col("table_name") == cfg.name).groupBy("ingest_run").count().collect()
+        shards = len(list(cfg.shards()))
+        assert {r["ingest_run"]: r["count"] for r in fresh} == {
+            "g1": shards,
+            "g2": shards,
+            "g3": shards,
+            "next": shards,
+        }

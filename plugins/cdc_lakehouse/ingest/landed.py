@@ -42,6 +42,7 @@ class LandedFrame:
 
     rows: DataFrame
     columns: tuple[LandedColumn, ...] | None = None
+    from_files: bool = False  # read from landing files (else built in memory: no file to name)
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,7 @@ class Landed:
 
         if not renames.renames:
             return self
-        frames = tuple(f if f.columns else LandedFrame(rename_fields(f.rows, renames, shard)) for f in self.frames)
+        frames = tuple(f if f.columns else replace(f, rows=rename_fields(f.rows, renames, shard)) for f in self.frames)
         return replace(self, frames=frames, renames=renames, shard=shard)
 
     def table_schemas(self) -> DataFrame:
@@ -86,7 +87,7 @@ def read_landed(spark: SparkSession, cfg: TableConfig, plan: Plan) -> Landed:
     for version, files in groups.items():
         schema = landing_spark_schema() if version is None else typed_spark_schema(version)
         rows = spark.read.schema(schema).parquet(*files).filter(F.col("source.table") == cfg.source.table)
-        frames.append(LandedFrame(rows, version))
+        frames.append(LandedFrame(rows, version, from_files=True))
     return Landed(tuple(frames))
 
 

@@ -12,6 +12,7 @@ from cdc_lakehouse.ingest.toast import NO_TABLE, UNAV_LEFT
 from cdc_lakehouse.ingest.validate import FILE, RAW, REASONS
 from cdc_lakehouse.lake.columns import RUN_COL, UNAVAILABLE_COL
 from cdc_lakehouse.lake.commits import with_commit_retries
+from cdc_lakehouse.lake.snapshots import files_matching
 from cdc_lakehouse.runtime.phases import local_checkpoint
 from cdc_lakehouse.settings import LakeSettings
 
@@ -141,12 +142,18 @@ def hold_dependents(
 
 
 def has_quarantine(spark: SparkSession, lake: LakeSettings, cfg: TableConfig) -> bool:
-    """Any quarantined event of this table. Iceberg prunes the files whose table_name bounds
-    exclude this table while planning, so the common case (no quarantine) scans no file."""
+    """Any quarantined event of this table. The quarantine is partitioned by table: where the
+    lake's catalog is read with pyiceberg, its manifests answer (no Spark job: one of an ingest's
+    few, issue #56); a file of the table's partition may hold only resolved events' deletes, so
+    the answer may be a cautious yes, never a wrong no. Otherwise Spark reads, and Iceberg prunes
+    the files of other tables while planning, so the common case scans no file."""
     from pyspark.sql import functions as F
 
-    q = spark.table(lake.qualified(lake.meta_table("quarantine")))
-    return not q.filter(F.col("table_name") == cfg.name).limit(1).isEmpty()
+    table = lake.qualified(lake.meta_table("quarantine"))
+    files = files_matching(table, "table_name", cfg.name)
+    if files is not None:
+        return files > 0
+    return not spark.table(table).filter(F.col("table_name") == cfg.name).limit(1).isEmpty()
 
 
 def open_quarantine_keys(

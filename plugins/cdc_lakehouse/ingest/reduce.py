@@ -13,9 +13,13 @@ if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame
 
 
+# One row per event after split_pk_changes: a key change's delete of the old key is not one.
+EVENT_ROW = "_event_row"
+
+
 def split_pk_changes(events: DataFrame, cfg: TableConfig, live: Column | None = None) -> DataFrame:
     """Lake order `_cdc_seq` = 2*seq; a primary-key change becomes delete(old) at 2*seq and
-    upsert(new) at 2*seq+1. `_fill_key_*` says whose prior state fills unavailable columns.
+    upsert(new) at 2*seq+1 (EVENT_ROW marks the second, one row per event). `_fill_key_*` says whose prior state fills unavailable columns.
     With `live`, only rows where it holds are split (the others pass through with 2*seq).
 
     One row becomes two through explode rather than a union of two filtered copies, so the
@@ -44,11 +48,12 @@ def split_pk_changes(events: DataFrame, cfg: TableConfig, live: Column | None = 
     for k in pk:
         cols["_fill_key_" + k] = F.when(F.col(PKCHANGE), F.col(BKEY + k)).otherwise(F.col(k))
     cols[PKCHANGE] = F.col(PKCHANGE) & ~old
+    cols[EVENT_ROW] = ~old
     return ev.withColumns(cols).drop("_half")
 
 
 # Columns of a typed event that are not source columns: the metadata columns and the ingest's own.
-_META_NON_SOURCE = METADATA_NAMES | {"_seq_raw", REASONS, RAW, FILE, PKCHANGE}
+_META_NON_SOURCE = METADATA_NAMES | {"_seq_raw", REASONS, RAW, FILE, PKCHANGE, "_applied"}
 
 
 def latest_per_key(events: DataFrame, key: list[str]) -> DataFrame:

@@ -39,6 +39,7 @@ from cdc_lakehouse.ingest.errors import ErrorBudgetExceeded, SchemaChangeError
 from cdc_lakehouse.ingest.landed import Landed, read_landed
 from cdc_lakehouse.ingest.merge import lsn_newer, merge_sql
 from cdc_lakehouse.ingest.quarantine import as_held, held_back, hold_dependents, write_quarantine
+from cdc_lakehouse.ingest.records import RunRecords, TableRecords, write_records
 from cdc_lakehouse.ingest.reduce import latest_per_key
 from cdc_lakehouse.ingest.renames import Renames, apply_renames, in_lake_names
 from cdc_lakehouse.ingest.schema import (
@@ -50,17 +51,15 @@ from cdc_lakehouse.ingest.schema import (
 )
 from cdc_lakehouse.ingest.toast import BROADCAST_ROWS, NO_TABLE, UNAV_LEFT, fill_unavailable
 from cdc_lakehouse.ingest.validate import REASONS, shard_expr
-from cdc_lakehouse.lake.batches import BATCH_PROP, BATCH_STATE_PROP, BatchId, BatchStep, commit_once, run_batch
+from cdc_lakehouse.lake.batches import BATCH_PROP, BATCH_STATE_PROP, BatchId, BatchStep, commit_once
 from cdc_lakehouse.lake.columns import INGESTED_COL, UNAVAILABLE_COL
 from cdc_lakehouse.lake.commits import (
     fenced_commit,
     snapshot_summary,
     sql_with_commit_properties,
-    with_commit_properties,
 )
-from cdc_lakehouse.lake.freshness import FRESHNESS_TABLE, record_freshness
+from cdc_lakehouse.lake.freshness import freshness_rows
 from cdc_lakehouse.lake.ingest_metrics import MERGE_COUNTS, IngestMetrics
-from cdc_lakehouse.lake.meta import meta_append
 from cdc_lakehouse.lake.snapshots import Snapshot, current_ancestors, summary_of
 from cdc_lakehouse.lake.tables import (
     conform_to,
@@ -76,7 +75,12 @@ from cdc_lakehouse.landing.errors import LandingGap, NotBootstrapped
 from cdc_lakehouse.landing.format import Manifest
 from cdc_lakehouse.landing.reader import Plan, SparkLanding, plan_landing
 from cdc_lakehouse.runtime.failpoints import crash_point
-from cdc_lakehouse.runtime.phases import SparkJobs, local_checkpoint, materialize, observed_counts
+from cdc_lakehouse.runtime.phases import (
+    SparkJobs,
+    job_phase,
+    local_checkpoint,
+    observed_counts,
+)
 from cdc_lakehouse.runtime.session import session_conf
 from cdc_lakehouse.settings import LakeSettings
 
@@ -125,11 +129,13 @@ def ingest_table(
     ingest_run: str,
     interval_end: str | None = None,
     config_file: str | None = None,
+    records: RunRecords | None = None,
 ) -> IngestResult:
     """Apply every pending capture run (up to `upto_run`) to the table; returns the run's metrics,
-    with the number of Spark jobs it took."""
+    with the number of Spark jobs it took. records: a group run's (ingest.records), which commits
+    the run's record and freshness rows with the other tables'; without, they are committed here."""
     with SparkJobs(spark, f"ingest {cfg.name} {ingest_run}") as jobs:
-        m = apply_pending(spark, lake, cfg, upto_run, ingest_run, interval_end, config_file)
+        m = apply_pending(spark, lake, cfg, upto_run, ingest_run, interval_end, config_file, records)
     log.info(
         "ingest %s: %s Spark jobs (+%s metadata reads): %s", cfg.name, jobs.count, jobs.metadata, "; ".join(jobs.sites)
     )
@@ -144,6 +150,7 @@ def apply_pending(
     ingest_run: str,
     interval_end: str | None,
     config_file: str | None,
+    records: RunRecords | None = None,
 ) -> IngestMetrics:
     """The ingest's phases, in order: plan, prepare (one fused plan: validate, dedupe, split key
     changes, fill, reduce), quarantine, changelog, classify, MERGE (the watermark in the same
@@ -152,35 +159,35 @@ def apply_pending(
     m = IngestMetrics(
         table_name=cfg.name, ingest_run=ingest_run, interval_end=interval_end, write_mode=cfg.lake.write_mode
     )
-    with m.timed("plan"):
+    with phase(spark, m, "plan"):
         b = plan_batch(spark, lake, cfg, upto_run, ingest_run)
     m.landing_runs = [r.run_id for r in b.plan.manifests]
     m.status = "ok_with_gaps" if b.gaps else "ok"
     if not b.plan.files:
         advance_watermark(spark, cfg, b, batch_state(m, b.plan, None))
         fill_quiet(spark, lake, cfg, m, b, ingest_run)
-        return finish(spark, lake, cfg, m, b)
+        return finish(spark, lake, cfg, m, b, records=records)
     landed = read_landed(spark, cfg, b.plan).renamed(b.renames, shard_expr(cfg.shard_map()))
     b.lake_cols = evolve_schema(spark, cfg, b, landed, config_file)
-    with m.timed("prepare"):
+    with phase(spark, m, "prepare"):
         fb = fused_batch(landed, cfg, b.lake_cols, b.wm)
     m.events_read, m.already_applied = fb.counts.n, fb.counts.applied
     m.quarantined = quarantine_malformed(spark, lake, cfg, fb, m.events_read - m.already_applied, ingest_run)
-    with m.timed("fill"):
+    with phase(spark, m, "fill"):
         ch = prepare_changes(spark, cfg, b, fb)
     m.duplicates, m.truncates = ch.duplicates, fb.counts.truncates
     crash_point("ingest_before_changelog")
-    with m.timed("changelog"):
+    with phase(spark, m, "changelog"):
         m.changelog_rows = append_changelog(spark, cfg, b, ch)
     crash_point("ingest_after_changelog")
-    with m.timed("reduce_classify"):
+    with phase(spark, m, "reduce_classify"):
         reduced, out = reduce_and_classify(spark, lake, cfg, b, ch, ingest_run)
     out.set_counts(m)
     m.quarantined += out.held
     pre = snapshot_summary(spark, b.cur)
     m.merge_join = merge_join_for(cfg, int(pre.get("total-records", 0)))
     drop_stale_staging(spark, lake, cfg, datetime.now(UTC))
-    with m.timed("merge"), merge_source(spark, lake, cfg, reduced, m.merge_join) as source:
+    with phase(spark, m, "merge"), merge_source(spark, lake, cfg, reduced, m.merge_join) as source:
         sql = lambda target: merge_sql(cfg, target, source, current_columns(b.lake_cols), ch.truncated)  # noqa: E731
         state = batch_state(m, b.plan, fb.counts.shard_commits, None if out.counted else out.rows)
         commit_merge(spark, cfg, b, sql, ingest_run, state)
@@ -193,7 +200,15 @@ def apply_pending(
     fill_quiet(spark, lake, cfg, m, b, ingest_run)
     m.apply_seconds = m.timings["merge"]
     m.set_lag(out.min_ts, out.max_ts)
-    return finish(spark, lake, cfg, m, b, shard_commits=fb.counts.shard_commits)
+    return finish(spark, lake, cfg, m, b, shard_commits=fb.counts.shard_commits, records=records)
+
+
+@contextmanager
+def phase(spark: SparkSession, m: IngestMetrics, name: str) -> Iterator[None]:
+    """A named phase of the ingest: its seconds in the run's timings, its Spark jobs tagged with its
+    name (what the job counts list per job: runtime.phases.SparkJobs.sites)."""
+    with m.timed(name), job_phase(spark, name):
+        yield
 
 
 def fill_quiet(
@@ -625,14 +640,16 @@ def classify(
         return Classification.observed(observed_counts(matched, *counts)), None
     size = sum(F.coalesce(F.octet_length(F.col(BASE_PREFIX + c).cast("string")), F.lit(0)) for c in base_cols)
     base_bytes = F.sum(F.when(F.col("_needs_base"), size)).alias("base_bytes")
-    obs = Observation(f"cdc_classify_{uuid.uuid4().hex[:8]}")
-    base = (
-        matched.observe(obs, *counts, base_bytes)
-        .filter("_needs_base")
-        .select(*key, *[BASE_PREFIX + c for c in base_cols])
+    # The matched rows checkpointed once (the values only where needed), then counted in one pass
+    # over them: cheaper than persisting an observed plan first (see ingest.batch.fused_batch).
+    needed = [F.when(F.col("_needs_base"), F.col(BASE_PREFIX + c)).alias(BASE_PREFIX + c) for c in base_cols]
+    kept = local_checkpoint(
+        matched.select(*key, LSN_COL, SEQ_COL, OP_COL, "_t_lsn", "_t_seq", "_t_live", "_needs_base", *needed)
     )
-    base = materialize(base)  # one job: the counts and the values
+    obs = Observation(f"cdc_classify_{uuid.uuid4().hex[:8]}")
+    kept.observe(obs, *counts, base_bytes).write.format("noop").mode("overwrite").save()
     c = Classification.observed(obs.get)
+    base = kept.filter("_needs_base").select(*key, *[BASE_PREFIX + c for c in base_cols])
     # Small enough (the common case): joined to the batch without a shuffle, in the MERGE's own jobs.
     return c, (F.broadcast(base) if c.base_bytes <= BASE_BROADCAST_BYTES else base)
 
@@ -767,6 +784,12 @@ def _staged_at(spark: SparkSession, table: str) -> datetime:
     return at if at.tzinfo else at.replace(tzinfo=UTC)
 
 
+# The MERGE writes its rows as the join leaves them, without clustering them by partition first:
+# that was a shuffle of every changed row and a Spark job of its own (issue #56). Each task then
+# writes a file per partition it holds; maintenance compacts them.
+MERGE_CONF = {"spark.sql.iceberg.distribution-mode": "none"}
+
+
 def commit_merge(
     spark: SparkSession, cfg: TableConfig, b: Batch, sql: Callable[[str], str], ingest_run: str, state: str
 ) -> None:
@@ -777,7 +800,8 @@ def commit_merge(
 
     def _merge(batch_props: dict[str, str]) -> None:
         write = lambda target: sql_with_commit_properties(spark, sql(target), {**props, **batch_props})  # noqa: E731
-        fenced_commit(spark, b.cur, b.wm, b.plan.new_watermark, write, what=f"{cfg.name} merge")
+        with session_conf(spark, MERGE_CONF):
+            fenced_commit(spark, b.cur, b.wm, b.plan.new_watermark, write, what=f"{cfg.name} merge")
 
     commit_once(spark, b.batch, BatchStep("ingest_merge", b.cur, _merge, positioned=True))
 
@@ -820,18 +844,25 @@ def finish(
     m: IngestMetrics,
     b: Batch,
     shard_commits: dict[str, Any] | None = None,
+    records: RunRecords | None = None,
 ) -> IngestMetrics:
-    """Record the run in cdc_meta.ingest_runs and cdc_meta.freshness and log its summary; returns
-    the metrics. shard_commits: the newest source commit per shard in the batch, when
-    the fused plan observed it (else freshness reads the landing files for it)."""
+    """Record the run in cdc_meta.ingest_runs and cdc_meta.freshness (now, or with the group's
+    records) and log its summary; returns the metrics. shard_commits: the newest source commit
+    per shard in the batch, when the fused plan observed it (else freshness reads the landing
+    files for it)."""
     m.committed_at = datetime.now(UTC)
     m.total_seconds = m.elapsed()
-    record_run(spark, lake, cfg, m, b.plan, b.batch, int(m.started_at.timestamp() * 1000), shard_commits)
+    with job_phase(spark, "record"):
+        rec = run_records(spark, lake, cfg, m, b.plan, b.batch, int(m.started_at.timestamp() * 1000), shard_commits)
+        if records is not None:
+            records.add(rec)
+        else:
+            write_records(spark, lake, [rec])
     log.info("%s", m.summary())
     return m
 
 
-def record_run(
+def run_records(
     spark: SparkSession,
     lake: LakeSettings,
     cfg: TableConfig,
@@ -840,36 +871,15 @@ def record_run(
     batch: BatchId,
     since_ms: int,
     shard_commits: dict[str, Any] | None,
-) -> None:
-    """The batch's last two commits, each once: the run record, then the freshness rows.
+) -> TableRecords:
+    """The batch's run record and freshness rows (written by ingest.records).
     since_ms: no earlier commit can carry the batch (lake.batches.committed)."""
     m.watermark = plan.new_watermark.to_json()
     ts = [p.ts for p in plan.new_watermark.shards.values() if p.ts]
     if ts and m.committed_at is not None:
         m.freshness_seconds = (m.committed_at - min(datetime.fromisoformat(t) for t in ts)).total_seconds()
-
-    def _freshness(props: dict[str, str]) -> None:
-        # record_freshness writes its own snapshot properties; the batch id joins them in the commit.
-        with_commit_properties(
-            spark,
-            props,
-            lambda: record_freshness(spark, lake, cfg, plan, m.ingest_run, m.committed_at, shard_commits=shard_commits),
-        )
-
-    runs_table, fresh_table = (lake.qualified(lake.meta_table(n)) for n in ("ingest_runs", FRESHNESS_TABLE))
-    run_batch(
-        spark,
-        batch,
-        [
-            BatchStep(
-                "ingest_run_record",
-                runs_table,
-                lambda p: meta_append(spark, lake, "ingest_runs", [m.meta_row()], p),
-                since_ms,
-            ),
-            BatchStep("ingest_freshness", fresh_table, _freshness, since_ms),
-        ],
-    )
+    fresh = freshness_rows(spark, lake, cfg, plan, m.ingest_run, m.committed_at, shard_commits=shard_commits)
+    return TableRecords(cfg.name, batch, since_ms, m.meta_row(), fresh)
 
 
 # --- a batch stopped after its data committed ------------------------------------------------------
@@ -934,4 +944,5 @@ def resume_batch(spark: SparkSession, lake: LakeSettings, cfg: TableConfig) -> N
     since_ms = int(snap.timestamp_ms)
     m.committed_at = datetime.fromtimestamp(since_ms / 1000, UTC)  # when its data became visible
     plan = Plan(heartbeat_runs(state["heartbeats"]), [], Watermark.from_json(s[WATERMARK_PROP]))
-    record_run(spark, lake, cfg, m, plan, BatchId(s[BATCH_PROP]), since_ms, state["shard_commits"])
+    rec = run_records(spark, lake, cfg, m, plan, BatchId(s[BATCH_PROP]), since_ms, state["shard_commits"])
+    write_records(spark, lake, [rec])

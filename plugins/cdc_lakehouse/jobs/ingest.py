@@ -21,20 +21,36 @@ class IngestParams(JobParams):
 
 
 def main(p: IngestParams) -> int:
+    from cdc_lakehouse.ingest.records import RunRecords
+
+    # The tables' run records and freshness rows, committed once for the group (ingest.records).
+    records = RunRecords()
+
     def fn(spark, lake, cfg, file) -> StageResult:
         from cdc_lakehouse.ingest.run import ingest_table
 
         run = p.ingest_run or datetime.now(UTC).strftime("manual-%Y%m%dT%H%M%S")
         return ingest_table(
-            spark, lake, cfg, upto_run=p.upto_run, ingest_run=run, interval_end=p.interval_end, config_file=file
+            spark,
+            lake,
+            cfg,
+            upto_run=p.upto_run,
+            ingest_run=run,
+            interval_end=p.interval_end,
+            config_file=file,
+            records=records,
         )
 
     def record_points(spark, lake, cfgs) -> None:
-        """The endpoints' new consistent points into cdc_meta.consistent_points (lake.points)."""
+        """The group's run records, then the endpoints' new consistent points into
+        cdc_meta.consistent_points (lake.points)."""
         from cdc_lakehouse.jobs.runner import table_configs
         from cdc_lakehouse.lake.points import record_points
 
-        endpoints = {g.endpoint_id for c in cfgs for g in c.source.shards}
-        record_points(spark, lake, table_configs(p.config_dir), endpoints, p.ingest_run or "manual")
+        try:
+            records.commit(spark, lake)
+        finally:  # the points read the tables' watermarks, not their records
+            endpoints = {g.endpoint_id for c in cfgs for g in c.source.shards}
+            record_points(spark, lake, table_configs(p.config_dir), endpoints, p.ingest_run or "manual")
 
     return run_per_table("ingest", p.app_name, lambda: load_tables(p.config_dir, p.tables), fn, record_points)

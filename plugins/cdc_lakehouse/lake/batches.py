@@ -33,6 +33,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 BATCH_PROP = "cdc.batch-id"
+# A commit that holds several batches' rows (a group run's metadata rows: ingest.records) lists
+# their ids, comma-separated.
+BATCH_IDS_PROP = "cdc.batch-ids"
 # What a batch's later steps need to be finished by another process (the ingest's run record):
 # JSON, in the commit that makes the batch's data visible.
 BATCH_STATE_PROP = "cdc.batch-state"
@@ -77,7 +80,7 @@ def committed(
     last = None
     for last in current_ancestors(spark, table):
         summary = last.summary
-        if summary.get(BATCH_PROP) == batch.value:
+        if batch.value in batch_ids(summary):
             return True
         if positioned and summary.get(WATERMARK_PROP) is not None:
             return False
@@ -89,9 +92,34 @@ def committed(
     return False
 
 
+def batch_ids(summary: dict[str, str]) -> set[str]:
+    """The batches a snapshot commits (BATCH_PROP, BATCH_IDS_PROP)."""
+    ids = set(filter(None, summary.get(BATCH_IDS_PROP, "").split(",")))
+    return ids | ({summary[BATCH_PROP]} if BATCH_PROP in summary else set())
+
+
+def committed_batches(spark: SparkSession, table: str, since_ms: int) -> set[str] | None:
+    """Every batch id the table's snapshots since since_ms (less the clock skew) carry: what a
+    commit of many batches' rows checks once, where committed() would walk the history per batch.
+    None when expired snapshots cut the history before that point: nothing can be disproved, and
+    committed() takes every batch as committed then."""
+    found: set[str] = set()
+    if not table_exists(spark, table):
+        return found
+    last = None
+    for last in current_ancestors(spark, table):
+        found |= batch_ids(last.summary)
+        if int(last.timestamp_ms) < since_ms - CLOCK_SKEW_MS:
+            return found
+    if last is not None and last.parent_id is not None:
+        log.warning("%s: history expired before %d; its batches are taken as committed", table, since_ms)
+        return None
+    return found
+
+
 def batch_snapshots(spark: SparkSession, table: str, batch: BatchId) -> int:
     """How many of the table's current ancestors carry the batch id (tests: exactly one)."""
-    return sum(1 for snap in current_ancestors(spark, table) if snap.summary.get(BATCH_PROP) == batch.value)
+    return sum(1 for snap in current_ancestors(spark, table) if batch.value in batch_ids(snap.summary))
 
 
 @dataclass(frozen=True)

@@ -81,7 +81,23 @@ def record_freshness(
     now: datetime | None = None,
     shard_commits: dict[str, Any] | None = None,
 ) -> list[ShardFreshness]:
-    """Append this run's freshness row per shard to cdc_meta.freshness; returns the rows.
+    """Append this run's freshness row per shard to cdc_meta.freshness (freshness_rows); returns
+    the rows."""
+    rows = freshness_rows(spark, lake, cfg, plan, ingest_run, now, shard_commits)
+    meta_append(spark, lake, FRESHNESS_TABLE, [asdict(r) for r in rows], freshness_props(cfg.name, rows))
+    return rows
+
+
+def freshness_rows(
+    spark: SparkSession,
+    lake: LakeSettings,
+    cfg: TableConfig,
+    plan: Plan,
+    ingest_run: str,
+    now: datetime | None = None,
+    shard_commits: dict[str, Any] | None = None,
+) -> list[ShardFreshness]:
+    """This run's freshness row per shard (what record_freshness appends).
 
     plan: the run's landing plan (its manifests carry the heartbeats, its files the changes).
     shard_commits: shard -> {"ts": micros, "lsn"} of the newest change in the files, when the
@@ -127,11 +143,15 @@ def record_freshness(
                 updated_at=now,
             )
         )
-    # Aware UTC datetimes: Spark converts them to instants whatever the session's time zone.
-    # The rows also ride in the commit's snapshot properties, so the next run finds its
-    # carry-forward values in metadata (previous_freshness) instead of a Spark read.
-    meta_append(spark, lake, FRESHNESS_TABLE, [asdict(r) for r in rows], {_prop(cfg.name): _rows_json(rows)})
     return rows
+
+
+def freshness_props(table_name: str, rows: list[ShardFreshness]) -> dict[str, str]:
+    """The snapshot properties the commit of a table's freshness rows carries: the rows themselves,
+    so the next run finds its carry-forward values in metadata (previous_freshness) instead of a
+    Spark read. (The rows are aware UTC datetimes: Spark converts them to instants whatever the
+    session's time zone.)"""
+    return {_prop(table_name): _rows_json(rows)}
 
 
 def _prop(table_name: str) -> str:

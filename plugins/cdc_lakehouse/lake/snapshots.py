@@ -107,12 +107,29 @@ def read_snapshots(spark: SparkSession, table: str, *, refresh: bool = True) -> 
     return TableSnapshots(table, by_id, refs.get(MAIN), refs, frozenset(branches))
 
 
-def _from_pyiceberg(table: str, catalog_name: str, ident: str) -> TableSnapshots:
+def _pyiceberg_table(catalog_name: str, ident: str) -> Any:
     from pyiceberg.catalog import load_catalog
 
     if catalog_name not in _LOADED:
         _LOADED[catalog_name] = load_catalog(catalog_name, **_PYICEBERG[catalog_name])
-    meta = _LOADED[catalog_name].load_table(ident).metadata
+    return _LOADED[catalog_name].load_table(ident)
+
+
+def files_matching(table: str, column: str, value: str) -> int | None:
+    """How many data files of `table` may hold rows whose `column` is `value`, from the table's
+    manifests (pyiceberg's scan planning: partition and column bounds, no Spark job); None where
+    this process does not read the catalog with pyiceberg (the caller then asks Spark)."""
+    from pyiceberg.expressions import EqualTo
+
+    catalog_name, _, ident = table.partition(".")
+    if catalog_name not in _PYICEBERG:
+        return None
+    condition = EqualTo(column, value)  # type: ignore[call-arg,misc]  # pydantic's __init__ misreads as one argument
+    return sum(1 for _ in _pyiceberg_table(catalog_name, ident).scan(row_filter=condition).plan_files())
+
+
+def _from_pyiceberg(table: str, catalog_name: str, ident: str) -> TableSnapshots:
+    meta = _pyiceberg_table(catalog_name, ident).metadata
     by_id = {
         s.snapshot_id: Snapshot(
             s.snapshot_id,

@@ -75,11 +75,30 @@ class SparkJobs:
             self.count, self.metadata = len(data), len(meta)
             # What started each job (e.g. "save at .../run.py:255"): where a budget regressed, this
             # says which line did it.
-            self.sites = [_site(self.spark, j) for j in data]
+            self.sites = [_phase_of(j) + _site(self.spark, j) for j in data]
 
 
 # The tag of a read of snapshot metadata (SparkJobs counts those jobs apart).
 METADATA_TAG = "cdc-metadata-read"
+# The tag of the jobs of a named phase (job_phase): SparkJobs.sites names it before each job.
+PHASE_TAG = "cdc-phase-"
+
+
+@contextmanager
+def job_phase(spark: SparkSession, name: str) -> Iterator[None]:
+    """The jobs started inside belong to phase `name` (what SparkJobs.sites shows per job)."""
+    spark.addTag(PHASE_TAG + name)
+    try:
+        yield
+    finally:
+        spark.removeTag(PHASE_TAG + name)
+
+
+def _phase_of(job: dict[str, Any]) -> str:
+    for t in job.get("jobTags") or []:
+        if PHASE_TAG in t:
+            return "[" + t[t.index(PHASE_TAG) + len(PHASE_TAG) :] + "] "
+    return ""
 
 
 @contextmanager
@@ -202,23 +221,6 @@ def local_checkpoint(df: DataFrame) -> DataFrame:
         return df.localCheckpoint(eager=True)
     finally:
         local.session = before
-
-
-def materialize(df: DataFrame) -> DataFrame:
-    """local_checkpoint, with the aggregates of df's observations (DataFrame.observe) delivered.
-    Spark Connect hands a plan's observed metrics only to the action that ran the plan, and a
-    checkpoint is none: measured on 4.1.3, the metrics of an observed localCheckpoint came back
-    empty, those of a persisted frame's no-op write did not. So: persist, a no-op write (the
-    observations), then the checkpoint from the persisted rows (the plan after it carries no
-    observation: pyspark's client refuses a plan holding the same observation twice), unpersist."""
-    from pyspark import StorageLevel
-
-    kept = df.persist(StorageLevel.MEMORY_AND_DISK)
-    try:
-        kept.write.format("noop").mode("overwrite").save()
-        return local_checkpoint(kept)
-    finally:
-        kept.unpersist()
 
 
 def observed_counts(df: DataFrame, *exprs: Column) -> dict[str, Any]:

@@ -1,0 +1,80 @@
+"""ingest.records: an ingest run's record (cdc_meta.ingest_runs) and freshness rows (cdc_meta.freshness).
+
+A table's batch ends with these two commits, after its data commits. A group run (one Spark job
+over many tables) collects them in `RunRecords` and commits each metadata table once for all of
+its tables (issue #56: two commits and their Spark jobs per table were a large share of a small
+table's cost). Either way each batch's rows are written once: the commit lists the batches it
+holds (lake.batches BATCH_IDS_PROP), and a batch already listed is left out. A group stopped
+before its records are committed loses nothing: each table's next run finds its last batch
+unrecorded and writes the record then (ingest.run.resume_batch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from cdc_lakehouse.lake.batches import BATCH_IDS_PROP, BatchId, committed_batches
+from cdc_lakehouse.lake.freshness import FRESHNESS_TABLE, freshness_props
+from cdc_lakehouse.lake.meta import meta_append
+from cdc_lakehouse.lake.meta_rows import ShardFreshness
+from cdc_lakehouse.runtime.failpoints import crash_point
+from cdc_lakehouse.settings import LakeSettings
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+RUNS_TABLE = "ingest_runs"
+
+
+@dataclass(frozen=True)
+class TableRecords:
+    """One table's batch as the metadata tables record it."""
+
+    table_name: str
+    batch: BatchId
+    since_ms: int  # no commit before this time can carry the batch (lake.batches.committed)
+    run: dict[str, Any]  # the cdc_meta.ingest_runs row (IngestMetrics.meta_row)
+    freshness: list[ShardFreshness]  # its cdc_meta.freshness rows, one per shard
+
+
+@dataclass
+class RunRecords:
+    """The records of a group run's tables, committed together by commit()."""
+
+    pending: list[TableRecords] = field(default_factory=list)
+
+    def add(self, records: TableRecords) -> None:
+        self.pending.append(records)
+
+    def commit(self, spark: SparkSession, lake: LakeSettings) -> int:
+        """One commit per metadata table for every pending table; returns how many were recorded."""
+        done, self.pending = self.pending, []
+        write_records(spark, lake, done)
+        return len(done)
+
+
+def write_records(spark: SparkSession, lake: LakeSettings, records: list[TableRecords]) -> None:
+    """The run records, then the freshness rows, each metadata table in one commit that lists the
+    batches it holds; batches a commit of that table already holds are left out of it."""
+    if not records:
+        return
+    since = min(r.since_ms for r in records)
+    for step, table, rows, props in (
+        ("ingest_run_record", RUNS_TABLE, lambda rs: [r.run for r in rs], lambda rs: {}),
+        ("ingest_freshness", FRESHNESS_TABLE, _freshness_rows, _freshness_props),
+    ):
+        done = committed_batches(spark, lake.qualified(lake.meta_table(table)), since)
+        todo = [r for r in records if done is not None and r.batch.value not in done]
+        if todo:
+            ids = {BATCH_IDS_PROP: ",".join(r.batch.value for r in todo)}
+            meta_append(spark, lake, table, rows(todo), {**props(todo), **ids})
+            crash_point(f"{step}_committed")
+
+
+def _freshness_rows(records: list[TableRecords]) -> list[dict[str, Any]]:
+    return [asdict(f) for r in records for f in r.freshness]
+
+
+def _freshness_props(records: list[TableRecords]) -> dict[str, str]:
+    return {k: v for r in records for k, v in freshness_props(r.table_name, r.freshness).items()}
