@@ -105,7 +105,8 @@ def _read(spark, cfg, snapshot, columns, pg_types):
     sources = next(iter(shards_by_endpoint(cfg, None).values()))
     df = read_shards(spark, cfg, sources, snapshot, columns, pg_types)
     rows = df.collect()
-    return df, {tuple(r) for r in rows}, {(r[SHARD_COL], r["id"], r["version"], r["content"]) for r in rows}
+    every = {tuple(tuple(v) if isinstance(v, list) else v for v in r) for r in rows}  # tags: a list
+    return df, every, {(r[SHARD_COL], r["id"], r["version"], r["content"]) for r in rows}
 
 
 def test_every_range_reads_the_exported_snapshot_within_the_connection_cap(source, spark, lake):
