@@ -4,9 +4,10 @@
                                  [--readers copy,jdbc,chunked] [--chunk-rows 50000]
 
   bootstrap  rows/s of cdc_lakehouse.bootstrap (snapshot -> reader -> Iceberg) against the practical
-             limit, `COPY (SELECT <same columns>) TO STDOUT` of the same rows with the same number of
-             connections per host; per reader (--readers copy,jdbc): the read alone, then the whole
-             bootstrap. `chunked` in --readers runs the online chunked mode (bootstrap.mode: chunked,
+             limit, `COPY (SELECT <same columns>) TO STDOUT` of the same rows (as text) with the same
+             number of connections per host; per reader (--readers copy,jdbc: both read the typed
+             select list, copy through ADBC's binary COPY, jdbc through Spark's JDBC reader): the
+             read alone, then the whole bootstrap. `chunked` in --readers runs the online chunked mode (bootstrap.mode: chunked,
              JDBC-free: driver COPY per chunk + MERGE) on a fresh table instead; for every mode a
              sampler on pg_stat_activity records the longest time one transaction, and one
              backend_xmin, was held open on the source while it ran
@@ -141,8 +142,8 @@ def copy_rate(dsn: str, columns, connections: int, pg_types: dict[str, str] | No
 
 
 def read_alone(spark, cfg, columns, pg_types) -> dict:
-    """The source read only (text columns into Spark, nothing written), under an exported snapshot,
-    forced through every column by Spark's no-op sink."""
+    """The source read only (the rows in their lake types, with the misfit check; nothing written),
+    under an exported snapshot, forced through every column by Spark's no-op sink."""
     from cdc_lakehouse.bootstrap.snapshot import export_snapshot, read_shards, shards_by_endpoint
 
     (endpoint_id, sources), *_ = shards_by_endpoint(cfg, None).items()

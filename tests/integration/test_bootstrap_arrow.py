@@ -19,7 +19,7 @@ from cdc_lakehouse.bootstrap.snapshot import (
 from cdc_lakehouse.config import SHARD_COL, parse_table_config
 from cdc_lakehouse.lake.tables import source_columns_of
 from cdc_lakehouse.lake.watermark import read_watermark
-from cdc_lakehouse.source.catalog import describe_table, text_select_list
+from cdc_lakehouse.source.catalog import describe_table
 from cdc_lakehouse.source.session import SESSION_OPTIONS
 from pyspark.sql import functions as F
 
@@ -87,28 +87,31 @@ def _block_config(source, name: str, reader: str):
     )
 
 
-def _text_rows(source, cfg):
-    """(columns, pg types, every shard's rows as the readers' text) read now, outside Spark."""
+def _source_rows(source, cfg):
+    """(columns, pg types, every shard's (shard, id, version, content) now, read outside Spark)."""
     with psycopg2.connect(source.dsn, options=SESSION_OPTIONS) as c, c.cursor() as cur:
         info = describe_table(cur, "s0", "block")
         columns = source_schema(cfg, info)
         pg_types = {col.name: col.pg_type for col in info.columns}
         rows = set()
         for _, schema, shard in cfg.shards():
-            cur.execute(f"SELECT {text_select_list(columns, pg_types)} FROM {schema}.block")
-            rows |= {(*r, shard) for r in cur.fetchall()}
+            cur.execute(f"SELECT id, version, content FROM {schema}.block")
+            rows |= {(shard, *r) for r in cur.fetchall()}
     return columns, pg_types, rows
 
 
 def _read(spark, cfg, snapshot, columns, pg_types):
+    """The reader's rows: every column (typed), and the (shard, id, version, content) of each."""
     sources = next(iter(shards_by_endpoint(cfg, None).values()))
     df = read_shards(spark, cfg, sources, snapshot, columns, pg_types)
-    return df, {tuple(r) for r in df.collect()}
+    rows = df.collect()
+    every = {tuple(tuple(v) if isinstance(v, list) else v for v in r) for r in rows}  # tags: a list
+    return df, every, {(r[SHARD_COL], r["id"], r["version"], r["content"]) for r in rows}
 
 
 def test_every_range_reads_the_exported_snapshot_within_the_connection_cap(source, spark, lake):
     cfgs = {r: _block_config(source, f"{r}_{source.db}", r) for r in ("copy", "jdbc")}
-    columns, pg_types, before = _text_rows(source, cfgs["copy"])
+    columns, pg_types, before = _source_rows(source, cfgs["copy"])
     ep = next(iter(shards_by_endpoint(cfgs["copy"], None).values()))[0].endpoint
     conn, _point, snapshot, _ = export_snapshot(ep, source.endpoint, "arrowtest")
     try:
@@ -117,15 +120,16 @@ def test_every_range_reads_the_exported_snapshot_within_the_connection_cap(sourc
             "DELETE FROM s0.block WHERE id IN (SELECT id FROM s0.block ORDER BY id LIMIT 50)",
             "UPDATE s1.block SET version = version + 1, content = E'changed,\\n\"'",
         )
-        copy_df, copy_rows = _read(spark, cfgs["copy"], snapshot, columns, pg_types)
-        _, jdbc_rows = _read(spark, cfgs["jdbc"], snapshot, columns, pg_types)
+        copy_df, copy_rows, copy_seen = _read(spark, cfgs["copy"], snapshot, columns, pg_types)
+        _, jdbc_rows, jdbc_seen = _read(spark, cfgs["jdbc"], snapshot, columns, pg_types)
         # One task per connection (read while the snapshot lives: reading runs the tasks again).
         copy_tasks = copy_df.select(F.spark_partition_id()).distinct().count()
     finally:
         conn.close()
     assert len(before) == 2 * 1500
-    assert copy_rows == before
-    assert jdbc_rows == before
+    assert copy_seen == before
+    assert jdbc_seen == before
+    assert copy_rows == jdbc_rows  # every column, typed, the same through both readers
     # Several ctid ranges per shard, over at most max_connections_per_host connections (tasks).
     sources = next(iter(shards_by_endpoint(cfgs["copy"], None).values()))
     assert len(ctid_ranges(ep, "s0", "block", 4)) == 4 and len(sources) == 2
@@ -134,7 +138,7 @@ def test_every_range_reads_the_exported_snapshot_within_the_connection_cap(sourc
 
 def test_a_snapshot_that_cannot_be_imported_names_the_table_and_the_fix(source, spark, lake):
     cfg = _block_config(source, f"bad_{source.db}", "copy")
-    columns, pg_types, _ = _text_rows(source, cfg)
+    columns, pg_types, _ = _source_rows(source, cfg)
     sources = next(iter(shards_by_endpoint(cfg, None).values()))
     df = read_shards(spark, cfg, sources, "00000003-0000DEAD-1", columns, pg_types)
     with pytest.raises(Exception) as exc:

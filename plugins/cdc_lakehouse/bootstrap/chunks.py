@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import io
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+from cdc_lakehouse.bootstrap.typed_select import TypedSelect, typed_select
 from cdc_lakehouse.identifiers import pg_ident, pg_qualified
-from cdc_lakehouse.source.catalog import text_select_list
+from cdc_lakehouse.source.catalog import text_select, text_select_list
 from cdc_lakehouse.source.markers import emit_marker
 
 if TYPE_CHECKING:
@@ -38,7 +39,12 @@ class ChunkQuery:
     key_select: str = ""  # the key columns as text, as select_list prints them
 
     def sql(self, after: list[str] | None, upto: list[str] | None = None) -> tuple[str, tuple[str, ...]]:
-        """COPY of the next chunk: the first `limit` rows whose full key is above `after` and at
+        """COPY (CSV) of the next chunk (select, below)."""
+        inner, params = self.select(after, upto)
+        return f"COPY ({inner}) TO STDOUT WITH (FORMAT csv)", params
+
+    def select(self, after: list[str] | None, upto: list[str] | None = None) -> tuple[str, tuple[str, ...]]:
+        """The next chunk: the first `limit` rows whose full key is above `after` and at
         most `upto` (the shard's last key when it started: rows inserted later come through the
         stream, so the last chunk does not chase a growing table). The row comparison
         (k1, k2) > (%s, %s) walks the key's index; the text values come back as unknown-typed
@@ -59,7 +65,7 @@ class ChunkQuery:
         inner = (
             f"SELECT {esc(self.select_list)} FROM {esc(self.qualified)}{where} ORDER BY {keys} LIMIT {int(self.limit)}"
         )
-        return f"COPY ({inner}) TO STDOUT WITH (FORMAT csv)", params
+        return inner, params
 
     def last_key_sql(self) -> str:
         """The shard's highest key, printed as the chunk rows print it."""
@@ -87,6 +93,22 @@ def chunk_query(
         limit,
         text_select_list([(k, types[k]) for k in key], pg_types),
     )
+
+
+# The key columns' text, after the typed columns of a typed chunk: where the next chunk starts, as
+# the source prints it (the progress rows keep it so).
+KEY_TEXT_PREFIX = "_cdc_key_text_"
+
+
+def typed(q: ChunkQuery, columns: list[tuple[str, str]], pg_types: dict[str, str]) -> tuple[ChunkQuery, TypedSelect]:
+    """A chunk query (chunk_query) with the typed select list (bootstrap.typed_select) and each key
+    column's text last."""
+    select = typed_select(columns, pg_types)
+    types = dict(columns)
+    key_text = ", ".join(
+        f"{text_select(k, pg_types.get(k, ''), types[k])} AS {pg_ident(KEY_TEXT_PREFIX + k)}" for k in q.key
+    )
+    return replace(q, select_list=f"{select.select_list()}, {key_text}"), select
 
 
 @dataclass
@@ -124,8 +146,6 @@ def read_chunk(
     import pyarrow as pa
     from pyarrow import csv
 
-    from cdc_lakehouse.bootstrap.copy_read import _csv_options
-
     t0 = time.monotonic()
     with conn.cursor() as cur:
         low = emit_marker(cur, {**marker, "mark": "low"})
@@ -146,6 +166,63 @@ def read_chunk(
     if table.num_rows:
         last = [table.column(k)[table.num_rows - 1].as_py() for k in q.key]
     return ChunkRead(marker["shard"], marker["chunk"], low, high, table, last, xact, time.monotonic() - t0)
+
+
+def read_typed_chunk(
+    conn,
+    reader,
+    q: ChunkQuery,
+    select: TypedSelect,
+    after: list[str] | None,
+    marker: dict[str, Any],
+    upto: list[str] | None = None,
+) -> ChunkRead:
+    """read_chunk with typed values: the chunk's SELECT (its key bounds inlined by psycopg2, as
+    read_chunk's COPY has them) runs on `reader`, an autocommit ADBC cursor, which reads it with
+    binary COPY into Arrow (bootstrap.copy_read). The rows hold the typed columns, the misfit
+    message and the key columns' text."""
+    import pyarrow as pa
+
+    from cdc_lakehouse.bootstrap.copy_read import arrow_schema, conform
+
+    types = (*select.spark_types(numeric_as_text=True), *[(KEY_TEXT_PREFIX + k, "string") for k in q.key])
+    schema = arrow_schema(tuple(types))
+    t0 = time.monotonic()
+    with conn.cursor() as cur:
+        low = emit_marker(cur, {**marker, "mark": "low"})
+        sql, params = q.select(after, upto)
+        t1 = time.monotonic()
+        reader.execute(cur.mogrify(sql, params).decode() if params else sql)
+        batches = [conform(b, schema, marker["shard"]) for b in reader.fetch_record_batch()]
+        xact = time.monotonic() - t1
+        high = emit_marker(cur, {**marker, "mark": "high"})
+    table = pa.Table.from_batches(batches, schema=schema)
+    last = None
+    if table.num_rows:
+        last = [table.column(KEY_TEXT_PREFIX + k)[table.num_rows - 1].as_py() for k in q.key]
+    return ChunkRead(marker["shard"], marker["chunk"], low, high, table, last, xact, time.monotonic() - t0)
+
+
+# PostgreSQL's CSV is handed to pyarrow's parser in one buffer per chunk.
+BUFFER_BYTES = 8 << 20
+
+
+def _csv_options(columns: tuple[str, ...]):
+    import pyarrow as pa
+    from pyarrow import csv
+
+    # PostgreSQL's CSV: NULL is an unquoted empty field, an empty string is quoted (""); values
+    # may hold newlines inside quotes. Every column stays text: typed_rows casts it, as for JDBC.
+    return (
+        csv.ReadOptions(column_names=list(columns), block_size=BUFFER_BYTES + (1 << 20), use_threads=False),
+        csv.ParseOptions(newlines_in_values=True),
+        csv.ConvertOptions(
+            column_types={c: pa.string() for c in columns},
+            null_values=[""],
+            strings_can_be_null=True,
+            quoted_strings_can_be_null=False,
+        ),
+    )
 
 
 def has_usable_key(cur, schema: str, table: str, key: list[str]) -> bool:

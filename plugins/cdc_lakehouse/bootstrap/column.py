@@ -33,17 +33,21 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from cdc_lakehouse.bootstrap import copy_read
 from cdc_lakehouse.bootstrap.chunked import _check_keys
 from cdc_lakehouse.bootstrap.chunks import (
     APPLICATION_NAME,
+    KEY_TEXT_PREFIX,
     ChunkRead,
     chunk_query,
     estimated_rows,
     last_key,
-    read_chunk,
+    read_typed_chunk,
+    typed,
 )
 from cdc_lakehouse.bootstrap.progress import ShardProgress, load_progress, progress_row, record_progress
-from cdc_lakehouse.bootstrap.snapshot import BootstrapError, ShardSource, preflight, shards_by_endpoint, typed_rows
+from cdc_lakehouse.bootstrap.snapshot import BootstrapError, ShardSource, preflight, shards_by_endpoint
+from cdc_lakehouse.bootstrap.typed_select import TypedSelect
 from cdc_lakehouse.config import LSN_COL, SHARD_COL, TableConfig
 from cdc_lakehouse.identifiers import spark_ident
 from cdc_lakehouse.lake.commits import sql_with_commit_properties, with_commit_retries
@@ -143,12 +147,16 @@ class _Fill:
         cfg, r, limit = self.cfg, self.result, self.cfg.bootstrap.chunk_rows
         conn = psycopg2.connect(s.endpoint.dsn(), application_name=APPLICATION_NAME)
         conn.autocommit = True  # each marker and chunk read its own short transaction
+        # The chunks' rows, typed, through ADBC (the snapshot bootstrap's reader); the markers and
+        # the key bounds on psycopg2's connection.
+        reader_conn = copy_read.connect(s.endpoint.dsn(), APPLICATION_NAME)
+        reader = reader_conn.cursor()
         try:
-            q = chunk_query(s.schema, cfg.source.table, self.read_cols, self.pg_types, cfg.primary_key, limit)
+            plain = chunk_query(s.schema, cfg.source.table, self.read_cols, self.pg_types, cfg.primary_key, limit)
+            q, select = typed(plain, self.read_cols, self.pg_types)
             with conn.cursor() as c:
                 state.chunks_total = max(state.chunks_total, estimated_rows(c, s.schema, cfg.source.table) // limit + 1)
             upto = last_key(conn, q)  # rows inserted later come through the stream
-            names = tuple(n for n, _ in self.read_cols)
             while not state.done:
                 marker = {
                     "table": cfg.name,
@@ -157,8 +165,8 @@ class _Fill:
                     "run": r.run_id,
                     "columns": r.columns,
                 }
-                chunk = read_chunk(conn, q, names, state.last_key, marker, upto)
-                merge_chunk(self.spark, cfg, self.cur, chunk, self.read_cols, r.columns, r.run_id)
+                chunk = read_typed_chunk(conn, reader, q, select, state.last_key, marker, upto)
+                merge_chunk(self.spark, cfg, self.cur, chunk, select, r.columns, r.run_id)
                 state.advance(chunk, limit)
                 record_progress(self.spark, self.lake, [progress_row(state, chunk)])
                 r.chunks += 1
@@ -172,6 +180,8 @@ class _Fill:
                 if not state.done and should_stop is not None and should_stop(state):
                     return True
         finally:
+            reader.close()
+            reader_conn.close()
             conn.close()
         return False
 
@@ -205,7 +215,7 @@ def _chunk_bounds(cfg: TableConfig, chunk: ChunkRead, types: dict[str, str]) -> 
     col, typ = f"t.{spark_ident(first)}", types[first]
     if not (typ in ORDERED_THE_SAME or typ.startswith("decimal")):
         return shard  # text sorts by the source's collation, which Spark's order need not match
-    keys = chunk.rows.column(first)
+    keys = chunk.rows.column(KEY_TEXT_PREFIX + first)  # as the source prints them
     lo, hi = keys[0].as_py(), keys[len(keys) - 1].as_py()
     return f"{shard} AND {col} >= CAST({sql_string(lo)} AS {typ}) AND {col} <= CAST({sql_string(hi)} AS {typ})"
 
@@ -215,24 +225,23 @@ def merge_chunk(
     cfg: TableConfig,
     cur: str,
     chunk: ChunkRead,
-    read_cols: list[tuple[str, str]],
+    select: TypedSelect,
     columns: list[str],
     run_id: str,
 ) -> None:
     """Set `columns` from the chunk on the current table's rows of its keys that sit below L."""
-    import pyarrow as pa
-    from pyspark.sql.types import StringType, StructField, StructType
+    from cdc_lakehouse.bootstrap.copy_read import output_schema
 
     if not chunk.rows.num_rows:
         return
-    names = [n for n, _ in read_cols]
-    rows = chunk.rows.select(names).append_column(SHARD_COL, pa.array([chunk.shard] * chunk.rows.num_rows, pa.string()))
-    schema = StructType([StructField(c, StringType(), True) for c in [*names, SHARD_COL]])
-    typed = typed_rows(spark.createDataFrame(rows.to_pandas(), schema), cfg, read_cols)
+    delivered = select.spark_types(numeric_as_text=True)
+    rows = chunk.rows.select([*[n for n, _ in delivered], SHARD_COL])
+    # Arrow straight into Spark (no pandas); a value that does not fit stops the run here.
+    typed = select.to_lake(spark.createDataFrame(rows, output_schema(tuple(delivered))), cfg.name, cfg.primary_key)
     view = f"cdc_colfill_{uuid.uuid4().hex[:12]}"
     typed.createOrReplaceTempView(view)
     on = " AND ".join(f"t.{spark_ident(c)} = s.{spark_ident(c)}" for c in [SHARD_COL, *cfg.primary_key])
-    on += " AND " + _chunk_bounds(cfg, chunk, dict(read_cols))
+    on += " AND " + _chunk_bounds(cfg, chunk, {c.name: c.lake_type for c in select.columns})
     sets = ", ".join(f"t.{spark_ident(c)} = s.{spark_ident(c)}" for c in columns)
     sql = f"MERGE INTO {cur} t USING {view} s ON {on} WHEN MATCHED AND t.{LSN_COL} < {int(chunk.low)} THEN UPDATE SET {sets}"
     props = {

@@ -1,23 +1,26 @@
-"""The snapshot read through `COPY (SELECT ...) TO STDOUT`, parsed into Arrow on the executors.
+"""`bootstrap.reader: copy`: the snapshot read as PostgreSQL's binary COPY straight into Arrow
+(the ADBC PostgreSQL driver: libpq and C++), on the executors, inside mapInArrow.
 
-`bootstrap.reader: copy`; the default, `jdbc`, is Spark's JDBC reader, which measured faster on
-the 2-core machine (docs/benchmarks-history.md: 10M rows read alone in 29.8 s against 42.4 s here, COPY itself
-29.7 s): Spark's JDBC reader already reads at COPY's rate there, and this path adds a Python worker
-per task and the Arrow hand-over. Both send the same SELECT (text_select_list: every column as the text its output function
-prints) under the same exported snapshot, and both hand the same text columns to typed_rows, so
-the lake gets the same values whichever reader ran; only the transport differs: here PostgreSQL
-writes CSV, pyarrow parses it in C++ and the batches enter Spark through mapInArrow.
+Until issue #56 this reader was psycopg2's `COPY ... TO STDOUT` as CSV text parsed by pyarrow,
+and was slower than Spark's JDBC reader (docs/benchmarks-history.md, "Issue 16"). Typed binary COPY reads the
+1M-row bench table at about COPY's own rate, and ahead of the typed JDBC reader
+(docs/bench-bootstrap-typed.md has the figures).
 
-Each task reads its ctid ranges in order on one connection: the tasks of an endpoint are at most
-`max_connections_per_host`, so that is the cap on its connections. Every connection imports the
-exported snapshot before its first query (REPEATABLE READ, SET TRANSACTION SNAPSHOT), and
-libpq's options carry the session settings the JDBC path sets (source.session).
+Each task reads its ctid ranges in order on one connection, under the exported snapshot
+(REPEATABLE READ, SET TRANSACTION SNAPSHOT before the first query), with the session settings
+every source reader uses (source.session): the tasks of an endpoint are at most
+`max_connections_per_host`, the cap on its connections. The statement is the typed select list
+(bootstrap.typed_select), so values arrive as int64, float64, date32, timestamp[us] ..., not text:
+there is nothing to parse or cast in Spark but numerics, which ADBC hands over as their text
+(PostgreSQL's numeric is wider than Arrow's decimal128) and Spark casts without a guard (the
+select list checked that they fit).
+
+The DSN, with the password, travels inside the task closure, never in the Spark conf, the plan
+or the UI, and no error message repeats it.
 """
 
 from __future__ import annotations
 
-import queue
-import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -28,15 +31,12 @@ if TYPE_CHECKING:
 
     from pyspark.sql import DataFrame, SparkSession
 
-# Rows are handed to the parser in buffers of about this size: big enough that pyarrow's per-call
-# cost vanishes, small enough that a few in flight per task stay a few MB.
-BUFFER_BYTES = 8 << 20
-_QUEUED_BUFFERS = 3
+APPLICATION_NAME = "cdc_lakehouse bootstrap adbc"
 
 
 @dataclass(frozen=True)
-class CopyTask:
-    """One ctid range of one shard: the COPY statement that reads it and the shard it belongs to."""
+class ReadTask:
+    """One ctid range of one shard: the SELECT that reads it and the shard it belongs to."""
 
     shard: str
     label: str  # schema.table and the range, for error messages
@@ -44,161 +44,152 @@ class CopyTask:
 
 
 @dataclass(frozen=True)
-class CopySource:
+class ReadSource:
     """What an executor needs to read its tasks. `dsn` holds the password: it travels inside the
-    task closure (as in the serving export), never in the Spark conf, the plan or the UI."""
+    task closure only."""
 
     dsn: str = field(repr=False)
     snapshot: str
-    columns: tuple[str, ...]
+    columns: tuple[tuple[str, str], ...]  # (name, Spark type) as delivered, the shard not included
     table: str  # the config's name, for error messages
     label: str  # host:port/database, for error messages
 
 
-def copy_sql(select_list: str, qualified: str, predicate: str) -> str:
+def select_sql(select_list: str, qualified: str, predicate: str) -> str:
     where = f" WHERE {predicate}" if predicate else ""
-    return f"COPY (SELECT {select_list} FROM {qualified}{where}) TO STDOUT WITH (FORMAT csv)"
+    return f"SELECT {select_list} FROM {qualified}{where}"
 
 
-class _RowBuffer:
-    """The file psycopg2's copy_expert writes to (one call per row, as libpq returns rows): rows
-    are joined into buffers that end on a row boundary and queued for the parser."""
+def spark_type(name: str):
+    """The Spark type of a delivered column's type name (typed_select's types: no DDL parser, which
+    needs a classic session)."""
+    import re
 
-    def __init__(self, out: queue.Queue, stop: threading.Event) -> None:
-        self.out, self.stop = out, stop
-        self.parts: list[bytes] = []
-        self.size = 0
+    from pyspark.sql import types as T
 
-    def write(self, data: bytes) -> int:
-        self.parts.append(data)
-        self.size += len(data)
-        if self.size >= BUFFER_BYTES:
-            self.flush()
-        return len(data)
-
-    def flush(self) -> None:
-        if self.parts:
-            self.put(b"".join(self.parts))
-            self.parts, self.size = [], 0
-
-    def put(self, item: Any) -> None:
-        # A bounded queue keeps memory flat; the stop flag frees the thread if the reader is gone.
-        while not self.stop.is_set():
-            try:
-                self.out.put(item, timeout=0.5)
-                return
-            except queue.Full:
-                continue
-        raise RuntimeError("the COPY reader stopped")
+    simple = {
+        "bigint": T.LongType(),
+        "int": T.IntegerType(),
+        "boolean": T.BooleanType(),
+        "float": T.FloatType(),
+        "double": T.DoubleType(),
+        "date": T.DateType(),
+        "timestamp": T.TimestampType(),
+        "timestamp_ntz": T.TimestampNTZType(),
+        "binary": T.BinaryType(),
+        "string": T.StringType(),
+    }
+    if name in simple:
+        return simple[name]
+    m = re.fullmatch(r"decimal\((\d+),(\d+)\)", name.replace(" ", ""))
+    if m:
+        return T.DecimalType(int(m.group(1)), int(m.group(2)))
+    raise ValueError(f"the typed reader delivers no column of type {name!r}")
 
 
-def _csv_options(columns: tuple[str, ...]):
-    import pyarrow as pa
-    from pyarrow import csv
+def output_schema(columns: tuple[tuple[str, str], ...]):
+    from pyspark.sql.types import StringType, StructField, StructType
 
-    # PostgreSQL's CSV: NULL is an unquoted empty field, an empty string is quoted (""); values
-    # may hold newlines inside quotes. Every column stays text: typed_rows casts it, as for JDBC.
-    return (
-        csv.ReadOptions(column_names=list(columns), block_size=BUFFER_BYTES + (1 << 20), use_threads=False),
-        csv.ParseOptions(newlines_in_values=True),
-        csv.ConvertOptions(
-            column_types={c: pa.string() for c in columns},
-            null_values=[""],
-            strings_can_be_null=True,
-            quoted_strings_can_be_null=False,
-        ),
+    return StructType(
+        [StructField(n, spark_type(t), True) for n, t in columns] + [StructField(SHARD_COL, StringType())]
     )
 
 
-def _open(src: CopySource, task: CopyTask):
-    """A connection whose transaction sees the exported snapshot, with the sources' session settings."""
-    import psycopg2
+def arrow_schema(columns: tuple[tuple[str, str], ...]):
+    """The Arrow schema Spark expects back (plus the shard); timestamps with time zone in UTC."""
+    import pyarrow as pa
+    from pyspark.sql.pandas.types import to_arrow_type
+
+    return pa.schema([pa.field(f.name, to_arrow_type(f.dataType)) for f in output_schema(columns)])
+
+
+def connect(dsn: str, application_name: str = APPLICATION_NAME):
+    """An autocommit ADBC connection with the session settings every source reader uses."""
+    import adbc_driver_postgresql.dbapi as adbc  # type: ignore[import-untyped]  # no type information shipped
+    from psycopg2.extensions import make_dsn
 
     from cdc_lakehouse.source.session import SESSION_OPTIONS
 
+    return adbc.connect(make_dsn(dsn, options=SESSION_OPTIONS, application_name=application_name), autocommit=True)
+
+
+def _open(src: ReadSource, task: ReadTask):
+    """An ADBC connection whose transaction sees the exported snapshot."""
     try:
-        conn = psycopg2.connect(src.dsn, options=SESSION_OPTIONS, application_name="cdc_lakehouse bootstrap copy")
-    except psycopg2.OperationalError as exc:
+        conn = connect(src.dsn)
+    except Exception as exc:  # noqa: BLE001 - the driver's errors name no secret; re-raised plainly
         raise RuntimeError(
-            f"{src.table}: the bootstrap cannot connect to {src.label} to read {task.label}: {str(exc).strip()}; "
+            f"{src.table}: the bootstrap cannot connect to {src.label} to read {task.label}: {_first_line(exc)}; "
             "check the Airflow connection and that the executors reach the host"
         ) from None
+    cur = conn.cursor()
     try:
-        conn.set_session(isolation_level="REPEATABLE READ", readonly=True)
-        with conn.cursor() as cur:
-            cur.execute("SET TRANSACTION SNAPSHOT %s", (src.snapshot,))
-    except psycopg2.Error as exc:
+        cur.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
+        cur.execute("SET TRANSACTION SNAPSHOT '" + src.snapshot.replace("'", "''") + "'")
+    except Exception as exc:  # noqa: BLE001
+        cur.close()
         conn.close()
         raise RuntimeError(
             f"{src.table}: cannot import the exported snapshot {src.snapshot} on {src.label} to read "
-            f"{task.label}: {str(exc).strip()}; the snapshot lives while the bootstrap's slot connection "
+            f"{task.label}: {_first_line(exc)}; the snapshot lives while the bootstrap's slot connection "
             "is open: rerun the bootstrap"
         ) from None
-    return conn
+    return conn, cur
 
 
-def _copy_into(conn, task: CopyTask, out: queue.Queue, stop: threading.Event) -> None:
-    """Thread body: run the COPY into the queue; ends with None, or the exception that stopped it."""
-    buf = _RowBuffer(out, stop)
-    try:
-        with conn.cursor() as cur:
-            cur.copy_expert(task.sql, buf, size=1 << 16)
-        buf.flush()
-        buf.put(None)
-    except BaseException as exc:  # noqa: BLE001 - handed to the reading thread, which raises it
-        if not stop.is_set():
-            try:
-                buf.put(exc)
-            except RuntimeError:
-                pass
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
-def _task_batches(conn, src: CopySource, task: CopyTask) -> Iterator:
-    """One task's rows as Arrow record batches (the shard column last, as the JDBC reader's), streamed."""
+def conform(batch, schema, shard: str):
+    """A driver batch as the declared schema: extension types (numeric as text) by their storage,
+    the shard appended."""
     import pyarrow as pa
-    from pyarrow import csv
 
-    read, parse, convert = _csv_options(src.columns)
-    out: queue.Queue = queue.Queue(maxsize=_QUEUED_BUFFERS)
-    stop = threading.Event()
-    worker = threading.Thread(target=_copy_into, args=(conn, task, out, stop), daemon=True)
-    worker.start()
+    cols = []
+    for i, f in enumerate(schema):
+        if f.name == SHARD_COL:
+            break
+        col = batch.column(i)
+        if isinstance(col.type, pa.ExtensionType):
+            col = col.storage
+        cols.append(col if col.type == f.type else col.cast(f.type))
+    cols.append(pa.array([shard] * batch.num_rows, pa.string()))
+    return pa.RecordBatch.from_arrays(cols, schema=schema)
+
+
+def _task_batches(cur, src: ReadSource, task: ReadTask, schema) -> Iterator:
+    """One task's rows as Arrow record batches, streamed from the driver."""
     try:
-        while (item := out.get()) is not None:
-            if isinstance(item, BaseException):
-                raise RuntimeError(f"{src.table}: COPY of {task.label} failed: {item}") from item
-            table = csv.read_csv(pa.py_buffer(item), read_options=read, parse_options=parse, convert_options=convert)
-            shard = pa.array([task.shard] * table.num_rows, pa.string())
-            for batch in table.combine_chunks().to_batches():
-                yield pa.RecordBatch.from_arrays([*batch.columns, shard[: batch.num_rows]], [*src.columns, SHARD_COL])
-    finally:
-        stop.set()
-        worker.join(timeout=60)
+        cur.execute(task.sql)
+        reader = cur.fetch_record_batch()
+        for batch in reader:
+            yield conform(batch, schema, task.shard)
+    except RuntimeError:
+        raise
+    except Exception as exc:  # noqa: BLE001
+        raise RuntimeError(f"{src.table}: the read of {task.label} failed: {_first_line(exc)}") from None
 
 
-def read_tasks(batches, *, src: CopySource, tasks: tuple[CopyTask, ...]) -> Iterator:
+def read_tasks(batches, *, src: ReadSource, tasks: tuple[ReadTask, ...]) -> Iterator:
     """Executor side (mapInArrow): the input rows are task indexes; each partition reads its tasks
     one after another on one connection, under the exported snapshot."""
-    conn = None
+    schema = arrow_schema(src.columns)
+    opened: Any = None
     try:
         for batch in batches:
             for i in batch.column(0).to_pylist():
-                conn = conn or _open(src, tasks[i])
-                yield from _task_batches(conn, src, tasks[i])
+                opened = opened or _open(src, tasks[i])
+                yield from _task_batches(opened[1], src, tasks[i], schema)
     finally:
-        if conn is not None:
-            conn.close()
+        if opened is not None:
+            opened[1].close()
+            opened[0].close()
 
 
-def output_schema(columns: tuple[str, ...]):
-    from pyspark.sql.types import StringType, StructField, StructType
-
-    return StructType([StructField(c, StringType(), True) for c in (*columns, SHARD_COL)])
-
-
-def read_with_copy(spark: SparkSession, src: CopySource, tasks: list[CopyTask], max_connections: int) -> DataFrame:
-    """All tasks of one endpoint as text columns (plus the shard), at most `max_connections`
-    tasks (connections) at once."""
+def read_with_copy(spark: SparkSession, src: ReadSource, tasks: list[ReadTask], max_connections: int) -> DataFrame:
+    """All tasks of one endpoint as the select list's columns (plus the shard), at most
+    `max_connections` tasks (connections) at once."""
     import functools
 
     parts = max(1, min(max_connections, len(tasks)))

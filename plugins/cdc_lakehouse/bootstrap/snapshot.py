@@ -22,9 +22,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from cdc_lakehouse.bootstrap.copy_read import ReadSource, ReadTask, read_with_copy, select_sql
+from cdc_lakehouse.bootstrap.typed_select import TypedSelect, text_columns, typed_select
 from cdc_lakehouse.config import SHARD_COL, ShardGroup, TableConfig
 from cdc_lakehouse.identifiers import pg_ident, pg_qualified
-from cdc_lakehouse.lake.casts import cast_text
 from cdc_lakehouse.settings import SourceEndpoint, source_uri
 from cdc_lakehouse.source.catalog import (
     EndpointTables,
@@ -32,7 +33,6 @@ from cdc_lakehouse.source.catalog import (
     describe_table,
     key_is_enforced,
     key_violations,
-    text_select_list,
 )
 from cdc_lakehouse.source.ddl import capture_ddl
 from cdc_lakehouse.source.errors import PreflightError, SlotLostError
@@ -247,83 +247,56 @@ def read_shards(
     columns: list[tuple[str, str]],
     pg_types: dict[str, str] | None = None,
 ) -> DataFrame:
-    """All shards of one endpoint under one exported snapshot, at most N connections at once, as
-    text columns (typed_rows casts them): COPY into Arrow, or Spark's JDBC reader (bootstrap.reader)."""
+    """All shards of one endpoint under one exported snapshot, at most N connections at once, in
+    the lake's types: typed on the source where PostgreSQL's type maps exactly, the rest as text
+    cast in Spark (bootstrap.typed_select); a value that does not fit stops the job. Read with
+    binary COPY into Arrow on the executors (ADBC), or Spark's JDBC reader (bootstrap.reader)."""
+    select = typed_select(columns, pg_types)
+    ep = shard_sources[0].endpoint
+    ranges = [
+        (s, pred)
+        for s in shard_sources
+        for pred in ctid_ranges(ep, s.schema, cfg.source.table, cfg.bootstrap.partitions_per_shard)
+    ]
+    read = _read_with_copy if cfg.bootstrap.reader == "copy" else _read_with_jdbc
+    return select.to_lake(read(spark, cfg, ranges, snapshot, select), cfg.name, cfg.primary_key)
+
+
+def _read_with_jdbc(
+    spark: SparkSession, cfg: TableConfig, ranges: list[tuple[ShardSource, str]], snapshot: str, select: TypedSelect
+) -> DataFrame:
+    """One JDBC query per ctid range; Spark maps the typed columns onto its own types."""
     from functools import reduce
 
     from pyspark.sql import functions as F
 
-    ep = shard_sources[0].endpoint
-    if cfg.bootstrap.reader == "copy":
-        return _read_with_copy(spark, cfg, shard_sources, snapshot, columns, pg_types)
-    props = jdbc_properties(ep, cfg.bootstrap.fetch_size, snapshot)
+    ep = ranges[0][0].endpoint
+    # timestamp without time zone as Spark's timestamp_ntz (the lake's type), not a local time.
+    props = {**jdbc_properties(ep, cfg.bootstrap.fetch_size, snapshot), "preferTimestampNTZ": "true"}
     frames = []
-    for s in shard_sources:
-        for pred in ctid_ranges(ep, s.schema, cfg.source.table, cfg.bootstrap.partitions_per_shard):
-            where = f" WHERE {pred}" if pred else ""
-            query = f"(SELECT {text_select_list(columns, pg_types)} FROM {pg_qualified(s.schema, cfg.source.table)}{where}) q"
-            df = spark.read.jdbc(ep.jdbc_url(), query, properties=props).withColumn(SHARD_COL, F.lit(s.shard))
-            frames.append(df)
+    for s, pred in ranges:
+        query = f"({select_sql(select.select_list(), pg_qualified(s.schema, cfg.source.table), pred)}) q"
+        frames.append(spark.read.jdbc(ep.jdbc_url(), query, properties=props).withColumn(SHARD_COL, F.lit(s.shard)))
     df = reduce(lambda a, b: a.unionByName(b), frames)
     # coalesce merges partitions without a shuffle: at most N tasks (connections) per host.
     return df.coalesce(min(cfg.bootstrap.max_connections_per_host, len(frames)))
 
 
 def _read_with_copy(
-    spark: SparkSession,
-    cfg: TableConfig,
-    shard_sources: list[ShardSource],
-    snapshot: str,
-    columns: list[tuple[str, str]],
-    pg_types: dict[str, str] | None,
+    spark: SparkSession, cfg: TableConfig, ranges: list[tuple[ShardSource, str]], snapshot: str, select: TypedSelect
 ) -> DataFrame:
-    """The same SELECT per ctid range as the JDBC reader, as COPY statements run by the executors."""
-    from cdc_lakehouse.bootstrap.copy_read import CopySource, CopyTask, copy_sql, read_with_copy
-
-    ep = shard_sources[0].endpoint
-    select = text_select_list(columns, pg_types)
+    """The same SELECT per ctid range, run by the executors through ADBC (binary COPY into Arrow)."""
+    ep = ranges[0][0].endpoint
     tasks = []
-    for s in shard_sources:
-        qualified = pg_qualified(s.schema, cfg.source.table)
-        for pred in ctid_ranges(ep, s.schema, cfg.source.table, cfg.bootstrap.partitions_per_shard):
-            label = f"{s.schema}.{cfg.source.table}" + (f" ({pred})" if pred else "") + f" on {ep.label}"
-            tasks.append(CopyTask(s.shard, label, copy_sql(select, qualified, pred)))
-    src = CopySource(ep.dsn(), snapshot, tuple(n for n, _ in columns), cfg.name, ep.label)
+    for s, pred in ranges:
+        label = f"{s.schema}.{cfg.source.table}" + (f" ({pred})" if pred else "") + f" on {ep.label}"
+        sql = select_sql(select.select_list(), pg_qualified(s.schema, cfg.source.table), pred)
+        tasks.append(ReadTask(s.shard, label, sql))
+    src = ReadSource(ep.dsn(), snapshot, tuple(select.spark_types(numeric_as_text=True)), cfg.name, ep.label)
     return read_with_copy(spark, src, tasks, cfg.bootstrap.max_connections_per_host)
 
 
 def typed_rows(df: DataFrame, cfg: TableConfig, columns: list[tuple[str, str]]) -> DataFrame:
-    """Text -> lake types with the ingest's casts; a value that does not fit fails the job (nothing written)."""
-    from pyspark.sql import functions as F
-
-    out = [F.col(SHARD_COL)]
-    checks = []
-    for name, typ in columns:
-        raw = F.col(name)
-        typed = cast_text(raw, typ)
-        out.append(typed.alias(name))
-        checks.append(
-            F.when(
-                typed.isNull() & raw.isNotNull(),
-                F.concat(F.lit(f"column {name}: value '"), F.substring(raw, 1, 60), F.lit(f"' does not fit {typ}")),
-            )
-        )
-    problem = F.concat_ws("; ", *checks)
-    keydesc = F.to_json(F.struct(*[F.col(k) for k in [SHARD_COL, *cfg.primary_key]]))
-    shard = F.when(
-        problem != "",
-        F.raise_error(
-            F.concat(
-                F.lit(f"{cfg.name}: bootstrap stopped, nothing was written: row "),
-                keydesc,
-                F.lit(": "),
-                problem,
-                F.lit(". Set column_types in the table config to a type that holds these values."),
-            )
-        ),
-    ).otherwise(F.col(SHARD_COL))
-    # The check is part of the shard column, which every write keeps, so the optimizer cannot
-    # prune it; and in one projection with the casts (the cast is the left operand of the check's
-    # AND, which is always evaluated) Spark evaluates each cast once per row. The earlier filter on
-    # a guard column was pushed below the projection and ran every cast twice (1M rows: +3 s).
-    return df.select(shard.alias(SHARD_COL), *out[1:])
+    """Text columns -> lake types with the ingest's casts; a value that does not fit fails the job
+    (nothing written). For readers that hand over text (the chunked mode's CSV chunks)."""
+    return text_columns(columns).to_lake(df, cfg.name, cfg.primary_key)

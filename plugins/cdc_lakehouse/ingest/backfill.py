@@ -51,7 +51,7 @@ from cdc_lakehouse.lake.watermark import Watermark
 from cdc_lakehouse.landing.reader import Plan
 from cdc_lakehouse.runtime.phases import local_checkpoint
 from cdc_lakehouse.settings import LakeSettings, SourceEndpoint, source_uri
-from cdc_lakehouse.source.catalog import describe_table, text_select
+from cdc_lakehouse.source.catalog import describe_table
 from cdc_lakehouse.source.session import SESSION_OPTIONS
 
 if TYPE_CHECKING:
@@ -231,7 +231,7 @@ def backfill_change(
         wanted = {c: v for c, v in how.items() if v[0] in ("missing", "reread")}
         if not wanted:
             return 0, present
-        values = _values(spark, cfg, conn, schema, shard, wanted, types)
+        values = _values(spark, cfg, conn, ep.dsn(), schema, shard, wanted, types)
     finally:
         conn.close()
     return _apply(spark, lake, cfg, shard, int(ch["at_commit_lsn"]), values, list(wanted), run_label), present
@@ -241,25 +241,34 @@ def _values(
     spark: SparkSession,
     cfg: TableConfig,
     conn: connection,
+    dsn: str,
     schema: str,
     shard: str,
     wanted: dict[str, tuple[str, Any]],
     types: dict[str, str],
 ) -> DataFrame | dict[str, Any]:
-    """Constants (catalog missing values) as a dict, or the re-read columns as a DataFrame by key."""
-    from pyspark.sql import functions as F
+    """Constants (catalog missing values) as a dict, or the re-read columns as a DataFrame by key,
+    read typed as the snapshot bootstrap reads them (bootstrap.typed_select, ADBC's binary COPY
+    into Arrow)."""
+    import pyarrow as pa
+
+    from cdc_lakehouse.bootstrap.copy_read import arrow_schema, conform, connect, output_schema
+    from cdc_lakehouse.bootstrap.typed_select import typed_select
 
     if all(kind == "missing" for kind, _ in wanted.values()):
         return {c: v for c, (_, v) in wanted.items()}
     with conn.cursor() as cur:
         info = describe_table(cur, schema, cfg.source.table)
         info_types = {c.name: c.pg_type for c in info.columns} if info else {}
-        cols = [*cfg.primary_key, *wanted]
-        sel = ", ".join(text_select(c, info_types.get(c, ""), types[c]) for c in cols)
-        cur.execute(f"SELECT {sel} FROM {pg_qualified(schema, cfg.source.table)}")
-        rows = cur.fetchall()
-    df = spark.createDataFrame(rows, ", ".join(f"{spark_ident(c)} string" for c in cols))
-    return df.select(F.lit(shard).alias(SHARD_COL), *[cast_text(F.col(c), types[c]).alias(c) for c in cols])
+    cols = [*cfg.primary_key, *wanted]
+    select = typed_select([(c, types[c]) for c in cols], info_types)
+    delivered = tuple(select.spark_types(numeric_as_text=True))
+    arrow = arrow_schema(delivered)
+    with connect(dsn, "cdc_lakehouse backfill") as reader, reader.cursor() as cur:
+        cur.execute(f"SELECT {select.select_list()} FROM {pg_qualified(schema, cfg.source.table)}")
+        table = pa.Table.from_batches([conform(b, arrow, shard) for b in cur.fetch_record_batch()], schema=arrow)
+    # As before this reader: a value that does not fit is NULL here (not checked, unlike the bootstrap).
+    return select.lake_values(spark.createDataFrame(table, output_schema(delivered)))
 
 
 def _apply(
