@@ -15,7 +15,7 @@ and the reason it does not fit:
     text (format 1)        lake.casts.cast_text: a format check and a cast per value
 
 The typed path runs no pattern check: at 200k events the typing step was about 14 us per event on
-the text path (BENCHMARKS.md, "Ingest on Spark 4.1, side by side").
+the text path (docs/benchmarks-history.md, "Ingest on Spark 4.1, side by side").
 """
 
 from __future__ import annotations
