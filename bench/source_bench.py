@@ -374,7 +374,7 @@ def bench_capture(dsn: str, wl, changes: int, repeat: int) -> dict:
                     "-U",
                     "postgres",
                     "-d",
-                    dsn.split("dbname=")[1].split(maxsplit=1)[0],
+                    dsn.split("dbname=")[1].split(maxsplit=1)[0].strip("'"),  # libpq quotes it in the DSN
                     "--slot",
                     "bench_recv",
                     "--start",
