@@ -278,9 +278,11 @@ class BootstrapConfig(_Model):
     max_connections_per_host: int = Field(2, ge=1, le=64)
     partitions_per_shard: int = Field(4, ge=1, le=1024)
     fetch_size: int = Field(10_000, ge=100)
-    # jdbc: Spark's JDBC reader; copy: COPY ... TO STDOUT (CSV) parsed into Arrow on the executors
-    # (bootstrap/copy_read.py). Same query, snapshot, cap and casts. jdbc is the default because it
-    # measured faster here (10M rows, read alone: 29.8 s vs 42.4 s, COPY 29.7 s; docs/benchmarks-history.md).
+    # Both read the typed select list (bootstrap/typed_select.py) under the same snapshot and cap.
+    # jdbc: Spark's JDBC reader; copy: ADBC's binary COPY into Arrow on the Python workers
+    # (bootstrap/copy_read.py; adbc-driver-postgresql on every worker). jdbc stays the default:
+    # whole bootstraps of 10M rows measured 0.35 of COPY with jdbc and 0.32 with copy, one run each
+    # (docs/bench-bootstrap-typed.md, issue #56), and it needs nothing beyond PySpark on the workers.
     reader: Literal["jdbc", "copy"] = "jdbc"
     # snapshot: one exported snapshot per endpoint for the whole read (bootstrap/snapshot.py).
     # chunked: key-range chunks between WAL watermarks, nothing held open between chunks,
