@@ -25,18 +25,17 @@ from typing import TYPE_CHECKING, Any, Self
 
 from cdc_lakehouse.config import COMMIT_TS_COL, LSN_COL, OP_COL, SEQ_COL, SHARD_COL, TableConfig
 from cdc_lakehouse.ingest.landed import Landed
-from cdc_lakehouse.ingest.reduce import EVENT_ROW, split_pk_changes
+from cdc_lakehouse.ingest.reduce import APPLIED, EVENT_ROW, split_pk_changes
 from cdc_lakehouse.ingest.toast import NO_TABLE, UNAV_LEFT
 from cdc_lakehouse.ingest.validate import BKEY, PKCHANGE, REASONS, typed_events
 from cdc_lakehouse.lake.columns import UNAVAILABLE_COL
 from cdc_lakehouse.lake.watermark import Watermark, shard_lsn_map
-from cdc_lakehouse.runtime.phases import local_checkpoint, timestamps_from_micros
+from cdc_lakehouse.runtime.phases import local_checkpoint, observed_counts
 
 if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame
 
 LIVE = "_live"
-APPLIED = "_applied"  # an event below the table's watermark: already applied, only counted
 DUP = "_dup"
 LATEST = "_latest"
 _GEN = "_gen"
@@ -126,7 +125,6 @@ def fused_batch(
 ) -> FusedBatch:
     """Landing rows (ingest.landed, or format-1 rows) -> the batch's flagged events, materialized
     once, with its counters. Events below the watermark are already applied (none without one)."""
-    from pyspark.sql import Observation
     from pyspark.sql import functions as F
 
     typed = typed_events(raw, cfg, lake_cols, cfg.shard_map()).filter(F.col(SHARD_COL).isNotNull())
@@ -142,11 +140,10 @@ def fused_batch(
     # a no-op write, then the checkpoint: 11 s against 7 s this way for the bench's 200k events
     # at 2M rows, and 4 Spark jobs against 3; issue #56.)
     rows = local_checkpoint(_per_key(events, cfg, names))
-    seen = Observation("cdc_batch")
-    rows.observe(seen, *_in_counters(cfg), *_out_counters()).write.format("noop").mode("overwrite").save()
+    seen = observed_counts(rows, *_in_counters(cfg), *_out_counters())
     # An input with no partitions never runs the observed node: its metrics are then empty (the
     # fields' defaults).
-    return FusedBatch(rows, BatchCounts(**_plain(seen.get)), names)
+    return FusedBatch(rows, BatchCounts(**_plain(seen)), names)
 
 
 def _per_key(events: DataFrame, cfg: TableConfig, names: list[str]) -> DataFrame:
@@ -248,7 +245,7 @@ def _out_counters() -> list[Column]:
 def _plain(observed: dict[str, Any]) -> dict[str, Any]:
     """Observed values as Python: counts as int (a sum over no rows is NULL), JSON text decoded."""
     out: dict[str, Any] = {}
-    for k, v in timestamps_from_micros(observed).items():
+    for k, v in observed.items():
         if k == "shard_commits":
             out[k] = {s: c for s, c in json.loads(v or "{}").items() if c}
         elif k in ("truncated", "unavailable"):

@@ -201,7 +201,7 @@ class TypedImages(Images):
             values.append(F.when(hit, v))
             reasons.append(F.when(hit, reason))
         if not values:
-            return F.lit(None).cast(_spark_type(lake_type)), None
+            return F.lit(None).cast(lake_type.replace(" ", "")), None
         return F.coalesce(*values), F.coalesce(*reasons)
 
     def has_key(self, image: str, name: str) -> Column:
@@ -250,18 +250,13 @@ def convert(name: str, value: Column, raw: Column, landed: str, lake_type: str) 
         )
         return F.lit(None).cast("string"), F.when(value.isNotNull() | raw.isNotNull(), reason)
     # Another type (the lake column widened since, or shards typed apart): kept if it casts back.
-    cast = value.try_cast(_spark_type(want))
-    fits = value.isNull() | (cast.isNotNull() & (cast.cast(_spark_type(have)) == value))
+    cast = value.try_cast(want)
+    fits = value.isNull() | (cast.isNotNull() & (cast.cast(have) == value))
     return F.when(fits, cast), F.coalesce(kept, F.when(~fits, does_not_fit(name, value.cast("string"), want)))
 
 
 def images_of(frame: LandedFrame, landed: Landed) -> Images:
     return TextImages(frame, landed) if frame.columns is None else TypedImages(frame, landed)
-
-
-def _spark_type(lake_type: str) -> str:
-    """A lake type as the DDL string Spark's casts take (they are Spark type names already)."""
-    return lake_type.replace(" ", "")
 
 
 def _text_of(value: Column, lake_type: str) -> Column:

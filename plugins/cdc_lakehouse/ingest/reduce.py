@@ -15,6 +15,7 @@ if TYPE_CHECKING:
 
 # One row per event after split_pk_changes: a key change's delete of the old key is not one.
 EVENT_ROW = "_event_row"
+APPLIED = "_applied"  # an event below the table's watermark: already applied, only counted
 
 
 def split_pk_changes(events: DataFrame, cfg: TableConfig, live: Column | None = None) -> DataFrame:
@@ -53,7 +54,7 @@ def split_pk_changes(events: DataFrame, cfg: TableConfig, live: Column | None = 
 
 
 # Columns of a typed event that are not source columns: the metadata columns and the ingest's own.
-_META_NON_SOURCE = METADATA_NAMES | {"_seq_raw", REASONS, RAW, FILE, PKCHANGE, "_applied"}
+_META_NON_SOURCE = METADATA_NAMES | {"_seq_raw", REASONS, RAW, FILE, PKCHANGE, APPLIED}
 
 
 def latest_per_key(events: DataFrame, key: list[str]) -> DataFrame:

@@ -619,7 +619,6 @@ def classify(
     columns scanned once. With base_cols (tgt from table_positions(..., base_cols)), the same scan
     also returns the table's values of those columns for the matched rows that need them
     (needs_base), materialized: (key, _base_<col>...); else None."""
-    from pyspark.sql import Observation
     from pyspark.sql import functions as F
 
     keys = reduced.select(*key, LSN_COL, SEQ_COL, OP_COL, needs_base().alias("_needs_base"))
@@ -646,9 +645,7 @@ def classify(
     kept = local_checkpoint(
         matched.select(*key, LSN_COL, SEQ_COL, OP_COL, "_t_lsn", "_t_seq", "_t_live", "_needs_base", *needed)
     )
-    obs = Observation(f"cdc_classify_{uuid.uuid4().hex[:8]}")
-    kept.observe(obs, *counts, base_bytes).write.format("noop").mode("overwrite").save()
-    c = Classification.observed(obs.get)
+    c = Classification.observed(observed_counts(kept, *counts, base_bytes))
     base = kept.filter("_needs_base").select(*key, *[BASE_PREFIX + c for c in base_cols])
     # Small enough (the common case): joined to the batch without a shuffle, in the MERGE's own jobs.
     return c, (F.broadcast(base) if c.base_bytes <= BASE_BROADCAST_BYTES else base)
@@ -843,7 +840,7 @@ def finish(
     cfg: TableConfig,
     m: IngestMetrics,
     b: Batch,
-    shard_commits: dict[str, Any] | None = None,
+    shard_commits: dict[str, dict[str, int]] | None = None,
     records: RunRecords | None = None,
 ) -> IngestMetrics:
     """Record the run in cdc_meta.ingest_runs and cdc_meta.freshness (now, or with the group's
@@ -870,7 +867,7 @@ def run_records(
     plan: Plan,
     batch: BatchId,
     since_ms: int,
-    shard_commits: dict[str, Any] | None,
+    shard_commits: dict[str, dict[str, int]] | None,
 ) -> TableRecords:
     """The batch's run record and freshness rows (written by ingest.records).
     since_ms: no earlier commit can carry the batch (lake.batches.committed)."""
@@ -886,7 +883,7 @@ def run_records(
 
 
 def batch_state(
-    m: IngestMetrics, plan: Plan, shard_commits: dict[str, Any] | None, merge_rows: int | None = None
+    m: IngestMetrics, plan: Plan, shard_commits: dict[str, dict[str, int]] | None, merge_rows: int | None = None
 ) -> str:
     """JSON committed with the current table's commit: what another run needs to write this
     batch's run record and freshness rows if this one is stopped right after that commit. The

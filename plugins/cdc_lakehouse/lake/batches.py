@@ -143,10 +143,3 @@ def commit_once(spark: SparkSession, batch: BatchId, step: BatchStep) -> bool:
     step.commit(batch.props())
     crash_point(f"{step.name}_committed")
     return True
-
-
-def run_batch(spark: SparkSession, batch: BatchId, steps: list[BatchStep]) -> list[bool]:
-    """The steps in order, each committed once per batch: a rerun after a kill skips the tables
-    that have the batch and resumes at the first that does not. Returns which ones this call
-    committed."""
-    return [commit_once(spark, batch, step) for step in steps]

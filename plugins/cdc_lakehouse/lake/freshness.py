@@ -1,8 +1,8 @@
 """lake.freshness: how fresh each shard of a table is in the lake, recorded as data (Spark driver).
 
-Every ingest run appends one row per shard to `cdc_meta.freshness` (record_freshness, called
-from the ingest's finish(), also on runs with no events where only heartbeats moved the
-watermark). A row says, for one table and shard:
+Every ingest run appends one row per shard to `cdc_meta.freshness` (freshness_rows, committed
+with the group's other tables by ingest.records, also on runs with no events where only
+heartbeats moved the watermark). A row says, for one table and shard:
 
     last_source_commit_*   the newest source transaction of this table the pipeline has seen in
                            the shard (an insert, update, delete or truncate in the landing files)
@@ -25,7 +25,7 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from cdc_lakehouse.config import TableConfig
-from cdc_lakehouse.lake.meta import META_TABLES, meta_append
+from cdc_lakehouse.lake.meta import META_TABLES
 from cdc_lakehouse.lake.meta_rows import ShardFreshness  # one row of cdc_meta.freshness; its fields are the columns
 from cdc_lakehouse.lake.snapshots import current_ancestors
 from cdc_lakehouse.lake.watermark import WATERMARK_PROP, Watermark
@@ -72,22 +72,6 @@ def _newer(a: _Commit | None, b: _Commit | None) -> _Commit | None:
 # --- what the ingest calls ------------------------------------------------------------------------
 
 
-def record_freshness(
-    spark: SparkSession,
-    lake: LakeSettings,
-    cfg: TableConfig,
-    plan: Plan,
-    ingest_run: str,
-    now: datetime | None = None,
-    shard_commits: dict[str, Any] | None = None,
-) -> list[ShardFreshness]:
-    """Append this run's freshness row per shard to cdc_meta.freshness (freshness_rows); returns
-    the rows."""
-    rows = freshness_rows(spark, lake, cfg, plan, ingest_run, now, shard_commits)
-    meta_append(spark, lake, FRESHNESS_TABLE, [asdict(r) for r in rows], freshness_props(cfg.name, rows))
-    return rows
-
-
 def freshness_rows(
     spark: SparkSession,
     lake: LakeSettings,
@@ -95,9 +79,9 @@ def freshness_rows(
     plan: Plan,
     ingest_run: str,
     now: datetime | None = None,
-    shard_commits: dict[str, Any] | None = None,
+    shard_commits: dict[str, dict[str, int]] | None = None,
 ) -> list[ShardFreshness]:
-    """This run's freshness row per shard (what record_freshness appends).
+    """This run's freshness row per shard (ingest.records appends them with freshness_props).
 
     plan: the run's landing plan (its manifests carry the heartbeats, its files the changes).
     shard_commits: shard -> {"ts": micros, "lsn"} of the newest change in the files, when the
@@ -164,7 +148,7 @@ def _rows_json(rows: list[ShardFreshness]) -> str:
     return json.dumps([asdict(r) for r in rows], default=lambda v: v.isoformat(), separators=(",", ":"))
 
 
-def _from_observed(c: dict[str, Any] | None) -> _Commit | None:
+def _from_observed(c: dict[str, int] | None) -> _Commit | None:
     return None if not c else _Commit(c.get("lsn"), _ts(c.get("ts")))
 
 

@@ -92,10 +92,6 @@ class ImageColumns:
     columns: tuple[LandedColumn, ...]
     schema_json: str
 
-    @property
-    def names(self) -> list[str]:
-        return [n for n, _ in self.columns]
-
 
 # A row image as the capture hands it over: the relation's values in column order (text or None;
 # an unchanged TOAST value is None and its column listed as unavailable), or None for no image.
