@@ -290,12 +290,20 @@ def row_texts(
 # --- files and records -----------------------------------------------------------------------------
 
 
+# Where a streamed change sits in its partition's order: (commit position, event LSN, 0 for a
+# delete / 1 otherwise). Debezium writes a partition's changes in this order, and a copy it sends
+# again after an unclean stop has the same place (`_offset_events`).
+Place = tuple[int, int, int]
+
+
 @dataclass(frozen=True)
 class SinkFile:
     """One object of the S3 sink; records at offsets below `skip_below` are already applied, those
     from `stop_at` on are held back for a later batch (above the shard's frontier, `frontiers`).
     `floor` is the shard's watermark: an event whose position is below it is placed at it
-    (`_offset_events`)."""
+    (`_offset_events`). `applied` is the place of the last streamed change of the partition applied
+    before this file's first record (None: not known); a change at or below it is a copy Debezium
+    sent again."""
 
     uri: str
     topic: str
@@ -305,6 +313,7 @@ class SinkFile:
     heartbeat: bool = False
     floor: int = 0
     stop_at: int | None = None
+    applied: Place | None = None
 
     @property
     def name(self) -> str:
@@ -460,18 +469,53 @@ def event_row(
     return (op, before, after, unavailable or None, source, st.schemas[skey], payload.get("ts_ms"), sf.name)
 
 
-def _offset_events(shape: Shape, sf: SinkFile, data: bytes) -> Iterator[tuple[int, EventRow, bool]]:
-    """(offset, landing event row, placed at the floor) of the file's events from `skip_below` up
-    to `stop_at` (tombstones and records already applied are left out).
+@dataclass(frozen=True)
+class Event:
+    """A change record of a sink file: its offset, its landing event row, whether it was placed
+    at the floor (`late`), whether it is a copy of a change already applied (`again`: left out),
+    the highest place of its partition after it (`top`), and whether it is a read of a new
+    snapshot (`fresh`), which starts the partition's order again."""
 
-    An event whose position is below the shard's watermark (`sf.floor`) is placed at it: the
-    offsets say it was never applied, but the ingest drops events below the watermark as applied
-    and a change-feed range closed at that watermark would never show it. That happens to the
-    rest of a transaction the sink split across objects flushed at different times (the first
-    part was applied and the watermark moved past its position) and to incremental-snapshot
-    reads. At the watermark it sorts after everything applied before and before every later
-    transaction (whose position is at least the watermark), so per key the order is kept."""
+    offset: int
+    row: EventRow
+    late: bool
+    again: bool
+    top: Place | None
+    fresh: bool
+
+
+def place_of(row: EventRow) -> Place | None:
+    """A streamed change's place in its partition (snapshot reads have none: they all share the
+    snapshot's LSN, and the connector reads them again only by taking a new snapshot)."""
+    if row[0] == "r":
+        return None
+    return (row[4][6], row[4][7], 0 if row[0] == "d" else 1)
+
+
+def _offset_events(shape: Shape, sf: SinkFile, data: bytes) -> Iterator[Event]:
+    """The file's change records from `skip_below` up to `stop_at` (tombstones and records already
+    applied by offset are left out).
+
+    Debezium delivers at least once: after an unclean Kafka Connect stop it sends again, at new
+    offsets, changes it had sent. A partition's streamed changes come in commit order (a
+    transaction's in WAL order, a key change's delete before its create at one LSN), so a change
+    at or below the place of one applied (`sf.applied`) or read before it in this file is such a
+    copy: marked `again`, and applying it would bring an older value back above newer ones (#51).
+
+    An event whose position is below the shard's watermark (`sf.floor`) and is not a copy is
+    placed at it: the offsets say it was never applied, but the ingest drops events below the
+    watermark as applied and a change-feed range closed at that watermark would never show it.
+    That happens to the rest of a transaction the sink split across objects flushed at different
+    times (the first part was applied and the watermark moved past its position) and to
+    incremental-snapshot reads. At the watermark it sorts after everything applied before and
+    before every later transaction (whose position is at least the watermark), so per key the
+    order is kept.
+
+    Snapshot reads have no place and are never copies. A read of a new snapshot (not an
+    incremental one) starts the order again: after a new slot or a new server, positions may be
+    lower than those applied before."""
     st = FileState()
+    top = sf.applied
     for pos, (schema, payload) in enumerate(records(data, shape.fmt, f"{shape.table_name}: {sf.uri}")):
         offset = sf.start + pos
         if sf.stop_at is not None and offset >= sf.stop_at:
@@ -482,8 +526,15 @@ def _offset_events(shape: Shape, sf: SinkFile, data: bytes) -> Iterator[tuple[in
         row = event_row(shape, sf, offset, schema, payload, st)
         if row is None:
             continue
+        place = place_of(row)
+        fresh = place is None and payload["source"].get("snapshot") not in (None, "false", False, "incremental")
+        again = place is not None and top is not None and place <= top
+        if fresh:
+            top = None
+        elif place is not None and not again:
+            top = place
         late = row[4][6] < sf.floor
-        yield offset, (_at_floor(row, sf.floor) if late else row), late
+        yield Event(offset, _at_floor(row, sf.floor) if late else row, late, again, top, fresh)
 
 
 def _at_floor(row: EventRow, floor: int) -> EventRow:
@@ -493,8 +544,9 @@ def _at_floor(row: EventRow, floor: int) -> EventRow:
 
 def file_events(shape: Shape, sf: SinkFile, data: bytes) -> Iterator[EventRow]:
     """The landing event rows of one sink file, from its `skip_below` offset up to `stop_at`."""
-    for _offset, row, _late in _offset_events(shape, sf, data):
-        yield row
+    for ev in _offset_events(shape, sf, data):
+        if not ev.again:
+            yield ev.row
 
 
 def _last(last: list[Any] | None, row: EventRow) -> list[Any]:
@@ -506,10 +558,11 @@ def _last(last: list[Any] | None, row: EventRow) -> list[Any]:
 def file_stats(shape: Shape, sf: SinkFile, data: bytes) -> dict[str, Any]:
     """What the planner needs of a file: its record count (offsets it covers), its events' lowest
     and highest position (`lo`, `hi`), `last` (the highest position, the last event's commit
-    time), how many were placed at the floor (`late`), the latest heartbeat; a conversion error
-    as text."""
+    time), how many were placed at the floor (`late`), the highest place of a streamed change
+    (`top`), how many are copies of changes applied (`again`, left out of the rest), the latest
+    heartbeat; a conversion error as text."""
     out: dict[str, Any] = {"name": sf.name, "records": 0, "events": 0, "lo": None, "hi": None, "last": None}
-    out.update(late=0, heartbeat=None, error=None)
+    out.update(late=0, top=_json_place(sf.applied), fresh=False, again=0, heartbeat=None, error=None)
     try:
         if sf.heartbeat:
             for _schema, payload in records(data, shape.fmt, f"{shape.table_name}: {sf.uri}"):
@@ -518,11 +571,16 @@ def file_stats(shape: Shape, sf: SinkFile, data: bytes) -> dict[str, Any]:
                     out["heartbeat"] = max(out["heartbeat"] or 0, int(payload["ts_ms"]))
             return out
         out["records"] = sum(1 for _ in records(data, shape.fmt, f"{shape.table_name}: {sf.uri}"))
-        for _offset, row, late in _offset_events(shape, sf, data):
-            at = row[4][6]
+        for ev in _offset_events(shape, sf, data):
+            out["top"], out["fresh"] = _json_place(ev.top), out["fresh"] or ev.fresh
+            if ev.again:
+                out["again"] += 1
+                continue
+            at = ev.row[4][6]
             out["lo"] = at if out["lo"] is None else min(out["lo"], at)
             out["hi"] = at if out["hi"] is None else max(out["hi"], at)
-            out["last"], out["events"], out["late"] = _last(out["last"], row), out["events"] + 1, out["late"] + late
+            out["last"], out["events"] = _last(out["last"], ev.row), out["events"] + 1
+            out["late"] += ev.late
     except (DebeziumFormatError, ValueError, KeyError, TypeError) as exc:
         out["error"] = f"{exc}" if isinstance(exc, DebeziumFormatError) else f"{shape.table_name}: {sf.uri}: {exc!r}"
     return out
@@ -530,16 +588,20 @@ def file_stats(shape: Shape, sf: SinkFile, data: bytes) -> dict[str, Any]:
 
 def cut_point(shape: Shape, sf: SinkFile, data: bytes, frontier: int) -> dict[str, Any]:
     """Where a file crosses its shard's frontier: the offset of its first event at or above it
-    (`at`, None when there is none), the events before it and the last one's position, and how
-    many events from it on are held back."""
+    (`at`, None when there is none), the events before it, the last one's position and the
+    highest place and whether a new snapshot began (`top`, `fresh`, as `file_stats`), and how many
+    events from it on are held back."""
     out: dict[str, Any] = {"name": sf.name, "at": None, "events": 0, "last": None, "held": 0}
-    for offset, row, _late in _offset_events(shape, sf, data):
-        if out["at"] is None and row[4][6] >= frontier:
-            out["at"] = offset
-        if out["at"] is None:
-            out["events"], out["last"] = out["events"] + 1, _last(out["last"], row)
-        else:
-            out["held"] += 1
+    out.update(top=_json_place(sf.applied), fresh=False)
+    for ev in _offset_events(shape, sf, data):
+        if out["at"] is None and not ev.again and ev.row[4][6] >= frontier:
+            out["at"] = ev.offset
+        if out["at"] is not None:
+            out["held"] += not ev.again
+            continue
+        out["top"], out["fresh"] = _json_place(ev.top), out["fresh"] or ev.fresh
+        if not ev.again:
+            out["events"], out["last"] = out["events"] + 1, _last(out["last"], ev.row)
     return out
 
 
@@ -676,7 +738,7 @@ def plan_debezium(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, wat
     shape = shape_of(cfg)
     files = listed_files(LandingFS(spark), cfg, shape, watermark)
     stats = read_stats(spark, LandingFS(spark), shape, files)
-    chosen = within_budget(files, stats, cfg.ingest.max_events_per_run)
+    chosen = after_applied(within_budget(files, stats, cfg.ingest.max_events_per_run), stats)
     fronts = frontiers(cfg, watermark, files, chosen, stats)
     taken, fronts = take_below(spark, shape, chosen, stats, fronts)
     report(cfg, fronts, [stats[t.file.name] for t in taken])
@@ -702,8 +764,9 @@ def listed_files(fs: LandingFS, cfg: TableConfig, shape: Shape, watermark: Water
     base = spark_uri(str(src.uri).rstrip("/")) + "/" + src.topics_dir
     offsets = (watermark.debezium or {}).get("offsets", {})
     floors = {topic: watermark.shards[shard].lsn for topic, shard in topic_shards(cfg).items()}
+    applied = (watermark.debezium or {}).get("applied", {})
     files = [
-        replace(f, floor=floors[topic])
+        replace(f, floor=floors[topic], applied=_place(applied.get(topic, {}).get(str(f.partition))))
         for topic, _ in shape.endpoints
         for f in pending_files(fs, base, topic, offsets.get(topic, {}), False)
     ]
@@ -711,6 +774,40 @@ def listed_files(fs: LandingFS, cfg: TableConfig, shape: Shape, watermark: Water
         topic = heartbeat_topic(prefix)
         files += pending_files(fs, base, topic, offsets.get(topic, {}), True)
     return files
+
+
+def after_applied(chosen: list[SinkFile], stats: dict[str, dict[str, Any]]) -> list[SinkFile]:
+    """The chosen files, each knowing the place of the last change its partition applied before
+    it: the watermark's, raised by the files of the batch before it (a copy of a change is sent
+    after the change itself, possibly in a later object of the same batch)."""
+    out: list[SinkFile] = []
+    tops: dict[tuple[str, int], list[int] | None] = {}
+    for f in chosen:  # per partition in offset order (within_budget)
+        k = (f.topic, f.partition)
+        if f.heartbeat:
+            out.append(f)
+            continue
+        g = replace(f, applied=_place(tops[k])) if k in tops else f
+        tops[k] = following(_json_place(g.applied), stats[g.name])
+        out.append(g)
+    return out
+
+
+def following(applied: list[int] | None, stats: dict[str, Any]) -> list[int] | None:
+    """The partition's highest place after a file (or its part before a cut) whose stats are
+    `stats` is applied on top of `applied`: the file's own after a new snapshot."""
+    top: list[int] | None = stats["top"]
+    if stats["fresh"] or applied is None:
+        return top
+    return applied if top is None or applied >= top else top
+
+
+def _place(top: list[int] | None) -> Place | None:
+    return (top[0], top[1], top[2]) if top else None
+
+
+def _json_place(place: Place | None) -> list[int] | None:
+    return list(place) if place else None
 
 
 def read_stats(spark: SparkSession, fs: LandingFS, shape: Shape, files: list[SinkFile]) -> dict[str, dict[str, Any]]:
@@ -795,14 +892,15 @@ def frontier_of(shard: str, topic: str, lsn: int, lows: dict[int, int | None], l
 @dataclass(frozen=True)
 class Taken:
     """What a batch takes of one sink object: its records up to `end` (the partition's next
-    offset), `events` of them, `last` [highest position, latest commit time]; for a heartbeat
-    object its newest beat (ms)."""
+    offset), `events` of them, `last` [highest position, latest commit time], `top` the highest
+    place of a change; for a heartbeat object its newest beat (ms)."""
 
     file: SinkFile
     end: int
     events: int = 0
     last: list[Any] | None = None
     heartbeat: int | None = None
+    places: dict[str, Any] | None = None  # the `top` and `fresh` of its stats (`following`)
 
 
 def take_below(
@@ -837,11 +935,11 @@ def take_below(
                 waiting = part[i + 1 :] if crosses else part[i:]
                 held[topic] = held.get(topic, 0) + sum(stats[g.name]["events"] for g in waiting)
                 break
-            taken.append(Taken(f, f.start + s["records"], s["events"], s["last"]))
+            taken.append(Taken(f, f.start + s["records"], s["events"], s["last"], places=s))
     for c in cut_points(spark, shape, crossing, fronts):
         f = next(f for f in crossing if f.name == c["name"])
         at = c["at"] if c["at"] is not None else f.start + stats[f.name]["records"]
-        taken.append(Taken(replace(f, stop_at=at), at, c["events"], c["last"]))
+        taken.append(Taken(replace(f, stop_at=at), at, c["events"], c["last"], places=c))
         held[f.topic] = held.get(f.topic, 0) + c["held"]
     return taken, {t: replace(fr, held=held.get(t, 0)) for t, fr in fronts.items()}
 
@@ -869,14 +967,16 @@ def report(cfg: TableConfig, fronts: dict[str, Frontier], taken_stats: list[dict
                 "every partition flowing (docs/debezium.md, Positions)",
                 cfg.name, fr.shard, fr.held, fr.lsn, fr.holder,
             )  # fmt: skip
-    late = sum(s["late"] for s in taken_stats)
-    if late:
-        log.warning(
-            "debezium %s: %d event(s) below their shard's watermark (the rest of a transaction the sink split across "
-            "objects flushed at different times, or incremental-snapshot reads) are applied at the watermark",
-            cfg.name,
-            late,
-        )
+    counted = {
+        "again": "left out as copies of changes an earlier batch applied (Debezium sends changes again after an "
+        "unclean Kafka Connect stop; docs/debezium.md, Redelivery)",
+        "late": "below their shard's watermark (the rest of a transaction the sink split across objects flushed at "
+        "different times, or incremental-snapshot reads) are applied at the watermark",
+    }
+    for what, says in counted.items():
+        n = sum(s[what] for s in taken_stats)
+        if n:
+            log.warning("debezium %s: %d event(s) %s", cfg.name, n, says)
 
 
 def stage_events(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, events: list[SinkFile]) -> list[str]:
@@ -923,10 +1023,16 @@ def advance(cfg: TableConfig, watermark: Watermark, taken: list[Taken], fronts: 
     new = watermark.model_copy(deep=True)
     st = new.debezium = dict(new.debezium or {})
     offsets, last, beats = st.setdefault("offsets", {}), st.setdefault("last", {}), st.setdefault("heartbeats", {})
+    applied = st.setdefault("applied", {})
     for t in sorted(taken, key=lambda t: (t.file.topic, t.file.partition, t.file.start)):
         f, p = t.file, str(t.file.partition)
         po = offsets.setdefault(f.topic, {})
         po[p] = max(po.get(p, 0), t.end)
+        if t.places is not None:
+            pa = applied.setdefault(f.topic, {})
+            pa[p] = following(pa.get(p), t.places)
+            if pa[p] is None:
+                del pa[p]
         prev = last.get(f.topic, {}).get(p)
         if t.last and (prev is None or t.last[0] >= prev[0]):
             last.setdefault(f.topic, {})[p] = t.last
