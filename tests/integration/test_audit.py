@@ -135,9 +135,53 @@ def test_commits_not_yet_flushed_are_in_flight(source, spark, lake):
     for attempt in range(3):
         lo = 1000000300 + attempt * 100
         s.execute(f"UPDATE s0.block SET version = version + 1 WHERE id BETWEEN {lo} AND {lo + 39}")
-        df = audit_run.inflight_from_slot(spark, cfg, endpoint_id, ep, shards, t.key_cols)
-        peeked = {int(r["id"]) for r in df.collect()} if df is not None else set()
+        peek = audit_run.inflight_from_slot(spark, cfg, endpoint_id, ep, shards, t.key_cols)
+        peeked = {int(r["id"]) for r in peek.keys.collect()} if peek.keys is not None else set()
         assert set(range(lo, lo + 40)) <= peeked, f"attempt {attempt}: {len(peeked)} keys peeked"
+
+
+def test_a_peek_before_the_wal_flush_needs_a_second_sighting(source, spark, lake, monkeypatch, unique):
+    """On a source with synchronous_commit off under load the WAL flush can stay behind the
+    audit's snapshot past the peek's wait: keys committed in that window are neither in the slot
+    nor in the landing. With consecutive_mismatches 1 they failed the audit, and with repair on
+    were repaired for nothing (#51). Now an audit whose peek could not wait for the flush counts
+    no mismatch as persistent on its one sighting; the next audit does."""
+    import cdc_lakehouse.audit.inflight as inflight
+
+    s = source
+    cfg = _audit_cfg(s.block, mode="full", repair=True, consecutive_mismatches=1)
+    s.capture()
+    s.bootstrap(cfg)
+    cur = lake.qualified(cfg.current_table)
+    changed = _ids(spark, cur, "_cdc_shard LIKE '%s0' ORDER BY id LIMIT 3")
+    spark.sql(f"UPDATE {cur} SET version = -1 WHERE id IN ({','.join(map(str, changed))})")
+    probe = f"public.flush_probe_{unique}"
+    s.execute(f"CREATE TABLE {probe} (n int)")
+    real_wait, waits = inflight._wait_for_wal_flush, []
+
+    def wait_under_load(conn, cfg, slot):
+        """A write committed asynchronously (the load) just before the wait, which is given no
+        time: the flush is then behind, as a loaded WAL writer leaves it (tried until it is)."""
+        for _ in range(50):
+            with conn.cursor() as c:
+                c.execute(f"SET synchronous_commit = off; INSERT INTO {probe} SELECT generate_series(1, 1000)")
+            conn.commit()
+            waits.append(real_wait(conn, cfg, slot))
+            if not waits[-1]:
+                break
+        return waits[-1]
+
+    monkeypatch.setattr(inflight, "WAL_FLUSH_WAIT_S", 0.0)
+    monkeypatch.setattr(inflight, "_wait_for_wal_flush", wait_under_load)
+    r1 = audit_table(spark, lake, cfg, audit_run="flush1")
+    assert waits and waits[-1] is False, waits
+    assert _found(r1)["different"] == 3 and not r1.persistent and r1.repaired == 0, r1.message
+    assert r1.verdict == "ok" and "WAL flush did not reach" in r1.message, r1.message
+    monkeypatch.undo()
+    r2 = audit_table(spark, lake, cfg, audit_run="flush2")  # the flush is there: the second sighting counts
+    assert r2.repaired == 3, r2.message
+    assert _ids(spark, cur, f"id IN ({','.join(map(str, changed))}) AND version = -1") == []
+    s.execute(f"DROP TABLE {probe}")
 
 
 def test_repair_over_its_cap_never_deletes_keys_it_did_not_read(source, spark, lake):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import time  # time.sleep: tests patch it (through audit.run.time) to skip the back-off
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, TypeGuard
 
 from cdc_lakehouse.audit.errors import AuditFailed
@@ -74,6 +74,21 @@ def inflight_from_landing(
     return out
 
 
+# How long the peek waits for the WAL the audit's snapshot sees to be flushed (`_wait_for_wal_flush`).
+WAL_FLUSH_WAIT_S = 5.0
+
+
+@dataclass(frozen=True)
+class SlotPeek:
+    """The keys a slot holds changes of (shard, key..., _all; None: none), and whether the peek
+    read every commit the audit's snapshot sees (`flushed`): when the WAL flush did not reach the
+    snapshot in time, keys committed just before it may be missing, and their mismatches need a
+    second sighting (audit.run._track)."""
+
+    keys: DataFrame | None
+    flushed: bool
+
+
 def inflight_from_slot(
     spark: SparkSession,
     cfg: TableConfig,
@@ -83,7 +98,7 @@ def inflight_from_slot(
     key_cols: list[tuple[str, str]],
     chunk: int = 100_000,
     attempts: int = 5,
-) -> DataFrame | None:
+) -> SlotPeek:
     """Keys changed after the last capture: peek the slot (decode without consuming)."""
     import psycopg2
 
@@ -92,10 +107,11 @@ def inflight_from_slot(
     rows: list[tuple] = []
     frames = []
     schema_str = f"{SHARD_COL} string, " + ", ".join(f"{c} string" for c in key_names) + ", _all boolean"
+    flushed = False
     for attempt in range(attempts):
         conn = psycopg2.connect(ep.dsn(), options=SESSION_OPTIONS, application_name="cdc_lakehouse audit peek")
         try:
-            _wait_for_wal_flush(conn, cfg, slot)
+            flushed = _wait_for_wal_flush(conn, cfg, slot)
             for row in _peek_keys(conn, cfg, slot, shards, key_names):
                 rows.append(row)
                 if len(rows) >= chunk:  # bounds the driver's memory on a long backlog
@@ -117,20 +133,18 @@ def inflight_from_slot(
     if rows:
         frames.append(spark.createDataFrame(rows, schema_str))
     if not frames:
-        return None
+        return SlotPeek(None, flushed)
     from functools import reduce
 
     from pyspark.sql import functions as F
 
     df = reduce(lambda a, b: a.unionByName(b), frames)
-    return df.select(SHARD_COL, *[cast_text(F.col(c), t).alias(c) for c, t in key_cols], "_all")
+    return SlotPeek(df.select(SHARD_COL, *[cast_text(F.col(c), t).alias(c) for c, t in key_cols], "_all"), flushed)
 
 
-def _wait_for_wal_flush(
-    conn: psycopg2.extensions.connection, cfg: TableConfig, slot: str, timeout: float = 5.0
-) -> None:
-    """Wait (at most `timeout`) until the WAL inserted so far is flushed: the decoding functions
-    read flushed WAL only.
+def _wait_for_wal_flush(conn: psycopg2.extensions.connection, cfg: TableConfig, slot: str) -> bool:
+    """Wait (at most WAL_FLUSH_WAIT_S) until the WAL inserted so far is flushed: the decoding
+    functions read flushed WAL only. Returns whether it was.
 
     A transaction committed with synchronous_commit off is visible to the audit's snapshot at
     once, but reaches the flushed WAL only when the WAL writer next runs (wal_writer_delay,
@@ -143,22 +157,30 @@ def _wait_for_wal_flush(
     ends at a page boundary (after a WAL switch, say) the flush position stays one page header
     short of the insert position until the next write. A commit holding an xid does not force
     the flush either: without WAL of its own it commits asynchronously (measured: the test below
-    still missed every key)."""
+    still missed every key).
+
+    A source under load can keep the flush behind for longer (#51: with consecutive_mismatches 1,
+    such keys failed the audit, and with repair on were repaired for nothing). So when the wait
+    ends first, the peek goes on and says so: the audit then counts none of its shards'
+    mismatches as persistent on this one sighting."""
     with conn.cursor() as cur:
         cur.execute("SELECT pg_current_wal_insert_lsn()")
         (target,) = cur.fetchone() or (None,)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        deadline = time.monotonic() + WAL_FLUSH_WAIT_S
+        while True:
             cur.execute("SELECT pg_current_wal_flush_lsn() >= %s::pg_lsn", (target,))
             (flushed,) = cur.fetchone() or (False,)
-            if flushed:
+            if flushed or time.monotonic() >= deadline:
                 break
             time.sleep(0.05)
-        else:
-            # Keys committed just before the audit may then count as mismatches once (pending,
-            # never persistent on one sighting); the next audit sees them in the slot.
-            log.info("%s: WAL not flushed to %s within %.0f s; peeking slot %s anyway", cfg.name, target, timeout, slot)
     conn.commit()
+    if not flushed:
+        log.warning(
+            "%s: WAL not flushed to %s within %.0f s; peeking slot %s anyway: a mismatch found by this audit needs "
+            "another audit's sighting to count as persistent",
+            cfg.name, target, WAL_FLUSH_WAIT_S, slot,
+        )  # fmt: skip
+    return bool(flushed)
 
 
 def _peek_keys(

@@ -152,12 +152,12 @@ def _audit_loaded(
 ) -> AuditResult:
     cfg = t.cfg
     mode, lake_counts = _choose_mode(t, mode or cfg.audit.mode)
-    per_shard, flagged, counts, lake_counts = _compare_with_source(spark, lake, t, mode, lake_counts, clock)
+    per_shard, flagged, counts, lake_counts, unflushed = _compare_with_source(spark, lake, t, mode, lake_counts, clock)
     with clock.phase("in_flight_and_compare"):
         quarantined = quarantine_reasons(spark, lake, cfg, flagged, t.lake_cols) if counts else {}
     with clock.phase("track_and_repair"):
         _tally(per_shard, counts)
-        persistent, streak_df = _track(spark, lake, cfg, flagged, now, audit_run)
+        persistent, streak_df = _track(spark, lake, cfg, flagged, now, audit_run, unflushed)
         do_repair = cfg.audit.repair if repair is None else repair
         repaired = 0
         if do_repair and persistent and streak_df is not None:
@@ -176,7 +176,7 @@ def _audit_loaded(
     meta_append(spark, lake, "audit_results", rows)
     failed_quality = [q for q in quality if not q["success"]]
     verdict = "fail" if (persistent and not repaired) or failed_quality else "ok"
-    msg = _message(lake, cfg, mode, verdict, repaired, rows, failed_quality, quarantined)
+    msg = _message(lake, cfg, mode, verdict, repaired, rows, failed_quality, quarantined, unflushed)
     logger.info("%s", msg)
     return AuditResult(
         verdict=verdict,
@@ -194,9 +194,10 @@ def _audit_loaded(
 
 def _compare_with_source(
     spark: SparkSession, lake: LakeSettings, t: _Table, mode: str, lake_counts: dict[str, int], clock: PhaseClock
-) -> tuple[dict[str, ShardStats], DataFrame | None, list[Row], dict[str, int]]:
+) -> tuple[dict[str, ShardStats], DataFrame | None, list[Row], dict[str, int], set[str]]:
     """Both sides hashed and compared, the keys in flight taken out; the source snapshots are
-    released however this ends (an open one holds back vacuum on the source)."""
+    released however this ends (an open one holds back vacuum on the source). Also the shards
+    whose slot peek could not wait for the WAL flush (`SlotPeek.flushed`)."""
     # One snapshot per source database, taken before the keys in flight are computed: every
     # change the snapshot sees but the lake does not is then in the landing or still in the slot.
     snapshots = export_snapshots(t.endpoints)
@@ -208,12 +209,13 @@ def _compare_with_source(
         with clock.phase("source_sums_wait"):
             per_shard, mismatches = _compare_shards(spark, t, lake_h, mode, lake_sums, pending_sums, snapshots)
         with clock.phase("in_flight_and_compare"):
-            flagged, counts = _flag_in_flight(mismatches, _in_flight(spark, lake, t), t.key)
+            inflight, unflushed = _in_flight(spark, lake, t)
+            flagged, counts = _flag_in_flight(mismatches, inflight, t.key)
     finally:
         if pool is not None:
             pool.shutdown(cancel_futures=True)
         release_snapshots(snapshots)
-    return per_shard, flagged, counts, lake_counts
+    return per_shard, flagged, counts, lake_counts, unflushed
 
 
 # --- describe both sides --------------------------------------------------------------------------------
@@ -419,20 +421,22 @@ def _compare_buckets(
     return st, compare(src.drop("_b"), lsub.drop("_b", LSN_COL), t.key)
 
 
-def _in_flight(spark: SparkSession, lake: LakeSettings, t: _Table) -> list[DataFrame]:
-    """Changes the slot has not delivered yet and pending landing events: (shard, key..., _all).
+def _in_flight(spark: SparkSession, lake: LakeSettings, t: _Table) -> tuple[list[DataFrame], set[str]]:
+    """Changes the slot has not delivered yet and pending landing events: (shard, key..., _all);
+    and the shards whose peek went on before the WAL flush reached the snapshot.
 
     The slot first, the landing after: a capture that runs meanwhile (captures do not share the
     table's writer pool) moves changes from the slot to a new landing run, which the listing
     after the peek then sees. The other order missed them and called them mismatches (the
     scheduler e2e test, once its tasks ran on Spark Connect fast enough to overlap a capture)."""
     # inflight_from_slot is looked up here at call time: tests replace it on this module.
-    frames = [
-        inflight_from_slot(spark, t.cfg, endpoint_id, ep, shards, t.key_cols)
+    peeks = {
+        endpoint_id: inflight_from_slot(spark, t.cfg, endpoint_id, ep, shards, t.key_cols)
         for endpoint_id, (ep, shards) in t.endpoints.items()
-    ]
-    frames.append(inflight_from_landing(spark, lake, t.cfg, t.wm, t.key_cols))
-    return [f for f in frames if f is not None]
+    }
+    frames = [p.keys for p in peeks.values()] + [inflight_from_landing(spark, lake, t.cfg, t.wm, t.key_cols)]
+    unflushed = {shard for e, p in peeks.items() if not p.flushed for shard in t.endpoints[e][1].values()}
+    return [f for f in frames if f is not None], unflushed
 
 
 def _union(frames: list[DataFrame]) -> DataFrame:
@@ -507,11 +511,14 @@ def _track(
     flagged: DataFrame | None,
     now: datetime,
     audit_run: str,
+    unflushed: set[str],
 ) -> tuple[dict[str, int], DataFrame | None]:
     """Update the mismatch streaks; returns shards -> keys at or over the limit, and those keys.
 
     A retry of the same audit run (the Airflow task's retry) does not extend a streak: only
-    distinct audits count as consecutive."""
+    distinct audits count as consecutive. On a shard in `unflushed` a key needs two sightings
+    whatever the limit: its change may have been committed but not yet readable from the slot
+    (inflight._wait_for_wal_flush)."""
     from pyspark.sql import functions as F
 
     table = lake.qualified(lake.meta_table("audit_mismatches"))
@@ -535,7 +542,9 @@ def _track(
         F.lit(False).alias("resolved"),
         "last_audit_run",
     ).writeTo(table).append()
-    over = merged.filter(F.col("times_seen") >= cfg.audit.consecutive_mismatches)
+    limit, at_least_two = cfg.audit.consecutive_mismatches, max(cfg.audit.consecutive_mismatches, 2)
+    needed = F.when(F.col("shard").isin(*sorted(unflushed)), at_least_two).otherwise(limit) if unflushed else limit
+    over = merged.filter(F.col("times_seen") >= needed)
     counts = {r["shard"]: r["count"] for r in over.groupBy("shard").count().collect()}
     return counts, over.withColumnRenamed("shard", SHARD_COL)
 
@@ -629,6 +638,7 @@ def _message(
     rows: list[dict[str, Any]],
     failed_quality: list[dict[str, Any]],
     quarantined: dict[str, int],
+    unflushed: set[str],
 ) -> str:
     lines = []
     for r in rows:
@@ -642,6 +652,11 @@ def _message(
         lines.append(f"  quality: {q['expectation']} failed (observed {q['observed']})")
     for reason, n in quarantined.items():
         lines.append(f"  {n} mismatched key(s) have events in {lake.meta_table('quarantine')}: {reason}")
+    if unflushed:
+        lines.append(
+            f"  the source's WAL flush did not reach the audit's snapshot in time on {sorted(unflushed)}: "
+            "their mismatches count as persistent only when the next audit sees them again"
+        )
     return (
         f"audit {cfg.name} ({mode}): {'FAIL' if verdict == 'fail' else 'ok'}"
         + (f", repaired {repaired} key(s) — the next audit confirms" if repaired else "")
