@@ -122,8 +122,9 @@ def test_ingest_writers_overlapping_inside_a_commit_apply_each_event_once(small,
     if b_batch == "newer":
         s.wl.step(30)
         upto_b = s.capture().manifest.run_id
+    cl_rows = spark.table(cl).count()
     with overlapping(cl if held_at == "changelog" else cur, _ingest_a(s, session_of_its_own(s.lake), m1)) as a:
-        s.ingest(s.block, upto_b, run="B")
+        b_result = s.ingest(s.block, upto_b, run="B")
     assert not changelog_twice(spark, cl), "the changelog got an event twice"
     assert read_watermark(spark, cur).runs[s.endpoint] == upto_b  # never moved back
     assert read_watermark(spark, cl).runs[s.endpoint] == upto_b
@@ -132,6 +133,8 @@ def test_ingest_writers_overlapping_inside_a_commit_apply_each_event_once(small,
     assert_lake_equals_source(spark, lake, s.block, s.dsn)
     if b_batch == "same":
         assert a.error is None, f"A should recognise the batch B committed: {a.error!r}"
+        batch_rows = spark.table(cl).count() - cl_rows
+        assert_batch_counted_once(spark, lake, s.block, a.result.metrics, b_result.metrics, batch_rows)
     else:
         assert isinstance(a.error, ConcurrentWriterError), repr(a.error)
         assert (cl if held_at == "changelog" else cur) in str(a.error) and "another writer" in str(a.error)
@@ -140,6 +143,23 @@ def test_ingest_writers_overlapping_inside_a_commit_apply_each_event_once(small,
     s.ingest(s.block, s.capture().manifest.run_id, run="next")
     assert not changelog_twice(spark, cl)
     assert_lake_equals_source(spark, lake, s.block, s.dsn)
+
+
+def assert_batch_counted_once(spark, lake, cfg, a, b, batch_rows: int) -> None:
+    """Two runs of one batch: B published the MERGE and reports it; A reports no row applied
+    (#51: both reported the batch's counts, so the run history and the metrics counted it twice,
+    and a late classification gave negative inserts). The changelog's rows are counted by the
+    run whose append landed; the run history adds up to the batch once."""
+    assert (a.status, a.inserts, a.updates, a.deletes, a.stale_skipped) == ("already_applied", 0, 0, 0, 0), a
+    assert b.status == "ok" and b.inserts + b.updates + b.deletes > 0 and min(b.inserts, b.updates, b.deletes) >= 0, b
+    assert a.changelog_rows + b.changelog_rows == batch_rows, (a.changelog_rows, b.changelog_rows, batch_rows)
+    history = lake.qualified(lake.meta_table("ingest_runs"))
+    spark.sql(f"REFRESH TABLE {history}")  # A committed its record from its own session
+    runs = spark.table(history).filter(F.col("table_name") == cfg.name)
+    got = runs.filter(F.col("ingest_run").isin("A", "B")).agg(
+        F.count("*"), F.sum("inserts"), F.sum("updates"), F.sum("deletes"), F.sum("changelog_rows")
+    )
+    assert tuple(got.first()) == (2, b.inserts, b.updates, b.deletes, batch_rows)
 
 
 # --- the feed consumer's exactly-once output --------------------------------------------------------

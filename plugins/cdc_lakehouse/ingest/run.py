@@ -22,7 +22,7 @@ import re
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -59,7 +59,7 @@ from cdc_lakehouse.lake.commits import (
     sql_with_commit_properties,
 )
 from cdc_lakehouse.lake.freshness import freshness_rows
-from cdc_lakehouse.lake.ingest_metrics import MERGE_COUNTS, IngestMetrics
+from cdc_lakehouse.lake.ingest_metrics import ALREADY_APPLIED, MERGE_COUNTS, OK, OK_WITH_GAPS, IngestMetrics
 from cdc_lakehouse.lake.snapshots import Snapshot, current_ancestors, summary_of
 from cdc_lakehouse.lake.tables import (
     conform_to,
@@ -162,7 +162,7 @@ def apply_pending(
     with phase(spark, m, "plan"):
         b = plan_batch(spark, lake, cfg, upto_run, ingest_run)
     m.landing_runs = [r.run_id for r in b.plan.manifests]
-    m.status = "ok_with_gaps" if b.gaps else "ok"
+    m.status = OK_WITH_GAPS if b.gaps else OK
     if not b.plan.files:
         advance_watermark(spark, cfg, b, batch_state(m, b.plan, None))
         fill_quiet(spark, lake, cfg, m, b, ingest_run)
@@ -184,14 +184,14 @@ def apply_pending(
         reduced, out = reduce_and_classify(spark, lake, cfg, b, ch, ingest_run)
     out.set_counts(m)
     m.quarantined += out.held
-    pre = snapshot_summary(spark, b.cur)
-    m.merge_join = merge_join_for(cfg, int(pre.get("total-records", 0)))
-    drop_stale_staging(spark, lake, cfg, datetime.now(UTC))
+    pre, m.merge_join = before_merge(spark, lake, cfg, b)
     with phase(spark, m, "merge"), merge_source(spark, lake, cfg, reduced, m.merge_join) as source:
         sql = lambda target: merge_sql(cfg, target, source, current_columns(b.lake_cols), ch.truncated)  # noqa: E731
         state = batch_state(m, b.plan, fb.counts.shard_commits, None if out.counted else out.rows)
-        commit_merge(spark, cfg, b, sql, ingest_run, state)
+        published = commit_merge(spark, cfg, b, sql, ingest_run, state)
     crash_point("ingest_after_merge")
+    if not published:
+        return applied_by_another_run(spark, lake, cfg, m, b, ingest_run, records)
     # The run's figures are its MERGE's: a backfill below commits on its own (its rows, counted in
     # m.backfilled, then an empty append that carries the watermark).
     merge_figures(cfg, m, pre, merge_summary(spark, b.cur, b.batch), out)
@@ -683,6 +683,15 @@ def hold_orphans(
     return hold_dependents(spark, lake, cfg, as_held(orphans.withColumn(REASONS, F.array(reason)), key), ingest_run)
 
 
+def before_merge(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, b: Batch) -> tuple[dict[str, str], str]:
+    """The table's snapshot summary before the MERGE (its figures are measured against it) and
+    the MERGE's join, chosen from the table's size; the staged batches of killed runs dropped."""
+    pre = snapshot_summary(spark, b.cur)
+    join = merge_join_for(cfg, int(pre.get("total-records", 0)))
+    drop_stale_staging(spark, lake, cfg, datetime.now(UTC))
+    return pre, join
+
+
 def merge_join_for(cfg: TableConfig, table_rows: int) -> str:
     """shuffle or colocated (ingest.merge_join): auto stages the batch only for a large table
     the MERGE can join partition by partition."""
@@ -789,18 +798,46 @@ MERGE_CONF = {"spark.sql.iceberg.distribution-mode": "none"}
 
 def commit_merge(
     spark: SparkSession, cfg: TableConfig, b: Batch, sql: Callable[[str], str], ingest_run: str, state: str
-) -> None:
+) -> bool:
     """The LSN-guarded MERGE (`sql(target)`), with the new watermark, the batch id and the batch's
     state (what resume_batch needs to record the run if it is stopped after this commit) in the
-    same commit; fenced (lake.commits), so it is published only while the watermark is b.wm."""
+    same commit; fenced (lake.commits), so it is published only while the watermark is b.wm.
+    False when another run of the same batch published it first (nothing of this one is)."""
     props = {WATERMARK_PROP: b.new_wm_json, "cdc.ingest-run": ingest_run, BATCH_STATE_PROP: state, **INGEST.props()}
+    published: list[bool] = []
 
     def _merge(batch_props: dict[str, str]) -> None:
         write = lambda target: sql_with_commit_properties(spark, sql(target), {**props, **batch_props})  # noqa: E731
         with session_conf(spark, MERGE_CONF):
-            fenced_commit(spark, b.cur, b.wm, b.plan.new_watermark, write, what=f"{cfg.name} merge")
+            published.append(fenced_commit(spark, b.cur, b.wm, b.plan.new_watermark, write, what=f"{cfg.name} merge"))
 
     commit_once(spark, b.batch, BatchStep("ingest_merge", b.cur, _merge, positioned=True))
+    return any(published)
+
+
+def applied_by_another_run(
+    spark: SparkSession,
+    lake: LakeSettings,
+    cfg: TableConfig,
+    m: IngestMetrics,
+    b: Batch,
+    ingest_run: str,
+    records: RunRecords | None,
+) -> IngestMetrics:
+    """Another run of the same batch (two ingests started at once: a second deployment, a manual
+    run) published its MERGE first. The table is exact, and that run reports the MERGE; this one
+    reports no insert, update or delete, and the changelog rows only if its own append landed
+    (#51: both reported the same events, and the history and the metrics counted the batch
+    twice). Its record is its own (not the batch's, which the other run writes or a later run
+    resumes) and carries no freshness rows."""
+    log.warning(
+        "%s: batch %s was merged by another run of the same batch (a second deployment or a manual run?); this "
+        "run applied no row to the table and reports so (status %s, changelog rows %d)",
+        cfg.name, b.batch.value, ALREADY_APPLIED, m.changelog_rows,
+    )  # fmt: skip
+    m.merged_by_another_run()
+    own = replace(b, batch=BatchId.of(f"ingest:{b.cur}", b.wm.to_dict(), {"run": ingest_run, "lost_to": b.batch.value}))
+    return finish(spark, lake, cfg, m, own, records=records, freshness=False)
 
 
 def merge_summary(spark: SparkSession, cur: str, batch: BatchId) -> dict[str, str]:
@@ -842,6 +879,7 @@ def finish(
     b: Batch,
     shard_commits: dict[str, dict[str, int]] | None = None,
     records: RunRecords | None = None,
+    freshness: bool = True,
 ) -> IngestMetrics:
     """Record the run in cdc_meta.ingest_runs and cdc_meta.freshness (now, or with the group's
     records) and log its summary; returns the metrics. shard_commits: the newest source commit
@@ -850,7 +888,8 @@ def finish(
     m.committed_at = datetime.now(UTC)
     m.total_seconds = m.elapsed()
     with job_phase(spark, "record"):
-        rec = run_records(spark, lake, cfg, m, b.plan, b.batch, int(m.started_at.timestamp() * 1000), shard_commits)
+        since_ms = int(m.started_at.timestamp() * 1000)
+        rec = run_records(spark, lake, cfg, m, b.plan, b.batch, since_ms, shard_commits, freshness)
         if records is not None:
             records.add(rec)
         else:
@@ -868,6 +907,7 @@ def run_records(
     batch: BatchId,
     since_ms: int,
     shard_commits: dict[str, dict[str, int]] | None,
+    freshness: bool = True,
 ) -> TableRecords:
     """The batch's run record and freshness rows (written by ingest.records).
     since_ms: no earlier commit can carry the batch (lake.batches.committed)."""
@@ -875,7 +915,11 @@ def run_records(
     ts = [p.ts for p in plan.new_watermark.shards.values() if p.ts]
     if ts and m.committed_at is not None:
         m.freshness_seconds = (m.committed_at - min(datetime.fromisoformat(t) for t in ts)).total_seconds()
-    fresh = freshness_rows(spark, lake, cfg, plan, m.ingest_run, m.committed_at, shard_commits=shard_commits)
+    fresh = (
+        freshness_rows(spark, lake, cfg, plan, m.ingest_run, m.committed_at, shard_commits=shard_commits)
+        if freshness
+        else []
+    )
     return TableRecords(cfg.name, batch, since_ms, m.meta_row(), fresh)
 
 

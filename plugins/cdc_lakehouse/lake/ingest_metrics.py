@@ -27,6 +27,11 @@ MERGE_COUNTS = {
 }
 
 
+# IngestMetrics.status: the run's data landed, with landing gaps skipped, or another run of the
+# same batch published it first (this run applied nothing).
+OK, OK_WITH_GAPS, ALREADY_APPLIED = "ok", "ok_with_gaps", "already_applied"
+
+
 def _col(sql_type: str, default: Any = MISSING, default_factory: Any = MISSING) -> Any:
     return field(default=default, default_factory=default_factory, metadata={"sql": sql_type})
 
@@ -88,6 +93,12 @@ class IngestMetrics:
         are none of the three, such as a soft delete of a soft-deleted row)."""
         self.inserts, self.updates, self.deletes = inserts, updates, deletes
         self.stale_skipped = rows - inserts - updates - deletes - unchanged
+
+    def merged_by_another_run(self) -> None:
+        """Another run of the batch published its MERGE: no row of the current table is this
+        run's (changelog_rows stays: the changelog append may still be this run's)."""
+        self.status = ALREADY_APPLIED
+        self.set_counts(0, 0, 0, 0)
 
     def take_merge_counts(self, summary: dict[str, str], rows: int) -> bool:
         """set_counts from the MERGE's snapshot summary (MERGE_COUNTS); False (counts left None)
