@@ -26,6 +26,7 @@ from cdc_lakehouse.feed.models import OffsetConflictError
 from cdc_lakehouse.ingest.run import ingest_table
 from cdc_lakehouse.lake.batches import batch_snapshots
 from cdc_lakehouse.lake.commits import ConcurrentWriterError, publish_point
+from cdc_lakehouse.lake.tables import schema_point
 from cdc_lakehouse.lake.watermark import read_watermark
 from cdc_lakehouse.runtime.failpoints import hold_at
 from cdc_lakehouse.runtime.session import REMOTE_ENV
@@ -60,10 +61,10 @@ class Writer(threading.Thread):
 
 
 @contextmanager
-def overlapping(table: str, fn_a: Callable[[], Any]) -> Iterator[Writer]:
-    """Start writer A and hold it between its write to `table` and the publish; the block is writer
-    B; A is released when the block ends and joined."""
-    with hold_at(publish_point(table)) as hold:
+def overlapping(table: str, fn_a: Callable[[], Any], point: str | None = None) -> Iterator[Writer]:
+    """Start writer A and hold it between its write to `table` and the publish (or at failpoint
+    `point`); the block is writer B; A is released when the block ends and joined."""
+    with hold_at(point or publish_point(table)) as hold:
         a = Writer(fn_a)
         a.start()
         while not hold.reached.wait(0.5):
@@ -160,6 +161,28 @@ def assert_batch_counted_once(spark, lake, cfg, a, b, batch_rows: int) -> None:
         F.count("*"), F.sum("inserts"), F.sum("updates"), F.sum("deletes"), F.sum("changelog_rows")
     )
     assert tuple(got.first()) == (2, b.inserts, b.updates, b.deletes, batch_rows)
+
+
+def test_ingest_writers_adding_the_same_column_converge(small, spark, lake):
+    """Two runs of a batch that adds a column: A is held just before its ALTER TABLE while B
+    applies the whole batch. A's ALTER then fails (the column exists); A finds the table as it
+    wanted it and goes on, and converges reporting that it applied nothing (#51: it ended with a
+    raw SparkException, "Cannot add column, name already exists")."""
+    s = small
+    s.capture()
+    s.bootstrap(s.block)
+    cur, cl = lake.qualified(s.block.current_table), lake.qualified(s.block.changelog_table)
+    s.execute(*(f"ALTER TABLE {sch}.block ADD COLUMN extra_note text" for sch in ("s0", "s1")))
+    s.execute("UPDATE s0.block SET extra_note = 'x' WHERE id IN (SELECT id FROM s0.block ORDER BY id LIMIT 3)")
+    s.wl.step(10)
+    m1 = s.capture().manifest.run_id
+    with overlapping(cur, _ingest_a(s, session_of_its_own(s.lake), m1), point=schema_point(cur)) as a:
+        b_result = s.ingest(s.block, m1, run="B")
+    assert a.error is None, f"A should find the column B added and converge: {a.error!r}"
+    assert a.result.metrics.status == "already_applied" and b_result.metrics.status == "ok"
+    assert "extra_note" in spark.table(cur).columns and "extra_note" in spark.table(cl).columns
+    assert not changelog_twice(spark, cl)
+    assert_lake_equals_source(spark, lake, s.block, s.dsn)
 
 
 # --- the feed consumer's exactly-once output --------------------------------------------------------

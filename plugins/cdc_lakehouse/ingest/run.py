@@ -51,9 +51,10 @@ from cdc_lakehouse.ingest.schema import (
 )
 from cdc_lakehouse.ingest.toast import BROADCAST_ROWS, NO_TABLE, UNAV_LEFT, fill_unavailable
 from cdc_lakehouse.ingest.validate import REASONS, shard_expr
-from cdc_lakehouse.lake.batches import BATCH_PROP, BATCH_STATE_PROP, BatchId, BatchStep, commit_once
+from cdc_lakehouse.lake.batches import BATCH_PROP, BATCH_STATE_PROP, BatchId, BatchStep, commit_once, committed
 from cdc_lakehouse.lake.columns import INGESTED_COL, UNAVAILABLE_COL
 from cdc_lakehouse.lake.commits import (
+    ConcurrentWriterError,
     fenced_commit,
     snapshot_summary,
     sql_with_commit_properties,
@@ -442,7 +443,7 @@ def append_changelog(spark: SparkSession, cfg: TableConfig, b: Batch, ch: Change
         landed.append(fenced_commit(spark, b.cl, b.cl_wm, b.plan.new_watermark, write, what=f"{cfg.name} changelog"))
 
     # A retry of a batch whose changelog commit landed skips it (the batch id, then the fence).
-    commit_once(spark, b.batch, BatchStep("ingest_changelog", b.cl, _commit, positioned=True))
+    commit_unless_landed(spark, b.batch, BatchStep("ingest_changelog", b.cl, _commit, positioned=True))
     return int(snapshot_summary(spark, b.cl).get("added-records", 0)) if any(landed) else 0
 
 
@@ -811,8 +812,22 @@ def commit_merge(
         with session_conf(spark, MERGE_CONF):
             published.append(fenced_commit(spark, b.cur, b.wm, b.plan.new_watermark, write, what=f"{cfg.name} merge"))
 
-    commit_once(spark, b.batch, BatchStep("ingest_merge", b.cur, _merge, positioned=True))
+    commit_unless_landed(spark, b.batch, BatchStep("ingest_merge", b.cur, _merge, positioned=True))
     return any(published)
+
+
+def commit_unless_landed(spark: SparkSession, batch: BatchId, step: BatchStep) -> None:
+    """commit_once, and when its fence finds the table moved: converge if another run of the same
+    batch landed this step, whatever that run (or another) committed after it (a backfill's
+    closing commit, a quiet shard's fill, a later batch); else the ConcurrentWriterError stands."""
+    try:
+        commit_once(spark, batch, step)
+    except ConcurrentWriterError:
+        if not committed(spark, step.table, batch):
+            raise
+        log.info(
+            "batch %s: %s landed by another run of the batch, then %s moved on", batch.value, step.name, step.table
+        )
 
 
 def applied_by_another_run(

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from cdc_lakehouse.config import TableConfig
 from cdc_lakehouse.identifiers import spark_ident
-from cdc_lakehouse.lake.tables import add_column
+from cdc_lakehouse.lake.tables import add_column, alter_table
 from cdc_lakehouse.landing.reader import Plan
 
 if TYPE_CHECKING:
@@ -222,9 +222,9 @@ def apply_schema_actions(spark: SparkSession, cur: str, cl: str, ddl: list[str])
     keeps dropped columns (their history), so a column added back may already be there."""
     for stmt in ddl:
         log.info("schema change applied to %s: %s", cur, stmt)
-        spark.sql(f"ALTER TABLE {cur} {stmt}")
+        alter_table(spark, cur, stmt)
         if stmt.startswith("ADD COLUMN "):
             name, typ = stmt.removeprefix("ADD COLUMN ").split(" ", 1)
             add_column(spark, cl, name.strip("`").replace("``", "`"), typ)
         elif not stmt.startswith("DROP"):
-            spark.sql(f"ALTER TABLE {cl} {stmt}")
+            alter_table(spark, cl, stmt)

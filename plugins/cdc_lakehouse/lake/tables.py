@@ -7,17 +7,22 @@ The watermark is in lake.watermark, commit properties and fencing in lake.commit
 
 from __future__ import annotations
 
+import logging
+import re
 from typing import TYPE_CHECKING, Any
 
 from cdc_lakehouse.config import TableConfig
 from cdc_lakehouse.identifiers import spark_ident
 from cdc_lakehouse.lake.columns import BY_NAME, CHANGELOG, COMMIT_TS_COL, CURRENT, METADATA_NAMES, SHARD_COL, ddl_of
+from cdc_lakehouse.runtime.failpoints import crash_point
 from cdc_lakehouse.runtime.phases import metadata_reads
 from cdc_lakehouse.settings import LakeSettings
 
 if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame, SparkSession
     from pyspark.sql.types import StructType
+
+log = logging.getLogger(__name__)
 
 
 def conform_to(df: DataFrame, table_schema: StructType) -> DataFrame:
@@ -40,8 +45,59 @@ def add_column(spark: SparkSession, table: str, name: str, typ: str) -> bool:
     spark.sql(f"REFRESH TABLE {table}")
     if name in spark.table(table).columns:
         return False
-    spark.sql(f"ALTER TABLE {table} ADD COLUMN {spark_ident(name)} {typ}")
-    return True
+    return alter_table(spark, table, f"ADD COLUMN {spark_ident(name)} {typ}")
+
+
+class SchemaChangeFailed(RuntimeError):
+    """A schema change the table does not have after it failed; the message names the fix."""
+
+
+_DDL = re.compile(r"^(?P<verb>ADD|ALTER|DROP) COLUMN (?P<name>`(?:[^`]|``)*`)(?: (?:TYPE )?(?P<type>.+))?$")
+
+
+def schema_point(table: str) -> str:
+    """The failpoint just before a schema change of `table` (tests hold a writer there)."""
+    return f"schema_change:{table}"
+
+
+def alter_table(spark: SparkSession, table: str, stmt: str) -> bool:
+    """`ALTER TABLE table stmt` (ADD COLUMN, ALTER COLUMN .. TYPE, DROP COLUMN); True when this call
+    made the change. Two runs of one batch apply the same change: the later one fails (the column
+    exists already, or Iceberg asks for a metadata refresh) and finds the table as it wanted it,
+    so it goes on (False). Any other failure is raised naming the table, the change and the fix
+    (#51: a raw SparkException gave an operator nothing to act on)."""
+    crash_point(schema_point(table))
+    try:
+        spark.sql(f"ALTER TABLE {table} {stmt}")
+        return True
+    except Exception as exc:  # noqa: BLE001 - pyspark's error classes differ between Connect and classic
+        first = exc
+    spark.sql(f"REFRESH TABLE {table}")
+    if has_change(spark, table, stmt):
+        log.info("%s: %s was made by another writer meanwhile; going on", table, stmt)
+        return False
+    try:  # a metadata refresh was all it needed
+        spark.sql(f"ALTER TABLE {table} {stmt}")
+        return True
+    except Exception as exc:  # noqa: BLE001
+        raise SchemaChangeFailed(
+            f"{table}: schema change `{stmt}` failed ({str(first).splitlines()[0]}; again after a refresh: "
+            f"{str(exc).splitlines()[0]}). If another writer (a second deployment, a manual job) is changing the "
+            "table, stop it and rerun; otherwise apply the change by hand and rerun"
+        ) from exc
+
+
+def has_change(spark: SparkSession, table: str, stmt: str) -> bool:
+    """Whether the table already is as `stmt` would leave it."""
+    m = _DDL.match(stmt)
+    if m is None:
+        return False
+    name = m["name"][1:-1].replace("``", "`")
+    fields = {f.name: f.dataType.simpleString() for f in spark.table(table).schema.fields}
+    if m["verb"] == "DROP":
+        return name not in fields
+    want = (m["type"] or "").strip().lower().replace(" ", "")
+    return name in fields and fields[name].replace(" ", "") == want
 
 
 def table_exists(spark: SparkSession, table: str) -> bool:
