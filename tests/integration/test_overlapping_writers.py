@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import pytest
+from cdc_lakehouse.audit.run import audit_table
 from cdc_lakehouse.bootstrap.run import bootstrap_table
 from cdc_lakehouse.config import LSN_COL, OP_COL, SEQ_COL, SHARD_COL
 from cdc_lakehouse.derived.run import derive_tree
@@ -183,6 +184,35 @@ def test_ingest_writers_adding_the_same_column_converge(small, spark, lake):
     assert "extra_note" in spark.table(cur).columns and "extra_note" in spark.table(cl).columns
     assert not changelog_twice(spark, cl)
     assert_lake_equals_source(spark, lake, s.block, s.dsn)
+
+
+def test_a_repair_overlapping_an_ingest_leaves_the_position_where_the_ingest_put_it(small, spark, lake):
+    """An audit's repair held just before its MERGE while an ingest commits a batch: the repair
+    compared the keys at a position the table has left, and its MERGE restates that position's
+    watermark. It is fenced like the ingest's commits (#51: it wrote the older watermark back,
+    and the next ingest would have applied the batch's events again): nothing of it is written,
+    the next audit repairs what still mismatches."""
+    s = small
+    s.capture()
+    cfg = s.block.model_copy(
+        update={"audit": s.block.audit.model_copy(update={"repair": True, "consecutive_mismatches": 1, "mode": "full"})}
+    )
+    s.bootstrap(cfg)
+    cur, cl = lake.qualified(cfg.current_table), lake.qualified(cfg.changelog_table)
+    spark.sql(f"UPDATE {cur} SET version = -1 WHERE id IN (SELECT id FROM {cur} ORDER BY id LIMIT 2)")
+    s.wl.step(20)
+    m1 = s.capture().manifest.run_id
+    spark_a = session_of_its_own(s.lake)
+    with overlapping(cur, lambda: audit_table(spark_a, lake, cfg, audit_run="held"), point="audit_repair_merge") as a:
+        s.ingest(cfg, m1, run="B")
+        moved = read_watermark(spark, cur)
+    assert a.error is None, repr(a.error)
+    assert a.result.repaired == 0 and "FAIL" in a.result.message, a.result.message
+    assert read_watermark(spark, cur) == moved and read_watermark(spark, cl).runs[s.endpoint] == m1
+    assert not changelog_twice(spark, cl)
+    r = audit_table(spark, lake, cfg, audit_run="next")  # the batch may have rewritten a damaged key
+    assert 1 <= r.repaired == sum(r.persistent.values()) <= 2, r.message
+    assert_lake_equals_source(spark, lake, cfg, s.dsn)
 
 
 # --- the feed consumer's exactly-once output --------------------------------------------------------

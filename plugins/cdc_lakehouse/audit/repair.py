@@ -8,16 +8,18 @@ from __future__ import annotations
 
 import json
 import logging
+from functools import partial
 from typing import TYPE_CHECKING
 
 from cdc_lakehouse.config import COMMIT_TS_COL, LSN_COL, OP_COL, SEQ_COL, SHARD_COL, TableConfig
 from cdc_lakehouse.identifiers import pg_ident, pg_qualified, spark_ident
 from cdc_lakehouse.lake.casts import cast_text
 from cdc_lakehouse.lake.columns import INGESTED_COL, LSN_EVENT_COL, RUN_COL, UNAVAILABLE_COL, XID_COL
-from cdc_lakehouse.lake.commits import sql_with_commit_properties, with_commit_retries
+from cdc_lakehouse.lake.commits import ConcurrentWriterError, fenced_commit, sql_with_commit_properties
 from cdc_lakehouse.lake.tables import changelog_columns, conform_to, null_metadata
 from cdc_lakehouse.lake.watermark import Watermark, read_watermark, shard_lsn_map
 from cdc_lakehouse.lake.writers import REPAIR, WRITER_PROP
+from cdc_lakehouse.runtime.failpoints import crash_point
 from cdc_lakehouse.settings import LakeSettings, SourceEndpoint, source_uri
 from cdc_lakehouse.source.catalog import describe_table, text_select
 from cdc_lakehouse.source.session import SESSION_OPTIONS
@@ -62,8 +64,16 @@ def repair_keys(
     n = batch.count()
     if n == 0:
         return 0
+    try:
+        _merge_current(spark, lake, cfg, batch, lake_cols, wm, audit_run)
+    except ConcurrentWriterError as exc:
+        # An ingest (or another repair) committed since the audit read the table: the keys were
+        # compared at a position the table has left, and the merge would restate that older
+        # watermark (#51). Nothing of the repair is written; the next audit looks again.
+        logger.warning("audit %s: repair of %d key(s) not applied: %s", cfg.name, n, str(exc).splitlines()[0])
+        batch.unpersist()
+        return 0
     _append_changelog(spark, lake, cfg, batch, lake_cols, audit_run)
-    _merge_current(spark, lake, cfg, batch, lake_cols, wm, audit_run)
     logger.info(
         f"audit {cfg.name}: repaired {n} key(s) from the source ({batch.filter(F.col(OP_COL) == 'd').count()} deleted)"
     )
@@ -144,18 +154,25 @@ def _append_changelog(
         .select(*[c for c, _ in changelog_columns(lake_cols)])
     )
     cl_rows = conform_to(cl_rows, spark.table(cl).schema)
-    # The watermark is read from the newest snapshot: the repair's commit restates it unchanged
-    # (a changelog has one from its bootstrap on).
-    cwm = read_watermark(spark, cl)
-    props = {WRITER_PROP: REPAIR.name} if cwm is None else {"cdc.watermark": cwm.to_json(), WRITER_PROP: REPAIR.name}
 
-    def _append() -> None:
-        w = cl_rows.writeTo(cl)
+    def _append(cwm: Watermark | None, target: str) -> None:
+        props = {WRITER_PROP: REPAIR.name, **({"cdc.watermark": cwm.to_json()} if cwm is not None else {})}
+        w = cl_rows.writeTo(target)
         for k, v in props.items():
             w = w.option(f"snapshot-property.{k}", v)
         w.append()
 
-    with_commit_retries(_append, what=f"{cfg.name} repair changelog")
+    # The commit restates the changelog's watermark unchanged (it has one from its bootstrap on),
+    # fenced on it: an ingest appending meanwhile would otherwise see its position moved back and
+    # append its events again. The position is read again after such an append.
+    for attempt in range(3):
+        cwm = read_watermark(spark, cl)
+        try:
+            fenced_commit(spark, cl, cwm, cwm, partial(_append, cwm), what=f"{cfg.name} repair changelog")
+            return
+        except ConcurrentWriterError:
+            if attempt == 2:
+                raise
 
 
 def _merge_current(
@@ -177,10 +194,9 @@ def _merge_current(
     view = f"cdc_repair_{cfg.name}"
     batch.select(SHARD_COL, *names, OP_COL, LSN_COL, SEQ_COL, COMMIT_TS_COL).createOrReplaceTempView(view)
     cur_t = lake.qualified(cfg.current_table)
-    sql = merge_sql(cfg, cur_t, view, [SHARD_COL, *names, OP_COL, LSN_COL, SEQ_COL, COMMIT_TS_COL], [])
-    with_commit_retries(
-        lambda: sql_with_commit_properties(
-            spark, sql, {"cdc.watermark": wm.to_json(), "cdc.repair": audit_run, **REPAIR.props()}
-        ),
-        what=f"{cfg.name} repair merge",
-    )
+    cols = [SHARD_COL, *names, OP_COL, LSN_COL, SEQ_COL, COMMIT_TS_COL]
+    props = {"cdc.watermark": wm.to_json(), "cdc.repair": audit_run, **REPAIR.props()}
+    crash_point("audit_repair_merge")
+    # Fenced on the watermark the audit compared at: published only while the table is still there.
+    write = lambda target: sql_with_commit_properties(spark, merge_sql(cfg, target, view, cols, []), props)  # noqa: E731
+    fenced_commit(spark, cur_t, wm, wm, write, what=f"{cfg.name} repair merge")
