@@ -223,6 +223,33 @@ def check_job_side(job_env: dict[str, str]) -> None:
     assert (ep.password, ep.user, ep.host, ep.port, ep.database) == (SRC_MARKER, "cdc", "srchost", 5433, "notion")
 
 
+OL_MARKER = "0L-api-k3y-789"
+
+
+@pytest.mark.parametrize("master", sorted(MASTERS))
+def test_openlineage_transport_injection_carries_no_credential(master, env, monkeypatch, tmp_path, capfd):
+    """`[openlineage] spark_inject_transport_info` on, with an HTTP transport that has an API key
+    and an Authorization header: the provider's injection ran after the operator's secret check
+    and put the key on spark-submit's command line and in the task log (#51). The operator now
+    injects it before the check, without the credentials; the transport's address still goes."""
+    from airflow.providers.openlineage.plugins.listener import get_openlineage_listener
+
+    transport = {"type": "http", "url": "http://olhost:5000", "auth": {"type": "api_key", "apiKey": OL_MARKER},
+                 "custom_headers": {"Authorization": f"Bearer {OL_MARKER}", "X-Team": "data"}}  # fmt: skip
+    monkeypatch.setenv("AIRFLOW__OPENLINEAGE__TRANSPORT", json.dumps(transport))
+    monkeypatch.setenv("AIRFLOW__OPENLINEAGE__SPARK_INJECT_TRANSPORT_INFO", "true")
+    monkeypatch.setenv("AIRFLOW__OPENLINEAGE__DISABLED", "false")
+    adapter = get_openlineage_listener().adapter
+    monkeypatch.setattr(adapter, "_client", None)  # a client made by another test has another transport
+    run = run_operator(monkeypatch, master, tmp_path)
+    check_no_leak(run, capfd, env)
+    everything = [*run.cmd, *run.popen_env.values(), *run.logs]
+    assert not [t for t in everything if OL_MARKER in t], "the OpenLineage API key reached the command or the log"
+    assert "spark.openlineage.transport.url=http://olhost:5000" in run.cmd
+    assert "spark.openlineage.transport.headers.X-Team=data" in run.cmd
+    assert any("not passed to the Spark job" in line and "auth.apiKey" in line for line in run.logs)
+
+
 @pytest.mark.parametrize("master", ["local", "standalone-client", "yarn-client", "yarn-cluster", "k8s-client"])
 def test_secrets_travel_by_reference(master, env, monkeypatch, tmp_path, capfd):
     run = run_operator(monkeypatch, master, tmp_path)

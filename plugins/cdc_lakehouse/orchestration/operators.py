@@ -124,7 +124,9 @@ class CdcSparkSubmitOperator(SparkSubmitOperator):
         self._yarn_tracking(master, deploy_mode, extra)
         saved_env: dict[str, str | None] = {}
         try:
-            self.conf = conf = {**base_conf(), **(self.conf or {}), **transport.conf}
+            self.conf = conf = self._with_lineage_transport(
+                {**base_conf(), **(self.conf or {}), **transport.conf}, context
+            )
             self.files = ",".join([f for f in (self.files or "").split(",") if f] + transport.files) or None
             self.env_vars = env_vars = {**(self.env_vars or {}), **public, **transport.env}
             self._refuse_secrets(secrets, transport, conf, env_vars)
@@ -140,6 +142,33 @@ class CdcSparkSubmitOperator(SparkSubmitOperator):
                 else:
                     os.environ[k] = v
             self._remove_secrets()
+
+    def _with_lineage_transport(self, conf: dict[str, Any], context: Any) -> dict[str, Any]:
+        """The provider's OpenLineage transport injection (`[openlineage] spark_inject_transport_info`),
+        made here instead of in its execute(), which ran it after the secret check (#51): the
+        transport's credentials (its API key, credential-named headers) are left out and named in
+        a warning, since a --conf sits on the command line and in the task log; the rest (type,
+        URL, endpoint, timeout) still reaches the job."""
+        if not getattr(self, "_openlineage_inject_transport_info", False):
+            return conf
+        from airflow.providers.common.compat.openlineage.utils.spark import (
+            inject_transport_information_into_spark_properties,
+        )
+
+        from cdc_lakehouse.secrecy import is_secret_name
+
+        self._openlineage_inject_transport_info = False  # the provider's execute() would inject it again
+        injected = inject_transport_information_into_spark_properties(dict(conf), context)
+        added = [k for k in injected if k not in conf]
+        auth = [k for k in added if ".auth." in k or is_secret_name(k)]
+        if auth:
+            self.log.warning(
+                "OpenLineage transport setting(s) %s not passed to the Spark job: a --conf is on spark-submit's "
+                "command line and in this log. Give the job's OpenLineage listener its credentials on the cluster "
+                "(spark-defaults.conf readable by the Spark processes only); see docs/secrets.md",
+                auth,
+            )
+        return {k: v for k, v in injected.items() if k not in auth}
 
     def _yarn_tracking(self, master: str, deploy_mode: str | None, extra: dict[str, Any]) -> None:
         """YARN cluster mode: the provider (6.x) keeps a task durable across retries only by polling
