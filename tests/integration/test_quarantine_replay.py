@@ -135,3 +135,54 @@ def test_replay_after_a_widening_applies_what_fits_and_never_overwrites_newer(so
     r = s.ingest(wide, s.capture().manifest.run_id, run="q3")
     assert r.metrics.updates == 2 and r.metrics.quarantined == 0, r
     assert_lake_equals_source(spark, lake, wide, s.dsn, check_changelog=False)
+
+
+def test_a_replay_overlapping_an_ingest_applies_nothing(source, spark, lake):
+    """A replay held between its MERGE's write and its publish while an ingest commits a batch:
+    the ingest may have changed a key the replay would overwrite, so the replay's commit is
+    fenced on the watermark it read, checked when it is published (#51: the check ran before the
+    write only). It fails naming the other writer and applies nothing; run again, it applies."""
+    import threading
+
+    from cdc_lakehouse.lake.commits import ConcurrentWriterError, publish_point
+    from cdc_lakehouse.runtime.failpoints import hold_at
+
+    from tests.integration.test_overlapping_writers import session_of_its_own
+
+    s = source
+    narrow = _lenient(s.block, column_types={"score": "decimal(8,4)"})
+    wide = _lenient(s.block)
+    s.capture()
+    s.bootstrap(narrow)
+    cur = lake.qualified(narrow.current_table)
+    k1, k2 = [r[0] for r in s.pg.execute("SELECT id FROM s0.block ORDER BY id LIMIT 2", dbname=s.db)]
+    s.execute(f"UPDATE s0.block SET score = 123456.5 WHERE id = {k1}")
+    assert s.ingest(narrow, s.capture().manifest.run_id, run="n1").metrics.quarantined == 1
+    s.execute(f"UPDATE s0.block SET version = version + 1 WHERE id = {k2}")
+    s.ingest(wide, s.capture().manifest.run_id, run="w1")  # widens score: the event now fits
+    errors: list[BaseException] = []
+    spark_a = session_of_its_own(lake)  # as another process would: its own catalog cache
+
+    def replay() -> None:
+        try:
+            replay_quarantine(spark_a, lake, wide, replay_run="held")
+        except BaseException as exc:  # noqa: BLE001 - the test inspects it
+            errors.append(exc)
+
+    with hold_at(publish_point(cur)) as hold:
+        a = threading.Thread(target=replay, daemon=True)
+        a.start()
+        while not hold.reached.wait(0.5):
+            assert a.is_alive(), f"the replay ended before its publish: {errors!r}"
+        s.execute(f"UPDATE s0.block SET version = version + 1 WHERE id = {k2}")
+        s.ingest(wide, s.capture().manifest.run_id, run="w2")
+        hold.release.set()
+        a.join(600)
+    assert len(errors) == 1 and isinstance(errors[0], ConcurrentWriterError), errors
+    assert "quarantine replay" in str(errors[0]) and "another writer" in str(errors[0])
+    spark.sql(f"REFRESH TABLE {cur}")
+    assert str(spark.table(cur).filter(F.col("id") == k1).first()["score"]) != "123456.5000"
+    assert _quarantine(spark, lake, wide).count() == 1  # still there, with its event
+    res = replay_quarantine(spark, lake, wide, replay_run="again")
+    assert (res.resolved, res.rows_changed) == (1, 1), res
+    assert_lake_equals_source(spark, lake, wide, s.dsn, check_changelog=False)

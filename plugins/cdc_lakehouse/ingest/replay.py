@@ -38,9 +38,14 @@ from cdc_lakehouse.ingest.merge import lsn_newer, merge_sql
 from cdc_lakehouse.ingest.run import current_columns, needs_base, start_position, table_positions
 from cdc_lakehouse.ingest.toast import UNAV_LEFT
 from cdc_lakehouse.ingest.validate import REASONS
-from cdc_lakehouse.lake.commits import ConcurrentWriterError, sql_with_commit_properties, with_commit_retries
+from cdc_lakehouse.lake.commits import (
+    ConcurrentWriterError,
+    fenced_commit,
+    sql_with_commit_properties,
+    with_commit_retries,
+)
 from cdc_lakehouse.lake.tables import source_columns_of
-from cdc_lakehouse.lake.watermark import Watermark, read_watermark
+from cdc_lakehouse.lake.watermark import Watermark
 from cdc_lakehouse.lake.writers import REPLAY
 from cdc_lakehouse.landing.format import landing_spark_schema
 from cdc_lakehouse.runtime.failpoints import crash_point
@@ -244,24 +249,25 @@ def merge_replayed(
     apply: DataFrame,
     replay_run: str,
 ) -> None:
-    """The ingest's LSN-guarded MERGE of the replayed rows, fenced on the watermark the replay read:
-    an ingest that committed meanwhile may have deleted a key this replay would re-insert."""
+    """The ingest's LSN-guarded MERGE of the replayed rows, fenced on the watermark the replay read
+    (lake.commits.fenced_commit: checked when the commit is published, not only before the write;
+    #51): an ingest that committed meanwhile may have deleted a key this replay would re-insert.
+    The commit carries no cdc.watermark (see the module doc, positions): the fence's position is
+    the one it leaves in place."""
     view = f"cdc_replay_{cfg.name}"
     apply.createOrReplaceTempView(view)
-    sql = merge_sql(cfg, cur, view, current_columns(lake_cols), [])
+    cols = current_columns(lake_cols)
+    props = {"cdc.replay-run": replay_run, **REPLAY.props()}
 
-    def attempt() -> None:
-        now = read_watermark(spark, cur)
-        if now != wm:
-            raise ConcurrentWriterError(
-                f"{cfg.name}: quarantine replay: {cur} was committed by another writer since the replay started "
-                f"(watermark {wm.to_json()} -> {now.to_json() if now is not None else {}}); nothing was applied. "
-                "Run the replay again (it re-reads the table), outside the table's ingest runs"
-            )
-        # No cdc.watermark: see the module doc (positions).
-        sql_with_commit_properties(spark, sql, {"cdc.replay-run": replay_run, **REPLAY.props()})
+    def moved(now: Watermark | None) -> ConcurrentWriterError:
+        return ConcurrentWriterError(
+            f"{cfg.name}: quarantine replay: {cur} was committed by another writer since the replay started "
+            f"(watermark {wm.to_json()} -> {now.to_json() if now is not None else {}}); nothing was applied. "
+            "Run the replay again (it re-reads the table), outside the table's ingest runs"
+        )
 
-    with_commit_retries(attempt, what=f"{cfg.name} quarantine replay merge")
+    write = lambda target: sql_with_commit_properties(spark, merge_sql(cfg, target, view, cols, []), props)  # noqa: E731
+    fenced_commit(spark, cur, wm, wm, write, what=f"{cfg.name} quarantine replay merge", conflict=moved)
 
 
 def resolve_quarantine(
