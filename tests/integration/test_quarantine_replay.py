@@ -48,14 +48,19 @@ def _lake_equals_source_except(spark, lake, cfg, dsn, key_out: int) -> None:
     assertDataFrameEqual(actual, expected)
 
 
-def test_replay_after_a_widening_applies_what_fits_and_never_overwrites_newer(source, spark, lake):
-    s = source
-    # The lake's score column is narrower than the source's numeric(12,4): bigger values do not fit.
+def _narrow_then_wide(s, lake):
+    """Configs whose lake score column is narrower than the source's numeric(12,4) (bigger values
+    do not fit) and as wide; the table bootstrapped narrow. Returns (narrow, wide, current table)."""
     narrow = _lenient(s.block, column_types={"score": "decimal(8,4)"})
     wide = _lenient(s.block)
     s.capture()
     s.bootstrap(narrow)
-    cur = lake.qualified(narrow.current_table)
+    return narrow, wide, lake.qualified(narrow.current_table)
+
+
+def test_replay_after_a_widening_applies_what_fits_and_never_overwrites_newer(source, spark, lake):
+    s = source
+    narrow, wide, cur = _narrow_then_wide(s, lake)
     ids = [r[0] for r in s.pg.execute("SELECT id FROM s0.block ORDER BY id LIMIT 5", dbname=s.db)]
     k1, k2, k3, k4, k5 = ids
     s.execute(
@@ -150,11 +155,7 @@ def test_a_replay_overlapping_an_ingest_applies_nothing(source, spark, lake):
     from tests.integration.test_overlapping_writers import session_of_its_own
 
     s = source
-    narrow = _lenient(s.block, column_types={"score": "decimal(8,4)"})
-    wide = _lenient(s.block)
-    s.capture()
-    s.bootstrap(narrow)
-    cur = lake.qualified(narrow.current_table)
+    narrow, wide, cur = _narrow_then_wide(s, lake)
     k1, k2 = [r[0] for r in s.pg.execute("SELECT id FROM s0.block ORDER BY id LIMIT 2", dbname=s.db)]
     s.execute(f"UPDATE s0.block SET score = 123456.5 WHERE id = {k1}")
     assert s.ingest(narrow, s.capture().manifest.run_id, run="n1").metrics.quarantined == 1

@@ -788,18 +788,30 @@ def after_applied(chosen: list[SinkFile], stats: dict[str, dict[str, Any]]) -> l
             out.append(f)
             continue
         g = replace(f, applied=_place(tops[k])) if k in tops else f
-        tops[k] = following(_json_place(g.applied), stats[g.name])
+        tops[k] = following(_json_place(g.applied), PlacesAfter.of(stats[g.name]))
         out.append(g)
     return out
 
 
-def following(applied: list[int] | None, stats: dict[str, Any]) -> list[int] | None:
-    """The partition's highest place after a file (or its part before a cut) whose stats are
-    `stats` is applied on top of `applied`: the file's own after a new snapshot."""
-    top: list[int] | None = stats["top"]
-    if stats["fresh"] or applied is None:
-        return top
-    return applied if top is None or applied >= top else top
+@dataclass(frozen=True)
+class PlacesAfter:
+    """What a file (or its part before a cut) leaves of its partition's order: the highest place
+    (as JSON keeps it: a list), and whether a new snapshot began in it (`file_stats`, `cut_point`)."""
+
+    top: list[int] | None
+    fresh: bool
+
+    @classmethod
+    def of(cls, stats: dict[str, Any]) -> PlacesAfter:
+        return cls(stats["top"], stats["fresh"])
+
+
+def following(applied: list[int] | None, after: PlacesAfter) -> list[int] | None:
+    """The partition's highest place once a file leaving `after` is applied on top of `applied`:
+    the file's own after a new snapshot."""
+    if after.fresh or applied is None:
+        return after.top
+    return applied if after.top is None or applied >= after.top else after.top
 
 
 def _place(top: list[int] | None) -> Place | None:
@@ -900,7 +912,7 @@ class Taken:
     events: int = 0
     last: list[Any] | None = None
     heartbeat: int | None = None
-    places: dict[str, Any] | None = None  # the `top` and `fresh` of its stats (`following`)
+    places: PlacesAfter | None = None
 
 
 def take_below(
@@ -935,11 +947,11 @@ def take_below(
                 waiting = part[i + 1 :] if crosses else part[i:]
                 held[topic] = held.get(topic, 0) + sum(stats[g.name]["events"] for g in waiting)
                 break
-            taken.append(Taken(f, f.start + s["records"], s["events"], s["last"], places=s))
+            taken.append(Taken(f, f.start + s["records"], s["events"], s["last"], places=PlacesAfter.of(s)))
     for c in cut_points(spark, shape, crossing, fronts):
         f = next(f for f in crossing if f.name == c["name"])
         at = c["at"] if c["at"] is not None else f.start + stats[f.name]["records"]
-        taken.append(Taken(replace(f, stop_at=at), at, c["events"], c["last"], places=c))
+        taken.append(Taken(replace(f, stop_at=at), at, c["events"], c["last"], places=PlacesAfter.of(c)))
         held[f.topic] = held.get(f.topic, 0) + c["held"]
     return taken, {t: replace(fr, held=held.get(t, 0)) for t, fr in fronts.items()}
 
