@@ -226,6 +226,16 @@ def check_job_side(job_env: dict[str, str]) -> None:
 OL_MARKER = "0L-api-k3y-789"
 
 
+def _forget_openlineage_conf() -> None:
+    """The provider caches each [openlineage] setting on first read (functools.cache), so a test
+    that read them earlier in this process would hide the environment set here."""
+    from airflow.providers.openlineage import conf as ol_conf
+
+    for value in vars(ol_conf).values():
+        if callable(getattr(value, "cache_clear", None)):
+            value.cache_clear()
+
+
 @pytest.mark.parametrize("master", sorted(MASTERS))
 def test_openlineage_transport_injection_carries_no_credential(master, env, monkeypatch, tmp_path, capfd):
     """`[openlineage] spark_inject_transport_info` on, with an HTTP transport that has an API key
@@ -241,7 +251,13 @@ def test_openlineage_transport_injection_carries_no_credential(master, env, monk
     monkeypatch.setenv("AIRFLOW__OPENLINEAGE__DISABLED", "false")
     adapter = get_openlineage_listener().adapter
     monkeypatch.setattr(adapter, "_client", None)  # a client made by another test has another transport
-    run = run_operator(monkeypatch, master, tmp_path)
+    _forget_openlineage_conf()
+    try:
+        # The operator's default for this flag is read when the provider's module is first
+        # imported (a default argument), in the full suite long before this test: pass it.
+        run = run_operator(monkeypatch, master, tmp_path, openlineage_inject_transport_info=True)
+    finally:
+        _forget_openlineage_conf()  # the next test reads its own settings, not these
     check_no_leak(run, capfd, env)
     everything = [*run.cmd, *run.popen_env.values(), *run.logs]
     assert not [t for t in everything if OL_MARKER in t], "the OpenLineage API key reached the command or the log"
