@@ -192,3 +192,59 @@ def test_a_reader_at_a_consistent_point_never_sees_part_of_a_transaction(small_s
     announce_snapshots([s.perm])({"outlet_events": events})
     assert events[point_asset(s.endpoint)].extra == {"endpoint": s.endpoint, "point": final.model_dump()}
     assert partial_seen >= 3, f"seed {seed}: only {partial_seen} steps had the tables apart"
+
+
+def test_no_point_holds_an_added_columns_values_read_past_it(small_source, spark, lake, monkeypatch):
+    """#51: a column added to `block` with a volatile default; the block ingest dies between its
+    MERGE at W (a backfill pending) and the backfill. A transaction after W sets the new column
+    on a block row and the row's permission. The rerun re-reads the column from the source (the
+    transaction's value) and commits the watermark at W, which the old rule took for the point
+    at W: block showed the transaction there, permission did not. The backfill's commit now says
+    how far its read reached (`cdc.read-upto`), and no point forms below that."""
+    s = small_source
+    cs = ConfigSet({c.name: c for c in (s.block, s.perm)}, [], {})
+    s.capture()
+    s.bootstrap(s.block)
+    s.bootstrap(s.perm)
+    tag = TAG + 1
+    s.execute(
+        f"BEGIN; INSERT INTO s0.block (id, space_id, type, created_at, updated_at) VALUES ({tag}, 1, 'txn', now(), now()); "
+        f"INSERT INTO s1.permission (block_id, user_id, role) VALUES ({tag}, 1, 'v1'); COMMIT"
+    )
+    run = s.capture().manifest.run_id
+    for cfg in (s.block, s.perm):
+        s.ingest(cfg, run)
+    s.execute(
+        "ALTER TABLE s0.block ADD COLUMN heat float8 DEFAULT random()",  # a rewrite: re-read, not a constant
+        f"UPDATE s0.block SET version = version + 1 WHERE id = {s.wl.first_id['s0']}",  # announces the column
+    )
+    run = s.capture().manifest.run_id
+    s.ingest(s.perm, run)
+    monkeypatch.setenv(FAIL_ENV, "ingest_after_merge")
+    with pytest.raises(FailpointHit):
+        s.ingest(s.block, run)
+    monkeypatch.delenv(FAIL_ENV)
+    s.execute(
+        f"BEGIN; UPDATE s0.block SET heat = 42 WHERE id = {tag}; "
+        f"UPDATE s1.permission SET role = 'v2' WHERE block_id = {tag}; COMMIT"
+    )
+    s.ingest(s.block, run)  # finishes the backfill: its read sees the transaction
+
+    def seen(snapshots: dict[str, int] | None) -> tuple[bool, bool]:
+        """Whether block's row, and whether permission's, show the transaction."""
+        at = lambda t: f" VERSION AS OF {snapshots[t]}" if snapshots else ""  # noqa: E731
+        block, perm = lake.qualified(s.block.current_table), lake.qualified(s.perm.current_table)
+        rows = spark.sql(f"SELECT * FROM {block}{at(block)} WHERE id = {tag} AND _cdc_shard LIKE '%s0'").collect()
+        role = spark.sql(f"SELECT role FROM {perm}{at(perm)} WHERE block_id = {tag} AND _cdc_shard LIKE '%s1'")
+        return (bool(rows) and rows[0].asDict().get("heat") == 42, [r["role"] for r in role.collect()] == ["v2"])
+
+    assert seen(None) == (True, False), "the backfill did not read past W: the test would prove nothing"
+    points = read_points(lake, cs)[s.endpoint]
+    for p in points:
+        assert len(set(seen(p.snapshots))) == 1, f"the point at {p.lsn} shows the transaction in one table only"
+    # The transaction's own capture run: both tables reach a point that holds it whole.
+    run = s.capture().manifest.run_id
+    for cfg in (s.block, s.perm):
+        s.ingest(cfg, run)
+    newest = read_points(lake, cs)[s.endpoint][0]
+    assert newest.lsn > points[0].lsn and seen(newest.snapshots) == (True, True)

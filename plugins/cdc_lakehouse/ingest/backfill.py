@@ -13,7 +13,9 @@ L get the source's value:
   - otherwise the column re-read from the source for those keys (its current value; a row
     changed since has events at or after L, which the ingest applies afterwards).
 Each backfilled row is also written to the changelog at (L, -1), between its last event and
-any later one, so the changelog's latest-per-key view agrees.
+any later one, so the changelog's latest-per-key view agrees. A re-read value may be newer than
+the watermark (a later transaction set it): the commit carries how far the read reached
+(`cdc.read-upto`), so no consistent point forms below that (lake.points; #51).
 
 It runs after the batch's MERGE (rows updated by the batch's events from before the ALTER need
 the value too), so the MERGE's watermark lists the pending backfill and the next ingest run
@@ -37,6 +39,7 @@ it). A column kept after a drop (schema_changes.dropped_columns: keep_null) is n
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -232,9 +235,20 @@ def backfill_change(
         if not wanted:
             return 0, present
         values = _values(spark, cfg, conn, ep.dsn(), schema, shard, wanted, types)
+        upto = None if isinstance(values, dict) else wal_insert_position(conn)
     finally:
         conn.close()
-    return _apply(spark, lake, cfg, shard, int(ch["at_commit_lsn"]), values, list(wanted), run_label), present
+    at = int(ch["at_commit_lsn"])
+    return _apply(spark, lake, cfg, shard, at, values, list(wanted), run_label, upto), present
+
+
+def wal_insert_position(conn: connection) -> int:
+    """The source's WAL insert position, taken after a read ended: every transaction the read saw
+    has its commit record below it (a commit is written to the WAL before it becomes visible)."""
+    with conn.cursor() as cur:
+        cur.execute("SELECT (pg_current_wal_insert_lsn() - '0/0'::pg_lsn)::bigint")
+        (lsn,) = cur.fetchall()[0]
+        return int(lsn)
 
 
 def _values(
@@ -280,7 +294,10 @@ def _apply(
     values: DataFrame | dict[str, Any],
     columns: list[str],
     run_label: str,
+    read_upto: int | None,
 ) -> int:
+    """The filled rows into the changelog, then the current table. `read_upto`: where the
+    source's values were re-read (None for a catalog constant, which is the value at the ALTER)."""
     cur = lake.qualified(cfg.current_table)
     cl = lake.qualified(cfg.changelog_table)
     filled = local_checkpoint(_filled_rows(spark, cfg, cur, shard, at_lsn, values, columns))
@@ -289,7 +306,7 @@ def _apply(
         return 0
     # The changelog first (history of the value), then the current table; both idempotent.
     _backfill_changelog(spark, cfg, cl, shard, at_lsn, filled, run_label)
-    _backfill_current(spark, cfg, cur, at_lsn, filled, columns)
+    _backfill_current(spark, cfg, cur, shard, at_lsn, filled, columns, read_upto)
     log.info("%s: %d row(s) of shard %s got the source's value of added column(s) %s", cfg.name, n, shard, columns)
     return n
 
@@ -351,9 +368,20 @@ def _backfill_changelog(
 
 
 def _backfill_current(
-    spark: SparkSession, cfg: TableConfig, cur: str, at_lsn: int, filled: DataFrame, columns: list[str]
+    spark: SparkSession,
+    cfg: TableConfig,
+    cur: str,
+    shard: str,
+    at_lsn: int,
+    filled: DataFrame,
+    columns: list[str],
+    read_upto: int | None,
 ) -> None:
-    """The values into the rows still below L: a row an event changed since keeps that event's."""
+    """The values into the rows still below L: a row an event changed since keeps that event's.
+
+    Re-read values are the source's at the read, which may be past the watermark (#51: a
+    transaction after it that also wrote another table): the commit says how far the read
+    reached (`cdc.read-upto`), so no consistent point forms below that (lake.points)."""
     key = [SHARD_COL, *cfg.primary_key]
     view = f"cdc_backfill_{cfg.name}"
     filled.select(*key, *columns).createOrReplaceTempView(view)
@@ -362,6 +390,7 @@ def _backfill_current(
     sql = f"MERGE INTO {cur} t USING {view} s ON {on} AND t.{LSN_COL} < {at_lsn} WHEN MATCHED THEN UPDATE SET {sets}"
     # Rows changed below the watermark, and no changelog range ends here: readers of ranges diff
     # across this commit (lake.ranges), which its writer property tells them.
-    with_commit_retries(
-        lambda: sql_with_commit_properties(spark, sql, writers.BACKFILL.props()), what=f"{cfg.name} backfill"
-    )
+    props = writers.BACKFILL.props()
+    if read_upto is not None:
+        props[writers.READ_UPTO_PROP] = json.dumps({shard: read_upto})
+    with_commit_retries(lambda: sql_with_commit_properties(spark, sql, props), what=f"{cfg.name} backfill")

@@ -88,8 +88,9 @@ def table_positions(h: TableHistory, endpoint: str) -> dict[tuple[int, str], tup
 
     The first: a later commit at the same position (an audit repair, a backfill) holds values
     read from the source after it. And a commit of rows read between WAL markers (a chunk of a
-    chunked bootstrap or of a column backfill, `cdc.read-upto`) makes every position of its
-    shards below its high marker unusable from then on: those rows may be newer."""
+    chunked bootstrap or of a column backfill, `cdc.read-upto`), or of an added column's values
+    re-read by the ingest's backfill (the WAL position after the read), makes every position of
+    its shards below that unusable from then on: those rows may be newer."""
     line = []
     sid = h.current
     while sid is not None and sid in h.snaps:
