@@ -149,11 +149,14 @@ def timed(cmd: list[str], env: dict[str, str]) -> dict:
 @contextmanager
 def connect_server() -> Iterator[str]:
     """A local Spark Connect server for the Connect runs (its start printed, not timed); its URL."""
+    from cdc_lakehouse.runtime.connect_auth import TOKEN_FILE_ENV
+
     from devstack.localstack import LocalSparkConnect
 
     server = LocalSparkConnect(WORK / "task-connect", memory=os.environ.get("CDC_SPARK_DRIVER_MEMORY", "4g"))
     t = time.time()
     server.start()
+    os.environ[TOKEN_FILE_ENV] = str(server.token_file)  # the job processes send its token
     print(f"Spark Connect server started (not timed): {time.time() - t:.1f}s", flush=True)
     warm = os.environ.get("CDC_BENCH_WARM_SERVER", "")
     if warm == "1":

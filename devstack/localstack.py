@@ -791,13 +791,25 @@ class LocalSparkConnect:
     Its settings are public ones only (runtime.session.server_conf: jars, Iceberg's extensions,
     sizing), in a 0600 properties file of its 0700 folder, never on its command line. The lake's
     catalog and every secret reach it per client session, over the Connect channel
-    (runtime.session.configure_session), so one server serves any lake and holds no credential."""
+    (runtime.session.configure_session), so one server serves any lake and holds no credential.
+    Clients must send the token it writes at each start to `token` in that folder, and talk only
+    to a listener of the expected user (runtime.connect_auth). `ui`: its web UI, which any local
+    user can read, on or off (the tests count jobs through it)."""
 
-    def __init__(self, workdir: Path, port: int | None = None, *, ui_port: int | None = None, memory: str = "4g"):
+    def __init__(
+        self,
+        workdir: Path,
+        port: int | None = None,
+        *,
+        ui_port: int | None = None,
+        memory: str = "4g",
+        ui: bool = True,
+    ):
         self.workdir = Path(workdir)
         self.port = port or free_port()
         self.ui_port = ui_port or free_port()
         self.memory = memory
+        self.ui = ui
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -809,6 +821,11 @@ class LocalSparkConnect:
         return self.workdir / "server.pid"
 
     @property
+    def token_file(self) -> Path:
+        """What clients name in CDC_SPARK_CONNECT_TOKEN_FILE (runtime.connect_auth)."""
+        return self.workdir / "token"
+
+    @property
     def log(self) -> Path:
         return self.workdir / "server.log"
 
@@ -818,6 +835,11 @@ class LocalSparkConnect:
         return self.proc.pid if self.proc else _read_pid(self.pidfile)
 
     def is_running(self) -> bool:
+        """Whether a server of the expected user answers on the port; a listener of another user
+        there is an error (runtime.connect_auth.ServerIdentityError), not our server."""
+        from cdc_lakehouse.runtime.connect_auth import check_listener
+
+        check_listener("127.0.0.1", self.port)
         # Two tries of 3 s: on a loaded machine one short try can miss a running server, and a
         # second server started on its port replaces it for every later client.
         for _ in range(2):
@@ -832,13 +854,15 @@ class LocalSparkConnect:
 
     def start(self, *, timeout: float = 180) -> bool:
         """Start the server unless one runs on its port; True if this call started it."""
+        from cdc_lakehouse.runtime.connect_auth import new_token
         from cdc_lakehouse.runtime.session import connect_server_argv
 
         if self.is_running():
             return False
         self.workdir.mkdir(parents=True, exist_ok=True)
         os.chmod(self.workdir, 0o700)
-        argv, env = connect_server_argv(self.workdir, self.port, self.ui_port, self.memory)
+        token = new_token(self.token_file)  # a new one each start: an old token opens nothing
+        argv, env = connect_server_argv(self.workdir, self.port, self.ui_port, self.memory, token=token, ui=self.ui)
         out = open(self.log, "ab")
         self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         self.pidfile.write_text(str(self.proc.pid))
@@ -901,6 +925,8 @@ def local_stack_spark() -> LocalSparkConnect:
         local_paths()["local"] / "spark-connect",
         int(os.environ.get("CDC_LOCAL_SPARK_PORT", "15002")),
         ui_port=int(os.environ.get("CDC_LOCAL_SPARK_UI_PORT", "4040")),
+        # Off unless asked for: its pages (jobs, SQL, sessions) are open to every local user.
+        ui=os.environ.get("CDC_LOCAL_SPARK_UI", "off").lower() in ("on", "1", "true"),
     )
 
 
@@ -943,7 +969,8 @@ def main(argv: list[str] | None = None) -> int:
         sc = local_stack_spark()
         t = time.time()
         started = sc.start()
-        print(f"spark connect: running at {sc.url} (ready in {time.time() - t:.0f}s; UI :{sc.ui_port}, log {sc.log})")
+        ui = f"UI :{sc.ui_port}" if sc.ui else "UI off (CDC_LOCAL_SPARK_UI=on)"
+        print(f"spark connect: running at {sc.url} (ready in {time.time() - t:.0f}s; {ui}, log {sc.log})")
         if started:  # the demo's and the scheduler's first task then finds it warm
             warm(sc)
     elif cmd == "stop":

@@ -39,6 +39,9 @@ export AIRFLOW_CONN_CDC_REDIS="${AIRFLOW_CONN_CDC_REDIS:-redis://127.0.0.1:$CDC_
 # Spark: the local stack's Spark Connect server (devstack.localstack, started by make pg-start).
 export CDC_LOCAL_SPARK_PORT="${CDC_LOCAL_SPARK_PORT:-15002}"
 export CDC_LOCAL_SPARK_UI_PORT="${CDC_LOCAL_SPARK_UI_PORT:-4040}"
+# Its clients send the token it writes at each start (runtime.connect_auth); its UI is off unless
+# CDC_LOCAL_SPARK_UI=on (every local user can read its pages).
+export CDC_SPARK_CONNECT_TOKEN_FILE="${CDC_SPARK_CONNECT_TOKEN_FILE:-$CDC_LOCAL_DIR/spark-connect/token}"
 export AIRFLOW_CONN_SPARK_DEFAULT="${AIRFLOW_CONN_SPARK_DEFAULT:-{\"conn_type\": \"spark_connect\", \"host\": \"127.0.0.1\", \"port\": $CDC_LOCAL_SPARK_PORT\}}"
 export AIRFLOW_CONN_CDC_LAKE="${AIRFLOW_CONN_CDC_LAKE:-{\"conn_type\": \"generic\", \"host\": \"127.0.0.1\", \"port\": $CDC_LOCAL_PG_PORT, \"schema\": \"lake_catalog\", \"login\": \"postgres\", \"password\": \"$CDC_LOCAL_PG_PASSWORD\", \"extra\": {\"catalog_type\": \"jdbc\", \"warehouse\": \"file://$CDC_LOCAL_DIR/warehouse\", \"landing_uri\": \"file://$CDC_LOCAL_DIR/landing\"\}\}}"
 

@@ -59,12 +59,15 @@ def pytest_sessionstart(session):
         return
     if config.getoption("collectonly", False):
         return
+    from cdc_lakehouse.runtime.connect_auth import TOKEN_FILE_ENV
+
     from devstack.localstack import LocalSparkConnect
 
     workdir = Path(tempfile.mkdtemp(prefix="cdc-tests-spark-"))
     server = LocalSparkConnect(workdir / "spark-connect", memory="4g")
     server.start()
     config.stash[_SHARED_SPARK] = server
+    os.environ[TOKEN_FILE_ENV] = str(server.token_file)  # the workers' clients, and what they start
     os.environ[SHARED_SPARK_ENV] = json.dumps(
         {"workdir": str(server.workdir), "port": server.port, "ui_port": server.ui_port}
     )
@@ -164,6 +167,8 @@ def redis_server(tmp_root):
 def spark_server(tmp_root):
     """The session's Spark Connect server: the one JVM every test's Spark work runs in, started
     the way the local stack starts its own (devstack.localstack.LocalSparkConnect)."""
+    from cdc_lakehouse.runtime.connect_auth import TOKEN_FILE_ENV
+
     from devstack.localstack import LocalSparkConnect
 
     shared = json.loads(os.environ.get(SHARED_SPARK_ENV) or "null")
@@ -175,6 +180,7 @@ def spark_server(tmp_root):
     # Whatever the tests start that reaches for Spark (a job run in-process, a DAG's task, the
     # CLI) goes to this server, not to the local stack's.
     os.environ["CDC_SPARK_REMOTE"] = server.url
+    os.environ[TOKEN_FILE_ENV] = str(server.token_file)  # its clients send its token (runtime.connect_auth)
     os.environ["AIRFLOW_CONN_SPARK_DEFAULT"] = json.dumps(
         {"conn_type": "spark_connect", "host": "127.0.0.1", "port": server.port}
     )

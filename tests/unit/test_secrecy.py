@@ -169,14 +169,23 @@ def test_a_password_in_the_catalog_uri_or_a_property_given_twice_is_refused():
 
 
 def test_a_local_spark_connect_server_inherits_no_secret_of_its_starter(monkeypatch, tmp_path):
-    """Its Python UDFs inherit its environment; each session brings its own secrets instead."""
+    """Its Python UDFs inherit its environment; each session brings its own secrets instead. AWS
+    keys too (#51: whoever reached the server read its starter's); a profile name stays. The
+    token its clients must send is in its environment, not on its command line or in its file."""
+    from cdc_lakehouse.runtime.connect_auth import SERVER_TOKEN_ENV
     from cdc_lakehouse.runtime.session import connect_server_argv
 
     for k in ("CDC_CATALOG_PASSWORD", "AIRFLOW_CONN_SRC", "CDC_SOURCE_URI__S0", "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"):
         monkeypatch.setenv(k, S)
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "kept")  # the SDK's default chain reads it
+    for k in ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ACCESS_KEY_ID"):
+        monkeypatch.setenv(k, S)
+    monkeypatch.setenv("AWS_PROFILE", "team")  # the SDK's chain finds the profile's keys in ~/.aws
     monkeypatch.setenv("CDC_LAKE_WAREHOUSE", "file:///w")
-    argv, env = connect_server_argv(tmp_path, 1, 2, "1g")
+    argv, env = connect_server_argv(tmp_path, 1, 2, "1g", token="T0ken-of-the-server", ui=False)
     assert S not in json.dumps(env) and S not in " ".join(argv)
-    assert env["AWS_SECRET_ACCESS_KEY"] == "kept" and env["CDC_LAKE_WAREHOUSE"] == "file:///w"
-    assert (tmp_path / "spark-connect.properties").stat().st_mode & 0o077 == 0
+    assert env["AWS_PROFILE"] == "team" and env["CDC_LAKE_WAREHOUSE"] == "file:///w"
+    props = tmp_path / "spark-connect.properties"
+    assert props.stat().st_mode & 0o077 == 0
+    assert env[SERVER_TOKEN_ENV] == "T0ken-of-the-server"
+    assert "T0ken-of-the-server" not in " ".join(argv) + props.read_text()
+    assert "spark.ui.enabled=false" in props.read_text().splitlines()

@@ -178,10 +178,16 @@ def builder_settings(conf: SparkSettings) -> tuple[dict[str, str], SparkSettings
 # --- Spark Connect ---------------------------------------------------------------------------------
 
 
-def connect_server_argv(workdir: Path, port: int, ui_port: int, memory: str) -> tuple[list[str], dict[str, str]]:
+def connect_server_argv(
+    workdir: Path, port: int, ui_port: int, memory: str, *, token: str, ui: bool = True
+) -> tuple[list[str], dict[str, str]]:
     """The command and environment of a local Spark Connect server: its settings in a 0600
-    properties file in `workdir` (public ones only: the lake and its secrets come per session)."""
+    properties file in `workdir` (public ones only: the lake and its secrets come per session);
+    the token every client must send in its environment (runtime.connect_auth). `ui`: its web
+    UI, which every local user can read (job and session pages), on or off."""
     import pyspark
+
+    from cdc_lakehouse.runtime.connect_auth import SERVER_TOKEN_ENV
 
     conf = {
         **server_conf(),
@@ -191,6 +197,7 @@ def connect_server_argv(workdir: Path, port: int, ui_port: int, memory: str) -> 
         "spark.driver.memory": memory,
         "spark.connect.grpc.binding.address": "127.0.0.1",
         "spark.connect.grpc.binding.port": str(port),
+        "spark.ui.enabled": str(ui).lower(),
         "spark.ui.port": str(ui_port),
         "spark.driver.host": "127.0.0.1",
         # An event log for the history server (and for the secret-marker tests: it records every
@@ -210,15 +217,18 @@ def connect_server_argv(workdir: Path, port: int, ui_port: int, memory: str) -> 
     # as an artifact (configure_session).
     # The secrets of the process that starts it stay out of its environment (which its Python UDFs
     # inherit): every session brings its own settings and secrets (configure_session).
-    env = {k: v for k, v in os.environ.items() if k.startswith("AWS_") or not SERVER_ENV_DROPPED.search(k)}
-    return argv, {**env, "PYSPARK_PYTHON": sys.executable, "SPARK_LOCAL_IP": "127.0.0.1"}
+    env = {k: v for k, v in os.environ.items() if not SERVER_ENV_DROPPED.search(k)}
+    return argv, {**env, "PYSPARK_PYTHON": sys.executable, "SPARK_LOCAL_IP": "127.0.0.1", SERVER_TOKEN_ENV: token}
 
 
 # Variables a local Spark Connect server does not inherit: secrets by name or by origin (Airflow's
-# connections and its metadata database URL, the sources' URIs, the secrets file of a task). AWS_*
-# stay: they are the AWS SDKs' default credential chain, which a lake without keys of its own uses.
+# connections and its metadata database URL, the sources' URIs, the secrets file of a task), AWS
+# keys among them (#51: whoever reached the server read its starter's). A lake's S3 keys come per
+# session; a lake without keys of its own uses the SDK's chain without them: AWS_PROFILE and the
+# shared credentials file (readable by its owner only), or the machine's role.
 SERVER_ENV_DROPPED = re.compile(
-    r"(?i)password|secret|token|credential|^AIRFLOW_CONN_|^AIRFLOW__DATABASE__|^CDC_SOURCE_URI|^CDC_SECRETS_FILE$"
+    r"(?i)password|secret|token|credential|^AWS_ACCESS_KEY_ID$|^AIRFLOW_CONN_|^AIRFLOW__DATABASE__|"
+    r"^CDC_SOURCE_URI|^CDC_SECRETS_FILE$|^CDC_SPARK_CONNECT_TOKEN_FILE$"
 )
 
 
@@ -226,10 +236,13 @@ _LIVE: list[SparkSession] = []  # this process's Connect sessions, for interrupt
 
 
 def connect_session(url: str) -> SparkSession:
-    """A new session on a Spark Connect server (its own settings, views and catalog instances)."""
+    """A new session on a Spark Connect server (its own settings, views and catalog instances):
+    on loopback, only the expected user's server, with the token (runtime.connect_auth)."""
     from pyspark.sql import SparkSession
 
-    spark = SparkSession.builder.remote(url).create()
+    from cdc_lakehouse.runtime.connect_auth import client_url
+
+    spark = SparkSession.builder.remote(client_url(url)).create()
     _LIVE.append(spark)
     return spark
 
