@@ -105,6 +105,16 @@ def _ingest_a(s: Source, spark_a, upto: str):
     return lambda: ingest_table(spark_a, s.lake, s.block, upto_run=upto, ingest_run="A")
 
 
+def _batches_a_and_b(s: Source, b_batch: str, steps: int) -> tuple[str, str]:
+    """The capture runs writer A applies up to, and writer B: the same one, or a newer one."""
+    s.wl.step(steps)
+    m1 = s.capture().manifest.run_id
+    if b_batch == "same":
+        return m1, m1
+    s.wl.step(steps)
+    return m1, s.capture().manifest.run_id
+
+
 # --- ingest: the changelog append and the MERGE ----------------------------------------------------
 
 
@@ -118,12 +128,7 @@ def test_ingest_writers_overlapping_inside_a_commit_apply_each_event_once(small,
     s.capture()
     s.bootstrap(s.block)
     cur, cl = lake.qualified(s.block.current_table), lake.qualified(s.block.changelog_table)
-    s.wl.step(30)
-    m1 = s.capture().manifest.run_id
-    upto_b = m1
-    if b_batch == "newer":
-        s.wl.step(30)
-        upto_b = s.capture().manifest.run_id
+    m1, upto_b = _batches_a_and_b(s, b_batch, 30)
     cl_rows = spark.table(cl).count()
     with overlapping(cl if held_at == "changelog" else cur, _ingest_a(s, session_of_its_own(s.lake), m1)) as a:
         b_result = s.ingest(s.block, upto_b, run="B")
@@ -182,6 +187,32 @@ def test_ingest_writers_adding_the_same_column_converge(small, spark, lake):
     assert a.error is None, f"A should find the column B added and converge: {a.error!r}"
     assert a.result.metrics.status == "already_applied" and b_result.metrics.status == "ok"
     assert "extra_note" in spark.table(cur).columns and "extra_note" in spark.table(cl).columns
+    assert not changelog_twice(spark, cl)
+    assert_lake_equals_source(spark, lake, s.block, s.dsn)
+
+
+@pytest.mark.parametrize("b_batch", ["same", "newer"])
+def test_an_ingest_held_before_its_backfill_converges_with_the_writer_that_finished_it(small, spark, lake, b_batch):
+    """A batch adds a column with a volatile default (its old rows re-read from the source): A
+    commits its MERGE with the backfill pending and is held there, while B finishes the backfill
+    (the pending mark in the watermark) and applies the same batch or a newer one. A's backfill
+    then converges: its values are the rows' current ones and the mark is cleared already. It
+    never writes back the watermark it started from, and every row holds the source's value."""
+    s = small
+    s.capture()
+    s.bootstrap(s.block)
+    cur, cl = lake.qualified(s.block.current_table), lake.qualified(s.block.changelog_table)
+    s.execute(*(f"ALTER TABLE {sch}.block ADD COLUMN drift float8 DEFAULT random()" for sch in ("s0", "s1")))
+    m1, upto_b = _batches_a_and_b(s, b_batch, 10)
+    with overlapping(cur, _ingest_a(s, session_of_its_own(s.lake), m1), point="ingest_after_merge") as a:
+        b_result = s.ingest(s.block, upto_b, run="B")
+        b_mark = read_watermark(spark, cur)
+    assert b_result.metrics.status == "ok" and b_mark.backfill is None, b_mark
+    # A's MERGE applied the batch before B started: A converges and reports it (#51: with B on a
+    # newer batch A's backfill ended with a ConcurrentWriterError saying nothing was published).
+    assert a.error is None, repr(a.error)
+    assert a.result.metrics.status == "ok" and a.result.metrics.events_read > 0, a.result.metrics
+    assert read_watermark(spark, cur) == b_mark, "A wrote back the watermark it started from"
     assert not changelog_twice(spark, cl)
     assert_lake_equals_source(spark, lake, s.block, s.dsn)
 

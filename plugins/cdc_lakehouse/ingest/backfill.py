@@ -48,9 +48,14 @@ from cdc_lakehouse.identifiers import pg_qualified, spark_ident
 from cdc_lakehouse.lake import writers
 from cdc_lakehouse.lake.casts import cast_text
 from cdc_lakehouse.lake.columns import INGESTED_COL, LSN_EVENT_COL, RUN_COL, UNAVAILABLE_COL, XID_COL
-from cdc_lakehouse.lake.commits import fenced_commit, sql_with_commit_properties, with_commit_retries
+from cdc_lakehouse.lake.commits import (
+    ConcurrentWriterError,
+    fenced_commit,
+    sql_with_commit_properties,
+    with_commit_retries,
+)
 from cdc_lakehouse.lake.tables import conform_to, null_metadata, source_columns_of
-from cdc_lakehouse.lake.watermark import Watermark
+from cdc_lakehouse.lake.watermark import Watermark, read_watermark
 from cdc_lakehouse.landing.reader import Plan
 from cdc_lakehouse.runtime.phases import local_checkpoint
 from cdc_lakehouse.settings import LakeSettings, SourceEndpoint, source_uri
@@ -154,15 +159,36 @@ def finish_backfill(
     plan: Plan,
     added: list[dict[str, Any]],
     ingest_run: str,
-) -> int:
-    """Fill the columns the batch added for rows that predate them, then clear the pending mark."""
+) -> tuple[int, bool]:
+    """Fill the columns the batch added for rows that predate them, then clear the pending mark.
+    Returns the rows filled, and False when another writer moved the table first and had
+    cleared the mark: this run's MERGE applied the batch, that writer finished its backfill
+    (the next run's start does, ingest.run.plan_batch) and filled its own quiet shards. Merging
+    the values again is harmless (rows still below the column's position only, source values);
+    the run converges instead of failing a task whose batch is in (#51)."""
     lake_cols = source_columns_of(spark, cur, cfg)
     n = backfill_added_columns(spark, lake, cfg, added, lake_cols, ingest_run)
     done = plan.new_watermark.without_backfill()
     clear = backfill_marker(spark, cur, done)
-    fenced_commit(spark, cur, plan.new_watermark, done, clear, what=f"{cfg.name} backfill done")
+    try:
+        fenced_commit(spark, cur, plan.new_watermark, done, clear, what=f"{cfg.name} backfill done")
+    except ConcurrentWriterError:
+        now = read_watermark(spark, cur)
+        if now is None or _change_ids(now.backfill or []) & _change_ids(added):
+            raise  # the mark is still there: the table moved some other way
+        log.warning(
+            "%s: another writer moved the table past this batch and finished its backfill of %s; this "
+            "run's MERGE applied the batch, nothing more to do",
+            cfg.name,
+            sorted({c for ch in added for c in ch.get("added") or []}),
+        )
+        return n, False
     plan.new_watermark = done
-    return n
+    return n, True
+
+
+def _change_ids(changes: list[dict[str, Any]]) -> set[tuple[Any, Any, Any]]:
+    return {(ch.get("endpoint"), ch.get("table"), ch.get("at_commit_lsn")) for ch in changes}
 
 
 def backfill_marker(spark: SparkSession, cur: str, watermark: Watermark) -> Callable[[str], None]:

@@ -196,9 +196,11 @@ def apply_pending(
     # The run's figures are its MERGE's: a backfill below commits on its own (its rows, counted in
     # m.backfilled, then an empty append that carries the watermark).
     merge_figures(cfg, m, pre, merge_summary(spark, b.cur, b.batch), out)
+    mine = True  # the table still at this run's position (another writer may finish the backfill)
     if b.added:
-        m.backfilled = finish_backfill(spark, lake, cfg, b.cur, b.plan, b.added, ingest_run)
-    fill_quiet(spark, lake, cfg, m, b, ingest_run)
+        m.backfilled, mine = finish_backfill(spark, lake, cfg, b.cur, b.plan, b.added, ingest_run)
+    if mine:
+        fill_quiet(spark, lake, cfg, m, b, ingest_run)
     m.apply_seconds = m.timings["merge"]
     m.set_lag(out.min_ts, out.max_ts)
     return finish(spark, lake, cfg, m, b, shard_commits=fb.counts.shard_commits, records=records)
