@@ -196,11 +196,7 @@ def apply_pending(
     # The run's figures are its MERGE's: a backfill below commits on its own (its rows, counted in
     # m.backfilled, then an empty append that carries the watermark).
     merge_figures(cfg, m, pre, merge_summary(spark, b.cur, b.batch), out)
-    mine = True  # the table still at this run's position (another writer may finish the backfill)
-    if b.added:
-        m.backfilled, mine = finish_backfill(spark, lake, cfg, b.cur, b.plan, b.added, ingest_run)
-    if mine:
-        fill_quiet(spark, lake, cfg, m, b, ingest_run)
+    backfill_and_fill(spark, lake, cfg, m, b, ingest_run)
     m.apply_seconds = m.timings["merge"]
     m.set_lag(out.min_ts, out.max_ts)
     return finish(spark, lake, cfg, m, b, shard_commits=fb.counts.shard_commits, records=records)
@@ -212,6 +208,18 @@ def phase(spark: SparkSession, m: IngestMetrics, name: str) -> Iterator[None]:
     name (what the job counts list per job: runtime.phases.SparkJobs.sites)."""
     with m.timed(name), job_phase(spark, name):
         yield
+
+
+def backfill_and_fill(
+    spark: SparkSession, lake: LakeSettings, cfg: TableConfig, m: IngestMetrics, b: Batch, ingest_run: str
+) -> None:
+    """The columns the batch added, for the rows that predate them, then the quiet shards' fills.
+    A writer that moved the table first and finished the backfill made its own fills too."""
+    if b.added:
+        m.backfilled, mine = finish_backfill(spark, lake, cfg, b.cur, b.plan, b.added, ingest_run)
+        if not mine:
+            return
+    fill_quiet(spark, lake, cfg, m, b, ingest_run)
 
 
 def fill_quiet(
