@@ -59,15 +59,12 @@ def pytest_sessionstart(session):
         return
     if config.getoption("collectonly", False):
         return
-    from cdc_lakehouse.runtime.connect_auth import TOKEN_FILE_ENV
-
     from devstack.localstack import LocalSparkConnect
 
     workdir = Path(tempfile.mkdtemp(prefix="cdc-tests-spark-"))
     server = LocalSparkConnect(workdir / "spark-connect", memory="4g")
     server.start()
     config.stash[_SHARED_SPARK] = server
-    os.environ[TOKEN_FILE_ENV] = str(server.token_file)  # the workers' clients, and what they start
     os.environ[SHARED_SPARK_ENV] = json.dumps(
         {"workdir": str(server.workdir), "port": server.port, "ui_port": server.ui_port}
     )

@@ -61,6 +61,7 @@ from cdc_lakehouse.runtime.phases import local_checkpoint
 from cdc_lakehouse.settings import LakeSettings, SourceEndpoint, source_uri
 from cdc_lakehouse.source.catalog import describe_table
 from cdc_lakehouse.source.session import SESSION_OPTIONS
+from cdc_lakehouse.source.slots import wal_insert_position
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -266,15 +267,6 @@ def backfill_change(
         conn.close()
     at = int(ch["at_commit_lsn"])
     return _apply(spark, lake, cfg, shard, at, values, list(wanted), run_label, upto), present
-
-
-def wal_insert_position(conn: connection) -> int:
-    """The source's WAL insert position, taken after a read ended: every transaction the read saw
-    has its commit record below it (a commit is written to the WAL before it becomes visible)."""
-    with conn.cursor() as cur:
-        cur.execute("SELECT (pg_current_wal_insert_lsn() - '0/0'::pg_lsn)::bigint")
-        (lsn,) = cur.fetchall()[0]
-        return int(lsn)
 
 
 def _values(

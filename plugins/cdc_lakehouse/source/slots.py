@@ -108,6 +108,15 @@ def slot_state(conn, name: str) -> SlotState:
     return SlotState(name, True, row[0], row[1], row[2], row[3], row[4])
 
 
+def wal_insert_position(conn: Any) -> int:
+    """The source's WAL insert position. Taken after a read ended, it is above the commit record
+    of every transaction the read saw (a commit is written to the WAL before it becomes visible)."""
+    with conn.cursor() as cur:
+        cur.execute("SELECT (pg_current_wal_insert_lsn() - '0/0'::pg_lsn)::bigint")
+        (lsn,) = cur.fetchall()[0]
+    return int(lsn)
+
+
 def check_slot_usable(state: SlotState, ep: EndpointTables, *, captured_before: bool) -> None:
     fix = (
         "the changes in between are gone from the WAL: re-bootstrap every table on this endpoint "
