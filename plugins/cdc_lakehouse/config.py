@@ -295,6 +295,11 @@ class BootstrapConfig(_Model):
     # hours-long snapshot that issue #21 is about starts to matter, and chunking pays for its
     # per-chunk MERGE. Small tables keep the snapshot mode, which is faster.
     auto_chunked_rows: int = Field(5_000_000, ge=0)
+    # After each chunk's low marker, how long a chunk waits at most for transactions that may
+    # have committed below the marker to become visible (source.markers.wait_until_visible): a
+    # commit waiting for a synchronous standby that is down waits with it. Past this, the run stops
+    # with an error naming the transactions; it resumes after its last recorded chunk.
+    commit_wait_seconds: int = Field(600, ge=1)
 
 
 class LandingSource(_Model):

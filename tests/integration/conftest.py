@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
+import threading
+import time
 
 import psycopg2
 import pytest
@@ -80,6 +83,87 @@ class Source:
         for (slot,) in self.pg.execute(f"SELECT slot_name FROM pg_replication_slots WHERE database = '{self.db}'"):
             self.pg.execute(f"SELECT pg_drop_replication_slot('{slot}')")
         self.pg.execute(f"DROP DATABASE {self.db} WITH (FORCE)")
+
+
+class HeldCommit:
+    """A transaction whose commit record is in the WAL but which is not visible yet: its COMMIT
+    waits for a synchronous standby that does not exist. synchronous_standby_names names one for
+    the whole (test) server, but only this session sets synchronous_commit on: the test cluster's
+    default is off, so no other session waits. release() lets it finish and restores the server.
+    Inside `with`, it is also released as soon as a chunk reader starts waiting for it
+    (source.markers.wait_until_visible logs that at DEBUG): a reader that does not wait reads
+    while it is held."""
+
+    STANDBY = "cdc_no_such_standby"
+
+    def __init__(self, pg, dsn: str, *statements: str):
+        self.pg, self.dsn, self.statements = pg, dsn, statements
+        self.thread = threading.Thread(target=self._commit, daemon=True)
+        self.error: BaseException | None = None
+        self.released = False
+        self.pid = None
+
+    def _commit(self) -> None:
+        try:
+            conn = psycopg2.connect(self.dsn)
+            self.pid = conn.get_backend_pid()
+            with conn.cursor() as cur:  # one transaction: psycopg2 opens it, commit() ends it
+                cur.execute("SET synchronous_commit = on")
+                for sql in self.statements:
+                    cur.execute(sql)
+            conn.commit()  # waits here for the standby
+            conn.close()
+        except BaseException as exc:  # noqa: BLE001 - reported by release()
+            self.error = exc
+
+    def __enter__(self) -> HeldCommit:
+        self.logger = logging.getLogger("cdc_lakehouse.source.markers")
+        self.level, self.handler = self.logger.level, _ReleaseOnWait(self)
+        self.logger.addHandler(self.handler)
+        self.logger.setLevel(logging.DEBUG)
+        try:
+            self._hold()
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def _hold(self) -> None:
+        self.pg.execute(f"ALTER SYSTEM SET synchronous_standby_names = '{self.STANDBY}'")
+        self.pg.execute("SELECT pg_reload_conf()")
+        time.sleep(1)  # the checkpointer applies it (WalSndCtl->sync_standbys_defined)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            rows = self.pg.execute(f"SELECT wait_event FROM pg_stat_activity WHERE pid = {self.pid or 0}")
+            if rows and rows[0][0] == "SyncRep":
+                return
+            assert self.thread.is_alive(), f"the commit was not held (error: {self.error})"
+            time.sleep(0.05)
+        raise AssertionError("the commit was not held for the standby within 30s")
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.pg.execute("ALTER SYSTEM RESET synchronous_standby_names")
+            self.pg.execute("SELECT pg_reload_conf()")
+        self.thread.join(30)
+        assert not self.thread.is_alive() and self.error is None, self.error
+
+    def __exit__(self, *exc: object) -> None:
+        self.logger.removeHandler(self.handler)
+        self.logger.setLevel(self.level)
+        self.release()
+
+
+class _ReleaseOnWait(logging.Handler):
+    def __init__(self, held: HeldCommit):
+        super().__init__(logging.DEBUG)
+        self.held = held
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "waits for transaction" in record.getMessage():
+            self.held.release()
 
 
 @pytest.fixture

@@ -17,10 +17,11 @@ from cdc_lakehouse.bootstrap.snapshot import BootstrapError
 from cdc_lakehouse.config import OP_COL
 from cdc_lakehouse.lake.tables import table_exists
 from cdc_lakehouse.lake.watermark import read_watermark
+from cdc_lakehouse.source.markers import CommitsNotVisible, wait_until_visible
 
 from tests.conftest import make_config
 from tests.helpers import assert_lake_equals_source
-from tests.integration.conftest import Source
+from tests.integration.conftest import HeldCommit, Source
 
 
 def _chunked(s, name: str, chunk_rows: int, per_host: int = 2, **kw):
@@ -339,3 +340,62 @@ def test_typed_keys_an_ingest_wrote_before_their_chunk_are_matched_not_doubled(s
             line for line in plan.splitlines() if "IcebergScan" in line and "filters=" in line and "at >=" in line
         )
         assert "day >=" in scan and "amount >=" in scan, scan
+
+
+def test_a_commit_below_a_chunks_low_marker_not_visible_yet_is_waited_for(pg, source_uri, spark, lake, unique):
+    """An update whose commit record lies below a chunk's low marker L but which is not visible
+    yet when the chunk is read (its COMMIT waits for a synchronous standby): the chunk's row at L
+    would carry the older value, and the update's event, below L, would lose to it whichever of
+    the two the lake got first. The reader waits after L until such commits are visible."""
+    s = Source(pg, spark, lake, unique, blocks=30)
+    try:
+        schema = s.schemas[0]
+        victim = s.wl.next_id[schema] - 1  # in the shard's last chunk
+        cfg = _chunked(s, f"cv_{s.db[-8:]}", 20)
+        s.capture()
+        r = s.bootstrap(cfg, should_stop=lambda _state: True)  # the slot and P0 exist: nothing waits for them
+        assert r.paused and not r.done, r
+        with HeldCommit(pg, s.dsn, f"UPDATE {schema}.block SET content = 'held' WHERE id = {victim}"):
+            r = s.bootstrap(cfg)
+        assert r.done, r
+        s.ingest(cfg, s.capture().manifest.run_id)
+        assert spark.table(lake.qualified(cfg.current_table)).filter(f"id = {victim}").first()["content"] == "held"
+        assert_lake_equals_source(spark, lake, cfg, s.dsn)
+    finally:
+        s.close()
+
+
+def test_a_low_marker_waits_for_running_statements_not_for_idle_transactions(pg):
+    """What wait_until_visible waits for, on a real server: a transaction running a statement may
+    be committing below the marker and is waited for (here until the limit, with an error naming
+    it); one idle in its block runs no COMMIT, so its commit comes after the marker."""
+    dsn = pg.dsn("src")
+    idle, busy, own = (psycopg2.connect(dsn) for _ in range(3))
+    own.autocommit = True
+    try:
+        with idle.cursor() as cur:
+            cur.execute("SELECT pg_current_xact_id()")  # holds an xid, then sits idle in its block
+
+        def run_long() -> None:
+            with busy.cursor() as cur:
+                cur.execute("SELECT pg_current_xact_id(), pg_sleep(4)")
+            busy.rollback()
+
+        t = threading.Thread(target=run_long, daemon=True)
+        t.start()
+        pids = (idle.get_backend_pid(), busy.get_backend_pid())
+        with own.cursor() as cur:
+            for _ in range(200):  # until the long statement runs
+                cur.execute("SELECT state FROM pg_stat_activity WHERE pid = %s", (pids[1],))
+                if cur.fetchone()[0] == "active":
+                    break
+                time.sleep(0.01)
+            with pytest.raises(CommitsNotVisible) as err:
+                wait_until_visible(cur, "t shard s0 chunk 3", 0.3)
+            assert f"pid {pids[1]}, state active" in str(err.value) and f"pid {pids[0]}" not in str(err.value)
+            assert "t shard s0 chunk 3" in str(err.value) and "pg_read_all_stats" in str(err.value)
+            t.join()
+            assert wait_until_visible(cur, "t shard s0 chunk 3", 5) == 0.0  # only the idle one holds an xid
+    finally:
+        for c in (idle, busy, own):
+            c.close()

@@ -13,7 +13,7 @@ from cdc_lakehouse.bootstrap import column
 from cdc_lakehouse.bootstrap.column import backfill_columns, progress_key
 
 from tests.helpers import assert_lake_equals_source
-from tests.integration.conftest import Source
+from tests.integration.conftest import HeldCommit, Source
 
 COLUMNS = ["score", "tags"]
 
@@ -109,3 +109,35 @@ def test_columns_filled_online_under_writes_with_a_kill_and_a_pause(fill_source,
     again = backfill_columns(spark, lake, cfg, COLUMNS, run_id="fill2", shards=[shard])
     assert not again.resumed and again.chunks >= 3 and set(again.shards) == {shard}, again
     assert_lake_equals_source(spark, lake, cfg, s.dsn, check_changelog=False)
+
+
+def test_a_commit_below_the_low_marker_not_visible_yet_is_not_overwritten(
+    pg, source_uri, spark, lake, unique, monkeypatch
+):
+    """An update of a filled column whose commit record lies below a chunk's low marker L but which
+    is not visible yet when the chunk is read (its COMMIT waits for a synchronous standby), and
+    that the ingest applies before the chunk's MERGE: its row then sits below L, so the MERGE sets
+    it, with the value the read found. The reader waits after L until such commits are visible."""
+    s = Source(pg, spark, lake, unique, blocks=30)
+    try:
+        cfg, schema = s.block, s.schemas[0]
+        victim = s.wl.next_id[schema] - 1
+        s.capture()
+        s.bootstrap(cfg)
+        real = column.merge_chunk
+        held = HeldCommit(pg, s.dsn, f"UPDATE {schema}.block SET score = 4242 WHERE id = {victim}")
+
+        def ingest_then_merge(*args, **kwargs):  # between the chunk's read and its MERGE
+            held.release()
+            s.ingest(cfg, s.capture().manifest.run_id)
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(column, "merge_chunk", ingest_then_merge)
+        with held:
+            r = backfill_columns(spark, lake, cfg, ["score"], run_id="held")
+        monkeypatch.undo()
+        assert r.chunks == 2 and not r.paused, r
+        assert spark.table(lake.qualified(cfg.current_table)).filter(f"id = {victim}").first()["score"] == 4242
+        assert_lake_equals_source(spark, lake, cfg, s.dsn)
+    finally:
+        s.close()

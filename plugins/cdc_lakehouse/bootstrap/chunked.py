@@ -8,7 +8,9 @@ Per table:
      snapshot is released immediately): the ingest applies every transaction committed at or after
      P0, and the chunks supply what committed before;
   3. per shard, chunks in key order (keyset pagination on the full key, bootstrap.chunks): a low
-     watermark message L in the WAL, the chunk's read in one short transaction, a high watermark H.
+     watermark message L in the WAL, a wait until every transaction that may have committed below
+     L is visible (source.markers.wait_until_visible), the chunk's read in one short transaction,
+     a high watermark H.
      The work goes in rounds: each round reads the next chunk of every unfinished shard, shards in
      parallel with at most bootstrap.max_connections_per_host connections per server, and applies
      the round's chunks together (one changelog append and one MERGE per round, not per shard);
@@ -164,7 +166,7 @@ def chunked_bootstrap(
         if sh.state.chunk >= 0:
             run.resumed[sh.source.shard] = sh.state.chunk
     columns_read = tuple(n for n, _ in target.columns)
-    with _RoundReader(cfg.source.table, cfg.bootstrap.max_connections_per_host, columns_read) as reader:
+    with _RoundReader(cfg, columns_read) as reader:
         while shards_left:
             reads = reader.read_round(shards_left)
             stop = _finish_round(spark, lake, cfg, target, reads, run, should_stop)
@@ -302,10 +304,11 @@ class _RoundReader:
     keeps to bootstrap.max_connections_per_host; every connection is opened for one chunk and
     closed after it, so nothing stays open (or holds an xmin) between chunks."""
 
-    def __init__(self, table: str, per_host: int, columns: tuple[str, ...]):
+    def __init__(self, cfg: TableConfig, columns: tuple[str, ...]):
         from concurrent.futures import ThreadPoolExecutor
 
-        self.table, self.per_host, self.columns = table, per_host, columns
+        self.table, self.per_host, self.columns = cfg.source.table, cfg.bootstrap.max_connections_per_host, columns
+        self.commit_wait = cfg.bootstrap.commit_wait_seconds
         self.pool: ThreadPoolExecutor | None = None
         self.slots: dict[tuple[str, int], threading.BoundedSemaphore] = {}
 
@@ -341,7 +344,9 @@ class _RoundReader:
                     _start_shard(conn, sh, self.table)
                 st = sh.state
                 marker = {"table": st.table, "shard": st.shard, "chunk": st.chunk + 1, "run_id": st.run_id}
-                return read_chunk(conn, sh.query, self.columns, st.last_key, marker, sh.upto)
+                return read_chunk(
+                    conn, sh.query, self.columns, st.last_key, marker, sh.upto, commit_wait=self.commit_wait
+                )
             finally:
                 conn.close()
 
@@ -407,7 +412,7 @@ def _log_chunk(cfg: TableConfig, state: ShardProgress, chunk: ChunkRead, run: Ch
     elapsed = time.monotonic() - run.started
     log.info(
         "bootstrap %s (chunked): shard %s chunk %s done (%s/%s chunks, %s rows in chunk, %s rows for the shard, "
-        "%s rows/s, read transaction %.3fs, L %s H %s)",
+        "%s rows/s, read transaction %.3fs, waited %.3fs for commits below L, L %s H %s)",
         cfg.name,
         state.shard,
         chunk.no,
@@ -417,6 +422,7 @@ def _log_chunk(cfg: TableConfig, state: ShardProgress, chunk: ChunkRead, run: Ch
         state.rows_total,
         f"{sum(run.rows.values()) / elapsed:,.0f}" if elapsed else "?",
         chunk.xact_seconds,
+        chunk.visible_wait_seconds,
         chunk.low,
         chunk.high,
     )

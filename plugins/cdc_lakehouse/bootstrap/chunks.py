@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import io
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from cdc_lakehouse.bootstrap.typed_select import TypedSelect, typed_select
 from cdc_lakehouse.identifiers import pg_ident, pg_qualified
 from cdc_lakehouse.source.catalog import text_select, text_select_list
-from cdc_lakehouse.source.markers import emit_marker
+from cdc_lakehouse.source.markers import emit_marker, wait_until_visible
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -123,6 +124,7 @@ class ChunkRead:
     last_key: list[str] | None
     xact_seconds: float  # how long the read's transaction was open
     read_seconds: float  # markers and read together
+    visible_wait_seconds: float = 0.0  # waited after L for commits below it (low_marker)
     meta: dict[str, Any] = field(default_factory=dict)
 
 
@@ -134,6 +136,16 @@ def last_key(conn, q: ChunkQuery) -> list[str] | None:
     return None if row is None else list(row)
 
 
+def low_marker(cur, marker: dict[str, Any], commit_wait: float) -> tuple[int, float]:
+    """The chunk's low marker L, and the seconds waited after it until every transaction that may
+    have committed below L is visible (source.markers.wait_until_visible): the chunk's rows are
+    applied at L, so its read must see every change below L, or an update committed just below L
+    but not yet visible would be overwritten by the older value the read found."""
+    low = emit_marker(cur, {**marker, "mark": "low"})
+    what = f"{marker['table']} shard {marker['shard']} chunk {marker['chunk']}"
+    return low, wait_until_visible(cur, what, commit_wait)
+
+
 def read_chunk(
     conn,
     q: ChunkQuery,
@@ -141,6 +153,8 @@ def read_chunk(
     after: list[str] | None,
     marker: dict[str, Any],
     upto: list[str] | None = None,
+    *,
+    commit_wait: float,
 ) -> ChunkRead:
     """Low marker, the chunk's COPY, high marker: three transactions on an autocommit connection."""
     import pyarrow as pa
@@ -148,7 +162,7 @@ def read_chunk(
 
     t0 = time.monotonic()
     with conn.cursor() as cur:
-        low = emit_marker(cur, {**marker, "mark": "low"})
+        low, waited = low_marker(cur, marker, commit_wait)
         sql, params = q.sql(after, upto)
         buf = io.BytesIO()
         t1 = time.monotonic()
@@ -162,10 +176,8 @@ def read_chunk(
         if data
         else pa.table({c: pa.array([], pa.string()) for c in columns})
     )
-    last = None
-    if table.num_rows:
-        last = [table.column(k)[table.num_rows - 1].as_py() for k in q.key]
-    return ChunkRead(marker["shard"], marker["chunk"], low, high, table, last, xact, time.monotonic() - t0)
+    last = _last_key(table, q.key)
+    return ChunkRead(marker["shard"], marker["chunk"], low, high, table, last, xact, time.monotonic() - t0, waited)
 
 
 def read_typed_chunk(
@@ -176,6 +188,8 @@ def read_typed_chunk(
     after: list[str] | None,
     marker: dict[str, Any],
     upto: list[str] | None = None,
+    *,
+    commit_wait: float,
 ) -> ChunkRead:
     """read_chunk with typed values: the chunk's SELECT (its key bounds inlined by psycopg2, as
     read_chunk's COPY has them) runs on `reader`, an autocommit ADBC cursor, which reads it with
@@ -189,7 +203,7 @@ def read_typed_chunk(
     schema = arrow_schema(tuple(types))
     t0 = time.monotonic()
     with conn.cursor() as cur:
-        low = emit_marker(cur, {**marker, "mark": "low"})
+        low, waited = low_marker(cur, marker, commit_wait)
         sql, params = q.select(after, upto)
         t1 = time.monotonic()
         reader.execute(cur.mogrify(sql, params).decode() if params else sql)
@@ -197,10 +211,13 @@ def read_typed_chunk(
         xact = time.monotonic() - t1
         high = emit_marker(cur, {**marker, "mark": "high"})
     table = pa.Table.from_batches(batches, schema=schema)
-    last = None
-    if table.num_rows:
-        last = [table.column(KEY_TEXT_PREFIX + k)[table.num_rows - 1].as_py() for k in q.key]
-    return ChunkRead(marker["shard"], marker["chunk"], low, high, table, last, xact, time.monotonic() - t0)
+    last = _last_key(table, [KEY_TEXT_PREFIX + k for k in q.key])
+    return ChunkRead(marker["shard"], marker["chunk"], low, high, table, last, xact, time.monotonic() - t0, waited)
+
+
+def _last_key(table: pa.Table, columns: Iterable[str]) -> list[str] | None:
+    """The last row's key, as text: where the next chunk starts."""
+    return [table.column(k)[table.num_rows - 1].as_py() for k in columns] if table.num_rows else None
 
 
 # PostgreSQL's CSV is handed to pyarrow's parser in one buffer per chunk.

@@ -4,7 +4,8 @@ has, without a re-bootstrap and without a long transaction (the chunked bootstra
 When a column becomes consumed (config `columns:`), gets a volatile default, is widened after
 its values were quarantined, or needs a repair, the rows the stream has not rewritten since hold
 the wrong value (NULL, most often). Per shard, in key order (keyset pagination, bootstrap.chunks):
-a low watermark message L in the WAL, the key and the columns of `chunk_rows` rows read in one
+a low watermark message L in the WAL, a wait until every commit below L is visible
+(source.markers.wait_until_visible), the key and the columns of `chunk_rows` rows read in one
 short transaction, a high watermark H; then one MERGE into the current table that sets only those
 columns, and only on rows whose position is below L:
 
@@ -165,7 +166,9 @@ class _Fill:
                     "run": r.run_id,
                     "columns": r.columns,
                 }
-                chunk = read_typed_chunk(conn, reader, q, select, state.last_key, marker, upto)
+                chunk = read_typed_chunk(
+                    conn, reader, q, select, state.last_key, marker, upto, commit_wait=cfg.bootstrap.commit_wait_seconds
+                )
                 merge_chunk(self.spark, cfg, self.cur, chunk, select, r.columns, r.run_id)
                 state.advance(chunk, limit)
                 record_progress(self.spark, self.lake, [progress_row(state, chunk)])
