@@ -33,6 +33,7 @@ from cdc_lakehouse.runtime.failpoints import hold_at
 from cdc_lakehouse.runtime.session import REMOTE_ENV
 from pyspark.sql import functions as F
 
+from tests.conftest import make_config
 from tests.helpers import assert_lake_equals_source, suite_spark_session
 from tests.integration.conftest import Source
 from tests.integration.test_batch_resume import batch_of_current_position
@@ -357,6 +358,48 @@ def test_chunked_bootstraps_overlapping_inside_a_round_apply_each_chunk_once(sma
     assert cl in str(a.error) and "another chunked bootstrap (run B)" in str(a.error)
     s.ingest(cfg, s.capture().manifest.run_id)
     assert_lake_equals_source(spark, lake, cfg, s.dsn)
+
+
+# --- metadata tables -----------------------------------------------------------------------------
+
+
+def test_two_runs_quarantining_the_same_events_at_once_add_them_once(spark, lake, unique):
+    """Two runs of one batch (a second deployment, a manual run) quarantine its malformed events at
+    the same moment, each from its own session. Before #51 the quarantine's insert-only MERGE was a
+    plain append, never validated: every event landed twice and both runs reported it. Now one run
+    adds them and reports them, the other finds them there and reports 0."""
+    from cdc_lakehouse.ingest.quarantine import write_quarantine
+    from cdc_lakehouse.ingest.validate import FILE, RAW, REASONS
+    from cdc_lakehouse.lake.columns import RUN_COL
+    from cdc_lakehouse.lake.meta import ensure_meta_tables
+
+    cfg = make_config(f"qr_{unique}", ["s0"])
+    ensure_meta_tables(spark, lake)
+    q = lake.qualified(lake.meta_table("quarantine"))
+    sessions = (spark, session_of_its_own(lake))
+    schema = (
+        f"`{SHARD_COL}` string, `{REASONS}` array<string>, `{RAW}` string, `{LSN_COL}` bigint, _seq_raw bigint, "
+        f"`{RUN_COL}` string, `{FILE}` string"
+    )
+    for attempt in range(2):  # each a batch of its own
+        events = [("s0", [f"bad value {i}"], f"raw {i}", 1000 * attempt + i, 0, "r1", f"f{i}.json") for i in range(20)]
+        barrier, added = threading.Barrier(2), [-1, -1]
+
+        def quarantine(i: int, events=events, barrier=barrier, added=added) -> None:
+            bad = sessions[i].createDataFrame(events, schema)
+            barrier.wait()  # both MERGEs start together
+            added[i] = write_quarantine(sessions[i], lake, cfg, bad, f"run{i}")
+
+        writers = [threading.Thread(target=quarantine, args=(i,)) for i in (0, 1)]
+        for w in writers:
+            w.start()
+        for w in writers:
+            w.join(300)
+        spark.sql(f"REFRESH TABLE {q}")
+        rows = spark.table(q).filter((F.col("table_name") == cfg.name) & (F.col("commit_lsn") >= 1000 * attempt))
+        kept = rows.filter(F.col("commit_lsn") < 1000 * attempt + 1000).groupBy("commit_lsn").count()
+        assert (kept.count(), kept.filter("count > 1").count()) == (20, 0), f"attempt {attempt}: an event twice"
+        assert sorted(added) == [0, 20], f"attempt {attempt}: runs reported {added}"
 
 
 # --- the fence itself -------------------------------------------------------------------------------

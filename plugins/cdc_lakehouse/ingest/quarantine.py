@@ -4,6 +4,7 @@ no trustworthy source. Kept in cdc_meta.quarantine so nothing is lost or silentl
 from __future__ import annotations
 
 import logging
+import uuid
 from typing import TYPE_CHECKING
 
 from cdc_lakehouse.config import LSN_COL, OP_COL, SEQ_COL, SHARD_COL, TableConfig
@@ -11,8 +12,9 @@ from cdc_lakehouse.ingest.merge import lsn_newer
 from cdc_lakehouse.ingest.toast import NO_TABLE, UNAV_LEFT
 from cdc_lakehouse.ingest.validate import FILE, RAW, REASONS
 from cdc_lakehouse.lake.columns import RUN_COL, UNAVAILABLE_COL
-from cdc_lakehouse.lake.commits import with_commit_retries
-from cdc_lakehouse.lake.snapshots import files_matching
+from cdc_lakehouse.lake.commits import sql_with_commit_properties, with_commit_retries
+from cdc_lakehouse.lake.snapshots import current_ancestors, files_matching
+from cdc_lakehouse.lake.tables import sql_string
 from cdc_lakehouse.runtime.phases import local_checkpoint
 from cdc_lakehouse.settings import LakeSettings
 
@@ -22,6 +24,9 @@ if TYPE_CHECKING:
     from cdc_lakehouse.ingest.batch import ReducedTotals
 
 log = logging.getLogger(__name__)
+
+# The commit of one write_quarantine call carries its own id: what it added is read from there.
+QUARANTINE_WRITE_PROP = "cdc.quarantine-write"
 
 
 def write_quarantine(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, bad: DataFrame, ingest_run: str) -> int:
@@ -40,21 +45,34 @@ def write_quarantine(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, 
         F.lit(ingest_run).alias("ingest_run"),
         F.current_timestamp().alias("quarantined_at"),
     ).dropDuplicates(["commit_lsn", "seq", "landing_file", "reason"])
-    n = rows.count()
-    if n == 0:
+    if rows.isEmpty():
         return 0
-    view = f"cdc_quarantine_{cfg.name}"
+    view = f"cdc_quarantine_{cfg.name}_{uuid.uuid4().hex[:8]}"
     rows.createOrReplaceTempView(view)
     q = lake.qualified(lake.meta_table("quarantine"))
-    with_commit_retries(
-        lambda: spark.sql(
-            f"MERGE INTO {q} t USING {view} s ON t.table_name = s.table_name AND t.commit_lsn <=> s.commit_lsn "
-            "AND t.seq <=> s.seq AND t.landing_file <=> s.landing_file AND t.reason = s.reason "
-            "WHEN NOT MATCHED THEN INSERT *"
-        ),
-        what=f"{cfg.name} quarantine",
+    tag = uuid.uuid4().hex
+    # Two runs of one batch (a second deployment, a manual run) quarantine the same events, maybe
+    # at the same moment. An insert-only MERGE is planned as an anti-join and a plain append, which
+    # Iceberg never validates: both appended every event (#51). The MATCHED clause that never fires
+    # makes it a row-level MERGE, which Iceberg commits only if no file that may hold this table's
+    # rows (the literal table_name: the scan's filter, so its partition) was added since its scan;
+    # the loser is retried and then finds the events there.
+    sql = (
+        f"MERGE INTO {q} t USING {view} s ON t.table_name = {sql_string(cfg.name)} AND t.commit_lsn <=> s.commit_lsn "
+        "AND t.seq <=> s.seq AND t.landing_file <=> s.landing_file AND t.reason = s.reason WHEN MATCHED AND t.reason IS NULL THEN DELETE WHEN NOT MATCHED THEN INSERT *"
     )
-    return n
+    try:
+        with_commit_retries(
+            lambda: sql_with_commit_properties(spark, sql, {QUARANTINE_WRITE_PROP: tag}), what=f"{cfg.name} quarantine"
+        )
+    finally:
+        spark.catalog.dropTempView(view)
+    # What this call added (another run may have added the rest): its own commit's count, net of
+    # the rows a copy-on-write rewrite of files holding events already there wrote again.
+    for snap in current_ancestors(spark, q):
+        if snap.summary.get(QUARANTINE_WRITE_PROP) == tag:
+            return int(snap.summary.get("added-records", "0")) - int(snap.summary.get("deleted-records", "0"))
+    return 0
 
 
 def held_back(

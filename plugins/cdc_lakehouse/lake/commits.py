@@ -62,7 +62,10 @@ def is_commit_conflict(exc: BaseException) -> bool:
         s in text
         for s in (
             "CommitFailedException",
-            "ValidationException: Found conflicting",
+            # Iceberg's ValidationException of a row-level commit: "ValidationException: Found ..."
+            # from a JVM stack, "(org.apache.iceberg.exceptions.ValidationException) Found ..."
+            # from Spark Connect, which did not match the old "ValidationException: Found" (#51).
+            "Found conflicting",
             "Found new conflicting",
             "Cannot commit",
             "CommitStateUnknownException",
