@@ -101,7 +101,7 @@ class HeldCommit:
         self.thread = threading.Thread(target=self._commit, daemon=True)
         self.error: BaseException | None = None
         self.released = False
-        self.pid = None
+        self.pid = self.xid = None
 
     def _commit(self) -> None:
         try:
@@ -131,22 +131,56 @@ class HeldCommit:
     def _hold(self) -> None:
         self.pg.execute(f"ALTER SYSTEM SET synchronous_standby_names = '{self.STANDBY}'")
         self.pg.execute("SELECT pg_reload_conf()")
-        time.sleep(1)  # the checkpointer applies it (WalSndCtl->sync_standbys_defined)
+        self._until_commits_wait()
         self.thread.start()
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
-            rows = self.pg.execute(f"SELECT wait_event FROM pg_stat_activity WHERE pid = {self.pid or 0}")
+            rows = self.pg.execute(
+                f"SELECT wait_event, backend_xid::text FROM pg_stat_activity WHERE pid = {self.pid or 0}"
+            )
             if rows and rows[0][0] == "SyncRep":
+                self.xid = rows[0][1]
                 return
             assert self.thread.is_alive(), f"the commit was not held (error: {self.error})"
             time.sleep(0.05)
         raise AssertionError("the commit was not held for the standby within 30s")
+
+    def _until_commits_wait(self) -> None:
+        """The checkpointer applies the reload (WalSndCtl->sync_standbys_defined) when it gets to
+        it: probe with a one-message commit until one waits for the standby, then cancel that wait
+        (the probe then ends committed, as PostgreSQL does on a cancelled wait)."""
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            conn = psycopg2.connect(self.dsn)
+            pid = conn.get_backend_pid()
+
+            def commit(conn=conn) -> None:
+                with conn.cursor() as cur:
+                    # A commit waits for a standby only if its transaction wrote WAL before it.
+                    cur.execute(
+                        "SET synchronous_commit = on; SELECT pg_logical_emit_message(true, 'cdc_test_probe', '')"
+                    )
+                conn.commit()
+
+            probe = threading.Thread(target=commit, daemon=True)
+            probe.start()
+            probe.join(0.5)
+            waits = probe.is_alive()
+            if waits:
+                self.pg.execute(f"SELECT pg_cancel_backend({pid})")
+                probe.join(10)
+            conn.close()
+            if waits:
+                return
+        raise AssertionError("synchronous_standby_names did not take effect within 30s")
 
     def release(self) -> None:
         if not self.released:
             self.released = True
             self.pg.execute("ALTER SYSTEM RESET synchronous_standby_names")
             self.pg.execute("SELECT pg_reload_conf()")
+        if self.thread.ident is None:
+            return  # never started: _hold failed first, and its error is the one to see
         self.thread.join(30)
         assert not self.thread.is_alive() and self.error is None, self.error
 
@@ -162,7 +196,8 @@ class _ReleaseOnWait(logging.Handler):
         self.held = held
 
     def emit(self, record: logging.LogRecord) -> None:
-        if "waits for transaction" in record.getMessage():
+        message = record.getMessage()  # the wait names the xids it waits for
+        if "waits for transaction" in message and self.held.xid is not None and f"'{self.held.xid}'" in message:
             self.held.release()
 
 

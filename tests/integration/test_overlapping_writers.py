@@ -216,6 +216,19 @@ def test_an_ingest_held_before_its_backfill_converges_with_the_writer_that_finis
     assert read_watermark(spark, cur) == b_mark, "A wrote back the watermark it started from"
     assert not changelog_twice(spark, cl)
     assert_lake_equals_source(spark, lake, s.block, s.dsn)
+    # The metadata tables: B recorded A's batch (resume_batch: its MERGE had landed without a
+    # record), and A, released, found it recorded. Each run is in the history once, and A's
+    # freshness rows once per shard.
+    assert recorded_runs(spark, lake, s.block.name, "ingest_runs") == {"A": 1, "B": 1}
+    assert recorded_runs(spark, lake, s.block.name, "freshness") == {"A": 2, "B": 2}
+
+
+def recorded_runs(spark, lake, table_name: str, meta: str) -> dict[str, int]:
+    """Rows per ingest run of writers A and B in a metadata table."""
+    t = lake.qualified(lake.meta_table(meta))
+    spark.sql(f"REFRESH TABLE {t}")  # A committed from its own session
+    rows = spark.table(t).filter((F.col("table_name") == table_name) & F.col("ingest_run").isin("A", "B"))
+    return {r["ingest_run"]: r["count"] for r in rows.groupBy("ingest_run").count().collect()}
 
 
 def test_a_repair_overlapping_an_ingest_leaves_the_position_where_the_ingest_put_it(small, spark, lake):

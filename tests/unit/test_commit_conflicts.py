@@ -20,3 +20,4 @@ def test_row_level_validation_failures_are_conflicts_in_both_forms():
 def test_other_errors_are_not_conflicts():
     assert not is_commit_conflict(Exception("[INTERNAL_ERROR_ATTRIBUTE_NOT_FOUND] Could not find table_name#2933"))
     assert not is_commit_conflict(Exception("ValidationException: Cannot find field 'x'"))
+    assert not is_commit_conflict(Exception("Found conflicting attributes a#1 in the condition joining outer plan"))

@@ -4,6 +4,7 @@ no trustworthy source. Kept in cdc_meta.quarantine so nothing is lost or silentl
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from typing import TYPE_CHECKING
 
@@ -11,6 +12,7 @@ from cdc_lakehouse.config import LSN_COL, OP_COL, SEQ_COL, SHARD_COL, TableConfi
 from cdc_lakehouse.ingest.merge import lsn_newer
 from cdc_lakehouse.ingest.toast import NO_TABLE, UNAV_LEFT
 from cdc_lakehouse.ingest.validate import FILE, RAW, REASONS
+from cdc_lakehouse.lake.batches import CLOCK_SKEW_MS
 from cdc_lakehouse.lake.columns import RUN_COL, UNAVAILABLE_COL
 from cdc_lakehouse.lake.commits import sql_with_commit_properties, with_commit_retries
 from cdc_lakehouse.lake.snapshots import current_ancestors, files_matching
@@ -45,12 +47,15 @@ def write_quarantine(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, 
         F.lit(ingest_run).alias("ingest_run"),
         F.current_timestamp().alias("quarantined_at"),
     ).dropDuplicates(["commit_lsn", "seq", "landing_file", "reason"])
+    # Materialized: a row-level MERGE whose source still reads a lake table (held rows come from
+    # a join with the current table) fails in Spark 4.1's planner ("No plan for TableReference").
+    rows = local_checkpoint(rows)
     if rows.isEmpty():
         return 0
     view = f"cdc_quarantine_{cfg.name}_{uuid.uuid4().hex[:8]}"
     rows.createOrReplaceTempView(view)
     q = lake.qualified(lake.meta_table("quarantine"))
-    tag = uuid.uuid4().hex
+    tag, since_ms = uuid.uuid4().hex, int(time.time() * 1000) - CLOCK_SKEW_MS
     # Two runs of one batch (a second deployment, a manual run) quarantine the same events, maybe
     # at the same moment. An insert-only MERGE is planned as an anti-join and a plain append, which
     # Iceberg never validates: both appended every event (#51). The MATCHED clause that never fires
@@ -67,12 +72,16 @@ def write_quarantine(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, 
         )
     finally:
         spark.catalog.dropTempView(view)
-    # What this call added (another run may have added the rest): its own commit's count, net of
-    # the rows a copy-on-write rewrite of files holding events already there wrote again.
+    # What this call added (another run may have added the rest): its own commits' counts (more
+    # than one if a commit whose outcome was unknown had landed before its retry), net of the rows
+    # a copy-on-write rewrite of files holding events already there wrote again.
+    added = 0
     for snap in current_ancestors(spark, q):
+        if int(snap.timestamp_ms) < since_ms:
+            break
         if snap.summary.get(QUARANTINE_WRITE_PROP) == tag:
-            return int(snap.summary.get("added-records", "0")) - int(snap.summary.get("deleted-records", "0"))
-    return 0
+            added += int(snap.summary.get("added-records", "0")) - int(snap.summary.get("deleted-records", "0"))
+    return added
 
 
 def held_back(

@@ -64,8 +64,9 @@ def is_commit_conflict(exc: BaseException) -> bool:
             "CommitFailedException",
             # Iceberg's ValidationException of a row-level commit: "ValidationException: Found ..."
             # from a JVM stack, "(org.apache.iceberg.exceptions.ValidationException) Found ..."
-            # from Spark Connect, which did not match the old "ValidationException: Found" (#51).
-            "Found conflicting",
+            # from Spark Connect, which the first form alone did not match (#51).
+            "ValidationException: Found conflicting",
+            "ValidationException) Found conflicting",
             "Found new conflicting",
             "Cannot commit",
             "CommitStateUnknownException",

@@ -39,15 +39,23 @@ class CommitsNotVisible(RuntimeError):
 # leaves the proc array, then releases its locks (src/backend/access/transam/xact.c). A
 # transaction that is idle in its block is running no COMMIT, so its commit record comes later.
 # The state of another role's session reads NULL without pg_read_all_stats: then it is waited for.
+# A prepared transaction's lock has no pid: its database comes from pg_prepared_xacts, and it is
+# waited for (its COMMIT PREPARED may be the commit below the marker).
 _COMMITTING_SQL = """
-SELECT l.transactionid::text, l.pid, a.state
-FROM pg_locks l LEFT JOIN pg_stat_activity a ON a.pid = l.pid
+SELECT l.transactionid::text, l.pid, coalesce(a.state, CASE WHEN l.pid IS NULL THEN 'prepared' END)
+FROM pg_locks l
+LEFT JOIN pg_stat_activity a ON a.pid = l.pid
+LEFT JOIN pg_prepared_xacts p ON l.pid IS NULL AND p.transaction = l.transactionid
 WHERE l.locktype = 'transactionid' AND l.mode = 'ExclusiveLock' AND l.granted
   AND l.pid IS DISTINCT FROM pg_backend_pid()
-  AND (a.datname IS NULL OR a.datname = current_database())
+  AND CASE WHEN l.pid IS NULL THEN p.database IS NOT DISTINCT FROM current_database()
+           ELSE a.datname IS NULL OR a.datname = current_database() END
   AND a.state IS DISTINCT FROM 'idle' AND a.state IS DISTINCT FROM 'idle in transaction'
   AND a.state IS DISTINCT FROM 'idle in transaction (aborted)'
 """
+
+# After this long the wait is logged as a warning, naming what it waits for.
+_WARN_AFTER_S = 10.0
 
 _STILL_RUNNING_SQL = """
 SELECT l.transactionid::text FROM pg_locks l
@@ -74,7 +82,7 @@ def wait_until_visible(cur, what: str, timeout: float) -> float:
         return 0.0
     log.debug("%s: waits for transaction(s) %s to end before reading (their commit may be below the low marker)",
               what, sorted(waiting))  # fmt: skip
-    started, pause = time.monotonic(), 0.005
+    started, pause, warned = time.monotonic(), 0.005, False
     while True:
         time.sleep(pause)
         pause = min(pause * 2, 0.25)
@@ -84,10 +92,11 @@ def wait_until_visible(cur, what: str, timeout: float) -> float:
         waited = time.monotonic() - started
         if not waiting:
             return waited
+        held = ", ".join(f"xid {x} (pid {p}, state {s or 'not visible to this user'})" for x, (p, s) in waiting.items())
+        if waited > _WARN_AFTER_S and not warned:
+            warned = True
+            log.warning("%s: waiting %.0fs (at most %.0fs) for %s to end before reading", what, waited, timeout, held)
         if waited > timeout:
-            held = ", ".join(
-                f"xid {x} (pid {p}, state {s or 'not visible to this user'})" for x, (p, s) in waiting.items()
-            )
             raise CommitsNotVisible(
                 f"{what}: after {waited:.0f}s, transaction(s) still running that may have committed below the chunk's "
                 f"low marker: {held}. Reading now could miss their changes. Let them finish (a commit waiting "
