@@ -124,7 +124,7 @@ class ChunkRead:
     last_key: list[str] | None
     xact_seconds: float  # how long the read's transaction was open
     read_seconds: float  # markers and read together
-    visible_wait_seconds: float = 0.0  # waited after L for commits below it (low_marker)
+    visible_wait_seconds: float = 0.0  # waited after L for commits below it (wait_until_visible)
     meta: dict[str, Any] = field(default_factory=dict)
 
 
@@ -134,16 +134,6 @@ def last_key(conn, q: ChunkQuery) -> list[str] | None:
         cur.execute(q.last_key_sql())
         row = cur.fetchone()
     return None if row is None else list(row)
-
-
-def low_marker(cur, marker: dict[str, Any], commit_wait: float) -> tuple[int, float]:
-    """The chunk's low marker L, and the seconds waited after it until every transaction that may
-    have committed below L is visible (source.markers.wait_until_visible): the chunk's rows are
-    applied at L, so its read must see every change below L, or an update committed just below L
-    but not yet visible would be overwritten by the older value the read found."""
-    low = emit_marker(cur, {**marker, "mark": "low"})
-    what = f"{marker['table']} shard {marker['shard']} chunk {marker['chunk']}"
-    return low, wait_until_visible(cur, what, commit_wait)
 
 
 def read_chunk(
@@ -162,7 +152,11 @@ def read_chunk(
 
     t0 = time.monotonic()
     with conn.cursor() as cur:
-        low, waited = low_marker(cur, marker, commit_wait)
+        low = emit_marker(cur, {**marker, "mark": "low"})
+        # Rows applied at L: the read must see every commit below it (source.markers).
+        waited = wait_until_visible(
+            cur, f"{marker['table']} shard {marker['shard']} chunk {marker['chunk']}", commit_wait
+        )
         sql, params = q.sql(after, upto)
         buf = io.BytesIO()
         t1 = time.monotonic()
@@ -203,7 +197,11 @@ def read_typed_chunk(
     schema = arrow_schema(tuple(types))
     t0 = time.monotonic()
     with conn.cursor() as cur:
-        low, waited = low_marker(cur, marker, commit_wait)
+        low = emit_marker(cur, {**marker, "mark": "low"})
+        # Rows applied at L: the read must see every commit below it (source.markers).
+        waited = wait_until_visible(
+            cur, f"{marker['table']} shard {marker['shard']} chunk {marker['chunk']}", commit_wait
+        )
         sql, params = q.select(after, upto)
         t1 = time.monotonic()
         reader.execute(cur.mogrify(sql, params).decode() if params else sql)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from typing import Any
 
 from cdc_lakehouse.source.pgoutput import lsn_to_int
@@ -74,8 +75,6 @@ def wait_until_visible(cur, what: str, timeout: float) -> float:
     below L, would then lose to the chunk's older value (issue #51). Every transaction of this
     database that is running a statement when L is written is waited for: one whose commit is
     below L is among them. `what` names the table and chunk in messages."""
-    import time
-
     cur.execute(_COMMITTING_SQL)
     waiting = {xid: (pid, state) for xid, pid, state in cur.fetchall()}
     if not waiting:
