@@ -8,6 +8,7 @@ and never in the zip.
 from __future__ import annotations
 
 import os
+import threading
 import zipfile
 from pathlib import Path
 
@@ -29,7 +30,9 @@ def pyfiles_zip(build_dir: Path | None = None) -> Path:
     if target.exists() and target.stat().st_mtime >= newest:
         return target
     build.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_suffix(f".{os.getpid()}.tmp")
+    # One temporary file per thread: a group run's worker threads each start a session, and so
+    # may each rebuild a stale zip at once (runtime.session.worker_session).
+    tmp = target.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
     with zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED) as zf:
         for p in sources:
             zf.write(p, Path("cdc_lakehouse") / p.relative_to(PACKAGE_DIR))
