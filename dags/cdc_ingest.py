@@ -82,7 +82,7 @@ for group, cfgs in ingest_groups(tables).items():
         ingest = spark_task(
             task_id="ingest",
             job="ingest",
-            params=IngestParams(tables=tuple(names)),
+            params=IngestParams(tables=tuple(names), parallel=max(c.ingest.parallel_tables for c in cfgs)),
             source_conn_ids=conn_ids(cfgs),
             pool=group_pool(group),
             templates=INGEST_RUN,

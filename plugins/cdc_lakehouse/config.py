@@ -216,6 +216,13 @@ class ConsumedColumns(_Model):
 class IngestConfig(_Model):
     schedule: Schedule = "@hourly"
     group: str | None = Field(None, description="tables of one group share one Spark application")
+    parallel_tables: int = Field(
+        4,
+        ge=1,
+        le=64,
+        description="a group's tables ingested at once, each on a Spark session of its own (the largest "
+        "value among the group's tables); 1: one after another",
+    )
     max_events_per_run: int = Field(2_000_000, ge=1)
     max_bytes_per_run: int = Field(2 * 1024**3, ge=1024)
     error_budget: ErrorBudget = ErrorBudget()

@@ -185,3 +185,52 @@ def test_a_group_records_its_tables_in_one_commit_and_a_killed_group_loses_none(
             "g3": shards,
             "next": shards,
         }
+
+
+def test_a_group_run_ingests_its_tables_at_once_each_on_a_session_of_its_own(source, spark, lake):
+    """A group's tables run `parallel` at once (jobs.runner.run_tables, issue #56): each worker on a
+    Spark session of its own, so a table's session settings never reach another's statements;
+    every table lands exactly, a failing one stops none of the others, and the group's records
+    are still one commit per metadata table."""
+    import threading
+
+    from cdc_lakehouse.ingest.records import RunRecords
+    from cdc_lakehouse.ingest.run import ingest_table
+    from cdc_lakehouse.jobs.runner import run_tables
+    from cdc_lakehouse.lake.batches import BATCH_IDS_PROP
+
+    s = source
+    s.capture()
+    s.bootstrap(s.block)
+    s.bootstrap(s.perm)
+    s.wl.step(300, pk_changes=2)
+    upto = s.capture().manifest.run_id
+    never = s.block.model_copy(update={"name": f"{s.block.name}_never_bootstrapped"})
+    records = RunRecords()
+    seen: dict[str, tuple[str, str | None]] = {}
+    both_running = threading.Barrier(2, timeout=120)
+
+    def fn(session, lk, cfg):
+        if cfg.name != never.name:
+            # The two tables are in flight together (a sequential run would time out here), and a
+            # setting one of them makes in its session is not the other's.
+            both_running.wait()
+            session.conf.set("cdc.test.owner", cfg.name)
+            both_running.wait()
+            seen[cfg.name] = (session.session_id, session.conf.get("cdc.test.owner"))
+        return ingest_table(session, lk, cfg, upto_run=upto, ingest_run="par", records=records)
+
+    results, failures = run_tables("ingest", spark, lake, [s.block, never, s.perm], fn, parallel=3)
+    assert [r["table"] for r in results.values()] == [s.block.name, never.name, s.perm.name]
+    assert [name for name, _ in failures] == [never.name], failures
+    assert "cdc_bootstrap__" in results[never.name]["error"]
+    assert {name: owner for name, (_, owner) in seen.items()} == {s.block.name: s.block.name, s.perm.name: s.perm.name}
+    sessions = {sid for sid, _ in seen.values()}
+    assert len(sessions) == 2 and spark.session_id not in sessions, seen
+    for cfg in (s.block, s.perm):
+        assert results[cfg.name]["status"] == "ok" and results[cfg.name]["events_read"] > 0, results[cfg.name]
+        assert_lake_equals_source(spark, lake, cfg, s.dsn)
+    assert records.commit(spark, lake) == 2
+    for meta in ("ingest_runs", "freshness"):
+        head = next(current_ancestors(spark, lake.qualified(lake.meta_table(meta))))
+        assert len(head.summary[BATCH_IDS_PROP].split(",")) == 2, head.summary

@@ -144,7 +144,7 @@ def _parsed(dag, task_id: str, **params) -> JobParams:
 
 
 def test_the_dag_files_tasks_pass_what_their_jobs_parse(tmp_path):
-    for name, group in (("t", ""), ("u", "ingest: {group: g}\n"), ("v", "ingest: {group: g}\n")):
+    for name, group in (("t", ""), ("u", "ingest: {group: g, parallel_tables: 6}\n"), ("v", "ingest: {group: g}\n")):
         (tmp_path / f"{name}.yaml").write_text(
             textwrap.dedent(f"""
             name: {name}
@@ -156,7 +156,8 @@ def test_the_dag_files_tasks_pass_what_their_jobs_parse(tmp_path):
     dags = dags_of(tmp_path, tmp_path / "no-derived")
     window = {"upto_run": "20260301T010000Z", "ingest_run": RUN_ID, "interval_end": END.isoformat()}
     assert _parsed(dags["cdc_ingest__t"], "ingest") == IngestParams(tables=("t",), **window)
-    assert _parsed(dags["cdc_ingest_group__g"], "ingest") == IngestParams(tables=("u", "v"), **window)
+    # A group runs as many tables at once as the largest parallel_tables of its tables.
+    assert _parsed(dags["cdc_ingest_group__g"], "ingest") == IngestParams(tables=("u", "v"), parallel=6, **window)
     assert _parsed(dags["cdc_bootstrap__t"], "bootstrap") == BootstrapParams(tables=("t",), run_id="20260301T000000")
     assert _parsed(dags["cdc_bootstrap__t"], "bootstrap", shards=["pg_a", "pg_b"], pause_after_chunks=3) == (
         BootstrapParams(tables=("t",), shards=("pg_a", "pg_b"), run_id="20260301T000000", pause_after_chunks=3)

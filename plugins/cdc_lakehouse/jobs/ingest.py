@@ -18,6 +18,11 @@ class IngestParams(JobParams):
     upto_run: str | None = flag(None, help="apply capture runs up to this run id (the data interval end)")
     ingest_run: str | None = flag(None, help="this run's id (default: manual-<now>)")
     interval_end: str | None = flag(None, help="the data interval's end, ISO 8601 (recorded with the run's metrics)")
+    parallel: int = flag(
+        1,
+        help="tables ingested at once, each on a Spark session of its own (a group's DAG passes "
+        "its tables' ingest.parallel_tables)",
+    )
 
 
 def main(p: IngestParams) -> int:
@@ -53,4 +58,5 @@ def main(p: IngestParams) -> int:
             endpoints = {g.endpoint_id for c in cfgs for g in c.source.shards}
             record_points(spark, lake, table_configs(p.config_dir), endpoints, p.ingest_run or "manual")
 
-    return run_per_table("ingest", p.app_name, lambda: load_tables(p.config_dir, p.tables), fn, record_points)
+    load = lambda: load_tables(p.config_dir, p.tables)  # noqa: E731
+    return run_per_table("ingest", p.app_name, load, fn, record_points, parallel=p.parallel)

@@ -13,9 +13,11 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from datetime import date, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
@@ -86,23 +88,84 @@ def load_derived(config_dir: str | None, derived: str | None, names: tuple[str, 
 
 
 def run_tables(
-    kind: str, spark, lake: LakeSettings, cfgs: list[Any], fn: Callable[..., StageResult], *args: Any
+    kind: str,
+    spark,
+    lake: LakeSettings,
+    cfgs: list[Any],
+    fn: Callable[..., StageResult],
+    *args: Any,
+    parallel: int = 1,
 ) -> tuple[dict[str, dict[str, Any]], list[tuple[str, Exception]]]:
     """fn(spark, lake, cfg, *args) per table (or derived table); one's failure never stops the others.
-    Returns each table's result line (as printed) and the failures."""
+    Returns each table's result line (as printed, in the order of cfgs) and the failures.
+
+    parallel > 1: that many tables at once, each worker thread on a Spark session of its own
+    (runtime.session.worker_session). A small table's run is mostly waiting (requests to the
+    server, catalog commits, job scheduling), so tables overlap well even on few cores
+    (bench/tables_bench.py: docs/benchmarks-history.md, #56)."""
     results: dict[str, dict[str, Any]] = {}
     failures: list[tuple[str, Exception]] = []
-    for cfg in cfgs:
-        t = time.time()
-        try:
-            result = fn(spark, lake, cfg, *args)
-            results[cfg.name] = {"table": cfg.name, "status": "ok", "seconds": time.time() - t, **result.to_dict()}
-        except Exception as exc:  # noqa: BLE001 - reported per table, the run fails at the end
-            failures.append((cfg.name, exc))
-            log.error("%s %s failed: %s\n%s", kind, cfg.name, exc, traceback.format_exc())
-            results[cfg.name] = {"table": cfg.name, "status": "failed", "error": str(exc), "seconds": time.time() - t}
-        _emit(kind, results[cfg.name])
+    if parallel <= 1 or len(cfgs) <= 1:
+        for cfg in cfgs:
+            name, results[cfg.name], exc = _run_one(kind, fn, lambda: spark, lake, cfg, *args)
+            if exc is not None:
+                failures.append((name, exc))
+            _emit(kind, results[name])
+        return results, failures
+    with _WorkerSessions(spark, lake) as sessions, ThreadPoolExecutor(parallel, thread_name_prefix=kind) as pool:
+        runs = [pool.submit(_run_one, kind, fn, sessions.mine, lake, cfg, *args) for cfg in cfgs]
+        for run in runs:  # in the configs' order: each line as soon as its table and those before it are done
+            name, results[name], exc = run.result()
+            if exc is not None:
+                failures.append((name, exc))
+            _emit(kind, results[name])
     return results, failures
+
+
+def _run_one(
+    kind: str, fn: Callable[..., StageResult], session: Callable[[], Any], lake: LakeSettings, cfg: Any, *args: Any
+) -> tuple[str, dict[str, Any], Exception | None]:
+    """fn on one table, with the session `session()` gives (a worker's may fail to start: that
+    table's failure, like any other)."""
+    t = time.time()
+    try:
+        result = fn(session(), lake, cfg, *args)
+        return cfg.name, {"table": cfg.name, "status": "ok", "seconds": time.time() - t, **result.to_dict()}, None
+    except Exception as exc:  # noqa: BLE001 - reported per table, the run fails at the end
+        log.error("%s %s failed: %s\n%s", kind, cfg.name, exc, traceback.format_exc())
+        return cfg.name, {"table": cfg.name, "status": "failed", "error": str(exc), "seconds": time.time() - t}, exc
+
+
+class _WorkerSessions:
+    """One Spark session per worker thread, made on the thread's first table and ended with the
+    block (runtime.session.worker_session)."""
+
+    def __init__(self, spark, lake: LakeSettings) -> None:
+        self.spark, self.lake = spark, lake
+        self.local = threading.local()
+        self.made: list[Any] = []
+        self.lock = threading.Lock()
+
+    def __enter__(self) -> _WorkerSessions:
+        return self
+
+    def mine(self):
+        from cdc_lakehouse.runtime.session import worker_session
+
+        if not hasattr(self.local, "spark"):
+            self.local.spark = worker_session(self.spark, self.lake)
+            with self.lock:
+                self.made.append(self.local.spark)
+        return self.local.spark
+
+    def __exit__(self, *exc: object) -> None:
+        from cdc_lakehouse.runtime.session import release_worker
+
+        for worker in self.made:
+            try:
+                release_worker(worker)
+            except Exception as e:  # noqa: BLE001 - the tables' outcomes are what count
+                log.warning("could not end a worker's Spark session: %s", e)
 
 
 def run_per_table(
@@ -111,9 +174,11 @@ def run_per_table(
     load: Callable[[], Loaded],
     fn: Callable[..., StageResult],
     after: Callable[..., None] | None = None,
+    *,
+    parallel: int = 1,
 ) -> int:
-    """fn(spark, lake, cfg, config_file) per config `load` returns, in one Spark session; 1 when
-    any failed. `load` runs after the secrets are in place and before Spark starts. Then
+    """fn(spark, lake, cfg, config_file) per config `load` returns, in one Spark session (`parallel`
+    tables at once: run_tables); 1 when any failed. `load` runs after the secrets are in place and before Spark starts. Then
     after(spark, lake, cfgs), in the same session, whatever the tables' outcome; its failure is
     logged and fails nothing (what it does must be derivable again later)."""
     from cdc_lakehouse.lake.meta import ensure_meta_tables
@@ -129,7 +194,8 @@ def run_per_table(
     try:  # a failed job still ends its Spark Connect session on the server
         ensure_meta_tables(spark, lake)
         log.info("%s: Spark session ready in %.1fs (package %s)", kind, time.time() - t0, Path(__file__).parents[1])
-        _, failures = run_tables(kind, spark, lake, cfgs, lambda s, lk, c: fn(s, lk, c, files.get(c.name)))
+        run = lambda s, lk, c: fn(s, lk, c, files.get(c.name))  # noqa: E731
+        _, failures = run_tables(kind, spark, lake, cfgs, run, parallel=parallel)
         if after is not None:
             try:
                 after(spark, lake, cfgs)

@@ -58,9 +58,10 @@ def group_doc(group: str, cfgs: list[TableConfig]) -> str:
 ## What it does
 Captures each source endpoint's committed changes up to the interval's end, then ingests
 tables {names} in **one Spark application** per run, so many small tables do not each pay a
-JVM start. Each table is applied and committed on its own (landing -> changelog -> LSN-guarded
-MERGE, watermark in the same commit); a failing table is reported at the end and does not stop
-the others (the task then fails, naming it).
+JVM start, {max(c.ingest.parallel_tables for c in cfgs)} at once (`ingest.parallel_tables`), each on a
+Spark session of its own. Each table is applied and committed on its own (landing -> changelog ->
+LSN-guarded MERGE, watermark in the same commit); a failing table is reported at the end and does
+not stop the others (the task then fails, naming it).
 
 ## How to operate it
 - **Rerun an interval**: clear the run; each table continues from its own watermark, so a

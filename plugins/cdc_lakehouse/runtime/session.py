@@ -247,6 +247,47 @@ def connect_session(url: str) -> SparkSession:
     return spark
 
 
+# Connect session id -> (its server's url, the settings get_spark gave it): what worker_session
+# makes a sibling session of.
+_MADE: dict[str, tuple[str, dict[str, str] | None]] = {}
+
+
+def worker_session(spark: SparkSession, lake: LakeSettings) -> SparkSession:
+    """Another session of the same Spark, for a worker thread of a job that runs its tables at
+    once (jobs.runner): settings, temp views and catalog instances of its own, so one table's
+    session settings (the MERGE's distribution mode, a colocated join's) never reach another's
+    statements. On Spark Connect a new session on the same server, set up as get_spark sets one up;
+    on a classic driver a new session of the same SparkContext, with the lake's settings again
+    (they are session settings, which a new session does not inherit). End it with
+    release_worker."""
+    made = _MADE.get(_connect_id(spark) or "")
+    if made is not None:
+        url, extra = made
+        worker = connect_session(url)
+        configure_session(worker, lake, extra)
+        _MADE[_connect_id(worker) or ""] = made
+        return worker
+    worker = spark.newSession()
+    set_session(worker, {k: v for k, v in {**sql_conf(), **lake_conf(lake)}.items() if _session_setting(k)})
+    return worker
+
+
+def _connect_id(spark: SparkSession) -> str | None:
+    """A Spark Connect session's id (None for a classic session)."""
+    return getattr(spark, "session_id", None)
+
+
+def _session_setting(key: str) -> bool:
+    return not key.startswith("spark.") or key.startswith("spark.sql.")
+
+
+def release_worker(spark: SparkSession) -> None:
+    """The end of a worker_session: a Connect session is released on its server; a classic one is
+    left to the garbage collector (stopping it would stop the SparkContext every session shares)."""
+    if _connect_id(spark) is not None:
+        release_spark(spark)
+
+
 def interrupt_all() -> None:
     """Stop the Spark work of this process's Connect sessions on their server (a killed task)."""
     for spark in list(_LIVE):
@@ -305,6 +346,7 @@ def get_spark(
     if url:
         spark = connect_session(url)
         configure_session(spark, lake, extra)
+        _MADE[_connect_id(spark) or ""] = (url, extra)
         return spark
     return _classic(app_name, lake, master=master, jars=jars, extra=extra, driver_memory=driver_memory)
 
@@ -341,7 +383,7 @@ def _classic(
     spark = builder.getOrCreate()
     # The lake's settings (secrets among them) into the running session: catalogs are created on
     # first use and read them then (tests/integration/test_secrets.py).
-    set_session(spark, {k: v for k, v in session.items() if not k.startswith("spark.") or k.startswith("spark.sql.")})
+    set_session(spark, {k: v for k, v in session.items() if _session_setting(k)})
     spark.sparkContext.setLogLevel(os.environ.get("CDC_SPARK_LOG_LEVEL", "WARN"))
     return spark
 
@@ -350,6 +392,7 @@ def release_spark(spark: SparkSession) -> None:
     """The end of a job: its session goes (on a Connect server, the server's session is released)."""
     if spark in _LIVE:
         _LIVE.remove(spark)
+    _MADE.pop(_connect_id(spark) or "", None)
     spark.stop()
 
 
