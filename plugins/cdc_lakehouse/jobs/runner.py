@@ -143,8 +143,7 @@ class _WorkerSessions:
     def __init__(self, spark, lake: LakeSettings) -> None:
         self.spark, self.lake = spark, lake
         self.local = threading.local()
-        self.made: list[Any] = []
-        self.lock = threading.Lock()
+        self.made: list[Any] = []  # appended by the workers (list.append is atomic)
 
     def __enter__(self) -> _WorkerSessions:
         return self
@@ -154,8 +153,7 @@ class _WorkerSessions:
 
         if not hasattr(self.local, "spark"):
             self.local.spark = worker_session(self.spark, self.lake)
-            with self.lock:
-                self.made.append(self.local.spark)
+            self.made.append(self.local.spark)
         return self.local.spark
 
     def __exit__(self, *exc: object) -> None:
