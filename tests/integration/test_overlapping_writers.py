@@ -415,6 +415,63 @@ def test_two_runs_quarantining_the_same_events_at_once_add_them_once(spark, lake
         assert sorted(added) == [0, 20], f"attempt {attempt}: runs reported {added}"
 
 
+def test_two_runs_recording_the_same_batch_at_once_record_it_once(spark, lake, unique):
+    """Two runs of one batch (a run that outlived its task and the next run's resume_batch, or a
+    second deployment) write its run record and freshness rows at the same moment, each from its
+    own session. Before #51 the check that the batch was not recorded yet and the append were two
+    steps: both checks passed, and the batch was in cdc_meta.ingest_runs twice and its freshness
+    rows twice per shard. Now the append is published only while the table is as checked, and the
+    loser checks again and finds the batch there."""
+    from datetime import UTC, datetime
+
+    from cdc_lakehouse.ingest.records import TableRecords, write_records
+    from cdc_lakehouse.lake.batches import BatchId
+    from cdc_lakehouse.lake.ingest_metrics import IngestMetrics
+    from cdc_lakehouse.lake.meta import ensure_meta_tables
+    from cdc_lakehouse.lake.meta_rows import ShardFreshness
+
+    ensure_meta_tables(spark, lake)
+    name, shards = f"rec_{unique}", ("s0", "s1")
+    runs, fresh = (lake.qualified(lake.meta_table(t)) for t in ("ingest_runs", "freshness"))
+    sessions = (spark, session_of_its_own(lake))
+    for attempt in range(2):  # each a batch of its own
+        run, now = f"r{attempt}", datetime.now(UTC)
+        record = TableRecords(
+            table_name=name,
+            batch=BatchId.of(f"ingest:{name}", attempt, attempt + 1),
+            since_ms=int(now.timestamp() * 1000),
+            run=IngestMetrics(table_name=name, ingest_run=run, write_mode="merge").meta_row(),
+            freshness=[
+                ShardFreshness(
+                    table_name=name, shard=s, endpoint="e0", source_schema="public", ingest_run=run, updated_at=now
+                )
+                for s in shards
+            ],
+        )
+        barrier, errors = threading.Barrier(2), []
+
+        def write(i: int, record=record, barrier=barrier, errors=errors) -> None:
+            barrier.wait()  # both checks, then both appends
+            try:
+                write_records(sessions[i], lake, [record])
+            except Exception as exc:  # noqa: BLE001 - reported by the assertion below
+                errors.append(exc)
+
+        writers = [threading.Thread(target=write, args=(i,)) for i in (0, 1)]
+        for w in writers:
+            w.start()
+        for w in writers:
+            w.join(300)
+        assert not errors, errors
+        counts = []
+        for table in (runs, fresh):
+            spark.sql(f"REFRESH TABLE {table}")
+            counts.append(
+                spark.table(table).filter((F.col("table_name") == name) & (F.col("ingest_run") == run)).count()
+            )
+        assert counts == [1, len(shards)], f"attempt {attempt}: (run records, freshness rows) {counts}"
+
+
 # --- the fence itself -------------------------------------------------------------------------------
 
 

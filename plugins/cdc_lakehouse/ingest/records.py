@@ -4,19 +4,22 @@ A table's batch ends with these two commits, after its data commits. A group run
 over many tables) collects them in `RunRecords` and commits each metadata table once for all of
 its tables (issue #56: two commits and their Spark jobs per table were a large share of a small
 table's cost). Either way each batch's rows are written once: the commit lists the batches it
-holds (lake.batches BATCH_IDS_PROP), and a batch already listed is left out. A group stopped
+holds (lake.batches BATCH_IDS_PROP), and a batch already listed is left out; the check and the
+append are published as one step, so two runs recording a batch at once record it once. A group stopped
 before its records are committed loses nothing: each table's next run finds its last batch
 unrecorded and writes the record then (ingest.run.resume_batch).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from cdc_lakehouse.lake.batches import BATCH_IDS_PROP, BatchId, committed_batches
+from cdc_lakehouse.lake.batches import BATCH_IDS_PROP, BatchId, batches_since
+from cdc_lakehouse.lake.commits import commit_unless_moved
 from cdc_lakehouse.lake.freshness import FRESHNESS_TABLE, freshness_props
-from cdc_lakehouse.lake.meta import meta_append
+from cdc_lakehouse.lake.meta import META_TABLES, append_rows
 from cdc_lakehouse.lake.meta_rows import ShardFreshness
 from cdc_lakehouse.runtime.failpoints import crash_point
 from cdc_lakehouse.settings import LakeSettings
@@ -56,19 +59,29 @@ class RunRecords:
 
 def write_records(spark: SparkSession, lake: LakeSettings, records: list[TableRecords]) -> None:
     """The run records, then the freshness rows, each metadata table in one commit that lists the
-    batches it holds; batches a commit of that table already holds are left out of it."""
+    batches it holds; batches a commit of that table already holds are left out of it. The check
+    and the append are one step (lake.commits.commit_unless_moved): a run that outlived its task
+    and the next run recording the same batch at the same moment record it once (#51)."""
     if not records:
         return
     since = min(r.since_ms for r in records)
-    for step, table, rows, props in (
+    for step, name, rows, props in (
         ("ingest_run_record", RUNS_TABLE, lambda rs: [r.run for r in rs], lambda rs: {}),
         ("ingest_freshness", FRESHNESS_TABLE, _freshness_rows, _freshness_props),
     ):
-        done = committed_batches(spark, lake.qualified(lake.meta_table(table)), since)
-        todo = [r for r in records if done is not None and r.batch.value not in done]
-        if todo:
+        table = lake.qualified(lake.meta_table(name))
+
+        def unrecorded(snapshots: Iterable[Any], table: str = table) -> list[TableRecords] | None:
+            done = batches_since(table, snapshots, since)
+            return [r for r in records if done is not None and r.batch.value not in done] or None
+
+        def append(
+            target: str, todo: list[TableRecords], name: str = name, rows: Any = rows, props: Any = props
+        ) -> None:
             ids = {BATCH_IDS_PROP: ",".join(r.batch.value for r in todo)}
-            meta_append(spark, lake, table, rows(todo), {**props(todo), **ids})
+            append_rows(spark, target, rows(todo), META_TABLES[name][0], {**props(todo), **ids})
+
+        if commit_unless_moved(spark, table, unrecorded, append, what=f"{step} of {len(records)} table(s)"):
             crash_point(f"{step}_committed")
 
 

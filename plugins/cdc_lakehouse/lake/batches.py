@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -98,16 +98,15 @@ def batch_ids(summary: dict[str, str]) -> set[str]:
     return ids | ({summary[BATCH_PROP]} if BATCH_PROP in summary else set())
 
 
-def committed_batches(spark: SparkSession, table: str, since_ms: int) -> set[str] | None:
-    """Every batch id the table's snapshots since since_ms (less the clock skew) carry: what a
-    commit of many batches' rows checks once, where committed() would walk the history per batch.
-    None when expired snapshots cut the history before that point: nothing can be disproved, and
-    committed() takes every batch as committed then."""
+def batches_since(table: str, snapshots: Iterable[Any], since_ms: int) -> set[str] | None:
+    """Every batch id that `snapshots` (a table's current snapshot, then its ancestors) carry
+    since since_ms (less the clock skew): what a commit of many batches' rows checks once, where
+    committed() would walk the history per batch. None when expired snapshots cut the history
+    before that point: nothing can be disproved, and committed() takes every batch as committed
+    then."""
     found: set[str] = set()
-    if not table_exists(spark, table):
-        return found
     last = None
-    for last in current_ancestors(spark, table):
+    for last in snapshots:
         found |= batch_ids(last.summary)
         if int(last.timestamp_ms) < since_ms - CLOCK_SKEW_MS:
             return found

@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import random
 import re
 import time
 import uuid
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+P = TypeVar("P")
 
 # --- commits that carry snapshot properties ---------------------------------------------------
 
@@ -83,7 +85,8 @@ def with_commit_retries(fn: Callable[[], T], *, attempts: int = 5, what: str = "
         except Exception as exc:  # noqa: BLE001
             if not is_commit_conflict(exc):
                 raise
-            wait = min(30.0, 0.5 * 2**i)
+            # Jittered: writers that lost to each other do not all come back at the same moment.
+            wait = min(30.0, 0.5 * 2**i) * random.uniform(0.5, 1.0)
             logger.warning(f"{what}: commit conflict ({type(exc).__name__}); retry {i}/{attempts - 1} in {wait:.1f}s")
             time.sleep(wait)
     return fn()  # the last attempt: its conflict, if any, propagates
@@ -156,6 +159,34 @@ def fenced_commit(
     return with_commit_retries(attempt, what=what)
 
 
+def commit_unless_moved(
+    spark: SparkSession,
+    table: str,
+    plan: Callable[[Iterable[Any]], P | None],
+    write: Callable[[str, P], object],
+    *,
+    what: str,
+    attempts: int = 10,
+) -> P | None:
+    """A check-then-write made one step: `plan(snapshots)` (the table's current snapshot, then
+    its ancestors) decides what to write, None for nothing; `write(target, planned)` commits it
+    to `target`, a branch at the snapshot it was planned from, published by the fast-forward of
+    fenced_commit. A commit to main in between (any writer's, not only one of the same data)
+    makes the publish fail, and the write is planned again from the new state, so two writers
+    can never both act on a check that only one of them may pass (ingest.records: two runs of a
+    batch each finding it unrecorded). Returns what this call published, None if nothing. More
+    attempts than a fenced commit's: every other writer of the table is a competitor here."""
+
+    def attempt() -> P | None:
+        base, planned = _position_at_current(spark, table, plan)
+        if planned is not None:
+            _write_and_publish(spark, table, base, lambda target: write(target, planned), None)
+        return planned
+
+    _drop_stale_branches(spark, table, datetime.now(UTC))
+    return with_commit_retries(attempt, attempts=attempts, what=what)
+
+
 def _moved(table: str, what: str, expected: Any, now: Any) -> ConcurrentWriterError:
     def brief(wm: Any) -> str:
         return wm.to_json() if isinstance(wm, StoredJson) else json.dumps(wm, default=str)
@@ -167,7 +198,7 @@ def _moved(table: str, what: str, expected: Any, now: Any) -> ConcurrentWriterEr
     )
 
 
-def _position_at_current(spark: SparkSession, table: str, position: Callable[[Iterable[Any]], Any]) -> tuple[int, Any]:
+def _position_at_current(spark: SparkSession, table: str, position: Callable[[Iterable[Any]], T]) -> tuple[int, T]:
     """(current snapshot id, the position as of it), from one fresh load of the table. A table
     without a snapshot first gets an empty one: a branch needs a snapshot to start from (two
     writers doing so at once is harmless: neither carries a position)."""
@@ -181,13 +212,19 @@ def _position_at_current(spark: SparkSession, table: str, position: Callable[[It
 
 
 def _write_and_publish(
-    spark: SparkSession, table: str, base: int, write: Callable[[str], object], carries_new: Callable[[str], bool]
+    spark: SparkSession,
+    table: str,
+    base: int,
+    write: Callable[[str], object],
+    carries_new: Callable[[str], bool] | None,
 ) -> None:
     branch = f"{BRANCH_PREFIX}{datetime.now(UTC):%Y%m%d%H%M%S}_{uuid.uuid4().hex[:8]}"
     _ref_ddl(spark, table, f"ALTER TABLE {table} CREATE BRANCH {branch} AS OF VERSION {base}")
     try:
         write(f"{table}.branch_{branch}")
-        if not carries_new(branch):  # e.g. a write that went to the table itself: it was not fenced
+        if carries_new is not None and not carries_new(
+            branch
+        ):  # e.g. a write that went to the table itself: it was not fenced
             raise RuntimeError(
                 f"{table}: the fenced write did not commit its new position to {table}.branch_{branch}, the "
                 "target it was given; write there (DataFrameWriterV2 or SQL on that name), never to the table"
