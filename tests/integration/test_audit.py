@@ -27,7 +27,7 @@ def _ids(lake_spark, table, where):
     return sorted(r[0] for r in lake_spark.sql(f"SELECT id FROM {table} WHERE {where}").collect())
 
 
-@pytest.mark.parametrize("mode", ["full", "checksum"])
+@pytest.mark.parametrize("mode", [pytest.param("full", marks=pytest.mark.core), "checksum"])
 def test_audit_finds_every_fault_ignores_in_flight_and_repairs(source, spark, lake, mode):
     s = source
     cfg = _audit_cfg(s.block, mode=mode, repair=False, buckets=16)
@@ -117,6 +117,7 @@ def test_a_capture_during_the_in_flight_peek_is_still_in_flight(source, spark, l
     assert r.verdict == "ok", r.message
 
 
+@pytest.mark.core
 def test_commits_not_yet_flushed_are_in_flight(source, spark, lake):
     """With synchronous_commit off (this test cluster's setting, and some production sources'),
     a commit is visible to the audit's snapshot before its WAL is flushed, and the slot's
@@ -140,6 +141,7 @@ def test_commits_not_yet_flushed_are_in_flight(source, spark, lake):
         assert set(range(lo, lo + 40)) <= peeked, f"attempt {attempt}: {len(peeked)} keys peeked"
 
 
+@pytest.mark.core
 def test_a_peek_before_the_wal_flush_needs_a_second_sighting(source, spark, lake, monkeypatch, unique):
     """On a source with synchronous_commit off under load the WAL flush can stay behind the
     audit's snapshot past the peek's wait: keys committed in that window are neither in the slot

@@ -12,6 +12,7 @@ from cdc_lakehouse.source.errors import PreflightError
 from tests.helpers import assert_lake_equals_source
 
 
+@pytest.mark.core
 def test_bootstrap_under_concurrent_writes_hands_off_without_gap(source, spark, lake):
     """Several shards load while a workload keeps writing; after the ingest the lake equals the
     source exactly, every row and every column (the handoff position is the snapshot's)."""

@@ -23,6 +23,9 @@ from cdc_lakehouse.source.slots import slot_state
 from tests.conftest import ROOT
 from tests.helpers import landed_rows
 
+# The capture meets the source server itself: every test here runs on each tested PostgreSQL version.
+pytestmark = pytest.mark.core
+
 TYPES_DDL = """
 CREATE TABLE {s}.items (
   id bigint PRIMARY KEY, qty integer, title text, code varchar(12), active boolean, price numeric(12,2),

@@ -365,6 +365,7 @@ def test_a_commit_below_a_chunks_low_marker_not_visible_yet_is_waited_for(pg, so
         s.close()
 
 
+@pytest.mark.core
 def test_a_low_marker_waits_for_running_statements_not_for_idle_transactions(pg):
     """What wait_until_visible waits for, on a real server: a transaction running a statement may
     be committing below the marker and is waited for (here until the limit, with an error naming

@@ -135,6 +135,7 @@ def table_side_shuffled(plan: str, table: str) -> bool:
     raise AssertionError(f"no join above {table} in:\n" + "\n".join(tree))
 
 
+@pytest.mark.core
 @pytest.mark.parametrize("merge_join", ["shuffle", "colocated"])
 def test_toast_chains_truncate_and_pk_changes_in_one_batch(source, spark, lake, merge_join):
     """Both ways of joining the batch to the table (ingest.merge_join), on the same hard cases; the
@@ -237,6 +238,7 @@ def test_error_budget_stops_the_run_and_keeps_everything(source, spark, lake):
     assert_lake_equals_source(spark, lake, s.block, s.dsn)
 
 
+@pytest.mark.core
 def test_schema_changes_additive_incompatible_and_isolated(source, spark, lake):
     s = source
     s.capture()

