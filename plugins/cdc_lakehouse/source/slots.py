@@ -57,6 +57,10 @@ class SlotState:
     wal_status: str | None = None
     active_pid: int | None = None
     current_lsn: int | None = None
+    # PostgreSQL 17+: a failover slot (a standby with sync_replication_slots keeps a copy), and why
+    # the server invalidated it (wal_removed, rows_removed, wal_level_insufficient, idle_timeout).
+    failover: bool | None = None
+    invalidation_reason: str | None = None
 
     @property
     def retained_bytes(self) -> int | None:
@@ -78,16 +82,23 @@ class SlotState:
             "wal_status": self.wal_status,
             "retained_wal_bytes": self.retained_bytes,
             "lag_bytes": self.lag_bytes,
+            "failover": self.failover,
+            "invalidation_reason": self.invalidation_reason,
         }
 
 
+# The server version from which slots can be failover slots and say why they were invalidated.
+FAILOVER_SLOTS_FROM = 170000
+
+
 def slot_state(conn, name: str) -> SlotState:
+    since_17 = "failover, invalidation_reason" if conn.server_version >= FAILOVER_SLOTS_FROM else "NULL, NULL"
     with conn.cursor() as cur:
         cur.execute(
-            """
+            f"""
             SELECT (confirmed_flush_lsn - '0/0'::pg_lsn)::bigint, (restart_lsn - '0/0'::pg_lsn)::bigint,
                    wal_status, active_pid, (pg_current_wal_lsn() - '0/0'::pg_lsn)::bigint,
-                   database, current_database()
+                   database, current_database(), {since_17}
             FROM pg_replication_slots WHERE slot_name = %s
             """,
             (name,),
@@ -105,7 +116,7 @@ def slot_state(conn, name: str) -> SlotState:
             "cluster have the same id. Give one of them its own Airflow connection id (the slot is named after it), "
             f"or drop the stale slot in {row[5]}: SELECT pg_drop_replication_slot('{name}')"
         )
-    return SlotState(name, True, row[0], row[1], row[2], row[3], row[4])
+    return SlotState(name, True, row[0], row[1], row[2], row[3], row[4], failover=row[7], invalidation_reason=row[8])
 
 
 def wal_insert_position(conn: Any) -> int:
@@ -124,17 +135,33 @@ def check_slot_usable(state: SlotState, ep: EndpointTables, *, captured_before: 
     )
     if not state.exists and captured_before:
         raise SlotLostError(f"replication slot {state.name} on {ep.conn_id} was dropped after earlier captures; {fix}")
-    if state.exists and (state.wal_status == "lost" or state.restart_lsn is None):
+    if state.exists and (state.wal_status == "lost" or state.restart_lsn is None or state.invalidation_reason):
+        why = _INVALIDATED_BY.get(state.invalidation_reason or "wal_removed", state.invalidation_reason)
         raise SlotLostError(
-            f"replication slot {state.name} on {ep.conn_id} was invalidated (WAL removed, "
-            f"wal_status={state.wal_status}); {fix}"
+            f"replication slot {state.name} on {ep.conn_id} was invalidated ({why}; "
+            f"invalidation_reason={state.invalidation_reason}, wal_status={state.wal_status}); {fix}"
         )
 
 
+# Why PostgreSQL invalidated a slot (pg_replication_slots.invalidation_reason, 17+; before 17 only
+# WAL removal shows, as wal_status 'lost'), and the setting behind it.
+_INVALIDATED_BY = {
+    "wal_removed": "WAL removed: the slot fell more than max_slot_wal_keep_size behind",
+    "idle_timeout": "inactive longer than idle_replication_slot_timeout",
+    "rows_removed": "catalog rows it needed were removed (on a standby: hot_standby_feedback off?)",
+    "wal_level_insufficient": "wal_level was lowered below logical",
+}
+
+
 def create_slot(conn, name: str) -> int:
+    """The endpoint's slot; on PostgreSQL 17+ a failover slot, which a standby running with
+    sync_replication_slots keeps in step, so a promoted standby has it (#52)."""
+    # pg_create_logical_replication_slot(name, plugin, temporary, twophase, failover): 17+.
+    failover = ", false, false, true" if conn.server_version >= FAILOVER_SLOTS_FROM else ""
     with conn.cursor() as cur:
         cur.execute(
-            "SELECT (lsn - '0/0'::pg_lsn)::bigint FROM pg_create_logical_replication_slot(%s, 'pgoutput')", (name,)
+            f"SELECT (lsn - '0/0'::pg_lsn)::bigint FROM pg_create_logical_replication_slot(%s, 'pgoutput'{failover})",
+            (name,),
         )
         lsn = cur.fetchone()[0]
     conn.commit()
