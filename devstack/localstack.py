@@ -228,6 +228,27 @@ class LocalPostgres:
         if self.is_running():
             self._run("pg_ctl", "stop", "-w", "-m", "fast", "-D", str(self.datadir), check=False)
 
+    def standby(
+        self, datadir: str | Path, port: int, *, slot: str, dbname: str, settings: dict[str, str]
+    ) -> LocalPostgres:
+        """A physical standby of this server, not started: a base backup into `datadir` that
+        streams from the physical slot `slot`, with its own port and `settings` (-R writes
+        primary_conninfo with `dbname`, which slot synchronisation needs, and standby.signal)."""
+        other = LocalPostgres(datadir, port, fast=self.fast, bindir=self.bindir)
+        other.datadir.mkdir(parents=True)
+        self._chown(other.datadir)
+        os.chmod(other.datadir, 0o700)
+        conninfo = f"host=127.0.0.1 port={self.port} user=postgres dbname={dbname}"
+        self._run("pg_basebackup", "-D", str(other.datadir), "-d", conninfo, "-R", "-S", slot, "-c", "fast")
+        own = {"port": str(port), "unix_socket_directories": f"'{other.datadir}'", **settings}
+        with open(other.datadir / "postgresql.auto.conf", "a") as f:  # later lines win
+            for k, v in own.items():
+                f.write(f"{k} = {v}\n")
+        return other
+
+    def promote(self) -> None:
+        self._run("pg_ctl", "promote", "-w", "-D", str(self.datadir))
+
     def destroy(self) -> None:
         self.stop()
         shutil.rmtree(self.datadir, ignore_errors=True)
