@@ -16,7 +16,7 @@ from cdc_lakehouse.landing.format import manifest_path
 from cdc_lakehouse.landing.reader import list_manifests
 from cdc_lakehouse.landing.stores import LocalLanding
 from cdc_lakehouse.source.catalog import EndpointTables
-from cdc_lakehouse.source.errors import PreflightError, SlotConflictError, SlotLostError
+from cdc_lakehouse.source.errors import PreflightError, SlotConflictError, SlotLostError, SourceError
 from cdc_lakehouse.source.slots import slot_name as source_slot_name
 from cdc_lakehouse.source.slots import slot_state
 
@@ -493,6 +493,25 @@ def test_on_postgresql_18_the_slot_is_a_failover_slot_and_an_idle_timeout_is_nam
         capture_run(ep, dsn, store, "r2")
     assert "inactive longer than idle_replication_slot_timeout" in str(exc.value), exc.value
     assert "re-bootstrap every table on this endpoint" in str(exc.value)
+
+
+def test_a_capture_held_back_for_a_standby_that_is_not_there_says_so(cluster_18, tmp_path):
+    """A failover slot's changes wait for the standbys of synchronized_standby_slots (17+). With
+    the standby down, or the setting copied to a promoted server, the capture used to wait on
+    keepalives until max_wait_s (6 h) and then call the server busy; now its first check after
+    idle_timeout_s names the setting and the fix."""
+    srv = cluster_18
+    srv.execute("CREATE TABLE items (id bigint PRIMARY KEY, v text)")
+    ep = EndpointTables("held", "cdc_held", {"items": (["public"], ["id"])})
+    store = LocalLanding(f"file://{tmp_path}/landing")
+    capture_run(ep, srv.dsn(), store, "r1")
+    srv.execute("SELECT pg_create_physical_replication_slot('standby_down', true)")
+    srv.execute("ALTER SYSTEM SET synchronized_standby_slots = 'standby_down'")
+    srv.execute("SELECT pg_reload_conf()")
+    srv.execute("INSERT INTO items VALUES (1, 'a')")
+    with pytest.raises(SourceError) as exc:
+        capture_run(ep, srv.dsn(), store, "r2", limits=CaptureLimits(idle_timeout_s=2))
+    assert "synchronized_standby_slots" in str(exc.value) and "cdc_held" in str(exc.value), exc.value
 
 
 def test_s3_landing_through_the_amazon_provider(db, s3_server, monkeypatch):

@@ -448,6 +448,13 @@ def _check_still_decoding(
     where = (
         f"capture {ep.endpoint_id}: the run's heartbeat transaction (xid {hb_xid}) has not arrived after {waited:.0f}s"
     )
+    if wait_event == "WaitForStandbyConfirmation":  # PostgreSQL 17+, a failover slot's walsender
+        raise SourceError(
+            f"{where}: {ep.conn_id} holds the changes back until the physical standbys named in its "
+            "synchronized_standby_slots have received them, and they have not (a standby down, or the "
+            "setting copied to a promoted server that has no such standby). Fix: bring the standby back, or "
+            f"remove it from synchronized_standby_slots on {ep.conn_id} (ALTER SYSTEM, then pg_reload_conf())"
+        )
     if wait_event in ("WalSenderWaitForWAL", "WalSenderMain"):  # idle: everything decoded was sent
         raise SourceError(
             f"{where} and the server has nothing left to decode; check that {HEARTBEAT_TABLE} "
