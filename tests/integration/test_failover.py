@@ -16,6 +16,7 @@ import pytest
 from cdc_lakehouse.capture.run import capture_run
 from cdc_lakehouse.landing.stores import LocalLanding
 from cdc_lakehouse.source.catalog import EndpointTables
+from cdc_lakehouse.source.publication import identity_mismatch
 from cdc_lakehouse.source.slots import slot_name
 
 from devstack.localstack import LocalPostgres, find_bindir, free_port
@@ -127,6 +128,17 @@ def test_a_promoted_standby_continues_the_capture_from_its_synchronised_slot(pri
         standby.execute(f"UPDATE items SET v = v + 1 WHERE id = {i + 1}", dbname="src")
     runs.append(capture_run(ep, standby.dsn("src"), store, f"r{len(runs) + 1:02d}"))
     assert runs[-1].manifest.events >= KEYS, runs[-1].manifest.events
+
+    # The promoted server's runs say where its history left the old timeline: the landing's
+    # positions from before the failover still compare with the runs after it (the ingest goes
+    # on with no re-bootstrap), up to that switch point and no further.
+    before, after = runs[-2].manifest, runs[-1].manifest
+    assert before.source_identity is not None and after.source_identity is not None
+    assert (before.source_identity["timeline"], after.source_identity["timeline"]) == (1, 2)
+    switch = after.source_identity["history"]["1"]
+    assert switch >= before.end_lsn, (switch, before.end_lsn)
+    assert identity_mismatch(before.source_identity, after.source_identity, before.end_lsn) is None
+    assert identity_mismatch(before.source_identity, after.source_identity, switch + 1) is not None
 
     # Every value each key took landed, in order; none twice; the last is the new primary's.
     seen: dict[int, list[int]] = defaultdict(list)

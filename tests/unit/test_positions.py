@@ -10,7 +10,7 @@ from cdc_lakehouse.lake.watermark import ShardPosition, Watermark
 from cdc_lakehouse.landing.errors import CoverageError, SourceIdentityChanged
 from cdc_lakehouse.landing.format import Manifest, SchemaChange
 from cdc_lakehouse.landing.reader import EndpointSchemaChange, Plan, check_coverage, same_source_manifests
-from cdc_lakehouse.source.publication import identity_mismatch
+from cdc_lakehouse.source.publication import identity_mismatch, timeline_history
 from cdc_lakehouse.source.slots import SlotState
 
 from tests.conftest import make_config
@@ -74,6 +74,25 @@ def test_runs_of_another_server_stop_the_shard_but_older_history_is_skipped():
         same_source_manifests(cfg(), "c__db", SHARDS, wm(), [manifest("r3", 130, ident={**IDENT, "timeline": 2})])
     with pytest.raises(SourceIdentityChanged, match="endpoint other"):
         same_source_manifests(cfg(), "c__db", SHARDS, wm(endpoint="other"), [])
+
+
+def test_a_promoted_standby_compares_up_to_where_its_history_left_the_old_timeline():
+    """#52: a promoted standby of the same cluster (timeline 2, whose history says timeline 1
+    ended at LSN 150) continues a shard whose lake position (100) lies on the shared part of
+    the WAL; a position past the switch point (the old primary had changes the standby never
+    got), another cluster, or a timeline the history does not list still stop the shard."""
+    promoted = {**IDENT, "timeline": 2, "history": timeline_history("1\t0/96\tno recovery target specified\n")}
+    assert promoted["history"] == {"1": 150}
+    assert identity_mismatch(IDENT, promoted, 100) is None
+    assert identity_mismatch(IDENT, promoted, 150) is None
+    assert "below the position 151" in (identity_mismatch(IDENT, promoted, 151) or "")
+    assert identity_mismatch(IDENT, promoted) == "timeline 1 -> 2"  # no position: not compared
+    assert identity_mismatch(IDENT, {**promoted, "system_identifier": "2"}, 100) is not None
+    assert identity_mismatch({**IDENT, "timeline": 3}, promoted, 100) == "timeline 3 -> 2"
+    runs = [manifest("r2", 120), manifest("r3", 200, ident=promoted)]
+    assert [m.run_id for m in same_source_manifests(cfg(), "c__db", SHARDS, wm(100), runs)] == ["r2", "r3"]
+    with pytest.raises(SourceIdentityChanged, match="timeline 1 -> 2"):
+        same_source_manifests(cfg(), "c__db", SHARDS, wm(160), runs)
 
 
 def test_a_run_counts_for_a_shard_only_if_it_was_published_for_the_whole_run():

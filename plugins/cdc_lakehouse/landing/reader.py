@@ -203,7 +203,7 @@ def same_source_manifests(
         foreign = False
         for _, shard in shards:
             rec = shards_wm[shard]
-            why = identity_mismatch(rec.source, seen)
+            why = identity_mismatch(rec.source, seen, rec.lsn)
             if why is None:
                 continue
             foreign = True

@@ -7,6 +7,7 @@ from typing import Any
 
 from cdc_lakehouse.identifiers import pg_ident, pg_qualified
 from cdc_lakehouse.source.catalog import EndpointTables, describe_table
+from cdc_lakehouse.source.pgoutput import lsn_to_int
 from cdc_lakehouse.source.slots import HEARTBEAT_TABLE
 
 PUBLICATION = "cdc_lakehouse"
@@ -278,19 +279,43 @@ def published_tables(conn) -> list[str]:
 
 
 def source_identity(repl_cursor) -> dict[str, Any]:
-    """Which server's LSNs these are, from IDENTIFY_SYSTEM on a replication connection.
+    """Which server's LSNs these are, from IDENTIFY_SYSTEM on a replication connection, and on a
+    timeline after the first, where each earlier timeline of its history ended (TIMELINE_HISTORY).
 
-    Positions compare only within one identity. A shard moved to another cluster or database, or
-    a failover to a server on another timeline, yields a different identity; comparing its LSNs
-    with the old ones would drop or re-apply changes, so the ingest refuses and asks for a
-    re-bootstrap of the shard."""
+    Positions compare only within one identity. A shard moved to another cluster or database
+    yields a different identity; comparing its LSNs with the old ones would drop or re-apply
+    changes, so the ingest refuses and asks for a re-bootstrap of the shard. A promoted standby
+    of the same cluster is on a new timeline whose LSNs up to its switch point are the old
+    timeline's: a position up to there still compares (identity_mismatch, #52)."""
     repl_cursor.execute("IDENTIFY_SYSTEM")
     system_id, timeline, _pos, database = repl_cursor.fetchone()
-    return {"system_identifier": str(system_id), "timeline": int(timeline), "database": database}
+    identity: dict[str, Any] = {"system_identifier": str(system_id), "timeline": int(timeline), "database": database}
+    if int(timeline) > 1:
+        repl_cursor.execute(f"TIMELINE_HISTORY {int(timeline)}")
+        _name, content = repl_cursor.fetchone()
+        identity["history"] = timeline_history(bytes(content).decode() if not isinstance(content, str) else content)
+    return identity
 
 
-def identity_mismatch(recorded: dict[str, Any] | None, seen: dict[str, Any] | None) -> str | None:
-    """Why two identities differ, or None when they may be compared (or one is unknown)."""
+def timeline_history(content: str) -> dict[str, int]:
+    """A timeline history file ("<parent timeline>\t<X/Y switch point>\t<reason>" per line) as
+    {timeline: the LSN where the server left it}; keys are text (the identity is stored as JSON)."""
+    out: dict[str, int] = {}
+    for line in content.splitlines():
+        parts = line.split("\t")
+        if len(parts) >= 2 and parts[0].strip().isdigit():
+            out[str(int(parts[0]))] = lsn_to_int(parts[1].strip())
+    return out
+
+
+def identity_mismatch(
+    recorded: dict[str, Any] | None, seen: dict[str, Any] | None, position: int | None = None
+) -> str | None:
+    """Why two identities differ, or None when they may be compared (or one is unknown). `seen`
+    on a later timeline of the same cluster and database compares with a `position` taken on
+    `recorded`'s timeline when its history says that timeline ran at least up to the position
+    (a promoted standby that had everything up to there); without a position, or past the
+    switch point (the old server had changes the new one never got), it does not."""
     if not recorded or not seen:
         return None
     diffs = [
@@ -298,4 +323,9 @@ def identity_mismatch(recorded: dict[str, Any] | None, seen: dict[str, Any] | No
         for k in ("system_identifier", "database", "timeline")
         if recorded.get(k) != seen.get(k)
     ]
+    if diffs == [f"timeline {recorded.get('timeline')} -> {seen.get('timeline')}"] and position is not None:
+        switch = (seen.get("history") or {}).get(str(recorded.get("timeline")))
+        if switch is not None and position <= int(switch):
+            return None
+        diffs[0] += f" (the new timeline left it at {switch}, below the position {position})" if switch else ""
     return ", ".join(diffs) or None
