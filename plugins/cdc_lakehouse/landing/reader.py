@@ -157,11 +157,13 @@ def _advance(
         hb = last.heartbeats.get(schema)
         prev = shards_wm[shard]
         if last.end_lsn > prev.lsn:
-            # Keep what else the position records (its endpoint and server identity).
+            # Keep what else the position records. The server identity becomes the run's (runs
+            # get here only if same_source_manifests compared them): after a failover the
+            # position is on the promoted server's timeline, and later runs compare with that.
             moved = {
                 "lsn": last.end_lsn,
                 "endpoint": endpoint,
-                "source": prev.source or last.source_identity,
+                "source": last.source_identity or prev.source,
                 "ts": hb.commit_ts if hb else _last_commit_ts(last, prev.ts),
             }
             new_wm.set_shard(shard, prev.model_copy(deep=True, update=moved))
