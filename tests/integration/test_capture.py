@@ -512,6 +512,7 @@ def test_a_capture_held_back_for_a_standby_that_is_not_there_says_so(cluster_18,
     with pytest.raises(SourceError) as exc:
         capture_run(ep, srv.dsn(), store, "r2", limits=CaptureLimits(idle_timeout_s=2))
     assert "synchronized_standby_slots" in str(exc.value) and "cdc_held" in str(exc.value), exc.value
+    assert "standby_down (inactive) is not streaming" in str(exc.value), exc.value
 
 
 def test_s3_landing_through_the_amazon_provider(db, s3_server, monkeypatch):

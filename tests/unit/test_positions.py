@@ -85,14 +85,26 @@ def test_a_promoted_standby_compares_up_to_where_its_history_left_the_old_timeli
     assert promoted["history"] == {"1": 150}
     assert identity_mismatch(IDENT, promoted, 100) is None
     assert identity_mismatch(IDENT, promoted, 150) is None
-    assert "below the position 151" in (identity_mismatch(IDENT, promoted, 151) or "")
+    assert "left it at 0/96, below the position 0/97" in (identity_mismatch(IDENT, promoted, 151) or "")
     assert identity_mismatch(IDENT, promoted) == "timeline 1 -> 2"  # no position: not compared
     assert identity_mismatch(IDENT, {**promoted, "system_identifier": "2"}, 100) is not None
-    assert identity_mismatch({**IDENT, "timeline": 3}, promoted, 100) == "timeline 3 -> 2"
+    assert "history does not show it" in (identity_mismatch({**IDENT, "timeline": 3}, promoted, 100) or "")
+    # Timeline 2 reached twice, by two standbys promoted apart: different WAL.
+    other = {**promoted, "history": {"1": 140}}
+    assert identity_mismatch(promoted, other, 100) == "timeline 2 of two different histories"
     runs = [manifest("r2", 120), manifest("r3", 200, ident=promoted)]
     assert [m.run_id for m in same_source_manifests(cfg(), "c__db", SHARDS, wm(100), runs)] == ["r2", "r3"]
     with pytest.raises(SourceIdentityChanged, match="timeline 1 -> 2"):
         same_source_manifests(cfg(), "c__db", SHARDS, wm(160), runs)
+    # A run of the old primary past the switch point, not ingested yet, then the promoted
+    # server's: the batch would hold changes the new server never had beside its own. Refused.
+    lossy = [manifest("r2", 160), manifest("r3", 200, ident=promoted)]
+    with pytest.raises(SourceIdentityChanged, match="below the position 0/A0"):
+        same_source_manifests(cfg(), "c__db", SHARDS, wm(100), lossy)
+    # Once the position is on the new timeline, the old timeline's runs below the switch point
+    # still compare (their events are below the position: applied), whatever the clocks say.
+    after = wm(180, source=promoted, ts="2020-01-01T00:00:00+00:00")
+    assert [m.run_id for m in same_source_manifests(cfg(), "c__db", SHARDS, after, runs)] == ["r2", "r3"]
 
 
 def test_a_run_counts_for_a_shard_only_if_it_was_published_for_the_whole_run():

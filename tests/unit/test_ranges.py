@@ -78,6 +78,19 @@ def test_expired_rolled_back_moved_left_and_backfilling_ranges():
     assert "moved back" in key_range(back, 1, 2).reason
     moved = chain((1, "append", wm(a=50), "ingest"), (2, "overwrite", wm("other", a=60), "ingest"))
     assert "another server" in key_range(moved, 1, 2).reason
+
+    # A failover (#52): the position moves onto a promoted standby's timeline, whose history left
+    # the old one at or after it: the range still reads the changelog; past it, it does not.
+    def on(source: dict, **lsns: int) -> Watermark:
+        return Watermark.from_dict(
+            {"v": 1, "shards": {s: {"lsn": n, "endpoint": "e", "source": source} for s, n in lsns.items()}}
+        )
+
+    promoted = {**SRC, "timeline": SRC["timeline"] + 1, "history": {str(SRC["timeline"]): 50}}
+    failover = chain((1, "append", wm(a=50), "ingest"), (2, "overwrite", on(promoted, a=60), "ingest"))
+    assert key_range(failover, 1, 2).mode == "changelog"
+    lossy = chain((1, "append", wm(a=55), "ingest"), (2, "overwrite", on(promoted, a=60), "ingest"))
+    assert "another server" in key_range(lossy, 1, 2).reason
     left = chain((1, "append", wm(a=50, b=1), "ingest"), (2, "overwrite", wm(a=60), "ingest"))
     assert "left the table" in key_range(left, 1, 2).reason
     pending = chain(

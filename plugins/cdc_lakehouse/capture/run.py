@@ -39,11 +39,14 @@ from cdc_lakehouse.source.errors import PreflightError, SourceError
 from cdc_lakehouse.source.publication import (
     check_publication,
     consumed_column_lists,
+    identity_mismatch,
     preflight,
     published_tables,
+    server_identity,
 )
 from cdc_lakehouse.source.session import SESSION_OPTIONS
 from cdc_lakehouse.source.slots import (
+    FAILOVER_SLOTS_FROM,
     SlotState,
     check_slot_usable,
     create_slot,
@@ -151,6 +154,16 @@ def _ready_slot(conn, dsn: str, ep: EndpointTables, slot: str, previous: list[Ma
     if not state.exists:
         create_slot(conn, slot)
         state = slot_state(conn, slot)
+    if state.failover is False and conn.server_version >= FAILOVER_SLOTS_FROM:
+        # Made before this release or before an upgrade to 17: a standby keeps no copy of it.
+        log.warning(
+            "capture %s: slot %s is not a failover slot, so a promoted standby will not have it; to change "
+            "that: ALTER_REPLICATION_SLOT %s (FAILOVER true) on a replication connection to %s",
+            ep.endpoint_id,
+            slot,
+            slot,
+            ep.conn_id,
+        )
     if state.active_pid:
         raise SourceError(
             f"replication slot {slot} on {ep.conn_id} is in use by process {state.active_pid}: another "
@@ -158,9 +171,22 @@ def _ready_slot(conn, dsn: str, ep: EndpointTables, slot: str, previous: list[Ma
             f"cdc_capture__{ep.endpoint_id}; check for a run outside Airflow)"
         )
     if previous and previous[-1].end_lsn > (state.confirmed_flush or 0):
-        # Step 1: a run that wrote its manifest but died before confirming.
-        confirm(dsn, slot, previous[-1].end_lsn, None)
-        state = slot_state(conn, slot)
+        # Step 1: a run that wrote its manifest but died before confirming. Only on the server
+        # that run read (or a promoted standby whose history holds it): on any other the position
+        # is foreign, and confirming it would skip that server's changes up to it (#52).
+        why = identity_mismatch(previous[-1].source_identity, server_identity(dsn), previous[-1].end_lsn)
+        if why is None:
+            confirm(dsn, slot, previous[-1].end_lsn, None)
+            state = slot_state(conn, slot)
+        else:
+            log.warning(
+                "capture %s: the last run %s was read on another server (%s); slot %s is not confirmed to its end, "
+                "and this run starts where the slot stands (the ingest decides whether its positions compare)",
+                ep.endpoint_id,
+                previous[-1].run_id,
+                why,
+                slot,
+            )
     return state
 
 

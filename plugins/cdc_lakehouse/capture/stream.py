@@ -425,6 +425,25 @@ def parse_logical_message(buf: bytes) -> tuple[int, str, bytes]:
     return lsn, prefix, bytes(buf[end + 5 : end + 5 + n])
 
 
+def _standbys_not_streaming(dsn: str) -> list[str]:
+    """The slots of synchronized_standby_slots with no standby streaming from them (missing,
+    inactive), as 'slot (why)'."""
+    import psycopg2
+
+    conn = psycopg2.connect(dsn, application_name="cdc_lakehouse capture check")
+    try:
+        with conn.cursor() as c:
+            c.execute(
+                "SELECT n.name, s.active FROM unnest(string_to_array(replace("
+                "current_setting('synchronized_standby_slots'), ' ', ''), ',')) AS n(name) "
+                "LEFT JOIN pg_replication_slots s ON s.slot_name = n.name WHERE n.name <> ''"
+            )
+            rows = c.fetchall()
+    finally:
+        conn.close()
+    return [f"{name} ({'no such slot' if active is None else 'inactive'})" for name, active in rows if not active]
+
+
 def _check_still_decoding(
     ep: EndpointTables, dsn: str, slot: str, hb_xid: int, limits: CaptureLimits, waited: float
 ) -> None:
@@ -449,12 +468,16 @@ def _check_still_decoding(
         f"capture {ep.endpoint_id}: the run's heartbeat transaction (xid {hb_xid}) has not arrived after {waited:.0f}s"
     )
     if wait_event == "WaitForStandbyConfirmation":  # PostgreSQL 17+, a failover slot's walsender
-        raise SourceError(
-            f"{where}: {ep.conn_id} holds the changes back until the physical standbys named in its "
-            "synchronized_standby_slots have received them, and they have not (a standby down, or the "
-            "setting copied to a promoted server that has no such standby). Fix: bring the standby back, or "
-            f"remove it from synchronized_standby_slots on {ep.conn_id} (ALTER SYSTEM, then pg_reload_conf())"
-        )
+        missing = _standbys_not_streaming(dsn)
+        if missing:
+            raise SourceError(
+                f"{where}: {ep.conn_id} holds the changes back until the physical standbys named in its "
+                f"synchronized_standby_slots have received them, and {', '.join(missing)} is not streaming (a "
+                "standby down, or the setting copied to a promoted server that has no such standby). Fix: bring "
+                f"the standby back, or remove it from synchronized_standby_slots on {ep.conn_id} (ALTER SYSTEM, "
+                "then pg_reload_conf())"
+            )
+        # Every named standby is attached: one lags, and the wait goes on as for decoding.
     if wait_event in ("WalSenderWaitForWAL", "WalSenderMain"):  # idle: everything decoded was sent
         raise SourceError(
             f"{where} and the server has nothing left to decode; check that {HEARTBEAT_TABLE} "

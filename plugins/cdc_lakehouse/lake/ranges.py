@@ -38,6 +38,7 @@ from cdc_lakehouse.lake.watermark import WATERMARK_PROP, Watermark
 from cdc_lakehouse.lake.writers import READ_UPTO_PROP, WRITER_PROP, names_its_changes
 from cdc_lakehouse.runtime.phases import local_checkpoint
 from cdc_lakehouse.settings import LakeSettings
+from cdc_lakehouse.source.publication import identity_mismatch
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
@@ -175,9 +176,12 @@ def _positions_unusable(lo: int, lo_wm: Watermark | None, hi_wm: Watermark | Non
         cur = hi_wm.shards.get(shard)
         if cur is None:
             return f"shard {shard} left the table"
-        if cur.lsn < pos.lsn or (cur.endpoint, cur.source) != (pos.endpoint, pos.source):
-            # positions of two servers never compare: a moved or re-bootstrapped shard
-            return f"shard {shard} moved back or to another server (re-bootstrap or move)"
+        # Positions of two servers never compare (a moved or re-bootstrapped shard); a promoted
+        # standby's timeline continues the old one up to its switch point (#52).
+        if cur.endpoint != pos.endpoint or identity_mismatch(pos.source, cur.source, pos.lsn) is not None:
+            return f"shard {shard} moved to another server or endpoint (a move, or a failover past its position)"
+        if cur.lsn < pos.lsn:
+            return f"shard {shard} moved back (a re-bootstrap)"
     return None
 
 

@@ -200,13 +200,20 @@ def same_source_manifests(
                 + fix.replace("[...]", f'["{shard}"]')
             )
     out = []
+    # Per shard, how far the WAL this batch reads on the position's own timeline reaches: a run
+    # of a later timeline (a promoted standby) compares only if its history left that timeline
+    # at or after it, not merely after the position (#52: runs of the old primary past the switch
+    # point, not yet ingested, would otherwise be applied beside the new primary's).
+    reach = {shard: shards_wm[shard].lsn for _, shard in shards}
     for m in manifests:
         seen = m.source_identity
         foreign = False
         for _, shard in shards:
             rec = shards_wm[shard]
-            why = identity_mismatch(rec.source, seen, rec.lsn)
+            why = _why_foreign(rec.source, seen, reach[shard], m.end_lsn)
             if why is None:
+                if not seen or not rec.source or seen.get("timeline") == rec.source.get("timeline"):
+                    reach[shard] = max(reach[shard], m.end_lsn)
                 continue
             foreign = True
             if _after(m.finished_at, rec.ts):
@@ -218,6 +225,17 @@ def same_source_manifests(
         if not foreign:
             out.append(m)
     return out
+
+
+def _why_foreign(recorded: dict[str, Any] | None, seen: dict[str, Any] | None, reach: int, run_end: int) -> str | None:
+    """Why a run's positions do not compare with a shard position's server, or None. A run of a
+    later timeline compares up to where its history left the position's timeline (`reach`: the
+    position, or the end of a run of that timeline in the same batch); a run of an earlier
+    timeline compares when it lies wholly below where the position's history left that timeline
+    (the floor then drops its events as applied)."""
+    if recorded and seen and int(seen.get("timeline") or 0) < int(recorded.get("timeline") or 0):
+        return identity_mismatch(seen, recorded, run_end)
+    return identity_mismatch(recorded, seen, reach)
 
 
 def _after(a: str | None, b: str | None) -> bool:

@@ -3,12 +3,15 @@ publication that carries the configured tables, kept in step with the configs.""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from cdc_lakehouse.identifiers import pg_ident, pg_qualified
 from cdc_lakehouse.source.catalog import EndpointTables, describe_table
-from cdc_lakehouse.source.pgoutput import lsn_to_int
+from cdc_lakehouse.source.pgoutput import lsn_to_int, lsn_to_str
 from cdc_lakehouse.source.slots import HEARTBEAT_TABLE
+
+log = logging.getLogger(__name__)
 
 PUBLICATION = "cdc_lakehouse"
 
@@ -291,10 +294,29 @@ def source_identity(repl_cursor) -> dict[str, Any]:
     system_id, timeline, _pos, database = repl_cursor.fetchone()
     identity: dict[str, Any] = {"system_identifier": str(system_id), "timeline": int(timeline), "database": database}
     if int(timeline) > 1:
-        repl_cursor.execute(f"TIMELINE_HISTORY {int(timeline)}")
-        _name, content = repl_cursor.fetchone()
+        try:
+            repl_cursor.execute(f"TIMELINE_HISTORY {int(timeline)}")
+            _name, content = repl_cursor.fetchone()
+        except Exception as exc:  # noqa: BLE001 - a provider without the command, a missing history file
+            # Without it the identity is what it was before #52: a later timeline never compares.
+            log.warning(
+                "TIMELINE_HISTORY %d failed (%s): positions of earlier timelines will not compare", timeline, exc
+            )
+            return identity
         identity["history"] = timeline_history(bytes(content).decode() if not isinstance(content, str) else content)
     return identity
+
+
+def server_identity(dsn: str) -> dict[str, Any]:
+    """source_identity of the server at `dsn`, on a replication connection of its own."""
+    import psycopg2
+    from psycopg2.extras import LogicalReplicationConnection
+
+    conn = psycopg2.connect(dsn, connection_factory=LogicalReplicationConnection)
+    try:
+        return source_identity(conn.cursor())
+    finally:
+        conn.close()
 
 
 def timeline_history(content: str) -> dict[str, int]:
@@ -323,9 +345,16 @@ def identity_mismatch(
         for k in ("system_identifier", "database", "timeline")
         if recorded.get(k) != seen.get(k)
     ]
+    if not diffs and recorded.get("history") and seen.get("history") and recorded["history"] != seen["history"]:
+        # One timeline number reached twice (two standbys promoted apart): different WAL.
+        return f"timeline {seen.get('timeline')} of two different histories"
     if diffs == [f"timeline {recorded.get('timeline')} -> {seen.get('timeline')}"] and position is not None:
         switch = (seen.get("history") or {}).get(str(recorded.get("timeline")))
         if switch is not None and position <= int(switch):
             return None
-        diffs[0] += f" (the new timeline left it at {switch}, below the position {position})" if switch else ""
+        diffs[0] += (
+            f" (the new timeline left it at {lsn_to_str(int(switch))}, below the position {lsn_to_str(position)})"
+            if switch is not None
+            else " (the new server's timeline history does not show it)"
+        )
     return ", ".join(diffs) or None
