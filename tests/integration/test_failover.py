@@ -38,6 +38,29 @@ def _wait(what: str, done, timeout: float = 60) -> None:
         time.sleep(0.2)
 
 
+def _fail_over(primary: LocalPostgres, standby: LocalPostgres, slot: str, capture) -> None:
+    """Capture (`capture()`) until the standby's copy of the slot is persisted and where the
+    primary's is, let the standby replay everything, stop the primary and promote the standby.
+    The copy is persisted once the primary's slot has moved past what the standby's own horizon
+    needs (its catalog xmin moves when the capture decodes a snapshot of running transactions,
+    which the server logs every 15 s; asked for here to be quick)."""
+    query = f"SELECT confirmed_flush_lsn FROM pg_replication_slots WHERE slot_name = '{slot}'"
+
+    def in_step() -> bool:
+        primary.execute("SELECT pg_log_standby_snapshot()")
+        capture()
+        time.sleep(0.5)  # the slot sync worker's naptime is 200 ms when slots move
+        copy = standby.execute(f"{query} AND synced AND NOT temporary")
+        return bool(copy) and copy == primary.execute(query)
+
+    _wait("the standby's copy of the slot in step with the primary's", in_step, timeout=120)
+    end = _lsn(primary, "pg_current_wal_lsn()")
+    _wait("standby replay", lambda: _lsn(standby, "pg_last_wal_replay_lsn()") >= end)
+    primary.stop()
+    standby.promote()
+    _wait("promotion", lambda: not standby.execute("SELECT pg_is_in_recovery()")[0][0])
+
+
 @pytest.fixture
 def primary_and_standby(tmp_root):
     bindir = find_bindir("18")
@@ -99,31 +122,10 @@ def test_a_promoted_standby_continues_the_capture_from_its_synchronised_slot(pri
         writer.join(30)
     assert written[0] > 50, written
 
-    # The standby's copy of the slot is persisted once the primary's slot has moved past what the
-    # standby's own horizon needs (its catalog xmin moves when the capture decodes a snapshot of
-    # running transactions, which the server logs every 15 s; asked for here to be quick), then
-    # it follows the primary's slot: captures go on until the copy is where the original is.
-    synced = f"(SELECT confirmed_flush_lsn FROM pg_replication_slots WHERE slot_name = '{slot}' AND synced)"
-    original = f"(SELECT confirmed_flush_lsn FROM pg_replication_slots WHERE slot_name = '{slot}')"
-
-    def in_step() -> bool:
-        primary.execute("SELECT pg_log_standby_snapshot()")
-        runs.append(capture_run(ep, primary.dsn("src"), store, f"r{len(runs) + 1:02d}"))
-        time.sleep(0.5)  # the slot sync worker's naptime is 200 ms when slots move
-        copy = standby.execute(
-            f"SELECT {synced} IS NOT NULL AND NOT (SELECT temporary FROM pg_replication_slots WHERE slot_name = '{slot}')",
-            dbname="src",
-        )[0][0]
-        return bool(copy) and _lsn(standby, synced) >= _lsn(primary, original)
-
-    _wait("the standby's copy of the slot in step with the primary's", in_step, timeout=120)
-    end = _lsn(primary, "pg_current_wal_lsn()")
-    _wait("standby replay", lambda: _lsn(standby, "pg_last_wal_replay_lsn()") >= end)
-
     # The primary is gone; the standby takes over and the endpoint now points at it.
-    primary.stop()
-    standby.promote()
-    _wait("promotion", lambda: not standby.execute("SELECT pg_is_in_recovery()")[0][0])
+    _fail_over(
+        primary, standby, slot, lambda: runs.append(capture_run(ep, primary.dsn("src"), store, f"r{len(runs) + 1:02d}"))
+    )
     for i in range(KEYS):  # writes on the new primary, after the failover
         standby.execute(f"UPDATE items SET v = v + 1 WHERE id = {i + 1}", dbname="src")
     runs.append(capture_run(ep, standby.dsn("src"), store, f"r{len(runs) + 1:02d}"))
@@ -172,24 +174,10 @@ def test_after_a_failover_the_lake_goes_on_without_a_re_bootstrap(
     assert s.ingest(s.block, s.capture().manifest.run_id).metrics.status == "ok"
     slot = slot_name(s.endpoint)
 
-    def in_step() -> bool:
-        primary.execute("SELECT pg_log_standby_snapshot()")
-        upto = s.capture().manifest.run_id
-        assert s.ingest(s.block, upto).metrics.status == "ok"
-        time.sleep(0.5)
-        copy = standby.execute(
-            f"SELECT confirmed_flush_lsn FROM pg_replication_slots WHERE slot_name = '{slot}' AND synced "
-            "AND NOT temporary"
-        )
-        mine = primary.execute(f"SELECT confirmed_flush_lsn FROM pg_replication_slots WHERE slot_name = '{slot}'")
-        return bool(copy) and copy == mine
+    def capture_and_ingest() -> None:
+        assert s.ingest(s.block, s.capture().manifest.run_id).metrics.status == "ok"
 
-    _wait("the standby's copy of the slot in step with the primary's", in_step, timeout=120)
-    end = _lsn(primary, "pg_current_wal_lsn()")
-    _wait("standby replay", lambda: _lsn(standby, "pg_last_wal_replay_lsn()") >= end)
-    primary.stop()
-    standby.promote()
-    _wait("promotion", lambda: not standby.execute("SELECT pg_is_in_recovery()")[0][0])
+    _fail_over(primary, standby, slot, capture_and_ingest)
 
     monkeypatch.setenv("AIRFLOW_CONN_CDC_TEST_SOURCE", standby.uri("src"))
     s.pg, s.dsn = standby, standby.dsn(s.db)
