@@ -24,6 +24,7 @@ import json
 import os
 import re
 import sys
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -305,7 +306,15 @@ def configure_session(spark: SparkSession, lake: LakeSettings, extra: dict[str, 
     own = json.loads(os.environ.get(SESSION_CONF_ENV) or "{}")
     set_session(spark, {**sql_conf(), **lake_conf(lake), **(extra or {})})
     set_task_conf(spark, own)
-    spark.addArtifacts(str(pyfiles_zip()), pyfile=True)
+    with _ARTIFACTS:
+        spark.addArtifacts(str(pyfiles_zip()), pyfile=True)
+
+
+# pyspark's addArtifacts calls importlib.invalidate_caches(), which deletes stale entries of
+# sys.path_importer_cache while iterating it: two threads at once (a group run's workers opening
+# their sessions, jobs.runner) fail one with KeyError '<...>/python311.zip' (seen in CI, 2026-11-29;
+# the same race: saltstack/salt#69790). One at a time.
+_ARTIFACTS = threading.Lock()
 
 
 def _snapshots_by_pyiceberg(lake: LakeSettings) -> None:
