@@ -5,20 +5,25 @@ With the `columns` param it fills only those columns of the rows the lake has, o
 
 One DAG per table of include/tables/*.yaml (`cdc_bootstrap__<table>`), triggered by hand (no
 schedule). It shares the table's writer pool with the ingest and the maintenance.
+
+One DAG per source endpoint (`cdc_recover__<endpoint>`), triggered by hand: after the endpoint's
+slot was lost, the bootstrap of its shards of every table on it, one table after another.
 """
 
 from datetime import timedelta
 
 from airflow.sdk import DAG, Param
 from cdc_lakehouse.jobs.bootstrap import BootstrapParams
-from cdc_lakehouse.orchestration.dag_docs import bootstrap_doc
+from cdc_lakehouse.orchestration.dag_docs import bootstrap_doc, recover_doc
 from cdc_lakehouse.orchestration.dag_parts import (
     START_DATE,
     announce_snapshots,
     asset,
+    configs_by_endpoint,
     conn_ids,
     dag_tags,
     default_args,
+    endpoint_ids,
     load_configs,
     spark_task,
     table_pool,
@@ -50,6 +55,12 @@ for cfg in tables.tables.values():
             ),
             # A one-column backfill instead (bootstrap/column.py): only these columns of the rows
             # the lake has, from the source, in chunks between WAL markers; resumes like chunked mode.
+            "endpoint": Param(
+                "",
+                type="string",
+                enum=["", *endpoint_ids([cfg])],
+                description="only the shards read through this endpoint (its slot was lost); not with shards",
+            ),
             "columns": Param(
                 [],
                 type="array",
@@ -69,9 +80,38 @@ for cfg in tables.tables.values():
                 "run_id": "{{ ts_nodash }}",
                 "pause_after_chunks": "{{ params.pause_after_chunks }}",
                 "columns": "{{ params.columns | join(',') }}",
+                "endpoints": "{{ params.endpoint }}",
             },
             outlets=[asset(cfg.current_table), asset(cfg.changelog_table)],
             post_execute=announce_snapshots([cfg]),
             execution_timeout=timedelta(hours=24),
         )
+    globals()[dag.dag_id] = dag
+
+
+for endpoint, members in configs_by_endpoint(tables).items():
+    with DAG(
+        dag_id=f"cdc_recover__{endpoint}",
+        schedule=None,
+        start_date=START_DATE,
+        catchup=False,
+        max_active_runs=1,
+        max_active_tasks=1,  # one table after another: one snapshot at a time on the source
+        default_args=default_args(members[0], tables=[c.name for c in members]),
+        tags=[*dag_tags("bootstrap"), f"endpoint:{endpoint}"],
+        doc_md=f"{__doc__}\n{recover_doc(endpoint, members)}",
+        description=f"Re-bootstrap endpoint {endpoint}'s shards of every table on it, after its slot was lost",
+    ) as dag:
+        for cfg in members:
+            spark_task(
+                task_id=f"bootstrap__{cfg.name}",
+                job="bootstrap",
+                params=BootstrapParams(tables=(cfg.name,), endpoints=(endpoint,)),
+                source_conn_ids=conn_ids([cfg]),
+                pool=table_pool(cfg),
+                templates={"run_id": "{{ ts_nodash }}"},
+                outlets=[asset(cfg.current_table), asset(cfg.changelog_table)],
+                post_execute=announce_snapshots([cfg]),
+                execution_timeout=timedelta(hours=24),
+            )
     globals()[dag.dag_id] = dag

@@ -558,6 +558,10 @@ class TableConfig(_Model):
         """(group, schema, shard name) for every shard."""
         return [(g, s, shard_name(g, s)) for g in self.source.shards for s in g.schemas]
 
+    def shards_on(self, endpoint_id: str) -> list[str]:
+        """The names of the shards read through one endpoint (what its lost slot takes with it)."""
+        return [shard for g, _, shard in self.shards() if g.endpoint_id == endpoint_id]
+
     def shard_map(self) -> dict[tuple[str, str], str]:
         """(endpoint, schema) -> shard name."""
         return {(g.endpoint_id, schema): shard for g, schema, shard in self.shards()}

@@ -40,6 +40,7 @@ SAMPLES: list[JobParams] = [
     ),
     BootstrapParams(tables=("t",)),
     BootstrapParams(tables=("t",), shards=("s1", "s2"), run_id="20260301T000000", pause_after_chunks=3),
+    BootstrapParams(tables=("a", "b"), endpoints=("pg_a",), run_id="20260301T000000"),
     MaintenanceParams(tables=("a", "b"), run_id="r"),
     MaintenanceParams(derived=("tree",), derived_dir="/conf/derived"),
     MaintenanceParams(feed_output="feed.out", consumer="c", settings=OutputMaintenanceConfig(target_file_size_mb=64)),
@@ -162,10 +163,51 @@ def test_the_dag_files_tasks_pass_what_their_jobs_parse(tmp_path):
     assert _parsed(dags["cdc_bootstrap__t"], "bootstrap", shards=["pg_a", "pg_b"], pause_after_chunks=3) == (
         BootstrapParams(tables=("t",), shards=("pg_a", "pg_b"), run_id="20260301T000000", pause_after_chunks=3)
     )
+    # After a lost slot: one table's shards of one endpoint, or every table's (cdc_recover__<endpoint>).
+    assert _parsed(dags["cdc_bootstrap__t"], "bootstrap", endpoint="pg_b") == BootstrapParams(
+        tables=("t",), endpoints=("pg_b",), run_id="20260301T000000"
+    )
+    recover = dags["cdc_recover__pg_a"]
+    assert [t.task_id for t in recover.tasks] == ["bootstrap__t", "bootstrap__u", "bootstrap__v"]
+    assert _parsed(recover, "bootstrap__u") == BootstrapParams(
+        tables=("u",), endpoints=("pg_a",), run_id="20260301T000000"
+    )
+    assert {t.pool for t in recover.tasks} == {"cdc_table__t", "cdc_group__g"}  # each table's writer pool
+    assert sorted(d for d in dags if d.startswith("cdc_recover__")) == ["cdc_recover__pg_a", "cdc_recover__pg_b"]
     assert _parsed(dags["cdc_maintenance__t"], "maintenance") == MaintenanceParams(
         tables=("t",), run_id="20260301T000000"
     )
     assert _parsed(dags["cdc_audit__t"], "audit") == AuditParams(tables=("t",), audit_run=RUN_ID)
+
+
+def test_a_bootstrap_of_an_endpoint_takes_exactly_its_shards():
+    from cdc_lakehouse.jobs.bootstrap import selected_shards
+
+    from tests.conftest import make_config
+
+    cfg = make_config(
+        "t",
+        [],
+        source={
+            "table": "t",
+            "shards": [
+                {"conn_id": "pg_a", "schemas": ["s0", "s1"]},
+                {"conn_id": "pg_b", "schemas": ["s2"]},
+                {"conn_id": "pg_a", "database": "other", "schemas": ["s3"]},
+            ],
+        },
+    )
+    by = {g.endpoint_id: [shard for gg, _, shard in cfg.shards() if gg is g] for g in cfg.source.shards}
+    assert (
+        selected_shards(cfg, BootstrapParams(tables=("t",), endpoints=("pg_a",))) == by["pg_a"] and len(by["pg_a"]) == 2
+    )
+    assert selected_shards(cfg, BootstrapParams(tables=("t",), endpoints=("pg_a__other",))) == by["pg_a__other"]
+    assert selected_shards(cfg, BootstrapParams(tables=("t",), shards=("x",))) == ["x"]
+    assert selected_shards(cfg, BootstrapParams(tables=("t",))) is None
+    with pytest.raises(ValueError, match=r"no shard is read through endpoint\(s\) \['pg_c'\].*pg_a__other"):
+        selected_shards(cfg, BootstrapParams(tables=("t",), endpoints=("pg_c",)))
+    with pytest.raises(ValueError, match="either shards or endpoints"):
+        selected_shards(cfg, BootstrapParams(tables=("t",), endpoints=("pg_a",), shards=("x",)))
 
 
 def test_the_repositorys_dags_pass_what_their_jobs_parse(monkeypatch):

@@ -19,6 +19,7 @@ latest-per-key view forgets keys that vanished while the shard was not replicate
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -35,14 +36,24 @@ from cdc_lakehouse.source.catalog import (
     key_violations,
 )
 from cdc_lakehouse.source.ddl import capture_ddl
-from cdc_lakehouse.source.errors import PreflightError, SlotLostError
+from cdc_lakehouse.source.errors import PreflightError
+from cdc_lakehouse.source.pgoutput import lsn_to_str
 from cdc_lakehouse.source.publication import check_publication, consumed_column_lists, source_identity
 from cdc_lakehouse.source.publication import preflight as source_preflight
 from cdc_lakehouse.source.session import jdbc_properties
-from cdc_lakehouse.source.slots import create_slot, ensure_heartbeat_tables, slot_name, slot_state
+from cdc_lakehouse.source.slots import (
+    create_slot,
+    ensure_heartbeat_tables,
+    lost_because,
+    replace_lost_slot,
+    slot_name,
+    slot_state,
+)
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
+
+log = logging.getLogger(__name__)
 
 
 class BootstrapError(RuntimeError):
@@ -179,13 +190,22 @@ def prepare_endpoint(
             raise PreflightError(problems)
         slot = slot_name(endpoint_id)
         state = slot_state(conn, slot)
-        if state.exists and state.wal_status == "lost":
-            raise SlotLostError(
-                f"{cfg.name}: capture slot {slot} was invalidated; drop it "
-                f"(SELECT pg_drop_replication_slot('{slot}')) and re-bootstrap every table on "
-                f"endpoint {endpoint_id}"
+        if state.lost:
+            # The WAL it held is gone; a bootstrap starts from a snapshot after the new slot's
+            # start, and every other table's ingest stops at the gap until its shards here are
+            # re-bootstrapped too (cdc_recover__<endpoint> does all of them, #52).
+            at = replace_lost_slot(conn, state)
+            log.warning(
+                "bootstrap %s: capture slot %s of endpoint %s was invalidated (%s); replaced by a new slot at %s. "
+                "Every table on the endpoint needs its shards there re-bootstrapped: %s",
+                cfg.name,
+                slot,
+                endpoint_id,
+                lost_because(state),
+                lsn_to_str(at),
+                sorted(eptables.tables),
             )
-        if not state.exists:
+        elif not state.exists:
             create_slot(conn, slot)
     finally:
         conn.close()

@@ -6,9 +6,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import TYPE_CHECKING
 
 from cdc_lakehouse.jobs.params import JobParams, flag
 from cdc_lakehouse.jobs.runner import StageResult, load_tables, run_per_table, table_configs
+
+if TYPE_CHECKING:
+    from cdc_lakehouse.config import TableConfig
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -21,9 +25,29 @@ class BootstrapParams(JobParams):
     pause_after_chunks: int = flag(
         0, help="chunked mode: stop cleanly after this many chunks (0 = to the end); the next run resumes"
     )
+    endpoints: tuple[str, ...] = flag(
+        (),
+        help="comma-separated endpoint ids: only the shards read through them (after a slot was lost: "
+        "cdc_recover__<endpoint>); not with --shards",
+    )
     columns: tuple[str, ...] = flag(
         (), help="comma-separated columns: fill only these of the existing rows, online (bootstrap.column)"
     )
+
+
+def selected_shards(cfg: TableConfig, p: BootstrapParams) -> list[str] | None:
+    """The shards this run bootstraps: those given, those of the endpoints given, or all (None)."""
+    if not p.endpoints:
+        return list(p.shards) or None
+    if p.shards:
+        raise ValueError(f"{cfg.name}: give either shards or endpoints, not both")
+    shards = [shard for e in p.endpoints for shard in cfg.shards_on(e)]
+    if not shards:
+        endpoints = sorted({g.endpoint_id for g, _, _ in cfg.shards()})
+        raise ValueError(
+            f"{cfg.name}: no shard is read through endpoint(s) {list(p.endpoints)}; its endpoints: {endpoints}"
+        )
+    return shards
 
 
 def main(p: BootstrapParams) -> int:
@@ -36,6 +60,7 @@ def main(p: BootstrapParams) -> int:
             from cdc_lakehouse.landing.debezium import bootstrap_debezium
 
             return bootstrap_debezium(spark, lake, cfg)
+        shards = selected_shards(cfg, p)
         done = [0]
 
         def should_stop(_state) -> bool:  # asked after every chunk; the run stops at the round's end
@@ -45,7 +70,6 @@ def main(p: BootstrapParams) -> int:
         if p.columns:
             from cdc_lakehouse.bootstrap.column import backfill_columns
 
-            shards = list(p.shards) or None
             return backfill_columns(
                 spark, lake, cfg, list(p.columns), run_id=run, shards=shards, should_stop=should_stop
             )
@@ -54,7 +78,7 @@ def main(p: BootstrapParams) -> int:
             lake,
             cfg,
             run_id=run,
-            shards=list(p.shards) or None,
+            shards=shards,
             all_endpoint_tables=cs.endpoint_tables(),
             should_stop=should_stop,
             # A broken config's columns cannot be narrowed out: then no lists (see capture_endpoint).

@@ -104,8 +104,10 @@ def plan_landing(
             if start is not None and start > reached:
                 problems.append(
                     f"{cfg.name}: landing gap on endpoint {endpoint}: changes between LSN {reached} and {start} are "
-                    f"in no manifest (run {m.run_id} starts after the table's position); a landing run was lost or "
-                    "deleted before this table applied it"
+                    f"in no manifest (run {m.run_id} starts after the table's position): a landing run was lost or "
+                    "deleted before this table applied it, or the endpoint's slot was lost and replaced. Either way "
+                    f"those changes are gone: re-bootstrap the table's shards on the endpoint (cdc_recover__{endpoint} "
+                    f'for every table on it, or cdc_bootstrap__{cfg.name} with {{"endpoint": "{endpoint}"}})'
                 )
             check_coverage(cfg, endpoint, shards, shards_wm, m)
             files += _run_files(landing, cfg, m, check_files, problems, typed)

@@ -46,7 +46,9 @@ Per-run figures: `SELECT * FROM lake.cdc_meta.ingest_runs WHERE table_name = '{c
   **Replaying a quarantine** after the fix: `python -m cdc_lakehouse.cli quarantine replay {cfg.name}`
   applies the events that now pass (never over a newer row) and keeps the others with their reason;
   **clearing** after review: `python -m cdc_lakehouse.cli quarantine clear {cfg.name}`.
-- **Slot dropped or invalidated**: changes are gone from the WAL; trigger `cdc_bootstrap__{cfg.name}`.
+- **Slot dropped or invalidated** (the capture fails at once, naming the endpoint): the changes
+  are gone from the WAL; trigger `cdc_recover__<endpoint>`, which re-bootstraps that endpoint's
+  shards of every table on it and replaces the slot.
 - Runs never overlap each other, the table's maintenance or its bootstrap (pool `{cfg.pool}`).
 """
 
@@ -90,8 +92,32 @@ whose watermark is P. The incremental ingest continues from P: no gap, no overla
 - **First load / full re-bootstrap**: trigger with the default params.
 - **Re-bootstrap one shard**: trigger with conf `{{"shards": ["<shard>"]}}`. Readers see the
   old rows or the new ones, never a mix; the changelog keeps its history.
+- **Re-bootstrap the shards of one endpoint** (its slot was lost): conf `{{"endpoint": "<id>"}}`;
+  `cdc_recover__<endpoint>` does it for every table on the endpoint. A lost slot is replaced.
 - It stops before writing anything if a table is missing, the key is not unique and not
   null, a column type is unsupported, or the source lacks `wal_level=logical` or privileges.
+"""
+
+
+def recover_doc(endpoint: str, cfgs: list[TableConfig]) -> str:
+    rows = "\n".join(f"- `{c.name}`: shards {', '.join(c.shards_on(endpoint))}" for c in cfgs)
+    return f"""# Recovery of endpoint `{endpoint}` after its slot was lost
+
+## What it does
+Re-bootstraps, table after table, the shards read through endpoint `{endpoint}` (no other
+shard), as `cdc_bootstrap__<table>` with conf `{{{{"endpoint": "{endpoint}"}}}}` would:
+{rows}
+
+The first one drops the invalidated slot and creates it again; each table's snapshot is taken
+after that, so the capture's next runs continue every shard with no gap. Until a table's shards
+are done its ingest stops at the landing gap, naming this DAG; nothing is applied past a gap.
+
+## How to operate it
+- Trigger it when the capture fails with `SlotLostError` (the alert names the endpoint): after
+  `max_slot_wal_keep_size` removed WAL the slot needed, PostgreSQL 18's
+  `idle_replication_slot_timeout`, a dropped slot, or a failover to a server without the slot.
+- A task that fails can be cleared: a bootstrap replaces its shards atomically.
+- Each task runs in its table's writer pool, so it waits for that table's ingest or maintenance.
 """
 
 

@@ -202,6 +202,16 @@ def endpoint_ids(cfgs: list[TableConfig]) -> list[str]:
     return sorted({g.endpoint_id for c in cfgs if c.landing.kind == "capture" for g in c.source.shards})
 
 
+def configs_by_endpoint(cs: ConfigSet) -> dict[str, list[TableConfig]]:
+    """endpoint id -> the tables read through it (the capture's endpoints only), by name."""
+    out: dict[str, list[TableConfig]] = {}
+    for endpoint, members in sorted(cs.endpoints().items()):
+        cfgs = {t.name: t for t, _ in members if t.landing.kind == "capture"}
+        if cfgs:
+            out[endpoint] = [cfgs[n] for n in sorted(cfgs)]
+    return out
+
+
 def conn_ids(cfgs: list[TableConfig]) -> list[str]:
     """The source connections the job reads (their URIs are resolved at run time, in the task)."""
     return sorted({g.conn_id for c in cfgs for g in c.source.shards})

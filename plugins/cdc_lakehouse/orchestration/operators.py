@@ -242,9 +242,17 @@ class CdcCaptureOperator(BaseOperator):
         self._result: dict[str, Any] = {}
 
     def execute(self, context: Any) -> dict[str, Any]:
-        from cdc_lakehouse.orchestration.tasks import capture_endpoint
+        from airflow.sdk.exceptions import AirflowFailException
 
-        self._result = capture_endpoint(self.endpoint_id, context["data_interval_end"], context=context)
+        from cdc_lakehouse.orchestration.tasks import capture_endpoint
+        from cdc_lakehouse.source.errors import SlotLostError
+
+        try:
+            self._result = capture_endpoint(self.endpoint_id, context["data_interval_end"], context=context)
+        except SlotLostError as exc:
+            # No retry brings a lost slot back: fail now, so the alert names the endpoint and
+            # cdc_recover__<endpoint> at once rather than after the retries' backoff (#52).
+            raise AirflowFailException(str(exc)) from exc
         return self._result
 
     def get_openlineage_facets_on_complete(self, task_instance: Any) -> Any:

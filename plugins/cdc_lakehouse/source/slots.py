@@ -63,6 +63,12 @@ class SlotState:
     invalidation_reason: str | None = None
 
     @property
+    def lost(self) -> bool:
+        """The server invalidated it: the WAL it needed is gone (before 17 only wal_status 'lost'
+        says so; 18's idle timeout shows the same way)."""
+        return self.exists and (self.wal_status == "lost" or self.invalidation_reason is not None)
+
+    @property
     def retained_bytes(self) -> int | None:
         if self.restart_lsn is None or self.current_lsn is None:
             return None
@@ -128,18 +134,30 @@ def wal_insert_position(conn: Any) -> int:
     return int(lsn)
 
 
-def check_slot_usable(state: SlotState, ep: EndpointTables, *, captured_before: bool) -> None:
-    fix = (
-        "the changes in between are gone from the WAL: re-bootstrap every table on this endpoint "
-        f"(trigger cdc_bootstrap__<table> for {sorted(ep.tables)})"
+def recovery_fix(ep: EndpointTables) -> str:
+    """The one action that brings an endpoint back after its slot was lost (#52)."""
+    return (
+        f"the changes in between are gone from the WAL: re-bootstrap every table on this endpoint ({sorted(ep.tables)}), "
+        f"its shards there only: trigger cdc_recover__{ep.endpoint_id}, which also replaces the lost slot (or, table by "
+        f'table, cdc_bootstrap__<table> with {{"endpoint": "{ep.endpoint_id}"}})'
     )
+
+
+def lost_because(state: SlotState) -> str:
+    why = _INVALIDATED_BY.get(state.invalidation_reason or "wal_removed", state.invalidation_reason)
+    return f"{why}; invalidation_reason={state.invalidation_reason}, wal_status={state.wal_status}"
+
+
+def check_slot_usable(state: SlotState, ep: EndpointTables, *, captured_before: bool) -> None:
     if not state.exists and captured_before:
-        raise SlotLostError(f"replication slot {state.name} on {ep.conn_id} was dropped after earlier captures; {fix}")
-    if state.exists and (state.wal_status == "lost" or state.restart_lsn is None or state.invalidation_reason):
-        why = _INVALIDATED_BY.get(state.invalidation_reason or "wal_removed", state.invalidation_reason)
         raise SlotLostError(
-            f"replication slot {state.name} on {ep.conn_id} was invalidated ({why}; "
-            f"invalidation_reason={state.invalidation_reason}, wal_status={state.wal_status}); {fix}"
+            f"replication slot {state.name} on {ep.conn_id} (endpoint {ep.endpoint_id}) was dropped after earlier "
+            f"captures; {recovery_fix(ep)}"
+        )
+    if state.lost or (state.exists and state.restart_lsn is None):
+        raise SlotLostError(
+            f"replication slot {state.name} on {ep.conn_id} (endpoint {ep.endpoint_id}) was invalidated "
+            f"({lost_because(state)}); {recovery_fix(ep)}"
         )
 
 
@@ -166,6 +184,18 @@ def create_slot(conn, name: str) -> int:
         lsn = cur.fetchone()[0]
     conn.commit()
     return lsn
+
+
+def replace_lost_slot(conn, state: SlotState) -> int:
+    """Drop an invalidated slot and create it again: the position it held is gone from the WAL
+    anyway, and every table's ingest stops at the gap until its shards are re-bootstrapped past
+    the new slot's start (landing.reader.plan_landing). Never a usable slot: that would skip changes."""
+    if not state.lost:
+        raise SlotLostError(f"replication slot {state.name} is usable (wal_status={state.wal_status}); not replaced")
+    with conn.cursor() as cur:
+        cur.execute("SELECT pg_drop_replication_slot(%s)", (state.name,))
+    conn.commit()
+    return create_slot(conn, state.name)
 
 
 def advance_slot(conn, name: str, lsn: int) -> int:

@@ -23,7 +23,8 @@ log = logging.getLogger(__name__)
 _FIXES = {
     "capture": "read the task log: the error names the source connection, the slot or the preflight problem. "
     "Nothing is confirmed on the slot before the run's manifest is durable, so clearing the task "
-    "after the fix loses nothing.",
+    "after the fix loses nothing. A slot dropped or invalidated (SlotLostError, not retried): trigger "
+    "cdc_recover__{endpoint}, which re-bootstraps the endpoint's shards and replaces the slot.",
     "ingest": "read the task log. Quarantined events: `python -m cdc_lakehouse.cli quarantine list {table}`; "
     "a schema change names the column and the choices in the error. Clear the run after the fix: "
     "the watermark makes reruns converge.",
@@ -62,7 +63,7 @@ def failure_alert(context: Mapping[str, Any], tables: list[str] | None = None) -
         "log": getattr(ti, "log_url", None),
     }
     fix = _FIXES.get(step, "read the task log, fix the cause, clear the task.").format(
-        table=tables[0] if len(tables) == 1 else "<table>"
+        table=tables[0] if len(tables) == 1 else "<table>", endpoint=endpoint or "<endpoint>"
     )
     return Alert(
         "task_failed",
