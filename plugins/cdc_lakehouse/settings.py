@@ -414,6 +414,18 @@ def source_uri_env(conn_id: str) -> str:
     return f"{ENV_PREFIX}SOURCE_URI__{_env_key(conn_id)}"
 
 
+def _host_list(text: str, default_port: int = 5432) -> list[tuple[str, int]]:
+    """`host[:port][,host[:port]...]` (a URI's netloc after its user part, or a connection's
+    host field); a host without a port takes default_port."""
+    out = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        host, sep, port = part.rpartition(":") if not part.endswith("]") else (part, "", "")
+        if not sep:
+            host, port = part, ""
+        out.append((host.strip("[]"), int(port) if port else default_port))
+    return out
+
+
 def source_uri(conn_id: str, environ: dict[str, str] | None = None) -> str:
     """postgresql:// URI of a source connection, from CDC_SOURCE_URI__<ID> (set by the Airflow task
     for Spark jobs) or Airflow's own AIRFLOW_CONN_<ID> environment variable."""
@@ -426,7 +438,9 @@ def source_uri(conn_id: str, environ: dict[str, str] | None = None) -> str:
                 auth = quote(c.get("login") or "", safe="")
                 if c.get("password"):
                     auth += ":" + quote(c["password"], safe="")
-                return f"postgresql://{auth}@{c.get('host')}:{c.get('port') or 5432}/{c.get('schema') or ''}"
+                hosts = _host_list(c.get("host") or "localhost", int(c.get("port") or 5432))
+                netloc = ",".join(f"{h}:{p}" for h, p in hosts)
+                return f"postgresql://{auth}@{netloc}/{c.get('schema') or ''}"
             return value
     raise ValueError(
         f"source connection {conn_id!r} is not defined: create the Airflow connection {conn_id!r} "
@@ -436,13 +450,21 @@ def source_uri(conn_id: str, environ: dict[str, str] | None = None) -> str:
 
 @dataclass(frozen=True)
 class SourceEndpoint:
-    """Connection details of one source database, derived from a URI; the password stays out of repr."""
+    """Connection details of one source database, derived from a URI; the password stays out of repr.
+
+    A host list (libpq's `host1:port1,host2:port2`, an Airflow connection's host field) names a
+    primary and its standbys: every connection goes to whichever of them takes writes
+    (target_session_attrs=read-write; JDBC targetServerType=primary), so after a failover the
+    endpoint reaches the promoted server with no change of configuration (#52). Connections of
+    one bootstrap must reach one server (an exported snapshot is imported by its readers): only
+    one of the hosts takes writes at a time."""
 
     host: str
     port: int
     database: str
     user: str
     password: str | None = field(default=None, repr=False)
+    other_hosts: tuple[tuple[str, int], ...] = ()  # after (host, port), in the order libpq tries them
 
     def __post_init__(self) -> None:
         if self.password:  # a connection's password: secret by origin, known to redact() from now on
@@ -451,20 +473,40 @@ class SourceEndpoint:
     @classmethod
     def from_uri(cls, uri: str, database: str | None = None) -> SourceEndpoint:
         u = urlsplit(uri.replace("postgres://", "postgresql://", 1))
+        hosts = _host_list(unquote(u.netloc.rpartition("@")[2]))  # Airflow's get_uri quotes ':' and ','
+        user, password = u.username, u.password
+        (host, port), *others = hosts or [("localhost", 5432)]
         return cls(
-            u.hostname or "localhost",
-            u.port or 5432,
+            host,
+            port,
             database or u.path.lstrip("/") or "postgres",
-            unquote(u.username or "postgres"),
-            unquote(u.password) if u.password else None,
+            unquote(user or "postgres"),
+            unquote(password) if password else None,
+            tuple(others),
         )
 
+    @property
+    def hosts(self) -> tuple[tuple[str, int], ...]:
+        return ((self.host, self.port), *self.other_hosts)
+
     def dsn(self) -> str:
-        return libpq_dsn(host=self.host, port=self.port, dbname=self.database, user=self.user, password=self.password)
+        if not self.other_hosts:
+            return libpq_dsn(
+                host=self.host, port=self.port, dbname=self.database, user=self.user, password=self.password
+            )
+        return libpq_dsn(
+            host=",".join(h for h, _ in self.hosts),
+            port=",".join(str(p) for _, p in self.hosts),
+            dbname=self.database,
+            user=self.user,
+            password=self.password,
+            target_session_attrs="read-write",
+        )
 
     def jdbc_url(self) -> str:
-        return f"jdbc:postgresql://{self.host}:{self.port}/{self.database}"
+        hosts = ",".join(f"{h}:{p}" for h, p in self.hosts)
+        return f"jdbc:postgresql://{hosts}/{self.database}" + ("?targetServerType=primary" if self.other_hosts else "")
 
     @property
     def label(self) -> str:
-        return f"{self.host}:{self.port}/{self.database}"
+        return ",".join(f"{h}:{p}" for h, p in self.hosts) + f"/{self.database}"

@@ -93,13 +93,27 @@ def primary_and_standby(tmp_root):
 
 
 def test_a_promoted_standby_continues_the_capture_from_its_synchronised_slot(primary_and_standby, tmp_path):
+    """The endpoint's Airflow connection lists both servers (host `primary:port,standby:port`):
+    every capture reaches the one that takes writes, before the failover and after it, with no
+    change of configuration. (The end-to-end test below points the connection at the new
+    primary instead.)"""
+    from airflow.models.connection import Connection
+    from cdc_lakehouse.settings import SourceEndpoint
+
     primary, standby = primary_and_standby
+    conn = Connection(
+        conn_type="postgres",
+        host=f"127.0.0.1:{primary.port},127.0.0.1:{standby.port}",
+        login="postgres",
+        password=primary.password,
+    )
+    dsn = SourceEndpoint.from_uri(conn.get_uri(), "src").dsn()
     primary.execute("CREATE TABLE items (id bigint PRIMARY KEY, v bigint NOT NULL)", dbname="src")
     primary.execute(f"INSERT INTO items SELECT g, 0 FROM generate_series(1, {KEYS}) g", dbname="src")
     ep = EndpointTables("fo", "cdc_fo", {"items": (["public"], ["id"])})
     store = LocalLanding(f"file://{tmp_path}/landing")
     slot = slot_name("fo")
-    runs = [capture_run(ep, primary.dsn("src"), store, "r01")]  # creates the (failover) slot
+    runs = [capture_run(ep, dsn, store, "r01")]  # creates the (failover) slot
 
     # A writer bumps one key's v by one per transaction, so every value of every key must land.
     stop, written = threading.Event(), [0]
@@ -116,19 +130,17 @@ def test_a_promoted_standby_continues_the_capture_from_its_synchronised_slot(pri
     try:
         for n in range(2, 5):
             time.sleep(0.5)
-            runs.append(capture_run(ep, primary.dsn("src"), store, f"r{n:02d}"))
+            runs.append(capture_run(ep, dsn, store, f"r{n:02d}"))
     finally:
         stop.set()
         writer.join(30)
     assert written[0] > 50, written
 
-    # The primary is gone; the standby takes over and the endpoint now points at it.
-    _fail_over(
-        primary, standby, slot, lambda: runs.append(capture_run(ep, primary.dsn("src"), store, f"r{len(runs) + 1:02d}"))
-    )
+    # The primary is gone; the standby takes over, and the same connection reaches it.
+    _fail_over(primary, standby, slot, lambda: runs.append(capture_run(ep, dsn, store, f"r{len(runs) + 1:02d}")))
     for i in range(KEYS):  # writes on the new primary, after the failover
         standby.execute(f"UPDATE items SET v = v + 1 WHERE id = {i + 1}", dbname="src")
-    runs.append(capture_run(ep, standby.dsn("src"), store, f"r{len(runs) + 1:02d}"))
+    runs.append(capture_run(ep, dsn, store, f"r{len(runs) + 1:02d}"))
     assert runs[-1].manifest.events >= KEYS, runs[-1].manifest.events
 
     # The promoted server's runs say where its history left the old timeline: the landing's

@@ -69,6 +69,7 @@ def test_cli_lists_the_dags_and_no_import_errors(airflow_env):
         "cdc_ingest_group__notion_small",
         "cdc_bootstrap__space",
     } <= ids, ids
+    assert any(i.startswith("cdc_recover__") for i in ids), ids  # one per source endpoint
     r = subprocess.run(
         [airflow, "dags", "list-import-errors", "-o", "json"],
         env=env,

@@ -17,3 +17,53 @@ def test_a_feed_output_is_maintained_in_the_first_run_after_each_schedule_tick()
     # What Airflow passes as prev_start_date_success: lazy proxies, of None on a DAG's first run.
     assert not schedule_tick_passed("15 3 * * *", Proxy(lambda: None), now)
     assert schedule_tick_passed("15 3 * * *", Proxy(lambda: now - timedelta(hours=1)), now)
+
+
+def test_a_connection_listing_a_primary_and_its_standbys_reaches_the_one_that_takes_writes(monkeypatch):
+    """#52: an Airflow connection whose host is a list (host:port,host:port, as libpq takes it)
+    gives every client the list and asks for the server that takes writes, so a failover needs no
+    change of configuration; a single host stays as it was."""
+    import json
+
+    from airflow.models.connection import Connection
+    from cdc_lakehouse.orchestration.tasks import source_uri_from_connection
+    from cdc_lakehouse.settings import SourceEndpoint, source_uri
+
+    conn = Connection(conn_id="src", conn_type="postgres", host="pg-a:5432,pg-b:5433", login="u", password="p@w,:")
+    monkeypatch.setenv("AIRFLOW_CONN_SRC", conn.as_json())
+    for uri in (source_uri_from_connection("src"), source_uri("src")):  # the task's form, and a job's
+        ep = SourceEndpoint.from_uri(uri, "db")
+        assert ep.hosts == (("pg-a", 5432), ("pg-b", 5433)) and ep.password == "p@w,:", (uri, ep)
+        assert ep.dsn() == (
+            "host='pg-a,pg-b' port='5432,5433' dbname='db' user='u' password='p@w,:' target_session_attrs='read-write'"
+        )
+        assert ep.jdbc_url() == "jdbc:postgresql://pg-a:5432,pg-b:5433/db?targetServerType=primary"
+        assert ep.label == "pg-a:5432,pg-b:5433/db"
+    monkeypatch.setenv("AIRFLOW_CONN_SRC", json.dumps({"conn_type": "postgres", "host": "pg-a,pg-b", "port": 6000}))
+    assert SourceEndpoint.from_uri(source_uri("src")).hosts == (("pg-a", 6000), ("pg-b", 6000))
+    one = SourceEndpoint.from_uri("postgresql://u:p@pg-a:5439/db")
+    assert (one.hosts, one.dsn(), one.jdbc_url()) == (
+        (("pg-a", 5439),),
+        "host='pg-a' port='5439' dbname='db' user='u' password='p'",
+        "jdbc:postgresql://pg-a:5439/db",
+    )
+
+
+def test_a_lost_slot_fails_the_capture_task_without_retries(monkeypatch):
+    """No retry brings a lost slot back: the capture task fails for good at once, so its alert
+    (which names the endpoint and cdc_recover__<endpoint>) is not held back by the retries (#52)."""
+    import pytest
+    from airflow.sdk.exceptions import AirflowFailException
+    from cdc_lakehouse.orchestration import tasks
+    from cdc_lakehouse.orchestration.operators import CdcCaptureOperator
+    from cdc_lakehouse.source.errors import SlotLostError, SourceError
+
+    op = CdcCaptureOperator(task_id="capture__e1", endpoint_id="e1")
+    lost = SlotLostError("replication slot s on c (endpoint e1) was invalidated; trigger cdc_recover__e1")
+    monkeypatch.setattr(tasks, "capture_endpoint", lambda *a, **k: (_ for _ in ()).throw(lost))
+    with pytest.raises(AirflowFailException, match="cdc_recover__e1"):
+        op.execute({"data_interval_end": datetime(2026, 3, 1, tzinfo=UTC)})
+    busy = SourceError("server busy")  # anything else is retried as before
+    monkeypatch.setattr(tasks, "capture_endpoint", lambda *a, **k: (_ for _ in ()).throw(busy))
+    with pytest.raises(SourceError, match="server busy"):
+        op.execute({"data_interval_end": datetime(2026, 3, 1, tzinfo=UTC)})
