@@ -177,8 +177,35 @@ def _status_api(spark: SparkSession) -> str | None:
         host, port = get("spark.driver.host", None), get("spark.ui.port", "4040")
         if not host or not app:
             return None
-        url = f"http://{host}:{port}"
+        return _answering_ui(host, int(port or 4040), app)
     return f"{url.rstrip('/')}/api/v1/applications/{app}"
+
+
+def _answering_ui(host: str, port: int, app: str) -> str | None:
+    """The status API of application `app` on `host`, from spark.ui.port up: a UI whose port was
+    taken when the server started binds the next free one (spark.port.maxRetries, 16 by default),
+    and spark.ui.port still names the first. The port it names then may be another program's,
+    whose answers (a 404 for this application, seen in CI) are not this application's."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    named = f"http://{host}:{port}/api/v1/applications/{app}"
+    for p in range(port, port + 17):
+        base = f"http://{host}:{p}/api/v1/applications/{app}"
+        try:
+            # A busy driver answers its UI slowly: the port it names gets the time the other
+            # status reads get; the later ones are only tried when that one is not the UI.
+            with urllib.request.urlopen(base, timeout=10 if p == port else 2) as r:  # noqa: S310 - the driver's UI
+                if json.load(r).get("id") == app:
+                    return base
+        except urllib.error.HTTPError:
+            continue  # another program's, or another application's UI
+        except (OSError, ValueError, AttributeError) as exc:
+            if isinstance(getattr(exc, "reason", exc), TimeoutError):
+                return named if p == port else None  # as before this check: the named port
+            continue  # nothing listens there (any more), or not a Spark UI
+    return None
 
 
 def _tagged_jobs(spark: SparkSession, tag: str) -> list[dict[str, Any]] | None:
