@@ -53,14 +53,15 @@ for cfg in tables.tables.values():
                 "in which this many chunks completed (0 = to the end); trigger again to resume after "
                 "the last completed chunk",
             ),
-            # A one-column backfill instead (bootstrap/column.py): only these columns of the rows
-            # the lake has, from the source, in chunks between WAL markers; resumes like chunked mode.
+            # After the endpoint's slot was lost: its shards only, in the snapshot mode.
             "endpoint": Param(
                 "",
                 type="string",
                 enum=["", *endpoint_ids([cfg])],
                 description="only the shards read through this endpoint (its slot was lost); not with shards",
             ),
+            # A one-column backfill instead (bootstrap/column.py): only these columns of the rows
+            # the lake has, from the source, in chunks between WAL markers; resumes like chunked mode.
             "columns": Param(
                 [],
                 type="array",

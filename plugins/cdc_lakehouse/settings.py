@@ -416,14 +416,36 @@ def source_uri_env(conn_id: str) -> str:
 
 def _host_list(text: str, default_port: int = 5432) -> list[tuple[str, int]]:
     """`host[:port][,host[:port]...]` (a URI's netloc after its user part, or a connection's
-    host field); a host without a port takes default_port."""
+    host field); a host without a port takes default_port. An IPv6 address has its brackets
+    when a port follows ([::1]:5432); without them the whole part is the address."""
     out = []
     for part in filter(None, (p.strip() for p in text.split(","))):
-        host, sep, port = part.rpartition(":") if not part.endswith("]") else (part, "", "")
-        if not sep:
+        if part.startswith("["):
+            host, _, rest = part[1:].partition("]")
+            port = rest.lstrip(":")
+        elif part.count(":") == 1:
+            host, port = part.split(":")
+        else:
             host, port = part, ""
-        out.append((host.strip("[]"), int(port) if port else default_port))
+        out.append((host or "localhost", int(port) if port else default_port))
     return out
+
+
+def _netloc_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+def connection_uri(
+    host: str | None, port: int | str | None, login: str | None, password: str | None, schema: str | None
+) -> str:
+    """postgresql:// URI of a connection's fields; a host field listing several servers (libpq's
+    `host:port,host:port`) becomes the URI's host list, each host with its own port or `port`."""
+    auth = quote(login or "", safe="")
+    if password:
+        auth += ":" + quote(password, safe="")
+    hosts = _host_list(host or "localhost", int(port or 5432))
+    netloc = ",".join(f"{_netloc_host(h)}:{p}" for h, p in hosts)
+    return f"postgresql://{auth}@{netloc}/{schema or ''}"
 
 
 def source_uri(conn_id: str, environ: dict[str, str] | None = None) -> str:
@@ -435,12 +457,7 @@ def source_uri(conn_id: str, environ: dict[str, str] | None = None) -> str:
         if value:
             if value.lstrip().startswith("{"):
                 c = json.loads(value)
-                auth = quote(c.get("login") or "", safe="")
-                if c.get("password"):
-                    auth += ":" + quote(c["password"], safe="")
-                hosts = _host_list(c.get("host") or "localhost", int(c.get("port") or 5432))
-                netloc = ",".join(f"{h}:{p}" for h, p in hosts)
-                return f"postgresql://{auth}@{netloc}/{c.get('schema') or ''}"
+                return connection_uri(c.get("host"), c.get("port"), c.get("login"), c.get("password"), c.get("schema"))
             return value
     raise ValueError(
         f"source connection {conn_id!r} is not defined: create the Airflow connection {conn_id!r} "
@@ -504,7 +521,7 @@ class SourceEndpoint:
         )
 
     def jdbc_url(self) -> str:
-        hosts = ",".join(f"{h}:{p}" for h, p in self.hosts)
+        hosts = ",".join(f"{_netloc_host(h)}:{p}" for h, p in self.hosts)
         return f"jdbc:postgresql://{hosts}/{self.database}" + ("?targetServerType=primary" if self.other_hosts else "")
 
     @property

@@ -23,8 +23,6 @@ def test_a_connection_listing_a_primary_and_its_standbys_reaches_the_one_that_ta
     """#52: an Airflow connection whose host is a list (host:port,host:port, as libpq takes it)
     gives every client the list and asks for the server that takes writes, so a failover needs no
     change of configuration; a single host stays as it was."""
-    import json
-
     from airflow.models.connection import Connection
     from cdc_lakehouse.orchestration.tasks import source_uri_from_connection
     from cdc_lakehouse.settings import SourceEndpoint, source_uri
@@ -39,8 +37,17 @@ def test_a_connection_listing_a_primary_and_its_standbys_reaches_the_one_that_ta
         )
         assert ep.jdbc_url() == "jdbc:postgresql://pg-a:5432,pg-b:5433/db?targetServerType=primary"
         assert ep.label == "pg-a:5432,pg-b:5433/db"
-    monkeypatch.setenv("AIRFLOW_CONN_SRC", json.dumps({"conn_type": "postgres", "host": "pg-a,pg-b", "port": 6000}))
-    assert SourceEndpoint.from_uri(source_uri("src")).hosts == (("pg-a", 6000), ("pg-b", 6000))
+    # The port field is the port of each host that names none, in both forms.
+    for host, port, hosts in (
+        ("pg-a,pg-b", 6000, (("pg-a", 6000), ("pg-b", 6000))),
+        ("pg-a:5432,pg-b:5433", 5432, (("pg-a", 5432), ("pg-b", 5433))),
+        ("pg-a,[::1]:5433", 6000, (("pg-a", 6000), ("::1", 5433))),
+    ):
+        monkeypatch.setenv("AIRFLOW_CONN_SRC", Connection(conn_type="postgres", host=host, port=port).as_json())
+        for uri in (source_uri_from_connection("src"), source_uri("src")):
+            assert SourceEndpoint.from_uri(uri).hosts == hosts, (host, port, uri)
+    assert SourceEndpoint.from_uri("postgresql://u@:6543/db").hosts == (("localhost", 6543),)
+    assert SourceEndpoint.from_uri("postgresql://u@[::1]:6543/db").jdbc_url() == "jdbc:postgresql://[::1]:6543/db"
     one = SourceEndpoint.from_uri("postgresql://u:p@pg-a:5439/db")
     assert (one.hosts, one.dsn(), one.jdbc_url()) == (
         (("pg-a", 5439),),

@@ -144,7 +144,7 @@ def chunked_bootstrap(
     progress = load_progress(spark, lake, cfg.name)
     run = ChunkedRun(cfg.name, run_id)
     for endpoint_id, sources in endpoints.items():
-        prepare_endpoint(endpoint_id, sources, cfg, (all_endpoint_tables or {}).get(endpoint_id), table_configs)
+        prepare_endpoint(endpoint_id, sources, cfg, (all_endpoint_tables or {}).get(endpoint_id), table_configs, lake)
         _start_positions(spark, cfg, target, endpoint_id, sources, run_id, progress)
     for table in (target.changelog, target.current):  # read with the progress this run resumes from
         spark.sql(f"REFRESH TABLE {table}")
@@ -310,7 +310,7 @@ class _RoundReader:
         self.table, self.per_host, self.columns = cfg.source.table, cfg.bootstrap.max_connections_per_host, columns
         self.commit_wait = cfg.bootstrap.commit_wait_seconds
         self.pool: ThreadPoolExecutor | None = None
-        self.slots: dict[tuple[str, int], threading.BoundedSemaphore] = {}
+        self.slots: dict[tuple[tuple[str, int], ...], threading.BoundedSemaphore] = {}
 
     def __enter__(self) -> _RoundReader:
         return self
@@ -351,9 +351,10 @@ class _RoundReader:
                 conn.close()
 
 
-def _server(sh: _Shard) -> tuple[str, int]:
-    """The cap is per server: several databases (endpoints) on one host share it."""
-    return (sh.source.endpoint.host, sh.source.endpoint.port)
+def _server(sh: _Shard) -> tuple[tuple[str, int], ...]:
+    """The cap is per server: several databases (endpoints) on one host share it (a host list:
+    the servers it names, of which the one that takes writes is read)."""
+    return tuple(sorted(sh.source.endpoint.hosts))
 
 
 def _start_shard(conn, sh: _Shard, table: str) -> None:

@@ -96,12 +96,16 @@ def bootstrap_table(
     all_endpoint_tables: dict[str, dict] | None = None,
     should_stop: Callable[[Any], bool] | None = None,
     table_configs: list[TableConfig] | None = None,
+    snapshot_only: bool = False,
 ) -> BootstrapResult:
     """Snapshot cfg's shards (all, or `shards`) into its current table and changelog; or chunk
-    them (bootstrap.mode, bootstrap/chunked.py; should_stop pauses that mode between chunks)."""
+    them (bootstrap.mode, bootstrap/chunked.py; should_stop pauses that mode between chunks).
+    snapshot_only: the snapshot mode whatever bootstrap.mode says (a recovery after a lost slot:
+    a chunked run keeps the shards' positions and only upserts, so it would mend neither the
+    gap nor the rows deleted in it)."""
     from cdc_lakehouse.bootstrap.chunked import choose_mode, chunked_bootstrap
 
-    if choose_mode(cfg, shards) == "chunked":
+    if not snapshot_only and choose_mode(cfg, shards) == "chunked":
         return chunked_bootstrap(
             spark,
             lake,
@@ -123,7 +127,7 @@ def bootstrap_table(
     # The exported snapshots live as long as their connections: the changelog write reads under them.
     with ExitStack() as stack:
         frames = _export_and_read(
-            spark, stack, cfg, endpoints, target, snap, pg_types, all_endpoint_tables, table_configs
+            spark, stack, lake, cfg, endpoints, target, snap, pg_types, all_endpoint_tables, table_configs
         )
         with clock.phase("read_and_changelog"):
             _write_changelog(spark, cfg, target, snap, frames)
@@ -173,6 +177,7 @@ def _new_snapshot(spark: SparkSession, target: _Target, run_id: str) -> _Snapsho
 def _export_and_read(
     spark: SparkSession,
     stack: ExitStack,
+    lake: LakeSettings,
     cfg: TableConfig,
     endpoints: dict[str, list[ShardSource]],
     target: _Target,
@@ -185,7 +190,9 @@ def _export_and_read(
     open on `stack`) and the shards' rows under it, with the watermark set to its point."""
     frames = []
     for endpoint_id, shard_sources in endpoints.items():
-        prepare_endpoint(endpoint_id, shard_sources, cfg, (all_endpoint_tables or {}).get(endpoint_id), table_configs)
+        prepare_endpoint(
+            endpoint_id, shard_sources, cfg, (all_endpoint_tables or {}).get(endpoint_id), table_configs, lake
+        )
         conn, point, snapshot, identity = export_snapshot(shard_sources[0].endpoint, endpoint_id, snap.run_id)
         stack.callback(conn.close)
         snap.per_endpoint[endpoint_id] = {"consistent_point": point, "shards": [s.shard for s in shard_sources]}

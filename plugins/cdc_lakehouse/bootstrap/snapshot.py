@@ -27,7 +27,7 @@ from cdc_lakehouse.bootstrap.copy_read import ReadSource, ReadTask, read_with_co
 from cdc_lakehouse.bootstrap.typed_select import TypedSelect, text_columns, typed_select
 from cdc_lakehouse.config import SHARD_COL, ShardGroup, TableConfig
 from cdc_lakehouse.identifiers import pg_ident, pg_qualified
-from cdc_lakehouse.settings import SourceEndpoint, source_uri
+from cdc_lakehouse.settings import LakeSettings, SourceEndpoint, source_uri
 from cdc_lakehouse.source.catalog import (
     EndpointTables,
     SourceTable,
@@ -37,18 +37,10 @@ from cdc_lakehouse.source.catalog import (
 )
 from cdc_lakehouse.source.ddl import capture_ddl
 from cdc_lakehouse.source.errors import PreflightError
-from cdc_lakehouse.source.pgoutput import lsn_to_str
 from cdc_lakehouse.source.publication import check_publication, consumed_column_lists, source_identity
 from cdc_lakehouse.source.publication import preflight as source_preflight
 from cdc_lakehouse.source.session import jdbc_properties
-from cdc_lakehouse.source.slots import (
-    create_slot,
-    ensure_heartbeat_tables,
-    lost_because,
-    replace_lost_slot,
-    slot_name,
-    slot_state,
-)
+from cdc_lakehouse.source.slots import ensure_capture_slot, ensure_heartbeat_tables, lost_because, slot_name
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
@@ -166,6 +158,7 @@ def prepare_endpoint(
     cfg: TableConfig,
     all_tables: dict[str, tuple[list[str], list[str]]] | None,
     table_configs: list[TableConfig] | None = None,
+    lake: LakeSettings | None = None,
 ) -> None:
     """Heartbeat tables, publication membership and the capture slot, before any snapshot.
     table_configs (every valid config, when none is broken): the publication's column lists for
@@ -189,26 +182,32 @@ def prepare_endpoint(
         if problems:
             raise PreflightError(problems)
         slot = slot_name(endpoint_id)
-        state = slot_state(conn, slot)
-        if state.lost:
-            # The WAL it held is gone; a bootstrap starts from a snapshot after the new slot's
+        lost = ensure_capture_slot(conn, slot, lambda: _forget_capture_attempts(lake, endpoint_id))
+        if lost is not None:
+            # The WAL it held is gone; this bootstrap's snapshot is taken after the new slot's
             # start, and every other table's ingest stops at the gap until its shards here are
             # re-bootstrapped too (cdc_recover__<endpoint> does all of them, #52).
-            at = replace_lost_slot(conn, state)
             log.warning(
-                "bootstrap %s: capture slot %s of endpoint %s was invalidated (%s); replaced by a new slot at %s. "
+                "bootstrap %s: capture slot %s of endpoint %s was invalidated (%s) and is replaced. "
                 "Every table on the endpoint needs its shards there re-bootstrapped: %s",
                 cfg.name,
                 slot,
                 endpoint_id,
-                lost_because(state),
-                lsn_to_str(at),
+                lost_because(lost),
                 sorted(eptables.tables),
             )
-        elif not state.exists:
-            create_slot(conn, slot)
     finally:
         conn.close()
+
+
+def _forget_capture_attempts(lake: LakeSettings | None, endpoint_id: str) -> None:
+    """Before a new capture slot: the landing's attempt records of the endpoint go (capture.positions)."""
+    if lake is None:
+        return
+    from cdc_lakehouse.capture.positions import forget_attempts
+    from cdc_lakehouse.landing.stores import open_landing
+
+    forget_attempts(open_landing(lake.landing_uri, lake.landing_conn_id), endpoint_id)
 
 
 def export_snapshot(ep: SourceEndpoint, endpoint_id: str, run_id: str):

@@ -23,6 +23,14 @@ def attempt_path(endpoint: str, run_id: str) -> str:
     return f"{endpoint}/{ATTEMPTS_DIR}/{run_id}.json"
 
 
+def forget_attempts(store, endpoint: str) -> None:
+    """Drop the endpoint's attempt records: done before a new slot replaces a lost one, whose start
+    no earlier attempt's keepalive explains (start_position would otherwise call the jump from
+    the last manifest to the new slot no gap)."""
+    for name in store.list_names(f"{endpoint}/{ATTEMPTS_DIR}"):
+        store.delete(f"{endpoint}/{ATTEMPTS_DIR}/{name}")
+
+
 def start_position(
     store, endpoint: str, previous: list[Manifest], state: SlotState
 ) -> tuple[int | None, dict[str, Any] | None]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from cdc_lakehouse.jobs.params import JobParams, flag
 from cdc_lakehouse.jobs.runner import StageResult, load_tables, run_per_table, table_configs
@@ -50,6 +50,12 @@ def selected_shards(cfg: TableConfig, p: BootstrapParams) -> list[str] | None:
     return shards
 
 
+def bootstrap_scope(cfg: TableConfig, p: BootstrapParams) -> dict[str, Any]:
+    """What bootstrap_table takes from the parameters: the shards, and for a recovery (endpoints)
+    the snapshot mode whatever bootstrap.mode says (a chunked run keeps the lost positions)."""
+    return {"shards": selected_shards(cfg, p), "snapshot_only": bool(p.endpoints)}
+
+
 def main(p: BootstrapParams) -> int:
     def fn(spark, lake, cfg, file) -> StageResult:
         from cdc_lakehouse.bootstrap.run import bootstrap_table
@@ -61,6 +67,8 @@ def main(p: BootstrapParams) -> int:
 
             return bootstrap_debezium(spark, lake, cfg)
         shards = selected_shards(cfg, p)
+        if p.endpoints and p.columns:
+            raise ValueError(f"{cfg.name}: a column backfill (columns) does not recover an endpoint; give one of them")
         done = [0]
 
         def should_stop(_state) -> bool:  # asked after every chunk; the run stops at the round's end
@@ -78,11 +86,11 @@ def main(p: BootstrapParams) -> int:
             lake,
             cfg,
             run_id=run,
-            shards=shards,
             all_endpoint_tables=cs.endpoint_tables(),
             should_stop=should_stop,
             # A broken config's columns cannot be narrowed out: then no lists (see capture_endpoint).
             table_configs=None if cs.errors else list(cs.tables.values()),
+            **bootstrap_scope(cfg, p),
         )
 
     return run_per_table("bootstrap", p.app_name, lambda: load_tables(p.config_dir, p.tables), fn)

@@ -108,8 +108,9 @@ Re-bootstraps, table after table, the shards read through endpoint `{endpoint}` 
 shard), as `cdc_bootstrap__<table>` with conf `{{{{"endpoint": "{endpoint}"}}}}` would:
 {rows}
 
-The first one drops the invalidated slot and creates it again; each table's snapshot is taken
-after that, so the capture's next runs continue every shard with no gap. Until a table's shards
+Always the snapshot mode, whatever `bootstrap.mode` says: a chunked run keeps the shards' old
+positions. The first one drops the invalidated slot and creates it again; each table's snapshot
+is taken after that, so the capture's next runs continue every shard with no gap. Until a table's shards
 are done its ingest stops at the landing gap, naming this DAG; nothing is applied past a gap.
 
 ## How to operate it

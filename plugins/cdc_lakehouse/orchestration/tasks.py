@@ -14,7 +14,7 @@ from urllib.parse import urlsplit
 from cdc_lakehouse.config import ConfigSet, load_table_configs
 from cdc_lakehouse.lake.meta_rows import CaptureRun, from_row
 from cdc_lakehouse.orchestration.metrics import capture_metrics
-from cdc_lakehouse.settings import PROJECT_ROOT, LakeSettings, source_uri_env, tables_dir
+from cdc_lakehouse.settings import PROJECT_ROOT, LakeSettings, connection_uri, source_uri_env, tables_dir
 
 if TYPE_CHECKING:
     from cdc_lakehouse.landing.format import Manifest
@@ -77,6 +77,10 @@ def source_uri_from_connection(conn_id: str) -> str:
     from airflow.sdk import BaseHook
 
     conn = BaseHook.get_connection(conn_id)
+    if conn.host and "," in conn.host:
+        # A host list (a primary and its standbys): get_uri would quote it into one host name
+        # and append the port field after it; each host keeps its own port here.
+        return connection_uri(conn.host, conn.port, conn.login, conn.password, conn.schema)
     uri = conn.get_uri()
     return uri.replace("postgres://", "postgresql://", 1)
 

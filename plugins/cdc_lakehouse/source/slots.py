@@ -4,6 +4,7 @@ writes that prove a quiet source is alive and give every capture a commit to sto
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -186,16 +187,34 @@ def create_slot(conn, name: str) -> int:
     return lsn
 
 
-def replace_lost_slot(conn, state: SlotState) -> int:
-    """Drop an invalidated slot and create it again: the position it held is gone from the WAL
-    anyway, and every table's ingest stops at the gap until its shards are re-bootstrapped past
-    the new slot's start (landing.reader.plan_landing). Never a usable slot: that would skip changes."""
-    if not state.lost:
-        raise SlotLostError(f"replication slot {state.name} is usable (wal_status={state.wal_status}); not replaced")
+def ensure_capture_slot(conn, name: str, before_new_slot: Callable[[], None]) -> SlotState | None:
+    """The endpoint's capture slot, created when missing and replaced (dropped and created again)
+    when the server invalidated it; returns the lost slot's state when it replaced one.
+
+    The position a lost slot held is gone from the WAL anyway, and every table's ingest stops at
+    the gap until its shards are re-bootstrapped past the new slot's start (landing.reader). A
+    usable slot is never touched. One process at a time per slot (a session advisory lock): two
+    bootstraps of one endpoint never replace the slot the other just made. `before_new_slot`
+    runs before a slot is made, under the lock (the capture's attempt records, which could
+    otherwise explain the new slot's start as an old attempt's keepalive, capture.positions)."""
+    key = f"cdc_lakehouse slot {name}"
     with conn.cursor() as cur:
-        cur.execute("SELECT pg_drop_replication_slot(%s)", (state.name,))
-    conn.commit()
-    return create_slot(conn, state.name)
+        cur.execute("SELECT pg_advisory_lock(hashtext(%s))", (key,))
+    try:
+        state = slot_state(conn, name)
+        if state.exists and not state.lost:
+            return None
+        before_new_slot()
+        if state.lost:
+            with conn.cursor() as cur:
+                cur.execute("SELECT pg_drop_replication_slot(%s)", (name,))
+            conn.commit()
+        create_slot(conn, name)
+        return state if state.lost else None
+    finally:
+        with conn.cursor() as cur:
+            cur.execute("SELECT pg_advisory_unlock(hashtext(%s))", (key,))
+        conn.commit()
 
 
 def advance_slot(conn, name: str, lsn: int) -> int:
