@@ -25,10 +25,10 @@ from tests.integration.conftest import Source
 def short_wal_server(tmp_root):
     """A server that keeps at most 2 MB of WAL behind a slot."""
     server = LocalPostgres(tmp_root / "pg_short_wal", free_port(), fast=True)
-    server.init()
-    with open(server.datadir / "postgresql.auto.conf", "a") as f:
-        f.write("max_slot_wal_keep_size = 2MB\nmax_wal_size = 32MB\nmin_wal_size = 32MB\n")
     server.start()
+    for setting in ("max_slot_wal_keep_size = '2MB'", "max_wal_size = '32MB'", "min_wal_size = '32MB'"):
+        server.execute(f"ALTER SYSTEM SET {setting}")
+    server.execute("SELECT pg_reload_conf()")
     yield server
     server.destroy()
 
@@ -78,7 +78,8 @@ def test_a_lost_slot_stops_the_capture_and_one_recovery_brings_its_endpoint_back
     # What cdc_recover__<endpoint> runs, one table after another: here the first table only, so
     # the second shows what an ingest does before its shards are back.
     recover = BootstrapParams(tables=(s.block.name, s.perm.name), endpoints=(s.endpoint,))
-    s.bootstrap(s.block, **bootstrap_scope(s.block, recover))
+    scope = bootstrap_scope(s.block, recover)
+    s.bootstrap(s.block, shards=scope.shards, snapshot_only=scope.snapshot_only)
     [(status,)] = srv.execute(f"SELECT wal_status FROM pg_replication_slots WHERE slot_name = '{slot}'")
     assert status in ("reserved", "extended"), status  # a new slot in the lost one's place
     s.wl.step(200, pk_changes=2)
@@ -91,7 +92,8 @@ def test_a_lost_slot_stops_the_capture_and_one_recovery_brings_its_endpoint_back
     # A table whose bootstraps are chunked recovers in the snapshot mode: a chunked run keeps the
     # shards' positions (before the gap) and only upserts (rows deleted in the gap would stay).
     s.perm = s.perm.model_copy(update={"bootstrap": s.perm.bootstrap.model_copy(update={"mode": "chunked"})})
-    s.bootstrap(s.perm, **bootstrap_scope(s.perm, recover))
+    scope = bootstrap_scope(s.perm, recover)
+    s.bootstrap(s.perm, shards=scope.shards, snapshot_only=scope.snapshot_only)
     s.wl.step(200, pk_changes=2)
     run = s.capture().manifest.run_id
     for cfg in (s.block, s.perm):

@@ -5,28 +5,40 @@ from __future__ import annotations
 
 import threading
 import zipfile
+from collections.abc import Callable
 
 from cdc_lakehouse.runtime.packaging import pyfiles_zip
 
 
-def test_threads_rebuilding_a_stale_zip_at_once_all_get_a_whole_zip(tmp_path):
-    start, errors, zips = threading.Barrier(4), [], []
+def _at_once(fn: Callable[[], None], threads: int = 4) -> list[Exception]:
+    """fn in `threads` threads started together; what they raised."""
+    start, errors = threading.Barrier(threads), []
 
-    def build() -> None:
+    def run() -> None:
         start.wait()
         try:
-            path = pyfiles_zip(tmp_path)
-            with zipfile.ZipFile(path) as zf:
-                assert zf.testzip() is None
-                zips.append(len(zf.namelist()))
-        except Exception as exc:  # noqa: BLE001 - collected, asserted below
+            fn()
+        except Exception as exc:  # noqa: BLE001 - returned, asserted by the caller
             errors.append(exc)
 
-    threads = [threading.Thread(target=build) for _ in range(4)]
-    for t in threads:
+    workers = [threading.Thread(target=run) for _ in range(threads)]
+    for t in workers:
         t.start()
-    for t in threads:
+    for t in workers:
         t.join()
+    return errors
+
+
+def test_threads_rebuilding_a_stale_zip_at_once_all_get_a_whole_zip(tmp_path):
+    zips = []
+
+    def build() -> None:
+        path = pyfiles_zip(tmp_path)
+        with zipfile.ZipFile(path) as zf:
+            assert zf.testzip() is None
+            zips.append(len(zf.namelist()))
+
+    errors = _at_once(build)
     assert not errors, errors
     assert len(zips) == 4 and len(set(zips)) == 1, zips
     assert not list(tmp_path.glob("*.tmp"))
@@ -47,7 +59,7 @@ def test_sessions_opened_at_once_ship_the_zip_one_at_a_time(monkeypatch, tmp_pat
     monkeypatch.setattr(session, "set_task_conf", lambda spark, conf: None)
     monkeypatch.setattr(session, "lake_conf", lambda lake: {})
     monkeypatch.setattr("cdc_lakehouse.runtime.packaging.pyfiles_zip", lambda: tmp_path / "cdc_lakehouse.zip")
-    start, lock, at_once = threading.Barrier(4), threading.Lock(), []
+    lock, at_once = threading.Lock(), []
     inside = [0]
 
     def add_artifacts(path: str, pyfile: bool) -> None:
@@ -59,16 +71,6 @@ def test_sessions_opened_at_once_ship_the_zip_one_at_a_time(monkeypatch, tmp_pat
         with lock:
             inside[0] -= 1
 
-    def open_session() -> None:
-        start.wait()
-        try:
-            session.configure_session(SimpleNamespace(addArtifacts=add_artifacts), LakeSettings())
-        except Exception as exc:  # noqa: BLE001 - collected, asserted below
-            at_once.append(exc)
-
-    threads = [threading.Thread(target=open_session) for _ in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    errors = _at_once(lambda: session.configure_session(SimpleNamespace(addArtifacts=add_artifacts), LakeSettings()))
+    assert not errors, errors
     assert at_once and max(at_once) == 1, at_once

@@ -157,8 +157,8 @@ def prepare_endpoint(
     shard_sources: list[ShardSource],
     cfg: TableConfig,
     all_tables: dict[str, tuple[list[str], list[str]]] | None,
-    table_configs: list[TableConfig] | None = None,
-    lake: LakeSettings | None = None,
+    table_configs: list[TableConfig] | None,
+    lake: LakeSettings,
 ) -> None:
     """Heartbeat tables, publication membership and the capture slot, before any snapshot.
     table_configs (every valid config, when none is broken): the publication's column lists for
@@ -200,10 +200,8 @@ def prepare_endpoint(
         conn.close()
 
 
-def _forget_capture_attempts(lake: LakeSettings | None, endpoint_id: str) -> None:
+def _forget_capture_attempts(lake: LakeSettings, endpoint_id: str) -> None:
     """Before a new capture slot: the landing's attempt records of the endpoint go (capture.positions)."""
-    if lake is None:
-        return
     from cdc_lakehouse.capture.positions import forget_attempts
     from cdc_lakehouse.landing.stores import open_landing
 

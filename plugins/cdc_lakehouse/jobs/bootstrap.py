@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from cdc_lakehouse.jobs.params import JobParams, flag
 from cdc_lakehouse.jobs.runner import StageResult, load_tables, run_per_table, table_configs
@@ -50,10 +50,17 @@ def selected_shards(cfg: TableConfig, p: BootstrapParams) -> list[str] | None:
     return shards
 
 
-def bootstrap_scope(cfg: TableConfig, p: BootstrapParams) -> dict[str, Any]:
+@dataclass(frozen=True)
+class BootstrapScope:
     """What bootstrap_table takes from the parameters: the shards, and for a recovery (endpoints)
     the snapshot mode whatever bootstrap.mode says (a chunked run keeps the lost positions)."""
-    return {"shards": selected_shards(cfg, p), "snapshot_only": bool(p.endpoints)}
+
+    shards: list[str] | None
+    snapshot_only: bool
+
+
+def bootstrap_scope(cfg: TableConfig, p: BootstrapParams) -> BootstrapScope:
+    return BootstrapScope(selected_shards(cfg, p), bool(p.endpoints))
 
 
 def main(p: BootstrapParams) -> int:
@@ -66,7 +73,7 @@ def main(p: BootstrapParams) -> int:
             from cdc_lakehouse.landing.debezium import bootstrap_debezium
 
             return bootstrap_debezium(spark, lake, cfg)
-        shards = selected_shards(cfg, p)
+        scope = bootstrap_scope(cfg, p)
         if p.endpoints and p.columns:
             raise ValueError(f"{cfg.name}: a column backfill (columns) does not recover an endpoint; give one of them")
         done = [0]
@@ -79,7 +86,7 @@ def main(p: BootstrapParams) -> int:
             from cdc_lakehouse.bootstrap.column import backfill_columns
 
             return backfill_columns(
-                spark, lake, cfg, list(p.columns), run_id=run, shards=shards, should_stop=should_stop
+                spark, lake, cfg, list(p.columns), run_id=run, shards=scope.shards, should_stop=should_stop
             )
         return bootstrap_table(
             spark,
@@ -90,7 +97,8 @@ def main(p: BootstrapParams) -> int:
             should_stop=should_stop,
             # A broken config's columns cannot be narrowed out: then no lists (see capture_endpoint).
             table_configs=None if cs.errors else list(cs.tables.values()),
-            **bootstrap_scope(cfg, p),
+            shards=scope.shards,
+            snapshot_only=scope.snapshot_only,
         )
 
     return run_per_table("bootstrap", p.app_name, lambda: load_tables(p.config_dir, p.tables), fn)
