@@ -225,6 +225,13 @@ class IngestConfig(_Model):
     )
     max_events_per_run: int = Field(2_000_000, ge=1)
     max_bytes_per_run: int = Field(2 * 1024**3, ge=1024)
+    decoding_work_mem_kb: int | None = Field(
+        None,
+        ge=64,
+        description="the source server's memory (logical_decoding_work_mem, kB) for decoding one "
+        "transaction before it streams it to the capture, which spools it until its commit; the "
+        "smallest among the endpoint's tables; unset: the server's setting (64MB by default)",
+    )
     error_budget: ErrorBudget = ErrorBudget()
     missing_landing_files: Literal["fail", "skip"] = "fail"
     merge_join: Literal["auto", "shuffle", "colocated"] = Field(

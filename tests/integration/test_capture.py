@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
 import threading
@@ -213,7 +214,8 @@ def test_quiet_shards_still_move_the_slot_and_report_freshness(db, tmp_path):
 
 
 def test_large_transaction_keeps_memory_bounded(db, tmp_path):
-    """~300 MB of changes in one transaction; the capture process stays far below that."""
+    """~300 MB of changes in one transaction, streamed before its commit; the capture process
+    stays far below that."""
     dsn, conn = db
     with conn.cursor() as cur:
         cur.execute("SELECT 1")
@@ -226,7 +228,8 @@ from cdc_lakehouse.landing.stores import LocalLanding
 ep = EndpointTables("ep", "c", {{"items": (["s0"], ["id"])}})
 store = LocalLanding("file://{tmp_path}/landing")
 m = capture_run(ep, {dsn!r}, store, sys.argv[1], limits=CaptureLimits(batch_rows=5000))
-print(m.manifest.events, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024)
+streamed = m.manifest.streamed.committed if m.manifest.streamed else 0
+print(m.manifest.events, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024, streamed)
 """)
     env = {**os.environ, "PYTHONPATH": str(ROOT / "plugins")}
     subprocess.run([sys.executable, str(script), "r1"], check=True, env=env, capture_output=True)
@@ -239,16 +242,158 @@ print(m.manifest.events, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1
                 (rows,),
             )  # one transaction, ~1 KB per row
         out = subprocess.run([sys.executable, str(script), run], check=True, env=env, capture_output=True, text=True)
-        events, peak_mb = map(int, out.stdout.split())
+        events, peak_mb, streamed = map(int, out.stdout.split())
         assert events == rows + 1  # and the truncate
-        return peak_mb
+        return peak_mb, streamed
 
     # The same capture for a 30 MB and a 300 MB transaction: what the larger one adds must be a
     # small part of its 270 MB more data (the process's own baseline cancels out).
-    small = one_transaction(30_000, "r2")
-    large = one_transaction(300_000, "r3")
+    small, _ = one_transaction(30_000, "r2")
+    large, streamed = one_transaction(300_000, "r3")
     print(f"capture peak {small} MB for 30k rows, {large} MB for 300k rows")
+    # Past the server's logical_decoding_work_mem (64MB by default) it arrives streamed, spooled
+    # by the capture until its commit (capture.streamed).
+    assert streamed == 1
     assert large - small < 100, f"capture peaked at {large} MB for a ~300 MB transaction vs {small} MB for ~30 MB"
+
+
+def _interleaved_transactions(dsn: str, rng: random.Random, conns: int, steps: int) -> None:
+    """Transactions on `conns` connections at once, each step one statement of one of them:
+    inserts of 50-400 rows of ~300 bytes (a few make a transaction pass 64 kB), updates, deletes,
+    savepoints, rollbacks to them and releases, commits and rollbacks. A connection touches only
+    keys of its own range, so no statement waits for another connection's lock."""
+    pool = [psycopg2.connect(dsn) for _ in range(conns)]
+    saved: list[list[str]] = [[] for _ in pool]
+    keys: list[list[int]] = [[] for _ in pool]
+    nxt = [i * 10_000_000 + 1 for i in range(conns)]
+    actions = ["insert", "update", "delete", "savepoint", "rollback_to", "release", "commit", "rollback"]
+    try:
+        for _ in range(steps):
+            i = rng.randrange(conns)
+            c, sps = pool[i], saved[i]
+            action = rng.choices(actions, weights=[6, 3, 2, 2, 2, 1, 2, 1])[0]
+            schema = rng.choice(["s0", "s1"])
+            with c.cursor() as cur:
+                if action == "insert":
+                    n = rng.randint(50, 400)
+                    cur.execute(
+                        f"INSERT INTO {schema}.items (id, qty, title) "
+                        "SELECT g, g %% 97, repeat(md5(g::text), 9) FROM generate_series(%s, %s) g",
+                        (nxt[i], nxt[i] + n - 1),
+                    )
+                    keys[i] += range(nxt[i], nxt[i] + n)
+                    nxt[i] += n
+                elif action in ("update", "delete") and keys[i]:
+                    lo = rng.choice(keys[i])
+                    hi = lo + rng.randint(0, 200)
+                    if action == "update":
+                        cur.execute(f"UPDATE {schema}.items SET qty = qty + 1 WHERE id BETWEEN %s AND %s", (lo, hi))
+                    else:
+                        cur.execute(f"DELETE FROM {schema}.items WHERE id BETWEEN %s AND %s", (lo, hi))
+                elif action == "savepoint":
+                    sps.append(f"sp{len(sps)}")
+                    cur.execute(f"SAVEPOINT {sps[-1]}")
+                elif action == "rollback_to" and sps:
+                    k = rng.randrange(len(sps))
+                    cur.execute(f"ROLLBACK TO SAVEPOINT {sps[k]}")
+                    del sps[k + 1 :]
+                elif action == "release" and sps:
+                    k = rng.randrange(len(sps))
+                    cur.execute(f"RELEASE SAVEPOINT {sps[k]}")
+                    del sps[k:]
+                elif action in ("commit", "rollback"):
+                    c.commit() if action == "commit" else c.rollback()
+                    sps.clear()
+        for c in pool:
+            c.commit()
+    finally:
+        for c in pool:
+            c.close()
+
+
+def _comparable(events: list[dict]) -> list[tuple]:
+    """The events as the ingest reads them, without what differs between two runs or endpoints."""
+    out = []
+    for e in events:
+        src = {k: v for k, v in e["source"].items() if k not in ("run_id", "ts_ms", "endpoint")}
+        rest = {k: v for k, v in e.items() if k not in ("source", "ts_ms")}  # ts_ms: when the run read it
+        out.append((json.dumps(src, sort_keys=True, default=str), json.dumps(rest, sort_keys=True, default=str)))
+    return sorted(out)
+
+
+def test_streamed_transactions_land_as_the_same_transactions_unstreamed(db, tmp_path):
+    """The same WAL read by two slots: one whose server streams every transaction past 64 kB
+    before its commit (spooled by the capture, replayed at the commit), one whose server may not
+    stream (it spills instead and sends each transaction after its commit). Random interleaved transactions with savepoints, rollbacks to them and aborts, then a
+    large one rolled back, one rolled back to a savepoint and one still open at the first run's
+    bound. The two landings are equal event for event, and equal the source's rows."""
+    seed = int(os.environ.get("CDC_TEST_SEED") or random.randrange(1 << 30))
+    print(f"seed {seed} (CDC_TEST_SEED={seed} repeats this run)")
+    rng = random.Random(seed)
+    dsn, conn = db
+    runs = {
+        "streamed": (endpoint(eid="streamed"), CaptureLimits(decoding_work_mem_kb=64)),
+        "whole": (endpoint(eid="whole"), CaptureLimits(decoding_work_mem_kb=64, streaming=False)),
+    }
+    stores = {k: LocalLanding(f"file://{tmp_path}/{k}") for k in runs}
+    landed: dict[str, list[CaptureResult]] = {k: [] for k in runs}
+
+    def capture(run_id: str) -> None:
+        for k, (ep, limits) in runs.items():
+            landed[k].append(capture_run(ep, dsn, stores[k], run_id, limits=limits))
+
+    capture("r0")  # slots and publication
+    _interleaved_transactions(dsn, rng, conns=4, steps=120)
+    rows = "SELECT g, 1, repeat(md5(g::text), 9) FROM generate_series(%s, %s) g"
+    with conn.cursor() as cur:
+        cur.execute("BEGIN")
+        cur.execute(f"INSERT INTO s0.items (id, qty, title) {rows}", (90_000_001, 90_001_000))
+        cur.execute("ROLLBACK")  # streamed, then aborted
+        cur.execute("BEGIN")
+        cur.execute(f"INSERT INTO s0.items (id, qty, title) {rows}", (91_000_001, 91_000_500))
+        cur.execute("SAVEPOINT a")
+        cur.execute(f"INSERT INTO s1.items (id, qty, title) {rows}", (91_000_501, 91_001_000))
+        cur.execute("ROLLBACK TO SAVEPOINT a")  # the subtransaction's half is streamed, then gone
+        cur.execute("UPDATE s0.items SET qty = 2 WHERE id BETWEEN 91000001 AND 91000100")
+        cur.execute("COMMIT")
+    late = psycopg2.connect(dsn)
+    with late.cursor() as cur:  # open across the first run's bound: streamed to it, not committed
+        cur.execute(f"INSERT INTO s1.items (id, qty, title) {rows}", (92_000_001, 92_001_000))
+    capture("r1")
+    late.commit()
+    late.close()
+    capture("r2")
+
+    streamed = landed["streamed"][1].manifest.streamed
+    assert streamed is not None, "nothing was streamed: the server kept every transaction whole"
+    assert streamed.committed >= 1 and streamed.subtransactions_aborted >= 1, streamed
+    # PostgreSQL 18 does not stream a transaction it already knows rolled back (seen here: no
+    # Stream Abort on 18.6); up to 17 it streams it, then sends its abort.
+    with conn.cursor() as cur:
+        cur.execute("SHOW server_version_num")
+        version = int(cur.fetchone()[0])
+    assert streamed.aborted >= 1 or version >= 180000, streamed
+    assert streamed.open_at_end >= 1, streamed
+    # The late one reaches the next run whole: the server does not stream again what lies before
+    # the slot's confirmed position (its changes precede the first run's bound).
+    assert landed["streamed"][2].manifest.transactions >= 2
+    assert all(r.manifest.streamed is None for r in landed["whole"])
+    events = {k: [e for r in landed[k] for e in events_of(stores[k], r)] for k in runs}
+    rolled_back = [
+        e for e in events["streamed"] if 90_000_001 <= int(dict(e["after"] or e["before"])["id"]) < 91_001_001
+    ]
+    assert len(rolled_back) == 500 + 100  # the savepoint's half and the rolled-back one are gone
+    assert _comparable(events["streamed"]) == _comparable(events["whole"]), f"seed {seed}"
+    state: dict[tuple, tuple] = {}
+    for e in events["streamed"]:
+        key = (e["source"]["schema"], dict(e["after"] or e["before"])["id"])
+        state.pop(key, None) if e["op"] == "d" else state.__setitem__(key, dict(e["after"])["qty"])
+    with conn.cursor() as cur:
+        cur.execute(
+            "SELECT 's0', id::text, qty::text FROM s0.items UNION ALL SELECT 's1', id::text, qty::text FROM s1.items"
+        )
+        source = {(s, i): q for s, i, q in cur.fetchall()}
+    assert state == source, f"seed {seed}"
 
 
 @pytest.mark.parametrize("point", ["after_files", "after_manifest"])

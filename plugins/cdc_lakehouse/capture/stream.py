@@ -10,12 +10,22 @@ import select
 import struct
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from typing import Any
 
 from cdc_lakehouse.capture.events import Rel, old_values, row_values, schema_diff
 from cdc_lakehouse.capture.positions import ATTEMPTS_DIR, confirm
+from cdc_lakehouse.capture.streamed import (
+    STREAM_ABORT,
+    STREAM_COMMIT,
+    STREAM_START,
+    STREAM_STOP,
+    StreamedTransactions,
+    StreamStats,
+    parse_abort,
+    parse_commit,
+)
 from cdc_lakehouse.landing.format import FORMAT_VERSION, manifest_path, run_dir
 from cdc_lakehouse.landing.writer import TableWriter
 from cdc_lakehouse.runtime.failpoints import crash_point
@@ -42,6 +52,12 @@ class CaptureLimits:
     batch_rows: int = 20_000
     batch_bytes: int = 64 * 1024**2  # buffered event bytes per table before a row group is written
     file_rows: int = 2_000_000
+    # The server's memory for decoding a transaction before it streams it to the capture
+    # (logical_decoding_work_mem of the slot's walsender, in kB); None: the server's setting.
+    decoding_work_mem_kb: int | None = None
+    # False: the server sends a large transaction only after its commit, spilled to its own disk
+    # meanwhile (what protocol 1 did; kept for the benchmark's and the tests' comparison).
+    streaming: bool = True
 
 
 @dataclass(frozen=True)
@@ -87,6 +103,8 @@ class Stream:
             "run_id": run_id,
         }
         self.writers: dict[str, TableWriter] = {}
+        # Directory names under staging are table names (identifiers): ".streams" is none of them.
+        self.streamed = StreamedTransactions(self.staging / ".streams")
         self.rels: dict[int, Rel] = {}
         self.schemas_seen: dict[str, list] = {}
         self.schema_changes: list[dict[str, Any]] = []
@@ -110,10 +128,13 @@ class Stream:
         import psycopg2
         from psycopg2.extras import LogicalReplicationConnection
 
+        options = SESSION_OPTIONS
+        if self.limits.decoding_work_mem_kb:
+            options += f" -c logical_decoding_work_mem={int(self.limits.decoding_work_mem_kb)}kB"
         repl = psycopg2.connect(
             self.dsn,
             connection_factory=LogicalReplicationConnection,
-            options=SESSION_OPTIONS,
+            options=options,
             application_name="cdc_lakehouse capture stream",
         )
         cur = repl.cursor()
@@ -123,8 +144,16 @@ class Stream:
                 slot_name=self.start.slot,
                 decode=False,
                 status_interval=10,
-                # messages: the chunked bootstrap's low/high watermarks (pg_logical_emit_message)
-                options={"proto_version": "1", "publication_names": PUBLICATION, "messages": "true"},
+                # messages: the chunked bootstrap's low/high watermarks (pg_logical_emit_message).
+                # Protocol 2 with streaming: a transaction larger than the server's decoding memory
+                # arrives in blocks before its commit (capture.streamed), instead of after a silence
+                # as long as its decoding while the server spills it to its own disk.
+                options={
+                    "proto_version": "2",
+                    "streaming": "on" if self.limits.streaming else "off",
+                    "publication_names": PUBLICATION,
+                    "messages": "true",
+                },
             )
             self.last_activity = self.waiting_since = time.monotonic()
             self.server_pos = getattr(cur, "wal_end", 0)
@@ -136,6 +165,7 @@ class Stream:
                     self._handle(msg)
             return self._finish(cur, identity)
         except BaseException:
+            self.streamed.close()
             self.store.discard(self.staging)
             raise
         finally:
@@ -162,21 +192,48 @@ class Stream:
         self.last_activity = time.monotonic()
         payload = msg.payload
         self.nbytes += len(payload)
+        tag = payload[:1]
+        if self.streamed.in_block and tag != STREAM_STOP:
+            self.streamed.add(payload, msg.data_start)
+        elif tag == STREAM_START:
+            self.streamed.start(payload)
+        elif tag == STREAM_STOP:
+            self.streamed.stop()
+        elif tag == STREAM_COMMIT:
+            self._on_stream_commit(payload)
+        elif tag == STREAM_ABORT:
+            self.streamed.abort(parse_abort(payload))
+        else:
+            self._dispatch(payload, msg.data_start)
+
+    def _on_stream_commit(self, payload: bytes) -> None:
+        """A streamed transaction committed: its spool, in order, through the same path as a
+        transaction that arrived whole, between a Begin and a Commit made from the Stream Commit."""
+        m = parse_commit(payload)
+        self._on_begin(Begin(m.commit_lsn, m.commit_ts, m.xid))
+        for data_start, body in self.streamed.replay(m):
+            self._dispatch(body, data_start)
+        self._on_commit(Commit(m.commit_lsn, m.end_lsn, m.commit_ts))
+
+    def _on_begin(self, m: Begin) -> None:
+        self.tx, self.seq, self.tx_heartbeat_schemas = m, 0, []
+        self.tx_commit_us = m.commit_ts + PG_EPOCH_US
+
+    def _dispatch(self, payload: bytes, data_start: int) -> None:
         if payload[:1] == b"M":  # a logical message: decode() knows none
             self._on_message(payload)
             return
         m = decode(payload)
         if isinstance(m, Change):
-            self._on_change(m, msg.data_start, len(payload))
+            self._on_change(m, data_start, len(payload))
         elif isinstance(m, Begin):
-            self.tx, self.seq, self.tx_heartbeat_schemas = m, 0, []
-            self.tx_commit_us = m.commit_ts + PG_EPOCH_US
+            self._on_begin(m)
         elif isinstance(m, Commit):
             self._on_commit(m)
         elif isinstance(m, Relation):
-            self._on_relation(m, msg.data_start)
+            self._on_relation(m, data_start)
         elif isinstance(m, Truncate):
-            self._on_truncate(m, msg.data_start)
+            self._on_truncate(m, data_start)
         # Type messages and those decode() does not know carry nothing the landing needs.
 
     def _on_change(self, m: Change, data_start: int, size: int) -> None:
@@ -341,6 +398,7 @@ class Stream:
         """Files first, durably; then the manifest; then the slot. Confirming earlier would lose the
         run's events to a crash; the failpoints let the crash tests stop between the steps."""
         self.ddl = self._verified_ddl()
+        self.streamed.close()
         tables = self._publish_files()
         crash_point("after_files")
         manifest = self._manifest(tables, identity)
@@ -412,6 +470,8 @@ class Stream:
             manifest["bootstrap_markers"] = self.markers
         if self.ddl:
             manifest["ddl"] = self.ddl
+        if self.streamed.stats != StreamStats():
+            manifest["streamed"] = asdict(self.streamed.stats)
         return manifest
 
 

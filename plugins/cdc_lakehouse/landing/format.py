@@ -323,6 +323,16 @@ class DdlChange(_Part):
     defaults: list[Any] = Field(default_factory=list)
 
 
+class Streamed(_Part):
+    """Transactions the server streamed before their commit (capture.streamed)."""
+
+    committed: int = 0
+    aborted: int = Field(0, description="streamed, then rolled back: nothing of them landed")
+    subtransactions_aborted: int = Field(0, description="rolled back to a savepoint: left out")
+    spooled_bytes: int = 0
+    open_at_end: int = Field(0, description="still open at the run's bound: streamed again to the next run")
+
+
 class Manifest(_Part):
     """`_manifests/<run_id>.json`: what a capture run wrote and where the slot stands."""
 
@@ -354,6 +364,7 @@ class Manifest(_Part):
     published: list[str] | None = Field(None, description="tables in the publication at the end of the run")
     published_at_start: list[str] | None = None
     keepalive_advance: dict[str, Any] | None = None
+    streamed: Streamed | None = None
     bootstrap_markers: list[dict[str, Any]] | None = Field(
         None, description="the chunked bootstraps' watermark messages the run read (bootstrap.chunked)"
     )

@@ -108,6 +108,9 @@ def capture_endpoint(
     limits = CaptureLimits(
         max_events=min(t.ingest.max_events_per_run for t, _ in members),
         max_bytes=min(t.ingest.max_bytes_per_run for t, _ in members),
+        decoding_work_mem_kb=min(
+            (t.ingest.decoding_work_mem_kb for t, _ in members if t.ingest.decoding_work_mem_kb), default=None
+        ),
     )
     ep = SourceEndpoint.from_uri(source_uri_from_connection(group.conn_id), group.database)
     lake = lake_settings()
