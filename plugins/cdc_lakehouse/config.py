@@ -628,18 +628,21 @@ def _agreed_types(column_types: list[dict[str, str]]) -> dict[str, str]:
     return {c: (next(iter(ts)) or "string") if len(ts) == 1 else "string" for c, ts in agreed.items() if ts != {None}}
 
 
+CONFIG_REFERENCE = "docs/configuration.md"
+
+
 def _fix_for(loc: str, err: ErrorDetails) -> str:
     kind = err.get("type", "")
     if kind == "extra_forbidden":
-        return f"remove '{loc}' or check its spelling against the configuration reference in README.md"
+        return f"remove '{loc}' or check its spelling against the configuration reference in {CONFIG_REFERENCE}"
     if kind == "missing":
         return f"add '{loc}'"
     if kind == "literal_error":
         return "use one of the values listed in the message"
-    return "correct the value as the message says (see the configuration reference in README.md)"
+    return f"correct the value as the message says (see the configuration reference in {CONFIG_REFERENCE})"
 
 
-def validation_errors(exc: ValidationError, file: str, reference: str = "README.md") -> list[ConfigError]:
+def validation_errors(exc: ValidationError, file: str, reference: str = CONFIG_REFERENCE) -> list[ConfigError]:
     """One ConfigError per pydantic error: the field's dotted path, the message (with the value
     given) and the fix; `reference` is the document that lists the fields."""
     errors = []
@@ -648,7 +651,7 @@ def validation_errors(exc: ValidationError, file: str, reference: str = "README.
         msg = err["msg"].removeprefix("Value error, ")
         if "input" in err and err.get("type") not in ("missing",) and not isinstance(err["input"], dict):
             msg += f" (got {err['input']!r})"
-        errors.append(ConfigError(file, loc, msg, _fix_for(loc, err).replace("README.md", reference)))
+        errors.append(ConfigError(file, loc, msg, _fix_for(loc, err).replace(CONFIG_REFERENCE, reference)))
     return errors
 
 

@@ -311,7 +311,7 @@ class LakeSettings:
         if not settings.warehouse or not settings.landing_uri:
             raise ValueError(
                 "lake settings are incomplete: set the Airflow connection 'cdc_lake' "
-                "(or CDC_CATALOG_URI, CDC_WAREHOUSE and CDC_LANDING_URI); see README 'Configuration'"
+                "(or CDC_CATALOG_URI, CDC_WAREHOUSE and CDC_LANDING_URI); see docs/configuration.md, 'Connections and environment'"
             )
         return settings
 

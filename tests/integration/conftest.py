@@ -318,7 +318,7 @@ def trino(rest_catalog, tmp_root):
 @pytest.fixture(scope="session")
 def lake_rest(rest_catalog, tmp_root):
     """A third lake, catalog `lake_rest`, on the REST catalog, read from an Airflow connection
-    shaped as README's "Production" shows: its client authenticates with OAuth2 client
+    shaped as docs/production.md shows: its client authenticates with OAuth2 client
     credentials, a secret catalog property."""
     from airflow.models.connection import Connection
     from cdc_lakehouse.settings import LakeSettings

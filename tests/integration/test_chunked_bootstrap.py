@@ -100,8 +100,8 @@ def test_chunked_bootstrap_under_concurrent_writes_holds_nothing_between_chunks(
     connection holding no xmin while idle between chunks."""
     s = source
     # No TOASTed values: a key change whose old key moved before its chunk was read leaves the
-    # ingest no row to take the new key's unchanged TOAST value from (README, "Online chunked
-    # bootstrap", limits); every other change below is replayed against the chunks.
+    # ingest no row to take the new key's unchanged TOAST value from (docs/bootstrap.md,
+    # "Online chunked bootstrap", limits); every other change below is replayed against the chunks.
     s.wl.long_content_share = 0.0
     s.execute(
         *[f"UPDATE {schema}.block SET content = left(content, 60) WHERE length(content) > 60" for schema in s.schemas]

@@ -31,7 +31,7 @@ def ingest_doc(cfg: TableConfig) -> str:
    watermark (per shard, the LSN reached) is committed with the data.
 3. **check_alerts** (teardown, runs even when the ingest failed) — the freshness alert when the
    committed ingest left the table behind its SLA; the capture alerts on its slot's retained WAL.
-   Channels and thresholds: `include/alerting.yaml` and the table's `alerts:` (README, Alerts).
+   Channels and thresholds: `include/alerting.yaml` and the table's `alerts:` (docs/operating.md, Alerts).
 
 Per-run figures: `SELECT * FROM lake.cdc_meta.ingest_runs WHERE table_name = '{cfg.name}' ORDER BY committed_at DESC`.
 
@@ -132,7 +132,7 @@ With Iceberg's own Spark procedures, on the current table and the changelog:
 `rewrite_data_files` ({m.compaction}), `rewrite_position_delete_files`, `rewrite_manifests`,
 `expire_snapshots` (older than {m.snapshot_retention_hours} h, keeping at least
 {m.min_snapshots_to_keep}, never the snapshot holding the watermark nor any snapshot from the oldest
-one a consumer holds on, README "Nothing lost"), `remove_orphan_files`
+one a consumer holds on, docs/guarantees.md, "Nothing lost"), `remove_orphan_files`
 (older than {m.orphan_file_age_hours} h). Then rebuilds `lake.{cfg.latest_view}`, the latest row
 per key over the changelog ({m.latest_view}). Before/after figures go to
 `lake.cdc_meta.maintenance_runs`.

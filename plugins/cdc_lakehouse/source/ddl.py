@@ -194,7 +194,7 @@ def ddl_capture_problem() -> str:
         f"{TRIGGER} needs a superuser. Without it a column rename reaches the lake as a drop plus "
         "an add (the table stops on the drop, schema_changes.dropped_columns decides), and the "
         "other DDL is seen only with the next row change. To capture DDL in order with the data, "
-        "run the capture once as a superuser, or install it yourself (docs: README, 'Schema changes as events')"
+        "run the capture once as a superuser, or install it yourself (docs/schema-changes.md)"
     )
 
 
