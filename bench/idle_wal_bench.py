@@ -56,7 +56,7 @@ def main() -> int:
     ap.add_argument("--rows-per-interval", type=int, default=40000)
     a = ap.parse_args()
 
-    from cdc_lakehouse.capture.run import capture_run
+    from cdc_lakehouse.capture.capture_run import capture_run
     from cdc_lakehouse.landing.stores import LocalLanding
     from cdc_lakehouse.source.catalog import EndpointTables
     from cdc_lakehouse.source.publication import PUBLICATION

@@ -4,7 +4,7 @@
 
 Engines, each on the same base table and the same batch, each checked against the same
 expected final state (computed by DuckDB from the inputs):
-  ours-mor / ours-cow   cdc_lakehouse.ingest.run (validate, changelog, pre-combine, LSN-guarded MERGE)
+  ours-mor / ours-cow   cdc_lakehouse.ingest.ingest_table (validate, changelog, pre-combine, LSN-guarded MERGE)
                         of the batch landed typed, as the capture lands it (format 2)
   ours-text             ours-mor of the same batch landed as text (format 1, before issue #56)
   ours-mor-shuffle, ours-mor-colocated   ours-mor with ingest.merge_join forced (default auto)
@@ -128,7 +128,7 @@ def table_checksum(spark, table: str) -> dict:
 
 def run_ours(mode: str, prep: dict, rows: int, repeat: int, merge_join: str = "auto") -> list[dict]:
     from cdc_lakehouse.config import parse_table_config
-    from cdc_lakehouse.ingest.run import ingest_table
+    from cdc_lakehouse.ingest.ingest_table import ingest_table
     from cdc_lakehouse.lake.meta import ensure_meta_tables
     from cdc_lakehouse.runtime.session import get_spark
     from cdc_lakehouse.settings import LakeSettings

@@ -38,7 +38,7 @@ from bench.measure import machine  # noqa: E402
 
 CAPTURE = """
 import json, resource, sys, time
-from cdc_lakehouse.capture.run import CaptureLimits, capture_run
+from cdc_lakehouse.capture.capture_run import CaptureLimits, capture_run
 from cdc_lakehouse.landing.stores import LocalLanding
 from cdc_lakehouse.source.catalog import EndpointTables
 eid, dsn, root, run_id, streaming = sys.argv[1:6]

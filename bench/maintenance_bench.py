@@ -39,9 +39,9 @@ def main() -> int:
     args = p.parse_args()
 
     from cdc_lakehouse.config import parse_table_config
-    from cdc_lakehouse.ingest.run import ingest_table
+    from cdc_lakehouse.ingest.ingest_table import ingest_table
     from cdc_lakehouse.lake.meta import ensure_meta_tables
-    from cdc_lakehouse.maintenance.run import maintain_table
+    from cdc_lakehouse.maintenance.maintain_table import maintain_table
     from cdc_lakehouse.runtime.session import get_spark
     from cdc_lakehouse.settings import LakeSettings
 

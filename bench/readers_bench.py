@@ -47,7 +47,7 @@ def timed(run, repeat: int) -> dict:
 def write_table(prep: dict, rows: int):
     """Our current table after one ingest; returns the lake, the table config and Spark's reads."""
     from cdc_lakehouse.config import parse_table_config
-    from cdc_lakehouse.ingest.run import ingest_table
+    from cdc_lakehouse.ingest.ingest_table import ingest_table
     from cdc_lakehouse.lake.meta import ensure_meta_tables
     from cdc_lakehouse.runtime.session import get_spark
     from cdc_lakehouse.settings import LakeSettings

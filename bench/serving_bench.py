@@ -256,7 +256,7 @@ def export_cfg(rows: int, ns: str):
 
 
 def ours(spark, lake, ecfg, mode: str) -> dict:
-    from cdc_lakehouse.serving.run import export
+    from cdc_lakehouse.serving.export import export
 
     gc.collect()
     t = time.monotonic()

@@ -202,8 +202,8 @@ class HeldOpen:
 
 
 def _one_bootstrap(spark, lake, cfg, run_id: str, dsn: str) -> dict:
+    from cdc_lakehouse.bootstrap.bootstrap_table import bootstrap_table
     from cdc_lakehouse.bootstrap.result import SnapshotBootstrapResult
-    from cdc_lakehouse.bootstrap.run import bootstrap_table
 
     if cfg.bootstrap.mode == "chunked":  # a fresh table each time: a second run would be a re-sync
         for t in (cfg.current_table, cfg.changelog_table):
@@ -296,7 +296,7 @@ def bench_bootstrap(
 
 
 def bench_audit(spark, lake, blocks: int, repeat: int) -> dict:
-    from cdc_lakehouse.audit.run import audit_table
+    from cdc_lakehouse.audit.audit_table import audit_table
 
     cfg = table_config(f"boot_{blocks}")
     out: dict[str, list] = {}
@@ -324,7 +324,7 @@ def bench_audit(spark, lake, blocks: int, repeat: int) -> dict:
 
 def bench_capture(dsn: str, wl, changes: int, repeat: int) -> dict:
     import psycopg2
-    from cdc_lakehouse.capture.run import capture_run
+    from cdc_lakehouse.capture.capture_run import capture_run
     from cdc_lakehouse.landing.stores import LocalLanding
     from cdc_lakehouse.source.catalog import EndpointTables
     from cdc_lakehouse.source.publication import PUBLICATION

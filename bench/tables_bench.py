@@ -72,7 +72,7 @@ def grouped_rounds(args, names, ep, dsn, store, job, env) -> tuple[list[dict], d
     """Each round: change every table, capture once, run the group's ingest job; returns the
     rounds and the median seconds per --parallel value."""
     import psycopg2
-    from cdc_lakehouse.capture.run import capture_run
+    from cdc_lakehouse.capture.capture_run import capture_run
 
     n = len(names)
     rounds = []
@@ -127,7 +127,7 @@ def grouped_rounds(args, names, ep, dsn, store, job, env) -> tuple[list[dict], d
 
 def main() -> int:
     import psycopg2
-    from cdc_lakehouse.capture.run import capture_run
+    from cdc_lakehouse.capture.capture_run import capture_run
     from cdc_lakehouse.landing.stores import LocalLanding
     from cdc_lakehouse.source.catalog import EndpointTables
 
@@ -175,7 +175,7 @@ def main() -> int:
     store = LocalLanding(f"file://{work}/landing")
     capture_run(ep, dsn, store, "20260101T000000Z")  # slot and publication
     # Bootstrap every table in one Spark application (not what is measured).
-    from cdc_lakehouse.bootstrap.run import bootstrap_table
+    from cdc_lakehouse.bootstrap.bootstrap_table import bootstrap_table
     from cdc_lakehouse.lake.meta import ensure_meta_tables
     from cdc_lakehouse.runtime.session import get_spark
 

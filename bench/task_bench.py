@@ -247,8 +247,8 @@ def audit_setup(rows: int, config_dir: Path) -> tuple[str, dict[str, str]]:
     """A source of `rows` rows over two shard schemas in the local PostgreSQL, its slot (capture),
     and its bootstrap into the lake (one Spark application, not timed). Returns the table config
     name and the environment the job needs (the source URI, in the environment only)."""
-    from cdc_lakehouse.bootstrap.run import bootstrap_table
-    from cdc_lakehouse.capture.run import capture_run
+    from cdc_lakehouse.bootstrap.bootstrap_table import bootstrap_table
+    from cdc_lakehouse.capture.capture_run import capture_run
     from cdc_lakehouse.config import load_table_configs
     from cdc_lakehouse.lake.meta import ensure_meta_tables
     from cdc_lakehouse.landing.stores import LocalLanding

@@ -397,8 +397,8 @@ def apply_batch(spark, lake, cfgs: list, files: list[Path], hi_lsn: dict[str, in
     of them into the current table carrying the advanced watermark (one event per key here, so
     nothing to pre-combine)."""
     from cdc_lakehouse.config import COMMIT_TS_COL, SEQ_COL
+    from cdc_lakehouse.ingest.ingest_table import current_columns
     from cdc_lakehouse.ingest.merge import merge_sql
-    from cdc_lakehouse.ingest.run import current_columns
     from cdc_lakehouse.lake.columns import INGESTED_COL, LSN_EVENT_COL, RUN_COL, XID_COL
     from cdc_lakehouse.lake.commits import sql_with_commit_properties
     from cdc_lakehouse.lake.tables import conform_to, source_columns_of
@@ -610,7 +610,7 @@ def differing_unresolved(spark, a: str, b: str) -> int:
 
 
 def ours(spark, lake, dcfg, tables, *, full: bool) -> dict:
-    from cdc_lakehouse.derived.run import derive_tree
+    from cdc_lakehouse.derived.derive_tree import derive_tree
 
     _release(spark)
     before = _cpu_of_others()

@@ -35,7 +35,7 @@ def warm_local_server(url: str, workdir: Path) -> float:
 def _one_ingest(url: str, scratch: Path) -> None:
     import pyarrow.parquet as pq
     from cdc_lakehouse.config import parse_table_config
-    from cdc_lakehouse.ingest.run import ingest_table
+    from cdc_lakehouse.ingest.ingest_table import ingest_table
     from cdc_lakehouse.lake.meta import ensure_meta_tables
     from cdc_lakehouse.runtime.session import configure_session, connect_session, release_spark
     from cdc_lakehouse.settings import LakeSettings

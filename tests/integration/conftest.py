@@ -10,10 +10,10 @@ import time
 
 import psycopg2
 import pytest
+from cdc_lakehouse.bootstrap.bootstrap_table import bootstrap_table
 from cdc_lakehouse.bootstrap.result import BootstrapResult
-from cdc_lakehouse.bootstrap.run import bootstrap_table
-from cdc_lakehouse.capture.run import CaptureResult, capture_run
-from cdc_lakehouse.ingest.run import IngestResult, ingest_table
+from cdc_lakehouse.capture.capture_run import CaptureResult, capture_run
+from cdc_lakehouse.ingest.ingest_table import IngestResult, ingest_table
 from cdc_lakehouse.landing.stores import LocalLanding
 from cdc_lakehouse.source.catalog import EndpointTables
 

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from cdc_lakehouse.audit.run import audit_table
+from cdc_lakehouse.audit.audit_table import audit_table
 from pyspark.sql import functions as F
 
 from tests.helpers import assert_lake_equals_source, landing_root
@@ -96,7 +96,7 @@ def test_a_capture_during_the_in_flight_peek_is_still_in_flight(source, spark, l
     """A capture is not a table writer: it runs while an audit runs and can move changes from the
     slot into a new landing run between the audit's two looks for keys in flight. Those keys
     must still count as in flight, not as mismatches (here one sighting would fail the audit)."""
-    import cdc_lakehouse.audit.run as audit_run
+    import cdc_lakehouse.audit.audit_table as audit_run
 
     s = source
     cfg = _audit_cfg(s.block, mode="full", repair=False, consecutive_mismatches=1)
@@ -125,7 +125,7 @@ def test_commits_not_yet_flushed_are_in_flight(source, spark, lake):
     (seed 22 of test_random_e2e called them mismatches, under load only). The peek waits for
     the flush. Without the wait this test fails unless the WAL writer (every 200 ms) happens to
     run in the few milliseconds between the commit and the peek."""
-    import cdc_lakehouse.audit.run as audit_run
+    import cdc_lakehouse.audit.audit_table as audit_run
 
     s = source
     cfg = s.block

@@ -4,7 +4,7 @@ ingest's INGEST_JOB_BUDGET, so a new count(), collect() or second scan of the ta
 from __future__ import annotations
 
 import pytest
-from cdc_lakehouse.audit.run import audit_table
+from cdc_lakehouse.audit.audit_table import audit_table
 
 # Spark jobs one clean audit of one table may start (no mismatch, no repair; 2 shards, ~300 changes
 # ingested). Measured 2026-11-24: 38 (full) and 27 (checksum) before issue #16's work on the audit,

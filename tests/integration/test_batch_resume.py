@@ -139,8 +139,8 @@ def test_a_group_records_its_tables_in_one_commit_and_a_killed_group_loses_none(
     """A group run (one job over many tables) commits each metadata table once for all its tables
     (issue #56); killed before or between those commits, each table's next run records what the
     group did not, and no batch is recorded twice."""
+    from cdc_lakehouse.ingest.ingest_table import ingest_table
     from cdc_lakehouse.ingest.records import RunRecords
-    from cdc_lakehouse.ingest.run import ingest_table
     from cdc_lakehouse.lake.batches import BATCH_IDS_PROP
 
     s = source
@@ -194,8 +194,8 @@ def test_a_group_run_ingests_its_tables_at_once_each_on_a_session_of_its_own(sou
     are still one commit per metadata table."""
     import threading
 
+    from cdc_lakehouse.ingest.ingest_table import ingest_table
     from cdc_lakehouse.ingest.records import RunRecords
-    from cdc_lakehouse.ingest.run import ingest_table
     from cdc_lakehouse.jobs.runner import run_tables
     from cdc_lakehouse.lake.batches import BATCH_IDS_PROP
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import psycopg2
 import pytest
 from cdc_lakehouse.audit.hashing import spark_canonical
-from cdc_lakehouse.bootstrap.run import bootstrap_table
+from cdc_lakehouse.bootstrap.bootstrap_table import bootstrap_table
 from cdc_lakehouse.bootstrap.snapshot import (
     ctid_ranges,
     export_snapshot,

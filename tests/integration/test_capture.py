@@ -12,7 +12,7 @@ import time
 
 import psycopg2
 import pytest
-from cdc_lakehouse.capture.run import CaptureLimits, CaptureResult, capture_run
+from cdc_lakehouse.capture.capture_run import CaptureLimits, CaptureResult, capture_run
 from cdc_lakehouse.landing.format import manifest_path
 from cdc_lakehouse.landing.reader import list_manifests
 from cdc_lakehouse.landing.stores import LocalLanding
@@ -223,7 +223,7 @@ def test_large_transaction_keeps_memory_bounded(db, tmp_path):
     script.write_text(f"""
 import resource, sys
 from cdc_lakehouse.source.catalog import EndpointTables
-from cdc_lakehouse.capture.run import capture_run, CaptureLimits
+from cdc_lakehouse.capture.capture_run import capture_run, CaptureLimits
 from cdc_lakehouse.landing.stores import LocalLanding
 ep = EndpointTables("ep", "c", {{"items": (["s0"], ["id"])}})
 store = LocalLanding("file://{tmp_path}/landing")
@@ -407,7 +407,7 @@ def test_crash_before_confirming_loses_nothing(db, tmp_path, point):
     before = slot_state(conn, source_slot_name("ep")).confirmed_flush
     code = f"""
 from cdc_lakehouse.source.catalog import EndpointTables
-from cdc_lakehouse.capture.run import capture_run
+from cdc_lakehouse.capture.capture_run import capture_run
 from cdc_lakehouse.landing.stores import LocalLanding
 capture_run(EndpointTables("ep", "c", {{"items": (["s0"], ["id"])}}), {dsn!r},
             LocalLanding("file://{tmp_path}/landing"), "r2")

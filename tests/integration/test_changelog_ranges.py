@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
-from cdc_lakehouse.ingest.run import ingest_table
+from cdc_lakehouse.ingest.ingest_table import ingest_table
 from cdc_lakehouse.lake.changelog import changes_between
 from cdc_lakehouse.lake.columns import LSN_COL, OP_COL, SEQ_COL, SHARD_COL
 from cdc_lakehouse.lake.watermark import read_watermark

@@ -10,9 +10,9 @@ import time
 import psycopg2
 import pytest
 from cdc_lakehouse.bootstrap import chunked as chunked_mod
+from cdc_lakehouse.bootstrap.bootstrap_table import bootstrap_table
 from cdc_lakehouse.bootstrap.chunks import APPLICATION_NAME
 from cdc_lakehouse.bootstrap.result import ChunkedBootstrapResult
-from cdc_lakehouse.bootstrap.run import bootstrap_table
 from cdc_lakehouse.bootstrap.snapshot import BootstrapError
 from cdc_lakehouse.config import OP_COL
 from cdc_lakehouse.lake.tables import table_exists

@@ -15,12 +15,12 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 from cdc_lakehouse.config import OutputMaintenanceConfig, TableConfig
-from cdc_lakehouse.derived.run import read_tree_watermark
+from cdc_lakehouse.derived.derive_tree import read_tree_watermark
 from cdc_lakehouse.feed.consumer import block_counts
 from cdc_lakehouse.feed.offsets import output_offsets
 from cdc_lakehouse.lake.tables import table_stats
+from cdc_lakehouse.maintenance.maintain_table import maintain_table
 from cdc_lakehouse.maintenance.result import TableMaintenanceResult
-from cdc_lakehouse.maintenance.run import maintain_table
 from cdc_lakehouse.serving.stores import store_uri_env
 
 from devstack.workload import ID_STRIDE
@@ -123,7 +123,7 @@ def test_a_lagging_feed_consumer_keeps_its_offset_snapshot_until_its_max_lag(hel
 
     # Its output, maintained two hours later with a one-hour retention: its first snapshot
     # expired, the snapshot carrying its offsets kept (the next run below reads them).
-    from cdc_lakehouse.maintenance.run import maintain_feed_output
+    from cdc_lakehouse.maintenance.maintain_table import maintain_feed_output
 
     offsets, first = output_offsets(s.spark, table, "block_counts"), output_snapshots(s, table)[0]
     settings = OutputMaintenanceConfig(min_input_files=2, snapshot_retention_hours=1, min_snapshots_to_keep=1)
@@ -153,7 +153,7 @@ def test_a_lagging_feed_consumer_keeps_its_offset_snapshot_until_its_max_lag(hel
 def test_a_lagging_derived_tree_keeps_its_input_snapshots_until_its_max_lag(held_source, unique):
     """And its output's maintenance: compacted (the incremental run left delete files), expired,
     the watermark's snapshots kept on both tables, so the next run is incremental and right."""
-    from cdc_lakehouse.maintenance.run import maintain_derived
+    from cdc_lakehouse.maintenance.maintain_table import maintain_derived
 
     s = with_grants(held_source)
     cfg = tree_cfg(s, f"held_{unique}")
@@ -220,7 +220,7 @@ class Killed(Exception):
 def test_a_lagging_export_keeps_its_position_and_pending_snapshots_until_its_max_lag(
     held_source, held_export, monkeypatch
 ):
-    import cdc_lakehouse.serving.run as run_mod
+    import cdc_lakehouse.serving.export as run_mod
 
     s, ecfg = held_source, held_export
     live = s.lake.qualified(s.block.current_table)

@@ -11,7 +11,7 @@ from decimal import Decimal
 from cdc_lakehouse.feed.models import BEFORE_COL, FEED_OP_COL, OP_UPSERT
 from cdc_lakehouse.feed.offsets import commit_meta_offset, meta_offset
 from cdc_lakehouse.feed.read import read_changes
-from cdc_lakehouse.ingest.run import ingest_table
+from cdc_lakehouse.ingest.ingest_table import ingest_table
 from cdc_lakehouse.lake.watermark import Watermark, read_watermark
 from cdc_lakehouse.landing.debezium import bootstrap_debezium
 from pyspark.sql import functions as F

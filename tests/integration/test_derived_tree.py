@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import psycopg2
 import pytest
 from cdc_lakehouse.derived.config import TreeConfig
-from cdc_lakehouse.derived.run import derive_tree
+from cdc_lakehouse.derived.derive_tree import derive_tree
 from cdc_lakehouse.lake.holds import ConsumerLagError, drop_consumer
 
 from devstack.workload import ID_STRIDE
@@ -314,7 +314,7 @@ class Killed(Exception):
 def test_a_run_killed_between_its_commits_converges_on_the_next(tree_source, unique, monkeypatch):
     """Each commit boundary of a run: before the unresolved table's, between it and the output's.
     The next run recomputes from the output's old watermark and lands on the reference."""
-    import cdc_lakehouse.derived.run as derived_run
+    import cdc_lakehouse.derived.derive_tree as derived_run
 
     seed = random.randrange(1 << 30)
     print(f"seed={seed}")

@@ -13,7 +13,7 @@ import time
 from collections import defaultdict
 
 import pytest
-from cdc_lakehouse.capture.run import capture_run
+from cdc_lakehouse.capture.capture_run import capture_run
 from cdc_lakehouse.landing.stores import LocalLanding
 from cdc_lakehouse.source.catalog import EndpointTables
 from cdc_lakehouse.source.publication import identity_mismatch
@@ -172,7 +172,7 @@ def test_after_a_failover_the_lake_goes_on_without_a_re_bootstrap(
     promoted with its synchronised slot, the connection pointed at it, then capture and ingest
     from it. The ingest takes the new timeline's runs (its history covers the lake's position):
     the lake equals the new primary's tables, no shard re-bootstrapped, and the audit is clean."""
-    from cdc_lakehouse.audit.run import audit_table
+    from cdc_lakehouse.audit.audit_table import audit_table
 
     from tests.helpers import assert_lake_equals_source
     from tests.integration.conftest import Source

@@ -16,7 +16,7 @@ from datetime import UTC, datetime
 
 import pytest
 import yaml
-from cdc_lakehouse.ingest.run import ingest_table
+from cdc_lakehouse.ingest.ingest_table import ingest_table
 from cdc_lakehouse.lake.freshness import latest_freshness
 from cdc_lakehouse.lake.snapshots import current_snapshot
 from cdc_lakehouse.lake.watermark import Watermark
@@ -103,7 +103,7 @@ SLA_SECONDS = 40
 
 def test_a_shard_beyond_the_sla_alerts_naming_it(two_endpoints, spark, lake, smtp, tmp_path, monkeypatch):  # noqa: F811
     from cdc_lakehouse.audit.quality import shard_ages
-    from cdc_lakehouse.bootstrap.run import bootstrap_table
+    from cdc_lakehouse.bootstrap.bootstrap_table import bootstrap_table
     from cdc_lakehouse.orchestration.alerts import run_checks
 
     a, b = two_endpoints

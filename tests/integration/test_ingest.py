@@ -10,7 +10,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 from cdc_lakehouse.ingest.errors import ErrorBudgetExceeded, SchemaChangeError
-from cdc_lakehouse.ingest.run import ingest_table
+from cdc_lakehouse.ingest.ingest_table import ingest_table
 from cdc_lakehouse.jobs.runner import run_tables
 from cdc_lakehouse.lake.watermark import read_watermark
 from cdc_lakehouse.landing.errors import LandingGap
@@ -391,8 +391,8 @@ INGEST_METADATA_READ_BUDGET = 0
 
 def test_ingest_stays_within_its_spark_job_budget(source, spark, lake):
     """Counted through Spark's status tracker, so a new count() or collect() in the ingest shows."""
+    from cdc_lakehouse.ingest.ingest_table import ingest_table
     from cdc_lakehouse.ingest.records import RunRecords
-    from cdc_lakehouse.ingest.run import ingest_table
     from cdc_lakehouse.runtime.phases import SparkJobs
 
     s = source

@@ -10,7 +10,7 @@ invalidate the other tests' slots."""
 from __future__ import annotations
 
 import pytest
-from cdc_lakehouse.audit.run import audit_table
+from cdc_lakehouse.audit.audit_table import audit_table
 from cdc_lakehouse.capture.positions import attempt_path
 from cdc_lakehouse.jobs.bootstrap import BootstrapParams, bootstrap_scope
 from cdc_lakehouse.source.errors import SlotLostError

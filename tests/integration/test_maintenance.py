@@ -7,8 +7,8 @@ import pytest
 from cdc_lakehouse.config import SHARD_COL
 from cdc_lakehouse.lake.commits import ConcurrentWriterError
 from cdc_lakehouse.lake.tables import source_columns_of, table_stats
-from cdc_lakehouse.maintenance import run as maintenance_run
-from cdc_lakehouse.maintenance.run import maintain_table
+from cdc_lakehouse.maintenance import maintain_table as maintenance_run
+from cdc_lakehouse.maintenance.maintain_table import maintain_table
 from cdc_lakehouse.maintenance.verify import content_checksum
 from pyspark.sql import functions as F
 from pyspark.testing import assertDataFrameEqual

@@ -7,8 +7,8 @@ import time
 
 import psycopg2
 import pytest
-from cdc_lakehouse.bootstrap.run import bootstrap_table
-from cdc_lakehouse.capture.run import CaptureResult, capture_run
+from cdc_lakehouse.bootstrap.bootstrap_table import bootstrap_table
+from cdc_lakehouse.capture.capture_run import CaptureResult, capture_run
 from cdc_lakehouse.lake.watermark import read_watermark
 from cdc_lakehouse.landing.errors import CoverageError, SourceIdentityChanged
 from cdc_lakehouse.landing.stores import LocalLanding
@@ -271,7 +271,7 @@ def test_a_second_writer_fences_out_a_zombie_run(source, spark, lake, monkeypatc
     """While one run sits between reading the watermark and committing, another deployment
     commits: the same batch (the zombie must not append it twice) or a newer one (the zombie must
     not move the watermark back)."""
-    import cdc_lakehouse.ingest.run as ingest_mod
+    import cdc_lakehouse.ingest.ingest_table as ingest_mod
     from cdc_lakehouse.lake.commits import ConcurrentWriterError
 
     s = source
@@ -320,7 +320,7 @@ def test_a_second_writer_fences_out_a_zombie_run(source, spark, lake, monkeypatc
 def test_every_schema_decision_keeps_bootstrap_ingest_repair_and_audit_working(source, spark, lake):
     """Columns dropped under `drop` and `keep_null`, one of them added back: the changelog append,
     the re-bootstrap and the audit's repair all keep working."""
-    from cdc_lakehouse.audit.run import audit_table
+    from cdc_lakehouse.audit.audit_table import audit_table
 
     s = source
     policy = s.block.schema_changes.model_copy(
@@ -411,7 +411,7 @@ def test_everything_under_the_landing_zone_is_private(pg, source_uri, spark, lak
     import dataclasses
     import stat
 
-    from cdc_lakehouse.ingest.run import ingest_table
+    from cdc_lakehouse.ingest.ingest_table import ingest_table
     from cdc_lakehouse.landing.debezium import bootstrap_debezium
 
     from tests.fixtures.debezium import write_json
@@ -458,7 +458,7 @@ def test_added_column_defaults_reach_the_rows_that_predate_them(source, spark, l
     """ADD COLUMN ... DEFAULT writes no events for existing rows: a constant default lives in the
     catalog, a volatile one rewrites the table. The lake must show the source's values, also when
     the run dies between its MERGE and the backfill."""
-    import cdc_lakehouse.ingest.run as ingest_mod
+    import cdc_lakehouse.ingest.ingest_table as ingest_mod
 
     s = source
     s.capture()
@@ -539,9 +539,9 @@ def test_audit_reads_one_snapshot_fails_loudly_and_counts_retries_once(source, s
     """A change committed after the keys in flight were computed is not a mismatch; a slot that
     cannot be peeked stops the audit instead of counting nothing as in flight; a retry of the same
     audit run does not extend a mismatch streak."""
-    import cdc_lakehouse.audit.run as audit_mod
+    import cdc_lakehouse.audit.audit_table as audit_mod
+    from cdc_lakehouse.audit.audit_table import audit_table
     from cdc_lakehouse.audit.errors import AuditFailed
-    from cdc_lakehouse.audit.run import audit_table
 
     s = source
     cfg = s.block.model_copy(
@@ -590,7 +590,7 @@ def test_keepalive_advance_of_a_failed_capture_is_no_landing_gap(source, spark, 
     """psycopg2 reports a keepalive's position as flushed before the session's first data
     message: a capture that dies waiting moves the slot past the last manifest without skipping
     anything. That must not read as a lost landing run; a foreign advance still must."""
-    from cdc_lakehouse.capture.run import CaptureLimits
+    from cdc_lakehouse.capture.capture_run import CaptureLimits
     from cdc_lakehouse.landing.errors import LandingGap
 
     s = source
@@ -602,7 +602,7 @@ def test_keepalive_advance_of_a_failed_capture_is_no_landing_gap(source, spark, 
         "CREATE TABLE s0.unpublished (id int PRIMARY KEY)", "INSERT INTO s0.unpublished SELECT generate_series(1, 500)"
     )
     monkeypatch.setattr(
-        "cdc_lakehouse.capture.run.write_heartbeat", lambda conn, schemas, run_id: 4_000_000_000
+        "cdc_lakehouse.capture.capture_run.write_heartbeat", lambda conn, schemas, run_id: 4_000_000_000
     )  # never arrives
     ep = EndpointTables(s.endpoint, "cdc_test_source", s.tables())
     with pytest.raises(SourceError, match="nothing left to decode"):
@@ -649,7 +649,7 @@ def test_a_shard_quiet_since_a_column_was_added_is_not_a_dropped_column(source, 
 def test_a_long_decode_without_output_is_waited_for_not_failed(scratch_db, tmp_path):
     """A large transaction of an unpublished table makes the server decode for a while without
     sending anything: the capture asks whether the walsender is still busy instead of failing."""
-    from cdc_lakehouse.capture.run import CaptureLimits
+    from cdc_lakehouse.capture.capture_run import CaptureLimits
 
     dsn, conn = scratch_db
     store = LocalLanding(f"file://{tmp_path}/landing")

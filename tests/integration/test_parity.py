@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import psycopg2
 import pytest
+from cdc_lakehouse.audit.audit_table import audit_table
 from cdc_lakehouse.audit.hashing import pg_canonical, spark_canonical
-from cdc_lakehouse.audit.run import audit_table
-from cdc_lakehouse.bootstrap.run import bootstrap_table
-from cdc_lakehouse.capture.run import capture_run
+from cdc_lakehouse.bootstrap.bootstrap_table import bootstrap_table
+from cdc_lakehouse.capture.capture_run import capture_run
 from cdc_lakehouse.identifiers import pg_qualified
-from cdc_lakehouse.ingest.run import ingest_table
+from cdc_lakehouse.ingest.ingest_table import ingest_table
 from cdc_lakehouse.lake.tables import source_columns_of
 from cdc_lakehouse.landing.stores import LocalLanding
 from cdc_lakehouse.source.catalog import EndpointTables, describe_table

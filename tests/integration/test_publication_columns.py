@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import psycopg2
 import pytest
-from cdc_lakehouse.capture.run import CaptureResult, capture_run
+from cdc_lakehouse.capture.capture_run import CaptureResult, capture_run
 from cdc_lakehouse.landing.stores import LocalLanding
 from cdc_lakehouse.source.catalog import EndpointTables
 from cdc_lakehouse.source.publication import consumed_column_lists

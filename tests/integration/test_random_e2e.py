@@ -42,15 +42,15 @@ from typing import Any
 import psycopg2
 import pytest
 import yaml
-from cdc_lakehouse.audit.run import audit_table
-from cdc_lakehouse.bootstrap.run import bootstrap_table
-from cdc_lakehouse.capture.run import capture_run
+from cdc_lakehouse.audit.audit_table import audit_table
+from cdc_lakehouse.bootstrap.bootstrap_table import bootstrap_table
+from cdc_lakehouse.capture.capture_run import capture_run
 from cdc_lakehouse.config import SHARD_COL
-from cdc_lakehouse.ingest.run import IngestResult, ingest_table
+from cdc_lakehouse.ingest.ingest_table import IngestResult, ingest_table
 from cdc_lakehouse.lake.tables import source_columns_of
 from cdc_lakehouse.landing.format import manifest_path
 from cdc_lakehouse.landing.stores import LocalLanding
-from cdc_lakehouse.maintenance.run import maintain_table
+from cdc_lakehouse.maintenance.maintain_table import maintain_table
 from cdc_lakehouse.source.catalog import EndpointTables
 from cdc_lakehouse.views.latest import latest_rows
 from pyspark.sql import functions as F
@@ -74,7 +74,7 @@ CAPTURE_POINTS = ["after_files", "after_manifest"]
 # A capture in a child process: capture has no Spark, so killing it costs about a second.
 CAPTURE_CHILD = (
     "import json, sys\n"
-    "from cdc_lakehouse.capture.run import capture_run\n"
+    "from cdc_lakehouse.capture.capture_run import capture_run\n"
     "from cdc_lakehouse.landing.stores import LocalLanding\n"
     "from cdc_lakehouse.source.catalog import EndpointTables\n"
     "a = json.loads(sys.argv[1])\n"

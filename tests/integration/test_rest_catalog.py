@@ -18,12 +18,12 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from cdc_lakehouse.audit.run import audit_table
+from cdc_lakehouse.audit.audit_table import audit_table
 from cdc_lakehouse.feed.models import FEED_OP_COL, OP_DELETE
 from cdc_lakehouse.feed.offsets import commit_meta_offset, meta_offset
 from cdc_lakehouse.feed.read import read_changes
 from cdc_lakehouse.lake.meta import ensure_meta_tables
-from cdc_lakehouse.maintenance.run import maintain_table
+from cdc_lakehouse.maintenance.maintain_table import maintain_table
 from cdc_lakehouse.runtime.session import attach_lake
 from trino import exceptions as trino_errors
 

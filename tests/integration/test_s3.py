@@ -14,10 +14,10 @@ from datetime import timedelta
 
 import pytest
 from botocore.exceptions import ClientError
-from cdc_lakehouse.audit.run import audit_table
+from cdc_lakehouse.audit.audit_table import audit_table
 from cdc_lakehouse.lake.meta import ensure_meta_tables
 from cdc_lakehouse.landing.stores import S3Landing, open_landing
-from cdc_lakehouse.maintenance.run import maintain_table
+from cdc_lakehouse.maintenance.maintain_table import maintain_table
 from cdc_lakehouse.runtime.session import attach_lake
 from cdc_lakehouse.settings import LakeSettings
 

@@ -14,8 +14,8 @@ import threading
 import pytest
 from cdc_lakehouse.serving.config import ExportConfig
 from cdc_lakehouse.serving.encoding import decoder, encoder
+from cdc_lakehouse.serving.export import export, rollback
 from cdc_lakehouse.serving.reader import Reader
-from cdc_lakehouse.serving.run import export, rollback
 from cdc_lakehouse.serving.stores import open_store, store_uri_env
 
 from tests.integration.conftest import Source

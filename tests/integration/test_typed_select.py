@@ -13,7 +13,7 @@ from __future__ import annotations
 import psycopg2
 import pytest
 from cdc_lakehouse.audit.hashing import spark_canonical
-from cdc_lakehouse.bootstrap.run import bootstrap_table
+from cdc_lakehouse.bootstrap.bootstrap_table import bootstrap_table
 from cdc_lakehouse.bootstrap.typed_select import MISFIT_COL, typed_select
 from cdc_lakehouse.lake.casts import cast_text
 from cdc_lakehouse.source.catalog import describe_table, text_select

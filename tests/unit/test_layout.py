@@ -235,7 +235,7 @@ def test_shipped_package_never_imports_devstack_bench_or_tests(path):
 def test_airflow_side_and_devstack_are_not_shipped_to_executors(tmp_path):
     with zipfile.ZipFile(pyfiles_zip(tmp_path)) as zf:
         names = zf.namelist()
-    assert "cdc_lakehouse/ingest/run.py" in names
+    assert "cdc_lakehouse/ingest/ingest_table.py" in names
     assert not [n for n in names if n.split("/")[0] != "cdc_lakehouse" or n.split("/")[1] in NOT_SHIPPED]
 
 

@@ -204,7 +204,7 @@ def test_table_fill_gives_matched_rows_the_table_value_and_leaves_orphans_unfill
     """What the MERGE's TOAST CASE used to do, done by classify + fill_from_table: a matched row
     whose `title` the batch could not supply takes the table's; a column the batch did supply is
     kept; a key the table lacks keeps its unfilled mark (an orphan: held, never applied)."""
-    from cdc_lakehouse.ingest import run
+    from cdc_lakehouse.ingest import ingest_table as run
     from cdc_lakehouse.ingest.batch import ReducedTotals
     from cdc_lakehouse.ingest.toast import UNAV_LEFT
 
@@ -247,7 +247,7 @@ def test_the_merge_summary_counts_what_the_classification_counts(spark, unique, 
     shard): both give the same counts."""
     import random
 
-    from cdc_lakehouse.ingest import run
+    from cdc_lakehouse.ingest import ingest_table as run
     from cdc_lakehouse.ingest.batch import ReducedTotals
     from cdc_lakehouse.ingest.toast import UNAV_LEFT
     from cdc_lakehouse.lake.commits import snapshot_summary
@@ -289,7 +289,7 @@ def test_the_merge_summary_counts_what_the_classification_counts(spark, unique, 
 def test_the_run_reads_its_own_merge_commit_not_a_later_one(spark, unique):
     """A commit that lands after the MERGE (a compaction, another writer) must not lend the run
     its summary: merge_summary finds the batch's own commit by its id and state."""
-    from cdc_lakehouse.ingest import run
+    from cdc_lakehouse.ingest import ingest_table as run
     from cdc_lakehouse.lake.batches import BATCH_PROP, BATCH_STATE_PROP, BatchId
 
     cur = _tables(spark, unique)

@@ -101,7 +101,7 @@ def test_the_fields_the_alert_checks_read_are_enough_for_the_metrics(stats, capl
     """The check_alerts tasks read only some columns of cdc_meta (alerts.run); the metrics they
     send are made from those records, so every field a metric needs must be among them."""
     from cdc_lakehouse.lake.meta_rows import from_row
-    from cdc_lakehouse.orchestration.alerts import run
+    from cdc_lakehouse.orchestration.alerts import task_checks as run
 
     def partial(record, fields, **values):
         return from_row(record, {f: values.get(f, 1) for f in fields})

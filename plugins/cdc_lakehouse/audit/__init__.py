@@ -9,5 +9,5 @@ Runs on the Spark driver (source reads through JDBC and psycopg2, lake reads thr
   quality   Great Expectations checks of an audited table
   repair    persistently mismatched keys re-read from the source and merged like an ingest
   result    what one audit returns, and the clock that times its phases
-  run       the end-to-end audit of one table
+  audit_table  the end-to-end audit of one table
 """

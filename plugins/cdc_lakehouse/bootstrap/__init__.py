@@ -3,7 +3,7 @@
 Runs on the Spark driver (source reads on the executors, under exported snapshots, in the lake's
 types: Spark's JDBC reader by default, or binary COPY into Arrow with `bootstrap.reader: copy`).
 
-  run        bootstrap of one table: snapshots, changelog rows, current table, watermark
+  bootstrap_table  bootstrap of one table: snapshots, changelog rows, current table, watermark
   snapshot   the handoff: slots, exported snapshots, ctid ranges, the typed reads
   typed_select  the select list in lake types, with PostgreSQL's "does not fit" check
   copy_read  the binary COPY -> Arrow reader (ADBC, mapInArrow on the executors)

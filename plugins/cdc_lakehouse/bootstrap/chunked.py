@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
+from cdc_lakehouse.bootstrap.bootstrap_table import _event_columns, _prepare_tables, _Snapshot, _Target
 from cdc_lakehouse.bootstrap.chunks import (
     APPLICATION_NAME,
     ChunkQuery,
@@ -59,7 +60,6 @@ from cdc_lakehouse.bootstrap.chunks import (
 )
 from cdc_lakehouse.bootstrap.progress import ShardProgress, load_progress, progress_row, record_progress
 from cdc_lakehouse.bootstrap.result import ChunkedBootstrapResult
-from cdc_lakehouse.bootstrap.run import _event_columns, _prepare_tables, _Snapshot, _Target
 from cdc_lakehouse.bootstrap.snapshot import (
     BootstrapError,
     ShardSource,

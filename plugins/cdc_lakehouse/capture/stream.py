@@ -1,6 +1,6 @@
 """The streaming half of a capture run: the slot's messages up to the run's bound -> staged landing
 files, then files, manifest and slot position, in the order that makes a crash at any point safe
-(see cdc_lakehouse.capture.run)."""
+(see cdc_lakehouse.capture.capture_run)."""
 
 from __future__ import annotations
 

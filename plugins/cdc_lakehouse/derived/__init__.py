@@ -4,5 +4,5 @@ Runs on the Spark driver; `config` is pure Python (DAG files read it at parse ti
 
   config    derived-table YAML (include/derived/*.yaml) validated into TreeConfig
   tree      the tree derivation's DataFrame steps: pointer jumping, grant sets, reasons
-  run       one run of a derived tree: pin inputs, plan, affected nodes, resolve, commit
+  derive_tree  one run of a derived tree: pin inputs, plan, affected nodes, resolve, commit
 """

@@ -7,7 +7,7 @@ Runs on the Spark driver (a Spark job started by Airflow's Spark operator).
   merge       the MERGE into the current table and the (LSN, seq) ordering predicates
   quarantine  events that cannot be applied, into the quarantine meta table
   reduce      the lake's order (_cdc_seq, key changes split in two) and the latest event per key
-  run         the ingest of one table: plan, validate, changelog, merge, watermark
+  ingest_table  the ingest of one table: plan, validate, changelog, merge, watermark
   schema      schema changes of the source -> lake DDL, by the table's policy
   toast       unchanged TOAST values the events did not carry, filled from the batch or the table
   validate    landing events -> typed, validated change events (malformed ones get reasons)

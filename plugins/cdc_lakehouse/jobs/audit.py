@@ -20,8 +20,8 @@ class AuditParams(JobParams):
 
 def main(p: AuditParams) -> int:
     def fn(spark, lake, cfg, file) -> StageResult:
+        from cdc_lakehouse.audit.audit_table import audit_table
         from cdc_lakehouse.audit.errors import AuditFailed
-        from cdc_lakehouse.audit.run import audit_table
 
         run = p.audit_run or datetime.now(UTC).strftime("manual-%Y%m%dT%H%M%S")
         result = audit_table(spark, lake, cfg, audit_run=run)

@@ -65,7 +65,7 @@ def bootstrap_scope(cfg: TableConfig, p: BootstrapParams) -> BootstrapScope:
 
 def main(p: BootstrapParams) -> int:
     def fn(spark, lake, cfg, file) -> StageResult:
-        from cdc_lakehouse.bootstrap.run import bootstrap_table
+        from cdc_lakehouse.bootstrap.bootstrap_table import bootstrap_table
 
         run = p.run_id or datetime.now(UTC).strftime("%Y%m%dT%H%M%S")
         cs = table_configs(p.config_dir)

@@ -25,7 +25,7 @@ class DeriveParams(JobParams):
 
 def main(p: DeriveParams) -> int:
     def fn(spark, lake, dcfg, file) -> StageResult:
-        from cdc_lakehouse.derived.run import derive_tree
+        from cdc_lakehouse.derived.derive_tree import derive_tree
 
         tables = table_configs(p.config_dir).tables
         return derive_tree(spark, lake, dcfg, tables, full=p.mode == "full")

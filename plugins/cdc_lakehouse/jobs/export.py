@@ -61,7 +61,7 @@ def _load(p: ExportParams) -> Loaded:
 
 def main(p: ExportParams) -> int:
     def fn(spark, lake, e: Export, file) -> StageResult:
-        from cdc_lakehouse.serving.run import export, rollback_export
+        from cdc_lakehouse.serving.export import export, rollback_export
 
         if p.mode == "rollback":
             return rollback_export(e.cfg)

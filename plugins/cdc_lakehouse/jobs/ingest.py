@@ -32,7 +32,7 @@ def main(p: IngestParams) -> int:
     records = RunRecords()
 
     def fn(spark, lake, cfg, file) -> StageResult:
-        from cdc_lakehouse.ingest.run import ingest_table
+        from cdc_lakehouse.ingest.ingest_table import ingest_table
 
         run = p.ingest_run or datetime.now(UTC).strftime("manual-%Y%m%dT%H%M%S")
         return ingest_table(

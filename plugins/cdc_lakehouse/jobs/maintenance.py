@@ -1,6 +1,6 @@
 """The maintenance job (spark_jobs/maintenance.py): compaction, expiry, orphans and the
 latest-per-key view of replicated tables (--tables), of derived tables (--derived), or of one feed
-consumer's Iceberg output (--feed-output with --consumer), in cdc_lakehouse.maintenance.run."""
+consumer's Iceberg output (--feed-output with --consumer), in cdc_lakehouse.maintenance.maintain_table."""
 
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ def main(p: MaintenanceParams) -> int:
         return run_per_table("maintenance", p.app_name, load, _feed_output_fn(run))
 
     def fn(spark, lake, cfg, file) -> StageResult:
-        from cdc_lakehouse.maintenance.run import maintain_table
+        from cdc_lakehouse.maintenance.maintain_table import maintain_table
 
         consumers = list(table_configs(p.config_dir).tables.values())
         return maintain_table(spark, lake, cfg, run_id=run, consumers=consumers)
@@ -58,7 +58,7 @@ def main(p: MaintenanceParams) -> int:
 
 def _derived(run: str):
     def fn(spark, lake, dcfg, file) -> StageResult:
-        from cdc_lakehouse.maintenance.run import maintain_derived
+        from cdc_lakehouse.maintenance.maintain_table import maintain_derived
 
         return maintain_derived(spark, lake, dcfg, run_id=run)
 
@@ -75,7 +75,7 @@ def _feed_output(output: str, consumer: str | None, settings: OutputMaintenanceC
 
 def _feed_output_fn(run: str):
     def fn(spark, lake, out, file) -> StageResult:
-        from cdc_lakehouse.maintenance.run import maintain_feed_output
+        from cdc_lakehouse.maintenance.maintain_table import maintain_feed_output
 
         return maintain_feed_output(spark, lake, out.name, out.output, out.settings, run_id=run)
 

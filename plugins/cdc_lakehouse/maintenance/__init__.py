@@ -11,7 +11,7 @@ output gets small files and snapshots with every run.
   verify             what a run must leave as it found it: only rewrites committed, same position
   landing_retention  landing runs every consuming table has applied, removed after their retention
   result             what one run returns, per target
-  run                the maintenance of a replicated table, a derived table or a feed output
+  maintain_table     the maintenance of a replicated table, a derived table or a feed output
 
 The latest-per-key view it publishes for a replicated table is built in views/.
 """

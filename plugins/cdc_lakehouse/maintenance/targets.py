@@ -59,7 +59,7 @@ def derived_targets(lake: LakeSettings, dcfg: TreeConfig) -> list[Target]:
     """A derived table's output and unresolved tables. Both carry the tree's watermark: expiry keeps
     its newest carrier on each (the next run finds the unresolved snapshot matching the output's
     watermark there)."""
-    from cdc_lakehouse.derived.run import read_tree_watermark
+    from cdc_lakehouse.derived.derive_tree import read_tree_watermark
 
     m = dcfg.maintenance
     size = m.target_file_size_mb * 1024 * 1024

@@ -94,7 +94,7 @@ def capture_endpoint(
 ) -> dict[str, Any]:
     """Capture task: one bounded run of the endpoint's slot into the landing zone; then the
     slot's retained-WAL alert (cdc_lakehouse.orchestration.alerts), which never fails the task."""
-    from cdc_lakehouse.capture.run import CaptureLimits, capture_run
+    from cdc_lakehouse.capture.capture_run import CaptureLimits, capture_run
     from cdc_lakehouse.landing.stores import open_landing
     from cdc_lakehouse.settings import SourceEndpoint
     from cdc_lakehouse.source.catalog import EndpointTables

@@ -31,7 +31,7 @@ Module level imports stay light: this package is imported while DAGs are parsed.
   delivery  log, record and send an alert through its channels
   failures  failed tasks: CdcFailureNotifier, the on_failure_callback of every CDC task
   checks    the rules over the run history in cdc_meta (WAL, audits, freshness; the storm rule)
-  run       what the tasks call: run_checks (check_alerts tasks) and notify_wal (capture)
+  task_checks  what the tasks call: run_checks (check_alerts tasks) and notify_wal (capture)
 """
 
 from cdc_lakehouse.orchestration.alerts.checks import (
@@ -52,7 +52,7 @@ from cdc_lakehouse.orchestration.alerts.config import (
     rules_for,
 )
 from cdc_lakehouse.orchestration.alerts.failures import CdcFailureNotifier, failure_alert, on_task_failure
-from cdc_lakehouse.orchestration.alerts.run import notify_wal, run_checks
+from cdc_lakehouse.orchestration.alerts.task_checks import notify_wal, run_checks
 from cdc_lakehouse.secrecy import redact
 
 # What DAG files, tasks and tests import from here (redact stays in cdc_lakehouse.secrecy).

@@ -21,7 +21,7 @@ from cdc_lakehouse.secrecy import redact
 from cdc_lakehouse.settings import tables_dir
 
 if TYPE_CHECKING:
-    from cdc_lakehouse.capture.run import CaptureResult
+    from cdc_lakehouse.capture.capture_run import CaptureResult
 
 log = logging.getLogger(__name__)
 
