@@ -364,7 +364,7 @@ def test_source_endpoint_parsing():
 # (1), the freshness rows (1; +1 on a table's first run). #16 set the goal at 5, which the MERGE
 # alone nearly takes. A ratchet: lower it when the ingest gets cheaper; never raise it without
 # saying why in the commit.
-# 13 since the table-side TOAST fill (ingest.run.fill_from_table): a batch with unchanged TOAST
+# 13 since the table-side TOAST fill (ingest.ingest_table.fill_from_table): a batch with unchanged TOAST
 # values the batch cannot supply (this test's workload has them) broadcasts the values the
 # classification fetched (+1). In exchange the MERGE no longer carries the TOAST columns through
 # its shuffle of the whole table: 37.7 -> 25.7 s at 20M rows (docs/benchmarks-history.md).
@@ -378,7 +378,7 @@ def test_source_endpoint_parsing():
 # 13 per table in a group run (issue #56, 2026-11-28), its records apart: a group commits the run
 # records and freshness rows of all its tables once (ingest.records: RECORDS_JOB_BUDGET, about 2
 # jobs, +1 on a table's first run, when its freshness rows are not yet in the metadata), and the
-# MERGE no longer clusters its rows by partition (ingest.run.MERGE_CONF: -1).
+# MERGE no longer clusters its rows by partition (ingest.ingest_table.MERGE_CONF: -1).
 # 12 (2026-11-28 afternoon): the batch and the classification each computed once into a checkpoint
 # and counted in one observed pass over it (3 each on Connect: the checkpoint's two jobs, the
 # counted pass), the changelog append (1), the MERGE (4: the fetched TOAST values' broadcast, the

@@ -196,7 +196,7 @@ def test_soft_deleted_row_comes_back_on_a_newer_upsert(spark, unique):
     )
 
 
-# --- the unchanged TOAST values taken from the table before the MERGE (ingest.run) --------------
+# --- the unchanged TOAST values taken from the table before the MERGE (ingest.ingest_table) ---
 
 
 @pytest.mark.parametrize("broadcast_bytes", [32 * 1024 * 1024, 0], ids=["broadcast", "shuffled"])
@@ -241,7 +241,7 @@ def test_table_fill_gives_matched_rows_the_table_value_and_leaves_orphans_unfill
 
 @pytest.mark.parametrize("mode", ["merge-on-read", "copy-on-write"])
 def test_the_merge_summary_counts_what_the_classification_counts(spark, unique, mode):
-    """ingest.run takes inserts, updates and deletes from the MERGE's snapshot summary when no row
+    """ingest.ingest_table takes inserts, updates and deletes from the MERGE's snapshot summary when no row
     needs a table value (counts_from_merge) instead of classifying the batch against the table
     first. Random tables and batches (stale and newer events, deletes of absent keys, a truncated
     shard): both give the same counts."""

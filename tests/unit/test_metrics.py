@@ -98,7 +98,7 @@ def test_a_broken_metrics_backend_never_fails_the_task(monkeypatch):
 
 
 def test_the_fields_the_alert_checks_read_are_enough_for_the_metrics(stats, caplog):
-    """The check_alerts tasks read only some columns of cdc_meta (alerts.run); the metrics they
+    """The check_alerts tasks read only some columns of cdc_meta (alerts.task_checks); the metrics they
     send are made from those records, so every field a metric needs must be among them."""
     from cdc_lakehouse.lake.meta_rows import from_row
     from cdc_lakehouse.orchestration.alerts import task_checks as run

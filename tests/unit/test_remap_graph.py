@@ -98,7 +98,7 @@ def apply(spark, src: Source, table: dict[int, dict], fill: str = "graph") -> tu
         filled, passes = fill_with_stats(events.dropDuplicates(_POSITION), current, cfg, ["content"])
         passes = passes.passes
     else:
-        # As ingest.run takes it: the fused plan's one pass, then the graph over its output.
+        # As ingest.ingest_table takes it: the fused plan's one pass, then the graph over its output.
         flagged = _per_key(events.withColumn(LIVE, F.lit(True)), cfg, ["content"])
         one_pass = flagged.filter(~F.col(DUP)).drop(UNAV_LEFT, NO_TABLE)
         filled, passes = fill_with_stats(one_pass, current, cfg, ["content"])[0], None
@@ -233,7 +233,7 @@ def random_batch(seed: int, n_ops: int = 400) -> tuple[Source, dict[int, dict]]:
 
 @pytest.mark.parametrize("seed", [*session_seeds(2), 7])
 def test_random_batches_one_pass_then_graph_and_graph_alone_equal_the_source(spark, seed):
-    """The fill ingest.run takes when a key change lacks its value (the fused plan's one pass, then
+    """The fill ingest.ingest_table takes when a key change lacks its value (the fused plan's one pass, then
     the graph over its output) and the graph alone over the raw batch both end where the source
     does. Every value here is knowable, so nothing may be held back."""
     print(f"seed {seed}")

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
-import time  # noqa: F401 - tests patch audit.run.time.sleep to skip the slot peek's back-off
+import time  # noqa: F401 - tests patch audit.audit_table.time.sleep to skip the slot peek's back-off
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime

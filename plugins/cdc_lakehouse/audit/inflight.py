@@ -7,7 +7,7 @@ of its shard in flight.
 from __future__ import annotations
 
 import logging
-import time  # time.sleep: tests patch it (through audit.run.time) to skip the back-off
+import time  # time.sleep: tests patch it (through audit.audit_table.time) to skip the back-off
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, TypeGuard
 
@@ -83,7 +83,7 @@ class SlotPeek:
     """The keys a slot holds changes of (shard, key..., _all; None: none), and whether the peek
     read every commit the audit's snapshot sees (`flushed`): when the WAL flush did not reach the
     snapshot in time, keys committed just before it may be missing, and their mismatches need a
-    second sighting (audit.run._track)."""
+    second sighting (audit.audit_table._track)."""
 
     keys: DataFrame | None
     flushed: bool

@@ -164,7 +164,7 @@ def finish_backfill(
     """Fill the columns the batch added for rows that predate them, then clear the pending mark.
     Returns the rows filled, and False when another writer moved the table first and had
     cleared the mark: this run's MERGE applied the batch, that writer finished its backfill
-    (the next run's start does, ingest.run.plan_batch) and filled its own quiet shards. Merging
+    (the next run's start does, ingest.ingest_table.plan_batch) and filled its own quiet shards. Merging
     the values again is harmless (rows still below the column's position only, source values);
     the run converges instead of failing a task whose batch is in (#51)."""
     lake_cols = source_columns_of(spark, cur, cfg)

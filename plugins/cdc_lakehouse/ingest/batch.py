@@ -46,7 +46,7 @@ _FIXED = ("bigint", "int", "smallint", "tinyint", "boolean", "float", "double", 
 @dataclass(frozen=True)
 class ReducedTotals:
     """The batch's latest event per key, counted: what the MERGE gets. Observed by the fused plan
-    (_out_counters), or by ingest.run.reduced_totals for a batch it could not reduce."""
+    (_out_counters), or by ingest.ingest_table.reduced_totals for a batch it could not reduce."""
 
     reduced: int = 0  # keys, each with its latest event
     upserts: int = 0  # of which not a delete

@@ -1,6 +1,6 @@
 """ingest.merge: the MERGE that applies a reduced batch to the current table (hard or soft deletes,
 truncates), and the (LSN, seq) ordering predicates. Unchanged TOAST values never reach it: the
-batch is filled before (ingest.run.fill_from_table), so the MERGE reads no TOAST column of the
+batch is filled before (ingest.ingest_table.fill_from_table), so the MERGE reads no TOAST column of the
 table."""
 
 from __future__ import annotations

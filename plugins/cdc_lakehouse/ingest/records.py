@@ -7,7 +7,7 @@ table's cost). Either way each batch's rows are written once: the commit lists t
 holds (lake.batches BATCH_IDS_PROP), and a batch already listed is left out; the check and the
 append are published as one step, so two runs recording a batch at once record it once. A group stopped
 before its records are committed loses nothing: each table's next run finds its last batch
-unrecorded and writes the record then (ingest.run.resume_batch).
+unrecorded and writes the record then (ingest.ingest_table.resume_batch).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The audit job (spark_jobs/audit.py): source keys vs lake keys, Great Expectations checks and
-the optional repair, per table (audit.run.audit_table). A failing verdict fails the table."""
+the optional repair, per table (audit.audit_table.audit_table). A failing verdict fails the table."""
 
 from __future__ import annotations
 

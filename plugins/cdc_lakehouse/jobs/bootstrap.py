@@ -1,5 +1,5 @@
 """The bootstrap job (spark_jobs/bootstrap.py): a table's snapshot of every shard (or some) into
-its current table (bootstrap.run.bootstrap_table); a Debezium-fed table loads from Debezium's own
+its current table (bootstrap.bootstrap_table.bootstrap_table); a Debezium-fed table loads from Debezium's own
 snapshot events instead (landing.debezium.bootstrap_debezium)."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The derive job (spark_jobs/derive.py): derived tables, trees over current lake tables, per
-derived table (derived.run.derive_tree; docs/derived-trees.md)."""
+derived table (derived.derive_tree.derive_tree; docs/derived-trees.md)."""
 
 from __future__ import annotations
 

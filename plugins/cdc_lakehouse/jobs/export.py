@@ -1,5 +1,5 @@
 """The export job (spark_jobs/export.py): lake tables into key-value stores, per export
-(serving.run.export, rollback_export; docs/serving-export.md)."""
+(serving.export.export, rollback_export; docs/serving-export.md)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The ingest job (spark_jobs/ingest.py): landing -> changelog -> current table, per table
-(ingest.run.ingest_table). The DAG passes the data interval: capture runs up to its end apply."""
+(ingest.ingest_table.ingest_table). The DAG passes the data interval: capture runs up to its end apply."""
 
 from __future__ import annotations
 

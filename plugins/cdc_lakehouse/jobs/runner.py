@@ -37,7 +37,7 @@ Loaded = tuple[list[Any], dict[str, str]]
 
 
 class StageResult(Protocol):
-    """What a job's function returns per table: a stage's typed result (ingest.run.IngestResult,
+    """What a job's function returns per table: a stage's typed result (ingest.ingest_table.IngestResult,
     audit.result.AuditResult, ...), printed on the job's result line as to_dict() gives it."""
 
     def to_dict(self) -> dict[str, Any]: ...

@@ -4,7 +4,7 @@ One typed record instead of a dict whose keys were spelled in several places: th
 carry a column type are, in this order, the columns of cdc_meta.ingest_runs (lake.meta derives
 the table from INGEST_RUN_COLUMNS), and callers get the record as a plain dict (`as_dict`).
 It lives in the lake with the other cdc_meta records (lake.meta_rows) because lake.meta creates the
-table from it; the ingest (ingest.run) fills it and the alerts read it. Imports nothing of the
+table from it; the ingest (ingest.ingest_table) fills it and the alerts read it. Imports nothing of the
 package but runtime.phases.
 """
 
@@ -73,7 +73,7 @@ class IngestMetrics:
     error: str | None = _col("string", None)
     # Returned to callers, not stored in the meta table.
     backfilled: int | None = None
-    merge_join: str | None = None  # shuffle | colocated (ingest.run.merge_source)
+    merge_join: str | None = None  # shuffle | colocated (ingest.ingest_table.merge_source)
     timings: dict[str, float] = field(default_factory=dict)
     _clock: PhaseClock = field(default_factory=PhaseClock, init=False, repr=False, compare=False)
 

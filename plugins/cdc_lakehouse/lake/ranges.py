@@ -1,6 +1,6 @@
 """lake.ranges: which keys of a current table changed between two of its snapshots, and whether
 its changelog can say. One rule, in one place, for every reader of ranges: the change feed
-(feed.plan, feed.read, feed.arrow), serving exports (serving.run) and derived trees (derived.run).
+(feed.plan, feed.read, feed.arrow), serving exports (serving.export) and derived trees (derived.derive_tree).
 
 The changelog between the watermarks of snapshots lo and hi names every key that changed in
 (lo, hi] only when all of this holds (`key_range`, mode `changelog`):

@@ -135,7 +135,7 @@ def watermark_in(snapshots: Iterable[Any]) -> Watermark | None:
 
 def watermark_text_in(snapshots: Iterable[Any]) -> str | None:
     """The newest `cdc.watermark` property in a chain of snapshots, as stored (a derived tree's
-    watermark has a JSON of its own: derived.run.TreeWatermark)."""
+    watermark has a JSON of its own: derived.derive_tree.TreeWatermark)."""
     for snap in snapshots:
         wm: str | None = snap.summary.get(WATERMARK_PROP)
         if wm is not None:

@@ -36,7 +36,7 @@ class Writer:
 
 INGEST = Writer(
     "ingest",
-    "an ingest batch (ingest.run): its events appended to the changelog, then merged into the current "
+    "an ingest batch (ingest.ingest_table): its events appended to the changelog, then merged into the current "
     "table with the watermark moved past them; also a commit that only moves the watermark",
     names_its_changes=True,
 )
@@ -55,7 +55,7 @@ BACKFILL = Writer(
 )
 BOOTSTRAP = Writer(
     "bootstrap",
-    "a snapshot bootstrap or re-bootstrap of shards (bootstrap.run, landing.debezium): their rows replaced",
+    "a snapshot bootstrap or re-bootstrap of shards (bootstrap.bootstrap_table, landing.debezium): their rows replaced",
 )
 CHUNKED_BOOTSTRAP = Writer(
     "chunked-bootstrap",

@@ -1,6 +1,6 @@
 """Views: the latest-per-key view of a replicated table, computed from its changelog.
 
-Runs on the Spark driver, published by maintenance (maintenance.run.maintain_table).
+Runs on the Spark driver, published by maintenance (maintenance.maintain_table.maintain_table).
 
   latest   the latest row per key without deleted keys: as a DataFrame, and the same query as SQL
   publish  the view in the catalog: an Iceberg table replaced atomically, or an Iceberg view
