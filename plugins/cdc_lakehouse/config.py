@@ -31,16 +31,9 @@ from cdc_lakehouse.identifiers import IdentifierError, check_ident, check_lake_i
 if TYPE_CHECKING:
     from pydantic_core import ErrorDetails
 
-# Columns the pipeline adds to lake tables, defined in lake.columns (the registry) and re-exported
-# here under the names modules import. Source columns may not use the prefix.
-from cdc_lakehouse.lake.columns import (  # noqa: E402, F401  (re-exports)
-    COMMIT_TS_COL,
-    LSN_COL,
-    META_PREFIX,
-    OP_COL,
-    SEQ_COL,
-    SHARD_COL,
-)
+# Columns the pipeline adds to lake tables: lake.columns is their one home (source columns may not
+# use the prefix).
+from cdc_lakehouse.lake.columns import META_PREFIX, SHARD_COL  # noqa: E402
 
 _CRON_FIELD = re.compile(r"^[0-9*/,\-A-Za-z?LW#]+$")
 _PRESETS = {"@hourly", "@daily", "@weekly", "@monthly", "@yearly", "@once", "@continuous"}

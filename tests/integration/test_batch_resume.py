@@ -10,8 +10,8 @@ from __future__ import annotations
 import random
 
 import pytest
-from cdc_lakehouse.config import LSN_COL, OP_COL, SEQ_COL, SHARD_COL
 from cdc_lakehouse.lake.batches import BATCH_PROP, BatchId, batch_snapshots
+from cdc_lakehouse.lake.columns import LSN_COL, OP_COL, SEQ_COL, SHARD_COL
 from cdc_lakehouse.lake.snapshots import current_ancestors
 from cdc_lakehouse.lake.watermark import WATERMARK_PROP
 from cdc_lakehouse.landing.format import Manifest, landing_spark_schema

@@ -20,12 +20,12 @@ from typing import Any
 import pytest
 from cdc_lakehouse.audit.audit_table import audit_table
 from cdc_lakehouse.bootstrap.bootstrap_table import bootstrap_table
-from cdc_lakehouse.config import LSN_COL, OP_COL, SEQ_COL, SHARD_COL
 from cdc_lakehouse.derived.derive_tree import derive_tree
 from cdc_lakehouse.feed.consumer import block_counts
 from cdc_lakehouse.feed.models import OffsetConflictError
 from cdc_lakehouse.ingest.ingest_table import ingest_table
 from cdc_lakehouse.lake.batches import batch_snapshots
+from cdc_lakehouse.lake.columns import LSN_COL, OP_COL, SEQ_COL, SHARD_COL
 from cdc_lakehouse.lake.commits import ConcurrentWriterError, publish_point
 from cdc_lakehouse.lake.tables import schema_point
 from cdc_lakehouse.lake.watermark import read_watermark

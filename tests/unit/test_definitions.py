@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from cdc_lakehouse.config import LSN_COL, SHARD_COL, TableConfig
-from cdc_lakehouse.lake.columns import CHANGELOG, CURRENT, METADATA_COLUMNS, QUARANTINE, names_of
+from cdc_lakehouse.config import TableConfig
+from cdc_lakehouse.lake.columns import CHANGELOG, CURRENT, LSN_COL, METADATA_COLUMNS, QUARANTINE, SHARD_COL, names_of
 from cdc_lakehouse.lake.tables import changelog_columns, current_table_columns
 from cdc_lakehouse.lake.watermark import Watermark
 from cdc_lakehouse.landing.format import EVENT_SCHEMA, dump_json, dump_manifest, parse_manifest

@@ -12,10 +12,9 @@ from decimal import Decimal
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from cdc_lakehouse.config import LSN_COL, OP_COL, SHARD_COL
 from cdc_lakehouse.ingest.landed import read_landed
 from cdc_lakehouse.ingest.validate import BKEY, RAW, REASONS, typed_events
-from cdc_lakehouse.lake.columns import UNAVAILABLE_COL
+from cdc_lakehouse.lake.columns import LSN_COL, OP_COL, SHARD_COL, UNAVAILABLE_COL
 from cdc_lakehouse.lake.watermark import Watermark
 from cdc_lakehouse.landing.format import landing_arrow_schema
 from cdc_lakehouse.landing.reader import Plan

@@ -41,8 +41,9 @@ from cdc_lakehouse.audit.inflight import inflight_from_landing, inflight_from_sl
 from cdc_lakehouse.audit.quality import preload_great_expectations, quality_checks
 from cdc_lakehouse.audit.repair import repair_keys
 from cdc_lakehouse.audit.result import AuditResult, ShardStats
-from cdc_lakehouse.config import LSN_COL, SHARD_COL, TableConfig
+from cdc_lakehouse.config import TableConfig
 from cdc_lakehouse.identifiers import pg_qualified
+from cdc_lakehouse.lake.columns import LSN_COL, SHARD_COL
 from cdc_lakehouse.lake.meta import meta_append
 from cdc_lakehouse.lake.tables import source_columns_of, table_exists
 from cdc_lakehouse.lake.watermark import Watermark, read_watermark

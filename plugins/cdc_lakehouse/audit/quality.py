@@ -8,7 +8,8 @@ import logging
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
-from cdc_lakehouse.config import LSN_COL, SHARD_COL, TableConfig
+from cdc_lakehouse.config import TableConfig
+from cdc_lakehouse.lake.columns import LSN_COL, SHARD_COL
 from cdc_lakehouse.lake.meta import meta_append
 from cdc_lakehouse.landing.reader import LandingFS
 from cdc_lakehouse.settings import LakeSettings

@@ -11,10 +11,21 @@ import logging
 from functools import partial
 from typing import TYPE_CHECKING
 
-from cdc_lakehouse.config import COMMIT_TS_COL, LSN_COL, OP_COL, SEQ_COL, SHARD_COL, TableConfig
+from cdc_lakehouse.config import TableConfig
 from cdc_lakehouse.identifiers import pg_ident, pg_qualified, spark_ident
 from cdc_lakehouse.lake.casts import cast_text
-from cdc_lakehouse.lake.columns import INGESTED_COL, LSN_EVENT_COL, RUN_COL, UNAVAILABLE_COL, XID_COL
+from cdc_lakehouse.lake.columns import (
+    COMMIT_TS_COL,
+    INGESTED_COL,
+    LSN_COL,
+    LSN_EVENT_COL,
+    OP_COL,
+    RUN_COL,
+    SEQ_COL,
+    SHARD_COL,
+    UNAVAILABLE_COL,
+    XID_COL,
+)
 from cdc_lakehouse.lake.commits import ConcurrentWriterError, fenced_commit, sql_with_commit_properties
 from cdc_lakehouse.lake.tables import changelog_columns, conform_to, null_metadata
 from cdc_lakehouse.lake.watermark import Watermark, read_watermark, shard_lsn_map

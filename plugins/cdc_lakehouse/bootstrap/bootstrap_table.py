@@ -20,8 +20,19 @@ from cdc_lakehouse.bootstrap.snapshot import (
     read_shards,
     shards_by_endpoint,
 )
-from cdc_lakehouse.config import COMMIT_TS_COL, LSN_COL, OP_COL, SEQ_COL, SHARD_COL, TableConfig
-from cdc_lakehouse.lake.columns import INGESTED_COL, LSN_EVENT_COL, RUN_COL, UNAVAILABLE_COL, XID_COL
+from cdc_lakehouse.config import TableConfig
+from cdc_lakehouse.lake.columns import (
+    COMMIT_TS_COL,
+    INGESTED_COL,
+    LSN_COL,
+    LSN_EVENT_COL,
+    OP_COL,
+    RUN_COL,
+    SEQ_COL,
+    SHARD_COL,
+    UNAVAILABLE_COL,
+    XID_COL,
+)
 from cdc_lakehouse.lake.tables import (
     add_column,
     changelog_columns,

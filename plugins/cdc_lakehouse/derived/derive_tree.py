@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import Field
 
-from cdc_lakehouse.config import SHARD_COL, TableConfig
+from cdc_lakehouse.config import TableConfig
 from cdc_lakehouse.derived.config import TreeConfig
 from cdc_lakehouse.derived.tree import (
     ATTR,
@@ -49,6 +49,7 @@ from cdc_lakehouse.derived.tree import (
 )
 from cdc_lakehouse.identifiers import spark_ident
 from cdc_lakehouse.lake.batches import BatchId, BatchStep, commit_once
+from cdc_lakehouse.lake.columns import SHARD_COL
 from cdc_lakehouse.lake.commits import fenced_commit, sql_with_commit_properties
 from cdc_lakehouse.lake.holds import hold, lag_error
 from cdc_lakehouse.lake.points import latest_point, spark_history

@@ -43,11 +43,21 @@ import json
 import logging
 from typing import TYPE_CHECKING, Any
 
-from cdc_lakehouse.config import LSN_COL, OP_COL, SEQ_COL, SHARD_COL, TableConfig
+from cdc_lakehouse.config import TableConfig
 from cdc_lakehouse.identifiers import pg_qualified, spark_ident
 from cdc_lakehouse.lake import writers
 from cdc_lakehouse.lake.casts import cast_text
-from cdc_lakehouse.lake.columns import INGESTED_COL, LSN_EVENT_COL, RUN_COL, UNAVAILABLE_COL, XID_COL
+from cdc_lakehouse.lake.columns import (
+    INGESTED_COL,
+    LSN_COL,
+    LSN_EVENT_COL,
+    OP_COL,
+    RUN_COL,
+    SEQ_COL,
+    SHARD_COL,
+    UNAVAILABLE_COL,
+    XID_COL,
+)
 from cdc_lakehouse.lake.commits import (
     ConcurrentWriterError,
     fenced_commit,

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from cdc_lakehouse.config import COMMIT_TS_COL, LSN_COL, OP_COL, SEQ_COL, SHARD_COL, TableConfig
+from cdc_lakehouse.config import TableConfig
 from cdc_lakehouse.identifiers import spark_ident
 from cdc_lakehouse.ingest.backfill import (
     backfill_added_columns,
@@ -52,7 +52,7 @@ from cdc_lakehouse.ingest.schema import (
 from cdc_lakehouse.ingest.toast import BROADCAST_ROWS, NO_TABLE, UNAV_LEFT, fill_unavailable
 from cdc_lakehouse.ingest.validate import REASONS, shard_expr
 from cdc_lakehouse.lake.batches import BATCH_PROP, BATCH_STATE_PROP, BatchId, BatchStep, commit_once, committed
-from cdc_lakehouse.lake.columns import INGESTED_COL, UNAVAILABLE_COL
+from cdc_lakehouse.lake.columns import COMMIT_TS_COL, INGESTED_COL, LSN_COL, OP_COL, SEQ_COL, SHARD_COL, UNAVAILABLE_COL
 from cdc_lakehouse.lake.commits import (
     ConcurrentWriterError,
     fenced_commit,

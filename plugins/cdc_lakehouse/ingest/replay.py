@@ -32,12 +32,13 @@ import logging
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-from cdc_lakehouse.config import LSN_COL, OP_COL, SEQ_COL, SHARD_COL, TableConfig
+from cdc_lakehouse.config import TableConfig
 from cdc_lakehouse.ingest.batch import LIVE, FusedBatch, fused_batch
 from cdc_lakehouse.ingest.ingest_table import current_columns, needs_base, start_position, table_positions
 from cdc_lakehouse.ingest.merge import lsn_newer, merge_sql
 from cdc_lakehouse.ingest.toast import UNAV_LEFT
 from cdc_lakehouse.ingest.validate import REASONS
+from cdc_lakehouse.lake.columns import LSN_COL, OP_COL, SEQ_COL, SHARD_COL
 from cdc_lakehouse.lake.commits import (
     ConcurrentWriterError,
     fenced_commit,

@@ -13,9 +13,18 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from cdc_lakehouse.config import COMMIT_TS_COL, LSN_COL, OP_COL, SHARD_COL, TableConfig
+from cdc_lakehouse.config import TableConfig
 from cdc_lakehouse.ingest.landed import Images, Landed, images_of
-from cdc_lakehouse.lake.columns import LSN_EVENT_COL, RUN_COL, UNAVAILABLE_COL, XID_COL
+from cdc_lakehouse.lake.columns import (
+    COMMIT_TS_COL,
+    LSN_COL,
+    LSN_EVENT_COL,
+    OP_COL,
+    RUN_COL,
+    SHARD_COL,
+    UNAVAILABLE_COL,
+    XID_COL,
+)
 
 if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame
