@@ -111,7 +111,7 @@ def capture_run(
         start = _start(conn, store, ep, run_id, slot, previous, state)
         manifest = Stream(ep, dsn, store, run_id, start, limits, host_label=host_label, database=database).run()
         _report(conn, ep, run_id, slot, manifest)
-        return CaptureResult(parse_manifest(manifest))
+        return CaptureResult(manifest)
     finally:
         conn.close()
 
@@ -218,18 +218,18 @@ def _start(
     )
 
 
-def _report(conn, ep: EndpointTables, run_id: str, slot: str, manifest: dict[str, Any]) -> None:
+def _report(conn, ep: EndpointTables, run_id: str, slot: str, manifest: Manifest) -> None:
     after = slot_state(conn, slot)
-    manifest["slot_after"] = after.to_json()
+    manifest.slot_after = after.to_json()
     log.info(
         "capture %s run %s: %d events in %d transactions, %d bytes decoded, slot %s retains %s WAL bytes, lag %s bytes%s",
         ep.endpoint_id,
         run_id,
-        manifest["events"],
-        manifest["transactions"],
-        manifest["bytes"],
+        manifest.events,
+        manifest.transactions,
+        manifest.bytes,
         slot,
         after.retained_bytes,
         after.lag_bytes,
-        " (capped: more remains)" if manifest["capped"] else "",
+        " (capped: more remains)" if manifest.capped else "",
     )

@@ -26,7 +26,17 @@ from cdc_lakehouse.capture.streamed import (
     parse_abort,
     parse_commit,
 )
-from cdc_lakehouse.landing.format import FORMAT_VERSION, manifest_path, run_dir
+from cdc_lakehouse.landing.format import (
+    FORMAT_VERSION,
+    DdlChange,
+    Heartbeat,
+    Manifest,
+    ManifestTable,
+    SchemaChange,
+    Streamed,
+    manifest_path,
+    run_dir,
+)
 from cdc_lakehouse.landing.writer import TableWriter
 from cdc_lakehouse.runtime.failpoints import crash_point
 from cdc_lakehouse.source.catalog import EndpointTables
@@ -107,10 +117,10 @@ class Stream:
         self.streamed = StreamedTransactions(self.staging / ".streams")
         self.rels: dict[int, Rel] = {}
         self.schemas_seen: dict[str, list] = {}
-        self.schema_changes: list[dict[str, Any]] = []
-        self.heartbeats: dict[str, dict[str, Any]] = {}
-        self.markers: list[dict[str, Any]] = []  # the chunked bootstrap's watermarks, in WAL order
-        self.ddl: list[dict[str, Any]] = []  # the captured tables' DDL (source.ddl), in WAL order
+        self.schema_changes: list[SchemaChange] = []
+        self.heartbeats: dict[str, Heartbeat] = {}
+        self.markers: list[dict[str, Any]] = []  # the chunked bootstrap's watermarks, in WAL order (their JSON)
+        self.ddl: list[DdlChange] = []  # the captured tables' DDL (source.ddl), in WAL order
         self.events = self.nbytes = self.txs = 0
         self.capped = self.done = False
         self.last_commit: Commit | None = None
@@ -123,7 +133,7 @@ class Stream:
         self.server_pos = 0
         self.last_activity = self.waiting_since = 0.0
 
-    def run(self) -> dict[str, Any]:
+    def run(self) -> Manifest:
         """Stream up to the bound, then publish; returns the manifest. Staged files never outlive a failure."""
         import psycopg2
         from psycopg2.extras import LogicalReplicationConnection
@@ -285,8 +295,8 @@ class Stream:
         schema, _, table = key.rpartition(".")
         if schema not in self.ep.tables.get(table, ([], []))[0]:
             return
-        at = {"table": key, "lsn": lsn, "at_commit_lsn": self.tx.final_lsn if self.tx else None}
-        self.ddl.append({**at, "tag": body.get("tag"), **diff})
+        at_commit = self.tx.final_lsn if self.tx else None
+        self.ddl.append(DdlChange(table=key, lsn=lsn, at_commit_lsn=at_commit, tag=body.get("tag"), **diff))
         # The table's schema as this run tracks it follows the rename at once: a shard that writes
         # nothing after it still lists the new names in the manifest.
         cols = self.schemas_seen.get(key) or self.start.known_schemas.get(key)
@@ -295,7 +305,7 @@ class Stream:
             self.schemas_seen[key] = [{**c, "name": names.get(c["name"], c["name"])} for c in cols]
         log.warning("capture %s: DDL on %s: %s", self.ep.endpoint_id, key, {k: v for k, v in diff.items() if v})
 
-    def _verified_ddl(self) -> list[dict[str, Any]]:
+    def _verified_ddl(self) -> list[DdlChange]:
         """The run's DDL messages that the trigger logged itself; any role may emit a message with
         the prefix, and a forged rename must not rename a lake column."""
         if not self.ddl:
@@ -304,15 +314,15 @@ class Stream:
 
         conn = psycopg2.connect(self.dsn, application_name="cdc_lakehouse capture")
         try:
-            logged = logged_ddl(conn, [d["lsn"] for d in self.ddl])
+            logged = logged_ddl(conn, [d.lsn for d in self.ddl])
         finally:
             conn.close()
-        forged = [d for d in self.ddl if d["lsn"] not in logged]
+        forged = [d.to_dict() for d in self.ddl if d.lsn not in logged]
         if forged:
             log.warning(
                 "capture %s: DDL messages not written by the trigger, left out: %s", self.ep.endpoint_id, forged
             )
-        return [d for d in self.ddl if d["lsn"] in logged]
+        return [d for d in self.ddl if d.lsn in logged]
 
     def _on_truncate(self, m: Truncate, data_start: int) -> None:
         for relid in m.relids:
@@ -356,12 +366,9 @@ class Stream:
         tx = self.tx
         assert tx is not None  # a COMMIT ends the transaction a BEGIN started
         for s in self.tx_heartbeat_schemas:
-            self.heartbeats[s] = {
-                "commit_lsn": m.commit_lsn,
-                "end_lsn": m.end_lsn,
-                "commit_ts": pg_time(m.commit_ts).isoformat(),
-                "xid": tx.xid,
-            }
+            self.heartbeats[s] = Heartbeat(
+                commit_lsn=m.commit_lsn, end_lsn=m.end_lsn, commit_ts=pg_time(m.commit_ts).isoformat(), xid=tx.xid
+            )
         if tx.xid == self.start.hb_xid:
             self.done = True  # the run's bound: everything committed before it is in
         elif self.events >= self.limits.max_events or self.nbytes >= self.limits.max_bytes:
@@ -384,17 +391,17 @@ class Stream:
         if prev is None:
             # No earlier schema to diff with: the ingest compares these columns with
             # the shard's known ones (columns added since its bootstrap need values).
-            self.schema_changes.append({**at, "first_seen": True, "added": [], "dropped": [], "retyped": []})
+            self.schema_changes.append(SchemaChange(**at, first_seen=True, added=[], dropped=[], retyped=[]))
         else:
             diff = schema_diff(prev, r.columns)
             if diff:
-                self.schema_changes.append({**at, **diff})
+                self.schema_changes.append(SchemaChange(**at, **diff))
                 log.warning("capture %s: schema change on %s: %s", self.ep.endpoint_id, r.key, diff)
         self.schemas_seen[r.key] = r.columns
 
     # --- at the bound ------------------------------------------------------------------------
 
-    def _finish(self, cur, identity: dict[str, Any]) -> dict[str, Any]:
+    def _finish(self, cur, identity: dict[str, Any]) -> Manifest:
         """Files first, durably; then the manifest; then the slot. Confirming earlier would lose the
         run's events to a crash; the failpoints let the crash tests stop between the steps."""
         self.ddl = self._verified_ddl()
@@ -402,7 +409,7 @@ class Stream:
         tables = self._publish_files()
         crash_point("after_files")
         manifest = self._manifest(tables, identity)
-        self.store.write_json(manifest_path(self.ep.endpoint_id, self.run_id), manifest)
+        self.store.write_json(manifest_path(self.ep.endpoint_id, self.run_id), manifest.to_dict())
         crash_point("after_manifest")
         assert self.last_commit is not None  # the run ends at a COMMIT (its bound)
         confirm(self.dsn, self.start.slot, self.last_commit.end_lsn, cur)
@@ -411,68 +418,70 @@ class Stream:
             self.store.delete(f"{attempts}/{name}")
         return manifest
 
-    def _publish_files(self) -> list[dict[str, Any]]:
+    def _publish_files(self) -> list[ManifestTable]:
         tables = []
         for name, w in sorted(self.writers.items()):
             files = w.close()
             rel = run_dir(self.ep.endpoint_id, name, self.run_id)
             self.store.publish_dir(self.staging / name, rel)
             tables.append(
-                {
-                    "table": name,
-                    "dir": rel,
-                    "files": [f.to_dict() for f in files],
-                    "events": w.rows,
-                    "min_commit_lsn": w.min_commit_lsn,
-                    "max_commit_lsn": w.max_commit_lsn,
-                    "shards": sorted(w.shards),
-                }
+                ManifestTable(
+                    table=name,
+                    dir=rel,
+                    files=files,
+                    events=w.rows,
+                    min_commit_lsn=w.min_commit_lsn,
+                    max_commit_lsn=w.max_commit_lsn,
+                    shards=sorted(w.shards),
+                )
             )
         self.store.discard(self.staging)
         return tables
 
-    def _manifest(self, tables: list[dict[str, Any]], identity: dict[str, Any]) -> dict[str, Any]:
+    def _manifest(self, tables: list[ManifestTable], identity: dict[str, Any]) -> Manifest:
         last, start = self.last_commit, self.start
         assert last is not None
         # What the run covered: a table's changes are in this run only if it was published for the
         # whole run. The ingest checks its shards against this before moving their watermark.
         published_end = start.published()
-        manifest = {
-            "format": FORMAT_VERSION,
-            "run_id": self.run_id,
-            "endpoint": self.ep.endpoint_id,
-            "conn_id": self.ep.conn_id,
-            "slot": start.slot,
-            "publication": PUBLICATION,
-            "started_at": self.started.isoformat(),
-            "finished_at": datetime.now(UTC).isoformat(),
-            "start_lsn": start.start_lsn,
-            "end_lsn": last.end_lsn,
-            "last_commit_lsn": last.commit_lsn,
-            "last_commit_ts": pg_time(last.commit_ts).isoformat(),
-            "capped": self.capped,
-            "heartbeat_xid": start.hb_xid,
-            "events": self.events,
-            "bytes": self.nbytes,
-            "transactions": self.txs,
-            "tables": tables,
-            "heartbeats": self.heartbeats,
-            "schemas": {**start.known_schemas, **self.schemas_seen},
-            "schema_changes": self.schema_changes,
-            "slot_before": start.state.to_json(),
-            "source_identity": identity,
-            "published": published_end,
-            "published_at_start": start.published_at_start,
-        }
+        # Parts a run without them leaves out of its file (unset fields are not written).
+        optional: dict[str, Any] = {}
         if start.keepalive_advance:
-            manifest["keepalive_advance"] = start.keepalive_advance
+            optional["keepalive_advance"] = start.keepalive_advance
         if self.markers:
-            manifest["bootstrap_markers"] = self.markers
+            optional["bootstrap_markers"] = self.markers
         if self.ddl:
-            manifest["ddl"] = self.ddl
+            optional["ddl"] = self.ddl
         if self.streamed.stats != StreamStats():
-            manifest["streamed"] = asdict(self.streamed.stats)
-        return manifest
+            optional["streamed"] = Streamed(**asdict(self.streamed.stats))
+        return Manifest(
+            format=FORMAT_VERSION,
+            run_id=self.run_id,
+            endpoint=self.ep.endpoint_id,
+            conn_id=self.ep.conn_id,
+            slot=start.slot,
+            publication=PUBLICATION,
+            started_at=self.started.isoformat(),
+            finished_at=datetime.now(UTC).isoformat(),
+            start_lsn=start.start_lsn,
+            end_lsn=last.end_lsn,
+            last_commit_lsn=last.commit_lsn,
+            last_commit_ts=pg_time(last.commit_ts).isoformat(),
+            capped=self.capped,
+            heartbeat_xid=start.hb_xid,
+            events=self.events,
+            bytes=self.nbytes,
+            transactions=self.txs,
+            tables=tables,
+            heartbeats=self.heartbeats,
+            schemas={**start.known_schemas, **self.schemas_seen},
+            schema_changes=self.schema_changes,
+            slot_before=start.state.to_json(),
+            source_identity=identity,
+            published=published_end,
+            published_at_start=start.published_at_start,
+            **optional,
+        )
 
 
 def parse_logical_message(buf: bytes) -> tuple[int, str, bytes]:
