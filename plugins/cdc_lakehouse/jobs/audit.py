@@ -5,9 +5,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import TYPE_CHECKING
 
 from cdc_lakehouse.jobs.params import JobParams, flag
 from cdc_lakehouse.jobs.runner import StageResult, load_tables, run_per_table
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+    from cdc_lakehouse.config import TableConfig
+    from cdc_lakehouse.settings import LakeSettings
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -19,7 +26,7 @@ class AuditParams(JobParams):
 
 
 def main(p: AuditParams) -> int:
-    def fn(spark, lake, cfg, file) -> StageResult:
+    def fn(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, file: str | None) -> StageResult:
         from cdc_lakehouse.audit.audit_table import audit_table
         from cdc_lakehouse.audit.errors import AuditFailed
 

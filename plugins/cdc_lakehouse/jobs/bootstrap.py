@@ -12,7 +12,10 @@ from cdc_lakehouse.jobs.params import JobParams, flag
 from cdc_lakehouse.jobs.runner import StageResult, load_tables, run_per_table, table_configs
 
 if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
     from cdc_lakehouse.config import TableConfig
+    from cdc_lakehouse.settings import LakeSettings
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,7 +67,7 @@ def bootstrap_scope(cfg: TableConfig, p: BootstrapParams) -> BootstrapScope:
 
 
 def main(p: BootstrapParams) -> int:
-    def fn(spark, lake, cfg, file) -> StageResult:
+    def fn(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, file: str | None) -> StageResult:
         from cdc_lakehouse.bootstrap.bootstrap_table import bootstrap_table
 
         run = p.run_id or datetime.now(UTC).strftime("%Y%m%dT%H%M%S")

@@ -4,10 +4,16 @@ derived table (derived.derive_tree.derive_tree; docs/derived-trees.md)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from cdc_lakehouse.jobs.params import JobParams, flag
 from cdc_lakehouse.jobs.runner import StageResult, load_derived, run_per_table, table_configs
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+    from cdc_lakehouse.derived.config import TreeConfig
+    from cdc_lakehouse.settings import LakeSettings
 
 DeriveMode = Literal["auto", "full"]
 
@@ -24,7 +30,7 @@ class DeriveParams(JobParams):
 
 
 def main(p: DeriveParams) -> int:
-    def fn(spark, lake, dcfg, file) -> StageResult:
+    def fn(spark: SparkSession, lake: LakeSettings, dcfg: TreeConfig, file: str | None) -> StageResult:
         from cdc_lakehouse.derived.derive_tree import derive_tree
 
         tables = table_configs(p.config_dir).tables

@@ -11,9 +11,12 @@ from cdc_lakehouse.jobs.runner import Loaded, StageResult, derived_configs, pick
 from cdc_lakehouse.settings import exports_dir
 
 if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
     from cdc_lakehouse.config import TableConfig
     from cdc_lakehouse.derived.config import TreeConfig
     from cdc_lakehouse.serving.config import ExportConfig
+    from cdc_lakehouse.settings import LakeSettings
 
 ExportMode = Literal["auto", "full", "rollback", "resume"]
 
@@ -49,18 +52,18 @@ class Export:
         return self.cfg.name
 
 
-def _load(p: ExportParams) -> Loaded:
+def _load(p: ExportParams) -> Loaded[Export]:
     from cdc_lakehouse.serving.config import load_export_configs
 
     cs, ds = derived_configs(p.config_dir, p.derived_dir)
     where = p.exports_dir or exports_dir()
     es = load_export_configs(where, cs.tables, ds.derived)
     ecfgs = pick("export", p.exports, es.exports, where, cs.errors + ds.errors + es.errors)
-    return [Export(e, cs.tables, ds.derived) for e in ecfgs], es.files
+    return Loaded([Export(e, cs.tables, ds.derived) for e in ecfgs], es.files)
 
 
 def main(p: ExportParams) -> int:
-    def fn(spark, lake, e: Export, file) -> StageResult:
+    def fn(spark: SparkSession, lake: LakeSettings, e: Export, file: str | None) -> StageResult:
         from cdc_lakehouse.serving.export import export, rollback_export
 
         if p.mode == "rollback":

@@ -4,10 +4,17 @@ day, kept incrementally from the block table's feed (feed.consumer.block_counts)
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from cdc_lakehouse.jobs.feed import FeedConsumerParams
 from cdc_lakehouse.jobs.params import flag
 from cdc_lakehouse.jobs.runner import StageResult, load_tables, run_per_table
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+    from cdc_lakehouse.config import TableConfig
+    from cdc_lakehouse.settings import LakeSettings
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -21,7 +28,7 @@ class BlockCountsParams(FeedConsumerParams):
 
 
 def main(p: BlockCountsParams) -> int:
-    def fn(spark, lake, cfg, file) -> StageResult:
+    def fn(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, file: str | None) -> StageResult:
         from cdc_lakehouse.feed.consumer import block_counts
 
         return block_counts(

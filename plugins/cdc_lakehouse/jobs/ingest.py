@@ -5,9 +5,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import TYPE_CHECKING
 
 from cdc_lakehouse.jobs.params import JobParams, flag
 from cdc_lakehouse.jobs.runner import StageResult, load_tables, run_per_table
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from pyspark.sql import SparkSession
+
+    from cdc_lakehouse.config import TableConfig
+    from cdc_lakehouse.settings import LakeSettings
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -31,7 +40,7 @@ def main(p: IngestParams) -> int:
     # The tables' run records and freshness rows, committed once for the group (ingest.records).
     records = RunRecords()
 
-    def fn(spark, lake, cfg, file) -> StageResult:
+    def fn(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, file: str | None) -> StageResult:
         from cdc_lakehouse.ingest.ingest_table import ingest_table
 
         run = p.ingest_run or datetime.now(UTC).strftime("manual-%Y%m%dT%H%M%S")
@@ -46,7 +55,7 @@ def main(p: IngestParams) -> int:
             records=records,
         )
 
-    def record_points(spark, lake, cfgs) -> None:
+    def record_points(spark: SparkSession, lake: LakeSettings, cfgs: Sequence[TableConfig]) -> None:
         """The group's run records, then the endpoints' new consistent points into
         cdc_meta.consistent_points (lake.points)."""
         from cdc_lakehouse.jobs.runner import table_configs

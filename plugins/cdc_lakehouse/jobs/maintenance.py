@@ -7,10 +7,26 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from functools import partial
+from typing import TYPE_CHECKING
 
 from cdc_lakehouse.config import OutputMaintenanceConfig
 from cdc_lakehouse.jobs.params import JobParams, flag
-from cdc_lakehouse.jobs.runner import Loaded, StageResult, load_derived, load_tables, run_per_table, table_configs
+from cdc_lakehouse.jobs.runner import (
+    Loaded,
+    Stage,
+    StageResult,
+    load_derived,
+    load_tables,
+    run_per_table,
+    table_configs,
+)
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+    from cdc_lakehouse.config import TableConfig
+    from cdc_lakehouse.derived.config import TreeConfig
+    from cdc_lakehouse.settings import LakeSettings
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,7 +63,7 @@ def main(p: MaintenanceParams) -> int:
         load = partial(_feed_output, p.feed_output, p.consumer, p.settings)
         return run_per_table("maintenance", p.app_name, load, _feed_output_fn(run))
 
-    def fn(spark, lake, cfg, file) -> StageResult:
+    def fn(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, file: str | None) -> StageResult:
         from cdc_lakehouse.maintenance.maintain_table import maintain_table
 
         consumers = list(table_configs(p.config_dir).tables.values())
@@ -56,8 +72,8 @@ def main(p: MaintenanceParams) -> int:
     return run_per_table("maintenance", p.app_name, lambda: load_tables(p.config_dir, p.tables), fn)
 
 
-def _derived(run: str):
-    def fn(spark, lake, dcfg, file) -> StageResult:
+def _derived(run: str) -> Stage[TreeConfig]:
+    def fn(spark: SparkSession, lake: LakeSettings, dcfg: TreeConfig, file: str | None) -> StageResult:
         from cdc_lakehouse.maintenance.maintain_table import maintain_derived
 
         return maintain_derived(spark, lake, dcfg, run_id=run)
@@ -65,16 +81,16 @@ def _derived(run: str):
     return fn
 
 
-def _feed_output(output: str, consumer: str | None, settings: OutputMaintenanceConfig | None) -> Loaded:
+def _feed_output(output: str, consumer: str | None, settings: OutputMaintenanceConfig | None) -> Loaded[FeedOutput]:
     from cdc_lakehouse.feed.models import check_consumer_name
 
     if not consumer:
         raise SystemExit("--feed-output needs --consumer: the consumer whose offsets its commits carry")
-    return [FeedOutput(check_consumer_name(consumer), output, settings or OutputMaintenanceConfig())], {}
+    return Loaded([FeedOutput(check_consumer_name(consumer), output, settings or OutputMaintenanceConfig())])
 
 
-def _feed_output_fn(run: str):
-    def fn(spark, lake, out, file) -> StageResult:
+def _feed_output_fn(run: str) -> Stage[FeedOutput]:
+    def fn(spark: SparkSession, lake: LakeSettings, out: FeedOutput, file: str | None) -> StageResult:
         from cdc_lakehouse.maintenance.maintain_table import maintain_feed_output
 
         return maintain_feed_output(spark, lake, out.name, out.output, out.settings, run_id=run)

@@ -16,24 +16,44 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from datetime import date, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
-from cdc_lakehouse.config import ConfigSet, load_table_configs
+from cdc_lakehouse.config import ConfigSet, TableConfig, load_table_configs
 from cdc_lakehouse.runtime.secrets import load_job_secrets
 from cdc_lakehouse.settings import LakeSettings, derived_dir, tables_dir
 
 if TYPE_CHECKING:
-    from cdc_lakehouse.derived.config import DerivedSet
+    from pyspark.sql import SparkSession
+
+    from cdc_lakehouse.derived.config import DerivedSet, TreeConfig
 
 log = logging.getLogger("cdc_lakehouse.jobs")
 C = TypeVar("C")
-# What a job runs its stage on, each with a `name` (table, derived table, export, feed output), and
-# the config file of each by name (for the result rows that record it).
-Loaded = tuple[list[Any], dict[str, str]]
+
+
+class Named(Protocol):
+    """What a job runs its stage on: a table, derived table, export or feed output config."""
+
+    @property
+    def name(self) -> str: ...
+
+
+N = TypeVar("N", bound=Named)
+N_contra = TypeVar("N_contra", bound=Named, contravariant=True)
+
+
+@dataclass(frozen=True)
+class Loaded(Generic[N]):
+    """A job's configs, loaded before Spark starts, and the config file of each by name (for the
+    result rows that record it)."""
+
+    configs: list[N]
+    files: dict[str, str] = field(default_factory=dict)
 
 
 class StageResult(Protocol):
@@ -41,6 +61,20 @@ class StageResult(Protocol):
     audit.result.AuditResult, ...), printed on the job's result line as to_dict() gives it."""
 
     def to_dict(self) -> dict[str, Any]: ...
+
+
+class Stage(Protocol[N_contra]):
+    """A job's work on one config: (spark, lake, the config, its file) -> the stage's result."""
+
+    def __call__(
+        self, spark: SparkSession, lake: LakeSettings, cfg: N_contra, config_file: str | None, /
+    ) -> StageResult: ...
+
+
+class AfterStages(Protocol[N_contra]):
+    """What a job does once its stages ran, whatever their outcome (in the same session)."""
+
+    def __call__(self, spark: SparkSession, lake: LakeSettings, cfgs: Sequence[N_contra], /) -> None: ...
 
 
 def _json_default(o: Any) -> Any:
@@ -77,21 +111,21 @@ def pick(what: str, names: tuple[str, ...], found: Mapping[str, C], where: Any, 
     return [found[n] for n in names]
 
 
-def load_tables(config_dir: str | None, names: tuple[str, ...]) -> Loaded:
+def load_tables(config_dir: str | None, names: tuple[str, ...]) -> Loaded[TableConfig]:
     cs = table_configs(config_dir)
-    return pick("table", names, cs.tables, config_dir or tables_dir(), cs.errors), cs.files
+    return Loaded(pick("table", names, cs.tables, config_dir or tables_dir(), cs.errors), cs.files)
 
 
-def load_derived(config_dir: str | None, derived: str | None, names: tuple[str, ...]) -> Loaded:
+def load_derived(config_dir: str | None, derived: str | None, names: tuple[str, ...]) -> Loaded[TreeConfig]:
     cs, ds = derived_configs(config_dir, derived)
-    return pick("derived", names, ds.derived, derived or derived_dir(), cs.errors + ds.errors), ds.files
+    return Loaded(pick("derived", names, ds.derived, derived or derived_dir(), cs.errors + ds.errors), ds.files)
 
 
 def run_tables(
     kind: str,
     spark,
     lake: LakeSettings,
-    cfgs: list[Any],
+    cfgs: Sequence[Named],
     fn: Callable[..., StageResult],
     *args: Any,
     parallel: int = 1,
@@ -123,7 +157,7 @@ def run_tables(
 
 
 def _run_one(
-    kind: str, fn: Callable[..., StageResult], session: Callable[[], Any], lake: LakeSettings, cfg: Any, *args: Any
+    kind: str, fn: Callable[..., StageResult], session: Callable[[], Any], lake: LakeSettings, cfg: Named, *args: Any
 ) -> tuple[str, dict[str, Any], Exception | None]:
     """fn on one table, with the session `session()` gives (a worker's may fail to start: that
     table's failure, like any other)."""
@@ -169,9 +203,9 @@ class _WorkerSessions:
 def run_per_table(
     kind: str,
     app_name: str | None,
-    load: Callable[[], Loaded],
-    fn: Callable[..., StageResult],
-    after: Callable[..., None] | None = None,
+    load: Callable[[], Loaded[N]],
+    fn: Stage[N],
+    after: AfterStages[N] | None = None,
     *,
     parallel: int = 1,
 ) -> int:
@@ -184,7 +218,8 @@ def run_per_table(
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     load_job_secrets()  # before anything reads CDC_CATALOG_PASSWORD, CDC_SOURCE_URI__*, AWS_*
-    cfgs, files = load()
+    loaded = load()
+    cfgs, files = loaded.configs, loaded.files
     lake = LakeSettings.from_env()
     t0 = time.time()
     names = ",".join(c.name for c in cfgs)
@@ -192,7 +227,10 @@ def run_per_table(
     try:  # a failed job still ends its Spark Connect session on the server
         ensure_meta_tables(spark, lake)
         log.info("%s: Spark session ready in %.1fs (package %s)", kind, time.time() - t0, Path(__file__).parents[1])
-        run = lambda s, lk, c: fn(s, lk, c, files.get(c.name))  # noqa: E731
+
+        def run(s: SparkSession, lk: LakeSettings, c: N) -> StageResult:
+            return fn(s, lk, c, files.get(c.name))
+
         _, failures = run_tables(kind, spark, lake, cfgs, run, parallel=parallel)
         if after is not None:
             try:
