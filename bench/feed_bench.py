@@ -58,7 +58,7 @@ def table_cfg():
 
 
 def _wm(lsn: int) -> str:
-    from cdc_lakehouse.lake.watermark import Watermark
+    from cdc_lakehouse.watermark import Watermark
 
     ts = datetime(2026, 6, 1, tzinfo=UTC).isoformat()
     return Watermark.from_dict({"v": 1, "shards": {f"bench.{s}": {"lsn": lsn, "ts": ts} for s in SHARDS}}).to_json()
@@ -66,7 +66,7 @@ def _wm(lsn: int) -> str:
 
 def load(spark, lake, cfg, rows: int) -> None:
     """The bootstrap's two commits: changelog (snapshot rows + truncate markers), current table."""
-    from cdc_lakehouse.lake.columns import (
+    from cdc_lakehouse.columns import (
         COMMIT_TS_COL,
         INGESTED_COL,
         LSN_COL,
@@ -115,7 +115,7 @@ def load(spark, lake, cfg, rows: int) -> None:
 
 def change(spark, lake, cfg, share: float) -> dict[str, int]:
     """One ingest batch: `share` of the keys (by a hash of id), 90% updated and 10% deleted."""
-    from cdc_lakehouse.lake.columns import LSN_COL, LSN_EVENT_COL, OP_COL, RUN_COL, SEQ_COL
+    from cdc_lakehouse.columns import LSN_COL, LSN_EVENT_COL, OP_COL, RUN_COL, SEQ_COL
     from cdc_lakehouse.lake.commits import sql_with_commit_properties
     from cdc_lakehouse.lake.tables import conform_to
     from cdc_lakehouse.lake.writers import INGEST

@@ -37,8 +37,8 @@ WORK = Path(os.environ.get("CDC_BENCH_WORK", HERE / ".work")) / "remap"
 
 
 def old_fill(events, current, cfg, names, cap: int | None):
+    from cdc_lakehouse.columns import LSN_COL, SEQ_COL, SHARD_COL
     from cdc_lakehouse.ingest import toast as T
-    from cdc_lakehouse.lake.columns import LSN_COL, SEQ_COL, SHARD_COL
     from pyspark.sql import Window
     from pyspark.sql import functions as F
 
@@ -55,9 +55,9 @@ def old_fill(events, current, cfg, names, cap: int | None):
 
 
 def _old_generations(sub, key):
+    from cdc_lakehouse.columns import LSN_COL, OP_COL, SEQ_COL
     from cdc_lakehouse.ingest.toast import NO_TABLE
     from cdc_lakehouse.ingest.validate import PKCHANGE
-    from cdc_lakehouse.lake.columns import LSN_COL, OP_COL, SEQ_COL
     from pyspark.sql import Window
     from pyspark.sql import functions as F
 
@@ -73,9 +73,9 @@ def _old_generations(sub, key):
 
 
 def _old_from_history(df, f):
+    from cdc_lakehouse.columns import OP_COL
     from cdc_lakehouse.ingest.toast import WORK, _take
     from cdc_lakehouse.ingest.validate import PKCHANGE
-    from cdc_lakehouse.lake.columns import OP_COL
     from pyspark.sql import functions as F
 
     _, _, names, earlier = f
@@ -89,9 +89,9 @@ def _old_from_history(df, f):
 
 
 def _old_from_partner(df, f):
+    from cdc_lakehouse.columns import LSN_COL, OP_COL, SEQ_COL
     from cdc_lakehouse.ingest.toast import WORK, _take
     from cdc_lakehouse.ingest.validate import PKCHANGE
-    from cdc_lakehouse.lake.columns import LSN_COL, OP_COL, SEQ_COL
     from pyspark.sql import functions as F
 
     key, fkey, names, _ = f
@@ -129,9 +129,9 @@ def _old_propagate(df, f, cap, passes):
 
 
 def _old_from_table(sub, current, f, cap, passes):
+    from cdc_lakehouse.columns import LSN_COL, SEQ_COL
     from cdc_lakehouse.ingest.toast import WORK, _take
     from cdc_lakehouse.ingest.validate import PKCHANGE
-    from cdc_lakehouse.lake.columns import LSN_COL, SEQ_COL
     from pyspark.sql import functions as F
 
     key, fkey, names, _ = f
@@ -162,8 +162,8 @@ def _old_from_table(sub, current, f, cap, passes):
 
 
 def _old_roots(sub, f):
+    from cdc_lakehouse.columns import LSN_COL, OP_COL, SEQ_COL, UNAVAILABLE_COL
     from cdc_lakehouse.ingest.validate import PKCHANGE
-    from cdc_lakehouse.lake.columns import LSN_COL, OP_COL, SEQ_COL, UNAVAILABLE_COL
     from pyspark.sql import functions as F
 
     key, fkey, names, earlier = f
@@ -201,7 +201,7 @@ def chain_events(n: int, root: str) -> list[tuple]:
 
 
 def setup(spark, rows: int):
-    from cdc_lakehouse.lake.columns import SHARD_COL
+    from cdc_lakehouse.columns import SHARD_COL
     from pyspark.sql import functions as F
 
     spark.sql("CREATE NAMESPACE IF NOT EXISTS lake.bench")

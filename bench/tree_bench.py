@@ -350,7 +350,7 @@ def configs(ns: str = NS):
 
 
 def _wm(lsns: dict[str, int], ts: datetime) -> str:
-    from cdc_lakehouse.lake.watermark import Watermark
+    from cdc_lakehouse.watermark import Watermark
 
     shards = {s: {"lsn": lsn, "ts": ts.isoformat()} for s, lsn in lsns.items()}
     return Watermark.from_dict({"v": 1, "shards": shards}).to_json()
@@ -358,7 +358,7 @@ def _wm(lsns: dict[str, int], ts: datetime) -> str:
 
 def load_inputs(spark, lake, cfgs: list, cols: list, files: list[Path]) -> None:
     """Current tables and changelogs as a bootstrap at BASE_LSN leaves them."""
-    from cdc_lakehouse.lake.columns import (
+    from cdc_lakehouse.columns import (
         COMMIT_TS_COL,
         INGESTED_COL,
         LSN_COL,
@@ -404,9 +404,9 @@ def apply_batch(spark, lake, cfgs: list, files: list[Path], hi_lsn: dict[str, in
     """The ingest's two commits per table: the events appended to the changelog, then one MERGE
     of them into the current table carrying the advanced watermark (one event per key here, so
     nothing to pre-combine)."""
+    from cdc_lakehouse.columns import COMMIT_TS_COL, INGESTED_COL, LSN_EVENT_COL, RUN_COL, SEQ_COL, XID_COL
     from cdc_lakehouse.ingest.ingest_table import current_columns
     from cdc_lakehouse.ingest.merge import merge_sql
-    from cdc_lakehouse.lake.columns import COMMIT_TS_COL, INGESTED_COL, LSN_EVENT_COL, RUN_COL, SEQ_COL, XID_COL
     from cdc_lakehouse.lake.commits import sql_with_commit_properties
     from cdc_lakehouse.lake.tables import conform_to, source_columns_of
     from pyspark.sql import functions as F
@@ -461,7 +461,7 @@ class Deadline:
 def naive_tree(spark, lake, block_cfg, perm_cfg, out: str, max_depth: int, timeout: float) -> dict:
     """Level by level: level k+1 = every node joined with level k on its parent; then each node's
     own id and path exploded and joined with the grants, nearest grant per principal."""
-    from cdc_lakehouse.lake.columns import SHARD_COL
+    from cdc_lakehouse.columns import SHARD_COL
     from cdc_lakehouse.runtime.phases import PhaseClock, SparkJobs
     from pyspark.sql import functions as F
 
@@ -572,7 +572,7 @@ def naive_tree(spark, lake, block_cfg, perm_cfg, out: str, max_depth: int, timeo
 
 
 def _norm(spark, table: str):
-    from cdc_lakehouse.lake.columns import SHARD_COL
+    from cdc_lakehouse.columns import SHARD_COL
     from pyspark.sql import functions as F
 
     spark.sql(f"REFRESH TABLE {table}")
@@ -588,7 +588,7 @@ def _norm(spark, table: str):
 def differing(spark, a: str, b: str) -> dict:
     """Rows only in a, only in b, and in both with another place (parent, root, root attribute,
     depth, path) or other effective grants."""
-    from cdc_lakehouse.lake.columns import SHARD_COL
+    from cdc_lakehouse.columns import SHARD_COL
     from pyspark.sql import functions as F
 
     x, y = _norm(spark, a).alias("a"), _norm(spark, b).alias("b")
@@ -604,7 +604,7 @@ def differing(spark, a: str, b: str) -> dict:
 
 
 def differing_unresolved(spark, a: str, b: str) -> int:
-    from cdc_lakehouse.lake.columns import SHARD_COL
+    from cdc_lakehouse.columns import SHARD_COL
 
     for t in (a, b):
         spark.sql(f"REFRESH TABLE {t}")

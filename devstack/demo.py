@@ -20,9 +20,9 @@ from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from cdc_lakehouse.columns import OP_COL, SHARD_COL
 from cdc_lakehouse.config import load_table_configs
 from cdc_lakehouse.derived.config import TreeConfig, load_derived_configs
-from cdc_lakehouse.lake.columns import OP_COL, SHARD_COL
 from cdc_lakehouse.settings import LakeSettings, derived_dir, tables_dir
 
 from devstack.workload import NotionWorkload

@@ -11,10 +11,10 @@ from pathlib import Path
 import psycopg2
 import pyarrow as pa
 import pyarrow.parquet as pq
+from cdc_lakehouse.columns import SHARD_COL
 from cdc_lakehouse.config import TableConfig
 from cdc_lakehouse.identifiers import pg_qualified
 from cdc_lakehouse.lake.casts import cast_text
-from cdc_lakehouse.lake.columns import SHARD_COL
 from cdc_lakehouse.lake.tables import source_columns_of
 from cdc_lakehouse.source.catalog import describe_table, text_select
 from cdc_lakehouse.source.session import SESSION_OPTIONS

@@ -15,6 +15,8 @@ Around it:
   orchestration  the Airflow side: DAG factory, tasks, the Spark operator, alerts
   runtime        the Spark side: SparkSession, job command lines, --py-files zip, secrets
   config.py (table configs), settings.py (lake and source connections), identifiers.py, cli.py
+  columns.py (the _cdc_* metadata columns) and watermark.py (the cdc.watermark snapshot property),
+  the vocabulary of every layer
 
 Shared by DAGs (parse-time safe: the __init__ files import nothing, config and settings stay
 light) and Spark jobs (shipped with --py-files, without orchestration/). The development stack

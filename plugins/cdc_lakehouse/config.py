@@ -31,9 +31,9 @@ from cdc_lakehouse.identifiers import IdentifierError, check_ident, check_lake_i
 if TYPE_CHECKING:
     from pydantic_core import ErrorDetails
 
-# Columns the pipeline adds to lake tables: lake.columns is their one home (source columns may not
+# Columns the pipeline adds to lake tables: cdc_lakehouse.columns is their one home (source columns may not
 # use the prefix).
-from cdc_lakehouse.lake.columns import META_PREFIX, SHARD_COL  # noqa: E402
+from cdc_lakehouse.columns import META_PREFIX, SHARD_COL  # noqa: E402
 
 _CRON_FIELD = re.compile(r"^[0-9*/,\-A-Za-z?LW#]+$")
 _PRESETS = {"@hourly", "@daily", "@weekly", "@monthly", "@yearly", "@once", "@continuous"}

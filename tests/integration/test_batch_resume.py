@@ -10,12 +10,12 @@ from __future__ import annotations
 import random
 
 import pytest
+from cdc_lakehouse.columns import LSN_COL, OP_COL, SEQ_COL, SHARD_COL
 from cdc_lakehouse.lake.batches import BATCH_PROP, BatchId, batch_snapshots
-from cdc_lakehouse.lake.columns import LSN_COL, OP_COL, SEQ_COL, SHARD_COL
 from cdc_lakehouse.lake.snapshots import current_ancestors
-from cdc_lakehouse.lake.watermark import WATERMARK_PROP
 from cdc_lakehouse.landing.format import Manifest, landing_spark_schema
 from cdc_lakehouse.runtime.failpoints import FAIL_ENV, FailpointHit
+from cdc_lakehouse.watermark import WATERMARK_PROP
 from pyspark.sql import functions as F
 
 from tests.helpers import assert_lake_equals_source, landing_root

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 
 import pytest
-from cdc_lakehouse.lake.watermark import read_watermark
+from cdc_lakehouse.lake.snapshots import read_watermark
 from cdc_lakehouse.maintenance.verify import content_checksum
 from cdc_lakehouse.source.errors import PreflightError
 

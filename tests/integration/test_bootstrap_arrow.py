@@ -16,10 +16,10 @@ from cdc_lakehouse.bootstrap.snapshot import (
     shards_by_endpoint,
     source_schema,
 )
+from cdc_lakehouse.columns import SHARD_COL
 from cdc_lakehouse.config import parse_table_config
-from cdc_lakehouse.lake.columns import SHARD_COL
+from cdc_lakehouse.lake.snapshots import read_watermark
 from cdc_lakehouse.lake.tables import source_columns_of
-from cdc_lakehouse.lake.watermark import read_watermark
 from cdc_lakehouse.source.catalog import describe_table
 from cdc_lakehouse.source.session import SESSION_OPTIONS
 from pyspark.sql import functions as F

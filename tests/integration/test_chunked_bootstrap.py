@@ -14,9 +14,9 @@ from cdc_lakehouse.bootstrap.bootstrap_table import bootstrap_table
 from cdc_lakehouse.bootstrap.chunks import APPLICATION_NAME
 from cdc_lakehouse.bootstrap.result import ChunkedBootstrapResult
 from cdc_lakehouse.bootstrap.snapshot import BootstrapError
-from cdc_lakehouse.lake.columns import OP_COL
+from cdc_lakehouse.columns import OP_COL
+from cdc_lakehouse.lake.snapshots import read_watermark
 from cdc_lakehouse.lake.tables import table_exists
-from cdc_lakehouse.lake.watermark import read_watermark
 from cdc_lakehouse.source.markers import CommitsNotVisible, wait_until_visible
 
 from tests.conftest import make_config

@@ -19,7 +19,7 @@ import yaml
 from cdc_lakehouse.ingest.ingest_table import ingest_table
 from cdc_lakehouse.lake.freshness import latest_freshness
 from cdc_lakehouse.lake.snapshots import current_snapshot
-from cdc_lakehouse.lake.watermark import Watermark
+from cdc_lakehouse.watermark import Watermark
 
 from tests.conftest import make_config
 from tests.integration.conftest import Source

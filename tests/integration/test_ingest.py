@@ -12,7 +12,7 @@ import pytest
 from cdc_lakehouse.ingest.errors import ErrorBudgetExceeded, SchemaChangeError
 from cdc_lakehouse.ingest.ingest_table import ingest_table
 from cdc_lakehouse.jobs.runner import run_tables
-from cdc_lakehouse.lake.watermark import read_watermark
+from cdc_lakehouse.lake.snapshots import read_watermark
 from cdc_lakehouse.landing.errors import LandingGap
 from cdc_lakehouse.settings import SourceEndpoint
 from pyspark.sql import functions as F

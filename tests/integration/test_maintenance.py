@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import psycopg2
 import pytest
-from cdc_lakehouse.lake.columns import SHARD_COL
+from cdc_lakehouse.columns import SHARD_COL
 from cdc_lakehouse.lake.commits import ConcurrentWriterError
 from cdc_lakehouse.lake.tables import source_columns_of, table_stats
 from cdc_lakehouse.maintenance import maintain_table as maintenance_run

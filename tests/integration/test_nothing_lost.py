@@ -9,7 +9,7 @@ import psycopg2
 import pytest
 from cdc_lakehouse.bootstrap.bootstrap_table import bootstrap_table
 from cdc_lakehouse.capture.capture_run import CaptureResult, capture_run
-from cdc_lakehouse.lake.watermark import read_watermark
+from cdc_lakehouse.lake.snapshots import read_watermark
 from cdc_lakehouse.landing.errors import CoverageError, SourceIdentityChanged
 from cdc_lakehouse.landing.stores import LocalLanding
 from cdc_lakehouse.source.catalog import EndpointTables

@@ -20,15 +20,15 @@ from typing import Any
 import pytest
 from cdc_lakehouse.audit.audit_table import audit_table
 from cdc_lakehouse.bootstrap.bootstrap_table import bootstrap_table
+from cdc_lakehouse.columns import LSN_COL, OP_COL, SEQ_COL, SHARD_COL
 from cdc_lakehouse.derived.derive_tree import derive_tree
 from cdc_lakehouse.feed.consumer import block_counts
 from cdc_lakehouse.feed.models import OffsetConflictError
 from cdc_lakehouse.ingest.ingest_table import ingest_table
 from cdc_lakehouse.lake.batches import batch_snapshots
-from cdc_lakehouse.lake.columns import LSN_COL, OP_COL, SEQ_COL, SHARD_COL
 from cdc_lakehouse.lake.commits import ConcurrentWriterError, publish_point
+from cdc_lakehouse.lake.snapshots import read_watermark
 from cdc_lakehouse.lake.tables import schema_point
-from cdc_lakehouse.lake.watermark import read_watermark
 from cdc_lakehouse.runtime.failpoints import hold_at
 from cdc_lakehouse.runtime.session import REMOTE_ENV
 from pyspark.sql import functions as F
@@ -381,9 +381,9 @@ def test_two_runs_quarantining_the_same_events_at_once_add_them_once(spark, lake
     the same moment, each from its own session. Before #51 the quarantine's insert-only MERGE was a
     plain append, never validated: every event landed twice and both runs reported it. Now one run
     adds them and reports them, the other finds them there and reports 0."""
+    from cdc_lakehouse.columns import RUN_COL
     from cdc_lakehouse.ingest.quarantine import write_quarantine
     from cdc_lakehouse.ingest.validate import FILE, RAW, REASONS
-    from cdc_lakehouse.lake.columns import RUN_COL
     from cdc_lakehouse.lake.meta import ensure_meta_tables
 
     cfg = make_config(f"qr_{unique}", ["s0"])
@@ -483,7 +483,7 @@ def test_a_fenced_write_must_go_to_its_branch_and_killed_runs_branches_are_dropp
 
     import cdc_lakehouse.lake.commits as commits
     from cdc_lakehouse.lake.snapshots import branch_names
-    from cdc_lakehouse.lake.watermark import WATERMARK_PROP, Watermark
+    from cdc_lakehouse.watermark import WATERMARK_PROP, Watermark
 
     spark.sql("CREATE NAMESPACE IF NOT EXISTS lake.fence_t")
     table = f"lake.fence_t.f_{unique}"

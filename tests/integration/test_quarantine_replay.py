@@ -6,12 +6,12 @@ replay with nothing to apply is a no-op."""
 
 from __future__ import annotations
 
+from cdc_lakehouse.columns import COMMIT_TS_COL, LSN_COL, SHARD_COL
 from cdc_lakehouse.ingest.ingest_table import start_position
 from cdc_lakehouse.ingest.replay import decide, merge_replayed, read_quarantined, replay_quarantine, revalidate
-from cdc_lakehouse.lake.columns import COMMIT_TS_COL, LSN_COL, SHARD_COL
 from cdc_lakehouse.lake.commits import current_snapshot_id
+from cdc_lakehouse.lake.snapshots import read_watermark
 from cdc_lakehouse.lake.tables import source_columns_of
-from cdc_lakehouse.lake.watermark import read_watermark
 from pyspark.sql import functions as F
 from pyspark.testing import assertDataFrameEqual
 

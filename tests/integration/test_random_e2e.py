@@ -45,8 +45,8 @@ import yaml
 from cdc_lakehouse.audit.audit_table import audit_table
 from cdc_lakehouse.bootstrap.bootstrap_table import bootstrap_table
 from cdc_lakehouse.capture.capture_run import capture_run
+from cdc_lakehouse.columns import SHARD_COL
 from cdc_lakehouse.ingest.ingest_table import IngestResult, ingest_table
-from cdc_lakehouse.lake.columns import SHARD_COL
 from cdc_lakehouse.lake.tables import source_columns_of
 from cdc_lakehouse.landing.format import manifest_path
 from cdc_lakehouse.landing.stores import LocalLanding

@@ -23,6 +23,7 @@ from typing import Any
 import psycopg2
 import pytest
 from cdc_lakehouse.audit.repair import repair_keys
+from cdc_lakehouse.columns import META_PREFIX, SHARD_COL
 from cdc_lakehouse.config import TableConfig
 from cdc_lakehouse.derived.config import TreeConfig
 from cdc_lakehouse.derived.derive_tree import derive_tree
@@ -30,9 +31,8 @@ from cdc_lakehouse.feed.models import BEFORE_COL, FEED_OP_COL, OP_DELETE, FeedOf
 from cdc_lakehouse.feed.read import live_rows, read_changes
 from cdc_lakehouse.ingest.ingest_table import IngestResult
 from cdc_lakehouse.ingest.replay import replay_quarantine
-from cdc_lakehouse.lake.columns import META_PREFIX, SHARD_COL
+from cdc_lakehouse.lake.snapshots import read_watermark
 from cdc_lakehouse.lake.tables import source_columns_of
-from cdc_lakehouse.lake.watermark import read_watermark
 from cdc_lakehouse.serving.config import ExportConfig
 from cdc_lakehouse.serving.export import export
 from cdc_lakehouse.serving.stores import store_uri_env

@@ -13,7 +13,7 @@ import json
 
 import psycopg2
 import pytest
-from cdc_lakehouse.lake.watermark import read_watermark
+from cdc_lakehouse.lake.snapshots import read_watermark
 from cdc_lakehouse.source.ddl import DDL_PREFIX, DDL_SCHEMA, TRIGGER, ensure_ddl_capture
 
 from tests.conftest import make_config

@@ -5,9 +5,9 @@ from __future__ import annotations
 import textwrap
 
 import pytest
+from cdc_lakehouse.columns import SHARD_COL
 from cdc_lakehouse.config import load_table_config, load_table_configs, parse_table_config
 from cdc_lakehouse.identifiers import IdentifierError, check_ident, pg_ident, spark_ident
-from cdc_lakehouse.lake.columns import SHARD_COL
 
 BASE = {
     "name": "block",

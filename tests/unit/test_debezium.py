@@ -9,7 +9,6 @@ from decimal import Decimal
 
 import pytest
 from cdc_lakehouse.config import parse_table_config
-from cdc_lakehouse.lake.watermark import Watermark
 from cdc_lakehouse.landing.debezium import (
     DebeziumFormatError,
     SinkFile,
@@ -26,6 +25,7 @@ from cdc_lakehouse.landing.debezium import (
     to_text,
     within_budget,
 )
+from cdc_lakehouse.watermark import Watermark
 
 from tests.fixtures.debezium import (
     PLACEHOLDER,

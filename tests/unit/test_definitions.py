@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 
 import pytest
+from cdc_lakehouse.columns import CHANGELOG, CURRENT, LSN_COL, METADATA_COLUMNS, QUARANTINE, SHARD_COL, names_of
 from cdc_lakehouse.config import TableConfig
-from cdc_lakehouse.lake.columns import CHANGELOG, CURRENT, LSN_COL, METADATA_COLUMNS, QUARANTINE, SHARD_COL, names_of
 from cdc_lakehouse.lake.tables import changelog_columns, current_table_columns
-from cdc_lakehouse.lake.watermark import Watermark
 from cdc_lakehouse.landing.format import EVENT_SCHEMA, dump_json, dump_manifest, parse_manifest
 from cdc_lakehouse.source.session import SESSION_OPTIONS, jdbc_init_statement
+from cdc_lakehouse.watermark import Watermark
 
 CFG = TableConfig.model_validate(
     {"name": "t", "source": {"table": "t", "shards": [{"conn_id": "c", "schemas": ["s0"]}]}, "primary_key": ["id"]}

@@ -6,10 +6,10 @@ from datetime import date, datetime
 from decimal import Decimal
 
 import pytest
+from cdc_lakehouse.columns import LSN_COL, OP_COL, SEQ_COL, SHARD_COL
 from cdc_lakehouse.ingest.reduce import latest_per_key, split_pk_changes
 from cdc_lakehouse.ingest.validate import REASONS, typed_events
 from cdc_lakehouse.lake.casts import cast_text
-from cdc_lakehouse.lake.columns import LSN_COL, OP_COL, SEQ_COL, SHARD_COL
 from pyspark.sql import functions as F
 from pyspark.testing import assertDataFrameEqual
 

@@ -6,7 +6,7 @@ import pytest
 from cdc_lakehouse.feed.models import FeedError, FeedOffset, SnapshotInfo
 from cdc_lakehouse.feed.plan import plan_range
 from cdc_lakehouse.lake.holds import ConsumerLagError
-from cdc_lakehouse.lake.watermark import Watermark
+from cdc_lakehouse.watermark import Watermark
 
 SRC = {"system_identifier": "1", "timeline": 1}
 

@@ -19,7 +19,10 @@ DEVSTACK_MODULES = sorted(p for p in DEVSTACK_DIR.rglob("*.py") if "__pycache__"
 # Top-level packages of the repository that the shipped package must never import, at any level.
 NOT_IMPORTED = ("devstack", "bench", "tests")
 # Packages whose code runs on the Spark driver or executors (shipped with --py-files).
-SPARK_SIDE = ("source", "capture", "landing", "ingest", "lake", "bootstrap", "audit", "derived", "runtime", "jobs")
+SPARK_SIDE = (
+    "source", "capture", "landing", "ingest", "lake", "bootstrap", "audit", "derived", "runtime", "jobs",
+    "columns", "watermark",
+)  # fmt: skip
 MAX_LINES = 60
 # A longer function says why in a comment starting with this, in or just above it.
 LONG_MARK = "# Long because"
@@ -50,8 +53,9 @@ def test_the_tree_names_the_data_path():
 
 # --- one direction of dependency ------------------------------------------------------------------
 
-# The package's layers, bottom first. An entry is a subpackage or a top-level module; a dotted entry
-# (lake.columns) places one module below the rest of its package. A module-level import may go to
+# The package's layers, bottom first. An entry is a whole subpackage (a folder) or a top-level
+# module, never one module of a folder, so folders layer as straight as modules
+# (test_layers_are_whole_folders). A module-level import may go to
 # its own entry or down to a lower layer: never up, and never sideways to another entry of its own
 # layer (entries of one layer are independent). Module level includes class bodies and `if
 # TYPE_CHECKING:` blocks. A new package or module gets the lowest layer above everything it imports.
@@ -59,7 +63,7 @@ def test_the_tree_names_the_data_path():
 # DAG configs, a Debezium table's bootstrap creating its lake tables) and are not checked here.
 LAYERS: list[list[str]] = [
     # vocabulary: names, secret values, the _cdc_* columns, the watermark model (they import none of ours)
-    ["identifiers", "secrecy", "lake.columns", "lake.watermark"],
+    ["identifiers", "secrecy", "columns", "watermark"],
     ["settings"],
     ["runtime"],  # session, secrets, packaging, failpoints, phase clocks: under every stage
     ["config"],
@@ -85,6 +89,13 @@ LAYERS: list[list[str]] = [
 ]
 PACKAGE = "cdc_lakehouse"
 LAYER_OF = {entry: n for n, layer in enumerate(LAYERS) for entry in layer}
+
+
+def test_layers_are_whole_folders():
+    """A dotted entry (lake.columns, as there was) would put one module of a folder below the rest
+    of it, and the folders would import each other; the shared vocabulary sits at the top instead."""
+    dotted = [e for e in LAYER_OF if "." in e]
+    assert not dotted, f"LAYERS entries inside a folder: {dotted}; move the module up to the package's top"
 
 
 def _module_name(path: Path) -> str:
@@ -155,6 +166,49 @@ def _imports_not_down() -> list[str]:
 def test_module_level_imports_point_down_the_layers():
     bad = _imports_not_down()
     assert not bad, "imports up (or across) the layers of LAYERS:\n" + "\n".join(bad)
+
+
+def _function_level_imports(path: Path) -> list[tuple[int, str]]:
+    """(line, module) of each import of the package's modules inside a function."""
+    importer, is_package = _module_name(path), path.name == "__init__.py"
+    out: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for inner in ast.walk(node):
+                if isinstance(inner, (ast.Import, ast.ImportFrom)):
+                    out.extend((inner.lineno, t) for t in _targets(inner, importer, is_package))
+    return sorted(set(out))
+
+
+# Imports inside functions that go up the layers, each with its reason. A list that only shrinks
+# (#54's target is none): a new one moves the code it needs down instead, or says here why not.
+UPWARD_IN_FUNCTIONS: dict[tuple[str, str], str] = {
+    ("bootstrap.chunked", "ingest.merge"): "a chunk merges with the ingest's own MERGE text and key "
+    "ranges (one LSN guard for both); the fix is merge_sql and KeyRange moving down to lake",
+    ("landing.debezium", "lake.tables"): "a Debezium-fed table's bootstrap creates its lake tables",
+    ("landing.debezium", "lake.writers"): "and marks its commit as a bootstrap's (the writer registry)",
+    ("runtime.secrets", "orchestration.dag_parts"): "`secrets write` (the CLI, on the Airflow side) "
+    "reads the DAG configs to learn which connections the jobs need",
+    ("runtime.secrets", "orchestration.tasks"): "and builds the jobs' environment as the tasks do",
+    ("runtime.session", "lake.snapshots"): "a new session registers the lake's catalog for pyiceberg's "
+    "snapshot reads, process-wide, so that every caller of get_spark gets them (0 metadata jobs)",
+}
+
+
+def test_function_level_imports_up_the_layers_are_listed_with_a_reason():
+    found = set()
+    for module, path in MODULE_PATHS.items():
+        if module == PACKAGE:
+            continue
+        src = _entry(module)
+        for _, target in _function_level_imports(path):
+            dst = _entry(target)
+            if dst != src and LAYER_OF[dst] > LAYER_OF[src]:
+                found.add((module.removeprefix(PACKAGE + "."), target.removeprefix(PACKAGE + ".")))
+    new = sorted(found - set(UPWARD_IN_FUNCTIONS))
+    gone = sorted(set(UPWARD_IN_FUNCTIONS) - found)
+    assert not new, "imports inside functions up the layers, not in UPWARD_IN_FUNCTIONS:\n" + "\n".join(map(str, new))
+    assert not gone, f"no longer imported: remove from UPWARD_IN_FUNCTIONS: {gone}"
 
 
 def test_layers_place_every_package_and_module_once():

@@ -9,7 +9,7 @@ import typing
 from datetime import UTC, datetime
 
 import pytest
-from cdc_lakehouse.lake.columns import QUARANTINE, columns_of
+from cdc_lakehouse.columns import QUARANTINE, columns_of
 from cdc_lakehouse.lake.meta import META_RECORDS, META_TABLES
 from cdc_lakehouse.lake.meta_rows import AuditResult, CaptureRun, as_records, columns, from_row
 

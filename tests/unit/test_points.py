@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from cdc_lakehouse.lake.points import TableHistory, consistent_points, latest_point
 from cdc_lakehouse.lake.ranges import SnapshotInfo
-from cdc_lakehouse.lake.watermark import Watermark
+from cdc_lakehouse.watermark import Watermark
 
 E = "ep1"
 SRC = {"system": "7001", "timeline": 1, "database": "notion"}

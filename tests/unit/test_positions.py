@@ -6,12 +6,12 @@ import pytest
 from cdc_lakehouse.capture.positions import ATTEMPTS_DIR, start_position
 from cdc_lakehouse.ingest.backfill import columns_to_backfill, quiet_shard_fills
 from cdc_lakehouse.ingest.schema import known_columns
-from cdc_lakehouse.lake.watermark import ShardPosition, Watermark
 from cdc_lakehouse.landing.errors import CoverageError, SourceIdentityChanged
 from cdc_lakehouse.landing.format import Manifest, SchemaChange
 from cdc_lakehouse.landing.reader import EndpointSchemaChange, Plan, check_coverage, same_source_manifests
 from cdc_lakehouse.source.publication import identity_mismatch, timeline_history
 from cdc_lakehouse.source.slots import SlotState
+from cdc_lakehouse.watermark import ShardPosition, Watermark
 
 from tests.conftest import make_config
 

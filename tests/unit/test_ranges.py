@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 from cdc_lakehouse.lake.ranges import SnapshotInfo, between, effective_watermark, key_range
-from cdc_lakehouse.lake.watermark import Watermark
 from cdc_lakehouse.lake.writers import BY_NAME, INGEST, WRITER_PROP, WRITERS
+from cdc_lakehouse.watermark import Watermark
 
 SRC = {"system_identifier": "1", "timeline": 1}
 

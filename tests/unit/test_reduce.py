@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from cdc_lakehouse.columns import LSN_COL, OP_COL, SEQ_COL, SHARD_COL, UNAVAILABLE_COL
 from cdc_lakehouse.ingest.reduce import latest_per_key, split_pk_changes
 from cdc_lakehouse.ingest.validate import REASONS, typed_events
-from cdc_lakehouse.lake.columns import LSN_COL, OP_COL, SEQ_COL, SHARD_COL, UNAVAILABLE_COL
 from pyspark.testing import assertDataFrameEqual
 
 from tests.conftest import make_config

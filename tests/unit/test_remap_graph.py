@@ -12,11 +12,11 @@ import random
 from dataclasses import dataclass, field
 
 import pytest
+from cdc_lakehouse.columns import LSN_COL, OP_COL, SEQ_COL, SHARD_COL, UNAVAILABLE_COL
 from cdc_lakehouse.ingest.batch import DUP, LIVE, _per_key
 from cdc_lakehouse.ingest.reduce import latest_per_key
 from cdc_lakehouse.ingest.toast import NO_TABLE, UNAV_LEFT, fill_with_stats
 from cdc_lakehouse.ingest.validate import PKCHANGE
-from cdc_lakehouse.lake.columns import LSN_COL, OP_COL, SEQ_COL, SHARD_COL, UNAVAILABLE_COL
 from pyspark.sql import functions as F
 
 from tests.conftest import make_config, session_seeds

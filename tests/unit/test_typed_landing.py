@@ -12,15 +12,15 @@ from decimal import Decimal
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from cdc_lakehouse.columns import LSN_COL, OP_COL, SHARD_COL, UNAVAILABLE_COL
 from cdc_lakehouse.ingest.landed import read_landed
 from cdc_lakehouse.ingest.validate import BKEY, RAW, REASONS, typed_events
-from cdc_lakehouse.lake.columns import LSN_COL, OP_COL, SHARD_COL, UNAVAILABLE_COL
-from cdc_lakehouse.lake.watermark import Watermark
 from cdc_lakehouse.landing.format import landing_arrow_schema
 from cdc_lakehouse.landing.reader import Plan
 from cdc_lakehouse.landing.values import typed_column
 from cdc_lakehouse.landing.writer import ImageColumns, TableWriter
 from cdc_lakehouse.source.pgoutput import parse_pg_array
+from cdc_lakehouse.watermark import Watermark
 
 from tests.conftest import make_config
 

@@ -6,9 +6,9 @@ import json
 from decimal import Decimal
 
 import pytest
+from cdc_lakehouse.columns import LSN_COL, OP_COL, SHARD_COL, UNAVAILABLE_COL
 from cdc_lakehouse.ingest.validate import BKEY, RAW, REASONS, typed_events
 from cdc_lakehouse.lake.casts import cast_text
-from cdc_lakehouse.lake.columns import LSN_COL, OP_COL, SHARD_COL, UNAVAILABLE_COL
 from pyspark.sql import functions as F
 from pyspark.testing import assertDataFrameEqual
 

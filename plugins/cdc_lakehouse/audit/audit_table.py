@@ -41,15 +41,16 @@ from cdc_lakehouse.audit.inflight import inflight_from_landing, inflight_from_sl
 from cdc_lakehouse.audit.quality import preload_great_expectations, quality_checks
 from cdc_lakehouse.audit.repair import repair_keys
 from cdc_lakehouse.audit.result import AuditResult, ShardStats
+from cdc_lakehouse.columns import LSN_COL, SHARD_COL
 from cdc_lakehouse.config import TableConfig
 from cdc_lakehouse.identifiers import pg_qualified
-from cdc_lakehouse.lake.columns import LSN_COL, SHARD_COL
 from cdc_lakehouse.lake.meta import meta_append
+from cdc_lakehouse.lake.snapshots import read_watermark
 from cdc_lakehouse.lake.tables import source_columns_of, table_exists
-from cdc_lakehouse.lake.watermark import Watermark, read_watermark
 from cdc_lakehouse.runtime.phases import PhaseClock, SparkJobs, local_checkpoint, observed_counts
 from cdc_lakehouse.settings import LakeSettings, SourceEndpoint, source_uri
 from cdc_lakehouse.source.catalog import describe_table
+from cdc_lakehouse.watermark import Watermark
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, Row, SparkSession

@@ -6,10 +6,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from cdc_lakehouse.audit.hashing import pg_bucket, pg_hash_num, pg_row_hash
+from cdc_lakehouse.columns import SHARD_COL
 from cdc_lakehouse.config import TableConfig
 from cdc_lakehouse.identifiers import pg_ident, pg_qualified
 from cdc_lakehouse.lake.casts import cast_text
-from cdc_lakehouse.lake.columns import SHARD_COL
 from cdc_lakehouse.settings import SourceEndpoint
 from cdc_lakehouse.source.session import SESSION_OPTIONS, jdbc_properties
 

@@ -12,16 +12,16 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, TypeGuard
 
 from cdc_lakehouse.audit.errors import AuditFailed
+from cdc_lakehouse.columns import SHARD_COL
 from cdc_lakehouse.config import TableConfig
 from cdc_lakehouse.ingest.landed import images_of, read_landed
 from cdc_lakehouse.lake.casts import cast_text
-from cdc_lakehouse.lake.columns import SHARD_COL
-from cdc_lakehouse.lake.watermark import Watermark, shard_lsn_map
 from cdc_lakehouse.landing.reader import LandingFS, SparkLanding
 from cdc_lakehouse.settings import LakeSettings, SourceEndpoint
 from cdc_lakehouse.source.publication import PUBLICATION
 from cdc_lakehouse.source.session import SESSION_OPTIONS
 from cdc_lakehouse.source.slots import slot_name
+from cdc_lakehouse.watermark import Watermark, shard_lsn_map
 
 log = logging.getLogger(__name__)
 

@@ -8,8 +8,8 @@ import logging
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
+from cdc_lakehouse.columns import LSN_COL, SHARD_COL
 from cdc_lakehouse.config import TableConfig
-from cdc_lakehouse.lake.columns import LSN_COL, SHARD_COL
 from cdc_lakehouse.lake.meta import meta_append
 from cdc_lakehouse.landing.reader import LandingFS
 from cdc_lakehouse.settings import LakeSettings
@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
 
     from cdc_lakehouse.audit.result import ShardStats
-    from cdc_lakehouse.lake.watermark import Watermark
+    from cdc_lakehouse.watermark import Watermark
 
 logger = logging.getLogger(__name__)
 

@@ -11,10 +11,7 @@ import logging
 from functools import partial
 from typing import TYPE_CHECKING
 
-from cdc_lakehouse.config import TableConfig
-from cdc_lakehouse.identifiers import pg_ident, pg_qualified, spark_ident
-from cdc_lakehouse.lake.casts import cast_text
-from cdc_lakehouse.lake.columns import (
+from cdc_lakehouse.columns import (
     COMMIT_TS_COL,
     INGESTED_COL,
     LSN_COL,
@@ -26,14 +23,18 @@ from cdc_lakehouse.lake.columns import (
     UNAVAILABLE_COL,
     XID_COL,
 )
+from cdc_lakehouse.config import TableConfig
+from cdc_lakehouse.identifiers import pg_ident, pg_qualified, spark_ident
+from cdc_lakehouse.lake.casts import cast_text
 from cdc_lakehouse.lake.commits import ConcurrentWriterError, fenced_commit, sql_with_commit_properties
+from cdc_lakehouse.lake.snapshots import read_watermark
 from cdc_lakehouse.lake.tables import changelog_columns, conform_to, null_metadata
-from cdc_lakehouse.lake.watermark import Watermark, read_watermark, shard_lsn_map
 from cdc_lakehouse.lake.writers import REPAIR, WRITER_PROP
 from cdc_lakehouse.runtime.failpoints import crash_point
 from cdc_lakehouse.settings import LakeSettings, SourceEndpoint, source_uri
 from cdc_lakehouse.source.catalog import describe_table, text_select
 from cdc_lakehouse.source.session import SESSION_OPTIONS
+from cdc_lakehouse.watermark import Watermark, shard_lsn_map
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession

@@ -20,8 +20,7 @@ from cdc_lakehouse.bootstrap.snapshot import (
     read_shards,
     shards_by_endpoint,
 )
-from cdc_lakehouse.config import TableConfig
-from cdc_lakehouse.lake.columns import (
+from cdc_lakehouse.columns import (
     COMMIT_TS_COL,
     INGESTED_COL,
     LSN_COL,
@@ -33,6 +32,8 @@ from cdc_lakehouse.lake.columns import (
     UNAVAILABLE_COL,
     XID_COL,
 )
+from cdc_lakehouse.config import TableConfig
+from cdc_lakehouse.lake.snapshots import read_watermark
 from cdc_lakehouse.lake.tables import (
     add_column,
     changelog_columns,
@@ -42,10 +43,10 @@ from cdc_lakehouse.lake.tables import (
     source_columns_of,
     table_exists,
 )
-from cdc_lakehouse.lake.watermark import ShardPosition, Watermark, read_watermark
 from cdc_lakehouse.lake.writers import BOOTSTRAP, WRITER_PROP
 from cdc_lakehouse.runtime.phases import PhaseClock
 from cdc_lakehouse.settings import LakeSettings
+from cdc_lakehouse.watermark import ShardPosition, Watermark
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession

@@ -69,17 +69,17 @@ from cdc_lakehouse.bootstrap.snapshot import (
     shards_by_endpoint,
     typed_rows,
 )
+from cdc_lakehouse.columns import COMMIT_TS_COL, LSN_COL, OP_COL, SEQ_COL, SHARD_COL
 from cdc_lakehouse.config import TableConfig
-from cdc_lakehouse.lake.columns import COMMIT_TS_COL, LSN_COL, OP_COL, SEQ_COL, SHARD_COL
 from cdc_lakehouse.lake.commits import ConcurrentWriterError, fenced_commit, sql_with_commit_properties
-from cdc_lakehouse.lake.snapshots import current_ancestors
+from cdc_lakehouse.lake.snapshots import current_ancestors, read_watermark
 from cdc_lakehouse.lake.tables import changelog_columns, conform_to
-from cdc_lakehouse.lake.watermark import ShardPosition, Watermark, read_watermark
 from cdc_lakehouse.lake.writers import CHUNKED_BOOTSTRAP, READ_UPTO_PROP, WRITER_PROP
 from cdc_lakehouse.runtime.failpoints import crash_point
 from cdc_lakehouse.runtime.phases import local_checkpoint
 from cdc_lakehouse.runtime.session import session_conf
 from cdc_lakehouse.settings import LakeSettings
+from cdc_lakehouse.watermark import ShardPosition, Watermark
 
 if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame, SparkSession

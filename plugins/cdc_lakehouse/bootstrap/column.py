@@ -49,9 +49,9 @@ from cdc_lakehouse.bootstrap.chunks import (
 from cdc_lakehouse.bootstrap.progress import ShardProgress, load_progress, progress_row, record_progress
 from cdc_lakehouse.bootstrap.snapshot import BootstrapError, ShardSource, preflight, shards_by_endpoint
 from cdc_lakehouse.bootstrap.typed_select import TypedSelect
+from cdc_lakehouse.columns import LSN_COL, SHARD_COL
 from cdc_lakehouse.config import TableConfig
 from cdc_lakehouse.identifiers import spark_ident
-from cdc_lakehouse.lake.columns import LSN_COL, SHARD_COL
 from cdc_lakehouse.lake.commits import sql_with_commit_properties, with_commit_retries
 from cdc_lakehouse.lake.tables import source_columns_of, sql_string
 from cdc_lakehouse.lake.writers import COLUMN_BACKFILL, READ_UPTO_PROP

@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from cdc_lakehouse.lake.columns import SHARD_COL
+from cdc_lakehouse.columns import SHARD_COL
 
 if TYPE_CHECKING:
     from collections.abc import Iterator

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any, Literal, TypeAlias
 
-from cdc_lakehouse.lake.watermark import Watermark
+from cdc_lakehouse.watermark import Watermark
 
 
 @dataclass(frozen=True)

@@ -25,9 +25,9 @@ from typing import TYPE_CHECKING
 
 from cdc_lakehouse.bootstrap.copy_read import ReadSource, ReadTask, read_with_copy, select_sql
 from cdc_lakehouse.bootstrap.typed_select import TypedSelect, text_columns, typed_select
+from cdc_lakehouse.columns import SHARD_COL
 from cdc_lakehouse.config import ShardGroup, TableConfig
 from cdc_lakehouse.identifiers import pg_ident, pg_qualified
-from cdc_lakehouse.lake.columns import SHARD_COL
 from cdc_lakehouse.settings import LakeSettings, SourceEndpoint, source_uri
 from cdc_lakehouse.source.catalog import (
     EndpointTables,

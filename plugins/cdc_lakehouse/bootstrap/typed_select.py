@@ -34,8 +34,8 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from cdc_lakehouse.columns import SHARD_COL
 from cdc_lakehouse.identifiers import pg_ident
-from cdc_lakehouse.lake.columns import SHARD_COL
 from cdc_lakehouse.source.catalog import lake_type as natural_lake_type
 from cdc_lakehouse.source.catalog import text_select
 

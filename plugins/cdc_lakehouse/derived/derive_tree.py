@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import Field
 
+from cdc_lakehouse.columns import SHARD_COL
 from cdc_lakehouse.config import TableConfig
 from cdc_lakehouse.derived.config import TreeConfig
 from cdc_lakehouse.derived.tree import (
@@ -49,17 +50,16 @@ from cdc_lakehouse.derived.tree import (
 )
 from cdc_lakehouse.identifiers import spark_ident
 from cdc_lakehouse.lake.batches import BatchId, BatchStep, commit_once
-from cdc_lakehouse.lake.columns import SHARD_COL
 from cdc_lakehouse.lake.commits import fenced_commit, sql_with_commit_properties
 from cdc_lakehouse.lake.holds import hold, lag_error
 from cdc_lakehouse.lake.points import latest_point, spark_history
 from cdc_lakehouse.lake.ranges import KeyRange, changed_keys, key_range, live_rows, table_snapshots
 from cdc_lakehouse.lake.snapshots import current_ancestors
 from cdc_lakehouse.lake.tables import ensure_namespace, table_exists
-from cdc_lakehouse.lake.watermark import WATERMARK_PROP, StoredJson, Watermark, watermark_text_in
 from cdc_lakehouse.runtime.failpoints import crash_point
 from cdc_lakehouse.runtime.phases import PhaseClock, SparkJobs, local_checkpoint
 from cdc_lakehouse.settings import LakeSettings
+from cdc_lakehouse.watermark import WATERMARK_PROP, StoredJson, Watermark, watermark_text_in
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from cdc_lakehouse.lake.columns import SHARD_COL
+from cdc_lakehouse.columns import SHARD_COL
 
 if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame

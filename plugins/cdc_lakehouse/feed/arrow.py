@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from cdc_lakehouse.columns import LSN_COL, META_PREFIX, OP_COL, SEQ_COL, SHARD_COL
 from cdc_lakehouse.config import TableConfig
 from cdc_lakehouse.feed.models import (
     FEED_OP_COL,
@@ -20,7 +21,6 @@ from cdc_lakehouse.feed.models import (
     check_consumer_name,
 )
 from cdc_lakehouse.feed.plan import plan_range
-from cdc_lakehouse.lake.columns import LSN_COL, META_PREFIX, OP_COL, SEQ_COL, SHARD_COL
 from cdc_lakehouse.lake.ranges import pyiceberg_snapshots
 from cdc_lakehouse.settings import LakeSettings
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from cdc_lakehouse.feed.models import FeedError, FeedOffset, FeedRange, SnapshotInfo
 from cdc_lakehouse.lake.holds import lag_error
 from cdc_lakehouse.lake.ranges import is_ancestor, key_range
-from cdc_lakehouse.lake.watermark import Watermark
+from cdc_lakehouse.watermark import Watermark
 
 # What a consumer whose offset's snapshot is gone does: it asks for the resync itself.
 RESET_FIX = (

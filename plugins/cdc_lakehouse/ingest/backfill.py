@@ -43,11 +43,7 @@ import json
 import logging
 from typing import TYPE_CHECKING, Any
 
-from cdc_lakehouse.config import TableConfig
-from cdc_lakehouse.identifiers import pg_qualified, spark_ident
-from cdc_lakehouse.lake import writers
-from cdc_lakehouse.lake.casts import cast_text
-from cdc_lakehouse.lake.columns import (
+from cdc_lakehouse.columns import (
     INGESTED_COL,
     LSN_COL,
     LSN_EVENT_COL,
@@ -58,20 +54,25 @@ from cdc_lakehouse.lake.columns import (
     UNAVAILABLE_COL,
     XID_COL,
 )
+from cdc_lakehouse.config import TableConfig
+from cdc_lakehouse.identifiers import pg_qualified, spark_ident
+from cdc_lakehouse.lake import writers
+from cdc_lakehouse.lake.casts import cast_text
 from cdc_lakehouse.lake.commits import (
     ConcurrentWriterError,
     fenced_commit,
     sql_with_commit_properties,
     with_commit_retries,
 )
+from cdc_lakehouse.lake.snapshots import read_watermark
 from cdc_lakehouse.lake.tables import conform_to, null_metadata, source_columns_of
-from cdc_lakehouse.lake.watermark import Watermark, read_watermark
 from cdc_lakehouse.landing.reader import Plan
 from cdc_lakehouse.runtime.phases import local_checkpoint
 from cdc_lakehouse.settings import LakeSettings, SourceEndpoint, source_uri
 from cdc_lakehouse.source.catalog import describe_table
 from cdc_lakehouse.source.session import SESSION_OPTIONS
 from cdc_lakehouse.source.slots import wal_insert_position
+from cdc_lakehouse.watermark import Watermark
 
 if TYPE_CHECKING:
     from collections.abc import Callable

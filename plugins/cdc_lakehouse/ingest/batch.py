@@ -23,14 +23,14 @@ from dataclasses import dataclass, field, fields
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, Self
 
+from cdc_lakehouse.columns import COMMIT_TS_COL, LSN_COL, OP_COL, SEQ_COL, SHARD_COL, UNAVAILABLE_COL
 from cdc_lakehouse.config import TableConfig
 from cdc_lakehouse.ingest.landed import Landed
 from cdc_lakehouse.ingest.reduce import APPLIED, EVENT_ROW, split_pk_changes
 from cdc_lakehouse.ingest.toast import NO_TABLE, UNAV_LEFT
 from cdc_lakehouse.ingest.validate import BKEY, PKCHANGE, REASONS, typed_events
-from cdc_lakehouse.lake.columns import COMMIT_TS_COL, LSN_COL, OP_COL, SEQ_COL, SHARD_COL, UNAVAILABLE_COL
-from cdc_lakehouse.lake.watermark import Watermark, shard_lsn_map
 from cdc_lakehouse.runtime.phases import local_checkpoint, observed_counts
+from cdc_lakehouse.watermark import Watermark, shard_lsn_map
 
 if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from cdc_lakehouse.columns import COMMIT_TS_COL, INGESTED_COL, LSN_COL, OP_COL, SEQ_COL, SHARD_COL, UNAVAILABLE_COL
 from cdc_lakehouse.config import TableConfig
 from cdc_lakehouse.identifiers import spark_ident
 from cdc_lakehouse.ingest.backfill import (
@@ -52,7 +53,6 @@ from cdc_lakehouse.ingest.schema import (
 from cdc_lakehouse.ingest.toast import BROADCAST_ROWS, NO_TABLE, UNAV_LEFT, fill_unavailable
 from cdc_lakehouse.ingest.validate import REASONS, shard_expr
 from cdc_lakehouse.lake.batches import BATCH_PROP, BATCH_STATE_PROP, BatchId, BatchStep, commit_once, committed
-from cdc_lakehouse.lake.columns import COMMIT_TS_COL, INGESTED_COL, LSN_COL, OP_COL, SEQ_COL, SHARD_COL, UNAVAILABLE_COL
 from cdc_lakehouse.lake.commits import (
     ConcurrentWriterError,
     fenced_commit,
@@ -61,7 +61,7 @@ from cdc_lakehouse.lake.commits import (
 )
 from cdc_lakehouse.lake.freshness import freshness_rows
 from cdc_lakehouse.lake.ingest_metrics import ALREADY_APPLIED, MERGE_COUNTS, OK, OK_WITH_GAPS, IngestMetrics
-from cdc_lakehouse.lake.snapshots import Snapshot, current_ancestors, summary_of
+from cdc_lakehouse.lake.snapshots import Snapshot, current_ancestors, read_watermark, summary_of
 from cdc_lakehouse.lake.tables import (
     conform_to,
     partition_sql,
@@ -70,7 +70,6 @@ from cdc_lakehouse.lake.tables import (
     table_exists,
     table_property,
 )
-from cdc_lakehouse.lake.watermark import WATERMARK_PROP, Watermark, read_watermark, shard_lsn_map
 from cdc_lakehouse.lake.writers import INGEST
 from cdc_lakehouse.landing.errors import LandingGap, NotBootstrapped
 from cdc_lakehouse.landing.format import Manifest
@@ -84,6 +83,7 @@ from cdc_lakehouse.runtime.phases import (
 )
 from cdc_lakehouse.runtime.session import session_conf
 from cdc_lakehouse.settings import LakeSettings
+from cdc_lakehouse.watermark import WATERMARK_PROP, Watermark, shard_lsn_map
 
 if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame, SparkSession

@@ -9,9 +9,9 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from cdc_lakehouse.columns import COMMIT_TS_COL, LSN_COL, OP_COL, SEQ_COL, SHARD_COL
 from cdc_lakehouse.config import TableConfig
 from cdc_lakehouse.identifiers import spark_ident
-from cdc_lakehouse.lake.columns import COMMIT_TS_COL, LSN_COL, OP_COL, SEQ_COL, SHARD_COL
 
 if TYPE_CHECKING:
     from pyspark.sql import Column

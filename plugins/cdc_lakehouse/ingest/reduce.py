@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from cdc_lakehouse.columns import LSN_COL, METADATA_NAMES, OP_COL, SEQ_COL, SHARD_COL, UNAVAILABLE, UNAVAILABLE_COL
 from cdc_lakehouse.config import TableConfig
 from cdc_lakehouse.ingest.validate import BKEY, FILE, PKCHANGE, RAW, REASONS
-from cdc_lakehouse.lake.columns import LSN_COL, METADATA_NAMES, OP_COL, SEQ_COL, SHARD_COL, UNAVAILABLE, UNAVAILABLE_COL
 
 if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame

@@ -33,8 +33,8 @@ from cdc_lakehouse.config import TableConfig
 from cdc_lakehouse.identifiers import spark_ident
 from cdc_lakehouse.ingest.errors import SchemaChangeError
 from cdc_lakehouse.lake.tables import sql_string, table_exists, table_property
-from cdc_lakehouse.lake.watermark import Watermark
 from cdc_lakehouse.landing.reader import Plan
+from cdc_lakehouse.watermark import Watermark
 
 if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame, SparkSession

@@ -32,13 +32,13 @@ import logging
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
+from cdc_lakehouse.columns import LSN_COL, OP_COL, SEQ_COL, SHARD_COL
 from cdc_lakehouse.config import TableConfig
 from cdc_lakehouse.ingest.batch import LIVE, FusedBatch, fused_batch
 from cdc_lakehouse.ingest.ingest_table import current_columns, needs_base, start_position, table_positions
 from cdc_lakehouse.ingest.merge import lsn_newer, merge_sql
 from cdc_lakehouse.ingest.toast import UNAV_LEFT
 from cdc_lakehouse.ingest.validate import REASONS
-from cdc_lakehouse.lake.columns import LSN_COL, OP_COL, SEQ_COL, SHARD_COL
 from cdc_lakehouse.lake.commits import (
     ConcurrentWriterError,
     fenced_commit,
@@ -46,12 +46,12 @@ from cdc_lakehouse.lake.commits import (
     with_commit_retries,
 )
 from cdc_lakehouse.lake.tables import source_columns_of
-from cdc_lakehouse.lake.watermark import Watermark
 from cdc_lakehouse.lake.writers import REPLAY
 from cdc_lakehouse.landing.format import landing_spark_schema
 from cdc_lakehouse.runtime.failpoints import crash_point
 from cdc_lakehouse.runtime.phases import local_checkpoint
 from cdc_lakehouse.settings import LakeSettings
+from cdc_lakehouse.watermark import Watermark
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession

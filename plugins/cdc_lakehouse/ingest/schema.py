@@ -17,7 +17,7 @@ from cdc_lakehouse.landing.reader import Plan
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
 
-    from cdc_lakehouse.lake.watermark import Watermark
+    from cdc_lakehouse.watermark import Watermark
 
 log = logging.getLogger(__name__)
 

@@ -17,9 +17,9 @@ from functools import reduce
 from operator import and_
 from typing import TYPE_CHECKING
 
+from cdc_lakehouse.columns import LSN_COL, OP_COL, SEQ_COL, SHARD_COL, UNAVAILABLE_COL
 from cdc_lakehouse.config import TableConfig
 from cdc_lakehouse.ingest.validate import PKCHANGE
-from cdc_lakehouse.lake.columns import LSN_COL, OP_COL, SEQ_COL, SHARD_COL, UNAVAILABLE_COL
 from cdc_lakehouse.runtime.phases import local_checkpoint
 
 if TYPE_CHECKING:

@@ -13,9 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from cdc_lakehouse.config import TableConfig
-from cdc_lakehouse.ingest.landed import Images, Landed, images_of
-from cdc_lakehouse.lake.columns import (
+from cdc_lakehouse.columns import (
     COMMIT_TS_COL,
     LSN_COL,
     LSN_EVENT_COL,
@@ -25,6 +23,8 @@ from cdc_lakehouse.lake.columns import (
     UNAVAILABLE_COL,
     XID_COL,
 )
+from cdc_lakehouse.config import TableConfig
+from cdc_lakehouse.ingest.landed import Images, Landed, images_of
 
 if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame

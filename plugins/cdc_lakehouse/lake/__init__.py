@@ -1,8 +1,8 @@
 """Stage 5, the lake: the Iceberg tables and what is written with their commits.
 
-Runs on the Spark driver. columns is pure Python (config re-exports it, DAG files reach it).
+Runs on the Spark driver. The vocabulary every layer shares sits below it, at the package's top:
+cdc_lakehouse.columns (the _cdc_* metadata columns) and cdc_lakehouse.watermark (the watermark).
 
-  columns    the registry of the _cdc_* metadata columns (name, type, doc, tables that carry them)
   batches    batch ids: each table of a multi-table run commits a batch once; resume after a kill
   casts      PostgreSQL text -> lake types, behind format guards (ingest, bootstrap, audit)
   commits    commits with snapshot properties, retries on conflicts, commits fenced at publish time
@@ -14,6 +14,5 @@ Runs on the Spark driver. columns is pure Python (config re-exports it, DAG file
              for the change feed, serving exports and derived trees)
   snapshots  the current snapshot and its ancestors, typed: by pyiceberg, or the metadata tables
   tables     DDL of the current table and the changelog, properties, adding columns
-  watermark  the cdc.watermark snapshot property: read, JSON, typed model, as a Spark map
   writers    the cdc.writer snapshot property: the registry of who commits to a table
 """

@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Any
 
 from cdc_lakehouse.lake.snapshots import current_ancestors
 from cdc_lakehouse.lake.tables import table_exists
-from cdc_lakehouse.lake.watermark import WATERMARK_PROP
 from cdc_lakehouse.runtime.failpoints import crash_point
+from cdc_lakehouse.watermark import WATERMARK_PROP
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from cdc_lakehouse.columns import LSN_COL, SEQ_COL, SHARD_COL
 from cdc_lakehouse.config import TableConfig
-from cdc_lakehouse.lake.columns import LSN_COL, SEQ_COL, SHARD_COL
-from cdc_lakehouse.lake.watermark import lsn_map
 from cdc_lakehouse.settings import LakeSettings
+from cdc_lakehouse.watermark import lsn_map
 
 if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame, SparkSession

@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from cdc_lakehouse.lake.snapshots import branch_names, current_ancestors, current_snapshot, summary_of
 from cdc_lakehouse.lake.tables import table_exists
-from cdc_lakehouse.lake.watermark import StoredJson, watermark_in
 from cdc_lakehouse.runtime.failpoints import crash_point
+from cdc_lakehouse.watermark import StoredJson, watermark_in
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession

@@ -28,9 +28,9 @@ from cdc_lakehouse.config import TableConfig
 from cdc_lakehouse.lake.meta import META_TABLES
 from cdc_lakehouse.lake.meta_rows import ShardFreshness  # one row of cdc_meta.freshness; its fields are the columns
 from cdc_lakehouse.lake.snapshots import current_ancestors
-from cdc_lakehouse.lake.watermark import WATERMARK_PROP, Watermark
 from cdc_lakehouse.landing.format import landing_spark_schema
 from cdc_lakehouse.settings import LakeSettings
+from cdc_lakehouse.watermark import WATERMARK_PROP, Watermark
 
 if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame, SparkSession

@@ -22,7 +22,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from datetime import datetime
 from typing import Any, TypeVar, cast
 
-from cdc_lakehouse.lake.columns import COMMIT_LSN, RUN_ID, SHARD
+from cdc_lakehouse.columns import COMMIT_LSN, RUN_ID, SHARD
 
 SQL = "sql"  # the field metadata key holding the column's Spark SQL type (as in lake.ingest_metrics)
 
@@ -63,7 +63,7 @@ class QuarantinedEvent:
     """cdc_meta.quarantine: an event the ingest could not apply, with why and where it came from."""
 
     table_name: str = column("string", required=True)
-    # The metadata columns the quarantine carries, under their names here (lake.columns' `quarantine`).
+    # The metadata columns the quarantine carries, under their names here (cdc_lakehouse.columns' `quarantine`).
     shard: str = column(SHARD.type, required=True)
     reason: str | None = column("string")
     raw: str | None = column("string")

@@ -6,7 +6,7 @@ transaction that wrote to both. A consistent point closes that gap without a mul
 
 A point of endpoint E is a source position L and, for every current table captured through E, a
 snapshot whose `cdc.watermark` puts each of the table's shards of E at exactly L, on one source
-server, with no column backfill pending. The watermark is exclusive (lake.watermark): every
+server, with no column backfill pending. The watermark is exclusive (cdc_lakehouse.watermark): every
 transaction of E committed below L is in each of those snapshots and none at or above L, so a
 reader that reads every table at its snapshot id sees each transaction whole or not at all.
 One capture run reads the whole endpoint up to one position (its manifest's end), and each

@@ -32,13 +32,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
+from cdc_lakehouse.columns import META_PREFIX, OP_COL
 from cdc_lakehouse.config import TableConfig
-from cdc_lakehouse.lake.columns import META_PREFIX, OP_COL
-from cdc_lakehouse.lake.watermark import WATERMARK_PROP, Watermark
 from cdc_lakehouse.lake.writers import READ_UPTO_PROP, WRITER_PROP, names_its_changes
 from cdc_lakehouse.runtime.phases import local_checkpoint
 from cdc_lakehouse.settings import LakeSettings
 from cdc_lakehouse.source.publication import identity_mismatch
+from cdc_lakehouse.watermark import WATERMARK_PROP, Watermark
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession

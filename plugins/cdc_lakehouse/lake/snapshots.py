@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from cdc_lakehouse.runtime.phases import metadata_reads
+from cdc_lakehouse.watermark import Watermark, watermark_in
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -166,3 +167,11 @@ def current_snapshot(spark: SparkSession, table: str) -> Snapshot | None:
 
 def summary_of(snapshot: Snapshot) -> dict[str, str]:
     return dict(snapshot.summary)
+
+
+def read_watermark(spark: SparkSession, table: str) -> Watermark | None:
+    """The newest `cdc.watermark` (cdc_lakehouse.watermark) among the current snapshot and its
+    ancestors. Iceberg's catalog caches loaded tables; another process (a killed run, maintenance)
+    may have committed since, and a stale watermark would re-apply events the table already has:
+    current_ancestors refreshes the table first."""
+    return watermark_in(current_ancestors(spark, table))

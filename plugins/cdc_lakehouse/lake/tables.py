@@ -1,8 +1,8 @@
 """Lake table DDL and plumbing (Spark driver): create the current table and the changelog,
 their properties, add columns, conform a batch to a table's schema, table stats.
 
-Column lists come from the metadata column registry (lake.columns) around the source's columns.
-The watermark is in lake.watermark, commit properties and fencing in lake.commits.
+Column lists come from the metadata column registry (cdc_lakehouse.columns) around the source's columns.
+The watermark is in cdc_lakehouse.watermark, commit properties and fencing in lake.commits.
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import logging
 import re
 from typing import TYPE_CHECKING, Any
 
+from cdc_lakehouse.columns import BY_NAME, CHANGELOG, COMMIT_TS_COL, CURRENT, METADATA_NAMES, SHARD_COL, ddl_of
 from cdc_lakehouse.config import TableConfig
 from cdc_lakehouse.identifiers import spark_ident
-from cdc_lakehouse.lake.columns import BY_NAME, CHANGELOG, COMMIT_TS_COL, CURRENT, METADATA_NAMES, SHARD_COL, ddl_of
 from cdc_lakehouse.runtime.failpoints import crash_point
 from cdc_lakehouse.runtime.phases import metadata_reads
 from cdc_lakehouse.settings import LakeSettings
@@ -155,7 +155,7 @@ def props_sql(props: dict[str, str]) -> str:
 
 
 def current_table_columns(cfg: TableConfig, source_columns: list[tuple[str, str]]) -> list[tuple[str, str]]:
-    """(name, Spark type) of the current table: metadata columns (lake.columns) around the source's."""
+    """(name, Spark type) of the current table: metadata columns (cdc_lakehouse.columns) around the source's."""
     cols = ddl_of(CURRENT, leading=True) + list(source_columns) + ddl_of(CURRENT, leading=False)
     if cfg.deletes == "soft":
         cols += [(cfg.soft_delete_columns.flag, "boolean"), (cfg.soft_delete_columns.timestamp, "timestamp")]
@@ -163,7 +163,7 @@ def current_table_columns(cfg: TableConfig, source_columns: list[tuple[str, str]
 
 
 def null_metadata(name: str) -> Column:
-    """A NULL of a metadata column's type (lake.columns): for rows no event produced, such as
+    """A NULL of a metadata column's type (cdc_lakehouse.columns): for rows no event produced, such as
     snapshot, repair and backfill rows (`_cdc_xid`, `_cdc_unavailable`)."""
     from pyspark.sql import functions as F
 
@@ -171,7 +171,7 @@ def null_metadata(name: str) -> Column:
 
 
 def changelog_columns(source_columns: list[tuple[str, str]]) -> list[tuple[str, str]]:
-    """(name, Spark type) of the changelog: metadata columns (lake.columns) around the source's."""
+    """(name, Spark type) of the changelog: metadata columns (cdc_lakehouse.columns) around the source's."""
     return ddl_of(CHANGELOG, leading=True) + list(source_columns) + ddl_of(CHANGELOG, leading=False)
 
 

@@ -7,7 +7,7 @@ commits of a writer that promises it (`names_its_changes`: the ingest alone). Id
 positive: a commit that names another writer, or none (a manual UPDATE, a tool we do not know, a
 commit made before writers were named), makes them diff the two snapshots instead.
 
-Pure Python, no Spark import, like lake.columns.
+Pure Python, no Spark import, like cdc_lakehouse.columns.
 """
 
 from __future__ import annotations

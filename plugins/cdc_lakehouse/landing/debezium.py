@@ -49,8 +49,8 @@ if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
     from pyspark.sql.types import StructType
 
-    from cdc_lakehouse.lake.watermark import Watermark
     from cdc_lakehouse.settings import LakeSettings
+    from cdc_lakehouse.watermark import Watermark
 
 # A landing event as a row in landing_spark_schema's field order (op, before, after, unavailable,
 # source, table_schema, ts_ms, run_id), its `source` a tuple in the same way (commit_lsn at 6).
@@ -1143,8 +1143,8 @@ def bootstrap_debezium(spark: SparkSession, lake: LakeSettings, cfg: TableConfig
     the first ingest then loads the connector's snapshot ('r' events) and the changes after it.
     Returns the watermark the tables start at."""
     from cdc_lakehouse.lake.tables import create_lake_tables, table_exists
-    from cdc_lakehouse.lake.watermark import ShardPosition, Watermark
     from cdc_lakehouse.lake.writers import BOOTSTRAP, WRITER_PROP
+    from cdc_lakehouse.watermark import ShardPosition, Watermark
 
     cur = lake.qualified(cfg.current_table)
     if table_exists(spark, cur):

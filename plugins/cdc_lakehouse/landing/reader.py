@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from pyarrow import fs as pafs
     from pyspark.sql import SparkSession
 
-    from cdc_lakehouse.lake.watermark import ShardPosition, Watermark
+    from cdc_lakehouse.watermark import ShardPosition, Watermark
 
 
 class ManifestStore(Protocol):

@@ -10,10 +10,10 @@ from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from cdc_lakehouse.lake.holds import range_floor_ms, sweep
-from cdc_lakehouse.lake.watermark import WATERMARK_PROP
 from cdc_lakehouse.maintenance.targets import Target
 from cdc_lakehouse.runtime.phases import metadata_reads
 from cdc_lakehouse.settings import LakeSettings
+from cdc_lakehouse.watermark import WATERMARK_PROP
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession

@@ -8,8 +8,8 @@ from datetime import datetime, timedelta
 from typing import TYPE_CHECKING
 
 from cdc_lakehouse.config import TableConfig
+from cdc_lakehouse.lake.snapshots import read_watermark
 from cdc_lakehouse.lake.tables import table_exists
-from cdc_lakehouse.lake.watermark import read_watermark
 from cdc_lakehouse.landing.format import MANIFEST_DIR, manifest_path
 from cdc_lakehouse.landing.reader import SparkLanding
 from cdc_lakehouse.settings import LakeSettings

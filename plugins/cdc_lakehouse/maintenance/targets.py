@@ -8,8 +8,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from cdc_lakehouse.config import BaseMaintenanceConfig, OutputMaintenanceConfig, TableConfig
-from cdc_lakehouse.lake.watermark import WATERMARK_PROP, read_watermark
+from cdc_lakehouse.lake.snapshots import read_watermark
 from cdc_lakehouse.settings import LakeSettings
+from cdc_lakehouse.watermark import WATERMARK_PROP
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession

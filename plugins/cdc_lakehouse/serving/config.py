@@ -14,10 +14,10 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
+from cdc_lakehouse.columns import SHARD_COL
 from cdc_lakehouse.config import ConfigError, TableConfig, _Model, validation_errors, yaml_files
 from cdc_lakehouse.derived.config import TreeConfig
 from cdc_lakehouse.identifiers import check_ident, check_lake_ident
-from cdc_lakehouse.lake.columns import SHARD_COL
 from cdc_lakehouse.lake.holds import DEFAULT_MAX_LAG_HOURS
 
 REFERENCE = "docs/serving-export.md"

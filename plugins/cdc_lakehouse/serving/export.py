@@ -26,8 +26,8 @@ from dataclasses import dataclass, field, fields
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
+from cdc_lakehouse.columns import META_PREFIX
 from cdc_lakehouse.derived.config import TreeConfig
-from cdc_lakehouse.lake.columns import META_PREFIX
 from cdc_lakehouse.lake.holds import hold, lag_error, release_pending
 from cdc_lakehouse.lake.ranges import (
     KeyRange,

@@ -5,6 +5,6 @@ Runs on the Spark driver, published by maintenance (maintenance.maintain_table.m
   latest   the latest row per key without deleted keys: as a DataFrame, and the same query as SQL
   publish  the view in the catalog: an Iceberg table replaced atomically, or an Iceberg view
 
-Its columns are the current table's: the metadata columns of lake.columns (CURRENT) around the
+Its columns are the current table's: the metadata columns of cdc_lakehouse.columns (CURRENT) around the
 source columns, so the view and the current table line up column for column.
 """

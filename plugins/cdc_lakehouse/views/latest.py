@@ -2,7 +2,7 @@
 deleted keys and without keys a later truncate removed. Built twice, kept in step: as a DataFrame
 (published as a table, and read by tests) and as SQL text (an Iceberg view stores SQL).
 
-Its columns are the current table's: the metadata columns of lake.columns (CURRENT) around the
+Its columns are the current table's: the metadata columns of cdc_lakehouse.columns (CURRENT) around the
 source columns, so the view and the current table line up column for column.
 """
 
@@ -10,9 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from cdc_lakehouse.config import TableConfig
-from cdc_lakehouse.identifiers import spark_ident
-from cdc_lakehouse.lake.columns import (
+from cdc_lakehouse.columns import (
     CURRENT,
     LSN_COL,
     OP_COL,
@@ -22,6 +20,8 @@ from cdc_lakehouse.lake.columns import (
     UNAVAILABLE_COL,
     names_of,
 )
+from cdc_lakehouse.config import TableConfig
+from cdc_lakehouse.identifiers import spark_ident
 from cdc_lakehouse.lake.tables import source_columns_of
 from cdc_lakehouse.settings import LakeSettings
 

@@ -8,8 +8,8 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
+from cdc_lakehouse.columns import SHARD_COL
 from cdc_lakehouse.config import TableConfig
-from cdc_lakehouse.lake.columns import SHARD_COL
 from cdc_lakehouse.lake.tables import props_sql, table_exists
 from cdc_lakehouse.settings import LakeSettings
 from cdc_lakehouse.views.latest import latest_rows, latest_sql

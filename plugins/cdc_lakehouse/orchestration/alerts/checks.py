@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast
 from cdc_lakehouse.config import TableConfig
 from cdc_lakehouse.lake.ingest_metrics import IngestMetrics
 from cdc_lakehouse.lake.meta_rows import AuditResult, CaptureRun, QualityResult, RawRow, ShardFreshness, as_records
-from cdc_lakehouse.lake.watermark import Watermark
 from cdc_lakehouse.orchestration.alerts.alert import Alert, fmt_bytes, fmt_seconds
 from cdc_lakehouse.orchestration.alerts.config import AlertingConfig, Rules, rules_for
+from cdc_lakehouse.watermark import Watermark
 
 if TYPE_CHECKING:
     from cdc_lakehouse.landing.format import Manifest

@@ -16,8 +16,8 @@ rows got from the source while the shard was quiet (ingest.backfill). `backfill`
 columns whose older rows still wait for the source's value (ingest.backfill), `debezium` a
 Debezium-fed table's Kafka offsets (landing.debezium); other keys are kept as they are.
 
-read_watermark parses the JSON once into a `Watermark`; callers pass that model on. It round-trips
-the JSON byte for byte (to_json), and two watermarks are equal when their JSON is.
+lake.snapshots.read_watermark parses the JSON once into a `Watermark`; callers pass that model on.
+It round-trips the JSON byte for byte (to_json), and two watermarks are equal when their JSON is.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, ConfigDict, Field
 
 if TYPE_CHECKING:
-    from pyspark.sql import Column, SparkSession
+    from pyspark.sql import Column
 
 WATERMARK_PROP = "cdc.watermark"
 WATERMARK_VERSION = 1
@@ -112,18 +112,6 @@ class Watermark(StoredJson):
 
 
 # --- watermarks --------------------------------------------------------------------------------
-
-
-def read_watermark(spark: SparkSession, table: str) -> Watermark | None:
-    """The newest `cdc.watermark` among the current snapshot and its ancestors."""
-    # Iceberg's catalog caches loaded tables; another process (a killed run, maintenance) may have
-    # committed since, and a stale watermark would re-apply events the table already has:
-    # current_ancestors refreshes the table first (lake.snapshots).
-    # Imported here: the model above is vocabulary the landing's plans use too (it sits in the
-    # lowest layer of tests/unit/test_layout.py), reading a table's snapshots is the lake's.
-    from cdc_lakehouse.lake.snapshots import current_ancestors
-
-    return watermark_in(current_ancestors(spark, table))
 
 
 def watermark_in(snapshots: Iterable[Any]) -> Watermark | None:
