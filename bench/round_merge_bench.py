@@ -5,7 +5,7 @@ round's key range (bootstrap.chunked.round_key_range), side by side.
 
 The table (4 shards, key order, written once and kept in bench/.work) stands for what the earlier
 rounds loaded; each MERGE applies the next round: `--round-rows` new keys above each shard's
-highest, op 'r', through the chunked bootstrap's MERGE (ingest.merge.merge_sql, LSN guard). Per
+highest, op 'r', through the chunked bootstrap's MERGE (lake.merge.merge_sql, LSN guard). Per
 MERGE: seconds, and the data files its scan of the table kept and skipped (Iceberg's scan
 metrics in the SQL UI, bench.measure.scan_files). Modes alternate within each repeat; every
 MERGE adds its round, so the table grows by 2 x round-rows per repeat (said in the output).
@@ -89,7 +89,7 @@ def next_round(spark, table: str, round_rows: int):
 
 def one_merge(spark, cfg, table: str, frame, ranged: bool) -> dict:
     from cdc_lakehouse.bootstrap.chunked import round_key_range
-    from cdc_lakehouse.ingest.merge import merge_sql
+    from cdc_lakehouse.lake.merge import merge_sql
 
     started = time.monotonic()
     within = round_key_range(cfg, frame) if ranged else None  # its one small job counts in the time

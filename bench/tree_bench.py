@@ -406,8 +406,8 @@ def apply_batch(spark, lake, cfgs: list, files: list[Path], hi_lsn: dict[str, in
     nothing to pre-combine)."""
     from cdc_lakehouse.columns import COMMIT_TS_COL, INGESTED_COL, LSN_EVENT_COL, RUN_COL, SEQ_COL, XID_COL
     from cdc_lakehouse.ingest.ingest_table import current_columns
-    from cdc_lakehouse.ingest.merge import merge_sql
     from cdc_lakehouse.lake.commits import sql_with_commit_properties
+    from cdc_lakehouse.lake.merge import merge_sql
     from cdc_lakehouse.lake.tables import conform_to, source_columns_of
     from pyspark.sql import functions as F
 

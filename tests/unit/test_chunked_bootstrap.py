@@ -102,9 +102,9 @@ def test_config_mode_defaults_to_auto_and_rejects_unknown_modes():
 
 
 def test_a_rounds_key_range_is_literals_only_and_bounds_what_it_can():
-    """The MERGE's target-side range (ingest.merge.within_keys): values travel as hex or integers,
+    """The MERGE's target-side range (lake.merge.within_keys): values travel as hex or integers,
     whatever they hold; a key column of a type without an exact literal is left unbounded."""
-    from cdc_lakehouse.ingest.merge import KeyRange, merge_sql, range_kind, within_keys
+    from cdc_lakehouse.lake.merge import KeyRange, merge_sql, range_kind, within_keys
 
     evil = "x') OR true OR ('"
     w = within_keys(

@@ -9,7 +9,7 @@ from datetime import UTC, datetime
 import pytest
 from cdc_lakehouse.columns import COMMIT_TS_COL, LSN_COL, OP_COL, SEQ_COL, SHARD_COL
 from cdc_lakehouse.identifiers import IdentifierError
-from cdc_lakehouse.ingest.merge import lsn_newer, merge_sql
+from cdc_lakehouse.lake.merge import lsn_newer, merge_sql
 from pyspark.sql import functions as F
 from pyspark.testing import assertDataFrameEqual
 

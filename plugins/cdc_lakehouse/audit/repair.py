@@ -200,7 +200,7 @@ def _merge_current(
     The commit restates the watermark (the table's position did not move) and names its writer:
     its rows sit at the watermark, in no changelog range that ends at this commit, so readers of
     ranges diff across it (lake.ranges)."""
-    from cdc_lakehouse.ingest.merge import merge_sql
+    from cdc_lakehouse.lake.merge import merge_sql
 
     names = [c for c, _ in lake_cols]
     view = f"cdc_repair_{cfg.name}"

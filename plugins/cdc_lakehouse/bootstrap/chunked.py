@@ -72,6 +72,7 @@ from cdc_lakehouse.bootstrap.snapshot import (
 from cdc_lakehouse.columns import COMMIT_TS_COL, LSN_COL, OP_COL, SEQ_COL, SHARD_COL
 from cdc_lakehouse.config import TableConfig
 from cdc_lakehouse.lake.commits import ConcurrentWriterError, fenced_commit, sql_with_commit_properties
+from cdc_lakehouse.lake.merge import KeyRange, merge_sql, range_kind, within_keys
 from cdc_lakehouse.lake.snapshots import current_ancestors, read_watermark
 from cdc_lakehouse.lake.tables import changelog_columns, conform_to
 from cdc_lakehouse.lake.writers import CHUNKED_BOOTSTRAP, READ_UPTO_PROP, WRITER_PROP
@@ -563,15 +564,13 @@ def _another_bootstrap(cfg: TableConfig, table: str, run_id: str, now: dict[str,
 
 
 def round_key_range(cfg: TableConfig, frame: DataFrame) -> str | None:
-    """The key range of a round's rows, per shard (ingest.merge.within_keys): its MERGE then reads
+    """The key range of a round's rows, per shard (lake.merge.within_keys): its MERGE then reads
     only the table's files that may hold those keys. Chunks come in key order, so the rounds
     before wrote files below the range, and each round costs its own rows, not the table loaded so
     far (docs/benchmarks-history.md, "A chunked bootstrap's round"). Text keys come in the source's collation
     order, which Spark's byte order need not follow: their range is still exact for the round's
     rows, it only prunes less. None when no key column can be bounded."""
     from pyspark.sql import functions as F
-
-    from cdc_lakehouse.ingest.merge import KeyRange, range_kind, within_keys
 
     types = {k: frame.schema[k].dataType.simpleString() for k in cfg.primary_key}
     cols = [k for k in cfg.primary_key if range_kind(types[k])]
@@ -603,11 +602,9 @@ def _merge_current(
     props: dict[str, str],
     within: str | None = None,
 ) -> None:
-    """The ingest's MERGE (ingest.merge.merge_sql) with its row-level LSN guard into `into` (the
+    """The ingest's MERGE (lake.merge.merge_sql) with its row-level LSN guard into `into` (the
     current table's branch), its commit carrying props: a row the stream wrote later stays.
     Every chunk row is op 'r', so its delete clauses never fire. within: round_key_range."""
-
-    from cdc_lakehouse.ingest.merge import merge_sql
 
     flags = set()
     if cfg.deletes == "soft":

@@ -4,7 +4,6 @@ Runs on the Spark driver (a Spark job started by Airflow's Spark operator).
 
   backfill    values of columns added at the source, for rows that predate the ALTER
   errors      IngestError and its kinds (schema change, error budget); the landing's are in landing.errors
-  merge       the MERGE into the current table and the (LSN, seq) ordering predicates
   quarantine  events that cannot be applied, into the quarantine meta table
   reduce      the lake's order (_cdc_seq, key changes split in two) and the latest event per key
   ingest_table  the ingest of one table: plan, validate, changelog, merge, watermark

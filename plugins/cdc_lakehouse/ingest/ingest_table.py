@@ -38,7 +38,6 @@ from cdc_lakehouse.ingest.backfill import (
 from cdc_lakehouse.ingest.batch import FusedBatch, ReducedTotals, fused_batch
 from cdc_lakehouse.ingest.errors import ErrorBudgetExceeded, SchemaChangeError
 from cdc_lakehouse.ingest.landed import Landed, read_landed
-from cdc_lakehouse.ingest.merge import lsn_newer, merge_sql
 from cdc_lakehouse.ingest.quarantine import as_held, held_back, hold_dependents, write_quarantine
 from cdc_lakehouse.ingest.records import RunRecords, TableRecords, write_records
 from cdc_lakehouse.ingest.reduce import latest_per_key
@@ -61,6 +60,7 @@ from cdc_lakehouse.lake.commits import (
 )
 from cdc_lakehouse.lake.freshness import freshness_rows
 from cdc_lakehouse.lake.ingest_metrics import ALREADY_APPLIED, MERGE_COUNTS, OK, OK_WITH_GAPS, IngestMetrics
+from cdc_lakehouse.lake.merge import lsn_newer, merge_sql
 from cdc_lakehouse.lake.snapshots import Snapshot, current_ancestors, read_watermark, summary_of
 from cdc_lakehouse.lake.tables import (
     conform_to,

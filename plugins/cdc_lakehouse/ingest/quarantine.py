@@ -10,11 +10,11 @@ from typing import TYPE_CHECKING
 
 from cdc_lakehouse.columns import LSN_COL, OP_COL, RUN_COL, SEQ_COL, SHARD_COL, UNAVAILABLE_COL
 from cdc_lakehouse.config import TableConfig
-from cdc_lakehouse.ingest.merge import lsn_newer
 from cdc_lakehouse.ingest.toast import NO_TABLE, UNAV_LEFT
 from cdc_lakehouse.ingest.validate import FILE, RAW, REASONS
 from cdc_lakehouse.lake.batches import CLOCK_SKEW_MS
 from cdc_lakehouse.lake.commits import sql_with_commit_properties, with_commit_retries
+from cdc_lakehouse.lake.merge import lsn_newer
 from cdc_lakehouse.lake.snapshots import current_ancestors, files_matching
 from cdc_lakehouse.lake.tables import sql_string
 from cdc_lakehouse.runtime.phases import local_checkpoint

@@ -10,7 +10,7 @@ config change) and apply those that now pass through the ingest's own merge path
                 superseded (the changelog holds a newer change of the key that reached the table,
                 or a truncate or re-bootstrap of its shard after it: applying it would resurrect
                 or overwrite); or to apply
-    merge       the ingest's LSN-guarded MERGE (ingest.merge.merge_sql): a row of the table that
+    merge       the ingest's LSN-guarded MERGE (lake.merge.merge_sql): a row of the table that
                 is newer than the replayed event is never touched
     resolve     applied and superseded events leave the quarantine; failing ones get their reason
 
@@ -36,7 +36,6 @@ from cdc_lakehouse.columns import LSN_COL, OP_COL, SEQ_COL, SHARD_COL
 from cdc_lakehouse.config import TableConfig
 from cdc_lakehouse.ingest.batch import LIVE, FusedBatch, fused_batch
 from cdc_lakehouse.ingest.ingest_table import current_columns, needs_base, start_position, table_positions
-from cdc_lakehouse.ingest.merge import lsn_newer, merge_sql
 from cdc_lakehouse.ingest.toast import UNAV_LEFT
 from cdc_lakehouse.ingest.validate import REASONS
 from cdc_lakehouse.lake.commits import (
@@ -45,6 +44,7 @@ from cdc_lakehouse.lake.commits import (
     sql_with_commit_properties,
     with_commit_retries,
 )
+from cdc_lakehouse.lake.merge import lsn_newer, merge_sql
 from cdc_lakehouse.lake.tables import source_columns_of
 from cdc_lakehouse.lake.writers import REPLAY
 from cdc_lakehouse.landing.format import landing_spark_schema

@@ -8,6 +8,8 @@ cdc_lakehouse.columns (the _cdc_* metadata columns) and cdc_lakehouse.watermark 
   commits    commits with snapshot properties, retries on conflicts, commits fenced at publish time
   holds      a consumer's hold on the snapshot it still needs (an Iceberg tag), kept from expiry
   ingest_metrics  the figures of one table's ingest run, the record of cdc_meta.ingest_runs
+  merge      the MERGE into the current table (the LSN guard) and the key-range predicates that
+             bound it; the ingest and the chunked bootstrap run the same statement
   meta       the pipeline's own tables (quarantine, run figures, audit results)
   meta_rows  their rows as typed records, whose fields generate the tables' columns
   ranges     which keys changed between two snapshots: the changelog or a snapshot diff (one rule

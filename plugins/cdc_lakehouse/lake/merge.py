@@ -1,6 +1,7 @@
-"""ingest.merge: the MERGE that applies a reduced batch to the current table (hard or soft deletes,
-truncates), and the (LSN, seq) ordering predicates. Unchanged TOAST values never reach it: the
-batch is filled before (ingest.ingest_table.fill_from_table), so the MERGE reads no TOAST column of the
+"""The MERGE that applies a reduced batch to the current table (hard or soft deletes, truncates),
+the (LSN, seq) ordering predicates, and the key ranges that bound a MERGE. The ingest and the
+chunked bootstrap run the same statement. Unchanged TOAST values never reach it: the batch is
+filled before (ingest.ingest_table.fill_from_table), so the MERGE reads no TOAST column of the
 table."""
 
 from __future__ import annotations
