@@ -73,12 +73,17 @@ def read_with_pyiceberg(catalog_name: str, properties: dict[str, str]) -> None:
 
 
 def read_snapshots(spark: SparkSession, table: str, *, refresh: bool = True) -> TableSnapshots:
-    """Every snapshot of `table` (catalog.namespace.name) and its refs, freshly from the catalog."""
-    if refresh:  # Spark's cached copy, for what the caller reads through Spark next
-        spark.sql(f"REFRESH TABLE {table}")
+    """Every snapshot of `table` (catalog.namespace.name) and its refs, freshly from the catalog.
+    With `refresh`, Spark's cached copy is dropped too, for what the caller reads through Spark
+    next (see _refresh_if_moved)."""
     catalog_name, _, ident = table.partition(".")
     if catalog_name in _PYICEBERG:
-        return _from_pyiceberg(table, catalog_name, ident)
+        loaded = _pyiceberg_table(catalog_name, ident)
+        if refresh:
+            _refresh_if_moved(spark, table, str(loaded.metadata_location))
+        return _from_pyiceberg(table, loaded.metadata)
+    if refresh:
+        spark.sql(f"REFRESH TABLE {table}")
     with metadata_reads(spark):
         rows = spark.sql(
             "SELECT s.snapshot_id, s.parent_id, s.operation, s.summary, "
@@ -108,12 +113,61 @@ def read_snapshots(spark: SparkSession, table: str, *, refresh: bool = True) -> 
     return TableSnapshots(table, by_id, refs.get(MAIN), refs, frozenset(branches))
 
 
-def _pyiceberg_table(catalog_name: str, ident: str) -> Any:
+# (Spark session, table) -> the table's metadata file when this process last refreshed that
+# session's cached copy of it (_refresh_if_moved).
+_REFRESHED_AT: dict[tuple[str, str], str] = {}
+
+
+def _refresh_if_moved(spark: SparkSession, table: str, metadata_location: str) -> None:
+    """REFRESH TABLE, unless the table has not moved since this session last refreshed it.
+
+    Every commit writes a new metadata file, so an unchanged metadata file means no commit since
+    that refresh: the session's cached copy, loaded after it, is the current table. The skip saves
+    a request and the session's reload of the table: an ingest read a table's snapshots 17 times,
+    each with a REFRESH of 20 ms on the local Spark Connect server, 0.35 s of a small table's
+    2.9 s (bench/tables_bench.py --profile; docs/benchmarks-history.md, #56)."""
+    key = (_session_key(spark), table)
+    if _REFRESHED_AT.get(key) == metadata_location:
+        return
+    spark.sql(f"REFRESH TABLE {table}")
+    _REFRESHED_AT[key] = metadata_location
+
+
+def _session_key(spark: SparkSession) -> str:
+    """The session's id (Spark Connect's, or the classic JVM session's UUID): each session has a
+    catalog, and so a cache, of its own."""
+    connect = getattr(spark, "session_id", None)
+    return str(connect) if connect else str(spark._jsparkSession.sessionUUID())
+
+
+def catalog_table_exists(table: str) -> bool | None:
+    """Whether the catalog has `table`, from pyiceberg (a query to the catalog, no Spark request);
+    None where this process does not read the catalog with pyiceberg (the caller asks Spark)."""
+    catalog_name, _, ident = table.partition(".")
+    if catalog_name not in _PYICEBERG:
+        return None
+    return bool(_catalog(catalog_name).table_exists(ident))
+
+
+def catalog_table_properties(table: str) -> dict[str, str] | None:
+    """The table's properties, from pyiceberg (the current metadata, no Spark request); None where
+    this process does not read the catalog with pyiceberg (the caller asks Spark)."""
+    catalog_name, _, ident = table.partition(".")
+    if catalog_name not in _PYICEBERG:
+        return None
+    return dict(_pyiceberg_table(catalog_name, ident).metadata.properties)
+
+
+def _catalog(catalog_name: str) -> Any:
     from pyiceberg.catalog import load_catalog
 
     if catalog_name not in _LOADED:
         _LOADED[catalog_name] = load_catalog(catalog_name, **_PYICEBERG[catalog_name])
-    return _LOADED[catalog_name].load_table(ident)
+    return _LOADED[catalog_name]
+
+
+def _pyiceberg_table(catalog_name: str, ident: str) -> Any:
+    return _catalog(catalog_name).load_table(ident)
 
 
 def files_matching(table: str, column: str, value: str) -> int | None:
@@ -129,8 +183,7 @@ def files_matching(table: str, column: str, value: str) -> int | None:
     return sum(1 for _ in _pyiceberg_table(catalog_name, ident).scan(row_filter=condition).plan_files())
 
 
-def _from_pyiceberg(table: str, catalog_name: str, ident: str) -> TableSnapshots:
-    meta = _pyiceberg_table(catalog_name, ident).metadata
+def _from_pyiceberg(table: str, meta: Any) -> TableSnapshots:
     by_id = {
         s.snapshot_id: Snapshot(
             s.snapshot_id,
