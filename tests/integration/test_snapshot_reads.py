@@ -65,6 +65,7 @@ def test_a_read_refreshes_the_session_only_after_another_writer_moved_the_table(
         assert table_exists(mine, table)
         other.sql(f"DROP TABLE {table} PURGE")
         assert not table_exists(mine, table)
+        assert not table_exists(mine, lake.qualified(f"no_such_namespace_{unique}.t"))
         # Created again under the same name: a new metadata file, so a refresh and the new table.
         other.sql(f"CREATE TABLE {table} (id BIGINT) USING iceberg")
         other.sql(f"INSERT INTO {table} VALUES (4)")
