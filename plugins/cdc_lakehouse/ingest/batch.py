@@ -117,17 +117,31 @@ class FusedBatch:
         return bool(self.counts.pk_unresolved) or not names <= set(self.filled_columns)
 
 
+# A batch of at most this many landed rows is computed in one task: its per-key windows then need
+# no shuffle, and its checkpoint is one Spark job instead of two (adaptive execution runs a
+# shuffle's map stage as a job of its own). A small table's batch is tens of rows: 20 of them
+# spent 7.0-7.2 s in this phase against 8.6-8.7 s with the shuffle (bench/tables_bench.py
+# --tables 20 --job-log; docs/benchmarks-history.md, #56). One task types, splits and windows
+# about 40,000 events a second (the 2M bench's 200,000 took 2.2-2.6 s on two), so at this size
+# it stays under a second.
+SINGLE_TASK_ROWS = 20_000
+
+
 def fused_batch(
     raw: Landed | DataFrame,
     cfg: TableConfig,
     lake_cols: list[tuple[str, str]],
     watermark: Watermark | None,
+    landed_rows: int | None = None,
 ) -> FusedBatch:
     """Landing rows (ingest.landed, or format-1 rows) -> the batch's flagged events, materialized
-    once, with its counters. Events below the watermark are already applied (none without one)."""
+    once, with its counters. Events below the watermark are already applied (none without one).
+    landed_rows: the rows in the batch's files, where the manifests say (SINGLE_TASK_ROWS)."""
     from pyspark.sql import functions as F
 
     typed = typed_events(raw, cfg, lake_cols, cfg.shard_map()).filter(F.col(SHARD_COL).isNotNull())
+    if landed_rows is not None and landed_rows <= SINGLE_TASK_ROWS:
+        typed = typed.coalesce(1)
     # Events the table already has (replays, reruns) are flagged APPLIED and pass by validation,
     # so an old malformed event is not quarantined twice; they are kept only to be counted.
     floor = shard_lsn_map(watermark)

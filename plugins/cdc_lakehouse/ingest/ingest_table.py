@@ -171,7 +171,7 @@ def apply_pending(
     landed = read_landed(spark, cfg, b.plan).renamed(b.renames, shard_expr(cfg.shard_map()))
     b.lake_cols = evolve_schema(spark, cfg, b, landed, config_file)
     with phase(spark, m, "prepare"):
-        fb = fused_batch(landed, cfg, b.lake_cols, b.wm)
+        fb = fused_batch(landed, cfg, b.lake_cols, b.wm, b.plan.landed_rows())
     m.events_read, m.already_applied = fb.counts.n, fb.counts.applied
     m.quarantined = quarantine_malformed(spark, lake, cfg, fb, m.events_read - m.already_applied, ingest_run)
     with phase(spark, m, "fill"):

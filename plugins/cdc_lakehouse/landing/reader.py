@@ -59,10 +59,18 @@ class Plan:
     schema_changes: list[EndpointSchemaChange] = field(default_factory=list)
     # file URI -> its images' columns, for the typed files (format 2); the others hold text (format 1)
     typed: dict[str, list[LandedColumn]] = field(default_factory=dict)
+    # file URI -> its rows, as its run's manifest lists them
+    rows: dict[str, int] = field(default_factory=dict)
 
     def file_columns(self) -> dict[str, list[LandedColumn] | None]:
         """Every file of the batch with its images' columns (None: a text file, format 1)."""
         return {f: self.typed.get(f) for f in self.files}
+
+    def landed_rows(self) -> int | None:
+        """The rows in the batch's files (every table of them), None where a file's are not known."""
+        if any(f not in self.rows for f in self.files):
+            return None
+        return sum(self.rows[f] for f in self.files)
 
 
 def shard_endpoints(cfg: TableConfig) -> dict[str, list[tuple[str, str]]]:
@@ -83,6 +91,7 @@ def plan_landing(
     selected: list[Manifest] = []
     files: list[str] = []
     typed: dict[str, list[LandedColumn]] = {}
+    rows: dict[str, int] = {}
     problems: list[str] = []
     changes: list[EndpointSchemaChange] = []
     for endpoint, shards in sorted(shard_endpoints(cfg).items()):
@@ -110,7 +119,7 @@ def plan_landing(
                     f'for every table on it, or cdc_bootstrap__{cfg.name} with {{"endpoint": "{endpoint}"}})'
                 )
             check_coverage(cfg, endpoint, shards, shards_wm, m)
-            files += _run_files(landing, cfg, m, check_files, problems, typed)
+            files += _run_files(landing, cfg, m, check_files, problems, typed, rows)
             for ch in m.schema_changes:
                 if ch.table.split(".", 1)[-1] == cfg.source.table:
                     changes.append(EndpointSchemaChange(endpoint, ch))
@@ -119,7 +128,7 @@ def plan_landing(
             last = m
         if last is not None:
             _advance(new_wm, endpoint, shards, shards_wm, last)
-    return Plan(selected, files, new_wm, problems, changes, typed)
+    return Plan(selected, files, new_wm, problems, changes, typed, rows)
 
 
 def _run_files(
@@ -129,9 +138,11 @@ def _run_files(
     check_files: bool,
     problems: list[str],
     typed: dict[str, list[LandedColumn]],
+    rows: dict[str, int],
 ) -> list[str]:
     """URIs of the table's files in run m; a listed file that is missing or truncated is a problem
-    (and left out) when check_files. The typed files' columns go to `typed`."""
+    (and left out) when check_files. The typed files' columns go to `typed`, every file's rows to
+    `rows`."""
     out = []
     for _table, rel, info in m.files({cfg.source.table}):
         uri = landing.file_uri(rel)
@@ -143,6 +154,7 @@ def _run_files(
                 continue
         if info.columns is not None:
             typed[uri] = list(info.columns)
+        rows[uri] = info.rows
         out.append(uri)
     return out
 
