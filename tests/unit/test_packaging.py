@@ -74,3 +74,48 @@ def test_sessions_opened_at_once_ship_the_zip_one_at_a_time(monkeypatch, tmp_pat
     errors = _at_once(lambda: session.configure_session(SimpleNamespace(addArtifacts=add_artifacts), LakeSettings()))
     assert not errors, errors
     assert at_once and max(at_once) == 1, at_once
+
+
+# What a session's __del__ does when the garbage collector runs it in one of the pool's threads,
+# while another thread closes a session: run in a process of its own, so a hang cannot hang the
+# suite (the pool's threads are not daemons).
+_CLOSE_FROM_THE_POOL = """
+import sys, threading, time
+from pyspark.sql.connect.client.reattach import ExecutePlanResponseReattachableIterator as R
+if sys.argv[1] == "shim":
+    from cdc_lakehouse.runtime.session import release_pool_without_waiting
+    release_pool_without_waiting()
+pool = R._get_or_create_release_thread_pool()
+started = threading.Event()
+def collected_in_the_pool():
+    started.set()
+    time.sleep(0.5)  # the other thread is in shutdown by then, holding the pool's lock
+    R.shutdown()
+done = pool.submit(collected_in_the_pool)
+started.wait()
+closer = threading.Thread(target=R.shutdown, daemon=True)
+closer.start()
+closer.join(10)
+done.result(timeout=10) if not closer.is_alive() else None
+print("hung" if closer.is_alive() else "closed", flush=True)
+import os
+os._exit(0)
+"""
+
+
+def test_a_session_closed_while_another_is_collected_in_the_release_pool_does_not_hang():
+    """runtime.session.release_pool_without_waiting: pyspark 4.1's Connect client joins its release
+    pool's threads under the pool's lock; a thread of the pool that closes a client meanwhile
+    waits for that lock. Without the shim both wait (the unshimmed run shows the hang is real)."""
+    import subprocess
+    import sys
+
+    def run(mode: str) -> str:
+        out = subprocess.run(
+            [sys.executable, "-c", _CLOSE_FROM_THE_POOL, mode], check=False, capture_output=True, text=True, timeout=120
+        )
+        assert out.returncode == 0, out.stderr[-2000:]
+        return out.stdout.strip()
+
+    assert run("plain") == "hung"
+    assert run("shim") == "closed"

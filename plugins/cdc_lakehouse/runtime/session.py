@@ -243,9 +243,37 @@ def connect_session(url: str) -> SparkSession:
 
     from cdc_lakehouse.runtime.connect_auth import client_url
 
+    release_pool_without_waiting()
     spark = SparkSession.builder.remote(client_url(url)).create()
     _LIVE.append(spark)
     return spark
+
+
+def release_pool_without_waiting() -> None:
+    """pyspark 4.1's Spark Connect client shuts its process-wide pool of ReleaseExecute calls down
+    whenever a session's client closes (SparkSession.stop, and SparkSession.__del__ when the
+    garbage collector takes a session), and joins the pool's threads while holding the pool's
+    lock. When the collector runs a session's __del__ in one of those threads, that thread waits
+    for the lock and the closing thread waits for it: both hang. The suite's warm-up test hung so
+    for 20 minutes (2026-11-29), until pytest's timeout interrupted the join; a group run's
+    worker sessions can meet it the same way. Upstream: apache/spark#54145 (SPARK-55362: do not
+    wait) and apache/spark#54189 (SPARK-55406: a pool per use), after 4.1. Here, for 4.1: the
+    pool is taken out under the lock and shut down without waiting; the server releases what an
+    unsent ReleaseExecute would have (it drops abandoned executions itself)."""
+    import pyspark
+    from pyspark.sql.connect.client.reattach import ExecutePlanResponseReattachableIterator as Reattachable
+
+    if not pyspark.__version__.startswith("4.1.") or getattr(Reattachable.shutdown, "_cdc_no_wait", False):
+        return
+
+    def shutdown(cls: type[Reattachable]) -> None:
+        with cls._lock:
+            pool, cls._release_thread_pool_instance = cls._release_thread_pool_instance, None
+        if pool is not None:
+            pool.shutdown(wait=False)
+
+    shutdown._cdc_no_wait = True  # type: ignore[attr-defined]
+    Reattachable.shutdown = classmethod(shutdown)  # type: ignore[method-assign,assignment]
 
 
 # Connect session id -> (its server's url, the settings get_spark gave it): what worker_session
