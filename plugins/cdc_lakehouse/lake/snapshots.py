@@ -140,22 +140,23 @@ def _session_key(spark: SparkSession) -> str:
     return str(connect) if connect else str(spark._jsparkSession.sessionUUID())
 
 
-def catalog_table_exists(table: str) -> bool | None:
-    """Whether the catalog has `table`, from pyiceberg (a query to the catalog, no Spark request);
-    None where this process does not read the catalog with pyiceberg (the caller asks Spark)."""
+def _read_by_pyiceberg(table: str) -> tuple[str, str] | None:
+    """(catalog name, namespace.name) of `table`, or None where this process does not read its
+    catalog with pyiceberg (the caller then asks Spark)."""
     catalog_name, _, ident = table.partition(".")
-    if catalog_name not in _PYICEBERG:
-        return None
-    return bool(_catalog(catalog_name).table_exists(ident))
+    return (catalog_name, ident) if catalog_name in _PYICEBERG else None
+
+
+def catalog_table_exists(table: str) -> bool | None:
+    """Whether the catalog has `table`, from pyiceberg; None: ask Spark (_read_by_pyiceberg)."""
+    named = _read_by_pyiceberg(table)
+    return None if named is None else bool(_catalog(named[0]).table_exists(named[1]))
 
 
 def catalog_table_properties(table: str) -> dict[str, str] | None:
-    """The table's properties, from pyiceberg (the current metadata, no Spark request); None where
-    this process does not read the catalog with pyiceberg (the caller asks Spark)."""
-    catalog_name, _, ident = table.partition(".")
-    if catalog_name not in _PYICEBERG:
-        return None
-    return dict(_pyiceberg_table(catalog_name, ident).metadata.properties)
+    """The table's properties, from its current metadata; None: ask Spark (_read_by_pyiceberg)."""
+    named = _read_by_pyiceberg(table)
+    return None if named is None else dict(_pyiceberg_table(*named).metadata.properties)
 
 
 def _catalog(catalog_name: str) -> Any:
@@ -176,11 +177,11 @@ def files_matching(table: str, column: str, value: str) -> int | None:
     this process does not read the catalog with pyiceberg (the caller then asks Spark)."""
     from pyiceberg.expressions import EqualTo
 
-    catalog_name, _, ident = table.partition(".")
-    if catalog_name not in _PYICEBERG:
+    named = _read_by_pyiceberg(table)
+    if named is None:
         return None
     condition = EqualTo(column, value)  # type: ignore[call-arg]  # pydantic model: mypy sees only its fields
-    return sum(1 for _ in _pyiceberg_table(catalog_name, ident).scan(row_filter=condition).plan_files())
+    return sum(1 for _ in _pyiceberg_table(*named).scan(row_filter=condition).plan_files())
 
 
 def _from_pyiceberg(table: str, meta: Any) -> TableSnapshots:

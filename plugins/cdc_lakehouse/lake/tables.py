@@ -102,9 +102,9 @@ def has_change(spark: SparkSession, table: str, stmt: str) -> bool:
 
 
 def table_exists(spark: SparkSession, table: str) -> bool:
-    """From pyiceberg where this process reads the catalog with it: Spark's tableExists is a
-    request to the Spark Connect server, 25 ms each, 7 per small table's ingest
-    (bench/tables_bench.py --profile, #56)."""
+    """From pyiceberg where this process reads the catalog with it: Spark's tableExists answers
+    from the session's cached copy, True for a table another session has dropped
+    (tests/integration/test_snapshot_reads.py); the two cost about the same."""
     known = catalog_table_exists(table)
     return bool(spark.catalog.tableExists(table)) if known is None else known
 

@@ -67,7 +67,7 @@ class Plan:
         return {f: self.typed.get(f) for f in self.files}
 
     def landed_rows(self) -> int | None:
-        """The rows in the batch's files (every table of them), None where a file's are not known."""
+        """The rows in the batch's files, None where a file's are not known."""
         if any(f not in self.rows for f in self.files):
             return None
         return sum(self.rows[f] for f in self.files)
