@@ -386,8 +386,18 @@ def test_source_endpoint_parsing():
 # each job's phase.
 # 11 (2026-11-29 night): a batch of at most ingest.batch.SINGLE_TASK_ROWS landed rows (this one's
 # 389) is computed in one task, so its checkpoint is one job, not a shuffle's two.
-INGEST_JOB_BUDGET = 11
-RECORDS_JOB_BUDGET = 3
+# 10 (2026-11-30): a table's first run read the freshness table for its previous rows (the
+# record phase's one job); pyiceberg reads them now (lake.freshness.latest_freshness). Left, for
+# #56's 8: the checkpoint and the counted pass of the batch and of the classification (Spark
+# Connect delivers no observed metrics to a checkpoint, and a persisted plan observed by the
+# no-op write that fills its cache takes as many jobs and 3.07 s against 1.58 s for 200k events:
+# bench/observe_bench.py, docs/benchmarks-history.md), and the MERGE's two shuffles: its target
+# scan reports no size to the planner, so even a table of 400 rows is not broadcast (a plain join
+# of the same table is).
+INGEST_JOB_BUDGET = 10
+# The two appends (runs, freshness). A metadata table's first commit no longer takes a job for its
+# empty first snapshot (lake.snapshots.commit_empty_snapshot): run alone, this test took 4.
+RECORDS_JOB_BUDGET = 2
 INGEST_METADATA_READ_BUDGET = 0
 
 

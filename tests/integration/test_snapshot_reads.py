@@ -76,3 +76,33 @@ def test_a_read_refreshes_the_session_only_after_another_writer_moved_the_table(
     finally:
         other.sql(f"DROP TABLE IF EXISTS {table} PURGE")
         other.stop()
+
+
+def test_a_checked_append_to_a_table_without_snapshots_takes_one_spark_job(spark, lake, unique):
+    """commit_unless_moved needs a snapshot to branch from: a new table gets an empty one from
+    pyiceberg (lake.snapshots.commit_empty_snapshot), not from a Spark append of no rows. The
+    check sees an empty table, the append is the one Spark job, and main is the empty snapshot
+    then the append; a second call with the same check publishes nothing."""
+    from cdc_lakehouse.lake.commits import commit_unless_moved
+    from cdc_lakehouse.lake.snapshots import current_ancestors
+    from cdc_lakehouse.runtime.phases import SparkJobs
+
+    table = lake.qualified(f"t.first_snap_{unique}")
+    spark.sql(f"CREATE TABLE {table} (id BIGINT) USING iceberg")
+    seen: list[int] = []
+
+    def plan(snapshots):
+        chain = list(snapshots)
+        seen.append(len(chain))
+        return None if any(s.operation == "append" and s.summary.get("added-records") for s in chain) else [1, 2]
+
+    def write(target, ids):
+        spark.createDataFrame([(i,) for i in ids], "id BIGINT").writeTo(target).append()
+
+    with SparkJobs(spark, "first append") as jobs:
+        assert commit_unless_moved(spark, table, plan, write, what="first append") == [1, 2]
+    assert jobs.count == 1, jobs.sites
+    chain = list(current_ancestors(spark, table))
+    assert [s.summary.get("added-records", "0") for s in chain] == ["2", "0"], chain
+    assert commit_unless_moved(spark, table, plan, write, what="again") is None
+    assert seen == [1, 2] and sorted(r.id for r in spark.table(table).collect()) == [1, 2]

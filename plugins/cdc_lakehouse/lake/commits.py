@@ -16,7 +16,13 @@ from collections.abc import Callable, Iterable
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from cdc_lakehouse.lake.snapshots import branch_names, current_ancestors, current_snapshot, summary_of
+from cdc_lakehouse.lake.snapshots import (
+    branch_names,
+    commit_empty_snapshot,
+    current_ancestors,
+    current_snapshot,
+    summary_of,
+)
 from cdc_lakehouse.lake.tables import table_exists
 from cdc_lakehouse.runtime.failpoints import crash_point
 from cdc_lakehouse.watermark import StoredJson, watermark_in
@@ -205,7 +211,8 @@ def _position_at_current(spark: SparkSession, table: str, position: Callable[[It
     chain = current_ancestors(spark, table)  # refreshes the table first (lake.snapshots)
     head = next(chain, None)
     if head is None:
-        spark.createDataFrame([], spark.table(table).schema).writeTo(table).append()
+        if not commit_empty_snapshot(table):
+            spark.createDataFrame([], spark.table(table).schema).writeTo(table).append()
         chain = current_ancestors(spark, table)
         head = next(chain)
     return int(head.snapshot_id), position(itertools.chain([head], chain))

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 from cdc_lakehouse.config import TableConfig
 from cdc_lakehouse.lake.meta import META_TABLES
 from cdc_lakehouse.lake.meta_rows import ShardFreshness  # one row of cdc_meta.freshness; its fields are the columns
-from cdc_lakehouse.lake.snapshots import current_ancestors
+from cdc_lakehouse.lake.snapshots import current_ancestors, rows_matching
 from cdc_lakehouse.landing.format import landing_spark_schema
 from cdc_lakehouse.settings import LakeSettings
 from cdc_lakehouse.watermark import WATERMARK_PROP, Watermark
@@ -225,10 +225,16 @@ def _source_commits(spark: SparkSession, cfg: TableConfig, files: list[str]) -> 
 
 
 def latest_freshness(spark: SparkSession, lake: LakeSettings, table_name: str) -> dict[str, ShardFreshness]:
-    """shard -> the table's newest cdc_meta.freshness row (empty before the first ingest)."""
+    """shard -> the table's newest cdc_meta.freshness row (empty before the first ingest). Read by
+    pyiceberg where this process reads the catalog with it: no Spark job (a table's first ingest
+    read it through Spark, one job of its budget: tests/integration/test_ingest.py)."""
     from pyspark.sql import functions as F
 
-    t = spark.table(lake.qualified(lake.meta_table(FRESHNESS_TABLE))).filter(F.col("table_name") == table_name)
+    name = lake.qualified(lake.meta_table(FRESHNESS_TABLE))
+    read = rows_matching(name, "table_name", table_name)
+    if read is not None:
+        return latest_per_shard(read)
+    t = spark.table(name).filter(F.col("table_name") == table_name)
     t = t.select(*[_micros(c).alias(c) if k == "timestamp" else F.col(c) for c, k in META_TABLES[FRESHNESS_TABLE][0]])
     return latest_per_shard([r.asDict() for r in _newest_rows(t).collect()])
 

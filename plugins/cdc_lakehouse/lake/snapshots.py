@@ -184,6 +184,39 @@ def files_matching(table: str, column: str, value: str) -> int | None:
     return sum(1 for _ in _pyiceberg_table(*named).scan(row_filter=condition).plan_files())
 
 
+def rows_matching(table: str, column: str, value: str) -> list[dict[str, Any]] | None:
+    """The rows of `table` whose `column` is `value`, read by pyiceberg (files pruned by the
+    manifests, no Spark job); None where this process does not read the catalog with pyiceberg
+    (the caller then asks Spark). For the small metadata tables: every matching row comes back."""
+    from pyiceberg.expressions import EqualTo
+
+    named = _read_by_pyiceberg(table)
+    if named is None:
+        return None
+    condition = EqualTo(column, value)  # type: ignore[call-arg]  # pydantic model: mypy sees only its fields
+    rows: list[dict[str, Any]] = _pyiceberg_table(*named).scan(row_filter=condition).to_arrow().to_pylist()
+    return rows
+
+
+def commit_empty_snapshot(table: str) -> bool:
+    """A first, empty snapshot for a table that has none, committed by pyiceberg: no Spark job
+    (a Spark append of no rows is one). False where this process does not read the catalog with
+    pyiceberg (the caller then appends through Spark). Another writer's first snapshot landing
+    in between is as good: its commit conflict is taken as done."""
+    from pyiceberg.exceptions import CommitFailedException
+
+    named = _read_by_pyiceberg(table)
+    if named is None:
+        return False
+    loaded = _pyiceberg_table(*named)
+    if loaded.metadata.current_snapshot_id is None:
+        try:
+            loaded.append(loaded.schema().as_arrow().empty_table())
+        except CommitFailedException:
+            pass
+    return True
+
+
 def _from_pyiceberg(table: str, meta: Any) -> TableSnapshots:
     by_id = {
         s.snapshot_id: Snapshot(
