@@ -233,7 +233,7 @@ def latest_freshness(spark: SparkSession, lake: LakeSettings, table_name: str) -
     name = lake.qualified(lake.meta_table(FRESHNESS_TABLE))
     read = rows_matching(name, "table_name", table_name)
     if read is not None:
-        return latest_per_shard(read)
+        return latest_per_shard(read.to_pylist())
     t = spark.table(name).filter(F.col("table_name") == table_name)
     t = t.select(*[_micros(c).alias(c) if k == "timestamp" else F.col(c) for c, k in META_TABLES[FRESHNESS_TABLE][0]])
     return latest_per_shard([r.asDict() for r in _newest_rows(t).collect()])

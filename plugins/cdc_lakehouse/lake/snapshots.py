@@ -184,18 +184,18 @@ def files_matching(table: str, column: str, value: str) -> int | None:
     return sum(1 for _ in _pyiceberg_table(*named).scan(row_filter=condition).plan_files())
 
 
-def rows_matching(table: str, column: str, value: str) -> list[dict[str, Any]] | None:
-    """The rows of `table` whose `column` is `value`, read by pyiceberg (files pruned by the
-    manifests, no Spark job); None where this process does not read the catalog with pyiceberg
-    (the caller then asks Spark). For the small metadata tables: every matching row comes back."""
+def rows_matching(table: str, column: str, value: str) -> Any:
+    """The rows of `table` whose `column` is `value`, as a pyarrow Table read by pyiceberg (files
+    pruned by the manifests, no Spark job); None where this process does not read the catalog
+    with pyiceberg (the caller then asks Spark). For the small metadata tables: every matching
+    row comes back."""
     from pyiceberg.expressions import EqualTo
 
     named = _read_by_pyiceberg(table)
     if named is None:
         return None
     condition = EqualTo(column, value)  # type: ignore[call-arg]  # pydantic model: mypy sees only its fields
-    rows: list[dict[str, Any]] = _pyiceberg_table(*named).scan(row_filter=condition).to_arrow().to_pylist()
-    return rows
+    return _pyiceberg_table(*named).scan(row_filter=condition).to_arrow()
 
 
 def commit_empty_snapshot(table: str) -> bool:
