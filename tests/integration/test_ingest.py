@@ -396,7 +396,7 @@ def test_source_endpoint_parsing():
 # of the same table is).
 INGEST_JOB_BUDGET = 10
 # The two appends (runs, freshness). A metadata table's first commit no longer takes a job for its
-# empty first snapshot (lake.snapshots.commit_empty_snapshot): run alone, this test took 4.
+# empty first snapshot (lake.commits.commit_empty_snapshot): run alone, this test took 4.
 RECORDS_JOB_BUDGET = 2
 INGEST_METADATA_READ_BUDGET = 0
 

@@ -80,7 +80,7 @@ def test_a_read_refreshes_the_session_only_after_another_writer_moved_the_table(
 
 def test_a_checked_append_to_a_table_without_snapshots_takes_one_spark_job(spark, lake, unique):
     """commit_unless_moved needs a snapshot to branch from: a new table gets an empty one from
-    pyiceberg (lake.snapshots.commit_empty_snapshot), not from a Spark append of no rows. The
+    pyiceberg (lake.commits.commit_empty_snapshot), not from a Spark append of no rows. The
     check sees an empty table, the append is the one Spark job, and main is the empty snapshot
     then the append; a second call with the same check publishes nothing."""
     from cdc_lakehouse.lake.commits import commit_unless_moved

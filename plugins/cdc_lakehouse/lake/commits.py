@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from cdc_lakehouse.lake.snapshots import (
     branch_names,
-    commit_empty_snapshot,
     current_ancestors,
     current_snapshot,
+    loaded_by_pyiceberg,
     summary_of,
 )
 from cdc_lakehouse.lake.tables import table_exists
@@ -216,6 +216,24 @@ def _position_at_current(spark: SparkSession, table: str, position: Callable[[It
         chain = current_ancestors(spark, table)
         head = next(chain)
     return int(head.snapshot_id), position(itertools.chain([head], chain))
+
+
+def commit_empty_snapshot(table: str) -> bool:
+    """A first, empty snapshot for a table that has none, committed by pyiceberg: no Spark job
+    (a Spark append of no rows is one). False where this process does not read the catalog with
+    pyiceberg (the caller then appends through Spark). Another writer's first snapshot landing
+    in between is as good: its commit conflict is taken as done."""
+    from pyiceberg.exceptions import CommitFailedException
+
+    loaded = loaded_by_pyiceberg(table)
+    if loaded is None:
+        return False
+    if loaded.metadata.current_snapshot_id is None:
+        try:
+            loaded.append(loaded.schema().as_arrow().empty_table())
+        except CommitFailedException:
+            pass
+    return True
 
 
 def _write_and_publish(

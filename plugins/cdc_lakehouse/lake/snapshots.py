@@ -171,50 +171,39 @@ def _pyiceberg_table(catalog_name: str, ident: str) -> Any:
     return _catalog(catalog_name).load_table(ident)
 
 
+def loaded_by_pyiceberg(table: str) -> Any:
+    """`table` freshly loaded by pyiceberg (a pyiceberg Table), or None where this process does
+    not read its catalog with pyiceberg (the caller then asks Spark)."""
+    named = _read_by_pyiceberg(table)
+    return None if named is None else _pyiceberg_table(*named)
+
+
+def _scan_matching(table: str, column: str, value: str) -> Any:
+    """pyiceberg's scan of the rows of `table` whose `column` is `value` (files pruned by the
+    manifests), or None where this process does not read the catalog with pyiceberg."""
+    from pyiceberg.expressions import EqualTo
+
+    loaded = loaded_by_pyiceberg(table)
+    if loaded is None:
+        return None
+    condition = EqualTo(column, value)  # type: ignore[call-arg]  # pydantic model: mypy sees only its fields
+    return loaded.scan(row_filter=condition)
+
+
 def files_matching(table: str, column: str, value: str) -> int | None:
     """How many data files of `table` may hold rows whose `column` is `value`, from the table's
     manifests (pyiceberg's scan planning: partition and column bounds, no Spark job); None where
     this process does not read the catalog with pyiceberg (the caller then asks Spark)."""
-    from pyiceberg.expressions import EqualTo
-
-    named = _read_by_pyiceberg(table)
-    if named is None:
-        return None
-    condition = EqualTo(column, value)  # type: ignore[call-arg]  # pydantic model: mypy sees only its fields
-    return sum(1 for _ in _pyiceberg_table(*named).scan(row_filter=condition).plan_files())
+    scan = _scan_matching(table, column, value)
+    return None if scan is None else sum(1 for _ in scan.plan_files())
 
 
 def rows_matching(table: str, column: str, value: str) -> Any:
-    """The rows of `table` whose `column` is `value`, as a pyarrow Table read by pyiceberg (files
-    pruned by the manifests, no Spark job); None where this process does not read the catalog
-    with pyiceberg (the caller then asks Spark). For the small metadata tables: every matching
-    row comes back."""
-    from pyiceberg.expressions import EqualTo
-
-    named = _read_by_pyiceberg(table)
-    if named is None:
-        return None
-    condition = EqualTo(column, value)  # type: ignore[call-arg]  # pydantic model: mypy sees only its fields
-    return _pyiceberg_table(*named).scan(row_filter=condition).to_arrow()
-
-
-def commit_empty_snapshot(table: str) -> bool:
-    """A first, empty snapshot for a table that has none, committed by pyiceberg: no Spark job
-    (a Spark append of no rows is one). False where this process does not read the catalog with
-    pyiceberg (the caller then appends through Spark). Another writer's first snapshot landing
-    in between is as good: its commit conflict is taken as done."""
-    from pyiceberg.exceptions import CommitFailedException
-
-    named = _read_by_pyiceberg(table)
-    if named is None:
-        return False
-    loaded = _pyiceberg_table(*named)
-    if loaded.metadata.current_snapshot_id is None:
-        try:
-            loaded.append(loaded.schema().as_arrow().empty_table())
-        except CommitFailedException:
-            pass
-    return True
+    """The rows of `table` whose `column` is `value`, as a pyarrow Table read by pyiceberg (no
+    Spark job); None where this process does not read the catalog with pyiceberg (the caller
+    then asks Spark). For the small metadata tables: every matching row comes back."""
+    scan = _scan_matching(table, column, value)
+    return None if scan is None else scan.to_arrow()
 
 
 def _from_pyiceberg(table: str, meta: Any) -> TableSnapshots:
