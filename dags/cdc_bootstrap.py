@@ -4,7 +4,9 @@ is no gap and no overlap. Also the way back after a dropped or invalidated repli
 With the `columns` param it fills only those columns of the rows the lake has, online.
 
 One DAG per table of include/tables/*.yaml (`cdc_bootstrap__<table>`), triggered by hand (no
-schedule). It shares the table's writer pool with the ingest and the maintenance.
+schedule). It shares the table's writer pool with the ingest and the maintenance. When the
+table already holds rows at a complete position, the run first waits for a person to approve
+in the UI (Required Actions): review >> approve >> bootstrap; a rejection writes nothing.
 
 One DAG per source endpoint (`cdc_recover__<endpoint>`), triggered by hand: after the endpoint's
 slot was lost, the bootstrap of its shards of every table on it, one table after another.
@@ -14,6 +16,7 @@ from datetime import timedelta
 
 from airflow.sdk import DAG, Param
 from cdc_lakehouse.jobs.bootstrap import BootstrapParams
+from cdc_lakehouse.orchestration.approvals import rebootstrap_approval
 from cdc_lakehouse.orchestration.dag_docs import bootstrap_doc, recover_doc
 from cdc_lakehouse.orchestration.dag_parts import (
     START_DATE,
@@ -70,7 +73,7 @@ for cfg in tables.tables.values():
             ),
         },
     ) as dag:
-        spark_task(
+        rebootstrap_approval(cfg) >> spark_task(
             task_id="bootstrap",
             job="bootstrap",
             params=BootstrapParams(tables=(cfg.name,)),
@@ -86,6 +89,7 @@ for cfg in tables.tables.values():
             outlets=[asset(cfg.current_table), asset(cfg.changelog_table)],
             post_execute=announce_snapshots([cfg]),
             execution_timeout=timedelta(hours=24),
+            trigger_rule="none_failed_min_one_success",  # after the approval, or without one
         )
     globals()[dag.dag_id] = dag
 

@@ -372,6 +372,9 @@ def spark_jobs_on(mode: str) -> Iterator[None]:
 
 def run(args: argparse.Namespace) -> int:
     os.environ["CDC_TASK_RETRIES"] = "0"  # read when the DAGs are parsed: a failure shows at once
+    # Unattended: a second `make demo` re-bootstraps tables that hold rows, which would otherwise
+    # wait for a person to approve in the UI (orchestration/approvals.py).
+    os.environ.setdefault("CDC_APPROVALS", "off")
     with spark_jobs_on(args.spark):
         return _run(args)
 

@@ -441,6 +441,21 @@ class TableAlerts(AlertThresholds):
     )
 
 
+class ApprovalsConfig(_Model):
+    """Which destructive actions on this table wait for a person in Airflow's UI (its
+    human-in-the-loop approval, orchestration/approvals.py). CDC_APPROVALS=off in the workers'
+    environment turns every approval off, for unattended deployments."""
+
+    rebootstrap: bool = Field(
+        True,
+        description="a bootstrap or a column backfill of a table that already holds a complete "
+        "position and rows waits for an approval (a first load or a resumed chunked load does not)",
+    )
+    response_timeout_hours: float | None = Field(
+        None, gt=0, description="an unanswered approval fails its run after this long; none: it waits"
+    )
+
+
 class TableConfig(_Model):
     name: str = Field(description="the table's id: DAG ids, pools and lake names derive from it")
     description: str = ""
@@ -464,6 +479,7 @@ class TableConfig(_Model):
     retries: int = Field(2, ge=0, le=10)
     alert_emails: list[str] = Field(default_factory=list, description="also e-mailed every alert of this table")
     alerts: TableAlerts = TableAlerts()
+    approvals: ApprovalsConfig = ApprovalsConfig()
 
     @field_validator("name")
     @classmethod

@@ -10,6 +10,8 @@ audit DAGs are unpaused and nothing else is triggered. The test asserts from Air
 and succeed, that the table's writers sharing the one-slot pool never overlap and one of them
 waited for the slot, that a second ingest run's ingest started only after the first's ended,
 and that the lake's current table equals the source after the source changed between runs.
+Then a re-bootstrap of the table, which now holds rows, waits for a person (#53): rejected through
+the REST API it writes nothing, approved it runs.
 """
 
 from __future__ import annotations
@@ -466,3 +468,90 @@ def test_scheduled_ingest_and_audit_run_on_their_own_one_writer_at_a_time(sched_
         f"\nbootstrap {t_boot - t0:.0f}s, scheduled runs {t_done - t_boot:.0f}s: {len(ok_ingest)} ingest, "
         f"{len(ok_audit)} audit ok; {len(waited)} pool wait(s)\n{context}"
     )
+
+
+def _hitl(st: Stack, run_id: str) -> dict | None:
+    """The approval's human-in-the-loop detail, once its task waits for an answer."""
+    tis = {ti["task_id"]: ti for ti in st.task_instances(BOOTSTRAP) if ti["dag_run_id"] == run_id}
+    if (tis.get(APPROVE) or {}).get("state") != "awaiting_input":
+        return None
+    return st.api("GET", f"/dags/{BOOTSTRAP}/dagRuns/{run_id}/taskInstances/{APPROVE}/-1/hitlDetails")
+
+
+def _run_states(st: Stack, run_id: str) -> tuple[str, dict[str, str]]:
+    run = next(r for r in st.runs(BOOTSTRAP) if r["dag_run_id"] == run_id)
+    tis = {ti["task_id"]: ti["state"] for ti in st.task_instances(BOOTSTRAP) if ti["dag_run_id"] == run_id}
+    return run["state"], tis
+
+
+def _current_snapshot(env) -> int:
+    from cdc_lakehouse.settings import LakeSettings
+    from pyiceberg.catalog import load_catalog
+
+    lake = LakeSettings.from_env(env)
+    cat = load_catalog(lake.catalog_name, **lake.pyiceberg_properties())
+    return cat.load_table(f"sched.{TABLE}").current_snapshot().snapshot_id
+
+
+APPROVE = "approve"
+
+
+def test_a_rebootstrap_of_a_table_with_rows_waits_for_an_approval(sched_env, stack):
+    """#53: the first bootstrap (above) went ahead without asking; a second one, now that the
+    table holds rows, waits in `awaiting_input` with what it would replace. Rejected through the
+    REST API it writes nothing; approved, it re-bootstraps the table to equal the source."""
+    env, _, _, source = sched_env
+    st = stack
+    first = next(r for r in st.runs(BOOTSTRAP) if r["state"] == "success")
+    _, first_tis = _run_states(st, first["dag_run_id"])
+    assert first_tis == {
+        "review": "success",
+        APPROVE: "skipped",
+        "no_approval_needed": "success",
+        "bootstrap": "success",
+    }
+
+    def trigger(shards: list[str]) -> str:
+        run = st.api(
+            "POST",
+            f"/dags/{BOOTSTRAP}/dagRuns",
+            {"logical_date": datetime.now(UTC).isoformat(), "conf": {"shards": shards}},
+        )
+        return run["dag_run_id"]
+
+    # Rejected: the bootstrap is skipped, the run ends, the lake has not moved.
+    before = _current_snapshot(env)
+    rejected = trigger(["s1"])
+    detail = _wait(st, "the approval to wait", lambda: _hitl(st, rejected), time.time() + 180, interval=2)
+    assert detail["subject"] == f"re-bootstrap of {TABLE}: 1 shard(s)", detail
+    assert "| s1 |" in detail["body"] and "| s0 |" not in detail["body"] and " rows** (snapshot" in detail["body"], (
+        detail
+    )
+    assert detail["options"] == ["Approve", "Reject"] and detail["response_received"] is False, detail
+    st.api(
+        "PATCH",
+        f"/dags/{BOOTSTRAP}/dagRuns/{rejected}/taskInstances/{APPROVE}/-1/hitlDetails",
+        {"chosen_options": ["Reject"]},
+    )
+    _wait(st, "the rejected run to end", lambda: _run_states(st, rejected)[0] == "success", time.time() + 180)
+    assert _run_states(st, rejected)[1] == {
+        "review": "success",
+        APPROVE: "success",
+        "no_approval_needed": "skipped",
+        "bootstrap": "skipped",
+    }
+    assert _current_snapshot(env) == before
+
+    # Approved: the re-bootstrap runs and the lake equals the source, changed since.
+    source.change(3)
+    approved = trigger([])
+    _wait(st, "the second approval to wait", lambda: _hitl(st, approved), time.time() + 180, interval=2)
+    st.api(
+        "PATCH",
+        f"/dags/{BOOTSTRAP}/dagRuns/{approved}/taskInstances/{APPROVE}/-1/hitlDetails",
+        {"chosen_options": ["Approve"]},
+    )
+    _wait(st, "the approved run to end", lambda: _run_states(st, approved)[0] == "success", time.time() + 300)
+    assert _run_states(st, approved)[1]["bootstrap"] == "success"
+    assert _current_snapshot(env) != before
+    assert _lake_rows(env) == source.rows()

@@ -15,8 +15,10 @@ from cdc_lakehouse.bootstrap.chunks import APPLICATION_NAME
 from cdc_lakehouse.bootstrap.result import ChunkedBootstrapResult
 from cdc_lakehouse.bootstrap.snapshot import BootstrapError
 from cdc_lakehouse.columns import OP_COL
+from cdc_lakehouse.feed.arrow import load_catalog_for
 from cdc_lakehouse.lake.snapshots import read_watermark
 from cdc_lakehouse.lake.tables import table_exists
+from cdc_lakehouse.orchestration.approvals import lake_holds, unfinished_chunked_loads
 from cdc_lakehouse.source.markers import CommitsNotVisible, wait_until_visible
 
 from tests.conftest import make_config
@@ -159,6 +161,12 @@ def test_killed_chunked_bootstrap_resumes_after_the_last_recorded_chunk(source, 
     with pytest.raises(RuntimeError, match="killed at bootstrap_chunk_applied:2"):
         s.bootstrap(cfg)
     monkeypatch.undo()
+    # What the bootstrap DAG's review sees (#53): every shard resumes, so no approval is asked.
+    catalog = load_catalog_for(lake)
+    every = frozenset(shard for _, _, shard in cfg.shards())
+    assert unfinished_chunked_loads(catalog, lake, cfg.name) == every
+    holds = lake_holds(catalog, cfg.current_table)
+    assert holds is not None and holds.rows > 0 and set(holds.positions) == every, holds
     # Round 2 (chunk 2 of every shard) was merged but not recorded: the rerun reads it again.
     s.execute(
         f"UPDATE {s.schemas[0]}.block SET version = version + 7 WHERE id IN (SELECT id FROM {s.schemas[0]}.block ORDER BY id LIMIT 50)",
@@ -173,6 +181,7 @@ def test_killed_chunked_bootstrap_resumes_after_the_last_recorded_chunk(source, 
     )
     chunks = sorted(row["chunk"] for row in progress.collect())
     assert chunks == sorted(set(chunks)) and chunks[:3] == [0, 1, 2], chunks
+    assert unfinished_chunked_loads(catalog, lake, cfg.name) == frozenset()
     m = s.capture()
     s.ingest(cfg, m.manifest.run_id)
     assert_lake_equals_source(spark, lake, cfg, s.dsn)

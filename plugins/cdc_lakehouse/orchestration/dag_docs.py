@@ -96,7 +96,21 @@ whose watermark is P. The incremental ingest continues from P: no gap, no overla
   `cdc_recover__<endpoint>` does it for every table on the endpoint. A lost slot is replaced.
 - It stops before writing anything if a table is missing, the key is not unique and not
   null, a column type is unsupported, or the source lacks `wal_level=logical` or privileges.
+
+## Approval
+{_approval_doc(cfg)}
 """
+
+
+def _approval_doc(cfg: TableConfig) -> str:
+    if not cfg.approvals.rebootstrap:
+        return "Off for this table (`approvals.rebootstrap: false`): every run goes straight to `bootstrap`."
+    return (
+        "`review` reads what the run would replace. When the table already holds rows at a complete "
+        "position (not a first load, not a resumed chunked load), `approve` waits for a person: Browse > "
+        "Required Actions shows the shards, their positions and row counts; **Reject** skips the "
+        "bootstrap and writes nothing. `CDC_APPROVALS=off` in the workers' environment turns it off."
+    )
 
 
 def recover_doc(endpoint: str, cfgs: list[TableConfig]) -> str:

@@ -1,0 +1,275 @@
+"""Approvals: an action that replaces a table's data waits for a person (issue #53).
+
+Airflow 3.3's ApprovalOperator (human in the loop, apache-airflow-providers-standard) parks its
+task in the `awaiting_input` state until someone answers in the UI's Required Actions, or
+through the REST API (PATCH /api/v2/dags/{dag}/dagRuns/{run}/taskInstances/approve/-1/hitlDetails
+with `{"chosen_options": ["Approve"]}`). Before it, `review` reads what the action would change
+and branches:
+
+    review ─┬─> approve ────────────┬─> <the action>
+            └─> no_approval_needed ─┘
+
+The action runs after whichever branch was taken (trigger rule none_failed_min_one_success);
+a rejection skips it, so nothing is written and the run ends successfully.
+
+What needs no approval: a first load (the table has no complete position yet, or no rows), a
+resumed chunked load (every shard it loads has an unfinished chunked bootstrap), a table whose
+YAML says `approvals: {rebootstrap: false}`, or a deployment with CDC_APPROVALS=off in its
+workers' environment (unattended deployments; `make demo` runs so).
+
+Parse time builds three small operators; the review's reads (pyiceberg, the source's
+catalog) happen in the task.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import TYPE_CHECKING, Any
+
+from cdc_lakehouse.config import TableConfig
+
+if TYPE_CHECKING:
+    from cdc_lakehouse.settings import LakeSettings
+
+log = logging.getLogger(__name__)
+APPROVALS_ENV = "CDC_APPROVALS"  # "off": no action waits for a person
+REVIEW_TASK, APPROVE_TASK, NOT_NEEDED_TASK = "review", "approve", "no_approval_needed"
+
+
+def approvals_enabled(environ: Mapping[str, str] = os.environ) -> bool:
+    return environ.get(APPROVALS_ENV, "on").strip().lower() not in ("off", "false", "0", "no")
+
+
+@dataclass(frozen=True)
+class LakeHolds:
+    """What the lake's current table holds now: its rows (from the current snapshot's summary)
+    and the complete position the ingest continues from."""
+
+    rows: int
+    snapshot_id: int
+    committed_at: datetime
+    positions: dict[str, int]  # shard -> LSN (exclusive) of the newest complete position
+    fresh_to: dict[str, str | None] = field(default_factory=dict)  # shard -> the position's time
+
+
+@dataclass(frozen=True)
+class RebootstrapPlan:
+    """What a triggered bootstrap (or column backfill) of one table would replace."""
+
+    table: str
+    lake_table: str
+    shards: tuple[str, ...]  # the shards it loads
+    columns: tuple[str, ...]  # a column backfill: only these columns of the rows the lake has
+    lake: LakeHolds | None  # None: no complete position yet (a first load)
+    resuming: frozenset[str] = frozenset()  # shards with an unfinished chunked load
+    source_rows: dict[str, int | None] = field(default_factory=dict)  # shard -> estimate; None: unread
+    approvals_on: bool = True
+
+    @property
+    def needs_approval(self) -> bool:
+        return self.approvals_on and not self.reason_not_needed
+
+    @property
+    def reason_not_needed(self) -> str:
+        """Why the action may go ahead without a person; empty when it needs one."""
+        if not self.approvals_on:
+            return f"approvals are off ({APPROVALS_ENV}=off or approvals.rebootstrap: false)"
+        if self.lake is None:
+            return "a first load: the table has no complete position yet"
+        if self.lake.rows == 0:
+            return "the table has no rows"
+        if not self.columns and set(self.shards) <= self.resuming:
+            return f"resumes the unfinished chunked load of {', '.join(self.shards)}"
+        return ""
+
+    @property
+    def action(self) -> str:
+        if self.columns:
+            return f"backfill of column(s) {', '.join(self.columns)}"
+        return "re-bootstrap"
+
+    def subject(self) -> str:
+        return f"{self.action} of {self.table}: {len(self.shards)} shard(s)"
+
+    def body(self) -> str:
+        """Markdown, shown beside the Approve and Reject buttons."""
+        lake = self.lake
+        lines = [f"**{self.action.capitalize()}** of `{self.table}` (lake `{self.lake_table}`)."]
+        if lake is not None:
+            lines.append(
+                f"The lake holds **{lake.rows:,} rows** (snapshot {lake.snapshot_id}, committed "
+                f"{lake.committed_at:%Y-%m-%d %H:%M:%S} UTC)."
+            )
+        if self.columns:
+            lines.append(
+                "Every row of these shards gets the columns' values read from the source now; "
+                "other columns and rows stay as they are."
+            )
+        else:
+            lines.append(
+                "The rows of these shards are replaced, in one commit, by a snapshot of the source; "
+                "the changelog keeps its history and the ingest continues from the new position."
+            )
+        lines += ["", "| shard | position now | fresh to | source rows (estimate) |", "|---|---|---|---|"]
+        for shard in self.shards:
+            pos = None if lake is None else lake.positions.get(shard)
+            when = None if lake is None else lake.fresh_to.get(shard)
+            est = self.source_rows.get(shard)
+            lines.append(
+                f"| {shard} | {'none' if pos is None else _lsn(pos)} | {when or '-'} | "
+                f"{'unknown' if est is None else f'{est:,}'} |"
+            )
+        lines += ["", "Reject to leave the table as it is: nothing is written."]
+        return "\n".join(lines)
+
+
+def _lsn(lsn: int) -> str:
+    return f"{lsn >> 32:X}/{lsn & 0xFFFFFFFF:X}"
+
+
+def shards_asked(cfg: TableConfig, params: Mapping[str, Any]) -> tuple[str, ...]:
+    """The shards a bootstrap run loads, from its params (as cdc_bootstrap__<table> has them)."""
+    asked = [str(s) for s in params.get("shards") or []]
+    endpoint = str(params.get("endpoint") or "")
+    every = [shard for _, _, shard in cfg.shards()]
+    if asked:
+        return tuple(s for s in every if s in asked) or tuple(asked)
+    if endpoint:
+        return tuple(cfg.shards_on(endpoint))
+    return tuple(every)
+
+
+# --- the review's reads (in the task) ---------------------------------------------------------
+
+
+def review_rebootstrap(
+    cfg: TableConfig, params: Mapping[str, Any], lake: LakeSettings | None = None
+) -> RebootstrapPlan:
+    """The plan of a bootstrap run of `cfg` with `params`, read from the lake and the source."""
+    from cdc_lakehouse.feed.arrow import load_catalog_for
+    from cdc_lakehouse.orchestration.tasks import lake_settings
+
+    lake = lake or lake_settings()
+    catalog = load_catalog_for(lake)
+    shards = shards_asked(cfg, params)
+    return RebootstrapPlan(
+        table=cfg.name,
+        lake_table=cfg.current_table,
+        shards=shards,
+        columns=tuple(str(c) for c in params.get("columns") or []),
+        lake=lake_holds(catalog, cfg.current_table),
+        resuming=unfinished_chunked_loads(catalog, lake, cfg.name),
+        source_rows=source_estimates(cfg, shards),
+        approvals_on=approvals_enabled() and cfg.approvals.rebootstrap,
+    )
+
+
+def lake_holds(catalog: Any, lake_table: str) -> LakeHolds | None:
+    """The current table's rows and newest complete position; None without one (or no table)."""
+    from pyiceberg.exceptions import NoSuchTableError
+
+    from cdc_lakehouse.lake.ranges import pyiceberg_snapshots
+
+    try:
+        tbl = catalog.load_table(lake_table)
+    except NoSuchTableError:
+        return None
+    snaps, current = pyiceberg_snapshots(tbl)
+    sid = current
+    while sid is not None and sid in snaps and snaps[sid].watermark is None:
+        sid = snaps[sid].parent_id
+    wm = None if sid is None or sid not in snaps else snaps[sid].watermark
+    head = tbl.current_snapshot()
+    if wm is None or head is None:
+        return None
+    summary = head.summary or {}
+    deleted = sum(int(summary.get(k) or 0) for k in ("total-position-deletes", "total-equality-deletes"))
+    return LakeHolds(
+        rows=int(summary.get("total-records") or 0) - deleted,
+        snapshot_id=int(head.snapshot_id),
+        committed_at=datetime.fromtimestamp(head.timestamp_ms / 1000, UTC),
+        positions=wm.shard_lsns(),
+        fresh_to={shard: pos.ts for shard, pos in wm.shards.items()},
+    )
+
+
+def unfinished_chunked_loads(catalog: Any, lake: LakeSettings, table: str) -> frozenset[str]:
+    """The shards of `table` whose newest chunked-bootstrap progress row is not done: a run of
+    the bootstrap resumes them (bootstrap/progress.py)."""
+    from pyiceberg.exceptions import NoSuchTableError
+    from pyiceberg.expressions import EqualTo
+
+    from cdc_lakehouse.bootstrap.progress import PROGRESS_TABLE
+
+    try:
+        progress = catalog.load_table(lake.meta_table(PROGRESS_TABLE))
+    except NoSuchTableError:
+        return frozenset()
+    condition = EqualTo("table_name", table)  # type: ignore[call-arg]  # pydantic model: mypy sees only its fields
+    rows = progress.scan(row_filter=condition, selected_fields=("shard", "chunk", "done", "updated_at"))
+    newest: dict[str, tuple[Any, int, bool]] = {}
+    for r in rows.to_arrow().to_pylist():
+        mark = (r["updated_at"], int(r["chunk"]), bool(r["done"]))
+        if r["shard"] not in newest or mark[:2] > newest[r["shard"]][:2]:
+            newest[r["shard"]] = mark
+    return frozenset(shard for shard, (_, _, done) in newest.items() if not done)
+
+
+def source_estimates(cfg: TableConfig, shards: tuple[str, ...]) -> dict[str, int | None]:
+    """Each shard's row estimate (pg_class.reltuples) from its source; None where the source did
+    not answer (the approval still shows what the lake holds)."""
+    import psycopg2
+
+    from cdc_lakehouse.bootstrap.chunks import estimated_rows
+    from cdc_lakehouse.orchestration.tasks import source_uri_from_connection
+
+    out: dict[str, int | None] = dict.fromkeys(shards)
+    for group in cfg.source.shards:
+        mine = [(schema, shard) for g, schema, shard in cfg.shards() if g is group and shard in out]
+        if not mine:
+            continue
+        try:
+            with psycopg2.connect(source_uri_from_connection(group.conn_id), connect_timeout=10) as conn:
+                with conn.cursor() as cur:
+                    for schema, shard in mine:
+                        out[shard] = estimated_rows(cur, schema, cfg.source.table)
+        except Exception:  # noqa: BLE001 - an estimate only: the review goes on without it
+            continue
+    return out
+
+
+# --- the DAG part -----------------------------------------------------------------------------
+
+
+def rebootstrap_approval(cfg: TableConfig) -> list[Any]:
+    """review >> [approve, no_approval_needed]: the tasks a bootstrap task goes after (with
+    trigger_rule none_failed_min_one_success)."""
+    from airflow.providers.standard.operators.empty import EmptyOperator
+    from airflow.providers.standard.operators.hitl import ApprovalOperator
+    from airflow.sdk import task
+
+    @task.branch(task_id=REVIEW_TASK)
+    def review(**context: Any) -> str:
+        """What the run would replace; to the approval only when there is data to lose."""
+        plan = review_rebootstrap(cfg, context["params"])
+        context["ti"].xcom_push(key="subject", value=plan.subject())
+        context["ti"].xcom_push(key="body", value=plan.body())
+        if not plan.needs_approval:
+            log.info("no approval needed: %s", plan.reason_not_needed)
+            return NOT_NEEDED_TASK
+        return APPROVE_TASK
+
+    hours = cfg.approvals.response_timeout_hours
+    approve = ApprovalOperator(
+        task_id=APPROVE_TASK,
+        subject=f"{{{{ ti.xcom_pull(task_ids='{REVIEW_TASK}', key='subject') }}}}",
+        body=f"{{{{ ti.xcom_pull(task_ids='{REVIEW_TASK}', key='body') }}}}",
+        response_timeout=None if hours is None else timedelta(hours=hours),
+    )
+    not_needed = EmptyOperator(task_id=NOT_NEEDED_TASK)
+    review() >> [approve, not_needed]
+    return [approve, not_needed]
