@@ -7,13 +7,15 @@ One DAG per table of include/tables/*.yaml (`cdc_ingest__<table>`), or one per i
 the table's `ingest.schedule`. Each run covers its data interval; reruns converge. Its current
 and changelog tables' assets trigger the derived, export and feed DAGs downstream; the endpoint's
 asset (`cdc://points/<endpoint>`) announces its newest consistent point across tables
-(lake.points).
+(lake.points). A run not finished when its tables' freshness bound passes (counted from the
+start of its interval) misses its deadline: shown on the run, and alerted as `freshness`.
 """
 
 from datetime import timedelta
 
 from airflow.sdk import DAG
 from cdc_lakehouse.jobs.ingest import IngestParams
+from cdc_lakehouse.orchestration.alerts.deadlines import alerting_or_defaults, freshness_deadline
 from cdc_lakehouse.orchestration.dag_docs import group_doc, ingest_doc
 from cdc_lakehouse.orchestration.dag_parts import (
     INGEST_RUN,
@@ -35,6 +37,7 @@ from cdc_lakehouse.orchestration.dag_parts import (
 )
 
 tables, _, _ = load_configs()
+alerting = alerting_or_defaults()
 
 for cfg in tables.tables.values():
     if cfg.ingest.group:
@@ -49,6 +52,7 @@ for cfg in tables.tables.values():
         tags=dag_tags("ingest", cfg),
         doc_md=f"{__doc__}\n{ingest_doc(cfg)}",
         description=f"Hourly CDC ingest of {cfg.name} into {cfg.current_table}",
+        deadline=freshness_deadline([cfg], alerting),
     ) as dag:
         captures = capture_tasks(endpoint_ids([cfg]))
         ingest = spark_task(
@@ -77,6 +81,7 @@ for group, cfgs in ingest_groups(tables).items():
         tags=dag_tags("ingest", group=group),
         doc_md=f"{__doc__}\n{group_doc(group, cfgs)}",
         description=f"CDC ingest of {len(cfgs)} tables in one Spark application",
+        deadline=freshness_deadline(cfgs, alerting),
     ) as dag:
         captures = capture_tasks(endpoint_ids(cfgs))
         ingest = spark_task(

@@ -11,7 +11,8 @@ and succeed, that the table's writers sharing the one-slot pool never overlap an
 waited for the slot, that a second ingest run's ingest started only after the first's ended,
 and that the lake's current table equals the source after the source changed between runs.
 Then a re-bootstrap of the table, which now holds rows, waits for a person (#53): rejected through
-the REST API it writes nothing, approved it runs.
+the REST API it writes nothing, approved it runs. And the ingest runs' freshness deadline (#53):
+missed, shown on the run and alerted through the alert channels.
 """
 
 from __future__ import annotations
@@ -64,6 +65,10 @@ ingest:
 audit:
   schedule: "* * * * *"
   mode: full
+alerts:
+  # Shorter than the one-minute schedule: every scheduled ingest run misses its freshness
+  # deadline (its interval's start + 30 s) on creation, so the deadline callback runs (#53).
+  freshness_sla: 30s
 """
 
 
@@ -209,10 +214,10 @@ class Stack:
     logs: dict[str, Path]
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
 
-    def api(self, method: str, path: str, body: dict | None = None) -> dict:
+    def api(self, method: str, path: str, body: dict | None = None, prefix: str = "/api/v2") -> dict:
         data = None if body is None else json.dumps(body).encode()
         req = urllib.request.Request(
-            f"{self.url}/api/v2{path}", data=data, method=method, headers={"Content-Type": "application/json"}
+            f"{self.url}{prefix}{path}", data=data, method=method, headers={"Content-Type": "application/json"}
         )
         try:
             with urllib.request.urlopen(req, timeout=30) as resp:
@@ -555,3 +560,31 @@ def test_a_rebootstrap_of_a_table_with_rows_waits_for_an_approval(sched_env, sta
     assert _run_states(st, approved)[1]["bootstrap"] == "success"
     assert _current_snapshot(env) != before
     assert _lake_rows(env) == source.rows()
+
+
+def test_an_ingest_run_past_its_freshness_bound_misses_its_deadline_and_alerts(sched_env, stack):
+    """#53: the scheduled ingest runs above started after their deadline (the table's 30 s bound,
+    from the start of a one-minute interval). Airflow marks each run's deadline missed (what the
+    UI's run page shows) and its executor runs the callback, which records a `freshness` alert
+    naming the table and the run."""
+    env, _, _, _ = sched_env
+    st = stack
+    runs = [r["dag_run_id"] for r in st.runs(INGEST) if r["run_type"] == "scheduled"]
+    assert runs
+    alerts_file = Path(env["AIRFLOW_HOME"]) / "cdc_alerts.jsonl"
+
+    def deadline_alerts() -> list[dict]:
+        lines = alerts_file.read_text().splitlines() if alerts_file.exists() else []
+        return [
+            a
+            for a in map(json.loads, lines)
+            if a["kind"] == "freshness" and a["dag_id"] == INGEST and "not finished" in a["summary"]
+        ]
+
+    found = _wait(st, "a deadline alert", deadline_alerts, time.time() + 180)
+    assert {a["run_id"] for a in found} <= set(runs), (found, runs)
+    first = found[0]
+    assert first["tables"] == [TABLE] and first["threshold"] == 30 and first["details"]["bound"].startswith("30"), first
+    for run_id in {a["run_id"] for a in found}:
+        shown = st.api("GET", f"/dags/{INGEST}/dagRuns/{run_id}/deadlines", prefix="/ui")["deadlines"]
+        assert [(d["alert_name"], d["missed"]) for d in shown] == [("freshness", True)], shown

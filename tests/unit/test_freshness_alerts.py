@@ -78,3 +78,38 @@ def test_latest_row_per_shard_wins():
     latest = latest_per_shard(rows)
     assert {s: (f.ingest_run, f.freshness_seconds) for s, f in latest.items()} == {"s0": ("r2", 7), "s1": ("r2", 8)}
     assert latest["s1"].stale_seconds(T0 + timedelta(minutes=10)) == 300 + 8
+
+
+def test_an_ingest_dags_deadline_is_its_strictest_freshness_bound_from_the_runs_interval_start():
+    """#53: the DeadlineAlert of an ingest DAG (its missed deadline runs for real in
+    tests/e2e/test_scheduler.py) and the alert its callback sends."""
+    from cdc_lakehouse.orchestration.alerts.deadlines import deadline_alert, freshness_bound, freshness_deadline
+
+    strict = _cfg()  # 30m
+    loose, errors = parse_table_config(
+        {**strict.model_dump(), "name": "items", "alerts": {"freshness_sla": "2h"}}, "items.yaml"
+    )
+    off, errors_off = parse_table_config(
+        {**strict.model_dump(), "name": "quiet", "alerts": {"freshness_sla": "off"}}, "q.yaml"
+    )
+    assert not errors and not errors_off
+    ac = AlertingConfig()
+    assert freshness_bound([loose, strict, off], ac) == 1800
+    assert freshness_bound([off], ac) == 0 and freshness_deadline([off], ac) is None
+    deadline = freshness_deadline([loose, strict], ac)
+    assert deadline.name == "freshness" and deadline.interval == timedelta(minutes=30)
+    assert type(deadline.reference).__name__ == "DagRunLogicalDateDeadline"
+    assert deadline.callback.kwargs == {"tables": ["items", "orders"], "bound_seconds": 1800}
+
+    from cdc_lakehouse.orchestration.alerts.deadlines import deadlines_wanted
+
+    assert deadlines_wanted(["airflow", "scheduler"], {}) and deadlines_wanted(["x"], {"CDC_DEADLINES": "on"})
+    assert not deadlines_wanted(["airflow", "dags", "test", "cdc_ingest__t"], {})  # apache/airflow#73428
+    assert not deadlines_wanted(["airflow", "scheduler"], {"CDC_DEADLINES": "off"})
+
+    run = {"dag_run_id": "scheduled__x", "dag_id": "cdc_ingest_group__g", "state": "running", "logical_date": "T"}
+    alert = deadline_alert(["items", "orders"], 1800, {"dag_run": run, "deadline": {"deadline_time": "T+30m"}})
+    assert alert.kind == "freshness" and alert.subject.startswith(
+        "[CDC STALE] items, orders: ingest run not finished 30 min"
+    )
+    assert alert.details["run"] == "scheduled__x" and alert.details["deadline"] == "T+30m" and alert.threshold == 1800

@@ -7,6 +7,7 @@ threshold and what to do:
   audit_failing  the audit of a table failed N runs in a row   (teardown task check_alerts of cdc_audit__T)
   wal_retained   a capture slot retains more WAL than allowed  (the capture task, which does not fail for it)
   freshness      the lake lags its sources beyond the SLA      (teardown task check_alerts of the ingest DAG)
+                 or an ingest run is still unfinished when it passes (the ingest DAG's deadline, deadlines.py)
 
 Channels and default thresholds are data: include/alerting.yaml (or the file named by
 CDC_ALERTING_FILE), validated here; per-table thresholds are the table YAML's `alerts:` and its
