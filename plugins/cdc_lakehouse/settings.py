@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -320,8 +321,12 @@ class LakeSettings:
         """Airflow connection: host/port/schema/login/password = the JDBC catalog database;
         extra = {catalog_type, warehouse, landing_uri, landing_conn_id, catalog_uri, catalog_properties,
         secret_catalog_properties, s3_conn_id, s3_endpoint, s3_region, s3_path_style}. Secret: the
-        password and every value of secret_catalog_properties (docs/secrets.md)."""
+        password and every value of secret_catalog_properties (docs/secrets.md).
+
+        Or a connection of the Iceberg provider's type `iceberg` (_from_iceberg_connection)."""
         extra = conn.extra_dejson if hasattr(conn, "extra_dejson") else {}
+        if getattr(conn, "conn_type", None) == ICEBERG_CONN_TYPE:
+            return cls._from_iceberg_connection(conn, extra)
         ctype = extra.get("catalog_type", "jdbc")
         uri = extra.get("catalog_uri") or (
             f"postgresql://{quote(conn.login or 'postgres')}@{conn.host}:{conn.port or 5432}/{conn.schema}"
@@ -345,9 +350,56 @@ class LakeSettings:
             s3_path_style=bool(extra.get("s3_path_style", False)),
         )
 
+    @classmethod
+    def _from_iceberg_connection(cls, conn: Any, given: Mapping[str, Any]) -> LakeSettings:
+        """The form of apache-airflow-providers-apache-iceberg (IcebergHook): host = the catalog
+        URI, login/password = OAuth2 client id and secret (REST's `credential`), extra = pyiceberg
+        catalog properties (`type`: rest, the default, or glue; `warehouse`; `s3.*` ...) plus
+        this project's own keys (landing_uri, landing_conn_id, catalog_name, meta_namespace,
+        s3_conn_id, s3_endpoint, s3_region, s3_path_style). Spark gets the same properties."""
+        extra = dict(given)  # the connection's extra, a wire format: what is left are pyiceberg's properties
+        own = {k: extra.pop(k) for k in _OWN_ICEBERG_EXTRA if k in extra}
+        kind = str(extra.pop("type", "rest"))
+        if kind not in _ICEBERG_TYPES:
+            raise ValueError(
+                f"lake connection {getattr(conn, 'conn_id', '?')} (type iceberg): catalog type {kind!r} is not "
+                f"supported in this form (only {sorted(_ICEBERG_TYPES)}); for the JDBC catalog use the generic "
+                "form with catalog_type: jdbc (docs/production.md)"
+            )
+        secret = {"credential": f"{conn.login}:{conn.password}"} if conn.login and conn.password else {}
+        return cls(
+            catalog_type=_ICEBERG_TYPES[kind],
+            catalog_uri=(conn.host or "").rstrip("/"),
+            warehouse=str(extra.pop("warehouse", "")),
+            landing_uri=own.get("landing_uri", ""),
+            landing_conn_id=own.get("landing_conn_id"),
+            catalog_name=own.get("catalog_name", "lake"),
+            meta_namespace=own.get("meta_namespace", "cdc_meta"),
+            catalog_properties={k: str(v) for k, v in extra.items()},
+            secret_catalog_properties=secret,
+            s3_conn_id=own.get("s3_conn_id"),
+            s3_endpoint=own.get("s3_endpoint"),
+            s3_region=own.get("s3_region"),
+            s3_path_style=bool(own.get("s3_path_style", False)),
+        )
+
     def with_(self, **kw: Any) -> LakeSettings:
         return replace(self, **kw)
 
+
+# apache-airflow-providers-apache-iceberg's connection type: pyiceberg catalog type -> ours.
+ICEBERG_CONN_TYPE = "iceberg"
+_ICEBERG_TYPES = {"rest": "rest", "glue": "glue"}
+_OWN_ICEBERG_EXTRA = (
+    "landing_uri",
+    "landing_conn_id",
+    "catalog_name",
+    "meta_namespace",
+    "s3_conn_id",
+    "s3_endpoint",
+    "s3_region",
+    "s3_path_style",
+)
 
 # The fields of LakeSettings that hold secrets: never in CDC_LAKE_SETTINGS.
 _SECRET_FIELDS = ("catalog_password", "s3_credentials", "secret_catalog_properties")

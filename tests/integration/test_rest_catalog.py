@@ -160,3 +160,47 @@ def test_capture_to_feed_on_an_iceberg_rest_catalog(pg, source_uri, spark, lake_
         assert REST_CLIENT_SECRET not in repr(lake_rest)
     finally:
         s.close()
+
+
+def test_the_lake_as_the_iceberg_providers_connection(rest_catalog, lake_rest, monkeypatch):
+    """#53: the lake's connection in the Iceberg provider's form (conn type `iceberg`: the catalog
+    URI as host, OAuth2 client id and secret as login and password, pyiceberg properties in extra)
+    gives the same lake settings as the generic form the other tests use, so Spark and pyiceberg
+    see the same catalog; and the provider's own IcebergHook reaches the same server with it."""
+    from airflow.models.connection import Connection
+    from airflow.providers.apache.iceberg.hooks.iceberg import IcebergHook
+    from cdc_lakehouse.feed.arrow import load_catalog_for
+    from cdc_lakehouse.settings import LakeSettings
+
+    extra = {
+        "warehouse": rest_catalog.warehouse,
+        "rest.auth.type": "oauth2",
+        "oauth2-server-uri": f"{rest_catalog.url}/v1/oauth/tokens",
+        "catalog_name": lake_rest.catalog_name,
+        "landing_uri": lake_rest.landing_uri,
+    }
+    conn = Connection(
+        conn_id="cdc_lake_iceberg",
+        conn_type="iceberg",
+        host=rest_catalog.url + "/",
+        login=REST_CLIENT_ID,
+        password=REST_CLIENT_SECRET,
+        extra=json.dumps(extra),
+    )
+    settings = LakeSettings.from_airflow_connection(conn)
+    assert settings == lake_rest
+    assert REST_CLIENT_SECRET not in json.dumps(settings.public_env())
+
+    monkeypatch.setenv("AIRFLOW_CONN_CDC_LAKE_ICEBERG", conn.as_json())
+    hook = IcebergHook("cdc_lake_iceberg")
+    ok, message = hook.test_connection()
+    assert ok, message
+    ours = load_catalog_for(settings)
+    ours.create_namespace_if_not_exists("iceberg_conn_probe")
+    assert "iceberg_conn_probe" in hook.list_namespaces()
+    assert {".".join(n) for n in ours.list_namespaces()} == set(hook.list_namespaces())
+
+    with pytest.raises(ValueError, match=r"catalog type 'sql' is not supported.*generic form with catalog_type: jdbc"):
+        LakeSettings.from_airflow_connection(
+            Connection(conn_id="x", conn_type="iceberg", extra=json.dumps({**extra, "type": "sql"}))
+        )
