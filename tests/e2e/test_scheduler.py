@@ -499,6 +499,34 @@ def _current_snapshot(env) -> int:
 
 
 APPROVE = "approve"
+ARTIFACTS = ROOT / ".local" / "test-artifacts"
+
+
+def _screenshot(url: str, must_show: list[str], name: str) -> None:
+    """Open `url` in headless Chromium (tests/ui/test_airflow_ui.py's way), wait until the page
+    shows every text of `must_show`, and keep a screenshot in .local/test-artifacts."""
+    import shutil
+
+    from playwright.sync_api import sync_playwright
+
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    with sync_playwright() as p:
+        browser = p.chromium.launch(
+            executable_path=shutil.which("chromium") or "/usr/bin/chromium",
+            headless=True,
+            args=["--disable-background-networking", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"],
+        )
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 900})
+            page.set_default_timeout(60_000)
+            page.goto(url)
+            try:
+                for text in must_show:
+                    page.get_by_text(text).first.wait_for()
+            finally:
+                page.screenshot(path=str(ARTIFACTS / name), full_page=True)
+        finally:
+            browser.close()
 
 
 def test_a_rebootstrap_of_a_table_with_rows_waits_for_an_approval(sched_env, stack):
@@ -529,10 +557,23 @@ def test_a_rebootstrap_of_a_table_with_rows_waits_for_an_approval(sched_env, sta
     rejected = trigger(["s1"])
     detail = _wait(st, "the approval to wait", lambda: _hitl(st, rejected), time.time() + 180, interval=2)
     assert detail["subject"] == f"re-bootstrap of {TABLE}: 1 shard(s)", detail
-    assert "| s1 |" in detail["body"] and "| s0 |" not in detail["body"] and " rows** (snapshot" in detail["body"], (
-        detail
-    )
+    assert (
+        "| s1 |" in detail["body"]
+        and "| s0 |" not in detail["body"]
+        and " rows** in all shards (snapshot" in detail["body"]
+    ), detail
     assert detail["options"] == ["Approve", "Reject"] and detail["response_received"] is False, detail
+    # As a person sees it: Airflow's Required Actions page in headless Chromium, kept as an artefact.
+    _screenshot(
+        f"{st.url}/required_actions?response_received=false",
+        [f"re-bootstrap of {TABLE}: 1 shard(s)", BOOTSTRAP],
+        "approval-waiting.png",
+    )
+    _screenshot(
+        f"{st.url}/dags/{BOOTSTRAP}/runs/{rejected}/tasks/{APPROVE}/required_actions",
+        ["Reject to leave the table as it is", "Approve"],
+        "approval-details.png",
+    )
     st.api(
         "PATCH",
         f"/dags/{BOOTSTRAP}/dagRuns/{rejected}/taskInstances/{APPROVE}/-1/hitlDetails",

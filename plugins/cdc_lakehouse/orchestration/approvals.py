@@ -101,7 +101,7 @@ class RebootstrapPlan:
         lines = [f"**{self.action.capitalize()}** of `{self.table}` (lake `{self.lake_table}`)."]
         if lake is not None:
             lines.append(
-                f"The lake holds **{lake.rows:,} rows** (snapshot {lake.snapshot_id}, committed "
+                f"The lake holds **{lake.rows:,} rows** in all shards (snapshot {lake.snapshot_id}, committed "
                 f"{lake.committed_at:%Y-%m-%d %H:%M:%S} UTC)."
             )
         if self.columns:
