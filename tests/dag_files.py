@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DAGS = ROOT / "dags"
 # One file per DAG kind, generated from include/*/ YAML. Left out: the feed consumers' files (each
 # names its own table) and cdc_config_check.py (it raises on a broken config).
-GENERATED = ("cdc_ingest", "cdc_bootstrap", "cdc_maintenance", "cdc_audit", "cdc_derived", "cdc_export")
+GENERATED = ("cdc_ingest", "cdc_bootstrap", "cdc_replay", "cdc_maintenance", "cdc_audit", "cdc_derived", "cdc_export")
 
 
 @contextmanager

@@ -118,7 +118,7 @@ def replay(spark, lake, cfg) -> int:
     from cdc_lakehouse.ingest.replay import replay_quarantine
 
     run = "replay-" + datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
-    print(json.dumps(replay_quarantine(spark, lake, cfg, replay_run=run).as_dict(), indent=2))
+    print(json.dumps(replay_quarantine(spark, lake, cfg, replay_run=run).to_dict(), indent=2))
     return 0
 
 

@@ -451,6 +451,9 @@ class ApprovalsConfig(_Model):
         description="a bootstrap or a column backfill of a table that already holds a complete "
         "position and rows waits for an approval (a first load or a resumed chunked load does not)",
     )
+    quarantine_replay: bool = Field(
+        True, description="a quarantine replay (cdc_replay__<table>) of quarantined events waits for an approval"
+    )
     response_timeout_hours: float | None = Field(
         None, gt=0, description="an unanswered approval fails its run after this long; none: it waits"
     )

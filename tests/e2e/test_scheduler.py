@@ -532,7 +532,8 @@ def _screenshot(url: str, must_show: list[str], name: str) -> None:
 def test_a_rebootstrap_of_a_table_with_rows_waits_for_an_approval(sched_env, stack):
     """#53: the first bootstrap (above) went ahead without asking; a second one, now that the
     table holds rows, waits in `awaiting_input` with what it would replace. Rejected through the
-    REST API it writes nothing; approved, it re-bootstraps the table to equal the source."""
+    REST API it writes nothing; approved, it re-bootstraps the table to equal the source. Then the
+    quarantine replay's DAG, with nothing quarantined, goes ahead without one and its job runs."""
     env, _, _, source = sched_env
     st = stack
     first = next(r for r in st.runs(BOOTSTRAP) if r["state"] == "success")
@@ -601,6 +602,24 @@ def test_a_rebootstrap_of_a_table_with_rows_waits_for_an_approval(sched_env, sta
     assert _run_states(st, approved)[1]["bootstrap"] == "success"
     assert _current_snapshot(env) != before
     assert _lake_rows(env) == source.rows()
+
+    # The quarantine replay's DAG: nothing is quarantined, so it needs no approval and its job
+    # (spark_jobs/replay.py) runs through the scheduler and examines nothing.
+    replay_dag = f"cdc_replay__{TABLE}"
+    st.set_paused(replay_dag, False)
+    replay_run = st.api("POST", f"/dags/{replay_dag}/dagRuns", {"logical_date": datetime.now(UTC).isoformat()})
+    run_id = replay_run["dag_run_id"]
+
+    def replay_states() -> dict[str, str] | None:
+        run = next(r for r in st.runs(replay_dag) if r["dag_run_id"] == run_id)
+        assert run["state"] != "failed", st.report()
+        if run["state"] != "success":
+            return None
+        return {ti["task_id"]: ti["state"] for ti in st.task_instances(replay_dag) if ti["dag_run_id"] == run_id}
+
+    states = _wait(st, "the replay run", replay_states, time.time() + 300)
+    assert states == {"review": "success", APPROVE: "skipped", "no_approval_needed": "success", "replay": "success"}
+    assert _current_snapshot(env) != before and _lake_rows(env) == source.rows()
 
 
 def test_an_ingest_run_past_its_freshness_bound_misses_its_deadline_and_alerts(sched_env, stack):

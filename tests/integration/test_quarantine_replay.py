@@ -7,11 +7,13 @@ replay with nothing to apply is a no-op."""
 from __future__ import annotations
 
 from cdc_lakehouse.columns import COMMIT_TS_COL, LSN_COL, SHARD_COL
+from cdc_lakehouse.feed.arrow import load_catalog_for
 from cdc_lakehouse.ingest.ingest_table import start_position
 from cdc_lakehouse.ingest.replay import decide, merge_replayed, read_quarantined, replay_quarantine, revalidate
 from cdc_lakehouse.lake.commits import current_snapshot_id
 from cdc_lakehouse.lake.snapshots import read_watermark
 from cdc_lakehouse.lake.tables import source_columns_of
+from cdc_lakehouse.orchestration.approvals import quarantine_holds
 from pyspark.sql import functions as F
 from pyspark.testing import assertDataFrameEqual
 
@@ -102,6 +104,11 @@ def test_replay_after_a_widening_applies_what_fits_and_never_overwrites_newer(so
     # Killed after the MERGE: k1, k4 and k5 are in the table, their events still in quarantine.
     assert _kill_after_merge(spark, lake, wide) == 3
     assert _quarantine(spark, lake, wide).count() == 8
+    # What cdc_replay__<table>'s review shows before its approval (#53), read by pyiceberg.
+    holds = quarantine_holds(load_catalog_for(lake), lake, wide.name)
+    assert (holds.replayable, holds.held) == (7, 1), holds
+    assert "does not fit decimal(8,4)" in holds.by_reason[0][0] and holds.by_reason[0][1] == 5, holds
+    assert sum(n for _, n in holds.by_reason) == 7
     res = replay_quarantine(spark, lake, wide, replay_run="rp1")
     # k2's event is older than its row, k3's older than its delete: resolved without effect.
     assert (res.examined, res.resolved, res.rows_changed, res.still_quarantined) == (7, 5, 0, 2), res
@@ -127,6 +134,7 @@ def test_replay_after_a_widening_applies_what_fits_and_never_overwrites_newer(so
 
     # A second replay: nothing to apply, nothing committed to the table, the quarantine unchanged.
     snap = current_snapshot_id(spark, cur)
+    assert quarantine_holds(load_catalog_for(lake), lake, wide.name).replayable == 2
     res = replay_quarantine(spark, lake, wide, replay_run="rp2")
     assert (res.examined, res.resolved, res.rows_changed, res.still_quarantined) == (2, 0, 0, 2), res
     assert current_snapshot_id(spark, cur) == snap

@@ -86,3 +86,17 @@ def test_one_environment_switch_turns_every_approval_off():
         TableConfig.model_validate({**CFG.model_dump(), "approvals": {"rebootstrap": False}}).approvals.rebootstrap
         is False
     )
+
+
+def test_a_quarantine_replay_asks_when_there_is_something_to_replay_and_shows_why():
+    from cdc_lakehouse.orchestration.approvals import QuarantineHolds, ReplayPlan
+
+    holds = QuarantineHolds(1200, 3, (("column score: value '1.5' does not fit decimal(8,4) | x", 1100), ("op", 100)))
+    plan = ReplayPlan(table="t", lake_table="ns.t", quarantine=holds)
+    assert plan.needs_approval and plan.subject() == "quarantine replay of t: 1,200 event(s)"
+    body = plan.body()
+    assert "**1,200 quarantined event(s)**" in body and "3 held-back row(s)" in body
+    assert "| column score: value '1.5' does not fit decimal(8,4) / x | 1,100 |" in body  # a `|` kept out of the table
+    assert not ReplayPlan(table="t", lake_table="ns.t", quarantine=QuarantineHolds(0, 3)).needs_approval
+    off = ReplayPlan(table="t", lake_table="ns.t", quarantine=holds, approvals_on=False)
+    assert not off.needs_approval and "approvals are off" in off.reason_not_needed

@@ -22,6 +22,7 @@ from cdc_lakehouse.jobs.ingest import IngestParams
 from cdc_lakehouse.jobs.maintenance import MaintenanceParams
 from cdc_lakehouse.jobs.params import JobParams
 from cdc_lakehouse.jobs.registry import JOBS, JOBS_DIR
+from cdc_lakehouse.jobs.replay import ReplayParams
 
 from tests.dag_files import dags_of
 
@@ -46,6 +47,8 @@ SAMPLES: list[JobParams] = [
     MaintenanceParams(feed_output="feed.out", consumer="c", settings=OutputMaintenanceConfig(target_file_size_mb=64)),
     AuditParams(tables=("t",)),
     AuditParams(tables=("t",), audit_run="scheduled__x"),
+    ReplayParams(tables=("t",)),
+    ReplayParams(tables=("t",), replay_run="manual__x"),
     DeriveParams(derived=("tree",)),
     DeriveParams(derived=("a", "b"), derived_dir="/d", mode="full"),
     ExportParams(exports=("e",)),
@@ -178,6 +181,7 @@ def test_the_dag_files_tasks_pass_what_their_jobs_parse(tmp_path):
         tables=("t",), run_id="20260301T000000"
     )
     assert _parsed(dags["cdc_audit__t"], "audit") == AuditParams(tables=("t",), audit_run=RUN_ID)
+    assert _parsed(dags["cdc_replay__t"], "replay") == ReplayParams(tables=("t",), replay_run=RUN_ID)
 
 
 def test_a_bootstrap_of_an_endpoint_takes_exactly_its_shards():

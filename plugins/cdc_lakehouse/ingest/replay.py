@@ -76,7 +76,8 @@ class ReplayResult:
     still_quarantined: int  # examined events kept (still failing, or not safely applicable)
     held_untouched: int  # held-back TOAST rows (no payload): never replayed
 
-    def as_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, Any]:
+        """The CLI's output and the job's result line (jobs.runner.StageResult)."""
         return asdict(self)
 
 
@@ -107,7 +108,7 @@ def replay_quarantine(spark: SparkSession, lake: LakeSettings, cfg: TableConfig,
     result.rows_changed = d.rows_changed
     result.resolved = resolve_quarantine(spark, lake, cfg, d.outcomes, replay_run)
     result.still_quarantined = examined - result.resolved
-    log.info("quarantine replay %s: %s", cfg.name, result.as_dict())
+    log.info("quarantine replay %s: %s", cfg.name, result.to_dict())
     return result
 
 

@@ -1,4 +1,4 @@
-"""Approvals: an action that replaces a table's data waits for a person (issue #53).
+"""Approvals: an action that replaces or rewrites a table's data waits for a person (issue #53).
 
 Airflow 3.3's ApprovalOperator (human in the loop, apache-airflow-providers-standard) parks its
 task in the `awaiting_input` state until someone answers in the UI's Required Actions, or
@@ -12,10 +12,13 @@ and branches:
 The action runs after whichever branch was taken (trigger rule none_failed_min_one_success);
 a rejection skips it, so nothing is written and the run ends successfully.
 
-What needs no approval: a first load (the table has no complete position yet, or no rows), a
-resumed chunked load (every shard it loads has an unfinished chunked bootstrap), a table whose
-YAML says `approvals: {rebootstrap: false}`, or a deployment with CDC_APPROVALS=off in its
-workers' environment (unattended deployments; `make demo` runs so).
+The actions, each with its review:
+  cdc_bootstrap__T  a (re-)bootstrap or column backfill (RebootstrapPlan): no approval for a
+                    first load (no complete position yet, or no rows) or a resumed chunked load
+  cdc_replay__T     a quarantine replay (ReplayPlan): no approval when nothing is quarantined
+A table's YAML turns one off (`approvals: {rebootstrap: false}`, `quarantine_replay: false`);
+CDC_APPROVALS=off in the workers' environment turns all off (unattended deployments; `make demo`
+runs so).
 
 Parse time builds three small operators; the review's reads (pyiceberg, the source's
 catalog) happen in the task.
@@ -25,7 +28,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
@@ -44,6 +47,25 @@ def approvals_enabled(environ: Mapping[str, str] = os.environ) -> bool:
     return environ.get(APPROVALS_ENV, "on").strip().lower() not in ("off", "false", "0", "no")
 
 
+class Plan:
+    """What an action would change, as its review found it: the approval shows its subject and
+    body; it is asked for unless `reason_not_needed` gives a reason."""
+
+    @property
+    def reason_not_needed(self) -> str:
+        raise NotImplementedError
+
+    @property
+    def needs_approval(self) -> bool:
+        return not self.reason_not_needed
+
+    def subject(self) -> str:
+        raise NotImplementedError
+
+    def body(self) -> str:
+        raise NotImplementedError
+
+
 @dataclass(frozen=True)
 class LakeHolds:
     """What the lake's current table holds now: its rows (from the current snapshot's summary)
@@ -57,7 +79,7 @@ class LakeHolds:
 
 
 @dataclass(frozen=True)
-class RebootstrapPlan:
+class RebootstrapPlan(Plan):
     """What a triggered bootstrap (or column backfill) of one table would replace."""
 
     table: str
@@ -68,10 +90,6 @@ class RebootstrapPlan:
     resuming: frozenset[str] = frozenset()  # shards with an unfinished chunked load
     source_rows: dict[str, int | None] = field(default_factory=dict)  # shard -> estimate; None: unread
     approvals_on: bool = True
-
-    @property
-    def needs_approval(self) -> bool:
-        return self.approvals_on and not self.reason_not_needed
 
     @property
     def reason_not_needed(self) -> str:
@@ -242,20 +260,104 @@ def source_estimates(cfg: TableConfig, shards: tuple[str, ...]) -> dict[str, int
     return out
 
 
+@dataclass(frozen=True)
+class QuarantineHolds:
+    """A table's quarantined events in cdc_meta.quarantine, as a replay would find them."""
+
+    replayable: int  # with a landing payload: what the replay re-validates
+    held: int  # held-back rows without one (TOAST): never replayed
+    by_reason: tuple[tuple[str, int], ...] = ()  # the most frequent reasons, most first
+
+
+@dataclass(frozen=True)
+class ReplayPlan(Plan):
+    """What a quarantine replay of one table would do."""
+
+    table: str
+    lake_table: str
+    quarantine: QuarantineHolds
+    approvals_on: bool = True
+
+    @property
+    def reason_not_needed(self) -> str:
+        if not self.approvals_on:
+            return f"approvals are off ({APPROVALS_ENV}=off or approvals.quarantine_replay: false)"
+        if self.quarantine.replayable == 0:
+            return "nothing is quarantined with a payload: the replay has nothing to apply"
+        return ""
+
+    def subject(self) -> str:
+        return f"quarantine replay of {self.table}: {self.quarantine.replayable:,} event(s)"
+
+    def body(self) -> str:
+        q = self.quarantine
+        lines = [
+            f"**Quarantine replay** of `{self.table}` (lake `{self.lake_table}`): **{q.replayable:,} "
+            "quarantined event(s)** are re-validated against the table's config as it is now. Those "
+            "that pass are merged into the table (an event older than the table's row changes "
+            "nothing); the others stay quarantined with their reason.",
+            "",
+            "| reason | events |",
+            "|---|---|",
+            *(f"| {reason.replace('|', '/')[:200]} | {n:,} |" for reason, n in q.by_reason),
+            "",
+            f"{q.held:,} held-back row(s) without a payload are not replayed.",
+            "",
+            "Reject to leave the table and the quarantine as they are: nothing is written.",
+        ]
+        return "\n".join(lines)
+
+
+def review_replay(cfg: TableConfig, params: Mapping[str, Any], lake: LakeSettings | None = None) -> ReplayPlan:
+    """The plan of a quarantine replay of `cfg`, read from cdc_meta.quarantine."""
+    from cdc_lakehouse.feed.arrow import load_catalog_for
+    from cdc_lakehouse.orchestration.tasks import lake_settings
+
+    lake = lake or lake_settings()
+    return ReplayPlan(
+        table=cfg.name,
+        lake_table=cfg.current_table,
+        quarantine=quarantine_holds(load_catalog_for(lake), lake, cfg.name),
+        approvals_on=approvals_enabled() and cfg.approvals.quarantine_replay,
+    )
+
+
+def quarantine_holds(catalog: Any, lake: LakeSettings, table: str, top: int = 10) -> QuarantineHolds:
+    """The table's quarantined events (pyiceberg: the quarantine is partitioned by table)."""
+    from collections import Counter
+
+    from pyiceberg.exceptions import NoSuchTableError
+    from pyiceberg.expressions import EqualTo
+
+    try:
+        quarantine = catalog.load_table(lake.meta_table("quarantine"))
+    except NoSuchTableError:
+        return QuarantineHolds(0, 0)
+    condition = EqualTo("table_name", table)  # type: ignore[call-arg]  # pydantic model: mypy sees only its fields
+    rows = quarantine.scan(row_filter=condition, selected_fields=("reason", "landing_file")).to_arrow().to_pylist()
+    replayable = [r for r in rows if r["landing_file"] is not None]
+    reasons = Counter(str(r["reason"] or "(no reason)") for r in replayable)
+    return QuarantineHolds(len(replayable), len(rows) - len(replayable), tuple(reasons.most_common(top)))
+
+
 # --- the DAG part -----------------------------------------------------------------------------
 
 
-def rebootstrap_approval(cfg: TableConfig) -> list[Any]:
-    """review >> [approve, no_approval_needed]: the tasks a bootstrap task goes after (with
-    trigger_rule none_failed_min_one_success)."""
+Review = Callable[[TableConfig, Mapping[str, Any]], Plan]
+
+
+def approval_gate(cfg: TableConfig, review_action: Review) -> list[Any]:
+    """review >> [approve, no_approval_needed]: the tasks an action's task goes after (with
+    trigger_rule none_failed_min_one_success). `review_action` reads what the action would change
+    (in the task, from the run's params)."""
     from airflow.providers.standard.operators.empty import EmptyOperator
     from airflow.providers.standard.operators.hitl import ApprovalOperator
     from airflow.sdk import task
 
     @task.branch(task_id=REVIEW_TASK)
     def review(**context: Any) -> str:
-        """What the run would replace; to the approval only when there is data to lose."""
-        plan = review_rebootstrap(cfg, context["params"])
+        """What the run would change; to the approval only when there is something to lose."""
+        plan = review_action(cfg, context["params"])
         context["ti"].xcom_push(key="subject", value=plan.subject())
         context["ti"].xcom_push(key="body", value=plan.body())
         if not plan.needs_approval:
@@ -273,3 +375,11 @@ def rebootstrap_approval(cfg: TableConfig) -> list[Any]:
     not_needed = EmptyOperator(task_id=NOT_NEEDED_TASK)
     review() >> [approve, not_needed]
     return [approve, not_needed]
+
+
+def rebootstrap_approval(cfg: TableConfig) -> list[Any]:
+    return approval_gate(cfg, review_rebootstrap)
+
+
+def replay_approval(cfg: TableConfig) -> list[Any]:
+    return approval_gate(cfg, review_replay)

@@ -113,6 +113,34 @@ def _approval_doc(cfg: TableConfig) -> str:
     )
 
 
+def replay_doc(cfg: TableConfig) -> str:
+    approval = (
+        "Off for this table (`approvals.quarantine_replay: false`): every run goes straight to `replay`."
+        if not cfg.approvals.quarantine_replay
+        else "When events are quarantined, `approve` waits for a person: Browse > Required Actions shows how "
+        "many and the most frequent reasons; **Reject** skips the replay and writes nothing. "
+        "`CDC_APPROVALS=off` in the workers' environment turns it off."
+    )
+    return f"""# Quarantine replay: `{cfg.name}`
+
+{_header(cfg)}
+## What it does
+Reads `{cfg.name}`'s rows of `cdc_meta.quarantine` that have a landing payload, runs them through
+the ingest's validation against the table's config as it is now, and merges those that pass into
+`lake.{cfg.current_table}` under the LSN guard (an event older than the table's row changes
+nothing). They leave the quarantine; the others stay with their reason. The watermark does not
+move and the changelog is not appended to.
+
+## How to operate it
+- Fix the cause first (a column type in the YAML, a source-side correction), then trigger.
+- List the quarantine: `python -m cdc_lakehouse.cli quarantine list {cfg.name}`.
+- A second run after a successful one finds nothing new to apply.
+
+## Approval
+{approval}
+"""
+
+
 def recover_doc(endpoint: str, cfgs: list[TableConfig]) -> str:
     rows = "\n".join(f"- `{c.name}`: shards {', '.join(c.shards_on(endpoint))}" for c in cfgs)
     return f"""# Recovery of endpoint `{endpoint}` after its slot was lost

@@ -4,7 +4,8 @@ alerts), the assets, the pools, and the builders of their tasks (spark_task, cap
 alert_check_task). The graphs themselves are wired in the DAG files, one file per DAG kind:
 
   dags/cdc_ingest.py       cdc_ingest__T, cdc_ingest_group__G      capture per endpoint >> ingest >> check_alerts
-  dags/cdc_bootstrap.py    cdc_bootstrap__T                        bootstrap (manual)
+  dags/cdc_bootstrap.py    cdc_bootstrap__T                        review >> approve >> bootstrap (manual)
+  dags/cdc_replay.py       cdc_replay__T                           review >> approve >> replay (manual)
   dags/cdc_maintenance.py  cdc_maintenance__T, cdc_maintenance__D  maintenance (daily)
   dags/cdc_audit.py        cdc_audit__T                            audit >> check_alerts
   dags/cdc_derived.py      cdc_derived__D                          derive (on its inputs' assets)
