@@ -1,5 +1,6 @@
 """Airflow's real web UI in headless Chromium: the demo's DAGs are listed, nothing failed to
-import, and a DAG's docs (its doc_md) render.
+import, a DAG's docs (its doc_md) render, and the asset graph leads from a source table's ingest
+to its serving export (a screenshot kept in .local/test-artifacts).
 
 Debian's chromium runs headless with background networking disabled (the machine has no
 outside network); playwright only drives it, no browser download.
@@ -157,3 +158,25 @@ def test_a_dag_docs_render(airflow_ui, page):
         raise AssertionError(
             f"docs did not render: {exc}\nbuttons: {labels}\npage text:\n{page.inner_text('body')[:2000]}"
         ) from exc
+
+
+def test_the_asset_graph_leads_from_a_source_table_to_its_serving_export(airflow_ui, page):
+    """#53, as a person sees it: the lake table of the derived block tree in Airflow's asset view,
+    whose graph runs from the block table's ingest through lake.notion.block and
+    cdc_derived__block_tree to it, and on to cdc_export__block_tree_serving. A screenshot is kept
+    in .local/test-artifacts/asset-graph.png."""
+    assets = page.request.get(f"{airflow_ui}/api/v2/assets?name_pattern=block_tree&limit=50").json()["assets"]
+    tree = next(a for a in assets if a["name"].startswith("lake.") and a["name"].endswith("block_tree"))
+    page.set_viewport_size({"width": 1600, "height": 1000})
+    page.goto(f"{airflow_ui}/assets/{tree['id']}")
+    try:
+        for name in (
+            "cdc_ingest__block",  # the source table's ingest ...
+            "lake.notion.block",  # ... writes its lake table, which the derived tree reads
+            "cdc_derived__block_tree",
+            tree["name"],
+            "cdc_export__block_tree_serving",
+        ):
+            page.get_by_text(name).first.wait_for()
+    finally:
+        page.screenshot(path=str(ARTIFACTS / "asset-graph.png"), full_page=True)
