@@ -239,11 +239,13 @@ def unfinished_chunked_loads(catalog: Any, lake: LakeSettings, table: str) -> fr
 
 def source_estimates(cfg: TableConfig, shards: tuple[str, ...]) -> dict[str, int | None]:
     """Each shard's row estimate (pg_class.reltuples) from its source; None where the source did
-    not answer (the approval still shows what the lake holds)."""
+    not answer (the approval still shows what the lake holds; the log says why)."""
     import psycopg2
 
     from cdc_lakehouse.bootstrap.chunks import estimated_rows
     from cdc_lakehouse.orchestration.tasks import source_uri_from_connection
+    from cdc_lakehouse.secrecy import redact
+    from cdc_lakehouse.settings import SourceEndpoint
 
     out: dict[str, int | None] = dict.fromkeys(shards)
     for group in cfg.source.shards:
@@ -251,12 +253,16 @@ def source_estimates(cfg: TableConfig, shards: tuple[str, ...]) -> dict[str, int
         if not mine:
             continue
         try:
-            with psycopg2.connect(source_uri_from_connection(group.conn_id), connect_timeout=10) as conn:
+            ep = SourceEndpoint.from_uri(source_uri_from_connection(group.conn_id), group.database)
+            conn = psycopg2.connect(ep.dsn(), connect_timeout=10)
+            try:
                 with conn.cursor() as cur:
                     for schema, shard in mine:
                         out[shard] = estimated_rows(cur, schema, cfg.source.table)
-        except Exception:  # noqa: BLE001 - an estimate only: the review goes on without it
-            continue
+            finally:
+                conn.close()
+        except Exception as exc:  # noqa: BLE001 - an estimate only: the review goes on without it
+            log.warning("%s: no row estimate from %s: %s", cfg.name, group.conn_id, redact(exc))
     return out
 
 
