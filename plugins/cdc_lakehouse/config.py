@@ -6,8 +6,9 @@ still load, so one broken table never takes the other tables' DAGs down.
 
 from __future__ import annotations
 
+import os
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
@@ -441,6 +442,13 @@ class TableAlerts(AlertThresholds):
     )
 
 
+APPROVALS_ENV = "CDC_APPROVALS"  # "off" in the workers' environment: no action waits for a person
+
+
+def approvals_enabled(environ: Mapping[str, str] = os.environ) -> bool:
+    return environ.get(APPROVALS_ENV, "on").strip().lower() not in ("off", "false", "0", "no")
+
+
 class ApprovalsConfig(_Model):
     """Which destructive actions on this table wait for a person in Airflow's UI (its
     human-in-the-loop approval, orchestration/approvals.py). CDC_APPROVALS=off in the workers'
@@ -454,9 +462,19 @@ class ApprovalsConfig(_Model):
     quarantine_replay: bool = Field(
         True, description="a quarantine replay (cdc_replay__<table>) of quarantined events waits for an approval"
     )
+    repair_above_keys: int | None = Field(
+        1000,
+        ge=0,
+        description="an audit repair (audit.repair: true) of more persistent keys than this waits for an "
+        "approval in cdc_audit__<table>; null: the audit always repairs at once",
+    )
     response_timeout_hours: float | None = Field(
         None, gt=0, description="an unanswered approval fails its run after this long; none: it waits"
     )
+
+    def repair_limit(self, environ: Mapping[str, str] = os.environ) -> int | None:
+        """How many keys an audit repairs without asking; None: any number."""
+        return self.repair_above_keys if approvals_enabled(environ) else None
 
 
 class TableConfig(_Model):

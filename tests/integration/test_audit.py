@@ -206,3 +206,35 @@ def test_repair_over_its_cap_never_deletes_keys_it_did_not_read(source, spark, l
     audit_table(spark, lake, cfg, audit_run="cap2")
     audit_table(spark, lake, cfg, audit_run="cap3")
     assert_lake_equals_source(spark, lake, cfg, s.dsn, check_changelog=False)
+
+
+def test_a_repair_over_the_approval_limit_waits_for_a_person_then_repairs_every_key(source, spark, lake):
+    """#53: more persistent keys than approvals.repair_above_keys: the audit repairs none and says
+    its repair awaits approval, and cdc_audit__<table>'s review (orchestration.approvals) finds
+    them in the run's cdc_meta.audit_results. The approved repair (the audit job with
+    repair=approved: no limit) repairs every key; the next audit leaves nothing to approve."""
+    from cdc_lakehouse.orchestration.approvals import review_repair
+
+    s = source
+    cfg = _audit_cfg(s.block, mode="full", repair=True, consecutive_mismatches=1)
+    cfg = cfg.model_copy(update={"approvals": cfg.approvals.model_copy(update={"repair_above_keys": 3})})
+    s.capture()
+    s.bootstrap(cfg)
+    cur = lake.qualified(cfg.current_table)
+    changed = _ids(spark, cur, "_cdc_shard LIKE '%s0' ORDER BY id LIMIT 5")
+    spark.sql(f"UPDATE {cur} SET version = -1 WHERE id IN ({','.join(map(str, changed))})")
+
+    r = audit_table(spark, lake, cfg, audit_run="ask1", repair_limit=cfg.approvals.repair_limit({}))
+    assert (r.repaired, r.repair_pending, r.verdict) == (0, 5, "fail") and r.waits_for_repair_approval, r.message
+    assert "repair of 5 persistent key(s) awaits approval" in r.message
+    assert len(_ids(spark, cur, "version = -1")) == 5  # nothing written
+    plan = review_repair(cfg, {}, lake, run_id="ask1")
+    assert plan.has_work and plan.needs_approval and plan.subject() == f"audit repair of {cfg.name}: 5 key(s)", plan
+    assert "approvals.repair_above_keys` (3)" in plan.body()
+
+    r = audit_table(spark, lake, cfg, audit_run="ask1__repair", repair=True)  # what the approved task runs
+    assert (r.repaired, r.repair_pending, r.verdict) == (5, 0, "ok"), r.message
+    assert_lake_equals_source(spark, lake, cfg, s.dsn, check_changelog=False)
+    r = audit_table(spark, lake, cfg, audit_run="ask2", repair_limit=3)
+    assert r.verdict == "ok" and not r.repair_pending, r.message
+    assert not review_repair(cfg, {}, lake, run_id="ask2").has_work

@@ -100,3 +100,22 @@ def test_a_quarantine_replay_asks_when_there_is_something_to_replay_and_shows_wh
     assert not ReplayPlan(table="t", lake_table="ns.t", quarantine=QuarantineHolds(0, 3)).needs_approval
     off = ReplayPlan(table="t", lake_table="ns.t", quarantine=holds, approvals_on=False)
     assert not off.needs_approval and "approvals are off" in off.reason_not_needed
+
+
+def test_an_audit_repair_asks_only_for_what_the_audit_left_above_the_limit():
+    from cdc_lakehouse.orchestration.approvals import RepairPlan
+
+    plan = RepairPlan(
+        table="t", audit_run="r", limit=3, repair_on=True, shards=(("s0", 4, '[{"id": 1}]'), ("s1", 0, ""))
+    )
+    assert plan.has_work and plan.needs_approval and plan.pending == 4
+    assert '| s0 | 4 | [{"id": 1}] |' in plan.body() and "| s1 |" not in plan.body()
+    for quiet in (
+        RepairPlan(table="t", audit_run="r", limit=None, repair_on=True, shards=(("s0", 4, ""),)),  # approvals off
+        RepairPlan(table="t", audit_run="r", limit=3, repair_on=True, shards=(("s0", 4, ""),), repaired=4),
+        RepairPlan(table="t", audit_run="r", limit=5, repair_on=True, shards=(("s0", 4, ""),)),
+        RepairPlan(table="t", audit_run="r", limit=3, repair_on=False, shards=(("s0", 4, ""),)),
+    ):
+        assert not quiet.has_work, quiet
+    # CDC_APPROVALS=off lifts the limit: the audit repairs at once, whatever the number.
+    assert CFG.approvals.repair_limit({}) == 1000 and CFG.approvals.repair_limit({"CDC_APPROVALS": "off"}) is None

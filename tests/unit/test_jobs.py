@@ -47,6 +47,7 @@ SAMPLES: list[JobParams] = [
     MaintenanceParams(feed_output="feed.out", consumer="c", settings=OutputMaintenanceConfig(target_file_size_mb=64)),
     AuditParams(tables=("t",)),
     AuditParams(tables=("t",), audit_run="scheduled__x"),
+    AuditParams(tables=("t",), audit_run="scheduled__x__repair", repair="approved"),
     ReplayParams(tables=("t",)),
     ReplayParams(tables=("t",), replay_run="manual__x"),
     DeriveParams(derived=("tree",)),
@@ -181,6 +182,9 @@ def test_the_dag_files_tasks_pass_what_their_jobs_parse(tmp_path):
         tables=("t",), run_id="20260301T000000"
     )
     assert _parsed(dags["cdc_audit__t"], "audit") == AuditParams(tables=("t",), audit_run=RUN_ID)
+    assert _parsed(dags["cdc_audit__t"], "repair") == AuditParams(
+        tables=("t",), audit_run=f"{RUN_ID}__repair", repair="approved"
+    )
     assert _parsed(dags["cdc_replay__t"], "replay") == ReplayParams(tables=("t",), replay_run=RUN_ID)
 
 

@@ -113,11 +113,15 @@ def audit_table(
     audit_run: str,
     mode: str | None = None,
     repair: bool | None = None,
+    repair_limit: int | None = None,
 ) -> AuditResult:
     """One audit of one table, phase by phase; it records a row per shard in cdc_meta.audit_results.
-    The result carries the Spark jobs it took (`spark_jobs`), the figure AUDIT_JOB_BUDGET holds."""
+    The result carries the Spark jobs it took (`spark_jobs`), the figure AUDIT_JOB_BUDGET holds.
+
+    repair_limit: a repair of more persistent keys than this is not done but left for a person to
+    approve (result.repair_pending; cdc_audit__<table>'s approval, orchestration/approvals.py)."""
     with SparkJobs(spark, f"audit {cfg.name} {audit_run}") as jobs:
-        r = _audit_table(spark, lake, cfg, audit_run=audit_run, mode=mode, repair=repair)
+        r = _audit_table(spark, lake, cfg, audit_run=audit_run, mode=mode, repair=repair, limit=repair_limit)
     return replace(r, spark_jobs=jobs.count, spark_job_sites=jobs.sites)
 
 
@@ -129,6 +133,7 @@ def _audit_table(
     audit_run: str,
     mode: str | None,
     repair: bool | None,
+    limit: int | None,
 ) -> AuditResult:
     clock = PhaseClock()
     now = datetime.now(UTC)
@@ -137,7 +142,7 @@ def _audit_table(
         t = _describe(spark, lake, cfg)
     t.lake_h = _lake_hashes(t)
     try:
-        return _audit_loaded(spark, lake, t, audit_run, mode, repair, clock, now)
+        return _audit_loaded(spark, lake, t, audit_run, mode, (repair, limit), clock, now)
     finally:
         t.lake_h.unpersist()
 
@@ -148,11 +153,12 @@ def _audit_loaded(
     t: _Table,
     audit_run: str,
     mode: str | None,
-    repair: bool | None,
+    repair_and_limit: tuple[bool | None, int | None],
     clock: PhaseClock,
     now: datetime,
 ) -> AuditResult:
     cfg = t.cfg
+    repair, limit = repair_and_limit
     mode, lake_counts = _choose_mode(t, mode or cfg.audit.mode)
     per_shard, flagged, counts, lake_counts, unflushed = _compare_with_source(spark, lake, t, mode, lake_counts, clock)
     with clock.phase("in_flight_and_compare"):
@@ -161,9 +167,12 @@ def _audit_loaded(
         _tally(per_shard, counts)
         persistent, streak_df = _track(spark, lake, cfg, flagged, now, audit_run, unflushed)
         do_repair = cfg.audit.repair if repair is None else repair
-        repaired = 0
+        repaired = pending = 0
         if do_repair and persistent and streak_df is not None:
-            repaired = repair_keys(spark, lake, cfg, streak_df, t.key_cols, t.lake_cols, t.wm, audit_run)
+            if limit is not None and sum(persistent.values()) > limit:
+                pending = sum(persistent.values())  # for a person to approve: nothing repaired here
+            else:
+                repaired = repair_keys(spark, lake, cfg, streak_df, t.key_cols, t.lake_cols, t.wm, audit_run)
     with clock.phase("quality"):
         # A fresh read of the live rows, not the comparison's cache: with the cache, GX counted
         # fewer rows than the comparison on seed 22 of test_random_e2e (447 against 452), not
@@ -179,6 +188,11 @@ def _audit_loaded(
     failed_quality = [q for q in quality if not q["success"]]
     verdict = "fail" if (persistent and not repaired) or failed_quality else "ok"
     msg = _message(lake, cfg, mode, verdict, repaired, rows, failed_quality, quarantined, unflushed)
+    if pending:
+        msg += (
+            f"\n  repair of {pending} persistent key(s) awaits approval: more than approvals.repair_above_keys "
+            f"({limit}); approve it in this cdc_audit__{cfg.name} run (Browse > Required Actions)"
+        )
     logger.info("%s", msg)
     return AuditResult(
         verdict=verdict,
@@ -187,6 +201,7 @@ def _audit_loaded(
         shards=per_shard,
         persistent=persistent,
         repaired=repaired,
+        repair_pending=pending,
         quality=quality,
         quarantine_reasons=quarantined,
         seconds=clock.elapsed(),

@@ -35,6 +35,12 @@ class AuditResult:
         0  # Spark jobs the audit started (runtime.phases.SparkJobs; None: not known), held to a budget
     )
     spark_job_sites: list[str] = field(default_factory=list)  # what started each, in order
+    repair_pending: int = 0  # persistent keys left unrepaired for a person to approve (repair_limit)
+
+    @property
+    def waits_for_repair_approval(self) -> bool:
+        """Failed only for want of an approved repair: the DAG's approval follows, not a failure."""
+        return bool(self.repair_pending) and all(q["success"] for q in self.quality)
 
     def to_dict(self) -> dict[str, Any]:
         """For the job's result line. Not dataclasses.asdict: that deep-copies, and the stats

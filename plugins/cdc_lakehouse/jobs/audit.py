@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from cdc_lakehouse.jobs.params import JobParams, flag
 from cdc_lakehouse.jobs.runner import StageResult, load_tables, run_per_table
@@ -23,6 +23,11 @@ class AuditParams(JobParams):
 
     tables: tuple[str, ...] = flag(help="comma-separated table names (config 'name')")
     audit_run: str | None = flag(None, help="this run's id (default: manual-<now>)")
+    repair: Literal["auto", "approved"] = flag(
+        "auto",
+        help="auto: audit.repair, up to approvals.repair_above_keys keys (more wait for an approval); "
+        "approved: repair the persistent keys, however many (after cdc_audit__<table>'s approval)",
+    )
 
 
 def main(p: AuditParams) -> int:
@@ -31,8 +36,11 @@ def main(p: AuditParams) -> int:
         from cdc_lakehouse.audit.errors import AuditFailed
 
         run = p.audit_run or datetime.now(UTC).strftime("manual-%Y%m%dT%H%M%S")
-        result = audit_table(spark, lake, cfg, audit_run=run)
-        if result.verdict == "fail":
+        if p.repair == "approved":
+            result = audit_table(spark, lake, cfg, audit_run=run, repair=True)
+        else:
+            result = audit_table(spark, lake, cfg, audit_run=run, repair_limit=cfg.approvals.repair_limit())
+        if result.verdict == "fail" and not result.waits_for_repair_approval:
             raise AuditFailed(result.message)
         return result
 

@@ -16,6 +16,8 @@ The actions, each with its review:
   cdc_bootstrap__T  a (re-)bootstrap or column backfill (RebootstrapPlan): no approval for a
                     first load (no complete position yet, or no rows) or a resumed chunked load
   cdc_replay__T     a quarantine replay (ReplayPlan): no approval when nothing is quarantined
+  cdc_audit__T      a repair the audit left because it found more persistent keys than
+                    approvals.repair_above_keys (RepairPlan); otherwise nothing follows the audit
 A table's YAML turns one off (`approvals: {rebootstrap: false}`, `quarantine_replay: false`);
 CDC_APPROVALS=off in the workers' environment turns all off (unattended deployments; `make demo`
 runs so).
@@ -27,24 +29,18 @@ catalog) happen in the task.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
-from cdc_lakehouse.config import TableConfig
+from cdc_lakehouse.config import APPROVALS_ENV, TableConfig, approvals_enabled
 
 if TYPE_CHECKING:
     from cdc_lakehouse.settings import LakeSettings
 
 log = logging.getLogger(__name__)
-APPROVALS_ENV = "CDC_APPROVALS"  # "off": no action waits for a person
 REVIEW_TASK, APPROVE_TASK, NOT_NEEDED_TASK = "review", "approve", "no_approval_needed"
-
-
-def approvals_enabled(environ: Mapping[str, str] = os.environ) -> bool:
-    return environ.get(APPROVALS_ENV, "on").strip().lower() not in ("off", "false", "0", "no")
 
 
 class Plan:
@@ -58,6 +54,11 @@ class Plan:
     @property
     def needs_approval(self) -> bool:
         return not self.reason_not_needed
+
+    @property
+    def has_work(self) -> bool:
+        """False: the action has nothing to do, and is skipped with its approval."""
+        return True
 
     def subject(self) -> str:
         raise NotImplementedError
@@ -349,23 +350,96 @@ def quarantine_holds(catalog: Any, lake: LakeSettings, table: str, top: int = 10
 # --- the DAG part -----------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class RepairPlan(Plan):
+    """An audit's repair left for a person: the audit found more persistent keys than
+    approvals.repair_above_keys (audit.audit_table's repair_limit) and repaired none."""
+
+    table: str
+    audit_run: str
+    limit: int | None  # None: no limit (approvals off), so the audit repaired at once
+    repair_on: bool  # audit.repair
+    shards: tuple[tuple[str, int, str], ...] = ()  # (shard, persistent keys, sample keys JSON)
+    repaired: int = 0
+
+    @property
+    def pending(self) -> int:
+        return sum(n for _, n, _ in self.shards)
+
+    @property
+    def has_work(self) -> bool:
+        return self.repair_on and self.limit is not None and not self.repaired and self.pending > self.limit
+
+    @property
+    def reason_not_needed(self) -> str:
+        return "" if self.has_work else "no repair waits: the audit repaired what it found, or found nothing"
+
+    def subject(self) -> str:
+        return f"audit repair of {self.table}: {self.pending:,} key(s)"
+
+    def body(self) -> str:
+        lines = [
+            f"**Audit repair** of `{self.table}` (audit run `{self.audit_run}`): **{self.pending:,} key(s)** "
+            f"differed from the source in consecutive audits, more than `approvals.repair_above_keys` "
+            f"({self.limit}). Approved, each is read again from its source and merged at the table's "
+            "position (a newer change from the stream still wins); a key the source no longer has is deleted.",
+            "",
+            "| shard | persistent keys | sample keys |",
+            "|---|---|---|",
+            *(f"| {shard} | {n:,} | {samples[:300]} |" for shard, n, samples in self.shards if n),
+            "",
+            "Reject to leave the table as it is: the audit run fails, the mismatches stay and alert.",
+        ]
+        return "\n".join(lines)
+
+
+def review_repair(
+    cfg: TableConfig, params: Mapping[str, Any], lake: LakeSettings | None = None, *, run_id: str = ""
+) -> RepairPlan:
+    """The repair this audit run left for a person, read from its rows in cdc_meta.audit_results."""
+    from pyiceberg.expressions import And, EqualTo
+
+    from cdc_lakehouse.feed.arrow import load_catalog_for
+    from cdc_lakehouse.orchestration.tasks import lake_settings
+
+    lake = lake or lake_settings()
+    results = load_catalog_for(lake).load_table(lake.meta_table("audit_results"))
+    condition = And(EqualTo("table_name", cfg.name), EqualTo("audit_run", run_id))  # type: ignore[call-arg]
+    rows = results.scan(row_filter=condition, selected_fields=("shard", "persistent", "sample_keys", "repaired"))
+    found = rows.to_arrow().to_pylist()
+    return RepairPlan(
+        table=cfg.name,
+        audit_run=run_id,
+        limit=cfg.approvals.repair_limit(),
+        repair_on=cfg.audit.repair,
+        shards=tuple((r["shard"], int(r["persistent"] or 0), str(r["sample_keys"] or "")) for r in found),
+        repaired=sum(int(r["repaired"] or 0) for r in found),
+    )
+
+
 Review = Callable[[TableConfig, Mapping[str, Any]], Plan]
 
 
-def approval_gate(cfg: TableConfig, review_action: Review) -> list[Any]:
+def approval_gate(
+    cfg: TableConfig, review_action: Review, *, fail_on_reject: bool = False, timeout: timedelta | None = None
+) -> list[Any]:
     """review >> [approve, no_approval_needed]: the tasks an action's task goes after (with
     trigger_rule none_failed_min_one_success). `review_action` reads what the action would change
-    (in the task, from the run's params)."""
+    (in the task, from the run's params); when it has nothing to do, both are skipped, and so is
+    the action. fail_on_reject: a rejection fails the run (a repair: the audit's failure stands)."""
     from airflow.providers.standard.operators.empty import EmptyOperator
     from airflow.providers.standard.operators.hitl import ApprovalOperator
     from airflow.sdk import task
 
     @task.branch(task_id=REVIEW_TASK)
-    def review(**context: Any) -> str:
+    def review(**context: Any) -> str | list[str]:
         """What the run would change; to the approval only when there is something to lose."""
-        plan = review_action(cfg, context["params"])
+        plan = review_action(cfg, {**context["params"], "run_id": context["run_id"]})
         context["ti"].xcom_push(key="subject", value=plan.subject())
         context["ti"].xcom_push(key="body", value=plan.body())
+        if not plan.has_work:
+            log.info("nothing to do: %s", plan.reason_not_needed)
+            return []
         if not plan.needs_approval:
             log.info("no approval needed: %s", plan.reason_not_needed)
             return NOT_NEEDED_TASK
@@ -376,7 +450,8 @@ def approval_gate(cfg: TableConfig, review_action: Review) -> list[Any]:
         task_id=APPROVE_TASK,
         subject=f"{{{{ ti.xcom_pull(task_ids='{REVIEW_TASK}', key='subject') }}}}",
         body=f"{{{{ ti.xcom_pull(task_ids='{REVIEW_TASK}', key='body') }}}}",
-        response_timeout=None if hours is None else timedelta(hours=hours),
+        response_timeout=timedelta(hours=hours) if hours is not None else timeout,
+        fail_on_reject=fail_on_reject,
     )
     not_needed = EmptyOperator(task_id=NOT_NEEDED_TASK)
     review() >> [approve, not_needed]
@@ -389,3 +464,15 @@ def rebootstrap_approval(cfg: TableConfig) -> list[Any]:
 
 def replay_approval(cfg: TableConfig) -> list[Any]:
     return approval_gate(cfg, review_replay)
+
+
+# An audit run waiting for its repair's approval holds back the next audit (one run at a time):
+# unanswered, it fails when the next hourly audit would start, which asks again.
+REPAIR_APPROVAL_TIMEOUT = timedelta(minutes=55)
+
+
+def repair_approval(cfg: TableConfig) -> list[Any]:
+    def review(c: TableConfig, params: Mapping[str, Any]) -> RepairPlan:
+        return review_repair(c, params, run_id=str(params["run_id"]))
+
+    return approval_gate(cfg, review, fail_on_reject=True, timeout=REPAIR_APPROVAL_TIMEOUT)

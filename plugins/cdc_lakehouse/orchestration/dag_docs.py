@@ -204,12 +204,28 @@ Expectations checks the lake table (key unique and not null, LSN not null, fresh
 through the ingest's LSN-guarded path. The **check_alerts** teardown alerts when the audit has
 failed several runs in a row (`alerts.audit_failed_runs`, see `include/alerting.yaml`).
 
+## Approval
+{_repair_approval_doc(cfg)}
+
 ## How to read an audit
 `SELECT * FROM lake.cdc_meta.audit_results WHERE table_name = '{cfg.name}' ORDER BY audited_at DESC`
 gives one row per shard and run (missing, extra, different, in flight, verdict);
 `lake.cdc_meta.quality_results` the Great Expectations results; the task log links the
 stored Great Expectations report.
 """
+
+
+def _repair_approval_doc(cfg: TableConfig) -> str:
+    limit = cfg.approvals.repair_above_keys
+    if not cfg.audit.repair or limit is None:
+        return "None: `review` finds no repair left by the audit, and `approve` and `repair` are skipped."
+    return (
+        f"A repair of more than {limit} persistent keys (`approvals.repair_above_keys`) is not done by "
+        "`audit`: `review` shows the keys per shard with samples and `approve` waits for a person "
+        "(Browse > Required Actions). **Approve** runs `repair` (the audit again, repairing every "
+        "persistent key); **Reject** fails the run and the mismatches stay. Unanswered, it fails when "
+        "the next audit is due. `CDC_APPROVALS=off` lifts the limit: the audit repairs at once."
+    )
 
 
 def derived_doc(dcfg: TreeConfig, inputs: list[TableConfig]) -> str:
