@@ -113,3 +113,18 @@ def test_an_ingest_dags_deadline_is_its_strictest_freshness_bound_from_the_runs_
         "[CDC STALE] items, orders: ingest run not finished 30 min"
     )
     assert alert.details["run"] == "scheduled__x" and alert.details["deadline"] == "T+30m" and alert.threshold == 1800
+
+
+def test_a_deadline_alerts_only_for_a_scheduled_run_still_unfinished(monkeypatch):
+    """A backfill's deadline passed before it was created; a failed run's task_failed alert went
+    out already (Airflow keeps its deadline: apache/airflow#60927)."""
+    from cdc_lakehouse.orchestration.alerts import deadlines
+
+    sent: list = []
+    monkeypatch.setattr(deadlines, "deliver", lambda alert, *a: sent.append(alert))
+    monkeypatch.setattr(deadlines, "load_table_configs", lambda _d: type("CS", (), {"tables": {}})())
+    for run_type, state in (("backfill", "running"), ("scheduled", "failed")):
+        deadlines.freshness_deadline_missed(["t"], 60, {"dag_run": {"run_type": run_type, "state": state}})
+    assert sent == []
+    deadlines.freshness_deadline_missed(["t"], 60, {"dag_run": {"run_type": "scheduled", "state": "running"}})
+    assert [a.kind for a in sent] == ["freshness"]

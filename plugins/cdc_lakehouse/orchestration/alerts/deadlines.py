@@ -11,7 +11,7 @@ missed (the run's page in the UI shows it) and has the executor call
 The check_alerts teardown alerts on the freshness an ingest measured once it committed. The
 deadline covers what that check never sees: a run that hangs, waits for its pool slot or
 never gets a worker. Backfill runs (past intervals) get no alert: their deadline had passed
-before they were created.
+before they were created, and a run that failed has had its task_failed alert already.
 """
 
 from __future__ import annotations
@@ -124,6 +124,13 @@ def freshness_deadline_missed(
     run = context.get("dag_run") or {}
     if run.get("run_type") == "backfill":
         log.info("deadline of backfill run %s passed before it was created: no alert", run.get("dag_run_id"))
+        return
+    if run.get("state") == "failed":
+        # Airflow 3.3 keeps a failed run's deadline (apache/airflow#60927); its task_failed
+        # alert has already gone out, with the error and what to do.
+        log.info(
+            "run %s failed before its deadline: its failure alert stands, no freshness alert", run.get("dag_run_id")
+        )
         return
     ac = alerting_or_defaults()
     cs = load_table_configs(tables_dir())
