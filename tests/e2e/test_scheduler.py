@@ -476,9 +476,19 @@ def test_scheduled_ingest_and_audit_run_on_their_own_one_writer_at_a_time(sched_
 
 
 def _hitl(st: Stack, run_id: str) -> dict | None:
-    """The approval's human-in-the-loop detail, once its task waits for an answer."""
+    """The approval's human-in-the-loop detail, once its task waits for an answer and the
+    scheduler has taken in the end of the workload that parked it.
+
+    Airflow 3.3.2 race, seen in CI: an answer given within about a second of the park, before the
+    scheduler processed the parking workload's executor event ("success"), re-queued the task;
+    the late event then made the scheduler mark the re-queued task failed ("Executor reported
+    that the task instance ... finished with state success, but the task instance's state
+    attribute is queued"). A person takes longer than that; this test waits for the event."""
     tis = {ti["task_id"]: ti for ti in st.task_instances(BOOTSTRAP) if ti["dag_run_id"] == run_id}
     if (tis.get(APPROVE) or {}).get("state") != "awaiting_input":
+        return None
+    parked = f"Received executor event with state success for task instance TaskInstanceKey(dag_id='{BOOTSTRAP}', task_id='{APPROVE}', run_id='{run_id}'"
+    if parked not in st.logs["scheduler"].read_text(errors="replace"):
         return None
     return st.api("GET", f"/dags/{BOOTSTRAP}/dagRuns/{run_id}/taskInstances/{APPROVE}/-1/hitlDetails")
 

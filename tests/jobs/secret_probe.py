@@ -34,9 +34,7 @@ def ui_pages(spark) -> tuple[str, list[str]]:
         return '{"sparkProperties": []}', []
     ui = api.split("/api/v1/", 1)[0]
     executions = json.loads(urllib.request.urlopen(f"{api}/sql?offset=0&length=1000000").read())
-    pages = [
-        html.unescape(urllib.request.urlopen(f"{ui}/SQL/execution/?id={e['id']}").read().decode()) for e in executions
-    ]
+    pages = [page for e in executions if (page := execution_page(api, ui, e["id"])) is not None]
     # What a Spark Connect server shows of each request (its plan's text, a JDBC read's options
     # included): the jobs' and stages' descriptions, and the server's Connect tab.
     for path in ("jobs", "stages?details=true"):
@@ -46,6 +44,24 @@ def ui_pages(spark) -> tuple[str, list[str]]:
     except OSError:
         pass  # a classic session has no Connect tab
     return urllib.request.urlopen(f"{api}/environment").read().decode(), pages
+
+
+def execution_page(api: str, ui: str, execution_id: int) -> str | None:
+    """One SQL execution's page. The server is shared with the suite's other worker: an execution
+    listed a moment ago may be dropped from the UI (retainedExecutions) before its page is read,
+    which answers 500 (seen once in CI). Retried; None only when the listing no longer has it."""
+    import time
+    import urllib.error
+
+    for attempt in range(3):
+        try:
+            return html.unescape(urllib.request.urlopen(f"{ui}/SQL/execution/?id={execution_id}").read().decode())
+        except urllib.error.HTTPError:
+            time.sleep(1 + attempt)
+    listed = json.loads(urllib.request.urlopen(f"{api}/sql?offset=0&length=1000000").read())
+    if any(e["id"] == execution_id for e in listed):
+        raise RuntimeError(f"the Spark UI page of SQL execution {execution_id} does not answer")
+    return None
 
 
 def shown(value: str, text: str) -> bool:
