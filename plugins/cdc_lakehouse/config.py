@@ -445,8 +445,13 @@ class TableAlerts(AlertThresholds):
 APPROVALS_ENV = "CDC_APPROVALS"  # "off" in the workers' environment: no action waits for a person
 
 
+def switched_on(environ: Mapping[str, str], name: str) -> bool:
+    """A deployment switch of the workers' environment: on unless set to off, false, 0 or no."""
+    return environ.get(name, "on").strip().lower() not in ("off", "false", "0", "no")
+
+
 def approvals_enabled(environ: Mapping[str, str] = os.environ) -> bool:
-    return environ.get(APPROVALS_ENV, "on").strip().lower() not in ("off", "false", "0", "no")
+    return switched_on(environ, APPROVALS_ENV)
 
 
 class ApprovalsConfig(_Model):

@@ -228,7 +228,7 @@ def test_a_repair_over_the_approval_limit_waits_for_a_person_then_repairs_every_
     assert (r.repaired, r.repair_pending, r.verdict) == (0, 5, "fail") and r.waits_for_repair_approval, r.message
     assert "repair of 5 persistent key(s) awaits approval" in r.message
     assert len(_ids(spark, cur, "version = -1")) == 5  # nothing written
-    plan = review_repair(cfg, {}, lake, run_id="ask1")
+    plan = review_repair(cfg, {"run_id": "ask1"}, lake)
     assert plan.has_work and plan.needs_approval and plan.subject() == f"audit repair of {cfg.name}: 5 key(s)", plan
     assert "approvals.repair_above_keys` (3)" in plan.body()
 
@@ -237,4 +237,4 @@ def test_a_repair_over_the_approval_limit_waits_for_a_person_then_repairs_every_
     assert_lake_equals_source(spark, lake, cfg, s.dsn, check_changelog=False)
     r = audit_table(spark, lake, cfg, audit_run="ask2", repair_limit=3)
     assert r.verdict == "ok" and not r.repair_pending, r.message
-    assert not review_repair(cfg, {}, lake, run_id="ask2").has_work
+    assert not review_repair(cfg, {"run_id": "ask2"}, lake).has_work

@@ -35,6 +35,7 @@ from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from cdc_lakehouse.config import APPROVALS_ENV, TableConfig, approvals_enabled
+from cdc_lakehouse.source.pgoutput import lsn_to_str
 
 if TYPE_CHECKING:
     from cdc_lakehouse.settings import LakeSettings
@@ -139,15 +140,11 @@ class RebootstrapPlan(Plan):
             when = None if lake is None else lake.fresh_to.get(shard)
             est = self.source_rows.get(shard)
             lines.append(
-                f"| {shard} | {'none' if pos is None else _lsn(pos)} | {when or '-'} | "
+                f"| {shard} | {'none' if pos is None else lsn_to_str(pos)} | {when or '-'} | "
                 f"{'unknown' if est is None else f'{est:,}'} |"
             )
         lines += ["", "Reject to leave the table as it is: nothing is written."]
         return "\n".join(lines)
-
-
-def _lsn(lsn: int) -> str:
-    return f"{lsn >> 32:X}/{lsn & 0xFFFFFFFF:X}"
 
 
 def shards_asked(cfg: TableConfig, params: Mapping[str, Any]) -> tuple[str, ...]:
@@ -191,20 +188,16 @@ def lake_holds(catalog: Any, lake_table: str) -> LakeHolds | None:
     """The current table's rows and newest complete position; None without one (or no table)."""
     from pyiceberg.exceptions import NoSuchTableError
 
+    from cdc_lakehouse.feed.models import FeedError
+    from cdc_lakehouse.feed.plan import complete_head
     from cdc_lakehouse.lake.ranges import pyiceberg_snapshots
 
     try:
         tbl = catalog.load_table(lake_table)
-    except NoSuchTableError:
+        _, wm = complete_head(lake_table, *pyiceberg_snapshots(tbl), None)
+    except (NoSuchTableError, FeedError):  # no table, or no snapshot carries a position yet
         return None
-    snaps, current = pyiceberg_snapshots(tbl)
-    sid = current
-    while sid is not None and sid in snaps and snaps[sid].watermark is None:
-        sid = snaps[sid].parent_id
-    wm = None if sid is None or sid not in snaps else snaps[sid].watermark
     head = tbl.current_snapshot()
-    if wm is None or head is None:
-        return None
     summary = head.summary or {}
     deleted = sum(int(summary.get(k) or 0) for k in ("total-position-deletes", "total-equality-deletes"))
     return LakeHolds(
@@ -393,16 +386,16 @@ class RepairPlan(Plan):
         return "\n".join(lines)
 
 
-def review_repair(
-    cfg: TableConfig, params: Mapping[str, Any], lake: LakeSettings | None = None, *, run_id: str = ""
-) -> RepairPlan:
-    """The repair this audit run left for a person, read from its rows in cdc_meta.audit_results."""
+def review_repair(cfg: TableConfig, params: Mapping[str, Any], lake: LakeSettings | None = None) -> RepairPlan:
+    """The repair this audit run (params["run_id"], which approval_gate adds) left for a person,
+    read from its rows in cdc_meta.audit_results."""
     from pyiceberg.expressions import And, EqualTo
 
     from cdc_lakehouse.feed.arrow import load_catalog_for
     from cdc_lakehouse.orchestration.tasks import lake_settings
 
     lake = lake or lake_settings()
+    run_id = str(params["run_id"])
     results = load_catalog_for(lake).load_table(lake.meta_table("audit_results"))
     condition = And(EqualTo("table_name", cfg.name), EqualTo("audit_run", run_id))  # type: ignore[call-arg]
     rows = results.scan(row_filter=condition, selected_fields=("shard", "persistent", "sample_keys", "repaired"))
@@ -472,7 +465,4 @@ REPAIR_APPROVAL_TIMEOUT = timedelta(minutes=55)
 
 
 def repair_approval(cfg: TableConfig) -> list[Any]:
-    def review(c: TableConfig, params: Mapping[str, Any]) -> RepairPlan:
-        return review_repair(c, params, run_id=str(params["run_id"]))
-
-    return approval_gate(cfg, review, fail_on_reject=True, timeout=REPAIR_APPROVAL_TIMEOUT)
+    return approval_gate(cfg, review_repair, fail_on_reject=True, timeout=REPAIR_APPROVAL_TIMEOUT)

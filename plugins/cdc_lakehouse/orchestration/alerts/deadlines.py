@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
-from cdc_lakehouse.config import TableConfig, load_table_configs
+from cdc_lakehouse.config import TableConfig, load_table_configs, switched_on
 from cdc_lakehouse.orchestration.alerts.alert import Alert, fmt_seconds
 from cdc_lakehouse.orchestration.alerts.config import (
     AlertConfigError,
@@ -62,7 +62,7 @@ def deadlines_wanted(argv: Sequence[str] = sys.argv, environ: Mapping[str, str] 
     fails a successful run of a DAG that has a deadline (apache/airflow#73428, fix proposed in
     #73430), and nothing processes deadlines there anyway (the scheduler does). `make demo`
     runs the CLI's function in its own process and sets CDC_DEADLINES=off."""
-    if environ.get(DEADLINES_ENV, "on").strip().lower() in ("off", "false", "0", "no"):
+    if not switched_on(environ, DEADLINES_ENV):
         return False
     args = list(argv[1:])
     return not any(args[i : i + 2] == ["dags", "test"] for i in range(len(args)))
