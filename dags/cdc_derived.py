@@ -2,8 +2,9 @@
 grants) and keeps the result in the lake, incrementally from the output's watermark; nodes that
 cannot be placed go to an unresolved table and are retried every run. Reads the lake only.
 
-One DAG per derived table of include/derived/*.yaml (`cdc_derived__<derived>`), run when any of
-its input tables' current table gets a new snapshot (their assets). Its compaction and expiry:
+One DAG per derived table of include/derived/*.yaml (`cdc_derived__<derived>`), run once per partition
+key of its input tables' asset events (dag_parts.on_assets: a re-run of one ingest interval,
+one more run). Its compaction and expiry:
 `cdc_maintenance__<derived>` (dags/cdc_maintenance.py). Details: docs/derived-trees.md.
 """
 
@@ -21,6 +22,7 @@ from cdc_lakehouse.orchestration.dag_parts import (
     default_args,
     load_configs,
     mode_param,
+    on_assets,
     spark_task,
 )
 
@@ -31,8 +33,9 @@ for dcfg in derived.derived.values():
     inlets = [asset(t.current_table) for t in inputs]
     with DAG(
         dag_id=f"cdc_derived__{dcfg.name}",
-        # Asset-driven (AssetAny): a new snapshot of either input's current table triggers a run.
-        schedule=functools.reduce(operator.or_, inlets),
+        # Asset-driven (AssetAny): a new snapshot of either input's current table triggers a run,
+        # one per partition key (the interval the input's ingest applied).
+        schedule=on_assets(functools.reduce(operator.or_, inlets)),
         start_date=START_DATE,
         catchup=False,
         max_active_runs=1,

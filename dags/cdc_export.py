@@ -3,8 +3,8 @@ key-value store (Redis, DynamoDB) that applications read: a full export writes a
 switches an alias to it atomically; later runs upsert and delete only the changed keys. Reads the
 lake only; the store's secret is resolved at run time from its connection.
 
-One DAG per export of include/exports/*.yaml (`cdc_export__<export>`), run when its source table
-changes (its asset) or on the export's own `schedule`. Details: docs/serving-export.md.
+One DAG per export of include/exports/*.yaml (`cdc_export__<export>`), run once per partition key of
+its source table's asset events (dag_parts.on_assets) or on the export's own `schedule`. Details: docs/serving-export.md.
 """
 
 from datetime import timedelta
@@ -19,6 +19,7 @@ from cdc_lakehouse.orchestration.dag_parts import (
     default_args,
     load_configs,
     mode_param,
+    on_assets,
     spark_task,
     timetable,
 )
@@ -30,7 +31,7 @@ for ecfg in exports.exports.values():
     source = resolve_source(ecfg, tables.tables, derived.derived).table
     with DAG(
         dag_id=f"cdc_export__{ecfg.name}",
-        schedule=timetable(ecfg.schedule) if ecfg.schedule else asset(source),
+        schedule=timetable(ecfg.schedule) if ecfg.schedule else on_assets(asset(source)),
         start_date=START_DATE,
         catchup=False,
         max_active_runs=1,

@@ -5,7 +5,8 @@ current table, the watermark in the same commit), then the freshness alerts are 
 One DAG per table of include/tables/*.yaml (`cdc_ingest__<table>`), or one per ingest group
 (`cdc_ingest_group__<group>`: the tables with that `ingest.group`, in one Spark application), on
 the table's `ingest.schedule`. Each run covers its data interval; reruns converge. Its current
-and changelog tables' assets trigger the derived, export and feed DAGs downstream; the endpoint's
+and changelog tables' asset events carry the interval's start as their partition key and trigger
+the derived, export and feed DAGs downstream, one run per key; the endpoint's
 asset (`cdc://points/<endpoint>`) announces its newest consistent point across tables
 (lake.points). A run not finished when its tables' freshness bound passes (counted from the
 start of its interval) misses its deadline: shown on the run, and alerted as `freshness`.

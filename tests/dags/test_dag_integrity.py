@@ -68,6 +68,8 @@ def test_dag_policy(dagbag, dag_id):
     assert "## What it does" in doc and "## How to" in doc, (
         f"{dag_id}: doc_md must say what it does and how to operate it"
     )
+    if dag_id != "cdc_config_check":  # #53: what triggers it, what it consumes, what needs approval
+        assert all(f"- **{k}**: " in doc for k in ("Triggered by", "Reads", "Writes", "Approval")), (dag_id, doc[:600])
     assert dag.tags and "cdc" in dag.tags, f"{dag_id}: tags {dag.tags}"
     assert dag.max_active_runs == 1, f"{dag_id}: runs of one table must not overlap"
     assert not dag.catchup or dag_id.startswith("cdc_ingest"), dag_id
@@ -116,6 +118,7 @@ def test_derived_tables_run_on_their_inputs_assets(dagbag):
         dag = dagbag.dags[f"cdc_derived__{name}"]
         inputs = {asset(cs.tables[t].current_table) for t in dcfg.input_names}
         condition = dag.timetable.asset_condition
+        assert type(dag.timetable).__name__ == "PartitionedAssetTimetable", dag.timetable
         assert type(condition).__name__ == "AssetAny" and set(condition.objects) == inputs, condition
         (task,) = dag.tasks
         assert task.task_id == "derive" and task.job == "derive"
@@ -148,6 +151,7 @@ def test_exports_run_on_their_source_asset_with_the_store_secret_resolved_at_run
     for name, ecfg in es.exports.items():
         dag = dagbag.dags[f"cdc_export__{name}"]
         source = asset(resolve_source(ecfg, cs.tables, ds.derived).table)
+        assert type(dag.timetable).__name__ == "PartitionedAssetTimetable", dag.timetable
         assert dag.timetable.asset_condition == source, dag.timetable
         (task,) = dag.tasks
         assert task.job == "export" and task.inlets == [source]
@@ -234,3 +238,48 @@ def _dagbag_in_subprocess(**env: str) -> dict:
     )
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads([line for line in r.stdout.splitlines() if line.startswith("RESULT=")][-1][len("RESULT=") :])
+
+
+def test_every_asset_event_carries_its_runs_partition_key_and_every_consumer_takes_it(dagbag):
+    """#53: each task with outlets keys its asset events (KeyOutletEvents, after any post_execute
+    of its own), and each DAG scheduled on our assets is partition-aware: Airflow queues a DAG
+    that is not for no event that carries a key, so one plain consumer would never run."""
+    from cdc_lakehouse.orchestration.tasks import KeyOutletEvents
+
+    producers = [t for d in dagbag.dags.values() for t in d.tasks if t.outlets]
+    assert {t.dag_id.split("__")[0] for t in producers} >= {"cdc_ingest", "cdc_bootstrap", "cdc_derived", "cdc_feed"}
+    for t in producers:
+        assert isinstance(t._post_execute_hook, KeyOutletEvents), (t.dag_id, t.task_id)
+    consumers = [d for d in dagbag.dags.values() if "Asset" in type(d.timetable).__name__]
+    assert {d.dag_id.split("__")[0] for d in consumers} == {"cdc_derived", "cdc_export", "cdc_feed"}
+    for d in consumers:
+        assert type(d.timetable).__name__ == "PartitionedAssetTimetable", (d.dag_id, d.timetable)
+
+
+def test_partitioned_assets_off_gives_plain_asset_schedules_and_unkeyed_events():
+    """CDC_PARTITIONED_ASSETS=off, for a deployment whose own DAGs consume ours unpartitioned."""
+    import json
+
+    code = textwrap.dedent(f"""
+        import json
+        from airflow.dag_processing.dagbag import DagBag
+        bag = DagBag(dag_folder={str(DAGS)!r})
+        print("RESULT=" + json.dumps({{
+            "errors": bag.import_errors,
+            "timetables": sorted({{type(d.timetable).__name__ for d in bag.dags.values()}}),
+            "hooks": sorted({{type(t._post_execute_hook).__name__ for d in bag.dags.values() for t in d.tasks
+                             if t.outlets}}),
+        }}))
+    """)
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        env=_env(CDC_PARTITIONED_ASSETS="off", CDC_TABLES_DIR=str(TABLES)),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads([line for line in r.stdout.splitlines() if line.startswith("RESULT=")][-1][len("RESULT=") :])
+    assert not got["errors"] and "PartitionedAssetTimetable" not in got["timetables"], got
+    assert "AssetTriggeredTimetable" in got["timetables"] and "KeyOutletEvents" not in got["hooks"], got

@@ -36,5 +36,5 @@ def test_feed_consumer_dag_runs_on_the_block_asset_and_keeps_the_dag_policy(dagb
     assert maint.upstream_task_ids == {"maintenance_due"}
     assert dag.get_task("maintenance_due").upstream_task_ids == {"consume"}
     ingest = f"cdc_ingest_group__{block.ingest.group}" if block.ingest.group else "cdc_ingest__block"
-    hook = dagbag.dags[ingest].get_task("ingest")._post_execute_hook
+    hook = dagbag.dags[ingest].get_task("ingest")._post_execute_hook.then  # inside KeyOutletEvents
     assert isinstance(hook, AnnounceLakeSnapshots) and block.current_table in hook.assets

@@ -25,11 +25,12 @@ import subprocess
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import psutil
@@ -69,6 +70,19 @@ alerts:
   # Shorter than the one-minute schedule: every scheduled ingest run misses its freshness
   # deadline (its interval's start + 30 s) on creation, so the deadline callback runs (#53).
   freshness_sla: 30s
+"""
+
+PROBE = f"probe__{TABLE}"
+# A DAG of a user's own, scheduled the way the derived, export and feed DAGs are (on_assets): one
+# run per partition key of the current table's asset events. Its task costs no Spark job.
+PROBE_DAG = f"""
+from airflow.sdk import DAG, task
+from cdc_lakehouse.orchestration.dag_parts import START_DATE, asset, load_configs, on_assets
+
+cfg = load_configs()[0].tables["{TABLE}"]
+with DAG(dag_id="{PROBE}", schedule=on_assets(asset(cfg.current_table)), start_date=START_DATE,
+         catchup=False, max_active_runs=1):
+    task(lambda: None, task_id="seen")()
 """
 
 
@@ -142,9 +156,14 @@ def sched_env(pg, spark_server, tmp_path_factory):
     base = tmp_path_factory.mktemp("sched")
     home = base / "airflow"
     tables = base / "tables"
-    for d in (home, tables):
+    dags = base / "dags"
+    for d in (home, tables, dags):
         d.mkdir()
     (tables / f"{TABLE}.yaml").write_text(CONFIG)
+    # The project's DAG files, and a partition-aware consumer of the table's asset (PROBE_DAG).
+    for f in (ROOT / "dags").glob("*.py"):
+        (dags / f.name).symlink_to(f)
+    (dags / "probe.py").write_text(PROBE_DAG)
     suffix = uuid.uuid4().hex[:8]
     db, catalog_db = f"sched_{suffix}", f"sched_cat_{suffix}"
     pg.ensure_database(db)
@@ -165,7 +184,7 @@ def sched_env(pg, spark_server, tmp_path_factory):
         "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{home}/airflow.db",
         "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
         "AIRFLOW__CORE__PARALLELISM": "4",
-        "AIRFLOW__CORE__DAGS_FOLDER": str(ROOT / "dags"),
+        "AIRFLOW__CORE__DAGS_FOLDER": str(dags),
         "AIRFLOW__CORE__PLUGINS_FOLDER": str(ROOT / "plugins"),
         "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
         "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "True",
@@ -357,6 +376,14 @@ def test_scheduled_ingest_and_audit_run_on_their_own_one_writer_at_a_time(sched_
     st = stack
     t0 = time.time()
 
+    # The probe listens from the start: Airflow queues no run of a paused DAG for an asset event.
+    _wait(
+        st,
+        "the probe DAG",
+        lambda: any(d["dag_id"] == PROBE for d in st.api("GET", "/dags?limit=100")["dags"]),
+        t0 + 120,
+    )
+    st.set_paused(PROBE, False)
     # Bootstrap through the scheduler (a manual run), so the ingest and audit have a lake table.
     st.set_paused(BOOTSTRAP, False)
     st.api("POST", f"/dags/{BOOTSTRAP}/dagRuns", {"logical_date": datetime.now(UTC).isoformat()})
@@ -658,3 +685,123 @@ def test_an_ingest_run_past_its_freshness_bound_misses_its_deadline_and_alerts(s
     for run_id in {a["run_id"] for a in found}:
         shown = st.api("GET", f"/dags/{INGEST}/dagRuns/{run_id}/deadlines", prefix="/ui")["deadlines"]
         assert [(d["alert_name"], d["missed"]) for d in shown] == [("freshness", True)], shown
+
+
+def _key(run: dict) -> str:
+    """The partition key of a producer run's asset events (orchestration.tasks.run_partition_key)."""
+    from types import SimpleNamespace
+
+    from cdc_lakehouse.orchestration.tasks import run_partition_key
+
+    dag_run = SimpleNamespace(partition_key=run.get("partition_key"), run_after=_ts(run["run_after"]))
+    return run_partition_key(
+        {
+            "dag_run": dag_run,
+            "data_interval_start": _ts(run["data_interval_start"]),
+            "logical_date": _ts(run["logical_date"]),
+        }
+    )
+
+
+def _produced(st: Stack) -> list[str]:
+    """The key of each run whose ingest or bootstrap task succeeded."""
+    keys = []
+    for dag_id, task_id in ((INGEST, "ingest"), (BOOTSTRAP, "bootstrap")):
+        ok = {
+            ti["dag_run_id"]
+            for ti in st.task_instances(dag_id)
+            if ti["task_id"] == task_id and ti["state"] == "success"
+        }
+        keys += [_key(r) for r in st.runs(dag_id) if r["dag_run_id"] in ok]
+    return keys
+
+
+def _probe_keys(st: Stack) -> list[str] | None:
+    """The partition keys of the probe's runs, once none is left to start or finish."""
+    runs = st.runs(PROBE)
+    if any(r["state"] in ("queued", "running") for r in runs):
+        return None
+    assert all(r["state"] == "success" for r in runs), runs
+    return sorted(r["partition_key"] for r in runs)
+
+
+def test_a_backfill_or_a_rerun_of_one_interval_reruns_that_intervals_dependents_and_no_others(sched_env, stack):
+    """#53: every asset event of the ingest and the bootstrap carries its run's partition key, and
+    a partition-aware consumer (the probe, scheduled like the derived, export and feed DAGs) runs
+    once per key: the keys of the runs above, two of them a minute apart, each once; a
+    backfill of two intervals, once each; a re-run of one of them, once more for that key only."""
+    st = stack
+    t0 = time.time()
+    produced = _produced(st)
+    assert len(produced) >= 3, produced  # the first bootstrap, the approved one, the scheduled ingests
+    keys = _wait(
+        st,
+        "the probe's runs of the keys so far",
+        lambda: (k := _probe_keys(st)) and len(k) >= len(produced) and k,
+        t0 + 180,
+    )
+    assert keys == sorted(produced), (keys, produced)
+
+    # A backfill of two one-minute intervals, an hour back (a paused DAG's runs do not start).
+    start = datetime.now(UTC).replace(second=0, microsecond=0) - timedelta(hours=1)
+    st.set_paused(INGEST, False)
+    try:
+        st.api(
+            "POST",
+            "/backfills",
+            {
+                "dag_id": INGEST,
+                "from_date": start.isoformat(),
+                "to_date": (start + timedelta(minutes=1)).isoformat(),
+                "max_active_runs": 1,
+            },
+        )
+
+        def backfilled() -> list[dict] | None:
+            runs = [r for r in st.runs(INGEST) if r["run_type"] == "backfill"]
+            return runs if len(runs) == 2 and all(r["state"] == "success" for r in runs) else None
+
+        runs = _wait(st, "the backfill's two ingest runs", backfilled, time.time() + 300)
+        filled = sorted(_key(r) for r in runs)
+        assert filled == [
+            start.strftime("%Y-%m-%dT%H:%M:%S"),
+            (start + timedelta(minutes=1)).strftime("%Y-%m-%dT%H:%M:%S"),
+        ]
+
+        def probe_has(expected: dict[str, int]):
+            def check():
+                got = _probe_keys(st)
+                return got is not None and {k: got.count(k) for k in expected} == expected and got
+
+            return check
+
+        _wait(st, "the probe's runs of the backfill", probe_has(dict.fromkeys(filled, 1)), time.time() + 180)
+
+        # A re-run of one backfilled interval (its ingest task cleared, as from the UI).
+        rerun = next(r for r in runs if _key(r) == filled[0])
+        st.api(
+            "POST",
+            f"/dags/{INGEST}/clearTaskInstances",
+            {"dry_run": False, "dag_run_id": rerun["dag_run_id"], "task_ids": ["ingest"], "only_failed": False},
+        )
+
+        def rerun_done() -> bool:
+            tis = [
+                ti
+                for ti in st.task_instances(INGEST)
+                if ti["dag_run_id"] == rerun["dag_run_id"] and ti["task_id"] == "ingest"
+            ]
+            return bool(tis) and tis[0]["try_number"] >= 2 and tis[0]["state"] == "success"
+
+        _wait(st, "the re-run of one backfilled interval", rerun_done, time.time() + 300)
+        got = _wait(st, "the probe's run of the re-run", probe_has({filled[0]: 2, filled[1]: 1}), time.time() + 180)
+    finally:
+        st.set_paused(INGEST, True)
+    # The re-run's dependent run as the UI shows it: its partition key, and the event behind it.
+    probe_run = [r for r in st.runs(PROBE) if r["partition_key"] == filled[0]][-1]["dag_run_id"]
+    _screenshot(
+        f"{st.url}/dags/{PROBE}/runs/{urllib.parse.quote(probe_run, safe='')}",
+        ["Partition Key", filled[0]],
+        "partitioned-run.png",
+    )
+    print(f"\nprobe runs by key: {got}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
+from types import SimpleNamespace
 
 from cdc_lakehouse.orchestration.tasks import schedule_tick_passed
 from lazy_object_proxy import Proxy
@@ -74,3 +75,33 @@ def test_a_lost_slot_fails_the_capture_task_without_retries(monkeypatch):
     monkeypatch.setattr(tasks, "capture_endpoint", lambda *a, **k: (_ for _ in ()).throw(busy))
     with pytest.raises(SourceError, match="server busy"):
         op.execute({"data_interval_end": datetime(2026, 3, 1, tzinfo=UTC)})
+
+
+def test_a_runs_partition_key_is_its_own_else_its_intervals_start_in_utc():
+    from datetime import timezone
+
+    from cdc_lakehouse.orchestration.tasks import KeyOutletEvents, run_partition_key
+
+    start = datetime(2026, 11, 30, 7, 0, tzinfo=UTC)
+    plain = SimpleNamespace(partition_key=None, run_after=start + timedelta(minutes=61))
+    # A scheduled ingest: the interval whose changes it applied, even given in another zone.
+    east = timezone(timedelta(hours=9))
+    assert run_partition_key({"dag_run": plain, "data_interval_start": start.astimezone(east)}) == "2026-11-30T07:00:00"
+    # A downstream run passes on the key it was started for.
+    keyed = SimpleNamespace(partition_key="2026-11-30T05:00:00", run_after=start)
+    assert run_partition_key({"dag_run": keyed, "data_interval_start": start}) == "2026-11-30T05:00:00"
+    # A manual run without an interval: its logical date, else when it was due.
+    assert run_partition_key({"dag_run": plain, "logical_date": start}) == "2026-11-30T07:00:00"
+    assert run_partition_key({"dag_run": plain, "logical_date": None}) == "2026-11-30T08:01:00"
+
+    calls = []
+
+    class Accessor:
+        def add_partitions(self, key):
+            calls.append(("key", key))
+
+    events = {"a": Accessor(), "b": Accessor()}
+    context = {"dag_run": plain, "data_interval_start": start, "task": SimpleNamespace(outlets=["a", "b"])}
+    context["outlet_events"] = events
+    KeyOutletEvents(then=lambda ctx, result: calls.append(("then", result)))(context, "r")
+    assert calls == [("then", "r"), ("key", "2026-11-30T07:00:00"), ("key", "2026-11-30T07:00:00")]

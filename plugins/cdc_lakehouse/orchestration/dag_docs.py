@@ -17,11 +17,27 @@ def _header(cfg: TableConfig) -> str:
     )
 
 
+# What every asset event of this package carries (orchestration.tasks.run_partition_key).
+_KEYED = "asset events keyed by the run's partition key"
+_ON_EVENTS = (
+    "one run per partition key of {what}'s asset events (a re-run or backfill upstream: one more run for that key)"
+)
+
+
+def _flow(trigger: str, reads: str, writes: str, approval: str = "none") -> str:
+    """What triggers the DAG, what it consumes, what it produces, what waits for a person."""
+    return (
+        "## Triggered by, reads, writes\n"
+        f"- **Triggered by**: {trigger}.\n- **Reads**: {reads}.\n- **Writes**: {writes}.\n"
+        f"- **Approval**: {approval}.\n\nPartition keys: docs/operating.md, Partitioned asset events.\n\n"
+    )
+
+
 def ingest_doc(cfg: TableConfig) -> str:
     return f"""# Incremental ingest: `{cfg.name}`
 
 {_header(cfg)}
-## What it does
+{_flow(f"its schedule `{cfg.ingest.schedule}` (a data interval per run)", "the source endpoints' replication slots, then the landing zone", f"`lake.{cfg.current_table}` and `lake.{cfg.changelog_table}` ({_KEYED}: the interval's start) and the endpoints' consistent points")}## What it does
 1. **capture__&lt;endpoint&gt;** — one bounded run of the endpoint's logical replication slot
    (`pgoutput`): writes a heartbeat in every shard, reads every transaction committed before
    it, writes Parquet change events and a manifest to the landing zone, then confirms the slot.
@@ -57,7 +73,7 @@ def group_doc(group: str, cfgs: list[TableConfig]) -> str:
     names = ", ".join(f"`{c.name}`" for c in cfgs)
     return f"""# Grouped incremental ingest: `{group}`
 
-## What it does
+{_flow(f"its schedule `{cfgs[0].ingest.schedule}` (a data interval per run)", "the source endpoints' replication slots, then the landing zone", f"each table's current and changelog tables ({_KEYED}: the interval's start)")}## What it does
 Captures each source endpoint's committed changes up to the interval's end, then ingests
 tables {names} in **one Spark application** per run, so many small tables do not each pay a
 JVM start, {max(c.ingest.parallel_tables for c in cfgs)} at once (`ingest.parallel_tables`), each on a
@@ -80,7 +96,7 @@ def bootstrap_doc(cfg: TableConfig) -> str:
     return f"""# Snapshot bootstrap: `{cfg.name}`
 
 {_header(cfg)}
-## What it does
+{_flow("a person (manual)", "every shard of the source table, under an exported snapshot", f"`lake.{cfg.current_table}` and `lake.{cfg.changelog_table}` ({_KEYED}: the run's logical date)", "when the table already holds rows (below)")}## What it does
 Makes sure the capture slot and publication exist, then per endpoint creates a temporary
 slot whose **exported snapshot** sees exactly the transactions committed before its
 consistent point P. Spark reads every shard under that snapshot (ctid ranges in parallel,
@@ -124,7 +140,7 @@ def replay_doc(cfg: TableConfig) -> str:
     return f"""# Quarantine replay: `{cfg.name}`
 
 {_header(cfg)}
-## What it does
+{_flow("a person (manual)", f"`{cfg.name}`'s rows of `lake.cdc_meta.quarantine`", f"`lake.{cfg.current_table}` (no asset event: the watermark does not move)", "when events are quarantined (below)")}## What it does
 Reads `{cfg.name}`'s rows of `cdc_meta.quarantine` that have a landing payload, runs them through
 the ingest's validation against the table's config as it is now, and merges those that pass into
 `lake.{cfg.current_table}` under the LSN guard (an event older than the table's row changes
@@ -145,7 +161,7 @@ def recover_doc(endpoint: str, cfgs: list[TableConfig]) -> str:
     rows = "\n".join(f"- `{c.name}`: shards {', '.join(c.shards_on(endpoint))}" for c in cfgs)
     return f"""# Recovery of endpoint `{endpoint}` after its slot was lost
 
-## What it does
+{_flow("a person (manual), after the endpoint's slot was lost", "the endpoint's shards, under an exported snapshot", f"each table's current and changelog tables ({_KEYED})")}## What it does
 Re-bootstraps, table after table, the shards read through endpoint `{endpoint}` (no other
 shard), as `cdc_bootstrap__<table>` with conf `{{{{"endpoint": "{endpoint}"}}}}` would:
 {rows}
@@ -169,7 +185,7 @@ def maintenance_doc(cfg: TableConfig) -> str:
     return f"""# Daily maintenance: `{cfg.name}`
 
 {_header(cfg)}
-## What it does
+{_flow(f"its schedule `{cfg.maintenance.schedule}` (a clock: compaction is due even after a failed hour)", f"`lake.{cfg.current_table}` and `lake.{cfg.changelog_table}`", f"the same tables, rewritten; `lake.{cfg.latest_view}` ({_KEYED})")}## What it does
 With Iceberg's own Spark procedures, on the current table and the changelog:
 `rewrite_data_files` ({m.compaction}), `rewrite_position_delete_files`, `rewrite_manifests`,
 `expire_snapshots` (older than {m.snapshot_retention_hours} h, keeping at least
@@ -192,7 +208,7 @@ def audit_doc(cfg: TableConfig) -> str:
     return f"""# Hourly audit: `{cfg.name}`
 
 {_header(cfg)}
-## What it does
+{_flow(f"its schedule `{cfg.audit.schedule}` (a clock: it checks the state, not one interval)", f"every source shard's keys and `lake.{cfg.current_table}` at its watermark", "`lake.cdc_meta.audit_results` and `lake.cdc_meta.quality_results`; a repair, the current table", f"a repair of more than {cfg.approvals.repair_above_keys} keys" if cfg.approvals.repair_above_keys is not None else "none (approvals.repair_above_keys: null)")}## What it does
 Compares the primary keys of every source shard with `lake.{cfg.current_table}` as of its
 watermark (mode `{a.mode}`: full key comparison, or per-bucket counts and hashes first with
 keys fetched only for differing buckets — which also finds changed values). Keys changed at
@@ -244,9 +260,9 @@ def derived_doc(dcfg: TreeConfig, inputs: list[TableConfig]) -> str:
 
 {dcfg.description}
 
-## What it does
-Runs when any of {names} is updated (their assets; it never reads a
-source). Spark places every node of `{n.table}` (`{n.id}` -> `{n.parent}`) in its tree, per shard,
+{_flow(_ON_EVENTS.format(what=names), f"{names}", f"`lake.{dcfg.output_table}` (asset events with the same key) and `lake.{dcfg.unresolved_table}`")}## What it does
+Runs once per partition key of the asset events of {names} (it never
+reads a source). Spark places every node of `{n.table}` (`{n.id}` -> `{n.parent}`) in its tree, per shard,
 and writes `lake.{dcfg.output_table}`: root, {root}depth, ancestor path (root first) and
 {grants}.
 Mode `auto` recomputes only the nodes changed since the output's watermark, their descendants
@@ -277,7 +293,7 @@ def derived_maintenance_doc(dcfg: TreeConfig) -> str:
 
 **Derived table** `{dcfg.name}`; owner {dcfg.owner}.
 
-## What it does
+{_flow(f"its schedule `{dcfg.maintenance.schedule}`", f"`lake.{dcfg.output_table}`", "the same tables, rewritten")}## What it does
 With Iceberg's own Spark procedures, on `lake.{dcfg.output_table}` and `lake.{dcfg.unresolved_table}`
 (merge-on-read: every incremental run adds delete files): `rewrite_data_files` (bin-pack, every
 delete file applied), `rewrite_position_delete_files`, `rewrite_manifests`, `expire_snapshots`
@@ -295,7 +311,9 @@ snapshot holding the tree's watermark nor what a consumer such as a serving expo
 def export_doc(ecfg: ExportConfig, source_table: str) -> str:
     st = ecfg.store
     trigger = (
-        f"on schedule `{ecfg.schedule}`" if ecfg.schedule else f"when `lake.{source_table}` is updated (its asset)"
+        f"on schedule `{ecfg.schedule}`"
+        if ecfg.schedule
+        else f"once per partition key of `lake.{source_table}`'s asset events"
     )
     return f"""# Serving export: `{ecfg.name}`
 
@@ -304,7 +322,7 @@ def export_doc(ecfg: ExportConfig, source_table: str) -> str:
 
 {ecfg.description}
 
-## What it does
+{_flow(f"its schedule `{ecfg.schedule}`" if ecfg.schedule else _ON_EVENTS.format(what=f"`lake.{source_table}`"), f"`lake.{source_table}`, from the version's exported snapshot", f"{st.kind} namespace `{st.namespace}`")}## What it does
 Runs {trigger}. The first run (and `full`) writes a new version of the namespace from Spark's
 executors, checks it (one key per source row, {ecfg.validate_sample} values decoded and compared), then
 switches the alias to it in one atomic step: readers never see a half-written version and fall
@@ -332,9 +350,9 @@ def feed_doc(cfg: TableConfig, consumer: str, output: str, about: str, max_lag_h
 
 {about}
 
-## What it does
-Runs when `lake.{cfg.current_table}` gets a complete snapshot (its ingest's or bootstrap's
-Asset event, which carries the snapshot id). It reads the table's net changes since the offset
+{_flow(_ON_EVENTS.format(what=f"`lake.{cfg.current_table}`"), f"`lake.{cfg.changelog_table}` up to the snapshot the event carries", f"`lake.{output}` and its offset, in one commit (asset events with the same key)")}## What it does
+Runs once per partition key of `lake.{cfg.current_table}`'s asset events (its ingest's or
+bootstrap's, which carry the snapshot id). It reads the table's net changes since the offset
 committed with `lake.{output}` (one row per key: upsert or delete), applies them, and commits
 the output and the new offset in one Iceberg commit: a run killed anywhere neither skips nor
 repeats a change. Contract: docs/change-feed.md.

@@ -27,7 +27,7 @@ import os
 from datetime import UTC, datetime, timedelta
 from typing import Any, Literal, get_args
 
-from cdc_lakehouse.config import ConfigSet, OutputMaintenanceConfig, TableConfig, load_table_configs
+from cdc_lakehouse.config import ConfigSet, OutputMaintenanceConfig, TableConfig, load_table_configs, switched_on
 from cdc_lakehouse.derived.config import DerivedSet, TreeConfig, load_derived_configs
 from cdc_lakehouse.jobs.feed import FeedConsumerParams, FeedMode
 from cdc_lakehouse.jobs.maintenance import MaintenanceParams
@@ -65,6 +65,28 @@ def timetable(schedule: str):
     from airflow.sdk import CronDataIntervalTimetable
 
     return CronDataIntervalTimetable(PRESETS.get(schedule, schedule), timezone="UTC")
+
+
+# "off": the asset events carry no partition key and the downstream DAGs are scheduled on the
+# plain assets, for a deployment whose own DAGs consume ours that way (Airflow queues a DAG that
+# is not partition-aware for no event that carries a key). Read where the DAG files are parsed:
+# the dag-processor and the workers must agree.
+PARTITIONS_ENV = "CDC_PARTITIONED_ASSETS"
+
+
+def partitioned_assets() -> bool:
+    return switched_on(os.environ, PARTITIONS_ENV)
+
+
+def on_assets(condition: Any):
+    """The schedule of a DAG that runs when the assets of `condition` change: one run per
+    partition key of their events (PartitionedAssetTimetable, the identity mapper), so two
+    ingests landing close together give two runs, and a re-run of one interval gives one more."""
+    if not partitioned_assets():
+        return condition
+    from airflow.sdk import PartitionedAssetTimetable
+
+    return PartitionedAssetTimetable(assets=condition)
 
 
 def asset(lake_table: str):
@@ -153,6 +175,10 @@ def spark_task(
     takes = registered_job(job).params
     if not issubclass(takes, type(params)):
         raise TypeError(f"job {job} takes {takes.__name__}, not {type(params).__name__}")
+    if kw.get("outlets") and partitioned_assets():
+        from cdc_lakehouse.orchestration.tasks import KeyOutletEvents
+
+        kw["post_execute"] = KeyOutletEvents(then=kw.get("post_execute"))
     return CdcSparkSubmitOperator(
         task_id=task_id,
         job=job,
@@ -274,7 +300,7 @@ def feed_consumer_dag(
     source = asset(cfg.current_table)
     with DAG(
         dag_id=f"cdc_feed__{consumer}",
-        schedule=source,
+        schedule=on_assets(source),
         start_date=START_DATE,
         catchup=False,
         max_active_runs=1,

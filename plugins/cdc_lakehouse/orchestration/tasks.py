@@ -259,6 +259,39 @@ def spark_jars() -> list[str]:
     return default_jars()
 
 
+# The temporal partition mappers' default input_format (airflow.sdk StartOfHourMapper & co.), so a
+# DAG of a user's own can roll the hourly keys up by day without a format of its own.
+PARTITION_KEY_FORMAT = "%Y-%m-%dT%H:%M:%S"
+
+
+def run_partition_key(context: Any) -> str:
+    """The partition key of what a run landed: a partitioned run's own key (a downstream run
+    passes on the key it was started for), else the start of its data interval (an ingest: the
+    interval whose changes it applied), else its logical date, else when it was due (UTC)."""
+    dag_run = context["dag_run"]
+    if getattr(dag_run, "partition_key", None):
+        return str(dag_run.partition_key)
+    start = context.get("data_interval_start") or context.get("logical_date") or dag_run.run_after
+    return start.astimezone(UTC).strftime(PARTITION_KEY_FORMAT)
+
+
+class KeyOutletEvents:
+    """post_execute of a task with outlets: after `then` (another post_execute, or None), each
+    outlet's asset event carries the run's partition key (run_partition_key), so the DAGs
+    scheduled on it with a PartitionedAssetTimetable get one run per key: a re-run or backfill
+    of one interval re-runs that interval's dependents and no others (docs/operating.md)."""
+
+    def __init__(self, then: Any = None) -> None:
+        self.then = then
+
+    def __call__(self, context: Any, result: Any = None) -> None:
+        if self.then is not None:
+            self.then(context, result)
+        key = run_partition_key(context)
+        for outlet in context["task"].outlets:
+            context["outlet_events"][outlet].add_partitions(key)
+
+
 class AnnounceLakeSnapshots:
     """post_execute of an ingest task: each current table's Asset event carries the snapshot the
     run left complete (the newest carrying a `cdc.watermark`) and that watermark's shard positions,
