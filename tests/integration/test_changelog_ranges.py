@@ -17,7 +17,7 @@ from cdc_lakehouse.columns import LSN_COL, OP_COL, SEQ_COL, SHARD_COL
 from cdc_lakehouse.ingest.ingest_table import ingest_table
 from cdc_lakehouse.lake.changelog import changes_between
 from cdc_lakehouse.lake.snapshots import read_watermark
-from cdc_lakehouse.landing.debezium import bootstrap_debezium
+from cdc_lakehouse.landing.debezium.bootstrap import bootstrap_debezium
 
 from tests.conftest import make_config
 from tests.fixtures.debezium import json_line, object_path

@@ -13,7 +13,7 @@ from cdc_lakehouse.feed.offsets import commit_meta_offset, meta_offset
 from cdc_lakehouse.feed.read import read_changes
 from cdc_lakehouse.ingest.ingest_table import ingest_table
 from cdc_lakehouse.lake.snapshots import read_watermark
-from cdc_lakehouse.landing.debezium import bootstrap_debezium
+from cdc_lakehouse.landing.debezium.bootstrap import bootstrap_debezium
 from cdc_lakehouse.watermark import Watermark
 from pyspark.sql import functions as F
 

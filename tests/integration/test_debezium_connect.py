@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from cdc_lakehouse.landing.debezium import bootstrap_debezium
+from cdc_lakehouse.landing.debezium.bootstrap import bootstrap_debezium
 
 from tests.conftest import make_config
 from tests.fixtures.debezium import object_path
@@ -144,7 +144,7 @@ def test_debezium_connector_output_builds_the_lake_our_capture_builds(
             s.wl.step(200, pk_changes=2)
             s.execute("DELETE FROM s1.block WHERE id IN (SELECT id FROM s1.block ORDER BY id LIMIT 3)")
             # A key change that leaves the TOASTed content alone, on every shard: Debezium writes a
-            # delete and a create whose content is a placeholder (landing.debezium.paired_key_changes).
+            # delete and a create whose content is a placeholder (landing.debezium.plan.paired_key_changes).
             for schema in s.schemas:
                 s.execute(
                     f"UPDATE {schema}.block SET id = id + 50000000 WHERE id = (SELECT max(id) FROM {schema}.block "

@@ -9,22 +9,16 @@ from decimal import Decimal
 
 import pytest
 from cdc_lakehouse.config import parse_table_config
-from cdc_lakehouse.landing.debezium import (
-    DebeziumFormatError,
-    SinkFile,
+from cdc_lakehouse.landing.debezium.connect_types import DebeziumFormatError, table_columns, to_text
+from cdc_lakehouse.landing.debezium.plan import (
     advance,
     after_applied,
-    cut_point,
-    file_events,
-    file_stats,
     frontiers,
     pending_files,
-    shape_of,
-    table_columns,
     take_below,
-    to_text,
     within_budget,
 )
+from cdc_lakehouse.landing.debezium.records import SinkFile, cut_point, file_events, file_stats, shape_of
 from cdc_lakehouse.watermark import Watermark
 
 from tests.fixtures.debezium import (
@@ -358,7 +352,7 @@ def test_gzip_objects_read_like_plain_json():
     plain, plain_stats = rows_of(lines)
     packed, packed_stats = rows_of([], data=gzip.compress("".join(x + "\n" for x in lines).encode()))
     assert packed == plain and packed_stats["records"] == plain_stats["records"] == 3
-    from cdc_lakehouse.landing.debezium import FILE_RE
+    from cdc_lakehouse.landing.debezium.plan import FILE_RE
 
     assert FILE_RE.match(f"{TOPIC}+0+0000000042.json.gz")["start"] == "0000000042"
 

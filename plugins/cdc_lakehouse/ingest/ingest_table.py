@@ -257,7 +257,7 @@ def plan_batch(
     cur, cl = lake.qualified(cfg.current_table), lake.qualified(cfg.changelog_table)
     wm = start_position(spark, cfg, cur)
     cl_wm = read_watermark(spark, cl)
-    from cdc_lakehouse.landing.debezium import plan_debezium  # a Debezium-fed table reads the S3 sink's objects
+    from cdc_lakehouse.landing.debezium.plan import plan_debezium  # a Debezium-fed table reads the S3 sink's objects
 
     debezium = cfg.landing.kind == "debezium_s3"
     plan = (
