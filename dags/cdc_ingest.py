@@ -10,13 +10,17 @@ the derived, export and feed DAGs downstream, one run per key; the endpoint's
 asset (`cdc://points/<endpoint>`) announces its newest consistent point across tables
 (lake.points). A run not finished when its tables' freshness bound passes (counted from the
 start of its interval) misses its deadline: shown on the run, and alerted as `freshness`.
+A source column dropped with no decision in the YAML waits for a person: ingest >> review_dropped
+>> decide_dropped (keep or drop) >> record_dropped >> ingest_again.
 """
 
 from datetime import timedelta
 
 from airflow.sdk import DAG
+from cdc_lakehouse.config import TableConfig
 from cdc_lakehouse.jobs.ingest import IngestParams
 from cdc_lakehouse.orchestration.alerts.deadlines import alerting_or_defaults, freshness_deadline
+from cdc_lakehouse.orchestration.approvals import asks_dropped, dropped_column_decision
 from cdc_lakehouse.orchestration.dag_docs import group_doc, ingest_doc
 from cdc_lakehouse.orchestration.dag_parts import (
     INGEST_RUN,
@@ -37,6 +41,26 @@ from cdc_lakehouse.orchestration.dag_parts import (
     timetable,
 )
 
+
+def ingest_task(task_id: str, cfgs: list[TableConfig], pool: str, hours: int):
+    """The Spark job applying the landed changes of `cfgs` (a group's: in one application)."""
+    return spark_task(
+        task_id=task_id,
+        job="ingest",
+        params=IngestParams(
+            tables=tuple(c.name for c in cfgs),
+            parallel=max(c.ingest.parallel_tables for c in cfgs) if len(cfgs) > 1 else 1,
+            undecided_drop="ask" if asks_dropped(cfgs) else "stop",
+        ),
+        source_conn_ids=conn_ids(cfgs),
+        pool=pool,
+        templates=INGEST_RUN,
+        outlets=ingest_outlets(cfgs),
+        post_execute=announce_snapshots(cfgs),
+        execution_timeout=timedelta(hours=hours),
+    )
+
+
 tables, _, _ = load_configs()
 alerting = alerting_or_defaults()
 
@@ -56,18 +80,12 @@ for cfg in tables.tables.values():
         deadline=freshness_deadline([cfg], alerting),
     ) as dag:
         captures = capture_tasks(endpoint_ids([cfg]))
-        ingest = spark_task(
-            task_id="ingest",
-            job="ingest",
-            params=IngestParams(tables=(cfg.name,)),
-            source_conn_ids=conn_ids([cfg]),
-            pool=table_pool(cfg),
-            templates=INGEST_RUN,
-            outlets=ingest_outlets([cfg]),
-            post_execute=announce_snapshots([cfg]),
-            execution_timeout=timedelta(hours=2),
-        )
+        ingest = ingest_task("ingest", [cfg], table_pool(cfg), hours=2)
         captures >> ingest >> alert_check_task("freshness", [cfg.name])
+        if decision := dropped_column_decision([cfg]):  # a dropped column waits for keep/drop
+            review, recorded = decision
+            ingest >> review
+            recorded >> ingest_task("ingest_again", [cfg], table_pool(cfg), hours=2)
     globals()[dag.dag_id] = dag
 
 for group, cfgs in ingest_groups(tables).items():
@@ -85,16 +103,10 @@ for group, cfgs in ingest_groups(tables).items():
         deadline=freshness_deadline(cfgs, alerting),
     ) as dag:
         captures = capture_tasks(endpoint_ids(cfgs))
-        ingest = spark_task(
-            task_id="ingest",
-            job="ingest",
-            params=IngestParams(tables=tuple(names), parallel=max(c.ingest.parallel_tables for c in cfgs)),
-            source_conn_ids=conn_ids(cfgs),
-            pool=group_pool(group),
-            templates=INGEST_RUN,
-            outlets=ingest_outlets(cfgs),
-            post_execute=announce_snapshots(cfgs),
-            execution_timeout=timedelta(hours=3),
-        )
+        ingest = ingest_task("ingest", cfgs, group_pool(group), hours=3)
         captures >> ingest >> alert_check_task("freshness", names)
+        if decision := dropped_column_decision(cfgs):  # a dropped column waits for keep/drop
+            review, recorded = decision
+            ingest >> review
+            recorded >> ingest_task("ingest_again", cfgs, group_pool(group), hours=3)
     globals()[dag.dag_id] = dag

@@ -473,6 +473,11 @@ class ApprovalsConfig(_Model):
         description="an audit repair (audit.repair: true) of more persistent keys than this waits for an "
         "approval in cdc_audit__<table>; null: the audit always repairs at once",
     )
+    dropped_columns: bool = Field(
+        True,
+        description="a source column dropped with no schema_changes.dropped_columns entry waits for a person's "
+        "keep/drop choice in the ingest DAG (decide_dropped); false: the table stops, naming the YAML fix",
+    )
     response_timeout_hours: float | None = Field(
         None, gt=0, description="an unanswered approval fails its run after this long; none: it waits"
     )

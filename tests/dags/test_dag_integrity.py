@@ -256,8 +256,9 @@ def test_every_asset_event_carries_its_runs_partition_key_and_every_consumer_tak
         assert type(d.timetable).__name__ == "PartitionedAssetTimetable", (d.dag_id, d.timetable)
 
 
-def test_partitioned_assets_off_gives_plain_asset_schedules_and_unkeyed_events():
-    """CDC_PARTITIONED_ASSETS=off, for a deployment whose own DAGs consume ours unpartitioned."""
+def test_partitioned_assets_and_approvals_off_give_plain_schedules_unkeyed_events_no_questions():
+    """CDC_PARTITIONED_ASSETS=off, for a deployment whose own DAGs consume ours unpartitioned;
+    CDC_APPROVALS=off, for an unattended one."""
     import json
 
     code = textwrap.dedent(f"""
@@ -269,11 +270,12 @@ def test_partitioned_assets_off_gives_plain_asset_schedules_and_unkeyed_events()
             "timetables": sorted({{type(d.timetable).__name__ for d in bag.dags.values()}}),
             "hooks": sorted({{type(t._post_execute_hook).__name__ for d in bag.dags.values() for t in d.tasks
                              if t.outlets}}),
+            "decide": sorted({{t.task_id for d in bag.dags.values() for t in d.tasks if "dropped" in t.task_id}}),
         }}))
     """)
     r = subprocess.run(
         [sys.executable, "-c", code],
-        env=_env(CDC_PARTITIONED_ASSETS="off", CDC_TABLES_DIR=str(TABLES)),
+        env=_env(CDC_PARTITIONED_ASSETS="off", CDC_APPROVALS="off", CDC_TABLES_DIR=str(TABLES)),
         capture_output=True,
         text=True,
         timeout=300,
@@ -283,3 +285,25 @@ def test_partitioned_assets_off_gives_plain_asset_schedules_and_unkeyed_events()
     got = json.loads([line for line in r.stdout.splitlines() if line.startswith("RESULT=")][-1][len("RESULT=") :])
     assert not got["errors"] and "PartitionedAssetTimetable" not in got["timetables"], got
     assert "AssetTriggeredTimetable" in got["timetables"] and "KeyOutletEvents" not in got["hooks"], got
+    assert got["decide"] == [], got  # CDC_APPROVALS=off: no keep/drop question either
+
+
+def test_an_ingest_asks_keep_or_drop_for_a_dropped_column_then_runs_again(dagbag):
+    """#53: ingest >> review_dropped >> decide_dropped (a HITLOperator: keep_null or drop) >>
+    record_dropped >> ingest_again, and the ingest job is told to wait for it (undecided_drop=ask)."""
+    from cdc_lakehouse.config import load_table_configs
+
+    cs = load_table_configs(TABLES)
+    for cfg in cs.tables.values():
+        dag_id = f"cdc_ingest_group__{cfg.ingest.group}" if cfg.ingest.group else f"cdc_ingest__{cfg.name}"
+        dag = dagbag.dags[dag_id]
+        decide = dag.get_task("decide_dropped")
+        assert type(decide).__name__ == "HITLOperator" and decide.options == ["keep_null", "drop"]
+        assert dag.get_task("review_dropped").upstream_task_ids == {"ingest"}
+        assert decide.upstream_task_ids == {"review_dropped"}
+        assert dag.get_task("record_dropped").upstream_task_ids == {"decide_dropped"}
+        again = dag.get_task("ingest_again")
+        assert again.upstream_task_ids == {"record_dropped"} and again.pool == dag.get_task("ingest").pool
+        for task in (dag.get_task("ingest"), again):
+            args = task.application_args
+            assert args[args.index("--undecided-drop") + 1] == "ask", args

@@ -46,6 +46,7 @@ pytestmark = pytest.mark.slow
 TABLE = "sched_item"
 INGEST, AUDIT, BOOTSTRAP = f"cdc_ingest__{TABLE}", f"cdc_audit__{TABLE}", f"cdc_bootstrap__{TABLE}"
 POOL = f"cdc_table__{TABLE}"
+APPROVE = "approve"
 SCHEMAS = ("s0", "s1")
 ROWS = 30
 DEADLINE = 8 * 60  # seconds from unpausing to the last expected run
@@ -126,13 +127,13 @@ class Source:
                 params={"new": new, "d1": 2 * round_no, "d2": 2 * round_no + 11},
             )
 
-    def rows(self) -> dict[tuple[str, int], tuple[str, int]]:
+    def rows(self, columns: str = "id, name, qty") -> dict[tuple[str, int], tuple[str, int]]:
         out = {}
         conn = psycopg2.connect(self.pg.dsn(self.db))
         try:
             with conn.cursor() as cur:
                 for s in SCHEMAS:
-                    cur.execute(f"SELECT id, name, qty FROM {s}.item")
+                    cur.execute(f"SELECT {columns} FROM {s}.item")
                     out.update({(s, i): (n, q) for i, n, q in cur.fetchall()})
         finally:
             conn.close()
@@ -502,7 +503,7 @@ def test_scheduled_ingest_and_audit_run_on_their_own_one_writer_at_a_time(sched_
     )
 
 
-def _hitl(st: Stack, run_id: str) -> dict | None:
+def _hitl(st: Stack, run_id: str, dag_id: str = BOOTSTRAP, task_id: str = APPROVE) -> dict | None:
     """The approval's human-in-the-loop detail, once its task waits for an answer and the
     scheduler has taken in the end of the workload that parked it.
 
@@ -511,18 +512,18 @@ def _hitl(st: Stack, run_id: str) -> dict | None:
     the late event then made the scheduler mark the re-queued task failed ("Executor reported
     that the task instance ... finished with state success, but the task instance's state
     attribute is queued"). A person takes longer than that; this test waits for the event."""
-    tis = {ti["task_id"]: ti for ti in st.task_instances(BOOTSTRAP) if ti["dag_run_id"] == run_id}
-    if (tis.get(APPROVE) or {}).get("state") != "awaiting_input":
+    tis = {ti["task_id"]: ti for ti in st.task_instances(dag_id) if ti["dag_run_id"] == run_id}
+    if (tis.get(task_id) or {}).get("state") != "awaiting_input":
         return None
-    parked = f"Received executor event with state success for task instance TaskInstanceKey(dag_id='{BOOTSTRAP}', task_id='{APPROVE}', run_id='{run_id}'"
+    parked = f"Received executor event with state success for task instance TaskInstanceKey(dag_id='{dag_id}', task_id='{task_id}', run_id='{run_id}'"
     if parked not in st.logs["scheduler"].read_text(errors="replace"):
         return None
-    return st.api("GET", f"/dags/{BOOTSTRAP}/dagRuns/{run_id}/taskInstances/{APPROVE}/-1/hitlDetails")
+    return st.api("GET", f"/dags/{dag_id}/dagRuns/{run_id}/taskInstances/{task_id}/-1/hitlDetails")
 
 
-def _run_states(st: Stack, run_id: str) -> tuple[str, dict[str, str]]:
-    run = next(r for r in st.runs(BOOTSTRAP) if r["dag_run_id"] == run_id)
-    tis = {ti["task_id"]: ti["state"] for ti in st.task_instances(BOOTSTRAP) if ti["dag_run_id"] == run_id}
+def _run_states(st: Stack, run_id: str, dag_id: str = BOOTSTRAP) -> tuple[str, dict[str, str]]:
+    run = next(r for r in st.runs(dag_id) if r["dag_run_id"] == run_id)
+    tis = {ti["task_id"]: ti["state"] for ti in st.task_instances(dag_id) if ti["dag_run_id"] == run_id}
     return run["state"], tis
 
 
@@ -535,7 +536,6 @@ def _current_snapshot(env) -> int:
     return cat.load_table(f"sched.{TABLE}").current_snapshot().snapshot_id
 
 
-APPROVE = "approve"
 ARTIFACTS = ROOT / ".local" / "test-artifacts"
 
 
@@ -805,3 +805,54 @@ def test_a_backfill_or_a_rerun_of_one_interval_reruns_that_intervals_dependents_
         "partitioned-run.png",
     )
     print(f"\nprobe runs by key: {got}")
+
+
+def test_a_column_dropped_at_the_source_waits_for_keep_or_drop_then_its_batch_applies(sched_env, stack):
+    """#53 (last: the source loses a column): the scheduled ingest finds `qty` dropped with no
+    decision in the YAML; its table waits (the task succeeds, nothing applied) and decide_dropped
+    asks in `awaiting_input`. Answered `drop` through the REST API, record_dropped keeps the
+    choice on the table and ingest_again applies the batch: the lake loses `qty`, equals the source."""
+    env, _, _, source = sched_env
+    st = stack
+    source.execute(
+        *(f"ALTER TABLE {s}.item DROP COLUMN qty" for s in SCHEMAS),
+        *(f"UPDATE {s}.item SET name = name || ' after drop' WHERE id = {ROWS}" for s in SCHEMAS),
+    )
+    st.set_paused(INGEST, False)
+    try:
+
+        def asking() -> tuple[str, dict] | None:
+            for r in st.runs(INGEST):
+                if r["run_type"] == "scheduled" and (details := _hitl(st, r["dag_run_id"], INGEST, "decide_dropped")):
+                    return r["dag_run_id"], details
+            return None
+
+        run_id, details = _wait(st, "the keep/drop question", asking, time.time() + 240)
+        assert details["options"] == ["keep_null", "drop"] and "qty" in details["subject"], details
+        assert "s0" in details["body"] and "changelog keeps its history" in details["body"], details["body"]
+        st.api(
+            "PATCH",
+            f"/dags/{INGEST}/dagRuns/{run_id}/taskInstances/decide_dropped/-1/hitlDetails",
+            {"chosen_options": ["drop"]},
+        )
+        final = _wait(
+            st,
+            "the ingest after the choice",
+            lambda: (s := _run_states(st, run_id, INGEST))[0] in ("success", "failed") and s,
+            time.time() + 240,
+        )
+    finally:
+        st.set_paused(INGEST, True)
+    assert final[0] == "success" and final[1]["ingest_again"] == "success", final
+    assert final[1]["record_dropped"] == "success" and final[1]["ingest"] == "success", final
+
+    from cdc_lakehouse.settings import LakeSettings
+    from pyiceberg.catalog import load_catalog
+
+    lake = LakeSettings.from_env(env)
+    table = load_catalog(lake.catalog_name, **lake.pyiceberg_properties()).load_table(f"sched.{TABLE}")
+    assert "qty" not in [f.name for f in table.schema().fields]
+    assert json.loads(table.metadata.properties["cdc.dropped-columns"]) == {"decided": {"qty": "drop"}, "pending": {}}
+    got = table.scan(selected_fields=("_cdc_shard", "id", "name")).to_arrow().to_pylist()
+    expected = {(s, i): n for (s, i), (n, _) in source.rows(columns="id, name, 0").items()}
+    assert {(r["_cdc_shard"], r["id"]): r["name"] for r in got} == expected

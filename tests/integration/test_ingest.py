@@ -14,6 +14,7 @@ from cdc_lakehouse.ingest.ingest_table import ingest_table
 from cdc_lakehouse.jobs.runner import run_tables
 from cdc_lakehouse.lake.snapshots import read_watermark
 from cdc_lakehouse.landing.errors import LandingGap
+from cdc_lakehouse.orchestration.approvals import record_dropped, review_dropped
 from cdc_lakehouse.settings import SourceEndpoint
 from pyspark.sql import functions as F
 
@@ -276,13 +277,30 @@ def test_schema_changes_additive_incompatible_and_isolated(source, spark, lake):
     assert isinstance(failures[0][1], SchemaChangeError)
     assert "'score' was dropped" in err and "keep_null" in err and "drop" in err
     assert results[s.perm.name]["status"] == "ok"  # ... while the other table keeps running
-    # Choosing keep_null lets it continue.
-    keep = s.block.model_copy(
-        update={"schema_changes": s.block.schema_changes.model_copy(update={"dropped_columns": {"score": "keep_null"}})}
+    # #53: asked in Airflow instead (the DAG's undecided_drop=ask), the table waits: not a
+    # failure, nothing applied, the column recorded as pending for the decide_dropped approval.
+    before = spark.table(lake.qualified(s.block.current_table)).count()
+    results, failures = run_tables(
+        "ingest",
+        spark,
+        lake,
+        [s.block],
+        lambda sp, lk, c: ingest_table(sp, lk, c, upto_run=m.manifest.run_id, ingest_run="x2", ask_dropped=True),
     )
-    ingest_table(spark, lake, keep, upto_run=m.manifest.run_id, ingest_run="y")
-    cur = spark.table(lake.qualified(keep.current_table))
+    assert not failures and results[s.block.name]["status"] == "waiting", results
+    assert "decide_dropped" in results[s.block.name]["reason"]
+    found = review_dropped([s.block], lake)
+    assert found.pending == {s.block.current_table: {"score": ["s0"]}}, found  # s1 changed no row since
+    assert "keep_null" in found.body() and "score" in found.subject()
+    assert spark.table(lake.qualified(s.block.current_table)).count() == before
+    # Choosing keep_null (as the approval's record_dropped does) lets it continue, and later runs
+    # read the choice from the table.
+    assert record_dropped([s.block], "keep_null", lake) == {f"{s.block.name}.score": "keep_null"}
+    assert review_dropped([s.block], lake).pending == {}
+    ingest_table(spark, lake, s.block, upto_run=m.manifest.run_id, ingest_run="y", ask_dropped=True)
+    cur = spark.table(lake.qualified(s.block.current_table))
     assert "score" in cur.columns
+    assert_lake_equals_source(spark, lake, s.block, s.dsn, skip=("score",))  # the batch is applied
 
 
 def test_missing_landing_file_is_an_error_unless_skipped(source, spark, lake):

@@ -159,7 +159,13 @@ def test_the_dag_files_tasks_pass_what_their_jobs_parse(tmp_path):
             + group
         )
     dags = dags_of(tmp_path, tmp_path / "no-derived")
-    window = {"upto_run": "20260301T010000Z", "ingest_run": RUN_ID, "interval_end": END.isoformat()}
+    # undecided_drop=ask: a dropped column waits for the DAG's keep/drop question (#53).
+    window = {
+        "upto_run": "20260301T010000Z",
+        "ingest_run": RUN_ID,
+        "interval_end": END.isoformat(),
+        "undecided_drop": "ask",
+    }
     assert _parsed(dags["cdc_ingest__t"], "ingest") == IngestParams(tables=("t",), **window)
     # A group runs as many tables at once as the largest parallel_tables of its tables.
     assert _parsed(dags["cdc_ingest_group__g"], "ingest") == IngestParams(tables=("u", "v"), parallel=6, **window)

@@ -166,3 +166,42 @@ def test_errors_are_sorted_and_deduplicated_and_name_the_given_file():
     assert len(errors) == 2
     assert errors == sorted(errors)
     assert all("tables/sc.yml" in e for e in errors)
+
+
+def test_a_drop_decided_in_airflow_applies_and_the_yaml_wins_over_it():
+    """#53: DropDecisions (recorded on the table by the ingest DAG's decide_dropped approval) decide
+    a drop the YAML does not; an entry in the YAML's dropped_columns wins over them."""
+    from cdc_lakehouse.ingest.schema import DropDecisions, UndecidedDrop
+
+    s = schema(drop=["title"])
+    cfg = make_config("sc", ["s1"])
+    _, errors = schema_actions(cfg, LAKE, [s], {"s1": s})
+    assert [(e.column, e.shard) for e in errors if isinstance(e, UndecidedDrop)] == [("title", "s1")]
+    assert schema_actions(cfg, LAKE, [s], {"s1": s}, decided={"title": "drop"}) == (["DROP COLUMN `title`"], [])
+    assert schema_actions(cfg, LAKE, [s], {"s1": s}, decided={"title": "keep_null"}) == ([], [])
+    yaml_keeps = make_config("sc", ["s1"], schema_changes={"dropped_columns": {"title": "keep_null"}})
+    assert schema_actions(yaml_keeps, LAKE, [s], {"s1": s}, decided={"title": "drop"}) == ([], [])
+
+    pending = DropDecisions(decided={"old": "drop"}, pending={"title": ["s1", "s2"]})
+    again = DropDecisions.from_json(pending.to_json())
+    assert again == pending and DropDecisions.from_json(None) == DropDecisions()
+    assert again.decide("keep_null") == DropDecisions(decided={"old": "drop", "title": "keep_null"})
+    with pytest.raises(ValueError, match="keep_null"):
+        again.decide("maybe")  # type: ignore[arg-type]
+
+
+def test_a_table_waiting_for_a_person_is_not_a_failed_table():
+    """jobs.runner: a table that waits for a decision (DropDecisionNeeded) reports `waiting`, and
+    the job does not fail for it; any other error is the table's failure."""
+    from cdc_lakehouse.ingest.errors import DropDecisionNeeded
+    from cdc_lakehouse.jobs.runner import run_tables
+
+    def fn(spark, lake, cfg):
+        if cfg.name == "waits":
+            raise DropDecisionNeeded("waits: source column(s) title dropped ... decide_dropped", ["title"])
+        raise RuntimeError("broken")
+
+    cfgs = [make_config("waits", ["s1"]), make_config("broken", ["s1"])]
+    results, failures = run_tables("ingest", None, None, cfgs, fn)
+    assert results["waits"]["status"] == "waiting" and "decide_dropped" in results["waits"]["reason"]
+    assert [name for name, _ in failures] == ["broken"] and results["broken"]["status"] == "failed"

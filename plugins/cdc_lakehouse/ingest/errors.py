@@ -15,3 +15,15 @@ class SchemaChangeError(IngestError):
 
 class ErrorBudgetExceeded(IngestError):
     pass
+
+
+class DropDecisionNeeded(SchemaChangeError):
+    """Source columns were dropped with no keep/drop decision: recorded as pending on the table
+    (ingest.schema.DropDecisions), the table waits for a person's choice in the ingest DAG. Not a
+    failure of the job (jobs.runner: status `waiting`); nothing of the batch is applied."""
+
+    waits_for_person = True
+
+    def __init__(self, message: str, columns: list[str]) -> None:
+        super().__init__(message)
+        self.columns = columns

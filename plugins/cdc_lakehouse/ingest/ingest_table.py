@@ -43,11 +43,15 @@ from cdc_lakehouse.ingest.records import RunRecords, TableRecords, write_records
 from cdc_lakehouse.ingest.reduce import latest_per_key
 from cdc_lakehouse.ingest.renames import Renames, apply_renames, in_lake_names
 from cdc_lakehouse.ingest.schema import (
+    DROP_DECISIONS_PROP,
+    DropDecisions,
+    UndecidedDrop,
     apply_schema_actions,
     event_schemas,
     known_columns,
     manifest_schemas,
     schema_actions,
+    wait_for_drop_decision,
 )
 from cdc_lakehouse.ingest.toast import BROADCAST_ROWS, NO_TABLE, UNAV_LEFT, fill_unavailable
 from cdc_lakehouse.ingest.validate import REASONS, shard_expr
@@ -131,12 +135,16 @@ def ingest_table(
     interval_end: str | None = None,
     config_file: str | None = None,
     records: RunRecords | None = None,
+    ask_dropped: bool = False,
 ) -> IngestResult:
     """Apply every pending capture run (up to `upto_run`) to the table; returns the run's metrics,
     with the number of Spark jobs it took. records: a group run's (ingest.records), which commits
-    the run's record and freshness rows with the other tables'; without, they are committed here."""
+    the run's record and freshness rows with the other tables'; without, they are committed here.
+    ask_dropped: a column dropped with no decision waits for one in Airflow (DropDecisionNeeded)
+    when the table's approvals.dropped_columns is on, instead of stopping the table."""
     with SparkJobs(spark, f"ingest {cfg.name} {ingest_run}") as jobs:
-        m = apply_pending(spark, lake, cfg, upto_run, ingest_run, interval_end, config_file, records)
+        ask = ask_dropped and cfg.approvals.dropped_columns
+        m = apply_pending(spark, lake, cfg, upto_run, ingest_run, interval_end, config_file, records, ask)
     log.info(
         "ingest %s: %s Spark jobs (+%s metadata reads): %s", cfg.name, jobs.count, jobs.metadata, "; ".join(jobs.sites)
     )
@@ -152,6 +160,7 @@ def apply_pending(
     interval_end: str | None,
     config_file: str | None,
     records: RunRecords | None = None,
+    ask_dropped: bool = False,
 ) -> IngestMetrics:
     """The ingest's phases, in order: plan, prepare (one fused plan: validate, dedupe, split key
     changes, fill, reduce), quarantine, changelog, classify, MERGE (the watermark in the same
@@ -169,7 +178,7 @@ def apply_pending(
         fill_quiet(spark, lake, cfg, m, b, ingest_run)
         return finish(spark, lake, cfg, m, b, records=records)
     landed = read_landed(spark, cfg, b.plan).renamed(b.renames, shard_expr(cfg.shard_map()))
-    b.lake_cols = evolve_schema(spark, cfg, b, landed, config_file)
+    b.lake_cols = evolve_schema(spark, cfg, b, landed, config_file, ask_dropped)
     with phase(spark, m, "prepare"):
         fb = fused_batch(landed, cfg, b.lake_cols, b.wm, b.plan.landed_rows())
     m.events_read, m.already_applied = fb.counts.n, fb.counts.applied
@@ -347,10 +356,11 @@ def advance_watermark(spark: SparkSession, cfg: TableConfig, b: Batch, state: st
 
 
 def evolve_schema(
-    spark: SparkSession, cfg: TableConfig, b: Batch, landed: Landed, config_file: str | None
+    spark: SparkSession, cfg: TableConfig, b: Batch, landed: Landed, config_file: str | None, ask_dropped: bool = False
 ) -> list[tuple[str, str]]:
     """Additive schema changes applied before the data; anything else stops the table. Returns
-    the lake columns the batch is written with."""
+    the lake columns the batch is written with. A dropped column takes the YAML's decision, else
+    the one made in Airflow (DropDecisions, read only then), else waits for one (ask_dropped)."""
     schemas, latest = manifest_schemas(b.plan, cfg)
     announced: Plan | None = b.plan
     if not latest:
@@ -358,6 +368,12 @@ def evolve_schema(
         announced = None  # the events' own schemas: each was announced in the batch
     known = known_columns(cfg, in_lake_names(b.wm, b.renames), announced)
     ddl, errors = schema_actions(cfg, b.lake_cols, schemas, latest, config_file or "", known)
+    if any(isinstance(e, UndecidedDrop) for e in errors):
+        decisions = DropDecisions.from_json(table_property(spark, b.cur, DROP_DECISIONS_PROP))
+        ddl, errors = schema_actions(cfg, b.lake_cols, schemas, latest, config_file or "", known, decisions.decided)
+        undecided = [e for e in errors if isinstance(e, UndecidedDrop)]
+        if ask_dropped and undecided and len(undecided) == len(errors):
+            wait_for_drop_decision(spark, cfg, b.cur, decisions, undecided)
     if errors:
         raise SchemaChangeError("\n".join(errors))
     apply_schema_actions(spark, b.cur, b.cl, ddl)

@@ -7,11 +7,14 @@ from __future__ import annotations
 import json
 import logging
 import re
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal, NoReturn
 
 from cdc_lakehouse.config import TableConfig
 from cdc_lakehouse.identifiers import spark_ident
-from cdc_lakehouse.lake.tables import add_column, alter_table
+from cdc_lakehouse.ingest.errors import DropDecisionNeeded
+from cdc_lakehouse.lake.tables import add_column, alter_table, sql_string
 from cdc_lakehouse.landing.reader import Plan
 
 if TYPE_CHECKING:
@@ -22,6 +25,49 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 WIDENINGS = {("int", "bigint"), ("float", "double")}
+
+# Keep/drop choices made in Airflow's UI for source columns dropped with no
+# schema_changes.dropped_columns entry (DropDecisions), a property of the current table.
+DROP_DECISIONS_PROP = "cdc.dropped-columns"
+DropChoice = Literal["keep_null", "drop"]
+DROP_CHOICES: tuple[DropChoice, ...] = ("keep_null", "drop")
+
+
+@dataclass
+class DropDecisions:
+    """The table's keep/drop decisions for dropped source columns, made in the ingest DAG's
+    `decide_dropped` approval; the YAML's schema_changes.dropped_columns wins over them. `pending`:
+    the columns an ingest found dropped and undecided, with the shards that dropped them."""
+
+    decided: dict[str, DropChoice] = field(default_factory=dict)
+    pending: dict[str, list[str]] = field(default_factory=dict)
+
+    @classmethod
+    def from_json(cls, text: str | None) -> DropDecisions:
+        data = json.loads(text) if text else {}
+        return cls(dict(data.get("decided", {})), {c: list(s) for c, s in data.get("pending", {}).items()})
+
+    def to_json(self) -> str:
+        return json.dumps({"decided": self.decided, "pending": self.pending}, sort_keys=True)
+
+    def decide(self, choice: DropChoice) -> DropDecisions:
+        """Every pending column decided `choice`."""
+        if choice not in DROP_CHOICES:
+            raise ValueError(f"a dropped column is kept (keep_null) or dropped (drop), not {choice!r}")
+        return DropDecisions({**self.decided, **dict.fromkeys(self.pending, choice)}, {})
+
+
+class UndecidedDrop(str):
+    """An error of schema_actions: a lake column gone from a shard, with no decision."""
+
+    column: str
+    shard: str
+
+    def __new__(cls, text: str, column: str, shard: str) -> UndecidedDrop:
+        made = super().__new__(cls, text)
+        made.column, made.shard = column, shard
+        return made
+
 
 # A relation's columns as the capture records them (source.catalog.schema_json): one dict per
 # column, with its name, source type, lake type and whether it is in the key.
@@ -93,12 +139,15 @@ def schema_actions(
     latest: dict[str, SchemaJson],
     file_hint: str = "",
     known: dict[str, set[str]] | None = None,
+    decided: Mapping[str, str] | None = None,
 ) -> tuple[list[str], list[str]]:
     """DDL to run before the data (additive changes) and the errors that stop the table.
 
     `known`: per shard schema, the columns the shard is known to have had (its watermark). A lake
     column missing from a shard's latest schema is dropped there only if the shard had it: a shard
-    with no writes since a column was added elsewhere still shows its older schema."""
+    with no writes since a column was added elsewhere still shows its older schema. `decided`: the
+    table's DropDecisions (the YAML's dropped_columns wins); a drop without either is an
+    UndecidedDrop among the errors."""
     lake = dict(lake_cols)
     where = file_hint or f"include/tables/{cfg.name}.yaml"
     # Consumed columns (columns.include/exclude): changes to the others never reach the table.
@@ -114,7 +163,7 @@ def schema_actions(
             consumed = cfg.columns.consumes(name)
             if consumed and (name in names or name in added or (had is not None and name not in had)):
                 continue
-            stmt, error = _dropped(cfg, name, shard_schema, where, consumed)
+            stmt, error = _dropped(cfg, name, shard_schema, where, consumed, decided or {})
             if error:
                 errors.append(error)
             elif stmt and stmt not in ddl:
@@ -193,11 +242,11 @@ def _widens(cfg: TableConfig, old: str, new: str) -> bool:
 
 
 def _dropped(
-    cfg: TableConfig, name: str, shard_schema: str, where: str, consumed: bool = True
+    cfg: TableConfig, name: str, shard_schema: str, where: str, consumed: bool, decided: Mapping[str, str]
 ) -> tuple[str | None, str | None]:
     """A lake column gone from a shard's schema (or no longer consumed): (DDL, None), (None, error)
     or (None, None) to keep it."""
-    policy = cfg.schema_changes.dropped_columns.get(name)
+    policy = cfg.schema_changes.dropped_columns.get(name) or decided.get(name)
     if name in cfg.primary_key:
         return None, (
             f"{cfg.name}: primary key column {name!r} disappeared from the source (shard "
@@ -207,13 +256,36 @@ def _dropped(
         return f"DROP COLUMN {spark_ident(name)}", None
     if policy == "keep_null":
         return None, None
-    return None, (
+    return None, UndecidedDrop(
         f"{cfg.name}: source column {name!r} "
         + (f"was dropped (shard {shard_schema})" if consumed else "is no longer consumed (columns in the config)")
         + " but the lake table keeps it, "
         f"so ingest stopped for this table. Choose in {where}: schema_changes.dropped_columns: "
         f"{{{name}: keep_null}} to keep it (NULL from now on), or {{{name}: drop}} to drop it from the "
-        "current table (the changelog keeps its history); then rerun the failed task"
+        "current table (the changelog keeps its history); then rerun the failed task",
+        name,
+        shard_schema,
+    )
+
+
+def wait_for_drop_decision(
+    spark: SparkSession, cfg: TableConfig, cur: str, decisions: DropDecisions, undecided: list[UndecidedDrop]
+) -> NoReturn:
+    """Record the undecided drops as pending on the current table, for the ingest DAG's
+    decide_dropped approval to show, and stop the table's batch (DropDecisionNeeded)."""
+    for drop in undecided:
+        shards = decisions.pending.setdefault(drop.column, [])
+        if drop.shard not in shards:
+            shards.append(drop.shard)
+    spark.sql(
+        f"ALTER TABLE {cur} SET TBLPROPERTIES ({sql_string(DROP_DECISIONS_PROP)} = {sql_string(decisions.to_json())})"
+    )
+    columns = sorted(decisions.pending)
+    raise DropDecisionNeeded(
+        f"{cfg.name}: source column(s) {', '.join(columns)} dropped with no schema_changes.dropped_columns "
+        "entry: the table waits for a keep/drop choice in its ingest DAG (task decide_dropped; or set the "
+        "entry in the YAML and rerun). Nothing of this batch is applied.",
+        columns,
     )
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from cdc_lakehouse.jobs.params import JobParams, flag
 from cdc_lakehouse.jobs.runner import StageResult, load_tables, run_per_table
@@ -27,6 +27,11 @@ class IngestParams(JobParams):
     upto_run: str | None = flag(None, help="apply capture runs up to this run id (the data interval end)")
     ingest_run: str | None = flag(None, help="this run's id (default: manual-<now>)")
     interval_end: str | None = flag(None, help="the data interval's end, ISO 8601 (recorded with the run's metrics)")
+    undecided_drop: Literal["stop", "ask"] = flag(
+        "stop",
+        help="a source column dropped with no schema_changes.dropped_columns entry: stop the table (fails "
+        "the job), or ask (the table reports `waiting` for the ingest DAG's keep/drop choice)",
+    )
     parallel: int = flag(
         1,
         help="tables ingested at once, each on a Spark session of its own (a group's DAG passes "
@@ -53,6 +58,7 @@ def main(p: IngestParams) -> int:
             interval_end=p.interval_end,
             config_file=file,
             records=records,
+            ask_dropped=p.undecided_drop == "ask",
         )
 
     def record_points(spark: SparkSession, lake: LakeSettings, cfgs: Sequence[TableConfig]) -> None:

@@ -166,6 +166,13 @@ def _run_one(
         result = fn(session(), lake, cfg, *args)
         return cfg.name, {"table": cfg.name, "status": "ok", "seconds": time.time() - t, **result.to_dict()}, None
     except Exception as exc:  # noqa: BLE001 - reported per table, the run fails at the end
+        if getattr(exc, "waits_for_person", False):  # e.g. ingest.errors.DropDecisionNeeded: not a failure
+            log.warning("%s %s waits: %s", kind, cfg.name, exc)
+            return (
+                cfg.name,
+                {"table": cfg.name, "status": "waiting", "reason": str(exc), "seconds": time.time() - t},
+                None,
+            )
         log.error("%s %s failed: %s\n%s", kind, cfg.name, exc, traceback.format_exc())
         return cfg.name, {"table": cfg.name, "status": "failed", "error": str(exc), "seconds": time.time() - t}, exc
 

@@ -18,6 +18,8 @@ The actions, each with its review:
   cdc_replay__T     a quarantine replay (ReplayPlan): no approval when nothing is quarantined
   cdc_audit__T      a repair the audit left because it found more persistent keys than
                     approvals.repair_above_keys (RepairPlan); otherwise nothing follows the audit
+  cdc_ingest__T     not an approval but a choice: keep or drop a column the source dropped with
+                    no schema_changes.dropped_columns entry (dropped_column_decision, below)
 A table's YAML turns one off (`approvals: {rebootstrap: false}`, `quarantine_replay: false`);
 CDC_APPROVALS=off in the workers' environment turns all off (unattended deployments; `make demo`
 runs so).
@@ -466,3 +468,123 @@ REPAIR_APPROVAL_TIMEOUT = timedelta(minutes=55)
 
 def repair_approval(cfg: TableConfig) -> list[Any]:
     return approval_gate(cfg, review_repair, fail_on_reject=True, timeout=REPAIR_APPROVAL_TIMEOUT)
+
+
+# --- a column dropped at the source: keep it or drop it -------------------------------------------
+# Not an approval but a choice: the ingest found source columns dropped with no
+# schema_changes.dropped_columns entry, recorded them as pending on the table and left its batch
+# unapplied (status `waiting`). The ingest DAG then runs
+#
+#   ingest >> review_dropped >> decide_dropped >> record_dropped >> ingest_again
+#
+# review_dropped skips the rest when nothing is pending; decide_dropped (a HITLOperator) asks
+# `keep_null` or `drop` for the listed columns; record_dropped keeps the answer on the table
+# (ingest.schema.DropDecisions, which every later ingest reads); ingest_again applies the batch.
+# Unanswered, decide_dropped fails after REPAIR_APPROVAL_TIMEOUT (the next run asks again).
+REVIEW_DROPPED_TASK, DECIDE_DROPPED_TASK, RECORD_DROPPED_TASK = "review_dropped", "decide_dropped", "record_dropped"
+
+
+@dataclass(frozen=True)
+class DroppedColumns:
+    """Per table (lake current table), the dropped columns waiting for a decision and their shards."""
+
+    pending: dict[str, dict[str, list[str]]]
+
+    def subject(self) -> str:
+        cols = sorted({c for p in self.pending.values() for c in p})
+        return f"Source column(s) {', '.join(cols)} dropped: keep them or drop them from the lake?"
+
+    def body(self) -> str:
+        lines = ["Columns the source dropped, with no `schema_changes.dropped_columns` entry in the YAML:", ""]
+        for table, cols in sorted(self.pending.items()):
+            lines += [
+                f"- `lake.{table}`: " + "; ".join(f"`{c}` (shards {', '.join(s)})" for c, s in sorted(cols.items()))
+            ]
+        lines += [
+            "",
+            "- **keep_null**: the column stays in the current table, NULL for rows changed from now on.",
+            "- **drop**: the column leaves the current table; the changelog keeps its history.",
+            "",
+            "The answer applies to every column listed and is kept on the table (a YAML entry wins "
+            "over it). The table's batch waits unapplied; it is applied right after the answer.",
+        ]
+        return "\n".join(lines)
+
+
+def review_dropped(cfgs: list[TableConfig], lake: LakeSettings | None = None) -> DroppedColumns:
+    """The tables' pending drop decisions, from their current tables' properties (pyiceberg)."""
+    from cdc_lakehouse.feed.arrow import load_catalog_for
+    from cdc_lakehouse.ingest.schema import DROP_DECISIONS_PROP, DropDecisions
+    from cdc_lakehouse.orchestration.tasks import lake_settings
+
+    catalog = load_catalog_for(lake or lake_settings())
+    pending = {}
+    for cfg in cfgs:
+        props = catalog.load_table(cfg.current_table).metadata.properties
+        found = DropDecisions.from_json(props.get(DROP_DECISIONS_PROP)).pending
+        if found:
+            pending[cfg.current_table] = found
+    return DroppedColumns(pending)
+
+
+def record_dropped(cfgs: list[TableConfig], choice: str, lake: LakeSettings | None = None) -> dict[str, str]:
+    """Every pending column of the tables decided `choice`, kept on each current table."""
+    from cdc_lakehouse.feed.arrow import load_catalog_for
+    from cdc_lakehouse.ingest.schema import DROP_CHOICES, DROP_DECISIONS_PROP, DropDecisions
+    from cdc_lakehouse.orchestration.tasks import lake_settings
+
+    if choice not in DROP_CHOICES:
+        raise ValueError(f"a dropped column is kept (keep_null) or dropped (drop), not {choice!r}")
+    catalog = load_catalog_for(lake or lake_settings())
+    done: dict[str, str] = {}
+    for cfg in cfgs:
+        table = catalog.load_table(cfg.current_table)
+        decisions = DropDecisions.from_json(table.metadata.properties.get(DROP_DECISIONS_PROP))
+        if decisions.pending:
+            with table.transaction() as tx:
+                tx.set_properties({DROP_DECISIONS_PROP: decisions.decide(choice).to_json()})
+            done.update({f"{cfg.name}.{c}": choice for c in decisions.pending})
+    log.info("dropped columns decided: %s", done)
+    return done
+
+
+def asks_dropped(cfgs: list[TableConfig]) -> bool:
+    """Whether the ingest of `cfgs` asks for dropped columns (IngestParams.undecided_drop)."""
+    return approvals_enabled() and any(c.approvals.dropped_columns for c in cfgs)
+
+
+def dropped_column_decision(cfgs: list[TableConfig]) -> tuple[Any, Any] | None:
+    """(review_dropped, record_dropped), with decide_dropped between them: the ingest goes before
+    the first, its second run after the last. None when no table asks (asks_dropped)."""
+    from airflow.providers.standard.operators.hitl import HITLOperator
+    from airflow.sdk import task
+
+    if not asks_dropped(cfgs):
+        return None
+
+    @task.branch(task_id=REVIEW_DROPPED_TASK)
+    def review(**context: Any) -> str | list[str]:
+        found = review_dropped(cfgs)
+        if not found.pending:
+            return []
+        context["ti"].xcom_push(key="subject", value=found.subject())
+        context["ti"].xcom_push(key="body", value=found.body())
+        return DECIDE_DROPPED_TASK
+
+    hours = min((c.approvals.response_timeout_hours or 0) for c in cfgs) or None
+    decide = HITLOperator(
+        task_id=DECIDE_DROPPED_TASK,
+        subject=f"{{{{ ti.xcom_pull(task_ids='{REVIEW_DROPPED_TASK}', key='subject') }}}}",
+        body=f"{{{{ ti.xcom_pull(task_ids='{REVIEW_DROPPED_TASK}', key='body') }}}}",
+        options=["keep_null", "drop"],
+        response_timeout=timedelta(hours=hours) if hours else REPAIR_APPROVAL_TIMEOUT,
+    )
+
+    @task(task_id=RECORD_DROPPED_TASK)
+    def record(**context: Any) -> dict[str, str]:
+        answer = context["ti"].xcom_pull(task_ids=DECIDE_DROPPED_TASK)
+        return record_dropped(cfgs, answer["chosen_options"][0])
+
+    first, recorded = review(), record()
+    first >> decide >> recorded
+    return first, recorded

@@ -19,6 +19,10 @@ def _header(cfg: TableConfig) -> str:
 
 # What every asset event of this package carries (orchestration.tasks.run_partition_key).
 _KEYED = "asset events keyed by the run's partition key"
+_DROP_CHOICE = (
+    "a source column dropped with no `schema_changes.dropped_columns` entry: keep it or drop it "
+    "(review_dropped >> decide_dropped >> record_dropped >> ingest_again; docs/operating.md, Approvals)"
+)
 _ON_EVENTS = (
     "one run per partition key of {what}'s asset events (a re-run or backfill upstream: one more run for that key)"
 )
@@ -37,7 +41,7 @@ def ingest_doc(cfg: TableConfig) -> str:
     return f"""# Incremental ingest: `{cfg.name}`
 
 {_header(cfg)}
-{_flow(f"its schedule `{cfg.ingest.schedule}` (a data interval per run)", "the source endpoints' replication slots, then the landing zone", f"`lake.{cfg.current_table}` and `lake.{cfg.changelog_table}` ({_KEYED}: the interval's start) and the endpoints' consistent points")}## What it does
+{_flow(f"its schedule `{cfg.ingest.schedule}` (a data interval per run)", "the source endpoints' replication slots, then the landing zone", f"`lake.{cfg.current_table}` and `lake.{cfg.changelog_table}` ({_KEYED}: the interval's start) and the endpoints' consistent points", _DROP_CHOICE if cfg.approvals.dropped_columns else "none")}## What it does
 1. **capture__&lt;endpoint&gt;** — one bounded run of the endpoint's logical replication slot
    (`pgoutput`): writes a heartbeat in every shard, reads every transaction committed before
    it, writes Parquet change events and a manifest to the landing zone, then confirms the slot.
@@ -54,6 +58,9 @@ Per-run figures: `SELECT * FROM lake.cdc_meta.ingest_runs WHERE table_name = '{c
 ## How to operate it
 - **Rerun an interval**: clear the run's tasks. Capture reuses the run's manifest; ingest
   applies only what the watermark does not have yet, so reruns and backfills converge.
+- **A source column dropped**: `decide_dropped` asks (Browse > Required Actions) whether to
+  keep it (`keep_null`) or drop it; the answer is kept on the table and `ingest_again` applies
+  the batch. A `schema_changes.dropped_columns` entry in the YAML answers for good.
 - **Failed with a schema change**: the log names the column and the choices; set
   `schema_changes` in `include/tables/{cfg.name}.yaml`, then clear the task.
 - **Failed on the error budget**: read the reasons with
@@ -73,7 +80,7 @@ def group_doc(group: str, cfgs: list[TableConfig]) -> str:
     names = ", ".join(f"`{c.name}`" for c in cfgs)
     return f"""# Grouped incremental ingest: `{group}`
 
-{_flow(f"its schedule `{cfgs[0].ingest.schedule}` (a data interval per run)", "the source endpoints' replication slots, then the landing zone", f"each table's current and changelog tables ({_KEYED}: the interval's start)")}## What it does
+{_flow(f"its schedule `{cfgs[0].ingest.schedule}` (a data interval per run)", "the source endpoints' replication slots, then the landing zone", f"each table's current and changelog tables ({_KEYED}: the interval's start)", _DROP_CHOICE)}## What it does
 Captures each source endpoint's committed changes up to the interval's end, then ingests
 tables {names} in **one Spark application** per run, so many small tables do not each pay a
 JVM start, {max(c.ingest.parallel_tables for c in cfgs)} at once (`ingest.parallel_tables`), each on a
