@@ -369,6 +369,9 @@ def evolve_schema(
     known = known_columns(cfg, in_lake_names(b.wm, b.renames), announced)
     ddl, errors = schema_actions(cfg, b.lake_cols, schemas, latest, config_file or "", known)
     if any(isinstance(e, UndecidedDrop) for e in errors):
+        # The choice may have been recorded since this session cached the table (by pyiceberg, in
+        # the DAG's record_dropped): where Spark answers for the property, it reads it afresh.
+        spark.sql(f"REFRESH TABLE {b.cur}")
         decisions = DropDecisions.from_json(table_property(spark, b.cur, DROP_DECISIONS_PROP))
         ddl, errors = schema_actions(cfg, b.lake_cols, schemas, latest, config_file or "", known, decisions.decided)
         undecided = [e for e in errors if isinstance(e, UndecidedDrop)]
