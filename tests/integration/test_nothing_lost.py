@@ -431,7 +431,17 @@ def test_everything_under_the_landing_zone_is_private(pg, source_uri, spark, lak
         s.wl.step(100)
         m = s.capture()
         append_malformed(private, s.endpoint, m.manifest.run_id, "block", [{"op": "x"}])
-        assert s.ingest(block, m.manifest.run_id).metrics.quarantined == 1
+        quarantined = s.ingest(block, m.manifest.run_id).metrics.quarantined
+        # The malformed event, and any later row of its key whose unchanged TOAST value depends
+        # on it (held back: ingest.quarantine.held_back), when the workload updated that key.
+        reasons = [
+            r.reason
+            for r in spark.table(private.qualified(private.meta_table("quarantine")))
+            .filter(f"table_name = '{block.name}'")
+            .collect()
+        ]
+        assert quarantined == len(reasons) and reasons.count("unknown op 'x'") == 1, reasons
+        assert all(r == "unknown op 'x'" or "depend on quarantined event" in r for r in reasons), reasons
     finally:
         s.close()
     sink = tmp_path / "sink"
