@@ -187,7 +187,7 @@ def test_a_drop_decided_in_airflow_applies_and_the_yaml_wins_over_it():
     assert again == pending and DropDecisions.from_json(None) == DropDecisions()
     assert again.decide("keep_null") == DropDecisions(decided={"old": "drop", "title": "keep_null"})
     with pytest.raises(ValueError, match="keep_null"):
-        again.decide("maybe")  # type: ignore[arg-type]
+        again.decide("maybe")
 
 
 def test_a_table_waiting_for_a_person_is_not_a_failed_table():

@@ -50,8 +50,8 @@ class DropDecisions:
     def to_json(self) -> str:
         return json.dumps({"decided": self.decided, "pending": self.pending}, sort_keys=True)
 
-    def decide(self, choice: DropChoice) -> DropDecisions:
-        """Every pending column decided `choice`."""
+    def decide(self, choice: str) -> DropDecisions:
+        """Every pending column decided `choice` (an answer as the approval returns it, checked)."""
         if choice not in DROP_CHOICES:
             raise ValueError(f"a dropped column is kept (keep_null) or dropped (drop), not {choice!r}")
         return DropDecisions({**self.decided, **dict.fromkeys(self.pending, choice)}, {})

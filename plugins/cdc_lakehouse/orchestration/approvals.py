@@ -530,11 +530,9 @@ def review_dropped(cfgs: list[TableConfig], lake: LakeSettings | None = None) ->
 def record_dropped(cfgs: list[TableConfig], choice: str, lake: LakeSettings | None = None) -> dict[str, str]:
     """Every pending column of the tables decided `choice`, kept on each current table."""
     from cdc_lakehouse.feed.arrow import load_catalog_for
-    from cdc_lakehouse.ingest.schema import DROP_CHOICES, DROP_DECISIONS_PROP, DropDecisions
+    from cdc_lakehouse.ingest.schema import DROP_DECISIONS_PROP, DropDecisions
     from cdc_lakehouse.orchestration.tasks import lake_settings
 
-    if choice not in DROP_CHOICES:
-        raise ValueError(f"a dropped column is kept (keep_null) or dropped (drop), not {choice!r}")
     catalog = load_catalog_for(lake or lake_settings())
     done: dict[str, str] = {}
     for cfg in cfgs:
@@ -559,6 +557,8 @@ def dropped_column_decision(cfgs: list[TableConfig]) -> tuple[Any, Any] | None:
     from airflow.providers.standard.operators.hitl import HITLOperator
     from airflow.sdk import task
 
+    from cdc_lakehouse.ingest.schema import DROP_CHOICES
+
     if not asks_dropped(cfgs):
         return None
 
@@ -576,7 +576,7 @@ def dropped_column_decision(cfgs: list[TableConfig]) -> tuple[Any, Any] | None:
         task_id=DECIDE_DROPPED_TASK,
         subject=f"{{{{ ti.xcom_pull(task_ids='{REVIEW_DROPPED_TASK}', key='subject') }}}}",
         body=f"{{{{ ti.xcom_pull(task_ids='{REVIEW_DROPPED_TASK}', key='body') }}}}",
-        options=["keep_null", "drop"],
+        options=list(DROP_CHOICES),
         response_timeout=timedelta(hours=hours) if hours else REPAIR_APPROVAL_TIMEOUT,
     )
 
