@@ -152,7 +152,7 @@ class Source:
 
 @pytest.fixture(scope="module")
 def sched_env(pg, spark_server, tmp_path_factory):
-    """A fresh AIRFLOW_HOME (SQLite, LocalExecutor), a tables dir with one small table, its
+    """A fresh AIRFLOW_HOME (its metadata in a scratch PostgreSQL database, LocalExecutor), a tables dir with one small table, its
     source in a scratch database, and a private catalog, warehouse and landing zone."""
     base = tmp_path_factory.mktemp("sched")
     home = base / "airflow"
@@ -166,9 +166,9 @@ def sched_env(pg, spark_server, tmp_path_factory):
         (dags / f.name).symlink_to(f)
     (dags / "probe.py").write_text(PROBE_DAG)
     suffix = uuid.uuid4().hex[:8]
-    db, catalog_db = f"sched_{suffix}", f"sched_cat_{suffix}"
-    pg.ensure_database(db)
-    pg.ensure_database(catalog_db)
+    db, catalog_db, airflow_db = f"sched_{suffix}", f"sched_cat_{suffix}", f"sched_airflow_{suffix}"
+    for name in (db, catalog_db, airflow_db):
+        pg.ensure_database(name)
     source = Source(pg, db)
     source.create()
     port = free_port()
@@ -182,7 +182,10 @@ def sched_env(pg, spark_server, tmp_path_factory):
         "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
         "PYTHONPATH": str(ROOT / "plugins"),
         "AIRFLOW_HOME": str(home),
-        "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{home}/airflow.db",
+        # PostgreSQL, as in production: on SQLite the scheduler's writes lock the database, and a
+        # backfill's creation is refused then (503 "not supported on SQLite under concurrent
+        # access"; a CI run of this test hit it).
+        "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"postgresql+psycopg2://postgres@127.0.0.1:{pg.port}/{airflow_db}",
         "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
         "AIRFLOW__CORE__PARALLELISM": "4",
         "AIRFLOW__CORE__DAGS_FOLDER": str(dags),
@@ -222,7 +225,8 @@ def sched_env(pg, spark_server, tmp_path_factory):
     init_airflow_home(env)
     yield env, base, port, source
     source.drop()
-    pg.execute(f"DROP DATABASE IF EXISTS {catalog_db} WITH (FORCE)")
+    for name in (catalog_db, airflow_db):
+        pg.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
 
 
 @dataclass
