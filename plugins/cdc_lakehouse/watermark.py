@@ -27,6 +27,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field
+from typing_extensions import TypedDict  # pydantic validates typing.TypedDict from Python 3.12 only
 
 if TYPE_CHECKING:
     from pyspark.sql import Column
@@ -57,17 +58,68 @@ class StoredJson(BaseModel):
     __hash__ = None  # type: ignore[assignment]  # mutable: never a dict key
 
 
+class ServerIdentity(TypedDict, total=False):
+    """Which server's LSNs a position is (source.publication.source_identity, from IDENTIFY_SYSTEM
+    and TIMELINE_HISTORY): positions compare only within one identity (identity_mismatch)."""
+
+    __pydantic_config__ = ConfigDict(extra="allow")  # type: ignore[misc]
+
+    system_identifier: str
+    timeline: int
+    database: str
+    history: dict[str, int]  # an earlier timeline -> the LSN where the server left it
+
+
 class ShardPosition(StoredJson):
     """One shard's position in a table."""
 
     lsn: int = Field(description="exclusive: every transaction committed below it is in the table")
     ts: str | None = Field(None, description="ISO time the position is fresh to")
     endpoint: str | None = Field(None, description="the endpoint whose slot the position belongs to")
-    source: dict[str, Any] | None = Field(None, description="the server identity (IDENTIFY_SYSTEM)")
+    source: ServerIdentity | None = Field(None, description="the server identity (IDENTIFY_SYSTEM)")
     columns: list[str] | None = Field(None, description="the shard's known source columns")
     filled: list[str] | None = Field(
         None, description="lake columns the shard's rows got from its source while it sent no relation message"
     )
+
+
+class PendingBackfill(StoredJson):
+    """A schema change whose added columns the shard's rows from before it still need
+    (ingest.backfill): the capture's schema change as landed (landing.format.SchemaChange; its other
+    keys are kept as they are), with the endpoint it came through."""
+
+    table: str | None = Field(None, description="schema.table of the shard (every entry the ingest writes has it)")
+    endpoint: str | None = None
+    at_commit_lsn: int | None = Field(None, description="commit LSN of the first transaction with the columns")
+    added: list[str] = Field(default_factory=list, description="the columns to fill")
+
+    def change_id(self) -> tuple[str | None, str | None, int | None]:
+        """Which change this is, whatever else the entry says."""
+        return (self.endpoint, self.table, self.at_commit_lsn)
+
+    def shard_schema(self) -> tuple[str | None, str]:
+        """(endpoint, source schema): which configured shard the change is of."""
+        return (self.endpoint, (self.table or "").rpartition(".")[0])
+
+
+class HeldBy(TypedDict):
+    """Which partition holds a Debezium-fed shard at its frontier, and how many events wait above it."""
+
+    partition: str
+    held: int
+
+
+class DebeziumState(TypedDict, total=False):
+    """A Debezium-fed table's Kafka positions (landing.debezium.plan.advance writes every key; a
+    bootstrap the first three). A dict as stored: keys never written stay out, others are kept."""
+
+    __pydantic_config__ = ConfigDict(extra="allow")  # type: ignore[misc]
+
+    offsets: dict[str, dict[str, int]]  # topic -> partition -> the next offset to read
+    last: dict[str, dict[str, list[Any]]]  # topic -> partition -> [highest position, its commit time]
+    heartbeats: dict[str, str]  # topic prefix -> the newest heartbeat applied (ISO time)
+    applied: dict[str, dict[str, list[int]]]  # topic -> partition -> the highest place applied
+    frontier: dict[str, HeldBy]  # shard -> what holds it
 
 
 class Watermark(StoredJson):
@@ -78,10 +130,10 @@ class Watermark(StoredJson):
     v: int = WATERMARK_VERSION
     shards: dict[str, ShardPosition] = Field(default_factory=dict)
     runs: dict[str, str] = Field(default_factory=dict, description="endpoint -> last capture run applied")
-    backfill: list[dict[str, Any]] | None = Field(
+    backfill: list[PendingBackfill] | None = Field(
         None, description="schema changes whose added columns the rows before them still need (ingest.backfill)"
     )
-    debezium: dict[str, Any] | None = Field(
+    debezium: DebeziumState | None = Field(
         None, description="a Debezium-fed table's Kafka offsets and frontiers (landing.debezium)"
     )
 

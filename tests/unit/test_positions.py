@@ -129,7 +129,7 @@ def test_columns_seen_for_the_first_time_since_the_bootstrap_are_backfilled():
         ],
     )
     out = columns_to_backfill(cfg(), plan, watermark(columns=["id", "v"]))
-    assert [(c["at_commit_lsn"], c["added"]) for c in out] == [(150, ["w"])]
+    assert [(c.at_commit_lsn, c.added) for c in out] == [(150, ["w"])]
     assert plan.new_watermark.shards["db.s0"].columns == ["id", "v", "w"]
 
 
@@ -138,7 +138,7 @@ def test_a_quiet_shard_is_filled_once_at_its_new_position_and_only_when_it_moved
     old = watermark(lsn=100, columns=["id", "v"])
     moved = watermark(lsn=180, columns=["id", "v"])
     out = quiet_shard_fills(cfg(), old, moved, lake_cols)
-    assert [(c["table"], c["endpoint"], c["at_commit_lsn"], c["added"]) for c in out] == [("s0.t", "c__db", 180, ["w"])]
+    assert [(c.table, c.endpoint, c.at_commit_lsn, c.added) for c in out] == [("s0.t", "c__db", 180, ["w"])]
     # Unmoved: a bootstrap's rows may sit at (100, -1), where the fill's changelog rows would go.
     assert quiet_shard_fills(cfg(), old, old, lake_cols) == []
     # Filled before: not again.

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from cdc_lakehouse.landing.format import KeepaliveAdvance
 from cdc_lakehouse.source.errors import SlotLostError, SourceError
 from cdc_lakehouse.source.slots import SlotState, advance_slot, slot_state
 
@@ -33,7 +34,7 @@ def forget_attempts(store, endpoint: str) -> None:
 
 def start_position(
     store, endpoint: str, previous: list[Manifest], state: SlotState
-) -> tuple[int | None, dict[str, Any] | None]:
+) -> tuple[int | None, KeepaliveAdvance | None]:
     """Where this run's changes start for the ingest's gap check, and how a skip was explained.
 
     psycopg2 answers the server's keepalives and, before the first data message of a session,
@@ -65,7 +66,9 @@ def start_position(
             confirmed,
             [a["run_id"] for a in attempts],
         )
-        return last_end, {"from": last_end, "to": confirmed, "attempts": [a["run_id"] for a in attempts]}
+        return last_end, KeepaliveAdvance(
+            {"from": last_end, "to": confirmed, "attempts": [a["run_id"] for a in attempts]}
+        )
     return confirmed, None
 
 

@@ -30,6 +30,7 @@ from cdc_lakehouse.landing.format import (
     FORMAT_VERSION,
     DdlChange,
     Heartbeat,
+    KeepaliveAdvance,
     Manifest,
     ManifestTable,
     SchemaChange,
@@ -48,6 +49,7 @@ from cdc_lakehouse.source.publication import PUBLICATION
 from cdc_lakehouse.source.publication import source_identity as source_source_identity
 from cdc_lakehouse.source.session import SESSION_OPTIONS
 from cdc_lakehouse.source.slots import HEARTBEAT_TABLE, SlotState
+from cdc_lakehouse.watermark import ServerIdentity
 
 log = logging.getLogger(__name__)
 PG_EPOCH_US = 946_684_800_000_000  # 2000-01-01 in Unix microseconds
@@ -81,7 +83,7 @@ class RunStart:
     type_lookup: Callable
     known_schemas: dict[str, list]
     start_lsn: int | None
-    keepalive_advance: dict[str, Any] | None
+    keepalive_advance: KeepaliveAdvance | None
     published_at_start: Any
     published: Callable[[], Any]  # the publication's tables now (read again at the end of the run)
 
@@ -401,7 +403,7 @@ class Stream:
 
     # --- at the bound ------------------------------------------------------------------------
 
-    def _finish(self, cur, identity: dict[str, Any]) -> Manifest:
+    def _finish(self, cur, identity: ServerIdentity) -> Manifest:
         """Files first, durably; then the manifest; then the slot. Confirming earlier would lose the
         run's events to a crash; the failpoints let the crash tests stop between the steps."""
         self.ddl = self._verified_ddl()
@@ -438,7 +440,7 @@ class Stream:
         self.store.discard(self.staging)
         return tables
 
-    def _manifest(self, tables: list[ManifestTable], identity: dict[str, Any]) -> Manifest:
+    def _manifest(self, tables: list[ManifestTable], identity: ServerIdentity) -> Manifest:
         last, start = self.last_commit, self.start
         assert last is not None
         # What the run covered: a table's changes are in this run only if it was published for the

@@ -54,7 +54,7 @@ from cdc_lakehouse.columns import (
     UNAVAILABLE_COL,
     XID_COL,
 )
-from cdc_lakehouse.config import TableConfig
+from cdc_lakehouse.config import ShardGroup, TableConfig
 from cdc_lakehouse.identifiers import pg_qualified, spark_ident
 from cdc_lakehouse.lake import writers
 from cdc_lakehouse.lake.casts import cast_text
@@ -72,7 +72,7 @@ from cdc_lakehouse.settings import LakeSettings, SourceEndpoint, source_uri
 from cdc_lakehouse.source.catalog import describe_table
 from cdc_lakehouse.source.session import SESSION_OPTIONS
 from cdc_lakehouse.source.slots import wal_insert_position
-from cdc_lakehouse.watermark import Watermark
+from cdc_lakehouse.watermark import PendingBackfill, Watermark
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -83,7 +83,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def columns_to_backfill(cfg: TableConfig, plan: Plan, wm: Watermark) -> list[dict[str, Any]]:
+def columns_to_backfill(cfg: TableConfig, plan: Plan, wm: Watermark) -> list[PendingBackfill]:
     """The batch's schema changes that added columns to a shard, each with the columns it added.
 
     A shard's known columns are kept in its watermark (set by the bootstrap): a column seen for
@@ -104,8 +104,8 @@ def columns_to_backfill(cfg: TableConfig, plan: Plan, wm: Watermark) -> list[dic
         if ch.columns is not None:
             known[shard] = set(ch.columns)
         if new:
-            # As the watermark's pending backfill keeps it (JSON): the change, its endpoint, what it added.
-            out.append({**ch.to_dict(), "endpoint": c.endpoint, "added": new})
+            # As the watermark's pending backfill keeps it: the change, its endpoint, what it added.
+            out.append(PendingBackfill.model_validate({**ch.to_dict(), "endpoint": c.endpoint, "added": new}))
     for shard, cols in known.items():
         pos = plan.new_watermark.shards.get(shard)
         if pos is not None:
@@ -117,7 +117,7 @@ def columns_to_backfill(cfg: TableConfig, plan: Plan, wm: Watermark) -> list[dic
 
 def quiet_shard_fills(
     cfg: TableConfig, old_wm: Watermark, new_wm: Watermark, lake_cols: list[tuple[str, str]]
-) -> list[dict[str, Any]]:
+) -> list[PendingBackfill]:
     """For each shard whose position moved and whose known columns lack lake columns, the fill at
     its new position, shaped like a schema change (see the module's docstring). A Debezium-fed
     table has no relation messages, known columns or source connection for this: none."""
@@ -134,7 +134,7 @@ def quiet_shard_fills(
         missing = [c for c, _ in lake_cols if c not in have and c not in kept and c not in cfg.primary_key]
         if missing:
             table = f"{schema}.{cfg.source.table}"
-            out.append({"table": table, "endpoint": group.endpoint_id, "at_commit_lsn": pos.lsn, "added": missing})
+            out.append(PendingBackfill(table=table, endpoint=group.endpoint_id, at_commit_lsn=pos.lsn, added=missing))
     return out
 
 
@@ -147,14 +147,14 @@ def fill_quiet_shards(
     fills = quiet_shard_fills(cfg, old_wm, plan.new_watermark, lake_cols)
     if not fills:
         return 0
-    shard_of = {(g.endpoint_id, schema): shard for g, schema, shard in cfg.shards()}
+    shard_of: dict[tuple[str | None, str], str] = {(g.endpoint_id, schema): shard for g, schema, shard in cfg.shards()}
     new = plan.new_watermark.model_copy(deep=True)
     total = 0
     for ch in fills:
         n, present = backfill_change(spark, lake, cfg, ch, dict(lake_cols), f"quiet-{run}")
         total += n
         if present:
-            pos = new.shards[shard_of[(ch["endpoint"], ch["table"].rpartition(".")[0])]]
+            pos = new.shards[shard_of[ch.shard_schema()]]
             pos.filled = sorted({*(pos.filled or []), *present})
     if new != plan.new_watermark:
         mark = backfill_marker(spark, cur, new)
@@ -169,7 +169,7 @@ def finish_backfill(
     cfg: TableConfig,
     cur: str,
     plan: Plan,
-    added: list[dict[str, Any]],
+    added: list[PendingBackfill],
     ingest_run: str,
 ) -> tuple[int, bool]:
     """Fill the columns the batch added for rows that predate them, then clear the pending mark.
@@ -192,15 +192,15 @@ def finish_backfill(
             "%s: another writer moved the table past this batch and finished its backfill of %s; this "
             "run's MERGE applied the batch, nothing more to do",
             cfg.name,
-            sorted({c for ch in added for c in ch.get("added") or []}),
+            sorted({c for ch in added for c in ch.added}),
         )
         return n, False
     plan.new_watermark = done
     return n, True
 
 
-def _change_ids(changes: list[dict[str, Any]]) -> set[tuple[Any, Any, Any]]:
-    return {(ch.get("endpoint"), ch.get("table"), ch.get("at_commit_lsn")) for ch in changes}
+def _change_ids(changes: list[PendingBackfill]) -> set[tuple[str | None, str | None, int | None]]:
+    return {ch.change_id() for ch in changes}
 
 
 def backfill_marker(spark: SparkSession, cur: str, watermark: Watermark) -> Callable[[str], None]:
@@ -240,7 +240,7 @@ def backfill_added_columns(
     spark: SparkSession,
     lake: LakeSettings,
     cfg: TableConfig,
-    changes: list[dict[str, Any]],
+    changes: list[PendingBackfill],
     lake_cols: list[tuple[str, str]],
     run_label: str,
 ) -> int:
@@ -250,18 +250,29 @@ def backfill_added_columns(
 
 
 def backfill_change(
-    spark: SparkSession, lake: LakeSettings, cfg: TableConfig, ch: dict[str, Any], types: dict[str, str], run_label: str
+    spark: SparkSession,
+    lake: LakeSettings,
+    cfg: TableConfig,
+    ch: PendingBackfill,
+    types: dict[str, str],
+    run_label: str,
 ) -> tuple[int, list[str]]:
     """Fill the columns one schema change added, for its shard's rows below its position.
     Returns the rows filled and the added columns the shard's source has."""
     import psycopg2
 
-    groups = {(g.endpoint_id, schema): (g, shard) for g, schema, shard in cfg.shards()}
-    schema = ch["table"].rpartition(".")[0]
-    endpoint: str | None = ch.get("endpoint")
-    target = groups.get((endpoint, schema)) if endpoint is not None else None
-    added = [c for c in ch.get("added") or [] if c in types]
-    if target is None or not added or ch.get("at_commit_lsn") is None:
+    groups: dict[tuple[str | None, str], tuple[ShardGroup, str]] = {
+        (g.endpoint_id, schema): (g, shard) for g, schema, shard in cfg.shards()
+    }
+    if ch.table is None:
+        raise ValueError(
+            f"{cfg.name}: a pending column backfill in the table's watermark names no source table "
+            f"({ch.to_json()}); the ingest writes every entry with one: re-bootstrap the table's shards"
+        )
+    schema = ch.shard_schema()[1]
+    target = groups.get(ch.shard_schema()) if ch.endpoint is not None else None
+    added = [c for c in ch.added if c in types]
+    if target is None or not added or ch.at_commit_lsn is None:
         return 0, []
     group, shard = target
     ep = SourceEndpoint.from_uri(source_uri(group.conn_id), group.database)
@@ -276,8 +287,7 @@ def backfill_change(
         upto = None if isinstance(values, dict) else wal_insert_position(conn)
     finally:
         conn.close()
-    at = int(ch["at_commit_lsn"])
-    return _apply(spark, lake, cfg, shard, at, values, list(wanted), run_label, upto), present
+    return _apply(spark, lake, cfg, shard, ch.at_commit_lsn, values, list(wanted), run_label, upto), present
 
 
 def _values(

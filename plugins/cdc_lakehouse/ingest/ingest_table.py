@@ -87,7 +87,7 @@ from cdc_lakehouse.runtime.phases import (
 )
 from cdc_lakehouse.runtime.session import session_conf
 from cdc_lakehouse.settings import LakeSettings
-from cdc_lakehouse.watermark import WATERMARK_PROP, Watermark, shard_lsn_map
+from cdc_lakehouse.watermark import WATERMARK_PROP, PendingBackfill, Watermark, shard_lsn_map
 
 if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame, SparkSession
@@ -253,7 +253,7 @@ class Batch:
     cl_wm: Watermark | None  # the changelog's (None before its first commit); its append is fenced on it
     plan: Plan
     lake_cols: list[tuple[str, str]]
-    added: list[dict[str, Any]]  # columns the batch adds at the source: backfilled after the MERGE
+    added: list[PendingBackfill]  # columns the batch adds at the source: backfilled after the MERGE
     new_wm_json: str  # both commits write the same new watermark
     gaps: bool  # landing problems skipped (missing_landing_files: skip)
     batch: BatchId  # every commit of the run carries it (lake.batches); the same for a retry of the same data

@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, ConfigDict
 
 from cdc_lakehouse.lake.ranges import SnapshotInfo, pyiceberg_snapshots, table_snapshots
+from cdc_lakehouse.watermark import ServerIdentity
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -57,7 +58,7 @@ class ConsistentPoint(BaseModel):
 
     endpoint: str
     lsn: int  # exclusive, as in the watermark
-    source: dict[str, Any] | None = None  # the server identity the position belongs to
+    source: ServerIdentity | None = None  # the server identity the position belongs to
     run_id: str | None = None  # the capture run that ended at lsn, when every table names it
     snapshots: dict[str, int]  # lake table (catalog.namespace.name) -> snapshot id
 
@@ -77,7 +78,7 @@ class TableHistory:
     shards: frozenset[str]
 
 
-def _source_key(source: dict[str, Any] | None) -> str:
+def _source_key(source: ServerIdentity | None) -> str:
     return json.dumps(source or {}, sort_keys=True)
 
 

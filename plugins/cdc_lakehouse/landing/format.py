@@ -32,6 +32,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field
+from typing_extensions import TypedDict  # pydantic validates typing.TypedDict from Python 3.12 only
+
+from cdc_lakehouse.source.slots import SlotReport
+from cdc_lakehouse.watermark import ServerIdentity
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -333,6 +337,12 @@ class Streamed(_Part):
     open_at_end: int = Field(0, description="still open at the run's bound: streamed again to the next run")
 
 
+# A capture run that starts below its slot's confirmed position (a keepalive moved the slot past
+# runs whose landing was never confirmed: capture.positions.start_position): from where, to where,
+# and the attempts that were lost. Functional form: `from` is a keyword.
+KeepaliveAdvance = TypedDict("KeepaliveAdvance", {"from": int, "to": int, "attempts": list[str]})
+
+
 class Manifest(_Part):
     """`_manifests/<run_id>.json`: what a capture run wrote and where the slot stands."""
 
@@ -358,12 +368,12 @@ class Manifest(_Part):
     schemas: dict[str, Any] = Field(default_factory=dict, description="per table: the columns last seen")
     schema_changes: list[SchemaChange] = Field(default_factory=list)
     ddl: list[DdlChange] = Field(default_factory=list, description="DDL events (source.ddl), in WAL order")
-    slot_before: dict[str, Any] | None = None
-    slot_after: dict[str, Any] | None = None
-    source_identity: dict[str, Any] | None = Field(None, description="IDENTIFY_SYSTEM of the server")
+    slot_before: SlotReport | None = None
+    slot_after: SlotReport | None = None
+    source_identity: ServerIdentity | None = Field(None, description="IDENTIFY_SYSTEM of the server")
     published: list[str] | None = Field(None, description="tables in the publication at the end of the run")
     published_at_start: list[str] | None = None
-    keepalive_advance: dict[str, Any] | None = None
+    keepalive_advance: KeepaliveAdvance | None = None
     streamed: Streamed | None = None
     bootstrap_markers: list[dict[str, Any]] | None = Field(
         None, description="the chunked bootstraps' watermark messages the run read (bootstrap.chunked)"

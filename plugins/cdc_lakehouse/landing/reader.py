@@ -14,6 +14,7 @@ from cdc_lakehouse.config import TableConfig
 from cdc_lakehouse.landing.errors import CoverageError, NotBootstrapped, SourceIdentityChanged
 from cdc_lakehouse.landing.format import MANIFEST_DIR, LandedColumn, Manifest, SchemaChange, parse_manifest
 from cdc_lakehouse.source.publication import identity_mismatch
+from cdc_lakehouse.watermark import ServerIdentity
 
 if TYPE_CHECKING:
     from pyarrow import fs as pafs
@@ -241,7 +242,7 @@ def same_source_manifests(
     return out
 
 
-def _why_foreign(recorded: dict[str, Any] | None, seen: dict[str, Any] | None, reach: int, run_end: int) -> str | None:
+def _why_foreign(recorded: ServerIdentity | None, seen: ServerIdentity | None, reach: int, run_end: int) -> str | None:
     """Why a run's positions do not compare with a shard position's server, or None. A run of a
     later timeline compares up to where its history left the position's timeline (`reach`: the
     position, or the end of a run of that timeline in the same batch); a run of an earlier

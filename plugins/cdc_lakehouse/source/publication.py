@@ -10,6 +10,7 @@ from cdc_lakehouse.identifiers import pg_ident, pg_qualified
 from cdc_lakehouse.source.catalog import EndpointTables, describe_table
 from cdc_lakehouse.source.pgoutput import lsn_to_int, lsn_to_str
 from cdc_lakehouse.source.slots import HEARTBEAT_TABLE
+from cdc_lakehouse.watermark import ServerIdentity
 
 log = logging.getLogger(__name__)
 
@@ -281,7 +282,7 @@ def published_tables(conn) -> list[str]:
     return out
 
 
-def source_identity(repl_cursor) -> dict[str, Any]:
+def source_identity(repl_cursor) -> ServerIdentity:
     """Which server's LSNs these are, from IDENTIFY_SYSTEM on a replication connection, and on a
     timeline after the first, where each earlier timeline of its history ended (TIMELINE_HISTORY).
 
@@ -292,7 +293,7 @@ def source_identity(repl_cursor) -> dict[str, Any]:
     timeline's: a position up to there still compares (identity_mismatch, #52)."""
     repl_cursor.execute("IDENTIFY_SYSTEM")
     system_id, timeline, _pos, database = repl_cursor.fetchone()
-    identity: dict[str, Any] = {"system_identifier": str(system_id), "timeline": int(timeline), "database": database}
+    identity = ServerIdentity(system_identifier=str(system_id), timeline=int(timeline), database=database)
     if int(timeline) > 1:
         try:
             repl_cursor.execute(f"TIMELINE_HISTORY {int(timeline)}")
@@ -307,7 +308,7 @@ def source_identity(repl_cursor) -> dict[str, Any]:
     return identity
 
 
-def server_identity(dsn: str) -> dict[str, Any]:
+def server_identity(dsn: str) -> ServerIdentity:
     """source_identity of the server at `dsn`, on a replication connection of its own."""
     import psycopg2
     from psycopg2.extras import LogicalReplicationConnection
@@ -331,7 +332,7 @@ def timeline_history(content: str) -> dict[str, int]:
 
 
 def identity_mismatch(
-    recorded: dict[str, Any] | None, seen: dict[str, Any] | None, position: int | None = None
+    recorded: ServerIdentity | None, seen: ServerIdentity | None, position: int | None = None
 ) -> str | None:
     """Why two identities differ, or None when they may be compared (or one is unknown). `seen`
     on a later timeline of the same cluster and database compares with a `position` taken on

@@ -8,6 +8,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from typing_extensions import TypedDict  # pydantic validates typing.TypedDict from Python 3.12 only
+
 from cdc_lakehouse.identifiers import pg_qualified
 from cdc_lakehouse.source.catalog import EndpointTables
 from cdc_lakehouse.source.errors import SlotConflictError, SlotLostError
@@ -81,17 +83,31 @@ class SlotState:
             return None
         return self.current_lsn - self.confirmed_flush
 
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "slot": self.name,
-            "confirmed_flush_lsn": self.confirmed_flush,
-            "restart_lsn": self.restart_lsn,
-            "wal_status": self.wal_status,
-            "retained_wal_bytes": self.retained_bytes,
-            "lag_bytes": self.lag_bytes,
-            "failover": self.failover,
-            "invalidation_reason": self.invalidation_reason,
-        }
+    def to_json(self) -> SlotReport:
+        return SlotReport(
+            slot=self.name,
+            confirmed_flush_lsn=self.confirmed_flush,
+            restart_lsn=self.restart_lsn,
+            wal_status=self.wal_status,
+            retained_wal_bytes=self.retained_bytes,
+            lag_bytes=self.lag_bytes,
+            failover=self.failover,
+            invalidation_reason=self.invalidation_reason,
+        )
+
+
+class SlotReport(TypedDict, total=False):
+    """A slot's state as a capture run's manifest keeps it (`slot_before`, `slot_after`): what the
+    alerts (wal_retained) and the capture metrics read."""
+
+    slot: str
+    confirmed_flush_lsn: int | None
+    restart_lsn: int | None
+    wal_status: str | None
+    retained_wal_bytes: int | None
+    lag_bytes: int | None
+    failover: bool | None
+    invalidation_reason: str | None
 
 
 # The server version from which slots can be failover slots and say why they were invalidated.

@@ -12,12 +12,14 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 from cdc_lakehouse.config import TableConfig
 from cdc_lakehouse.landing.debezium.connect_types import EPOCH, DebeziumFormatError
 from cdc_lakehouse.landing.debezium.records import (
+    CutPoint,
     EventRow,
+    FileStats,
     Shape,
     SinkFile,
     cut_point,
@@ -33,6 +35,7 @@ from cdc_lakehouse.landing.errors import NotBootstrapped
 from cdc_lakehouse.landing.format import Heartbeat, Manifest
 from cdc_lakehouse.landing.reader import LandingFS, Plan, spark_uri
 from cdc_lakehouse.landing.writer import local_dir, make_private, mkdirs
+from cdc_lakehouse.watermark import DebeziumState, HeldBy, Watermark
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -40,7 +43,6 @@ if TYPE_CHECKING:
     from pyspark.sql.types import StructType
 
     from cdc_lakehouse.settings import LakeSettings
-    from cdc_lakehouse.watermark import Watermark
 
 
 log = logging.getLogger(__name__)
@@ -82,7 +84,7 @@ def pending_files(fs: LandingFS, base: str, topic: str, committed: dict[str, int
     return out
 
 
-def within_budget(files: list[SinkFile], stats: dict[str, dict[str, Any]], limit: int) -> list[SinkFile]:
+def within_budget(files: list[SinkFile], stats: dict[str, FileStats], limit: int) -> list[SinkFile]:
     """The files of one batch: every heartbeat file, and of each topic partition a prefix in
     offset order, taken lowest position first across partitions until `limit` events (at least
     one file). The batch applies only what lies below its shard's frontier (`frontiers`), which
@@ -220,7 +222,7 @@ def listed_files(fs: LandingFS, cfg: TableConfig, shape: Shape, watermark: Water
     return files
 
 
-def after_applied(chosen: list[SinkFile], stats: dict[str, dict[str, Any]]) -> list[SinkFile]:
+def after_applied(chosen: list[SinkFile], stats: dict[str, FileStats]) -> list[SinkFile]:
     """The chosen files, each knowing the place of the last change its partition applied before
     it: the watermark's, raised by the files of the batch before it (a copy of a change is sent
     after the change itself, possibly in a later object of the same batch)."""
@@ -246,7 +248,7 @@ class PlacesAfter:
     fresh: bool
 
     @classmethod
-    def of(cls, stats: dict[str, Any]) -> PlacesAfter:
+    def of(cls, stats: FileStats | CutPoint) -> PlacesAfter:
         return cls(stats["top"], stats["fresh"])
 
 
@@ -258,13 +260,13 @@ def following(applied: list[int] | None, after: PlacesAfter) -> list[int] | None
     return applied if after.top is None or applied >= after.top else after.top
 
 
-def read_stats(spark: SparkSession, fs: LandingFS, shape: Shape, files: list[SinkFile]) -> dict[str, dict[str, Any]]:
+def read_stats(spark: SparkSession, fs: LandingFS, shape: Shape, files: list[SinkFile]) -> dict[str, FileStats]:
     """file_stats of every listed object, by name; conversion errors stop the table here."""
     tables = [f for f in files if not f.heartbeat]
-    stats = _json_rows(spark, tables, lambda f, d: file_stats(shape, f, d)) if tables else []
+    stats = cast(list[FileStats], _json_rows(spark, tables, lambda f, d: file_stats(shape, f, d)) if tables else [])
     # Heartbeat topics start with '_', which Hadoop's input formats treat as hidden: read on the driver.
     stats += [file_stats(shape, f, read_bytes(fs, f.uri)) for f in files if f.heartbeat]
-    errors = [s["error"] for s in stats if s["error"]]
+    errors = [e for s in stats if (e := s["error"])]
     if errors:
         raise DebeziumFormatError("\n".join(sorted(set(errors))))
     return {s["name"]: s for s in stats}
@@ -290,16 +292,17 @@ class Frontier:
 
 
 def partition_low(
-    files: list[SinkFile], picked: set[str], stats: dict[str, dict[str, Any]], last: list[Any] | None
+    files: list[SinkFile], picked: set[str], stats: dict[str, FileStats], last: list[Any] | None
 ) -> int | None:
     """The lowest position a partition may still deliver after this batch: its first event the
     batch does not take; else one above the highest it ever delivered (Debezium's position is the
     previous transaction's commit, shared by a whole transaction, so the next transaction's is
     higher: +1 covers the last one delivered). None when it never delivered anything."""
-    rest: list[int] = [stats[f.name]["lo"] for f in files if f.name not in picked and stats[f.name]["events"]]
+    # A file with events has its `lo` and `hi`.
+    rest = [lo for f in files if f.name not in picked and (lo := stats[f.name]["lo"]) is not None]
     if rest:
         return min(rest)
-    seen: list[int] = [stats[f.name]["hi"] for f in files if stats[f.name]["events"]] + ([last[0]] if last else [])
+    seen: list[int] = [hi for f in files if (hi := stats[f.name]["hi"]) is not None] + ([last[0]] if last else [])
     return max(seen) + 1 if seen else None
 
 
@@ -308,7 +311,7 @@ def frontiers(
     watermark: Watermark,
     files: list[SinkFile],
     chosen: list[SinkFile],
-    stats: dict[str, dict[str, Any]],
+    stats: dict[str, FileStats],
 ) -> dict[str, Frontier]:
     """Per table topic, its shard's frontier: the lowest `partition_low` of its partitions (within
     a partition events arrive in commit order; across partitions they do not, so a partition
@@ -355,7 +358,7 @@ def take_below(
     spark: SparkSession,
     shape: Shape,
     chosen: list[SinkFile],
-    stats: dict[str, dict[str, Any]],
+    stats: dict[str, FileStats],
     fronts: dict[str, Frontier],
 ) -> tuple[list[Taken], dict[str, Frontier]]:
     """The part of each chosen object below its shard's frontier, and the frontiers with the
@@ -377,8 +380,9 @@ def take_below(
         w = fronts[topic].lsn
         for i, f in enumerate(part):
             s = stats[f.name]
-            if s["events"] and s["hi"] >= w:  # this file reaches the frontier: the rest of the partition waits
-                crosses = s["lo"] < w
+            hi, lo = s["hi"], s["lo"]  # set when the file has events
+            if s["events"] and hi is not None and hi >= w:  # this file reaches the frontier: the rest waits
+                crosses = lo is not None and lo < w
                 crossing += [f] if crosses else []
                 waiting = part[i + 1 :] if crosses else part[i:]
                 held[topic] = held.get(topic, 0) + sum(stats[g.name]["events"] for g in waiting)
@@ -392,18 +396,16 @@ def take_below(
     return taken, {t: replace(fr, held=held.get(t, 0)) for t, fr in fronts.items()}
 
 
-def cut_points(
-    spark: SparkSession, shape: Shape, files: list[SinkFile], fronts: dict[str, Frontier]
-) -> list[dict[str, Any]]:
+def cut_points(spark: SparkSession, shape: Shape, files: list[SinkFile], fronts: dict[str, Frontier]) -> list[CutPoint]:
     """cut_point of each file that crosses its shard's frontier (read again on the executors:
     only such files, at most one per partition)."""
     if not files:
         return []
     w = {t: fr.lsn for t, fr in fronts.items()}
-    return _json_rows(spark, files, lambda f, d: cut_point(shape, f, d, w[f.topic]))
+    return cast(list[CutPoint], _json_rows(spark, files, lambda f, d: cut_point(shape, f, d, w[f.topic])))
 
 
-def report(cfg: TableConfig, fronts: dict[str, Frontier], taken_stats: list[dict[str, Any]]) -> None:
+def report(cfg: TableConfig, fronts: dict[str, Frontier], taken_stats: list[FileStats]) -> None:
     """Say what waits and why: events held back above a shard's frontier, and which partition
     holds it (the watermark's `debezium.frontier` keeps the same, so the run's metrics show it);
     events placed at the watermark (`_offset_events`)."""
@@ -415,7 +417,7 @@ def report(cfg: TableConfig, fronts: dict[str, Frontier], taken_stats: list[dict
                 "every partition flowing (docs/debezium.md, Positions)",
                 cfg.name, fr.shard, fr.held, fr.lsn, fr.holder,
             )  # fmt: skip
-    counted = {
+    counted: dict[Literal["again", "late"], str] = {
         "again": "left out as copies of changes an earlier batch applied (Debezium sends changes again after an "
         "unclean Kafka Connect stop; docs/debezium.md, Redelivery)",
         "late": "below their shard's watermark (the rest of a transaction the sink split across objects flushed at "
@@ -469,7 +471,7 @@ def advance(cfg: TableConfig, watermark: Watermark, taken: list[Taken], fronts: 
     per shard which partition holds it and how many events wait above it. A heartbeat newer than
     a shard's time makes it that fresh, only when nothing of the shard waits."""
     new = watermark.model_copy(deep=True)
-    st = new.debezium = dict(new.debezium or {})
+    st = new.debezium = cast(DebeziumState, dict(new.debezium or {}))
     offsets, last, beats = st.setdefault("offsets", {}), st.setdefault("last", {}), st.setdefault("heartbeats", {})
     applied = st.setdefault("applied", {})
     for t in sorted(taken, key=lambda t: (t.file.topic, t.file.partition, t.file.start)):
@@ -478,9 +480,11 @@ def advance(cfg: TableConfig, watermark: Watermark, taken: list[Taken], fronts: 
         po[p] = max(po.get(p, 0), t.end)
         if t.places is not None:
             pa = applied.setdefault(f.topic, {})
-            pa[p] = following(pa.get(p), t.places)
-            if pa[p] is None:
-                del pa[p]
+            top = following(pa.get(p), t.places)
+            if top is None:
+                pa.pop(p, None)
+            else:
+                pa[p] = top
         prev = last.get(f.topic, {}).get(p)
         if t.last and (prev is None or t.last[0] >= prev[0]):
             last.setdefault(f.topic, {})[p] = t.last
@@ -494,10 +498,10 @@ def advance(cfg: TableConfig, watermark: Watermark, taken: list[Taken], fronts: 
         pos = new.shards[shard]
         if fr.lsn > pos.lsn:
             pos.lsn, pos.ts = fr.lsn, _newest(pos.ts, *(ts for _, ts in last.get(fr.topic, {}).values()))
-        beat = beats.get(cfg.landing.prefix_for(g.conn_id))
-        if beat and fr.delivered and not fr.held and not fr.left:
-            pos.ts = _newest(pos.ts, beat)
-        shown[shard] = {"partition": fr.holder, "held": fr.held}
+        server_beat = beats.get(cfg.landing.prefix_for(g.conn_id))
+        if server_beat and fr.delivered and not fr.held and not fr.left:
+            pos.ts = _newest(pos.ts, server_beat)
+        shown[shard] = HeldBy(partition=fr.holder, held=fr.held)
     return new
 
 

@@ -9,7 +9,7 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, timedelta
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, TypedDict, cast
 
 from cdc_lakehouse.config import LandingSource, TableConfig
 from cdc_lakehouse.landing.debezium.connect_types import EPOCH, DebeziumFormatError, row_texts, table_columns
@@ -306,14 +306,55 @@ def _last(last: list[Any] | None, row: EventRow) -> list[Any]:
     return [at if last is None else max(at, last[0]), row[4][10].isoformat()]
 
 
-def file_stats(shape: Shape, sf: SinkFile, data: bytes) -> dict[str, Any]:
+class FileStats(TypedDict):
+    """What `file_stats` finds in one sink file; JSON from the executors to the planner."""
+
+    name: str
+    records: int  # offsets the file covers
+    events: int  # landing events, copies of changes applied left out
+    lo: int | None  # lowest and highest position of its events
+    hi: int | None
+    last: list[Any] | None  # [highest position, commit time of the latest event]
+    late: int  # events placed at the shard's floor
+    top: list[int] | None  # the highest place of a streamed change (place_to_json)
+    fresh: bool  # a new snapshot began in it
+    again: int  # copies of changes applied before
+    heartbeat: int | None  # the latest heartbeat (ms)
+    error: str | None  # a conversion error, as text
+
+
+class CutPoint(TypedDict):
+    """Where a file crosses its shard's frontier (`cut_point`)."""
+
+    name: str
+    at: int | None  # the offset of its first event at or above the frontier
+    events: int  # events before it
+    last: list[Any] | None
+    held: int  # events from `at` on, held back
+    top: list[int] | None
+    fresh: bool
+
+
+def file_stats(shape: Shape, sf: SinkFile, data: bytes) -> FileStats:
     """What the planner needs of a file: its record count (offsets it covers), its events' lowest
     and highest position (`lo`, `hi`), `last` (the highest position, the last event's commit
     time), how many were placed at the floor (`late`), the highest place of a streamed change
     (`top`), how many are copies of changes applied (`again`, left out of the rest), the latest
     heartbeat; a conversion error as text."""
-    out: dict[str, Any] = {"name": sf.name, "records": 0, "events": 0, "lo": None, "hi": None, "last": None}
-    out.update(late=0, top=place_to_json(sf.applied), fresh=False, again=0, heartbeat=None, error=None)
+    out = FileStats(
+        name=sf.name,
+        records=0,
+        events=0,
+        lo=None,
+        hi=None,
+        last=None,
+        late=0,
+        top=place_to_json(sf.applied),
+        fresh=False,
+        again=0,
+        heartbeat=None,
+        error=None,
+    )
     try:
         if sf.heartbeat:
             for _schema, payload in records(data, shape.fmt, f"{shape.table_name}: {sf.uri}"):
@@ -337,13 +378,12 @@ def file_stats(shape: Shape, sf: SinkFile, data: bytes) -> dict[str, Any]:
     return out
 
 
-def cut_point(shape: Shape, sf: SinkFile, data: bytes, frontier: int) -> dict[str, Any]:
+def cut_point(shape: Shape, sf: SinkFile, data: bytes, frontier: int) -> CutPoint:
     """Where a file crosses its shard's frontier: the offset of its first event at or above it
     (`at`, None when there is none), the events before it, the last one's position and the
     highest place and whether a new snapshot began (`top`, `fresh`, as `file_stats`), and how many
     events from it on are held back."""
-    out: dict[str, Any] = {"name": sf.name, "at": None, "events": 0, "last": None, "held": 0}
-    out.update(top=place_to_json(sf.applied), fresh=False)
+    out = CutPoint(name=sf.name, at=None, events=0, last=None, held=0, top=place_to_json(sf.applied), fresh=False)
     for ev in _offset_events(shape, sf, data):
         if out["at"] is None and not ev.again and ev.row[4][6] >= frontier:
             out["at"] = ev.offset
