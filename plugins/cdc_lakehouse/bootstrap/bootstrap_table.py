@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
-from cdc_lakehouse.bootstrap.result import BootstrapResult, SnapshotBootstrapResult
+from cdc_lakehouse.bootstrap.result import BootstrapResult, EndpointSnapshot, SnapshotBootstrapResult
 from cdc_lakehouse.bootstrap.snapshot import (
     BootstrapError,
     ShardSource,
@@ -87,7 +87,7 @@ class _Snapshot:
     time: datetime  # naive UTC, as Spark's timestamp literals want it
     wm: Watermark
     cwm: Watermark
-    per_endpoint: dict[str, Any] = field(default_factory=dict)
+    per_endpoint: dict[str, EndpointSnapshot] = field(default_factory=dict)
 
     @property
     def run_tag(self) -> str:
@@ -207,7 +207,9 @@ def _export_and_read(
         )
         conn, point, snapshot, identity = export_snapshot(shard_sources[0].endpoint, endpoint_id, snap.run_id)
         stack.callback(conn.close)
-        snap.per_endpoint[endpoint_id] = {"consistent_point": point, "shards": [s.shard for s in shard_sources]}
+        snap.per_endpoint[endpoint_id] = EndpointSnapshot(
+            consistent_point=point, shards=[s.shard for s in shard_sources]
+        )
         log.info("bootstrap %s: endpoint %s snapshot %s at LSN %s", cfg.name, endpoint_id, snapshot, point)
         frames.append(read_shards(spark, cfg, shard_sources, snapshot, target.columns, pg_types))
         for s in shard_sources:

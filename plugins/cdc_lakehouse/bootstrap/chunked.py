@@ -45,7 +45,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict, cast
 
 from cdc_lakehouse.bootstrap.bootstrap_table import _event_columns, _prepare_tables, _Snapshot, _Target
 from cdc_lakehouse.bootstrap.chunks import (
@@ -80,6 +80,7 @@ from cdc_lakehouse.runtime.failpoints import crash_point
 from cdc_lakehouse.runtime.phases import local_checkpoint
 from cdc_lakehouse.runtime.session import session_conf
 from cdc_lakehouse.settings import LakeSettings
+from cdc_lakehouse.source.markers import ChunkMark
 from cdc_lakehouse.watermark import ShardPosition, Watermark
 
 if TYPE_CHECKING:
@@ -103,7 +104,7 @@ class ChunkedRun:
     started: float = field(default_factory=time.monotonic)
     # Table -> the newest round marker (ROUND_PROP) it carried when this run last read or wrote it:
     # each round's commits are fenced on it (_apply_chunks).
-    rounds: dict[str, Any] = field(default_factory=dict)
+    rounds: dict[str, RoundMarker | None] = field(default_factory=dict)
 
     def result(self) -> ChunkedBootstrapResult:
         elapsed = time.monotonic() - self.started
@@ -345,7 +346,7 @@ class _RoundReader:
                 if not sh.started:
                     _start_shard(conn, sh, self.table)
                 st = sh.state
-                marker = {"table": st.table, "shard": st.shard, "chunk": st.chunk + 1, "run_id": st.run_id}
+                marker = ChunkMark(table=st.table, shard=st.shard, chunk=st.chunk + 1, run_id=st.run_id)
                 return read_chunk(
                     conn, sh.query, self.columns, st.last_key, marker, sh.upto, commit_wait=self.commit_wait
                 )
@@ -489,12 +490,19 @@ def _not_superseded(
 ROUND_PROP = "cdc.chunk-round"
 
 
-def round_marker_in(snapshots: Iterable[Any]) -> dict[str, Any] | None:
+class RoundMarker(TypedDict):
+    """A round's commits carry it (ROUND_PROP): which run applied which chunk of each shard."""
+
+    run: str
+    chunks: dict[str, int]  # shard -> the chunk applied
+
+
+def round_marker_in(snapshots: Iterable[Any]) -> RoundMarker | None:
     """The newest round marker in a chain of snapshots (newest first)."""
     for snap in snapshots:
         raw = snap.summary.get(ROUND_PROP)
         if raw is not None:
-            return json.loads(raw)
+            return cast(RoundMarker, json.loads(raw))
     return None
 
 
@@ -516,7 +524,7 @@ def _apply_chunks(
     within = round_key_range(cfg, frame)
     shards = sorted({c.shard for c in chunks})
     lowest = min(c.low for c in chunks)
-    marker = {"run": run.run_id, "chunks": {c.shard: c.no for c in chunks}}
+    marker = RoundMarker(run=run.run_id, chunks={c.shard: c.no for c in chunks})
     props = {
         ROUND_PROP: json.dumps(marker, separators=(",", ":"), sort_keys=True),
         # The chunks' values were read up to their high markers (lake.points).
@@ -554,10 +562,10 @@ def _apply_chunks(
         run.rounds[table] = marker
 
 
-def _another_bootstrap(cfg: TableConfig, table: str, run_id: str, now: dict[str, Any] | None) -> ConcurrentWriterError:
-    other = (now or {}).get("run")
+def _another_bootstrap(cfg: TableConfig, table: str, run_id: str, now: RoundMarker | None) -> ConcurrentWriterError:
+    other = now["run"] if now else None
     return ConcurrentWriterError(
-        f"{cfg.name}: another chunked bootstrap (run {other}) applied chunks {(now or {}).get('chunks')} to {table} "
+        f"{cfg.name}: another chunked bootstrap (run {other}) applied chunks {now['chunks'] if now else None} to {table} "
         f"since this run ({run_id}) read it; nothing of this round was published. Run one bootstrap of a table "
         "at a time: let the other run finish (or stop it), then rerun; a run resumes after the last recorded chunk"
     )

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from cdc_lakehouse.bootstrap.typed_select import TypedSelect, typed_select
 from cdc_lakehouse.identifiers import pg_ident, pg_qualified
 from cdc_lakehouse.source.catalog import text_select, text_select_list
-from cdc_lakehouse.source.markers import emit_marker, wait_until_visible
+from cdc_lakehouse.source.markers import ChunkMark, emit_marker, wait_until_visible
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -141,7 +141,7 @@ def read_chunk(
     q: ChunkQuery,
     columns: tuple[str, ...],
     after: list[str] | None,
-    marker: dict[str, Any],
+    marker: ChunkMark,
     upto: list[str] | None = None,
     *,
     commit_wait: float,
@@ -180,7 +180,7 @@ def read_typed_chunk(
     q: ChunkQuery,
     select: TypedSelect,
     after: list[str] | None,
-    marker: dict[str, Any],
+    marker: ChunkMark,
     upto: list[str] | None = None,
     *,
     commit_wait: float,

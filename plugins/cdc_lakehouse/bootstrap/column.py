@@ -56,6 +56,7 @@ from cdc_lakehouse.lake.commits import sql_with_commit_properties, with_commit_r
 from cdc_lakehouse.lake.tables import source_columns_of, sql_string
 from cdc_lakehouse.lake.writers import COLUMN_BACKFILL, READ_UPTO_PROP
 from cdc_lakehouse.settings import LakeSettings
+from cdc_lakehouse.source.markers import ChunkMark
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -160,13 +161,9 @@ class _Fill:
                 state.chunks_total = max(state.chunks_total, estimated_rows(c, s.schema, cfg.source.table) // limit + 1)
             upto = last_key(conn, q)  # rows inserted later come through the stream
             while not state.done:
-                marker = {
-                    "table": cfg.name,
-                    "shard": s.shard,
-                    "chunk": state.chunk + 1,
-                    "run": r.run_id,
-                    "columns": r.columns,
-                }
+                marker = ChunkMark(
+                    table=cfg.name, shard=s.shard, chunk=state.chunk + 1, run=r.run_id, columns=r.columns
+                )
                 chunk = read_typed_chunk(
                     conn, reader, q, select, state.last_key, marker, upto, commit_wait=cfg.bootstrap.commit_wait_seconds
                 )

@@ -4,9 +4,16 @@ turns into its result line with `to_dict()`."""
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any, Literal, TypeAlias
+from typing import Any, Literal, TypeAlias, TypedDict
 
 from cdc_lakehouse.watermark import Watermark
+
+
+class EndpointSnapshot(TypedDict):
+    """One endpoint's part of a snapshot bootstrap: its shards were read at one consistent point."""
+
+    consistent_point: int  # the LSN of the snapshot's replication slot
+    shards: list[str]
 
 
 @dataclass(frozen=True)
@@ -17,7 +24,7 @@ class SnapshotBootstrapResult:
     run_id: str
     shards: dict[str, int]  # rows of each shard bootstrapped
     rows: int
-    endpoints: dict[str, Any]  # endpoint -> {"consistent_point": LSN, "shards": [...]}
+    endpoints: dict[str, EndpointSnapshot]
     read_and_changelog_seconds: float
     current_write_seconds: float
     seconds: float

@@ -3,10 +3,9 @@ values, schema diffs."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from cdc_lakehouse.landing.format import arrow_type
 from cdc_lakehouse.landing.writer import ImageColumns
+from cdc_lakehouse.source.catalog import SchemaColumn
 from cdc_lakehouse.source.catalog import lake_type as source_lake_type
 from cdc_lakehouse.source.catalog import schema_json as source_schema_json
 from cdc_lakehouse.source.pgoutput import UNCHANGED, Relation
@@ -24,11 +23,11 @@ class Rel:
         self.key = f"{rel.schema}.{rel.name}"
         self.names = rel.names
         self.heartbeat = rel.name == HEARTBEAT_TABLE
-        self.columns: list[dict[str, Any]] = []
+        self.columns: list[SchemaColumn] = []
         for c in rel.columns:
             fmt, typtype, base = type_lookup(c.type_oid, c.typmod)
             lt = source_lake_type(base, "b") if typtype == "d" else source_lake_type(fmt, typtype)
-            self.columns.append({"name": c.name, "type": fmt, "lake_type": lt, "key": c.is_key})
+            self.columns.append(SchemaColumn(name=c.name, type=fmt, lake_type=lt, key=c.is_key))
         self.key_idx = [i for i, c in enumerate(rel.columns) if c.is_key]
         self.schema_json = source_schema_json(self.columns)
         overrides = column_types or {}
@@ -74,7 +73,7 @@ def old_values(rel: Rel, values: list, only_key: bool) -> list:
     return [None if v is UNCHANGED else v for v in values]
 
 
-def schema_diff(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> dict[str, list] | None:
+def schema_diff(old: list[SchemaColumn], new: list[SchemaColumn]) -> dict[str, list] | None:
     before = {c["name"]: c["type"] for c in old}
     after = {c["name"]: c["type"] for c in new}
     added = [n for n in after if n not in before]

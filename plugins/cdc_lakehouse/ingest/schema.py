@@ -9,13 +9,14 @@ import logging
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, NoReturn
+from typing import TYPE_CHECKING, Literal, NoReturn
 
 from cdc_lakehouse.config import TableConfig
 from cdc_lakehouse.identifiers import spark_ident
 from cdc_lakehouse.ingest.errors import DropDecisionNeeded
 from cdc_lakehouse.lake.tables import add_column, alter_table, sql_string
 from cdc_lakehouse.landing.reader import Plan
+from cdc_lakehouse.source.catalog import SchemaColumn
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
@@ -69,9 +70,8 @@ class UndecidedDrop(str):
         return made
 
 
-# A relation's columns as the capture records them (source.catalog.schema_json): one dict per
-# column, with its name, source type, lake type and whether it is in the key.
-SchemaJson = list[dict[str, Any]]
+# A relation's columns as the capture records them (source.catalog.schema_json).
+SchemaJson = list[SchemaColumn]
 
 
 def manifest_schemas(plan: Plan, cfg: TableConfig) -> tuple[list[SchemaJson], dict[str, SchemaJson]]:
@@ -214,7 +214,7 @@ def _new_and_changed(
     return ddl, errors, added
 
 
-def _added_error(cfg: TableConfig, c: dict[str, Any], want: str | None, where: str) -> str | None:
+def _added_error(cfg: TableConfig, c: SchemaColumn, want: str | None, where: str) -> str | None:
     name = c["name"]
     if not want:
         return (

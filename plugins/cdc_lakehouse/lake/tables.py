@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypedDict
 
 from cdc_lakehouse.columns import BY_NAME, CHANGELOG, COMMIT_TS_COL, CURRENT, METADATA_NAMES, SHARD_COL, ddl_of
 from cdc_lakehouse.config import TableConfig
@@ -240,7 +240,18 @@ def source_columns_of(spark: SparkSession, table: str, cfg: TableConfig) -> list
     return [(f.name, f.dataType.simpleString()) for f in spark.table(table).schema.fields if f.name not in meta]
 
 
-def table_stats(spark: SparkSession, table: str) -> dict[str, Any]:
+class TableStats(TypedDict):
+    """A table's files and snapshots (`table_stats`): what maintenance reports before and after."""
+
+    data_files: int
+    total_bytes: int
+    records: int
+    avg_file_bytes: float
+    delete_files: int
+    snapshots: int
+
+
+def table_stats(spark: SparkSession, table: str) -> TableStats:
     """Files, delete files, snapshots and bytes of a table's current state (one metadata query)."""
     with metadata_reads(spark):
         f = spark.sql(
@@ -248,11 +259,11 @@ def table_stats(spark: SparkSession, table: str) -> dict[str, Any]:
             f"coalesce(sum(if(content = 0, record_count, 0)), 0) r, count_if(content <> 0) d, "
             f"(SELECT count(*) FROM {table}.snapshots) s FROM {table}.files"
         ).collect()[0]
-    return {
-        "data_files": int(f["n"]),
-        "total_bytes": int(f["b"]),
-        "records": int(f["r"]),
-        "avg_file_bytes": float(f["b"]) / f["n"] if f["n"] else 0.0,
-        "delete_files": int(f["d"]),
-        "snapshots": int(f["s"]),
-    }
+    return TableStats(
+        data_files=int(f["n"]),
+        total_bytes=int(f["b"]),
+        records=int(f["r"]),
+        avg_file_bytes=float(f["b"]) / f["n"] if f["n"] else 0.0,
+        delete_files=int(f["d"]),
+        snapshots=int(f["s"]),
+    )

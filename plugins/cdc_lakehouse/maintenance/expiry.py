@@ -7,9 +7,10 @@ max lag runs out."""
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from cdc_lakehouse.lake.holds import range_floor_ms, sweep
+from cdc_lakehouse.maintenance.result import Expired
 from cdc_lakehouse.maintenance.targets import Target
 from cdc_lakehouse.runtime.phases import metadata_reads
 from cdc_lakehouse.settings import LakeSettings
@@ -36,7 +37,7 @@ def position_snapshot_time(spark: SparkSession, table: str, prop: str = WATERMAR
     return rows[0]["t"].replace(tzinfo=UTC) if rows else None
 
 
-def expire(spark: SparkSession, lake: LakeSettings, target: Target, now: datetime) -> dict[str, Any]:
+def expire(spark: SparkSession, lake: LakeSettings, target: Target, now: datetime) -> Expired:
     """expire_snapshots older than the retention, never the position's snapshot nor anything a
     live consumer hold keeps (lake.holds); then remove_orphan_files."""
     cat = lake.catalog_name
@@ -65,9 +66,9 @@ def expire(spark: SparkSession, lake: LakeSettings, target: Target, now: datetim
     o = spark.sql(
         f"CALL {cat}.system.remove_orphan_files(table => '{name}', older_than => TIMESTAMP '{_ts(orphans_before)}')"
     ).collect()
-    return {
-        "expired_data_files": int(r[0][0]) if r else 0,
-        "orphan_files_removed": len(o),
-        "holds_kept": [h.name for h in held.kept],
-        "holds_dropped": [h.name for h in held.dropped],
-    }
+    return Expired(
+        expired_data_files=int(r[0][0]) if r else 0,
+        orphan_files_removed=len(o),
+        holds_kept=[h.name for h in held.kept],
+        holds_dropped=[h.name for h in held.dropped],
+    )

@@ -13,10 +13,16 @@ from typing import TYPE_CHECKING, Any
 
 from cdc_lakehouse.config import OutputMaintenanceConfig, TableConfig
 from cdc_lakehouse.lake.meta import meta_append
-from cdc_lakehouse.lake.tables import table_exists
+from cdc_lakehouse.lake.tables import TableStats, table_exists
 from cdc_lakehouse.maintenance.expiry import expire
 from cdc_lakehouse.maintenance.landing_retention import prune_landing
-from cdc_lakehouse.maintenance.result import MaintenanceResult, TableMaintenanceResult, TargetMaintenance
+from cdc_lakehouse.maintenance.result import (
+    Expired,
+    MaintenanceResult,
+    Rewritten,
+    TableMaintenanceResult,
+    TargetMaintenance,
+)
 from cdc_lakehouse.maintenance.rewrite import compact
 from cdc_lakehouse.maintenance.targets import Target, derived_targets, feed_output_target, table_targets
 from cdc_lakehouse.maintenance.verify import Observed, check_unchanged, observe, only_rewrites_since
@@ -111,10 +117,12 @@ def maintain_targets(
     clock = PhaseClock()
     for target in targets:
         with clock.phase(target.kind):
-            before, after, done = _maintain_target(spark, lake, target, now)
+            before, after, rewritten, expired = _maintain_target(spark, lake, target, now)
         secs = clock.seconds[target.kind]
         rows += [_stats_row(target, run_id, phase, o, secs, now) for phase, o in (("before", before), ("after", after))]
-        result[target.kind] = TargetMaintenance(before=before.stats, after=after.stats, seconds=secs, **done)
+        result[target.kind] = TargetMaintenance(
+            before=before.stats, after=after.stats, seconds=secs, **rewritten, **expired
+        )
         _log_target(target, before.stats, after.stats, secs)
     meta_append(spark, lake, "maintenance_runs", rows)
     return result
@@ -122,7 +130,7 @@ def maintain_targets(
 
 def _maintain_target(
     spark: SparkSession, lake: LakeSettings, target: Target, now: datetime
-) -> tuple[Observed, Observed, dict[str, Any]]:
+) -> tuple[Observed, Observed, Rewritten, Expired]:
     """Compact and expire one table; fails if another writer committed meanwhile."""
     # The catalog caches loaded tables: another process (the ingest's spark-submit) may have
     # committed since this session last read it, and a stale "before" would look like a
@@ -136,7 +144,7 @@ def _maintain_target(
     only_rewrites_since(spark, target, checked)
     after = observe(spark, target)
     check_unchanged(target, before, after)
-    return before, after, {**comp, **exp}
+    return before, after, comp, exp
 
 
 def _stats_row(target: Target, run_id: str, phase: str, o: Observed, secs: float, now: datetime) -> dict[str, Any]:
@@ -159,7 +167,7 @@ def _stats_row(target: Target, run_id: str, phase: str, o: Observed, secs: float
     }
 
 
-def _log_target(target: Target, before: dict[str, Any], after: dict[str, Any], secs: float) -> None:
+def _log_target(target: Target, before: TableStats, after: TableStats, secs: float) -> None:
     log.info(
         "maintenance %s %s: data files %s -> %s, delete files %s -> %s, snapshots %s -> %s, "
         "avg file %.0f KiB -> %.0f KiB in %.1fs",

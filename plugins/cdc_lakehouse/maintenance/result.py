@@ -4,7 +4,28 @@ Spark jobs the run took. The job turns it into its result line with `to_dict()`.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
+
+if TYPE_CHECKING:
+    from cdc_lakehouse.lake.tables import TableStats
+
+
+class Rewritten(TypedDict, total=False):
+    """What Iceberg's rewrite procedures reported (maintenance.rewrite); a key is missing when a
+    procedure reported nothing, None when it could not run."""
+
+    rewritten_data_files: int
+    added_data_files: int
+    rewritten_delete_files: int | None
+
+
+class Expired(TypedDict):
+    """What the expiry did (maintenance.expiry)."""
+
+    expired_data_files: int
+    orphan_files_removed: int
+    holds_kept: list[str]
+    holds_dropped: list[str]
 
 
 @dataclass(frozen=True)
@@ -12,8 +33,8 @@ class TargetMaintenance:
     """One table compacted and expired. The rewrite counts are what Iceberg's procedures reported:
     None when a procedure was not run (position deletes of a format-1 table) or reported nothing."""
 
-    before: dict[str, Any]  # lake.tables.table_stats before the run, and after it
-    after: dict[str, Any]
+    before: TableStats  # before the run, and after it
+    after: TableStats
     expired_data_files: int
     orphan_files_removed: int
     holds_kept: list[str]  # consumer holds (lake.holds) kept, and dropped (past their max lag)

@@ -4,8 +4,9 @@ position delete files and manifests. Each commits atomically, or not at all."""
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from cdc_lakehouse.maintenance.result import Rewritten
 from cdc_lakehouse.maintenance.targets import Target
 from cdc_lakehouse.settings import LakeSettings
 
@@ -15,7 +16,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def compact(spark: SparkSession, lake: LakeSettings, target: Target) -> dict[str, Any]:
+def compact(spark: SparkSession, lake: LakeSettings, target: Target) -> Rewritten:
     """rewrite_data_files (+ position deletes, manifests) through CALL statements."""
     cat = lake.catalog_name
     # The whole name, catalog first: given `namespace.table`, Iceberg first looks the namespace up
@@ -28,7 +29,7 @@ def compact(spark: SparkSession, lake: LakeSettings, target: Target) -> dict[str
     return out
 
 
-def _rewrite_data_files(spark: SparkSession, cat: str, name: str, target: Target) -> dict[str, Any]:
+def _rewrite_data_files(spark: SparkSession, cat: str, name: str, target: Target) -> Rewritten:
     opts = {
         "min-input-files": str(target.settings.min_input_files),
         "target-file-size-bytes": str(target.target_file_bytes),
@@ -46,10 +47,10 @@ def _rewrite_data_files(spark: SparkSession, cat: str, name: str, target: Target
     r = spark.sql(
         f"CALL {cat}.system.rewrite_data_files(table => '{name}', strategy => {strategy}, options => map({omap}))"
     ).collect()
-    return {"rewritten_data_files": int(r[0][0]), "added_data_files": int(r[0][1])} if r else {}
+    return Rewritten(rewritten_data_files=int(r[0][0]), added_data_files=int(r[0][1])) if r else Rewritten()
 
 
-def _rewrite_delete_files(spark: SparkSession, cat: str, name: str, target: Target) -> dict[str, Any]:
+def _rewrite_delete_files(spark: SparkSession, cat: str, name: str, target: Target) -> Rewritten:
     """Position delete files rewritten; None when Iceberg cannot (the data file rewrite covered it)."""
     try:
         r = spark.sql(
@@ -62,5 +63,5 @@ def _rewrite_delete_files(spark: SparkSession, cat: str, name: str, target: Targ
         # file rewrite above already applied every delete file (delete-file-threshold=1) and
         # removed the dangling ones, so only small leftover delete files stay until a fixed release.
         log.info("maintenance %s: rewrite_position_delete_files skipped (apache/iceberg#14619)", target.owner)
-        return {"rewritten_delete_files": None}
-    return {"rewritten_delete_files": int(r[0][0])} if r else {}
+        return Rewritten(rewritten_delete_files=None)
+    return Rewritten(rewritten_delete_files=int(r[0][0])) if r else Rewritten()

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from cdc_lakehouse.lake.commits import ConcurrentWriterError
 from cdc_lakehouse.lake.snapshots import current_snapshot
-from cdc_lakehouse.lake.tables import table_stats
+from cdc_lakehouse.lake.tables import TableStats, table_stats
 from cdc_lakehouse.maintenance.targets import Target
 
 if TYPE_CHECKING:
@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 class Observed:
     """What maintenance must leave as it found it (content, position) and what it improves (stats)."""
 
-    stats: dict[str, Any]
+    stats: TableStats
     snapshot_id: int | None
     position: Any  # the target's position (watermark, feed offsets) as its writer reads it
     checksum: str | None = None  # maintenance.verify_content only

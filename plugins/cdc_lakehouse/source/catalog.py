@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 
 from cdc_lakehouse.identifiers import pg_ident, pg_qualified
 
@@ -246,7 +246,17 @@ def column_type_cache(conn):
     return lookup
 
 
-def schema_json(columns: list[dict[str, Any]]) -> str:
+class SchemaColumn(TypedDict):
+    """One column of a relation as the capture records it (and a Debezium record's schema gives it):
+    a landed event's `table_schema` and a manifest's `schemas` list them, as JSON (schema_json)."""
+
+    name: str
+    type: str  # the source's type, as format_type() shows it
+    lake_type: str | None  # the lake type it maps to; None when there is none (column_types decides)
+    key: bool  # in the replica identity
+
+
+def schema_json(columns: list[SchemaColumn]) -> str:
     return json.dumps(columns, separators=(",", ":"), sort_keys=True)
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from typing import Any
+from typing import TypedDict
 
 from cdc_lakehouse.source.pgoutput import lsn_to_int
 
@@ -21,7 +21,20 @@ MARKER_PREFIX = "cdc_lakehouse"
 log = logging.getLogger(__name__)
 
 
-def emit_marker(cur, payload: dict[str, Any]) -> int:
+class ChunkMark(TypedDict, total=False):
+    """A marker's body (JSON): which chunk of which run it brackets. The capture keeps it in its
+    manifest's `bootstrap_markers`, with the marker's position."""
+
+    table: str  # the table's config name
+    shard: str
+    chunk: int  # from 1
+    run_id: str  # a snapshot's chunked bootstrap names its run so (bootstrap.chunked)
+    run: str  # a one-column backfill so (bootstrap.column)
+    columns: list[str]  # a one-column backfill's columns
+    mark: str  # low | high
+
+
+def emit_marker(cur, payload: ChunkMark) -> int:
     """A transactional logical message (its own transaction, autocommit); returns its LSN."""
     cur.execute(
         "SELECT pg_logical_emit_message(true, %s, %s)::text",

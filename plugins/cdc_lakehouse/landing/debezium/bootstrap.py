@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from cdc_lakehouse.config import TableConfig
 from cdc_lakehouse.landing.debezium.connect_types import DebeziumFormatError, table_columns
@@ -10,6 +10,7 @@ from cdc_lakehouse.landing.debezium.plan import pending_files, read_bytes
 from cdc_lakehouse.landing.debezium.records import records, schema_field, shape_of
 from cdc_lakehouse.landing.errors import NotBootstrapped
 from cdc_lakehouse.landing.reader import LandingFS, spark_uri
+from cdc_lakehouse.source.catalog import SchemaColumn
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -21,7 +22,7 @@ if TYPE_CHECKING:
 # --- bootstrap ---------------------------------------------------------------------------------------
 
 
-def first_columns(spark: SparkSession, cfg: TableConfig) -> list[dict[str, Any]]:
+def first_columns(spark: SparkSession, cfg: TableConfig) -> list[SchemaColumn]:
     """The table's columns from the value schema of the first record of its topics (the snapshot's
     'r' events when the connector took one)."""
     src, shape = cfg.landing, shape_of(cfg)
@@ -53,10 +54,11 @@ def bootstrap_debezium(spark: SparkSession, lake: LakeSettings, cfg: TableConfig
     if table_exists(spark, cur):
         raise ValueError(f"{cfg.name}: lake table {cur} exists already; drop it first to bootstrap again")
     cols = first_columns(spark, cfg)
-    bad = [c["name"] for c in cols if not (cfg.column_types.get(c["name"]) or c["lake_type"])]
+    typed = {c["name"]: cfg.column_types.get(c["name"]) or c["lake_type"] for c in cols}
+    bad = [name for name, t in typed.items() if not t]
     if bad:
         raise DebeziumFormatError(f"{cfg.name}: columns {bad} have no lake type; set column_types for them")
-    create_lake_tables(spark, lake, cfg, [(c["name"], cfg.column_types.get(c["name"]) or c["lake_type"]) for c in cols])
+    create_lake_tables(spark, lake, cfg, [(name, t) for name, t in typed.items() if t])
     names = [c["name"] for c in cols]
     wm = Watermark(
         v=1,

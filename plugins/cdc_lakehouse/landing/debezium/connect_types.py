@@ -13,7 +13,7 @@ from datetime import UTC, date, datetime, time, timedelta
 from decimal import Decimal
 from typing import TYPE_CHECKING, Any
 
-from cdc_lakehouse.source.catalog import lake_type
+from cdc_lakehouse.source.catalog import SchemaColumn, lake_type
 
 if TYPE_CHECKING:
     pass
@@ -90,7 +90,7 @@ def pg_type(col: dict[str, Any], where: str) -> str:
     raise DebeziumFormatError(f"{where}: Debezium type {sem or typ!r} is not supported. Fix: {fix}")
 
 
-def table_columns(value_schema: dict[str, Any], key: list[str], where: str) -> list[dict[str, Any]]:
+def table_columns(value_schema: dict[str, Any], key: list[str], where: str) -> list[SchemaColumn]:
     """The row's columns as our events' table_schema lists them (name, type, lake_type, key)."""
     cols = []
     for f in value_schema.get("fields", []):
@@ -102,7 +102,7 @@ def table_columns(value_schema: dict[str, Any], key: list[str], where: str) -> l
                 "which loses digits. Fix: set decimal.handling.mode=precise or string on the connector"
             )
         pt = pg_type(f, f"{where}: column {f['field']!r}")
-        cols.append({"name": f["field"], "type": pt, "lake_type": lake_type(pt), "key": f["field"] in key})
+        cols.append(SchemaColumn(name=f["field"], type=pt, lake_type=lake_type(pt), key=f["field"] in key))
     return cols
 
 
