@@ -298,11 +298,11 @@ def partition_low(
     batch does not take; else one above the highest it ever delivered (Debezium's position is the
     previous transaction's commit, shared by a whole transaction, so the next transaction's is
     higher: +1 covers the last one delivered). None when it never delivered anything."""
-    # A file with events has its `lo` and `hi`.
-    rest = [lo for f in files if f.name not in picked and (lo := stats[f.name]["lo"]) is not None]
+    with_events = [f for f in files if stats[f.name]["events"]]  # these have their lo and hi
+    rest = [lo for f in with_events if f.name not in picked and (lo := stats[f.name]["lo"]) is not None]
     if rest:
         return min(rest)
-    seen: list[int] = [hi for f in files if (hi := stats[f.name]["hi"]) is not None] + ([last[0]] if last else [])
+    seen: list[int] = [hi for f in with_events if (hi := stats[f.name]["hi"]) is not None] + ([last[0]] if last else [])
     return max(seen) + 1 if seen else None
 
 
