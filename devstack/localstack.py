@@ -193,7 +193,11 @@ class LocalPostgres:
                 pwfile.unlink(missing_ok=True)
         settings = dict(SERVER_SETTINGS, port=str(self.port), unix_socket_directories=f"'{self.datadir}'")
         if self.fast:
-            settings.update(fsync="off", synchronous_commit="off", full_page_writes="off")
+            # Checkpoints cost little with fsync off; a tighter max_wal_size keeps each test
+            # cluster's WAL near 300 MB, not 1 GB, beside the slots' own (CI machines can be short of disk).
+            settings.update(
+                fsync="off", synchronous_commit="off", full_page_writes="off", max_wal_size="256MB", min_wal_size="32MB"
+            )
         with open(self.datadir / "postgresql.auto.conf", "a") as f:
             for k, v in settings.items():
                 f.write(f"{k} = {v}\n")

@@ -47,6 +47,7 @@ if ((missing)); then
     echo "[jars] Maven could not resolve $(basename "$LIST") (above)" >&2; exit 1
   fi
   rm -rf "$work"
+  "$ROOT/scripts/link_m2.sh" "$JARS"
 fi
 # The folder holds exactly the list (older versions and jars of other routes go).
 for f in "$JARS"/*.jar; do

@@ -21,6 +21,7 @@ if [[ "$(cat "$DIR/.stamp" 2>/dev/null)" != "$want" ]]; then
     grep -E "ERROR|Could not" "$DIR/mvn.log" | head -20 >&2
     echo "[$NAME] Maven could not resolve $(basename "$POM") (above)" >&2; exit 1
   fi
+  "$ROOT/scripts/link_m2.sh" "$DIR"
   echo "$want" > "$DIR/.stamp"
 fi
 log "$(ls "$DIR"/*.jar | wc -l) jar(s) in $DIR"
