@@ -16,7 +16,6 @@ them, a retry, a rerun of an old interval or a replayed landing file all converg
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 import uuid
@@ -39,7 +38,7 @@ from cdc_lakehouse.ingest.batch import FusedBatch, ReducedTotals, fused_batch
 from cdc_lakehouse.ingest.errors import ErrorBudgetExceeded, SchemaChangeError
 from cdc_lakehouse.ingest.landed import Landed, read_landed
 from cdc_lakehouse.ingest.quarantine import as_held, held_back, hold_dependents, write_quarantine
-from cdc_lakehouse.ingest.records import RunRecords, TableRecords, write_records
+from cdc_lakehouse.ingest.records import BatchState, RunRecords, TableRecords, write_records
 from cdc_lakehouse.ingest.reduce import latest_per_key
 from cdc_lakehouse.ingest.renames import Renames, apply_renames, in_lake_names
 from cdc_lakehouse.ingest.schema import (
@@ -76,7 +75,6 @@ from cdc_lakehouse.lake.tables import (
 )
 from cdc_lakehouse.lake.writers import INGEST
 from cdc_lakehouse.landing.errors import LandingGap, NotBootstrapped
-from cdc_lakehouse.landing.format import Manifest
 from cdc_lakehouse.landing.reader import Plan, SparkLanding, plan_landing
 from cdc_lakehouse.runtime.failpoints import crash_point
 from cdc_lakehouse.runtime.phases import (
@@ -973,26 +971,15 @@ def run_records(
 def batch_state(
     m: IngestMetrics, plan: Plan, shard_commits: dict[str, dict[str, int]] | None, merge_rows: int | None = None
 ) -> str:
-    """JSON committed with the current table's commit: what another run needs to write this
-    batch's run record and freshness rows if this one is stopped right after that commit. The
-    heartbeats are kept per endpoint and schema, the latest in slot order (what freshness uses).
+    """The batch's state (ingest.records.BatchState) as committed with the current table's commit.
     merge_rows: the rows the MERGE is given, when its own summary counts them (not m)."""
     run = {k: v for k, v in m.meta_row().items() if v is not None and k != "watermark"}
     run["started_at"] = m.started_at.isoformat()
-    beats: dict[str, dict[str, Any]] = {}
-    for man in plan.manifests:
-        beats.setdefault(man.endpoint or "", {}).update({s: hb.to_dict() for s, hb in man.heartbeats.items()})
-    heartbeats = [{"endpoint": ep, "heartbeats": hb} for ep, hb in beats.items()]
-    state: dict[str, Any] = {"run": run, "shard_commits": shard_commits or {}, "heartbeats": heartbeats}
+    state = BatchState.of(run, plan.manifests)
+    state.shard_commits = shard_commits or {}
     if merge_rows is not None:
-        state["merge_rows"] = merge_rows
-    return json.dumps(state, separators=(",", ":"), sort_keys=True, default=str)
-
-
-def heartbeat_runs(heartbeats: list[dict[str, Any]]) -> list[Manifest]:
-    """batch_state's heartbeats as the runs record_run reads them from (their ids and positions
-    are not kept: only the heartbeats count there)."""
-    return [Manifest(run_id="", end_lsn=0, endpoint=h["endpoint"], heartbeats=h["heartbeats"]) for h in heartbeats]
+        state.merge_rows = merge_rows
+    return state.to_json()
 
 
 def last_batch_commit(spark: SparkSession, cur: str) -> tuple[Snapshot, Snapshot | None] | None:
@@ -1021,13 +1008,13 @@ def resume_batch(spark: SparkSession, lake: LakeSettings, cfg: TableConfig) -> N
         return
     snap, parent = found
     s = summary_of(snap)
-    state = json.loads(s[BATCH_STATE_PROP])
-    m = IngestMetrics(**{**state["run"], "started_at": datetime.fromisoformat(state["run"]["started_at"])})
-    if "merge_rows" in state:
-        merge_counts(cfg, m, s, state["merge_rows"])
+    state = BatchState.model_validate_json(s[BATCH_STATE_PROP])
+    m = IngestMetrics(**{**state.run, "started_at": datetime.fromisoformat(state.run["started_at"])})
+    if state.merge_rows is not None:
+        merge_counts(cfg, m, s, state.merge_rows)
     m.add_commit_stats(summary_of(parent) if parent is not None else {}, s)
     since_ms = int(snap.timestamp_ms)
     m.committed_at = datetime.fromtimestamp(since_ms / 1000, UTC)  # when its data became visible
-    plan = Plan(heartbeat_runs(state["heartbeats"]), [], Watermark.from_json(s[WATERMARK_PROP]))
-    rec = run_records(spark, lake, cfg, m, plan, BatchId(s[BATCH_PROP]), since_ms, state["shard_commits"])
+    plan = Plan(state.heartbeat_runs(), [], Watermark.from_json(s[WATERMARK_PROP]))
+    rec = run_records(spark, lake, cfg, m, plan, BatchId(s[BATCH_PROP]), since_ms, state.shard_commits)
     write_records(spark, lake, [rec])

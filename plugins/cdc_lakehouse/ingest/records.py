@@ -12,22 +12,62 @@ unrecorded and writes the record then (ingest.ingest_table.resume_batch).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
+
+from pydantic import Field
 
 from cdc_lakehouse.lake.batches import BATCH_IDS_PROP, BatchId, batches_since
 from cdc_lakehouse.lake.commits import commit_unless_moved
 from cdc_lakehouse.lake.freshness import FRESHNESS_TABLE, freshness_props
 from cdc_lakehouse.lake.meta import META_TABLES, append_rows
 from cdc_lakehouse.lake.meta_rows import ShardFreshness
+from cdc_lakehouse.landing.format import Heartbeat, Manifest
 from cdc_lakehouse.runtime.failpoints import crash_point
 from cdc_lakehouse.settings import LakeSettings
+from cdc_lakehouse.watermark import StoredJson
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
 RUNS_TABLE = "ingest_runs"
+
+
+class EndpointHeartbeats(StoredJson):
+    """An endpoint's latest heartbeat per shard schema, in slot order (what freshness uses)."""
+
+    endpoint: str
+    heartbeats: dict[str, Heartbeat] = Field(default_factory=dict)
+
+
+class BatchState(StoredJson):
+    """Committed with the current table's commit (lake.batches.BATCH_STATE_PROP): what another run
+    needs to write the batch's run record and freshness rows if this one stops right after that
+    commit (ingest.ingest_table.resume_batch)."""
+
+    run: dict[str, Any] = Field(description="the ingest_runs row without its watermark; started_at in ISO form")
+    shard_commits: dict[str, dict[str, int]] = Field(default_factory=dict)
+    heartbeats: list[EndpointHeartbeats] = Field(default_factory=list)
+    merge_rows: int | None = Field(None, description="the rows the MERGE was given, when its summary counts none")
+
+    @classmethod
+    def of(cls, run: dict[str, Any], manifests: Iterable[Manifest]) -> BatchState:
+        """The heartbeats kept per endpoint and schema, the latest in slot order."""
+        beats: dict[str, dict[str, Heartbeat]] = {}
+        for man in manifests:
+            beats.setdefault(man.endpoint or "", {}).update(man.heartbeats)
+        return cls(run=run, heartbeats=[EndpointHeartbeats(endpoint=ep, heartbeats=hb) for ep, hb in beats.items()])
+
+    def to_json(self) -> str:
+        # default=str: the run row's values that JSON has no type for, as before this model.
+        return json.dumps(self.to_dict(), separators=(",", ":"), sort_keys=True, default=str)
+
+    def heartbeat_runs(self) -> list[Manifest]:
+        """The heartbeats as the runs record_run reads them from (their ids and positions are not
+        kept: only the heartbeats count there)."""
+        return [Manifest(run_id="", end_lsn=0, endpoint=h.endpoint, heartbeats=h.heartbeats) for h in self.heartbeats]
 
 
 @dataclass(frozen=True)
