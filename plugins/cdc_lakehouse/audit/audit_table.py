@@ -40,7 +40,7 @@ from cdc_lakehouse.audit.hashing import spark_bucket, spark_hash_num, spark_row_
 from cdc_lakehouse.audit.inflight import inflight_from_landing, inflight_from_slot
 from cdc_lakehouse.audit.quality import preload_great_expectations, quality_checks
 from cdc_lakehouse.audit.repair import repair_keys
-from cdc_lakehouse.audit.result import AuditResult, ShardStats
+from cdc_lakehouse.audit.result import AuditResult, QualityCheck, ShardStats
 from cdc_lakehouse.columns import LSN_COL, SHARD_COL
 from cdc_lakehouse.config import TableConfig
 from cdc_lakehouse.identifiers import pg_qualified
@@ -653,7 +653,7 @@ def _message(
     verdict: str,
     repaired: int,
     rows: list[dict[str, Any]],
-    failed_quality: list[dict[str, Any]],
+    failed_quality: list[QualityCheck],
     quarantined: dict[str, int],
     unflushed: set[str],
 ) -> str:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import logging
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from cdc_lakehouse.columns import LSN_COL, SHARD_COL
 from cdc_lakehouse.config import TableConfig
@@ -17,7 +17,7 @@ from cdc_lakehouse.settings import LakeSettings
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
 
-    from cdc_lakehouse.audit.result import ShardStats
+    from cdc_lakehouse.audit.result import QualityCheck, ShardStats
     from cdc_lakehouse.watermark import Watermark
 
 logger = logging.getLogger(__name__)
@@ -49,7 +49,7 @@ def quality_checks(
     lake_counts: dict[str, int],
     audit_run: str,
     now: datetime,
-) -> list[dict[str, Any]]:
+) -> list[QualityCheck]:
     """Great Expectations 1.x on the lake table; results go to cdc_meta.quality_results and a JSON
     report next to the warehouse, whose path the task log prints.
 
@@ -69,10 +69,7 @@ def quality_checks(
         spark,
         lake,
         "quality_results",
-        [
-            {"table_name": cfg.name, "audit_run": audit_run, **{k: r[k] for k in _RESULT_KEYS}, "checked_at": now}
-            for r in flat
-        ],
+        [{"table_name": cfg.name, "audit_run": audit_run, **r, "checked_at": now} for r in flat],
     )
     report = f"{lake.warehouse.rstrip('/')}/_quality/{cfg.name}/{audit_run.replace(':', '_').replace('+', '_')}.json"
     try:
@@ -81,9 +78,6 @@ def quality_checks(
     except Exception as exc:  # noqa: BLE001 - the report is a convenience; the results are in cdc_meta
         logger.warning("audit %s: could not store the Great Expectations report: %s", cfg.name, exc)
     return flat
-
-
-_RESULT_KEYS = ("expectation", "success", "observed", "details")
 
 
 def _expected_rows(per_shard: dict[str, ShardStats], lake_counts: dict[str, int]) -> int:
@@ -97,7 +91,7 @@ def _expected_rows(per_shard: dict[str, ShardStats], lake_counts: dict[str, int]
 
 def _check_table(
     ds, cfg: TableConfig, lake_df: DataFrame, per_shard: dict[str, ShardStats], lake_counts: dict[str, int]
-) -> list[dict[str, Any]]:
+) -> list[QualityCheck]:
     import great_expectations as gx
     import great_expectations.expectations as gxe
 
@@ -118,7 +112,7 @@ def _check_table(
 
 def _check_freshness(
     spark: SparkSession, lake: LakeSettings, ds, cfg: TableConfig, wm: Watermark, now: datetime
-) -> list[dict[str, Any]]:
+) -> list[QualityCheck]:
     """Freshness per shard, from cdc_meta.freshness (lake.freshness): how old each shard's lake
     position (its last applied change or heartbeat) is now. A shard with no row yet (ingested
     before that table existed) falls back to its watermark's time."""
@@ -169,8 +163,8 @@ def shard_ages(
     return out
 
 
-def _gx_rows(result) -> list[dict[str, Any]]:
-    out = []
+def _gx_rows(result) -> list[QualityCheck]:
+    out: list[QualityCheck] = []
     for r in result.results:
         cfg = r.expectation_config
         observed = r.result.get("observed_value", r.result.get("unexpected_count"))

@@ -19,6 +19,17 @@ class ShardStats(TypedDict, total=False):
     in_flight: int
 
 
+class QualityCheck(TypedDict):
+    """One expectation's outcome (audit.quality): a row of cdc_meta.quality_results without its
+    table, run and time, an entry of the JSON report and of the job's result line. Its texts are
+    JSON: the expectation with its arguments, the observed value, the details of a failure."""
+
+    expectation: str
+    success: bool
+    observed: str
+    details: str
+
+
 @dataclass(frozen=True)
 class AuditResult:
     verdict: str  # "ok" or "fail"
@@ -27,7 +38,7 @@ class AuditResult:
     shards: dict[str, ShardStats]
     persistent: dict[str, int]  # shard -> keys at or over consecutive_mismatches
     repaired: int
-    quality: list[dict[str, Any]]
+    quality: list[QualityCheck]
     quarantine_reasons: dict[str, int]
     seconds: float
     timings: dict[str, float]
