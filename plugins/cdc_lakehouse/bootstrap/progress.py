@@ -9,6 +9,7 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from cdc_lakehouse.lake.meta import META_TABLES, ensure_meta_tables, meta_append
+from cdc_lakehouse.lake.meta_rows import RawRow
 from cdc_lakehouse.lake.tables import table_exists
 from cdc_lakehouse.settings import LakeSettings
 
@@ -47,7 +48,7 @@ class ShardProgress:
         self.chunks_total = max(self.chunks_total, self.chunks_done)
 
     @classmethod
-    def from_row(cls, row: dict[str, Any]) -> ShardProgress:
+    def from_row(cls, row: RawRow) -> ShardProgress:
         started = row["started_at"]
         return cls(
             table=row["table_name"],

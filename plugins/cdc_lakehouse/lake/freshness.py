@@ -20,13 +20,17 @@ whether a quiet shard's heartbeat keeps moving while its last source commit stay
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from cdc_lakehouse.config import TableConfig
 from cdc_lakehouse.lake.meta import META_TABLES
-from cdc_lakehouse.lake.meta_rows import ShardFreshness  # one row of cdc_meta.freshness; its fields are the columns
+from cdc_lakehouse.lake.meta_rows import (  # one row of cdc_meta.freshness; its fields are the columns
+    RawRow,
+    ShardFreshness,
+)
 from cdc_lakehouse.lake.snapshots import current_ancestors, rows_matching
 from cdc_lakehouse.landing.format import landing_spark_schema
 from cdc_lakehouse.settings import LakeSettings
@@ -247,7 +251,7 @@ def _newest_rows(t: DataFrame) -> DataFrame:
     return t.withColumn("_n", F.row_number().over(w)).filter("_n = 1").drop("_n")
 
 
-def latest_per_shard(rows: list[dict[str, Any]]) -> dict[str, ShardFreshness]:
+def latest_per_shard(rows: Iterable[RawRow]) -> dict[str, ShardFreshness]:
     """shard -> its newest row, from rows of one table (read by Spark or pyiceberg)."""
     cols = [c for c, _ in META_TABLES[FRESHNESS_TABLE][0]]
     out: dict[str, ShardFreshness] = {}
@@ -258,7 +262,7 @@ def latest_per_shard(rows: list[dict[str, Any]]) -> dict[str, ShardFreshness]:
     return out
 
 
-def from_row(r: dict[str, Any]) -> ShardFreshness:
+def from_row(r: RawRow) -> ShardFreshness:
     ts_cols = {c for c, k in META_TABLES[FRESHNESS_TABLE][0] if k == "timestamp"}
     values: dict[str, Any] = {k: (_ts(v) if k in ts_cols else v) for k, v in r.items()}
     return ShardFreshness(**values)
