@@ -188,15 +188,19 @@ def test_killed_chunked_bootstrap_resumes_after_the_last_recorded_chunk(source, 
 
 
 def _merge_plans(monkeypatch) -> list[str]:
-    """The plan of every chunk round's MERGE, as EXPLAIN prints it, in a list filled as they run."""
+    """The plan of every chunk round's MERGE (lake.merge.run_merge), as EXPLAIN prints it, in a
+    list filled as they run."""
+    from cdc_lakehouse.lake.merge import merge_sql
+
     plans: list[str] = []
-    real = chunked_mod.sql_with_commit_properties
+    real = chunked_mod.run_merge
 
-    def explained(spark_, sql, props):
+    def explained(spark_, cfg, target, source, columns, props, truncated=(), within=None):
+        sql = merge_sql(cfg, target, source, columns, list(truncated), within)
         plans.append(spark_.sql("EXPLAIN " + sql).collect()[0][0])
-        return real(spark_, sql, props)
+        return real(spark_, cfg, target, source, columns, props, truncated, within)
 
-    monkeypatch.setattr(chunked_mod, "sql_with_commit_properties", explained)
+    monkeypatch.setattr(chunked_mod, "run_merge", explained)
     return plans
 
 

@@ -332,3 +332,48 @@ def test_untyped_dicts_do_not_grow():
         "format a model (landing.format's parts are the example), or say in a comment why it is a wire format"
     )
     print(f"dict[str, Any]: {count} (ceiling {DICT_ANY_CEILING})")
+
+
+# --- the newcomer's walk ---------------------------------------------------------------------------
+
+# From a DAG file to the statement that does its work, each file naming the next by an import
+# (#54). Two harness files are beside every walk and not on it: orchestration/dag_parts.py
+# (spark_task: the operator that runs a job) and jobs/runner.py (run_per_table: one Spark session,
+# the job's function per table, its result line). At most six files in all.
+WALKS: dict[str, list[tuple[str, str]]] = {
+    "ingest": [
+        ("dags/cdc_ingest.py", "the graph: per table (or group), a Spark task running IngestParams"),
+        ("jobs/ingest.py", "the job: ingest_table for each table of the task"),
+        ("ingest/ingest_table.py", "apply_pending's phases; the MERGE phase is commit_merge"),
+        ("lake/merge.py", "the MERGE's text (merge_sql) and the statement that runs it (run_merge)"),
+    ],
+    "audit": [
+        ("dags/cdc_audit.py", "the graph: per table, a Spark task running AuditParams"),
+        ("jobs/audit.py", "the job: audit_table for each table, a failing verdict fails it"),
+        ("audit/audit_table.py", "audit_table's steps; both sides are compared in _compare_with_source"),
+        ("audit/compare.py", "the source's hashes read under its snapshot, and the join naming mismatches"),
+    ],
+}
+WALK_ENDS = {"ingest": ("MERGE INTO", "sql_with_commit_properties(spark, merge_sql("), "audit": ("spark.read.jdbc(",)}
+HARNESS = ("orchestration/dag_parts.py", "jobs/runner.py")
+
+
+def _walk_path(rel: str) -> Path:
+    return PACKAGE_DIR.parents[1] / rel if rel.startswith("dags/") else PACKAGE_DIR / rel
+
+
+def _module_of(rel: str) -> str:
+    return "cdc_lakehouse." + rel.removesuffix(".py").replace("/", ".")
+
+
+@pytest.mark.parametrize("name", sorted(WALKS))
+def test_the_walk_from_a_dag_file_to_its_statement_is_six_files_at_most(name):
+    walk = WALKS[name]
+    assert len(walk) + len(HARNESS) <= 6, f"the {name} walk is {len(walk) + len(HARNESS)} files, more than 6"
+    assert all((PACKAGE_DIR / h).exists() for h in HARNESS), "a harness file moved: update HARNESS"
+    for (here, _), (there, _) in zip(walk, walk[1:], strict=False):
+        imported = _imports(ast.parse(_walk_path(here).read_text()))
+        assert _module_of(there) in imported, f"{here} does not import {_module_of(there)}: the walk is broken"
+    last = _walk_path(walk[-1][0]).read_text()
+    for mark in WALK_ENDS[name]:
+        assert mark in last, f"the {name} walk ends in {walk[-1][0]}, which no longer holds {mark!r}"

@@ -26,7 +26,7 @@ from cdc_lakehouse.columns import (
 from cdc_lakehouse.config import TableConfig
 from cdc_lakehouse.identifiers import pg_ident, pg_qualified, spark_ident
 from cdc_lakehouse.lake.casts import cast_text
-from cdc_lakehouse.lake.commits import ConcurrentWriterError, fenced_commit, sql_with_commit_properties
+from cdc_lakehouse.lake.commits import ConcurrentWriterError, fenced_commit
 from cdc_lakehouse.lake.snapshots import read_watermark
 from cdc_lakehouse.lake.tables import changelog_columns, conform_to, null_metadata
 from cdc_lakehouse.lake.writers import REPAIR, WRITER_PROP
@@ -200,7 +200,7 @@ def _merge_current(
     The commit restates the watermark (the table's position did not move) and names its writer:
     its rows sit at the watermark, in no changelog range that ends at this commit, so readers of
     ranges diff across it (lake.ranges)."""
-    from cdc_lakehouse.lake.merge import merge_sql
+    from cdc_lakehouse.lake.merge import run_merge
 
     names = [c for c, _ in lake_cols]
     view = f"cdc_repair_{cfg.name}"
@@ -210,5 +210,5 @@ def _merge_current(
     props = {"cdc.watermark": wm.to_json(), "cdc.repair": audit_run, **REPAIR.props()}
     crash_point("audit_repair_merge")
     # Fenced on the watermark the audit compared at: published only while the table is still there.
-    write = lambda target: sql_with_commit_properties(spark, merge_sql(cfg, target, view, cols, []), props)  # noqa: E731
+    write = lambda target: run_merge(spark, cfg, target, view, cols, props)  # noqa: E731
     fenced_commit(spark, cur_t, wm, wm, write, what=f"{cfg.name} repair merge")

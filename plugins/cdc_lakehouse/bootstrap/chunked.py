@@ -71,8 +71,8 @@ from cdc_lakehouse.bootstrap.snapshot import (
 )
 from cdc_lakehouse.columns import COMMIT_TS_COL, LSN_COL, OP_COL, SEQ_COL, SHARD_COL
 from cdc_lakehouse.config import TableConfig
-from cdc_lakehouse.lake.commits import ConcurrentWriterError, fenced_commit, sql_with_commit_properties
-from cdc_lakehouse.lake.merge import KeyRange, merge_sql, range_kind, within_keys
+from cdc_lakehouse.lake.commits import ConcurrentWriterError, fenced_commit
+from cdc_lakehouse.lake.merge import KeyRange, range_kind, run_merge, within_keys
 from cdc_lakehouse.lake.snapshots import current_ancestors, read_watermark
 from cdc_lakehouse.lake.tables import changelog_columns, conform_to
 from cdc_lakehouse.lake.writers import CHUNKED_BOOTSTRAP, READ_UPTO_PROP, WRITER_PROP
@@ -610,7 +610,7 @@ def _merge_current(
     props: dict[str, str],
     within: str | None = None,
 ) -> None:
-    """The ingest's MERGE (lake.merge.merge_sql) with its row-level LSN guard into `into` (the
+    """The ingest's MERGE (lake.merge.run_merge) with its row-level LSN guard into `into` (the
     current table's branch), its commit carrying props: a row the stream wrote later stays.
     Every chunk row is op 'r', so its delete clauses never fire. within: round_key_range."""
 
@@ -626,7 +626,7 @@ def _merge_current(
     try:
         # Rows merged at the chunk's own position, below or above the watermark (which does not
         # move): readers of ranges diff across this commit (lake.ranges), as its writer says.
-        sql = merge_sql(cfg, into, view, [f.name for f in schema.fields if f.name not in flags], [], within)
-        sql_with_commit_properties(spark, sql, {**props, **CHUNKED_BOOTSTRAP.props()})
+        columns = [f.name for f in schema.fields if f.name not in flags]
+        run_merge(spark, cfg, into, view, columns, {**props, **CHUNKED_BOOTSTRAP.props()}, within=within)
     finally:
         spark.catalog.dropTempView(view)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import re
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
@@ -59,11 +59,10 @@ from cdc_lakehouse.lake.commits import (
     ConcurrentWriterError,
     fenced_commit,
     snapshot_summary,
-    sql_with_commit_properties,
 )
 from cdc_lakehouse.lake.freshness import freshness_rows
 from cdc_lakehouse.lake.ingest_metrics import ALREADY_APPLIED, MERGE_COUNTS, OK, OK_WITH_GAPS, IngestMetrics
-from cdc_lakehouse.lake.merge import lsn_newer, merge_sql
+from cdc_lakehouse.lake.merge import lsn_newer, run_merge
 from cdc_lakehouse.lake.snapshots import Snapshot, current_ancestors, read_watermark, summary_of
 from cdc_lakehouse.lake.tables import (
     conform_to,
@@ -194,9 +193,8 @@ def apply_pending(
     m.quarantined += out.held
     pre, m.merge_join = before_merge(spark, lake, cfg, b)
     with phase(spark, m, "merge"), merge_source(spark, lake, cfg, reduced, m.merge_join) as source:
-        sql = lambda target: merge_sql(cfg, target, source, current_columns(b.lake_cols), ch.truncated)  # noqa: E731
         state = batch_state(m, b.plan, fb.counts.shard_commits, None if out.counted else out.rows)
-        published = commit_merge(spark, cfg, b, sql, ingest_run, state)
+        published = commit_merge(spark, cfg, b, source, ch.truncated, ingest_run, state)
     crash_point("ingest_after_merge")
     if not published:
         return applied_by_another_run(spark, lake, cfg, m, b, ingest_run, records)
@@ -825,9 +823,9 @@ MERGE_CONF = {"spark.sql.iceberg.distribution-mode": "none"}
 
 
 def commit_merge(
-    spark: SparkSession, cfg: TableConfig, b: Batch, sql: Callable[[str], str], ingest_run: str, state: str
+    spark: SparkSession, cfg: TableConfig, b: Batch, source: str, truncated: list[str], ingest_run: str, state: str
 ) -> bool:
-    """The LSN-guarded MERGE (`sql(target)`), with the new watermark, the batch id and the batch's
+    """The LSN-guarded MERGE of the reduced batch in `source` (lake.merge.run_merge), with the new watermark, the batch id and the batch's
     state (what resume_batch needs to record the run if it is stopped after this commit) in the
     same commit; fenced (lake.commits), so it is published only while the watermark is b.wm.
     False when another run of the same batch published it first (nothing of this one is)."""
@@ -835,7 +833,8 @@ def commit_merge(
     published: list[bool] = []
 
     def _merge(batch_props: dict[str, str]) -> None:
-        write = lambda target: sql_with_commit_properties(spark, sql(target), {**props, **batch_props})  # noqa: E731
+        columns = current_columns(b.lake_cols)
+        write = lambda target: run_merge(spark, cfg, target, source, columns, {**props, **batch_props}, truncated)  # noqa: E731
         with session_conf(spark, MERGE_CONF):
             published.append(fenced_commit(spark, b.cur, b.wm, b.plan.new_watermark, write, what=f"{cfg.name} merge"))
 

@@ -10,7 +10,7 @@ config change) and apply those that now pass through the ingest's own merge path
                 superseded (the changelog holds a newer change of the key that reached the table,
                 or a truncate or re-bootstrap of its shard after it: applying it would resurrect
                 or overwrite); or to apply
-    merge       the ingest's LSN-guarded MERGE (lake.merge.merge_sql): a row of the table that
+    merge       the ingest's LSN-guarded MERGE (lake.merge.run_merge): a row of the table that
                 is newer than the replayed event is never touched
     resolve     applied and superseded events leave the quarantine; failing ones get their reason
 
@@ -41,10 +41,9 @@ from cdc_lakehouse.ingest.validate import REASONS
 from cdc_lakehouse.lake.commits import (
     ConcurrentWriterError,
     fenced_commit,
-    sql_with_commit_properties,
     with_commit_retries,
 )
-from cdc_lakehouse.lake.merge import lsn_newer, merge_sql
+from cdc_lakehouse.lake.merge import lsn_newer, run_merge
 from cdc_lakehouse.lake.tables import source_columns_of
 from cdc_lakehouse.lake.writers import REPLAY
 from cdc_lakehouse.landing.format import landing_spark_schema
@@ -85,7 +84,7 @@ class ReplayResult:
 class Decision:
     """The decide phase's output: the latest event per key to MERGE, and each event's outcome."""
 
-    apply: DataFrame  # current_columns(...) rows for merge_sql
+    apply: DataFrame  # current_columns(...) rows for run_merge
     outcomes: DataFrame  # (_cdc_shard, commit_lsn, seq, action DONE|FAIL, reason)
     rows_changed: int  # how many apply rows the LSN guard lets through
 
@@ -268,7 +267,7 @@ def merge_replayed(
             "Run the replay again (it re-reads the table), outside the table's ingest runs"
         )
 
-    write = lambda target: sql_with_commit_properties(spark, merge_sql(cfg, target, view, cols, []), props)  # noqa: E731
+    write = lambda target: run_merge(spark, cfg, target, view, cols, props)  # noqa: E731
     fenced_commit(spark, cur, wm, wm, write, what=f"{cfg.name} quarantine replay merge", conflict=moved)
 
 

@@ -1,6 +1,7 @@
-"""The MERGE that applies a reduced batch to the current table (hard or soft deletes, truncates),
-the (LSN, seq) ordering predicates, and the key ranges that bound a MERGE. The ingest and the
-chunked bootstrap run the same statement. Unchanged TOAST values never reach it: the batch is
+"""The MERGE that applies a reduced batch to the current table (hard or soft deletes, truncates):
+its text (merge_sql), the statement that runs it (run_merge), the (LSN, seq) ordering
+predicates, and the key ranges that bound a MERGE. The ingest, the chunked bootstrap, the
+audit's repair and the quarantine replay run the same statement. Unchanged TOAST values never reach it: the batch is
 filled before (ingest.ingest_table.fill_from_table), so the MERGE reads no TOAST column of the
 table."""
 
@@ -13,9 +14,28 @@ from typing import TYPE_CHECKING
 from cdc_lakehouse.columns import COMMIT_TS_COL, LSN_COL, OP_COL, SEQ_COL, SHARD_COL
 from cdc_lakehouse.config import TableConfig
 from cdc_lakehouse.identifiers import spark_ident
+from cdc_lakehouse.lake.commits import sql_with_commit_properties
 
 if TYPE_CHECKING:
-    from pyspark.sql import Column
+    from collections.abc import Sequence
+
+    from pyspark.sql import Column, SparkSession
+
+
+def run_merge(
+    spark: SparkSession,
+    cfg: TableConfig,
+    target: str,
+    source: str,
+    columns: list[str],
+    props: dict[str, str],
+    truncated: Sequence[str] = (),
+    within: str | None = None,
+) -> None:
+    """The statement: MERGE the reduced rows of `source` (a view or a staged table) into `target`
+    (the current table, or a branch of it under lake.commits.fenced_commit), `props` on its
+    snapshot. `columns` are the lake columns it writes; truncated and within: see merge_sql."""
+    sql_with_commit_properties(spark, merge_sql(cfg, target, source, columns, list(truncated), within), props)
 
 
 def merge_sql(
