@@ -45,6 +45,9 @@ from cdc_lakehouse.columns import LSN_COL, SHARD_COL
 from cdc_lakehouse.config import TableConfig
 from cdc_lakehouse.identifiers import pg_qualified
 from cdc_lakehouse.lake.meta import meta_append
+from cdc_lakehouse.lake.meta_rows import (
+    AuditResult as ShardAudit,  # a row; audit.result.AuditResult is the run's result
+)
 from cdc_lakehouse.lake.snapshots import read_watermark
 from cdc_lakehouse.lake.tables import source_columns_of, table_exists
 from cdc_lakehouse.runtime.phases import PhaseClock, SparkJobs, local_checkpoint, observed_counts
@@ -613,7 +616,7 @@ def _result_rows(
     repaired: int,
     samples: dict[str, list[dict[str, Any]]],
     seconds: float,
-) -> list[dict[str, Any]]:
+) -> list[ShardAudit]:
     """One cdc_meta.audit_results row per shard."""
     cfg = t.cfg
     rows = []
@@ -621,27 +624,27 @@ def _result_rows(
         p = persistent.get(shard, 0)
         pending = any(st.get(k) for k in ("missing", "extra", "different"))
         rows.append(
-            {
-                "table_name": cfg.name,
-                "audit_run": audit_run,
-                "shard": shard,
-                "mode": st["mode"],
-                "source_rows": st.get("source_rows"),
-                "lake_rows": lake_counts.get(shard, 0),
-                "missing": st.get("missing", 0),
-                "extra": st.get("extra", 0),
-                "different": st.get("different", 0),
-                "in_flight": st.get("in_flight", 0),
-                "persistent": p,
-                "buckets_compared": st["buckets_compared"],
-                "buckets_differing": st["buckets_differing"],
-                "sample_keys": json.dumps(samples.get(shard, [])[: cfg.audit.sample_keys], default=str),
-                "watermark_lsn": t.wm.shard_lsns().get(shard),
-                "repaired": repaired if p else 0,
-                "verdict": "fail" if p else ("mismatch_pending" if pending else "ok"),
-                "seconds": seconds,
-                "audited_at": now,
-            }
+            ShardAudit(
+                table_name=cfg.name,
+                audit_run=audit_run,
+                shard=shard,
+                mode=st["mode"],
+                source_rows=st.get("source_rows"),
+                lake_rows=lake_counts.get(shard, 0),
+                missing=st.get("missing", 0),
+                extra=st.get("extra", 0),
+                different=st.get("different", 0),
+                in_flight=st.get("in_flight", 0),
+                persistent=p,
+                buckets_compared=st["buckets_compared"],
+                buckets_differing=st["buckets_differing"],
+                sample_keys=json.dumps(samples.get(shard, [])[: cfg.audit.sample_keys], default=str),
+                watermark_lsn=t.wm.shard_lsns().get(shard),
+                repaired=repaired if p else 0,
+                verdict="fail" if p else ("mismatch_pending" if pending else "ok"),
+                seconds=seconds,
+                audited_at=now,
+            )
         )
     return rows
 
@@ -652,7 +655,7 @@ def _message(
     mode: str,
     verdict: str,
     repaired: int,
-    rows: list[dict[str, Any]],
+    rows: list[ShardAudit],
     failed_quality: list[QualityCheck],
     quarantined: dict[str, int],
     unflushed: set[str],
@@ -660,10 +663,10 @@ def _message(
     lines = []
     for r in rows:
         lines.append(
-            f"  {r['shard']}: source {r['source_rows'] if r['source_rows'] is not None else '-'} lake "
-            f"{r['lake_rows']} missing {r['missing']} extra {r['extra']} different {r['different']} "
-            f"in flight {r['in_flight']} persistent {r['persistent']} -> {r['verdict']}"
-            + (f" sample {r['sample_keys']}" if r["persistent"] else "")
+            f"  {r.shard}: source {r.source_rows if r.source_rows is not None else '-'} lake "
+            f"{r.lake_rows} missing {r.missing} extra {r.extra} different {r.different} "
+            f"in flight {r.in_flight} persistent {r.persistent} -> {r.verdict}"
+            + (f" sample {r.sample_keys}" if r.persistent else "")
         )
     for q in failed_quality:
         lines.append(f"  quality: {q['expectation']} failed (observed {q['observed']})")

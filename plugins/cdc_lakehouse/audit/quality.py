@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from cdc_lakehouse.columns import LSN_COL, SHARD_COL
 from cdc_lakehouse.config import TableConfig
 from cdc_lakehouse.lake.meta import meta_append
+from cdc_lakehouse.lake.meta_rows import QualityResult
 from cdc_lakehouse.landing.reader import LandingFS
 from cdc_lakehouse.settings import LakeSettings
 
@@ -69,7 +70,7 @@ def quality_checks(
         spark,
         lake,
         "quality_results",
-        [{"table_name": cfg.name, "audit_run": audit_run, **r, "checked_at": now} for r in flat],
+        [QualityResult(table_name=cfg.name, audit_run=audit_run, **r, checked_at=now) for r in flat],
     )
     report = f"{lake.warehouse.rstrip('/')}/_quality/{cfg.name}/{audit_run.replace(':', '_').replace('+', '_')}.json"
     try:

@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from cdc_lakehouse.lake.meta import META_TABLES, ensure_meta_tables, meta_append
-from cdc_lakehouse.lake.meta_rows import RawRow
+from cdc_lakehouse.lake.meta import ensure_meta_tables, meta_append
+from cdc_lakehouse.lake.meta_rows import BootstrapChunk, RawRow
 from cdc_lakehouse.lake.tables import table_exists
 from cdc_lakehouse.settings import LakeSettings
 
@@ -89,30 +89,27 @@ def load_progress(spark: SparkSession, lake: LakeSettings, table: str) -> dict[s
     return {r["shard"]: ShardProgress.from_row(r.asDict()) for r in rows}
 
 
-def progress_row(state: ShardProgress, chunk: ChunkRead) -> dict[str, Any]:
+def progress_row(state: ShardProgress, chunk: ChunkRead) -> BootstrapChunk:
     """The progress row of `chunk`, taken right after state.advance(chunk)."""
-    now = datetime.now(UTC).replace(tzinfo=None)
-    row = {
-        "table_name": state.table,
-        "shard": state.shard,
-        "run_id": state.run_id,
-        "chunk": state.chunk,
-        "last_key": json.dumps(state.last_key) if state.last_key is not None else None,
-        "low_lsn": chunk.low,
-        "high_lsn": chunk.high,
-        "rows": chunk.rows.num_rows,
-        "rows_total": state.rows_total,
-        "chunks_done": state.chunks_done,
-        "chunks_total": state.chunks_total,
-        "done": state.done,
-        "xact_seconds": chunk.xact_seconds,
-        "started_at": state.started_at.astimezone(UTC).replace(tzinfo=None),
-        "updated_at": now,
-    }
-    assert set(row) == {c for c, _ in META_TABLES[PROGRESS_TABLE][0]}
-    return row
+    return BootstrapChunk(
+        table_name=state.table,
+        shard=state.shard,
+        run_id=state.run_id,
+        chunk=state.chunk,
+        last_key=json.dumps(state.last_key) if state.last_key is not None else None,
+        low_lsn=chunk.low,
+        high_lsn=chunk.high,
+        rows=chunk.rows.num_rows,
+        rows_total=state.rows_total,
+        chunks_done=state.chunks_done,
+        chunks_total=state.chunks_total,
+        done=state.done,
+        xact_seconds=chunk.xact_seconds,
+        started_at=state.started_at.astimezone(UTC).replace(tzinfo=None),
+        updated_at=datetime.now(UTC).replace(tzinfo=None),
+    )
 
 
-def record_progress(spark: SparkSession, lake: LakeSettings, rows: list[dict[str, Any]]) -> None:
+def record_progress(spark: SparkSession, lake: LakeSettings, rows: list[BootstrapChunk]) -> None:
     """A round's progress rows, in one commit."""
     meta_append(spark, lake, PROGRESS_TABLE, rows)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pydantic import Field
@@ -125,8 +125,8 @@ def write_records(spark: SparkSession, lake: LakeSettings, records: list[TableRe
             crash_point(f"{step}_committed")
 
 
-def _freshness_rows(records: list[TableRecords]) -> list[dict[str, Any]]:
-    return [asdict(f) for r in records for f in r.freshness]
+def _freshness_rows(records: list[TableRecords]) -> list[ShardFreshness]:
+    return [f for r in records for f in r.freshness]
 
 
 def _freshness_props(records: list[TableRecords]) -> dict[str, str]:

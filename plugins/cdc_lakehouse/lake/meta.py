@@ -5,7 +5,7 @@ Created (and given columns added by later releases) by ensure_meta_tables; appen
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from cdc_lakehouse.identifiers import spark_ident
 from cdc_lakehouse.lake.ingest_metrics import IngestMetrics
@@ -15,16 +15,20 @@ from cdc_lakehouse.lake.meta_rows import (
     BootstrapChunk,
     CaptureRun,
     MaintenanceStats,
+    MetaRow,
     PointTable,
     QualityResult,
     QuarantinedEvent,
     ShardFreshness,
     columns,
+    row_values,
 )
 from cdc_lakehouse.lake.tables import create_table_sql, ensure_namespace
 from cdc_lakehouse.settings import LakeSettings
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from pyspark.sql import SparkSession
 
 # --- meta tables ----------------------------------------------------------------------------------
@@ -79,7 +83,7 @@ def ensure_meta_tables(spark: SparkSession, lake: LakeSettings) -> None:
 def append_rows(
     spark: SparkSession,
     table: str,
-    rows: list[dict[str, Any]],
+    rows: Sequence[MetaRow],
     columns: list[tuple[str, str]],
     props: dict[str, str] | None = None,
 ) -> None:
@@ -87,7 +91,8 @@ def append_rows(
     if not rows:
         return
     schema = ", ".join(f"{spark_ident(c)} {t}" for c, t in columns)
-    df = spark.createDataFrame([tuple(r.get(c) for c, _ in columns) for r in rows], schema)
+    names = [c for c, _ in columns]
+    df = spark.createDataFrame([row_values(r, names) for r in rows], schema)
     # A few rows from the driver: no shuffle to cluster them by partition first (Iceberg's
     # default for a partitioned table, a Spark job of its own); the fanout writer takes them as they come.
     w = df.writeTo(table).option("distribution-mode", "none").option("fanout-enabled", "true")
@@ -97,6 +102,7 @@ def append_rows(
 
 
 def meta_append(
-    spark: SparkSession, lake: LakeSettings, name: str, rows: list[dict[str, Any]], props: dict[str, str] | None = None
+    spark: SparkSession, lake: LakeSettings, name: str, rows: Sequence[MetaRow], props: dict[str, str] | None = None
 ) -> None:
+    """Append `rows` (records of the table's META_RECORDS entry) to cdc_meta's table `name`."""
     append_rows(spark, lake.qualified(lake.meta_table(name)), rows, META_TABLES[name][0], props)

@@ -20,15 +20,28 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import MISSING, dataclass, field, fields
 from datetime import datetime
-from typing import Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar, Union, cast
 
 from cdc_lakehouse.columns import COMMIT_LSN, RUN_ID, SHARD
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 SQL = "sql"  # the field metadata key holding the column's Spark SQL type (as in lake.ingest_metrics)
 
 R = TypeVar("R")
 # A row as read back, before it is a record: pyiceberg's to_pylist, Spark's Row.asDict.
 RawRow = Mapping[str, Any]
+# A row written to a cdc_meta table: its record (below; ingest_runs: IngestMetrics), or a row kept
+# as a mapping (an ingest_runs row stored in a batch's state, ingest.records.BatchState).
+MetaRow = Union["DataclassInstance", RawRow]  # noqa: UP007 - a string member: `|` would evaluate it
+
+
+def row_values(row: MetaRow, names: Iterable[str]) -> tuple[Any, ...]:
+    """The row's values of the columns `names`, in that order; a column it lacks is None."""
+    if isinstance(row, Mapping):
+        return tuple(row.get(c) for c in names)
+    return tuple(getattr(row, c, None) for c in names)
 
 
 def column(sql_type: str, *, required: bool = False) -> Any:

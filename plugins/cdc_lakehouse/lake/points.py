@@ -36,7 +36,7 @@ import argparse
 import json
 import sys
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict
@@ -209,7 +209,7 @@ def record_points(spark: SparkSession, lake: LakeSettings, cs: ConfigSet, endpoi
 
     members = endpoint_members(cs)
     meta = lake.qualified(lake.meta_table("consistent_points"))
-    rows: list[dict[str, Any]] = []
+    rows: list[PointTable] = []
     recorded = 0
     for endpoint in sorted(set(endpoints)):
         tables = {lake.qualified(t): shards for t, shards in sorted(members.get(endpoint, {}).items())}
@@ -230,17 +230,15 @@ def record_points(spark: SparkSession, lake: LakeSettings, cs: ConfigSet, endpoi
             recorded += 1
             for table, sid in p.snapshots.items():
                 rows.append(
-                    asdict(
-                        PointTable(
-                            endpoint=endpoint,
-                            lsn=p.lsn,
-                            table_name=table,
-                            snapshot_id=sid,
-                            run_id=p.run_id,
-                            source=_source_key(p.source),
-                            recorded_at=now,
-                            ingest_run=run,
-                        )
+                    PointTable(
+                        endpoint=endpoint,
+                        lsn=p.lsn,
+                        table_name=table,
+                        snapshot_id=sid,
+                        run_id=p.run_id,
+                        source=_source_key(p.source),
+                        recorded_at=now,
+                        ingest_run=run,
                     )
                 )
     meta_append(spark, lake, "consistent_points", rows)

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import logging
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from cdc_lakehouse.config import OutputMaintenanceConfig, TableConfig
 from cdc_lakehouse.lake.meta import meta_append
+from cdc_lakehouse.lake.meta_rows import MaintenanceStats
 from cdc_lakehouse.lake.tables import TableStats, table_exists
 from cdc_lakehouse.maintenance.expiry import expire
 from cdc_lakehouse.maintenance.landing_retention import prune_landing
@@ -113,7 +114,7 @@ def maintain_targets(
     """Each target compacted and expired in turn, by its kind; before/after rows to
     cdc_meta.maintenance_runs."""
     result: dict[str, TargetMaintenance] = {}
-    rows: list[dict[str, Any]] = []
+    rows: list[MaintenanceStats] = []
     clock = PhaseClock()
     for target in targets:
         with clock.phase(target.kind):
@@ -147,24 +148,24 @@ def _maintain_target(
     return before, after, comp, exp
 
 
-def _stats_row(target: Target, run_id: str, phase: str, o: Observed, secs: float, now: datetime) -> dict[str, Any]:
+def _stats_row(target: Target, run_id: str, phase: str, o: Observed, secs: float, now: datetime) -> MaintenanceStats:
     """One row of cdc_meta.maintenance_runs."""
     st = o.stats
-    return {
-        "table_name": target.owner,
-        "run_id": run_id,
-        "target": target.kind,
-        "phase": phase,
-        "data_files": st["data_files"],
-        "avg_file_bytes": st["avg_file_bytes"],
-        "delete_files": st["delete_files"],
-        "snapshots": st["snapshots"],
-        "total_bytes": st["total_bytes"],
-        "records": st["records"],
-        "checksum": o.checksum,
-        "seconds": secs,
-        "at": now,
-    }
+    return MaintenanceStats(
+        table_name=target.owner,
+        run_id=run_id,
+        target=target.kind,
+        phase=phase,
+        data_files=st["data_files"],
+        avg_file_bytes=st["avg_file_bytes"],
+        delete_files=st["delete_files"],
+        snapshots=st["snapshots"],
+        total_bytes=st["total_bytes"],
+        records=st["records"],
+        checksum=o.checksum,
+        seconds=secs,
+        at=now,
+    )
 
 
 def _log_target(target: Target, before: TableStats, after: TableStats, secs: float) -> None:
