@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from cdc_lakehouse.config import ConfigSet, load_table_configs
-from cdc_lakehouse.lake.meta_rows import CaptureRun, from_row
+from cdc_lakehouse.lake.meta_rows import CaptureRun
 from cdc_lakehouse.orchestration.metrics import capture_metrics
 from cdc_lakehouse.settings import PROJECT_ROOT, LakeSettings, connection_uri, source_uri_env, tables_dir
 
@@ -143,7 +143,7 @@ def record_capture_metrics(lake: LakeSettings, manifest: Manifest, started: date
 
     Best effort: the run is already durable and confirmed; a metrics failure is logged, not raised."""
     try:
-        run = from_row(CaptureRun, _capture_metrics_row(manifest, started))
+        run = _capture_run(manifest, started)
         capture_metrics(run)
         import pyarrow as pa
         from pyiceberg.catalog import load_catalog
@@ -163,25 +163,27 @@ def record_capture_metrics(lake: LakeSettings, manifest: Manifest, started: date
         log.warning("capture metrics not recorded: %s", exc)
 
 
-def _capture_metrics_row(manifest: Manifest, started: datetime) -> dict[str, Any]:
-    """The run's row of cdc_meta.capture_runs (pyarrow's input: a dict per row)."""
+def _capture_run(manifest: Manifest, started: datetime) -> CaptureRun:
+    """The run's row of cdc_meta.capture_runs."""
+    if manifest.endpoint is None:  # every capture run writes its endpoint; an older manifest may not
+        raise ValueError(f"capture run {manifest.run_id}: its manifest names no endpoint")
     after = manifest.slot_after or {}
     finished = datetime.fromisoformat(manifest.finished_at or "")
-    return {
-        "endpoint": manifest.endpoint,
-        "run_id": manifest.run_id,
-        "events": manifest.events,
-        "bytes": manifest.bytes,
-        "transactions": manifest.transactions,
-        "capped": manifest.capped,
-        "start_lsn": manifest.start_lsn,
-        "end_lsn": manifest.end_lsn,
-        "retained_wal_bytes": after.get("retained_wal_bytes"),
-        "lag_bytes": after.get("lag_bytes"),
-        "seconds": (finished - started).total_seconds(),
-        "started_at": started,
-        "finished_at": finished,
-    }
+    return CaptureRun(
+        endpoint=manifest.endpoint,
+        run_id=manifest.run_id,
+        events=manifest.events,
+        bytes=manifest.bytes,
+        transactions=manifest.transactions,
+        capped=manifest.capped,
+        start_lsn=manifest.start_lsn,
+        end_lsn=manifest.end_lsn,
+        retained_wal_bytes=after.get("retained_wal_bytes"),
+        lag_bytes=after.get("lag_bytes"),
+        seconds=(finished - started).total_seconds(),
+        started_at=started,
+        finished_at=finished,
+    )
 
 
 def store_uri_from_connection(kind: str, conn_id: str) -> str:
