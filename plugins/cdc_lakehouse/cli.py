@@ -7,6 +7,7 @@ python -m cdc_lakehouse.cli quarantine clear T    delete T's quarantined events 
 python -m cdc_lakehouse.cli quarantine replay T   re-validate T's quarantined events after a fix; apply those that pass
 python -m cdc_lakehouse.cli holds list            consumer holds on every lake table (or --table ns.t): what expiry keeps
 python -m cdc_lakehouse.cli holds drop --consumer KIND:NAME   drop a retired consumer's holds (feed|derived|export)
+python -m cdc_lakehouse.cli secrets write --out FILE [--conn ID ...]   the jobs' secrets, for a Kubernetes secret
 """
 
 from __future__ import annotations
@@ -32,33 +33,49 @@ def parser() -> argparse.ArgumentParser:
     h.add_argument("action", choices=["list", "drop"])
     h.add_argument("--table", action="append", help="namespace.table (repeatable); default: every lake table")
     h.add_argument("--consumer", help="drop: <kind>:<name>, e.g. feed:block_counts")
+    s = sub.add_parser("secrets")
+    s.add_argument("action", choices=["write"])
+    s.add_argument("--out", required=True, help="file to create (must not exist)")
+    s.add_argument("--conn", action="append", default=None, help="source connection id (default: all configured)")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    commands = {
+        "validate": validate,
+        "pools": print_pools,
+        "holds": holds_command,
+        "secrets": lambda a: write_secrets(a.out, a.conn),
+        "quarantine": quarantine_command,
+    }
+    return commands[args.cmd](args)
 
-    if args.cmd == "validate":
-        from cdc_lakehouse.derived.config import load_derived_configs
-        from cdc_lakehouse.serving.config import load_export_configs
-        from cdc_lakehouse.settings import derived_dir, exports_dir
 
-        cs = load_table_configs(tables_dir())
-        ds = load_derived_configs(derived_dir(), cs.tables)
-        es = load_export_configs(exports_dir(), cs.tables, ds.derived)
-        for e in cs.errors + ds.errors + es.errors:
-            print(e, file=sys.stderr)
-        print(f"{len(cs.tables)} valid table config(s): {', '.join(sorted(cs.tables))}")
-        print(f"{len(ds.derived)} valid derived table config(s): {', '.join(sorted(ds.derived))}")
-        print(f"{len(es.exports)} valid export config(s): {', '.join(sorted(es.exports))}")
-        return 1 if cs.errors or ds.errors or es.errors else 0
-    if args.cmd == "pools":
-        from cdc_lakehouse.orchestration.dag_parts import pools
+def validate(_args) -> int:
+    from cdc_lakehouse.derived.config import load_derived_configs
+    from cdc_lakehouse.serving.config import load_export_configs
+    from cdc_lakehouse.settings import derived_dir, exports_dir
 
-        print(json.dumps(pools(), indent=2, sort_keys=True))
-        return 0
-    if args.cmd == "holds":
-        return holds_command(args)
+    cs = load_table_configs(tables_dir())
+    ds = load_derived_configs(derived_dir(), cs.tables)
+    es = load_export_configs(exports_dir(), cs.tables, ds.derived)
+    for e in cs.errors + ds.errors + es.errors:
+        print(e, file=sys.stderr)
+    print(f"{len(cs.tables)} valid table config(s): {', '.join(sorted(cs.tables))}")
+    print(f"{len(ds.derived)} valid derived table config(s): {', '.join(sorted(ds.derived))}")
+    print(f"{len(es.exports)} valid export config(s): {', '.join(sorted(es.exports))}")
+    return 1 if cs.errors or ds.errors or es.errors else 0
+
+
+def print_pools(_args) -> int:
+    from cdc_lakehouse.orchestration.dag_parts import pools
+
+    print(json.dumps(pools(), indent=2, sort_keys=True))
+    return 0
+
+
+def quarantine_command(args) -> int:
     from cdc_lakehouse.identifiers import check_lake_ident
     from cdc_lakehouse.lake.meta import ensure_meta_tables
     from cdc_lakehouse.runtime.secrets import load_job_secrets
@@ -139,3 +156,25 @@ def replay_config(table: str):
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def write_secrets(out: str, conns: list[str] | None) -> int:
+    """`secrets write`: the secrets every configured job needs (lake connection, AWS keys, every
+    source connection of the table configs and every export's store, or the `conns` ones) to
+    `out`, mode 0600, for `kubectl create secret generic NAME --from-file=cdc-secrets.json=FILE`
+    (runtime.secrets: the Kubernetes transport). Prints names only."""
+    import os
+
+    from cdc_lakehouse.orchestration.dag_parts import load_configs
+    from cdc_lakehouse.orchestration.tasks import spark_job_env
+
+    cs, _, es = load_configs(None, None)
+    stores = sorted({(e.store.kind, e.store.conn_id) for e in es.exports.values()})
+    _, secrets = spark_job_env(
+        conns or sorted({s.conn_id for t in cs.tables.values() for s in t.source.shards}), [] if conns else stores
+    )
+    fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(secrets, f)
+    print(f"wrote {len(secrets)} secret(s) to {out} (mode 0600): {', '.join(sorted(secrets))}")
+    return 0

@@ -13,11 +13,11 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
+from cdc_lakehouse.bootstrap.debezium import bootstrap_debezium
 from cdc_lakehouse.columns import LSN_COL, OP_COL, SEQ_COL, SHARD_COL
 from cdc_lakehouse.ingest.ingest_table import ingest_table
 from cdc_lakehouse.lake.changelog import changes_between
 from cdc_lakehouse.lake.snapshots import read_watermark
-from cdc_lakehouse.landing.debezium.bootstrap import bootstrap_debezium
 
 from tests.conftest import make_config
 from tests.fixtures.debezium import json_line, object_path

@@ -8,12 +8,12 @@ from __future__ import annotations
 from datetime import UTC, date, datetime
 from decimal import Decimal
 
+from cdc_lakehouse.bootstrap.debezium import bootstrap_debezium
 from cdc_lakehouse.feed.models import BEFORE_COL, FEED_OP_COL, OP_UPSERT
 from cdc_lakehouse.feed.offsets import commit_meta_offset, meta_offset
 from cdc_lakehouse.feed.read import read_changes
 from cdc_lakehouse.ingest.ingest_table import ingest_table
 from cdc_lakehouse.lake.snapshots import read_watermark
-from cdc_lakehouse.landing.debezium.bootstrap import bootstrap_debezium
 from cdc_lakehouse.watermark import Watermark
 from pyspark.sql import functions as F
 

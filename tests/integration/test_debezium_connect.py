@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from cdc_lakehouse.landing.debezium.bootstrap import bootstrap_debezium
+from cdc_lakehouse.bootstrap.debezium import bootstrap_debezium
 
 from tests.conftest import make_config
 from tests.fixtures.debezium import object_path

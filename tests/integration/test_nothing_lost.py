@@ -411,8 +411,8 @@ def test_everything_under_the_landing_zone_is_private(pg, source_uri, spark, lak
     import dataclasses
     import stat
 
+    from cdc_lakehouse.bootstrap.debezium import bootstrap_debezium
     from cdc_lakehouse.ingest.ingest_table import ingest_table
-    from cdc_lakehouse.landing.debezium.bootstrap import bootstrap_debezium
 
     from tests.fixtures.debezium import write_json
     from tests.helpers import append_malformed

@@ -18,6 +18,7 @@ import psycopg2.extensions
 import pytest
 import structlog
 from airflow.providers.apache.spark.hooks import spark_submit as ss
+from cdc_lakehouse import cli
 from cdc_lakehouse.lake.tables import props_sql, sql_string
 from cdc_lakehouse.runtime import secrets as job_secrets
 from cdc_lakehouse.runtime.secrets import SecretsTransportError, load_job_secrets
@@ -295,7 +296,7 @@ def test_k8s_cluster_mounts_a_kubernetes_secret(env, monkeypatch, tmp_path, capf
     mount = tmp_path / "mount"
     mount.mkdir()
     out = mount / "cdc-secrets.json"
-    assert job_secrets.main(["write", "--out", str(out), "--conn", SRC_CONN]) == 0
+    assert cli.main(["secrets", "write", "--out", str(out), "--conn", SRC_CONN]) == 0
     assert stat.S_IMODE(out.stat().st_mode) == 0o600
     printed, _ = capfd.readouterr()
     assert not leaks(printed) and "CDC_CATALOG_PASSWORD" in printed

@@ -1,6 +1,6 @@
 """The bootstrap job (spark_jobs/bootstrap.py): a table's snapshot of every shard (or some) into
 its current table (bootstrap.bootstrap_table.bootstrap_table); a Debezium-fed table loads from Debezium's own
-snapshot events instead (landing.debezium.bootstrap_debezium)."""
+snapshot events instead (bootstrap.debezium.bootstrap_debezium)."""
 
 from __future__ import annotations
 
@@ -73,7 +73,7 @@ def main(p: BootstrapParams) -> int:
         run = p.run_id or datetime.now(UTC).strftime("%Y%m%dT%H%M%S")
         cs = table_configs(p.config_dir)
         if cfg.landing.kind == "debezium_s3":  # Debezium's own snapshot ('r' events) loads it
-            from cdc_lakehouse.landing.debezium.bootstrap import bootstrap_debezium
+            from cdc_lakehouse.bootstrap.debezium import bootstrap_debezium
 
             return bootstrap_debezium(spark, lake, cfg)
         scope = bootstrap_scope(cfg, p)

@@ -11,7 +11,7 @@ The Airflow task resolves them from its connections and hands them over by refer
   localizes it into the driver's container); spark.yarn.appMasterEnv.CDC_SECRETS_FILE names
   the alias.
 - Kubernetes cluster mode: a Kubernetes secret the user created (`python -m
-  cdc_lakehouse.runtime.secrets write ...` then `kubectl create secret generic ...`), mounted in
+  cdc_lakehouse.cli secrets write ...` then `kubectl create secret generic ...`), mounted in
   the driver pod with spark.kubernetes.driver.secrets.<name>=<mount>.
 - standalone cluster mode: refused (spark-submit runs no Python application there).
 
@@ -21,11 +21,9 @@ LakeSettings.from_env and settings.source_uri read them. See docs/secrets.md.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
-import sys
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -96,7 +94,7 @@ def transport_for(
         if not name:
             raise SecretsTransportError(
                 "Kubernetes cluster mode: the driver pod reads its secrets from a Kubernetes secret. Create it "
-                "(python -m cdc_lakehouse.runtime.secrets write --out FILE; kubectl create secret generic NAME "
+                "(python -m cdc_lakehouse.cli secrets write --out FILE; kubectl create secret generic NAME "
                 f"--from-file={SECRETS_FILE_NAME}=FILE) and name it in the Spark connection's extra "
                 f'{{"{K8S_SECRET_EXTRA}": "NAME"}} or in {K8S_SECRET_ENV}; see docs/secrets.md'
             )
@@ -157,39 +155,3 @@ def load_job_secrets(environ: dict[str, str] | None = None) -> list[str]:
     secrets_of_env(secrets)  # every value is secret by origin: redact() hides it from now on
     env.update(secrets)
     return sorted(secrets)
-
-
-def _store_conns() -> list[tuple[str, str]]:
-    """(kind, conn_id) of every serving export's store (docs/serving-export.md)."""
-    from cdc_lakehouse.orchestration.dag_parts import load_configs
-
-    _, _, es = load_configs(None, None)
-    return sorted({(e.store.kind, e.store.conn_id) for e in es.exports.values()})
-
-
-def main(argv: list[str] | None = None) -> int:
-    """python -m cdc_lakehouse.runtime.secrets write --out FILE [--conn ID ...]
-
-    Writes the secrets every configured job needs (lake connection, AWS keys, every source
-    connection of the table configs and every export's store, or the --conn ones) to FILE, mode 0600, for
-    `kubectl create secret generic NAME --from-file=cdc-secrets.json=FILE`. Prints names only."""
-    p = argparse.ArgumentParser(prog="python -m cdc_lakehouse.runtime.secrets")
-    sub = p.add_subparsers(dest="cmd", required=True)
-    w = sub.add_parser("write")
-    w.add_argument("--out", required=True, help="file to create (must not exist)")
-    w.add_argument("--conn", action="append", default=None, help="source connection id (default: all configured)")
-    args = p.parse_args(argv)
-
-    from cdc_lakehouse.orchestration.tasks import configs, spark_job_env
-
-    conns = args.conn or sorted({s.conn_id for t in configs().tables.values() for s in t.source.shards})
-    _, secrets = spark_job_env(conns, [] if args.conn else _store_conns())
-    fd = os.open(args.out, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump(secrets, f)
-    print(f"wrote {len(secrets)} secret(s) to {args.out} (mode 0600): {', '.join(sorted(secrets))}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

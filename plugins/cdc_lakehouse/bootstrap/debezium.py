@@ -1,10 +1,12 @@
-"""landing.debezium.bootstrap: A Debezium-fed table's bootstrap: its lake tables from the connector's snapshot events."""
+"""bootstrap.debezium: A Debezium-fed table's bootstrap: its lake tables from the connector's snapshot events."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
 from cdc_lakehouse.config import TableConfig
+from cdc_lakehouse.lake.tables import create_lake_tables, table_exists
+from cdc_lakehouse.lake.writers import BOOTSTRAP, WRITER_PROP
 from cdc_lakehouse.landing.debezium.connect_types import DebeziumFormatError, table_columns
 from cdc_lakehouse.landing.debezium.plan import pending_files, read_bytes
 from cdc_lakehouse.landing.debezium.records import records, schema_field, shape_of
@@ -46,8 +48,6 @@ def bootstrap_debezium(spark: SparkSession, lake: LakeSettings, cfg: TableConfig
     """Create the lake tables of a Debezium-fed table, with every shard at the start of its topics:
     the first ingest then loads the connector's snapshot ('r' events) and the changes after it.
     Returns the watermark the tables start at."""
-    from cdc_lakehouse.lake.tables import create_lake_tables, table_exists
-    from cdc_lakehouse.lake.writers import BOOTSTRAP, WRITER_PROP
     from cdc_lakehouse.watermark import ShardPosition, Watermark
 
     cur = lake.qualified(cfg.current_table)
