@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from cdc_lakehouse.runtime.catalogs import pyiceberg_catalog, reads_with_pyiceberg
 from cdc_lakehouse.runtime.phases import metadata_reads
 from cdc_lakehouse.watermark import Watermark, watermark_in
 
@@ -57,27 +58,12 @@ class TableSnapshots:
             sid = snap.parent_id
 
 
-# Catalogs this process can also read with pyiceberg: name -> load_catalog properties (registered
-# by runtime.session.get_spark for its lake), and the loaded catalogs.
-_PYICEBERG: dict[str, dict[str, str]] = {}
-_LOADED: dict[str, Any] = {}
-
-
-def read_with_pyiceberg(catalog_name: str, properties: dict[str, str]) -> None:
-    """Read this catalog's snapshots with pyiceberg from now on: the table's metadata file, read by
-    this process, where the metadata tables cost a Spark job each (on Spark Connect, a request and
-    a job per read; an ingest makes about 18)."""
-    if _PYICEBERG.get(catalog_name) != properties:
-        _PYICEBERG[catalog_name] = dict(properties)
-        _LOADED.pop(catalog_name, None)
-
-
 def read_snapshots(spark: SparkSession, table: str, *, refresh: bool = True) -> TableSnapshots:
     """Every snapshot of `table` (catalog.namespace.name) and its refs, freshly from the catalog.
     With `refresh`, Spark's cached copy is dropped too, for what the caller reads through Spark
     next (see _refresh_if_moved)."""
     catalog_name, _, ident = table.partition(".")
-    if catalog_name in _PYICEBERG:
+    if reads_with_pyiceberg(catalog_name):
         loaded = _pyiceberg_table(catalog_name, ident)
         if refresh:
             _refresh_if_moved(spark, table, str(loaded.metadata_location))
@@ -144,13 +130,13 @@ def _read_by_pyiceberg(table: str) -> tuple[str, str] | None:
     """(catalog name, namespace.name) of `table`, or None where this process does not read its
     catalog with pyiceberg (the caller then asks Spark)."""
     catalog_name, _, ident = table.partition(".")
-    return (catalog_name, ident) if catalog_name in _PYICEBERG else None
+    return (catalog_name, ident) if reads_with_pyiceberg(catalog_name) else None
 
 
 def catalog_table_exists(table: str) -> bool | None:
     """Whether the catalog has `table`, from pyiceberg; None: ask Spark (_read_by_pyiceberg)."""
     named = _read_by_pyiceberg(table)
-    return None if named is None else bool(_catalog(named[0]).table_exists(named[1]))
+    return None if named is None else bool(pyiceberg_catalog(named[0]).table_exists(named[1]))
 
 
 def catalog_table_properties(table: str) -> dict[str, str] | None:
@@ -159,16 +145,8 @@ def catalog_table_properties(table: str) -> dict[str, str] | None:
     return None if named is None else dict(_pyiceberg_table(*named).metadata.properties)
 
 
-def _catalog(catalog_name: str) -> Any:
-    from pyiceberg.catalog import load_catalog
-
-    if catalog_name not in _LOADED:
-        _LOADED[catalog_name] = load_catalog(catalog_name, **_PYICEBERG[catalog_name])
-    return _LOADED[catalog_name]
-
-
 def _pyiceberg_table(catalog_name: str, ident: str) -> Any:
-    return _catalog(catalog_name).load_table(ident)
+    return pyiceberg_catalog(catalog_name).load_table(ident)
 
 
 def loaded_by_pyiceberg(table: str) -> Any:

@@ -346,8 +346,8 @@ _ARTIFACTS = threading.Lock()
 
 
 def _snapshots_by_pyiceberg(lake: LakeSettings) -> None:
-    """Snapshot metadata read by pyiceberg where it has the lake's catalog (lake.snapshots)."""
-    from cdc_lakehouse.lake.snapshots import read_with_pyiceberg
+    """Snapshot metadata read by pyiceberg where it has the lake's catalog (runtime.catalogs)."""
+    from cdc_lakehouse.runtime.catalogs import read_with_pyiceberg
 
     if os.environ.get("CDC_SNAPSHOTS_BY_SPARK") == "1":  # the metadata tables (A/B; a catalog pyiceberg misreads)
         return
