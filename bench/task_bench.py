@@ -103,7 +103,7 @@ def verify(prep: dict, rows: int, repeat: int) -> dict[str, bool]:
 
 
 def submit_command(app: Path, args: list[str]) -> list[str]:
-    """The spark-submit command line the Airflow task runs (orchestration.operators)."""
+    """The spark-submit command line the Airflow task runs (orchestration.spark_backends.SubmitBackend)."""
     from cdc_lakehouse.orchestration.tasks import spark_jars
     from cdc_lakehouse.runtime.packaging import pyfiles_zip
     from cdc_lakehouse.runtime.session import base_conf
@@ -177,7 +177,7 @@ def connect_server() -> Iterator[str]:
 
 
 def connect_command(app: Path, args: list[str]) -> list[str]:
-    """The job file as the task runs it on Spark Connect (orchestration.operators: runpy in the
+    """The job file as the task runs it on Spark Connect (orchestration.spark_backends.ConnectBackend: runpy in the
     task's process; here a process of its own, as each Airflow task is)."""
     return [sys.executable, str(app), *args]
 

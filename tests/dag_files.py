@@ -3,6 +3,7 @@ run as a module, as Airflow's DagBag runs it, without a DagBag (light enough for
 
 from __future__ import annotations
 
+import os
 import runpy
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -19,10 +20,16 @@ GENERATED = ("cdc_ingest", "cdc_bootstrap", "cdc_replay", "cdc_maintenance", "cd
 @contextmanager
 def _env(**values: str | None) -> Iterator[None]:
     """os.environ with `values` set (None: left as it is), restored after."""
-    from cdc_lakehouse.orchestration.spark_backends import environment
-
-    with environment({k: v for k, v in values.items() if v is not None}):
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update({k: v for k, v in values.items() if v is not None})
+    try:
         yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def dags_of(tables: str | Path, derived: str | Path | None = None, exports: str | Path | None = None) -> dict[str, Any]:

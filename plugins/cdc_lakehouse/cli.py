@@ -154,10 +154,6 @@ def replay_config(table: str):
     return cfg
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
-
 def write_secrets(out: str, conns: list[str] | None) -> int:
     """`secrets write`: the secrets every configured job needs (lake connection, AWS keys, every
     source connection of the table configs and every export's store, or the `conns` ones) to
@@ -178,3 +174,7 @@ def write_secrets(out: str, conns: list[str] | None) -> int:
         json.dump(secrets, f)
     print(f"wrote {len(secrets)} secret(s) to {out} (mode 0600): {', '.join(sorted(secrets))}")
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

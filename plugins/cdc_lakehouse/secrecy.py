@@ -13,8 +13,8 @@ running session instead of onto a JVM command line, and every Secret this proces
 remembered, so redact() hides it wherever it appears, whatever its key. Names still count, as a
 safety net only: a setting named like a credential (`is_secret_name`) is treated as secret too,
 and redact() hides the value of a `key=value` pair whose key is named like one. The settings
-(settings.LakeSettings), the Spark session (runtime.session), the operator's last-line check
-(orchestration.operators) and alert redaction (orchestration.alerts) all use this module.
+(settings.LakeSettings), the Spark session (runtime.session), the spark-submit backend's last-line
+check (orchestration.spark_backends) and alert redaction (orchestration.alerts) all use this module.
 """
 
 from __future__ import annotations

@@ -10,4 +10,6 @@ types: Spark's JDBC reader by default, or binary COPY into Arrow with `bootstrap
   chunked    the online chunked mode (bootstrap.mode: chunked): DBLog-style chunks, resumable
   chunks     its source side: keyset chunk queries between low/high WAL watermark messages
   progress   its progress rows in cdc_meta.bootstrap_progress
+  column     a one-column backfill, chunked the same way
+  debezium   a Debezium-fed table's bootstrap: its lake tables, at the start of the connector's topics
 """

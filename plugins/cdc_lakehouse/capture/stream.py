@@ -43,7 +43,7 @@ from cdc_lakehouse.runtime.failpoints import crash_point
 from cdc_lakehouse.source.catalog import EndpointTables
 from cdc_lakehouse.source.ddl import DDL_PREFIX, ddl_diff, logged_ddl
 from cdc_lakehouse.source.errors import SourceError
-from cdc_lakehouse.source.markers import MARKER_PREFIX, CapturedMarker
+from cdc_lakehouse.source.markers import MARKER_PREFIX
 from cdc_lakehouse.source.pgoutput import Begin, Change, Commit, Relation, Truncate, decode, pg_time
 from cdc_lakehouse.source.publication import PUBLICATION
 from cdc_lakehouse.source.publication import source_identity as source_source_identity
@@ -121,7 +121,7 @@ class Stream:
         self.schemas_seen: dict[str, list] = {}
         self.schema_changes: list[SchemaChange] = []
         self.heartbeats: dict[str, Heartbeat] = {}
-        self.markers: list[CapturedMarker] = []  # the chunked bootstrap's watermarks, in WAL order (their JSON)
+        self.markers: list[dict[str, Any]] = []  # the chunked bootstrap's watermarks, in WAL order (their JSON)
         self.ddl: list[DdlChange] = []  # the captured tables' DDL (source.ddl), in WAL order
         self.events = self.nbytes = self.txs = 0
         self.capped = self.done = False
@@ -275,7 +275,7 @@ class Stream:
         if prefix != MARKER_PREFIX:
             return
         try:
-            body: CapturedMarker = json.loads(content)
+            body = json.loads(content)
         except ValueError:
             body = {"raw": content.decode("utf-8", "replace")}
         if not isinstance(body, dict):  # JSON, but no object: kept as it came

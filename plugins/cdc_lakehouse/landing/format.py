@@ -34,7 +34,6 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, ConfigDict, Field
 from typing_extensions import TypedDict  # pydantic validates typing.TypedDict from Python 3.12 only
 
-from cdc_lakehouse.source.markers import CapturedMarker
 from cdc_lakehouse.source.slots import SlotReport
 from cdc_lakehouse.watermark import ServerIdentity
 
@@ -376,7 +375,9 @@ class Manifest(_Part):
     published_at_start: list[str] | None = None
     keepalive_advance: KeepaliveAdvance | None = None
     streamed: Streamed | None = None
-    bootstrap_markers: list[CapturedMarker] | None = Field(
+    # Dicts, not a model: a marker is any JSON object under the project's message prefix, and one
+    # of the wrong shape must not fail the run's manifest (the capture would retry it forever).
+    bootstrap_markers: list[dict[str, Any]] | None = Field(
         None, description="the chunked bootstraps' watermark messages the run read (bootstrap.chunked)"
     )
 

@@ -94,7 +94,7 @@ class ConnectBackend:
         op.log.info("running %s on Spark Connect at %s", op.job, self.url.split(";", maxsplit=1)[0])
         if op._driver_memory:  # the driver is the server's: its memory was set when it started
             op.log.warning("%s: driver_memory=%s does not apply on Spark Connect", op.job, op._driver_memory)
-        with environment(env):
+        with _environment(env):
             rc = run_application(op.application, [str(a) for a in op.application_args or []])
         if rc != 0:
             raise AirflowException(f"{op.job} failed with exit code {rc} (its output is above)")
@@ -137,7 +137,7 @@ class SubmitBackend:
             op.env_vars = env_vars = {**(op.env_vars or {}), **public, **transport.env}
             self._refuse_secrets(secrets, transport, conf, env_vars)
             # The driver is the spark-submit process itself (k8s client mode): its environment.
-            with environment(env_vars if transport.process_env else {}):
+            with _environment(env_vars if transport.process_env else {}):
                 op.submit(context)
         finally:
             self.cleanup()
@@ -220,7 +220,7 @@ class SubmitBackend:
 
 
 @contextmanager
-def environment(env: Mapping[str, str]) -> Iterator[None]:
+def _environment(env: Mapping[str, str]) -> Iterator[None]:
     """os.environ with `env` set inside the block, restored after (a key it did not have: removed)."""
     saved = {k: os.environ.get(k) for k in env}
     try:

@@ -155,3 +155,9 @@ def load_job_secrets(environ: dict[str, str] | None = None) -> list[str]:
     secrets_of_env(secrets)  # every value is secret by origin: redact() hides it from now on
     env.update(secrets)
     return sorted(secrets)
+
+
+if __name__ == "__main__":  # the command that lived here (no import: the CLI is above this layer)
+    import sys
+
+    sys.exit("`python -m cdc_lakehouse.runtime.secrets write` is now `python -m cdc_lakehouse.cli secrets write`")

@@ -11,9 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-
-from pydantic import ConfigDict, with_config
-from typing_extensions import TypedDict  # pydantic validates typing.TypedDict from Python 3.12 only
+from typing import TypedDict
 
 from cdc_lakehouse.source.pgoutput import lsn_to_int
 
@@ -34,16 +32,6 @@ class ChunkMark(TypedDict, total=False):
     run: str  # a one-column backfill so (bootstrap.column)
     columns: list[str]  # a one-column backfill's columns
     mark: str  # low | high
-
-
-@with_config(ConfigDict(extra="allow"))  # a later release's keys are kept, not dropped
-class CapturedMarker(ChunkMark, total=False):
-    """A marker as the capture keeps it (its manifest's `bootstrap_markers`): the body, the
-    message's LSN and its transaction's commit LSN; a body that is not JSON is kept as `raw`."""
-
-    lsn: int
-    commit_lsn: int | None
-    raw: str
 
 
 def emit_marker(cur, payload: ChunkMark) -> int:

@@ -23,6 +23,7 @@ Pure Python at import time: pyspark and fastavro are imported inside the functio
 The package, along the data path:
 - connect_types: a column's Connect schema -> its PostgreSQL and lake types; a value -> its text;
 - records: sink files -> records -> landing event rows (executors);
-- plan: the driver's plan of one ingest: pending files, frontiers, staging, the next watermark;
-- bootstrap: the lake tables from the connector's snapshot events.
+- plan: the driver's plan of one ingest: pending files, frontiers, staging, the next watermark.
+A Debezium-fed table's bootstrap (its lake tables from the connector's snapshot events) is
+bootstrap.debezium.
 """
