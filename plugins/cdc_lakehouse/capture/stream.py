@@ -277,8 +277,8 @@ class Stream:
         try:
             body = json.loads(content)
         except ValueError:
-            body = {"raw": content.decode("utf-8", "replace")}
-        if not isinstance(body, dict):  # JSON, but no object: kept as it came
+            body = None
+        if not isinstance(body, dict):  # not JSON, or JSON but no object: kept as it came
             body = {"raw": content.decode("utf-8", "replace")}
         self.markers.append({"lsn": lsn, "commit_lsn": self.tx.final_lsn if self.tx else None, **body})
 
