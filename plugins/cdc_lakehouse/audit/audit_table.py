@@ -50,7 +50,7 @@ from cdc_lakehouse.lake.meta_rows import (
 )
 from cdc_lakehouse.lake.snapshots import read_watermark
 from cdc_lakehouse.lake.tables import source_columns_of, table_exists
-from cdc_lakehouse.runtime.phases import PhaseClock, SparkJobs, local_checkpoint, observed_counts
+from cdc_lakehouse.runtime.phases import PhaseClock, SparkJobs, as_count, local_checkpoint, observed_counts
 from cdc_lakehouse.settings import LakeSettings, SourceEndpoint, source_uri
 from cdc_lakehouse.source.catalog import describe_table
 from cdc_lakehouse.watermark import Watermark
@@ -300,7 +300,7 @@ def _count_lake(t: _Table) -> dict[str, int]:
 
     shards = [s.shard for s in t.shards]
     got = observed_counts(t.hashes, *[F.count_if(F.col(SHARD_COL) == sh).alias(f"n{i}") for i, sh in enumerate(shards)])
-    return {sh: int(got[f"n{i}"]) for i, sh in enumerate(shards)}
+    return {sh: as_count(got[f"n{i}"]) for i, sh in enumerate(shards)}
 
 
 def _choose_mode(t: _Table, mode: str) -> tuple[str, dict[str, int]]:

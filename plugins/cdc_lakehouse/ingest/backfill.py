@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from cdc_lakehouse.columns import (
     INGESTED_COL,
@@ -215,7 +215,12 @@ def backfill_marker(spark: SparkSession, cur: str, watermark: Watermark) -> Call
     return write
 
 
-def added_column_source(conn: connection, schema: str, table: str, column: str) -> tuple[str, Any]:
+#: Added columns' values that are constants: column -> the source catalog's missing value, as
+#: text (pg_attribute.attmissingval), cast to the lake's type where it is used.
+MissingValues = dict[str, str | None]
+
+
+def added_column_source(conn: connection, schema: str, table: str, column: str) -> tuple[str, str | None]:
     """How the rows that predate `column` get their value: ("none", None) (no default: NULL),
     ("missing", text), ("reread", None), or ("absent", None) when the source has no such column."""
     with conn.cursor() as cur:
@@ -297,9 +302,9 @@ def _values(
     dsn: str,
     schema: str,
     shard: str,
-    wanted: dict[str, tuple[str, Any]],
+    wanted: dict[str, tuple[str, str | None]],
     types: dict[str, str],
-) -> DataFrame | dict[str, Any]:
+) -> DataFrame | MissingValues:
     """Constants (catalog missing values) as a dict, or the re-read columns as a DataFrame by key,
     read typed as the snapshot bootstrap reads them (bootstrap.typed_select, ADBC's binary COPY
     into Arrow)."""
@@ -330,7 +335,7 @@ def _apply(
     cfg: TableConfig,
     shard: str,
     at_lsn: int,
-    values: DataFrame | dict[str, Any],
+    values: DataFrame | MissingValues,
     columns: list[str],
     run_label: str,
     read_upto: int | None,
@@ -356,7 +361,7 @@ def _filled_rows(
     cur: str,
     shard: str,
     at_lsn: int,
-    values: DataFrame | dict[str, Any],
+    values: DataFrame | MissingValues,
     columns: list[str],
 ) -> DataFrame:
     """The shard's live rows from before the ALTER, with the added columns' values."""

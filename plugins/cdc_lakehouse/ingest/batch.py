@@ -29,7 +29,7 @@ from cdc_lakehouse.ingest.landed import Landed
 from cdc_lakehouse.ingest.reduce import APPLIED, EVENT_ROW, split_pk_changes
 from cdc_lakehouse.ingest.toast import NO_TABLE, UNAV_LEFT
 from cdc_lakehouse.ingest.validate import BKEY, PKCHANGE, REASONS, typed_events
-from cdc_lakehouse.runtime.phases import local_checkpoint, observed_counts
+from cdc_lakehouse.runtime.phases import Observed, ObservedValue, as_count, as_time, local_checkpoint, observed_counts
 from cdc_lakehouse.watermark import Watermark, shard_lsn_map
 
 if TYPE_CHECKING:
@@ -57,11 +57,10 @@ class ReducedTotals:
     max_ts: datetime | None = None
 
     @classmethod
-    def observed(cls, values: dict[str, Any]) -> Self:
+    def observed(cls, values: Observed) -> Self:
         """From observed metrics, named as the fields (a sum over no rows comes back NULL: 0)."""
-        names = {f.name for f in fields(cls)}
-        kwargs: dict[str, Any] = {k: v if k.endswith("_ts") else int(v or 0) for k, v in values.items() if k in names}
-        return cls(**kwargs)
+        counts = {f.name: as_count(values.get(f.name)) for f in fields(cls) if f.type == "int"}
+        return cls(**counts, min_ts=as_time(values.get("min_ts")), max_ts=as_time(values.get("max_ts")))
 
 
 @dataclass(frozen=True)
@@ -81,6 +80,21 @@ class BatchCounts(ReducedTotals):
     unavailable: list[str] = field(default_factory=list)  # unchanged TOAST columns in the batch
     # shard -> {"ts": micros, "lsn"} of its newest source commit in the batch (lake.freshness)
     shard_commits: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    @classmethod
+    def observed(cls, values: Observed) -> Self:
+        """From the fused plan's observed metrics: the counts, and the JSON texts it aggregates
+        (the shards' newest commits, the truncated shards, the unchanged TOAST columns)."""
+        counts = {f.name: as_count(values.get(f.name)) for f in fields(cls) if f.type == "int"}
+        commits = _json(values.get("shard_commits")) or {}
+        return cls(
+            **counts,
+            min_ts=as_time(values.get("min_ts")),
+            max_ts=as_time(values.get("max_ts")),
+            truncated=sorted(_json(values.get("truncated")) or []),
+            unavailable=sorted(_json(values.get("unavailable")) or []),
+            shard_commits={shard: commit for shard, commit in commits.items() if commit},
+        )
 
 
 @dataclass
@@ -157,7 +171,7 @@ def fused_batch(
     seen = observed_counts(rows, *_in_counters(cfg), *_out_counters())
     # An input with no partitions never runs the observed node: its metrics are then empty (the
     # fields' defaults).
-    return FusedBatch(rows, BatchCounts(**_plain(seen)), names)
+    return FusedBatch(rows, BatchCounts.observed(seen), names)
 
 
 def _per_key(events: DataFrame, cfg: TableConfig, names: list[str]) -> DataFrame:
@@ -256,16 +270,6 @@ def _out_counters() -> list[Column]:
     ]
 
 
-def _plain(observed: dict[str, Any]) -> dict[str, Any]:
-    """Observed values as Python: counts as int (a sum over no rows is NULL), JSON text decoded."""
-    out: dict[str, Any] = {}
-    for k, v in observed.items():
-        if k == "shard_commits":
-            out[k] = {s: c for s, c in json.loads(v or "{}").items() if c}
-        elif k in ("truncated", "unavailable"):
-            out[k] = sorted(json.loads(v)) if v else []
-        elif k.endswith("_ts"):
-            out[k] = v
-        else:
-            out[k] = int(v or 0)
-    return out
+def _json(value: ObservedValue) -> Any:
+    """An observed JSON text, decoded (None: no text)."""
+    return json.loads(value) if isinstance(value, str) and value else None

@@ -77,7 +77,9 @@ from cdc_lakehouse.landing.errors import LandingGap, NotBootstrapped
 from cdc_lakehouse.landing.reader import Plan, SparkLanding, plan_landing
 from cdc_lakehouse.runtime.failpoints import crash_point
 from cdc_lakehouse.runtime.phases import (
+    Observed,
     SparkJobs,
+    as_count,
     job_phase,
     local_checkpoint,
     observed_counts,
@@ -633,9 +635,9 @@ class Classification:
     base_bytes: int = 0  # the size of those values (with base_cols only)
 
     @classmethod
-    def observed(cls, values: dict[str, Any]) -> Classification:
+    def observed(cls, values: Observed) -> Classification:
         """From observed metrics, named as the fields (a sum over no rows comes back NULL: 0)."""
-        return cls(**{k: int(v or 0) for k, v in values.items()})
+        return cls(**{k: as_count(v) for k, v in values.items()})
 
 
 def classify(

@@ -8,10 +8,41 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypedDict
 
 if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame, SparkSession
+
+
+class SparkJobData(TypedDict, total=False):
+    """One job as Spark's status REST API lists it (GET .../applications/<app>/jobs; Spark 4.1's
+    JobData): the fields read here. A wire format, typed only as far as it is read."""
+
+    jobId: int
+    name: str
+    status: str  # RUNNING | SUCCEEDED | FAILED | UNKNOWN
+    stageIds: list[int]
+    jobTags: list[str]
+
+
+#: Observed metrics as Python (observed_counts): a count (int; a sum over no rows is None), a JSON
+#: text (str) or, under a name ending in `_ts`, a timestamp.
+ObservedValue = int | str | datetime | None
+Observed = dict[str, ObservedValue]
+
+
+def as_count(value: ObservedValue) -> int:
+    """An observed count: a sum over no rows comes back NULL, which is 0 here."""
+    if isinstance(value, datetime):
+        raise TypeError(f"an observed count is a timestamp: {value}")
+    return int(value or 0)
+
+
+def as_time(value: ObservedValue) -> datetime | None:
+    """An observed timestamp (`_ts`, turned back into a datetime by timestamps_from_micros)."""
+    if value is not None and not isinstance(value, datetime):
+        raise TypeError(f"an observed timestamp is {value!r}")
+    return value
 
 
 class PhaseClock:
@@ -94,7 +125,7 @@ def job_phase(spark: SparkSession, name: str) -> Iterator[None]:
         spark.removeTag(PHASE_TAG + name)
 
 
-def _phase_of(job: dict[str, Any]) -> str:
+def _phase_of(job: SparkJobData) -> str:
     for t in job.get("jobTags") or []:
         if PHASE_TAG in t:
             return "[" + t[t.index(PHASE_TAG) + len(PHASE_TAG) :] + "] "
@@ -111,14 +142,14 @@ def metadata_reads(spark: SparkSession) -> Iterator[None]:
         spark.removeTag(METADATA_TAG)
 
 
-def _has_tag(job: dict[str, Any], tag: str) -> bool:
+def _has_tag(job: SparkJobData, tag: str) -> bool:
     # Spark 4 gives a session's tag its scope: on a Spark Connect server
     # "SparkConnect_Execute_User_<u>_Session_<s>_Tag_<tag>" (spark-connect 4.1, ExecuteHolder), on a
     # classic session "spark-session-<uuid>-thread-<uuid>-<tag>" (SparkSession.managedJobTags).
     return any(t == tag or t.endswith((f"_Tag_{tag}", f"-{tag}")) for t in job.get("jobTags") or [])
 
 
-def _site(spark: SparkSession, job: dict[str, Any]) -> str:
+def _site(spark: SparkSession, job: SparkJobData) -> str:
     """A job's call site ("save at .../run.py:255"); for a Spark Connect client, whose jobs are
     named by their request, the request's SQL or the relation or command it ran."""
     import re
@@ -134,7 +165,7 @@ def _site(spark: SparkSession, job: dict[str, Any]) -> str:
     return "connect: " + " > ".join(nodes[:4]) if nodes else name[:120]
 
 
-def _stage_details(spark: SparkSession, job: dict[str, Any]) -> str:
+def _stage_details(spark: SparkSession, job: SparkJobData) -> str:
     import json
     import urllib.request
 
@@ -208,7 +239,7 @@ def _answering_ui(host: str, port: int, app: str) -> str | None:
     return None
 
 
-def _tagged_jobs(spark: SparkSession, tag: str) -> list[dict[str, Any]] | None:
+def _tagged_jobs(spark: SparkSession, tag: str) -> list[SparkJobData] | None:
     import json
     import urllib.request
 
@@ -250,7 +281,7 @@ def local_checkpoint(df: DataFrame) -> DataFrame:
         local.session = before
 
 
-def observed_counts(df: DataFrame, *exprs: Column) -> dict[str, Any]:
+def observed_counts(df: DataFrame, *exprs: Column) -> Observed:
     """Aggregates over df, computed while a no-op write scans it: one Spark job, where
     `df.groupBy().agg(...).collect()` takes two under adaptive execution (its shuffle stage runs
     as a job of its own). Returns {alias: value}."""
@@ -261,11 +292,12 @@ def observed_counts(df: DataFrame, *exprs: Column) -> dict[str, Any]:
     return timestamps_from_micros(obs.get)
 
 
-def timestamps_from_micros(values: dict[str, Any]) -> dict[str, Any]:
+def timestamps_from_micros(values: dict[str, ObservedValue]) -> Observed:
     """Observed metrics reach Python as JVM objects unless primitive: timestamps are therefore
     observed as `unix_micros(...)` under a name ending in `_ts`, and turned back here into naive
     UTC datetimes (what collect() gives in a UTC session)."""
     epoch = datetime(1970, 1, 1, tzinfo=UTC).replace(tzinfo=None)
     return {
-        k: (epoch + timedelta(microseconds=v) if k.endswith("_ts") and v is not None else v) for k, v in values.items()
+        k: (epoch + timedelta(microseconds=v) if k.endswith("_ts") and isinstance(v, int) else v)
+        for k, v in values.items()
     }
