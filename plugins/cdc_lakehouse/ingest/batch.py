@@ -29,7 +29,7 @@ from cdc_lakehouse.ingest.landed import Landed
 from cdc_lakehouse.ingest.reduce import APPLIED, EVENT_ROW, split_pk_changes
 from cdc_lakehouse.ingest.toast import NO_TABLE, UNAV_LEFT
 from cdc_lakehouse.ingest.validate import BKEY, PKCHANGE, REASONS, typed_events
-from cdc_lakehouse.runtime.phases import Observed, ObservedValue, as_count, as_time, local_checkpoint, observed_counts
+from cdc_lakehouse.runtime.phases import Observed, ObservedValue, as_count, as_time, checkpoint_counted
 from cdc_lakehouse.watermark import Watermark, shard_lsn_map
 
 if TYPE_CHECKING:
@@ -163,12 +163,12 @@ def fused_batch(
     live = ~F.col(APPLIED) & (F.size(REASONS) == 0) & (F.col(OP_COL) != "t")
     events = split_pk_changes(typed, cfg, live=live).withColumn(LIVE, live)
     names = [c for c, t in lake_cols if c not in cfg.primary_key and t.replace(" ", "") not in _FIXED]
-    # Computed once into a checkpoint, then counted in one pass over the kept rows. (Spark Connect
-    # delivers no observed metrics to a checkpoint: observing the plan itself meant persisting it,
-    # a no-op write, then the checkpoint: 11 s against 7 s this way for the bench's 200k events
-    # at 2M rows, and 4 Spark jobs against 3; issue #56.)
-    rows = local_checkpoint(_per_key(events, cfg, names))
-    seen = observed_counts(rows, *_in_counters(cfg), *_out_counters())
+    # Computed once into a checkpoint, counted by the job that fills it (runtime.phases.
+    # checkpoint_counted). Spark Connect delivers no observed metrics to a checkpoint's command:
+    # observing the plan itself meant persisting it, a no-op write, then the checkpoint (11 s
+    # against 7 s for an eager checkpoint and a count, for the bench's 200k events at 2M rows; 4
+    # Spark jobs against 3); a lazy checkpoint and the count are one job (issue #56).
+    rows, seen = checkpoint_counted(_per_key(events, cfg, names), *_in_counters(cfg), *_out_counters())
     # An input with no partitions never runs the observed node: its metrics are then empty (the
     # fields' defaults).
     return FusedBatch(rows, BatchCounts.observed(seen), names)

@@ -80,6 +80,7 @@ from cdc_lakehouse.runtime.phases import (
     Observed,
     SparkJobs,
     as_count,
+    checkpoint_counted,
     job_phase,
     local_checkpoint,
     observed_counts,
@@ -667,13 +668,15 @@ def classify(
         return Classification.observed(observed_counts(matched, *counts)), None
     size = sum(F.coalesce(F.octet_length(F.col(BASE_PREFIX + c).cast("string")), F.lit(0)) for c in base_cols)
     base_bytes = F.sum(F.when(F.col("_needs_base"), size)).alias("base_bytes")
-    # The matched rows checkpointed once (the values only where needed), then counted in one pass
-    # over them: cheaper than persisting an observed plan first (see ingest.batch.fused_batch).
+    # The matched rows checkpointed once (the values only where needed), counted by the job that
+    # fills the checkpoint (see ingest.batch.fused_batch).
     needed = [F.when(F.col("_needs_base"), F.col(BASE_PREFIX + c)).alias(BASE_PREFIX + c) for c in base_cols]
-    kept = local_checkpoint(
-        matched.select(*key, LSN_COL, SEQ_COL, OP_COL, "_t_lsn", "_t_seq", "_t_live", "_needs_base", *needed)
+    kept, seen = checkpoint_counted(
+        matched.select(*key, LSN_COL, SEQ_COL, OP_COL, "_t_lsn", "_t_seq", "_t_live", "_needs_base", *needed),
+        *counts,
+        base_bytes,
     )
-    c = Classification.observed(observed_counts(kept, *counts, base_bytes))
+    c = Classification.observed(seen)
     base = kept.filter("_needs_base").select(*key, *[BASE_PREFIX + c for c in base_cols])
     # Small enough (the common case): joined to the batch without a shuffle, in the MERGE's own jobs.
     return c, (F.broadcast(base) if c.base_bytes <= BASE_BROADCAST_BYTES else base)

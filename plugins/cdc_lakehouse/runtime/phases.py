@@ -261,10 +261,11 @@ def _tagged_jobs(spark: SparkSession, tag: str) -> list[SparkJobData] | None:
     return mine
 
 
-def local_checkpoint(df: DataFrame) -> DataFrame:
+def local_checkpoint(df: DataFrame, eager: bool = True) -> DataFrame:
     """df computed once (eagerly) and kept by its session for the rest of the stage; the plan of
-    what follows starts from the kept rows. pyspark's Spark Connect client (4.1.3) attaches a
-    checkpoint's result to SparkSession.active(), not to the frame's own session
+    what follows starts from the kept rows. eager=False: kept by the first action over it, which
+    must compute every partition (checkpoint_counted). pyspark's Spark Connect client (4.1.3)
+    attaches a checkpoint's result to SparkSession.active(), not to the frame's own session
     (pyspark/sql/connect/conversion.py, proto_to_remote_cached_dataframe): in a process with
     several sessions (a test suite, overlapping writers, a job run in a task's process) the result
     named a frame the other session did not have ("No DataFrame with id ... is found in the
@@ -272,13 +273,23 @@ def local_checkpoint(df: DataFrame) -> DataFrame:
     session = df.sparkSession
     local = getattr(type(session), "_active_session", None)  # Connect's thread-local active session
     if local is None:
-        return df.localCheckpoint(eager=True)
+        return df.localCheckpoint(eager=eager)
     before = getattr(local, "session", None)
     local.session = session
     try:
-        return df.localCheckpoint(eager=True)
+        return df.localCheckpoint(eager=eager)
     finally:
         local.session = before
+
+
+def checkpoint_counted(df: DataFrame, *exprs: Column) -> tuple[DataFrame, Observed]:
+    """df kept as local_checkpoint keeps it, and aggregates over it (observed_counts), in one Spark
+    job where an eager checkpoint and its count took two: the checkpoint is made lazily, and the
+    count's no-op write, which computes every partition, fills it. (Spark Connect delivers no
+    observed metrics to the checkpoint's own command.) Adaptive execution still runs the shuffle
+    stages of df's plan as jobs of their own, when the checkpoint is made. Issue #56."""
+    kept = local_checkpoint(df, eager=False)
+    return kept, observed_counts(kept, *exprs)
 
 
 def observed_counts(df: DataFrame, *exprs: Column) -> Observed:
