@@ -119,3 +119,46 @@ def test_a_session_closed_while_another_is_collected_in_the_release_pool_does_no
 
     assert run("plain") == "hung"
     assert run("shim") == "closed"
+
+
+# The collector can also run a session's __del__ in the thread that is submitting a release to the
+# pool, between the pool's lock and the new thread (py-spy, a fresh clone's suite, 2026-11-30).
+# A watchdog ends the process if it waits for itself.
+_SHUT_DOWN_INSIDE_SUBMIT = """
+import os, sys, threading
+from pyspark.sql.connect.client.reattach import ExecutePlanResponseReattachableIterator as R
+if sys.argv[1] == "shim":
+    from cdc_lakehouse.runtime.session import release_pool_without_waiting
+    release_pool_without_waiting()
+pool = R._get_or_create_release_thread_pool()
+def watchdog():
+    print("hung", flush=True)
+    os._exit(0)
+threading.Timer(10, watchdog).start()
+with R._lock, pool._shutdown_lock:  # what _release_until holds while ThreadPoolExecutor.submit runs
+    R.shutdown()  # a session's __del__ run by the collector there
+print("closed", flush=True)
+os._exit(0)
+"""
+
+
+def test_a_session_collected_while_its_thread_submits_a_release_does_not_hang():
+    """The other way the release pool hung (runtime.session.release_pool_without_waiting): a
+    shutdown in the middle of the same thread's submit waits for the pool's own lock, even
+    without waiting for its threads. Without the shim it hangs."""
+    import subprocess
+    import sys
+
+    def run(mode: str) -> str:
+        out = subprocess.run(
+            [sys.executable, "-c", _SHUT_DOWN_INSIDE_SUBMIT, mode],
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert out.returncode == 0, out.stderr[-2000:]
+        return out.stdout.strip()
+
+    assert run("plain") == "hung"
+    assert run("shim") == "closed"

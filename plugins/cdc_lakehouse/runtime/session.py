@@ -258,8 +258,13 @@ def release_pool_without_waiting() -> None:
     for 20 minutes (2026-11-29), until pytest's timeout interrupted the join; a group run's
     worker sessions can meet it the same way. Upstream: apache/spark#54145 (SPARK-55362: do not
     wait) and apache/spark#54189 (SPARK-55406: a pool per use), after 4.1. Here, for 4.1: the
-    pool is taken out under the lock and shut down without waiting; the server releases what an
-    unsent ReleaseExecute would have (it drops abandoned executions itself)."""
+    pool is taken out under the lock and left to the collector, not shut down: even
+    `shutdown(wait=False)` takes the pool's own lock, which a thread in the middle of submitting
+    to it holds, and the collector can run a session's __del__ right there (a fresh clone's suite
+    hung so on 2026-11-30: py-spy showed ThreadPoolExecutor.submit -> SparkSession.__del__ ->
+    shutdown, one thread waiting for itself). An idle pool's threads end when it is collected
+    (concurrent.futures wakes them from a weakref callback), after the calls already queued; the
+    server releases what an unsent ReleaseExecute would have (it drops abandoned executions)."""
     import pyspark
     from pyspark.sql.connect.client.reattach import ExecutePlanResponseReattachableIterator as Reattachable
 
@@ -268,9 +273,7 @@ def release_pool_without_waiting() -> None:
 
     def shutdown(cls: type[Reattachable]) -> None:
         with cls._lock:
-            pool, cls._release_thread_pool_instance = cls._release_thread_pool_instance, None
-        if pool is not None:
-            pool.shutdown(wait=False)
+            cls._release_thread_pool_instance = None
 
     shutdown._cdc_no_wait = True  # type: ignore[attr-defined]
     Reattachable.shutdown = classmethod(shutdown)  # type: ignore[method-assign,assignment]
