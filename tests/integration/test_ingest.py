@@ -415,7 +415,8 @@ def test_source_endpoint_parsing():
 # 8 (2026-11-30 night), #56's target: the batch's and the classification's checkpoints are made
 # lazily and filled by the observed pass that counts them (runtime.phases.checkpoint_counted): one
 # job each where the eager checkpoint and the count took two. Left: the batch (1), the changelog
-# append (1), the classification (1; +1 when the batch truncates, this one does), the MERGE (4).
+# append (1), the classification (2: the broadcast of the batch's keys, run by adaptive execution
+# when the checkpoint is made, then the counted pass that fills it), the MERGE (4).
 INGEST_JOB_BUDGET = 8
 # The two appends (runs, freshness). A metadata table's first commit no longer takes a job for its
 # empty first snapshot (lake.commits.commit_empty_snapshot): run alone, this test took 4.

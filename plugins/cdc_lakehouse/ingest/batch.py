@@ -85,6 +85,9 @@ class BatchCounts(ReducedTotals):
     def observed(cls, values: Observed) -> Self:
         """From the fused plan's observed metrics: the counts, and the JSON texts it aggregates
         (the shards' newest commits, the truncated shards, the unchanged TOAST columns)."""
+        unknown = values.keys() - {f.name for f in fields(cls)}
+        if unknown:  # a counter no field holds: a misnamed alias would otherwise read as 0
+            raise ValueError(f"observed metrics without a BatchCounts field: {sorted(unknown)}")
         counts = {f.name: as_count(values.get(f.name)) for f in fields(cls) if f.type == "int"}
         commits = _json(values.get("shard_commits")) or {}
         return cls(
@@ -166,8 +169,8 @@ def fused_batch(
     # Computed once into a checkpoint, counted by the job that fills it (runtime.phases.
     # checkpoint_counted). Spark Connect delivers no observed metrics to a checkpoint's command:
     # observing the plan itself meant persisting it, a no-op write, then the checkpoint (11 s
-    # against 7 s for an eager checkpoint and a count, for the bench's 200k events at 2M rows; 4
-    # Spark jobs against 3); a lazy checkpoint and the count are one job (issue #56).
+    # against 7 s for an eager checkpoint and a count, for the bench's 200k events at 2M rows); a
+    # lazy checkpoint and the count are one job (issue #56).
     rows, seen = checkpoint_counted(_per_key(events, cfg, names), *_in_counters(cfg), *_out_counters())
     # An input with no partitions never runs the observed node: its metrics are then empty (the
     # fields' defaults).

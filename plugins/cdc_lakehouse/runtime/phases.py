@@ -287,7 +287,10 @@ def checkpoint_counted(df: DataFrame, *exprs: Column) -> tuple[DataFrame, Observ
     job where an eager checkpoint and its count took two: the checkpoint is made lazily, and the
     count's no-op write, which computes every partition, fills it. (Spark Connect delivers no
     observed metrics to the checkpoint's own command.) Adaptive execution still runs the shuffle
-    stages of df's plan as jobs of their own, when the checkpoint is made. Issue #56."""
+    and broadcast stages of df's plan as jobs of their own, when the checkpoint is made; the
+    count's job then reads their output, so this relies on Spark keeping a query's shuffle files
+    past its end (spark.sql.classic.shuffleDependency.fileCleanup.enabled, off unless
+    SPARK_TESTING is set). Issue #56."""
     kept = local_checkpoint(df, eager=False)
     return kept, observed_counts(kept, *exprs)
 
