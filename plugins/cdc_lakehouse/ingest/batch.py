@@ -19,7 +19,7 @@ the multi-pass fill in ingest.toast.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, Self
 
@@ -88,12 +88,9 @@ class BatchCounts(ReducedTotals):
         unknown = values.keys() - {f.name for f in fields(cls)}
         if unknown:  # a counter no field holds: a misnamed alias would otherwise read as 0
             raise ValueError(f"observed metrics without a BatchCounts field: {sorted(unknown)}")
-        counts = {f.name: as_count(values.get(f.name)) for f in fields(cls) if f.type == "int"}
         commits = _json(values.get("shard_commits")) or {}
-        return cls(
-            **counts,
-            min_ts=as_time(values.get("min_ts")),
-            max_ts=as_time(values.get("max_ts")),
+        return replace(
+            super().observed(values),  # the counts and the commit times
             truncated=sorted(_json(values.get("truncated")) or []),
             unavailable=sorted(_json(values.get("unavailable")) or []),
             shard_commits={shard: commit for shard, commit in commits.items() if commit},
