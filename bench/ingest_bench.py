@@ -126,7 +126,36 @@ def table_checksum(spark, table: str) -> dict:
     return {"rows": int(r[0]), "sum_id": int(r[1]), "sum_version": int(r[2]), "sum_content": int(r[3])}
 
 
-def run_ours(mode: str, prep: dict, rows: int, repeat: int, merge_join: str = "auto") -> list[dict]:
+def load_history(spark, lake, cfg, prep: dict) -> None:
+    """(Re)creates cfg's history table as caught up with the base rows: each row's one open
+    version, the commit carrying the changelog's snapshot that load_base made (issue #55)."""
+    from cdc_lakehouse.history.maintain import HISTORY_PROP, HistoryPosition, ensure_history_table
+    from cdc_lakehouse.lake.commits import current_snapshot_id
+    from pyspark.sql import functions as F
+
+    hist = lake.qualified(cfg.history_table)
+    spark.sql(f"DROP TABLE IF EXISTS {hist} PURGE")
+    shape = ensure_history_table(spark, lake, cfg)
+    head = current_snapshot_id(spark, lake.qualified(cfg.changelog_table))
+    assert head is not None
+    opened = {
+        "_cdc_op": F.lit("r"),
+        "_cdc_valid_from_lsn": F.lit(500).cast("bigint"),
+        "_cdc_valid_from": F.col("_cdc_commit_ts"),
+        "_cdc_valid_to_lsn": F.lit(None).cast("bigint"),
+        "_cdc_valid_to": F.lit(None).cast("timestamp"),
+        "_cdc_is_current": F.lit(True),
+        "_cdc_moved_from": F.lit(None).cast("string"),
+        "_cdc_moved_to": F.lit(None).cast("string"),
+    }
+    rows = spark.read.parquet(prep["base"]).withColumns(opened).select(*shape.columns)
+    pos = HistoryPosition(head, {s: 500 for s in ["s0", "s1", "s2", "s3"]})
+    rows.writeTo(hist).option(f"snapshot-property.{HISTORY_PROP}", pos.to_json()).append()
+
+
+def run_ours(
+    mode: str, prep: dict, rows: int, repeat: int, merge_join: str = "auto", history: bool = False
+) -> list[dict]:
     from cdc_lakehouse.config import parse_table_config
     from cdc_lakehouse.ingest.ingest_table import ingest_table
     from cdc_lakehouse.lake.meta import ensure_meta_tables
@@ -139,16 +168,30 @@ def run_ours(mode: str, prep: dict, rows: int, repeat: int, merge_join: str = "a
     spark = get_spark("bench-ingest", lake, classic=True, driver_memory=os.environ.get("CDC_BENCH_DRIVER_MEMORY", "8g"))
     ensure_meta_tables(spark, lake)
     name = f"blk_{mode.replace('-', '_')}_{rows}"
-    cfg, errs = parse_table_config(bench_table_config(name, mode, merge_join), "bench")
+    config = bench_table_config(name, mode, merge_join)
+    if history:
+        config["history"] = {"enabled": True}
+    cfg, errs = parse_table_config(config, "bench")
     assert not errs, errs
     out = []
     for i in range(repeat):
         load_base(spark, lake, cfg, prep)
+        if history:
+            load_history(spark, lake, cfg, prep)
         layout = files_holding_keys(spark, lake.qualified(cfg.current_table), f"{prep['dir']}/reduced.parquet")
         since = last_execution_id(spark)
         t = time.time()
         r = ingest_table(spark, lake, cfg, upto_run=None, ingest_run=f"bench-{i}")
         m = r.metrics
+        history_secs = None
+        if history:
+            from cdc_lakehouse.history.maintain import maintain_history
+
+            h0 = time.time()
+            h = maintain_history(spark, lake, cfg)
+            history_secs = time.time() - h0
+            assert h.mode == "incremental" and h.late == 0 and h.unresolved == 0, h
+            print(f"  history: {history_secs:.1f}s {h.to_dict()}", flush=True)
         secs = time.time() - t
         pruning = {**layout, **merge_scans(scan_files(spark, since))}
         got = table_checksum(spark, lake.qualified(cfg.current_table))
@@ -157,6 +200,7 @@ def run_ours(mode: str, prep: dict, rows: int, repeat: int, merge_join: str = "a
             {
                 "pruning": pruning,
                 "seconds": secs,
+                "history_seconds": history_secs,
                 "apply_seconds": m.apply_seconds,
                 "write_amplification": m.write_amplification,
                 "bytes_written": m.bytes_written,
@@ -475,6 +519,7 @@ def main() -> int:
         text = lambda: prepare(args.rows, args.changes, args.toast_share, landing_format=1)  # noqa: E731
         fn = {
             "ours-mor": lambda: run_ours("merge-on-read", prep, args.rows, args.repeat),
+            "ours-history": lambda: run_ours("merge-on-read", prep, args.rows, args.repeat, history=True),
             "ours-text": lambda: run_ours("merge-on-read", text(), args.rows, args.repeat),
             "ours-cow": lambda: run_ours("copy-on-write", prep, args.rows, args.repeat),
             "ours-mor-shuffle": lambda: run_ours("merge-on-read", prep, args.rows, args.repeat, "shuffle"),

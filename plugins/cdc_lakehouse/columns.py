@@ -20,7 +20,8 @@ META_PREFIX = "_cdc_"  # reserved: source columns may not use it
 CURRENT: Final = "current"
 CHANGELOG: Final = "changelog"
 QUARANTINE: Final = "quarantine"
-TableKind = Literal["current", "changelog", "quarantine"]
+HISTORY: Final = "history"
+TableKind = Literal["current", "changelog", "quarantine", "history"]
 
 
 @dataclass(frozen=True)
@@ -42,13 +43,14 @@ class MetadataColumn:
 
 _BOTH = frozenset({CURRENT, CHANGELOG})
 _CL = frozenset({CHANGELOG})
+_HIST = frozenset({HISTORY})
 
 SHARD = MetadataColumn(
     "_cdc_shard",
     "string",
     "string",
     "the source shard (schema, or database.schema); part of every lake key",
-    _BOTH,
+    _BOTH | _HIST,
     leading=True,
     quarantine="shard",
 )
@@ -56,8 +58,9 @@ OP = MetadataColumn(
     "_cdc_op",
     "string",
     "string",
-    "the change behind the row: c insert, u update, d delete (soft deletes), r snapshot; changelog also t truncate",
-    _BOTH,
+    "the change behind the row: c insert, u update, d delete (soft deletes), r snapshot; changelog also t "
+    "truncate; a history version: the change that opened it",
+    _BOTH | _HIST,
 )
 COMMIT_LSN = MetadataColumn(
     "_cdc_commit_lsn",
@@ -102,6 +105,35 @@ RUN_ID = MetadataColumn(
 INGESTED_AT = MetadataColumn(
     "_cdc_ingested_at", "timestamp", "timestamptz", "when the ingest wrote the changelog row", _CL
 )
+# A history table's versions (history.versions; docs/history-tables.md): one row per state of a key
+# that a source transaction left, valid from its commit to the commit that changed or removed it.
+VALID_FROM_LSN = MetadataColumn(
+    "_cdc_valid_from_lsn", "bigint", "long", "commit LSN of the transaction that made this version", _HIST
+)
+VALID_FROM = MetadataColumn("_cdc_valid_from", "timestamp", "timestamptz", "commit time of that transaction", _HIST)
+VALID_TO_LSN = MetadataColumn(
+    "_cdc_valid_to_lsn",
+    "bigint",
+    "long",
+    "commit LSN of the transaction that changed or removed the row (NULL: the version is current)",
+    _HIST,
+)
+VALID_TO = MetadataColumn("_cdc_valid_to", "timestamp", "timestamptz", "commit time of that transaction", _HIST)
+IS_CURRENT = MetadataColumn("_cdc_is_current", "boolean", "boolean", "the key's live version now", _HIST)
+MOVED_FROM = MetadataColumn(
+    "_cdc_moved_from",
+    "string",
+    "string",
+    "a primary-key change opened this version: the old key, as JSON of its key columns",
+    _HIST,
+)
+MOVED_TO = MetadataColumn(
+    "_cdc_moved_to",
+    "string",
+    "string",
+    "a primary-key change closed this version: the new key, as JSON of its key columns",
+    _HIST,
+)
 
 # In table order: leading columns, then (after the source columns) the rest.
 METADATA_COLUMNS: tuple[MetadataColumn, ...] = (
@@ -115,6 +147,13 @@ METADATA_COLUMNS: tuple[MetadataColumn, ...] = (
     UNAVAILABLE,
     RUN_ID,
     INGESTED_AT,
+    VALID_FROM_LSN,
+    VALID_FROM,
+    VALID_TO_LSN,
+    VALID_TO,
+    IS_CURRENT,
+    MOVED_FROM,
+    MOVED_TO,
 )
 BY_NAME: dict[str, MetadataColumn] = {c.name: c for c in METADATA_COLUMNS}
 METADATA_NAMES: frozenset[str] = frozenset(BY_NAME)
@@ -145,3 +184,10 @@ XID_COL = XID.name
 UNAVAILABLE_COL = UNAVAILABLE.name
 RUN_COL = RUN_ID.name
 INGESTED_COL = INGESTED_AT.name
+VALID_FROM_LSN_COL = VALID_FROM_LSN.name
+VALID_FROM_COL = VALID_FROM.name
+VALID_TO_LSN_COL = VALID_TO_LSN.name
+VALID_TO_COL = VALID_TO.name
+IS_CURRENT_COL = IS_CURRENT.name
+MOVED_FROM_COL = MOVED_FROM.name
+MOVED_TO_COL = MOVED_TO.name

@@ -487,6 +487,13 @@ class ApprovalsConfig(_Model):
         return self.repair_above_keys if approvals_enabled(environ) else None
 
 
+class HistoryConfig(_Model):
+    """A history table (`<namespace>.<name>__history`, docs/history-tables.md): every version of
+    every row, kept by the ingest job from the changelog after each batch."""
+
+    enabled: bool = Field(False, description="keep the table's history (slowly changing dimension type 2)")
+
+
 class TableConfig(_Model):
     name: str = Field(description="the table's id: DAG ids, pools and lake names derive from it")
     description: str = ""
@@ -511,6 +518,7 @@ class TableConfig(_Model):
     alert_emails: list[str] = Field(default_factory=list, description="also e-mailed every alert of this table")
     alerts: TableAlerts = TableAlerts()
     approvals: ApprovalsConfig = ApprovalsConfig()
+    history: HistoryConfig = HistoryConfig()
 
     @field_validator("name")
     @classmethod
@@ -575,6 +583,10 @@ class TableConfig(_Model):
     @property
     def changelog_table(self) -> str:
         return f"{self.lake.namespace}.{self.lake_name}__changelog"
+
+    @property
+    def history_table(self) -> str:
+        return f"{self.lake.namespace}.{self.lake_name}__history"
 
     @property
     def latest_view(self) -> str:

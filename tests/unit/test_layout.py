@@ -20,7 +20,7 @@ DEVSTACK_MODULES = sorted(p for p in DEVSTACK_DIR.rglob("*.py") if "__pycache__"
 NOT_IMPORTED = ("devstack", "bench", "tests")
 # Packages whose code runs on the Spark driver or executors (shipped with --py-files).
 SPARK_SIDE = (
-    "source", "capture", "landing", "ingest", "lake", "bootstrap", "audit", "derived", "runtime", "jobs",
+    "source", "capture", "landing", "ingest", "history", "lake", "bootstrap", "audit", "derived", "runtime", "jobs",
     "columns", "watermark",
 )  # fmt: skip
 MAX_LINES = 60
@@ -76,6 +76,7 @@ LAYERS: list[list[str]] = [
     ["capture"],
     ["bootstrap"],
     ["ingest"],
+    ["history"],  # versions of every row, from the changelog the ingest appends
     ["audit"],
     ["derived"],
     ["feed"],

@@ -1,5 +1,6 @@
 """The ingest job (spark_jobs/ingest.py): landing -> changelog -> current table, per table
-(ingest.ingest_table.ingest_table). The DAG passes the data interval: capture runs up to its end apply."""
+(ingest.ingest_table.ingest_table), then the table's history where it keeps one
+(history.maintain). The DAG passes the data interval: capture runs up to its end apply."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
     from cdc_lakehouse.config import TableConfig
+    from cdc_lakehouse.history.maintain import HistoryResult
     from cdc_lakehouse.settings import LakeSettings
 
 
@@ -39,6 +41,18 @@ class IngestParams(JobParams):
     )
 
 
+@dataclass(frozen=True)
+class WithHistory:
+    """An ingest's result and its table's history maintenance (history.maintain), on one line."""
+
+    ingest: StageResult
+    history: HistoryResult
+
+    def to_dict(self) -> dict[str, object]:  # the job's result line (jobs.runner.StageResult)
+        h = self.history
+        return {**self.ingest.to_dict(), "history": {"mode": h.mode, "written": h.written, "late": h.late}}
+
+
 def main(p: IngestParams) -> int:
     from cdc_lakehouse.ingest.records import RunRecords
 
@@ -49,7 +63,7 @@ def main(p: IngestParams) -> int:
         from cdc_lakehouse.ingest.ingest_table import ingest_table
 
         run = p.ingest_run or datetime.now(UTC).strftime("manual-%Y%m%dT%H%M%S")
-        return ingest_table(
+        result = ingest_table(
             spark,
             lake,
             cfg,
@@ -60,6 +74,13 @@ def main(p: IngestParams) -> int:
             records=records,
             ask_dropped=p.undecided_drop == "ask",
         )
+        if not cfg.history.enabled:
+            return result
+        # The history follows the changelog this run appended (docs/history-tables.md): a
+        # failure here leaves the ingest's commits alone, and the next run catches up.
+        from cdc_lakehouse.history.maintain import maintain_history
+
+        return WithHistory(result, maintain_history(spark, lake, cfg))
 
     def record_points(spark: SparkSession, lake: LakeSettings, cfgs: Sequence[TableConfig]) -> None:
         """The group's run records, then the endpoints' new consistent points into

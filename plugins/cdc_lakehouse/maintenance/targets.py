@@ -8,7 +8,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from cdc_lakehouse.config import BaseMaintenanceConfig, OutputMaintenanceConfig, TableConfig
-from cdc_lakehouse.lake.snapshots import read_watermark
+from cdc_lakehouse.history.maintain import HISTORY_PROP, history_position_in
+from cdc_lakehouse.lake.snapshots import current_ancestors, read_watermark
 from cdc_lakehouse.settings import LakeSettings
 from cdc_lakehouse.watermark import WATERMARK_PROP
 
@@ -23,7 +24,7 @@ class Target:
     """One Iceberg table maintenance compacts and expires, and what it must leave as it found it."""
 
     owner: str  # the config it belongs to: messages, cdc_meta.maintenance_runs.table_name
-    kind: str  # current | changelog | output | unresolved | feed_output (maintenance_runs.target)
+    kind: str  # current | changelog | history | output | unresolved | feed_output (maintenance_runs.target)
     table: str  # catalog-qualified
     settings: BaseMaintenanceConfig
     target_file_bytes: int
@@ -37,7 +38,8 @@ class Target:
 
 
 def table_targets(lake: LakeSettings, cfg: TableConfig) -> list[Target]:
-    """A replicated table's current table (its configured compaction) and changelog (bin-pack)."""
+    """A replicated table's current table (its configured compaction), changelog (bin-pack) and
+    history, where it keeps one (bin-pack)."""
     size = cfg.lake.target_file_size_mb * 1024 * 1024
     writers = f"they share the one-slot Airflow pool {cfg.pool}, imported by scripts/airflow_init.sh"
     sort = cfg.maintenance.compaction == "sort"
@@ -53,6 +55,28 @@ def table_targets(lake: LakeSettings, cfg: TableConfig) -> list[Target]:
             writers,
         ),
         Target(cfg.name, "changelog", lake.qualified(cfg.changelog_table), cfg.maintenance, size, False, 2, writers),
+        *_history_target(lake, cfg, size, writers),
+    ]
+
+
+def _history_target(lake: LakeSettings, cfg: TableConfig, size: int, writers: str) -> list[Target]:
+    """The table's history (docs/history-tables.md), where it keeps one: its MERGEs add delete
+    files like the current table's, and its position is the changelog snapshot it read up to."""
+    if not cfg.history.enabled:
+        return []
+    return [
+        Target(
+            cfg.name,
+            "history",
+            lake.qualified(cfg.history_table),
+            cfg.maintenance,
+            size,
+            False,
+            cfg.lake.format_version,
+            writers,
+            position_prop=HISTORY_PROP,
+            read_position=lambda spark, table: history_position_in(current_ancestors(spark, table)),
+        )
     ]
 
 

@@ -1,0 +1,179 @@
+"""History tables (docs/history-tables.md): every version of every row, against the source's own
+sequence of states.
+
+The reference is the source itself: after each step of the workload the test reads every row of
+the source table and the WAL position, and the history read as of that position (the versions
+valid there) must equal it. Steps between two captures cover a batch's inner versions; updates
+that leave the TOASTed content alone, key changes, deletes and re-inserts of the same key,
+multi-statement transactions, a TRUNCATE followed by new rows, and a re-bootstrap of one shard
+after changes the stream never delivers; two writers of one batch, one held at its publish.
+Then every key change links its two versions, the maintenance's compaction changes nothing, and a
+rebuild from the changelog equals the table the runs kept.
+"""
+
+from __future__ import annotations
+
+import psycopg2
+from cdc_lakehouse.columns import (
+    IS_CURRENT_COL,
+    MOVED_FROM_COL,
+    MOVED_TO_COL,
+    SHARD_COL,
+    VALID_FROM_LSN_COL,
+    VALID_TO_LSN_COL,
+)
+from cdc_lakehouse.config import HistoryConfig
+from cdc_lakehouse.history.maintain import maintain_history
+from cdc_lakehouse.lake.tables import source_columns_of
+from cdc_lakehouse.maintenance.maintain_table import maintain_table
+from pyspark.sql import functions as F
+from pyspark.testing import assertDataFrameEqual
+
+from tests.helpers import source_df
+from tests.integration.test_overlapping_writers import overlapping, session_of_its_own
+
+
+def _lsn(dsn: str) -> int:
+    """The WAL's insert position: past every commit so far (the write position can lag behind
+    one while synchronous_commit is off)."""
+    conn = psycopg2.connect(dsn)
+    try:
+        with conn.cursor() as cur:
+            cur.execute("SELECT (pg_current_wal_insert_lsn() - '0/0'::pg_lsn)::bigint")
+            return int(cur.fetchone()[0])
+    finally:
+        conn.close()
+
+
+class States:
+    """The source's states, each with the WAL position after it, still to be checked."""
+
+    def __init__(self, s, cfg):
+        self.s, self.cfg, self.pending = s, cfg, []
+        self.cols = source_columns_of(s.spark, s.lake.qualified(cfg.current_table), cfg)
+
+    def record(self) -> None:
+        self.pending.append((_lsn(self.s.dsn), source_df(self.s.spark, self.cfg, self.s.dsn, self.cols)))
+
+    def check(self) -> int:
+        """The history as of each recorded position equals the source's state there."""
+        hist = self.s.spark.table(self.s.lake.qualified(self.cfg.history_table))
+        names = [SHARD_COL, *[c for c, _ in self.cols]]
+        for lsn, expected in self.pending:
+            at = hist.filter(
+                (F.col(VALID_FROM_LSN_COL) <= lsn)
+                & (F.col(VALID_TO_LSN_COL).isNull() | (F.col(VALID_TO_LSN_COL) > lsn))
+            )
+            got, want = at.select(*names), expected.select(*names)
+            extra, missing = got.exceptAll(want), want.exceptAll(got)
+            short = [c for c in names if c != "content"]
+            assert extra.isEmpty() and missing.isEmpty(), (
+                f"as of {lsn}: history has {extra.select(*short).collect()[:5]}, "
+                f"the source {missing.select(*short).collect()[:5]}; versions "
+                f"{hist.join(missing.select(SHARD_COL, 'id'), [SHARD_COL, 'id']).drop('content').collect()[:8]}"
+            )
+        n, self.pending = len(self.pending), []
+        return n
+
+
+def test_history_equals_the_sources_states_and_a_rebuild(source, spark, lake):
+    s = source
+    cfg = s.block.model_copy(update={"history": HistoryConfig(enabled=True)})
+    hist = lake.qualified(cfg.history_table)
+    s.capture()
+    s.bootstrap(cfg)
+    first = maintain_history(spark, lake, cfg)
+    assert (first.mode, first.reason) == ("full", "the first run")
+    states = States(s, cfg)
+    states.record()
+    assert states.check() == 1
+    assert maintain_history(spark, lake, cfg).mode == "noop"
+
+    for batch in range(3):
+        for step in range(2):
+            s.wl.step(150, pk_changes=2)  # updates mostly leave the TOASTed content alone
+            # A delete and a re-insert of the same key; three updates of one row in one
+            # transaction (one version); an update to the same values (no version).
+            back = 7_000_000_001  # deleted and inserted again in every step
+            s.execute(
+                f"DELETE FROM s0.block WHERE id = {back}",
+                "INSERT INTO s0.block (id, space_id, type, content, created_at, updated_at) "
+                f"VALUES ({back}, 1, 'text', 'back {batch} {step}', now(), now())",
+                "BEGIN; UPDATE s1.block SET version = version + 1 WHERE id = (SELECT max(id) FROM s1.block); "
+                "UPDATE s1.block SET version = version + 1 WHERE id = (SELECT max(id) FROM s1.block); "
+                "UPDATE s1.block SET type = 'todo' WHERE id = (SELECT max(id) FROM s1.block); COMMIT",
+                "UPDATE s1.block SET type = type WHERE id = (SELECT min(id) FROM s1.block)",
+            )
+            if batch == 1 and step == 1:
+                s.execute(
+                    "TRUNCATE s1.block",
+                    "INSERT INTO s1.block (id, space_id, type, content, created_at, updated_at) "
+                    "SELECT g, 1, 'page', repeat('x', 5000), now(), now() FROM generate_series(1, 40) g",
+                )
+            states.record()
+        r = s.ingest(cfg, s.capture().manifest.run_id, run=f"h{batch}")
+        assert r.metrics.status == "ok"
+        if batch == 2:
+            # Two writers of the same rows: A is held between its write and its publish while B
+            # commits; A's publish then finds B's position, the one it would have written.
+            other = session_of_its_own(lake)
+            with overlapping(hist, lambda other=other: maintain_history(other, lake, cfg)) as a:
+                h = maintain_history(spark, lake, cfg)
+            assert a.error is None and a.result.mode == "incremental", a.error
+            assert maintain_history(spark, lake, cfg).mode == "noop"
+        else:
+            h = maintain_history(spark, lake, cfg)
+        assert (h.mode, h.late, h.unresolved) == ("incremental", 0, 0), h
+        assert h.changelog_rows > 0 and h.written > 0
+        assert states.check() == 2
+
+    # A re-bootstrap of one shard after changes the stream will skip (they are below its new
+    # position): only the rows that changed get a version, only they and the deleted are closed.
+    versions_before = spark.table(hist).count()
+    s.execute(
+        "UPDATE s0.block SET content = 'rebooted' WHERE id IN (SELECT id FROM s0.block ORDER BY id LIMIT 3)",
+        "DELETE FROM s0.block WHERE id IN (SELECT id FROM s0.block ORDER BY id DESC LIMIT 2)",
+    )
+    boot = s.bootstrap(cfg, shards=[cfg.shards()[0][2]])
+    states.record()
+    h = maintain_history(spark, lake, cfg)
+    assert h.mode == "incremental"
+    after = spark.table(hist)
+    assert after.count() == versions_before + 3, "3 new versions; the closed ones are updated in place"
+    assert states.check() == 1
+    assert s.ingest(cfg, s.capture().manifest.run_id, run="after-boot").metrics.status == "ok"
+    maintain_history(spark, lake, cfg)
+    assert spark.table(hist).count() == versions_before + 3, f"the stream's skipped changes add nothing ({boot})"
+
+    # Every key change links the version it closed to the one it opened.
+    moved = spark.table(hist).filter(F.col(MOVED_FROM_COL).isNotNull())
+    assert moved.count() > 0
+    closed = spark.table(hist).filter(F.col(MOVED_TO_COL).isNotNull())
+    pairs = moved.alias("n").join(
+        closed.alias("o"),
+        (F.col("n." + SHARD_COL) == F.col("o." + SHARD_COL))
+        & (F.col("n." + MOVED_FROM_COL) == F.to_json(F.struct(F.col("o.id").alias("id"))))
+        & (F.col("o." + MOVED_TO_COL) == F.to_json(F.struct(F.col("n.id").alias("id"))))
+        & (F.col("o." + VALID_TO_LSN_COL) == F.col("n." + VALID_FROM_LSN_COL)),
+    )
+    assert pairs.count() == moved.count()
+    assert (
+        spark.table(hist)
+        .groupBy(SHARD_COL, "id")
+        .agg(F.sum(F.col(IS_CURRENT_COL).cast("int")).alias("n"))
+        .filter("n > 1")
+        .isEmpty()
+    )
+
+    # The table's maintenance compacts and expires it too (its MERGEs leave delete files), content
+    # and position unchanged (the run checks the position itself).
+    kept = spark.table(hist).collect()
+    done = maintain_table(spark, lake, cfg, run_id="h-maint").targets["history"]
+    assert done.after["delete_files"] == 0 < done.before["delete_files"] and done.rewritten_data_files
+    assertDataFrameEqual(spark.table(hist), spark.createDataFrame(kept, spark.table(hist).schema))
+    assert maintain_history(spark, lake, cfg).mode == "noop"
+
+    # A rebuild from the changelog equals what the runs kept.
+    assert maintain_history(spark, lake, cfg, full=True).mode == "full"
+    assertDataFrameEqual(spark.table(hist), spark.createDataFrame(kept, spark.table(hist).schema))
+    assert maintain_history(spark, lake, cfg).mode == "noop"
