@@ -80,6 +80,14 @@ def test_history_equals_the_sources_states_and_a_rebuild(source, spark, lake):
     s = source
     cfg = s.block.model_copy(update={"history": HistoryConfig(enabled=True)})
     hist = lake.qualified(cfg.history_table)
+    # Keys with a scripted life (s0's highest ids): updated three times per transaction, updated
+    # to the values it has, moved to another key and changed again in the same transaction.
+    multi, same, moving, moved = 7_000_000_002, 7_000_000_003, 7_000_000_004, 7_000_000_005
+    back = 7_000_000_001  # deleted and inserted again in every step
+    s.execute(
+        "INSERT INTO s0.block (id, space_id, type, content, created_at, updated_at) "
+        f"SELECT g, 1, 'text', repeat('y', 4000), now(), now() FROM unnest(ARRAY[{multi}, {same}, {moving}]) g"
+    )
     s.capture()
     s.bootstrap(cfg)
     first = maintain_history(spark, lake, cfg)
@@ -94,7 +102,6 @@ def test_history_equals_the_sources_states_and_a_rebuild(source, spark, lake):
             s.wl.step(150, pk_changes=2)  # updates mostly leave the TOASTed content alone
             # A delete and a re-insert of the same key; three updates of one row in one
             # transaction (one version); an update to the same values (no version).
-            back = 7_000_000_001  # deleted and inserted again in every step
             s.execute(
                 f"DELETE FROM s0.block WHERE id = {back}",
                 "INSERT INTO s0.block (id, space_id, type, content, created_at, updated_at) "
@@ -103,7 +110,16 @@ def test_history_equals_the_sources_states_and_a_rebuild(source, spark, lake):
                 "UPDATE s1.block SET version = version + 1 WHERE id = (SELECT max(id) FROM s1.block); "
                 "UPDATE s1.block SET type = 'todo' WHERE id = (SELECT max(id) FROM s1.block); COMMIT",
                 "UPDATE s1.block SET type = type WHERE id = (SELECT min(id) FROM s1.block)",
+                f"BEGIN; UPDATE s0.block SET version = version + 1 WHERE id = {multi}; "
+                f"UPDATE s0.block SET version = version + 1 WHERE id = {multi}; "
+                f"UPDATE s0.block SET type = 'todo {batch} {step}' WHERE id = {multi}; COMMIT",
+                f"UPDATE s0.block SET type = type WHERE id = {same}",
             )
+            if batch == 0 and step == 0:
+                s.execute(
+                    f"BEGIN; UPDATE s0.block SET id = {moved} WHERE id = {moving}; "
+                    f"UPDATE s0.block SET version = version + 1 WHERE id = {moved}; COMMIT"
+                )
             if batch == 1 and step == 1:
                 s.execute(
                     "TRUNCATE s1.block",
@@ -127,12 +143,30 @@ def test_history_equals_the_sources_states_and_a_rebuild(source, spark, lake):
         assert h.changelog_rows > 0 and h.written > 0
         assert states.check() == 2
 
+    # One version per transaction that changed the row, none for one that did not; the key
+    # change links its two versions though the transaction changed the new key again.
+    per_key = {
+        r["id"]: r["n"]
+        for r in spark.table(hist)
+        .filter(F.col("id") >= multi)
+        .groupBy("id")
+        .count()
+        .withColumnRenamed("count", "n")
+        .collect()
+    }
+    assert (per_key[multi], per_key[same], per_key[moving], per_key[moved]) == (7, 1, 1, 1), per_key
+    link = spark.table(hist).filter(F.col("id") == moved).collect()[0]
+    assert (link[MOVED_FROM_COL], link["version"], link["_cdc_op"]) == (f'{{"id":{moving}}}', 2, "c")
+    gone = spark.table(hist).filter(F.col("id") == moving).collect()[0]
+    assert gone[MOVED_TO_COL] == f'{{"id":{moved}}}' and gone[VALID_TO_LSN_COL] == link[VALID_FROM_LSN_COL]
+    assert spark.table(hist).filter(F.col(VALID_FROM_LSN_COL) >= F.col(VALID_TO_LSN_COL)).isEmpty()
+
     # A re-bootstrap of one shard after changes the stream will skip (they are below its new
     # position): only the rows that changed get a version, only they and the deleted are closed.
     versions_before = spark.table(hist).count()
     s.execute(
         "UPDATE s0.block SET content = 'rebooted' WHERE id IN (SELECT id FROM s0.block ORDER BY id LIMIT 3)",
-        "DELETE FROM s0.block WHERE id IN (SELECT id FROM s0.block ORDER BY id DESC LIMIT 2)",
+        f"DELETE FROM s0.block WHERE id IN (SELECT id FROM s0.block WHERE id < {back} ORDER BY id DESC LIMIT 2)",
     )
     boot = s.bootstrap(cfg, shards=[cfg.shards()[0][2]])
     states.record()

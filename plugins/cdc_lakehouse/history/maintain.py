@@ -36,6 +36,7 @@ from cdc_lakehouse.columns import (
 from cdc_lakehouse.config import TableConfig
 from cdc_lakehouse.history.versions import (
     CLOSED,
+    REPLACED,
     UNRESOLVED,
     Shape,
     not_late,
@@ -63,7 +64,8 @@ Mode = Literal["incremental", "full", "noop"]
 @dataclass(frozen=True)
 class HistoryPosition:
     """What a history commit has read: the changelog up to `changelog_snapshot`, and per shard the
-    highest commit LSN among those rows (a row below it arrived late: a quarantine replay)."""
+    highest commit LSN among those rows (a row below it arrived late: a chunked bootstrap's
+    chunk, a column backfill's rows, written at an older position)."""
 
     changelog_snapshot: int
     positions: dict[str, int] = field(default_factory=dict)
@@ -130,8 +132,9 @@ def maintain_history(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, 
     with clock.phase("versions"):  # computed and kept: one shuffle of the seeds and events
         staged = _staged(_versions(rows, seeds, shape, result), shape, result, cfg.name)
     with clock.phase("commit"):
-        _commit(spark, hist, shape, plan, new_pos, staged)
-    result.written = int(snapshot_summary(spark, hist).get("added-records", 0))
+        published = _commit(spark, hist, shape, plan, new_pos, staged)
+    # Not published: another run of the same rows was first (its commit's figure is not ours).
+    result.written = int(snapshot_summary(spark, hist).get("added-records", 0)) if published else 0
     result.seconds, result.timings = round(time.monotonic() - t0, 3), clock.rounded()
     log.info("%s: history %s (%s): %s", cfg.name, plan.mode, plan.reason, result.to_dict())
     return result
@@ -202,17 +205,27 @@ def _inputs(
     floor = plan.at.positions if plan.at is not None and plan.mode == "incremental" else {}
     late = F.col(LSN_COL) < F.coalesce(_lsn_of(floor), F.lit(-1))
     shards = [shard for _, _, shard in cfg.shards()]
-    tops = [F.max(F.when(F.col(SHARD_COL) == s, F.col(LSN_COL))).alias(f"top{i}") for i, s in enumerate(shards)]
+    per_shard = [
+        expr.alias(f"{name}{i}")
+        for i, s in enumerate(shards)
+        for name, expr in (
+            ("top", F.max(F.when(F.col(SHARD_COL) == s, F.col(LSN_COL)))),
+            ("restart", F.min(F.when((F.col(SHARD_COL) == s) & (F.col(OP_COL) == "t"), F.col(LSN_COL)))),
+        )
+    ]
+    # One row per position and key: a snapshot's rows share theirs, (P, -1), and differ by key.
+    raw = _conformed(_changelog_rows(spark, cl, plan), spark.table(hist), shape)
     rows, seen = checkpoint_counted(
-        prepare(_changelog_rows(spark, cl, plan).select(*shape.key, *shape.data, *_CHANGELOG_META), shape),
+        raw.dropDuplicates([*shape.key, LSN_COL, SEQ_COL]),
         F.count(F.lit(1)).alias("rows"),
         F.sum(late.cast("int")).alias("late"),
         F.sum((F.col(OP_COL) == "t").cast("int")).alias("truncates"),
-        *tops,
+        *per_shard,
     )
     result.changelog_rows, result.truncates = as_count(seen.get("rows")), as_count(seen.get("truncates"))
     positions = dict(floor)
     for i, shard in enumerate(shards):
+        _check_order(cfg, shard, floor.get(shard), seen.get(f"restart{i}"))
         top = seen.get(f"top{i}")
         if top is not None:
             positions[shard] = max(positions.get(shard, -1), as_count(top))
@@ -229,7 +242,36 @@ def _inputs(
         kept = local_checkpoint(not_late(rows, last, shape))
         result.late = result.changelog_rows - kept.count()
         rows = kept
-    return rows, _seeds(current, rows, shape, result), HistoryPosition(plan.head, positions)
+    events = prepare(rows, shape, broadcast=result.changelog_rows <= BROADCAST_ROWS)
+    return events, _seeds(current, rows, shape, result), HistoryPosition(plan.head, positions)
+
+
+class HistoryOrderError(RuntimeError):
+    """A shard's changelog restarted below the history's position: another source server."""
+
+
+def _check_order(cfg: TableConfig, shard: str, floor: int | None, restart: Any) -> None:
+    """A truncate marker below the shard's position: the shard was re-bootstrapped from a server
+    whose LSNs are lower (a new primary, another host). Versions are ordered by LSN, which does not
+    carry across servers, so this is refused rather than written out of order."""
+    if floor is None or restart is None or as_count(restart) >= floor:
+        return
+    raise HistoryOrderError(
+        f"{cfg.name}: history of shard {shard}: the changelog restarts at LSN {as_count(restart)}, below the "
+        f"history's position {floor} (a re-bootstrap from another source server); its versions cannot be "
+        f"ordered across servers yet (issue #55). The ingest committed; to go on, set history.enabled: false "
+        f"for {cfg.name}, or drop {cfg.history_table} to start its history again from the changelog"
+    )
+
+
+def _conformed(raw: DataFrame, hist: DataFrame, shape: Shape) -> DataFrame:
+    """The changelog rows' columns the history needs; a column the read snapshot's schema does
+    not have yet (added to the table since its last append) is NULL."""
+    from pyspark.sql import functions as F
+
+    types = {f.name: f.dataType for f in hist.schema.fields}
+    cols = [F.col(c) if c in raw.columns else F.lit(None).cast(types[c]).alias(c) for c in [*shape.key, *shape.data]]
+    return raw.select(*cols, *_CHANGELOG_META)
 
 
 def _changelog_rows(spark: SparkSession, cl: str, plan: _Plan) -> DataFrame:
@@ -295,8 +337,8 @@ def _staged(out: DataFrame, shape: Shape, result: HistoryResult, name: str) -> D
     as an UPDATE of the same rows would."""
     from pyspark.sql import functions as F
 
-    close = out.filter(F.col(CLOSED)).select(*shape.key, VALID_FROM_LSN_COL, F.lit(True).alias(CLOSE))
-    rows = out.select(*shape.columns, UNRESOLVED, F.lit(False).alias(CLOSE))
+    close = out.filter(F.col(CLOSED) | F.col(REPLACED)).select(*shape.key, VALID_FROM_LSN_COL, F.lit(True).alias(CLOSE))
+    rows = out.filter(~F.col(REPLACED)).select(*shape.columns, UNRESOLVED, F.lit(False).alias(CLOSE))
     staged, seen = checkpoint_counted(
         rows.unionByName(close, allowMissingColumns=True), F.sum(F.col(UNRESOLVED).cast("int")).alias("unresolved")
     )
@@ -313,8 +355,9 @@ def _staged(out: DataFrame, shape: Shape, result: HistoryResult, name: str) -> D
 
 def _commit(
     spark: SparkSession, hist: str, shape: Shape, plan: _Plan, new_pos: HistoryPosition, staged: DataFrame
-) -> None:
-    """One commit, fenced on the position the run started from, carrying the new one."""
+) -> bool:
+    """One commit, fenced on the position the run started from, carrying the new one; False when
+    another run had published that position."""
     from pyspark.sql import functions as F
 
     view = f"cdc_history_{uuid.uuid4().hex[:12]}"
@@ -339,7 +382,7 @@ def _commit(
         sql_with_commit_properties(spark, sql, props)
 
     try:
-        fenced_commit(spark, hist, plan.at, new_pos, write, what=f"{hist} history", position=history_position_in)
+        return fenced_commit(spark, hist, plan.at, new_pos, write, what=f"{hist} history", position=history_position_in)
     finally:
         spark.catalog.dropTempView(view)
 

@@ -8,7 +8,8 @@ the key (NULL: current).
 
 In lake order (commit LSN, `_cdc_seq`) per key, starting from the key's open version (a seed):
 1. `prepare`: the key each half of a key change links to (`_cdc_moved_from` / `_cdc_moved_to`;
-   the upsert half of a key change is `_cdc_seq` 2n+1, beside the old key's delete at 2n).
+   the upsert half of a key change is `_cdc_seq` 2n+1, beside the old key's delete at 2n); a
+   link survives the transaction's later changes of the new key (`_links`).
 2. `with_truncates`: a truncate (op t: a source TRUNCATE, or a re-bootstrap's marker at (P, -2))
    becomes a delete, at its position, of every key of its shard that is open or in the batch.
 3. `versions`, in one pass of windows over each key's seed and events (one shuffle):
@@ -47,6 +48,7 @@ if TYPE_CHECKING:
 
 _PRESENT, _SEED, _POINT = "_h_present", "_h_seed", "_h_point"
 CLOSED = "_h_closed"  # a row of versions(): an open version this batch closed
+REPLACED = "_h_replaced"  # a row of versions(): an open version whose transaction came again
 UNRESOLVED = "_h_unresolved"  # an event with an unchanged TOAST value no earlier state gave
 # The version columns after the source's, in table order.
 VERSION_COLUMNS = [OP_COL, VALID_FROM_LSN_COL, VALID_FROM_COL, VALID_TO_LSN_COL, VALID_TO_COL, IS_CURRENT_COL]
@@ -77,12 +79,12 @@ def key_json(cols: list[str], prefix: str = "") -> Column:
     return F.to_json(F.struct(*[F.col(prefix + c).alias(c) for c in cols]))
 
 
-def prepare(rows: DataFrame, shape: Shape) -> DataFrame:
-    """Changelog rows, one per position and key, with the key each half of a key change links to."""
+def prepare(rows: DataFrame, shape: Shape, broadcast: bool = True) -> DataFrame:
+    """Changelog rows (one per position and key) with the key each half of a key change links
+    to. broadcast: the key changes' halves are few enough to send to every task (not a bulk
+    `UPDATE ... SET id = id + 1` of millions of rows), so the rows are not shuffled for them."""
     from pyspark.sql import functions as F
 
-    # One row per position and key: a snapshot's rows share theirs, (P, -1), and differ by key.
-    rows = rows.dropDuplicates([*shape.key, LSN_COL, SEQ_COL])
     seq = F.col(SEQ_COL)
     moved = (seq >= 0) & (seq % 2 == 1)  # the upsert half of a key change
     # The delete half of a key change is the row just before its upsert half (same transaction).
@@ -92,9 +94,10 @@ def prepare(rows: DataFrame, shape: Shape) -> DataFrame:
     new = rows.filter(moved).select(
         SHARD_COL, LSN_COL, (seq - 1).alias(SEQ_COL), key_json(shape.pk).alias(MOVED_TO_COL)
     )
-    # Key changes are few: their halves are broadcast, the rows (TOASTed values and all) stay put.
+    if broadcast:
+        old, new = F.broadcast(old), F.broadcast(new)
     at = [SHARD_COL, LSN_COL, SEQ_COL]
-    return rows.join(F.broadcast(old), at, "left").join(F.broadcast(new), at, "left")
+    return rows.join(old, at, "left").join(new, at, "left")
 
 
 def with_truncates(events: DataFrame, seeds: DataFrame, shape: Shape) -> DataFrame:
@@ -110,26 +113,33 @@ def with_truncates(events: DataFrame, seeds: DataFrame, shape: Shape) -> DataFra
 
 
 def versions(events: DataFrame, seeds: DataFrame, shape: Shape, names: list[str]) -> DataFrame:
-    """The history rows to write: every new version (closed when a later state of the batch
-    replaced it), and every open version a state of the batch closed, whole, with CLOSED true (it
-    replaces the open row of its key and `_cdc_valid_from_lsn`), and UNRESOLVED (see _fill). `events`: prepared rows, no
-    truncate left; `seeds`: the keys' open versions; `names`: the columns some event did not
-    carry. Every window is over the key, so the seeds and events are shuffled once."""
+    """The history rows to write, with three flags. A new version (closed when a later state of
+    the batch replaced it); an open version a state of the batch closed, whole, with CLOSED (it
+    replaces the open row of its key and `_cdc_valid_from_lsn`); an open version whose own
+    transaction the batch carries again (a commit at a bootstrap's position), with REPLACED and
+    its key and `_cdc_valid_from_lsn` only (its open row goes; the transaction's state is a new
+    version); and UNRESOLVED (see _fill). `events`: prepared rows, no truncate left; `seeds`:
+    the keys' open versions; `names`: the columns some event did not carry. Every window is over
+    the key, so the seeds and events are shuffled once."""
     from pyspark.sql import Window
     from pyspark.sql import functions as F
 
-    seq = _sequence(events, seeds, shape)
     # A seed sorts before its key's events (a late event was dropped before here).
     order = Window.partitionBy(*shape.key).orderBy(F.col(_SEED).desc(), LSN_COL, SEQ_COL)
-    seq = _fill(seq, order, names)
+    seq = _links(_fill(_monotonic_times(_sequence(events, seeds, shape), order), order, names), shape)
     # The last event of each transaction: the key's state after it.
-    last = F.col(_SEED) | ~F.coalesce(F.lead(LSN_COL).over(order) == F.col(LSN_COL), F.lit(False))
-    states = seq.withColumn("_h_last", last).filter("_h_last")
+    seq = seq.withColumn("_h_last", ~F.coalesce(F.lead(LSN_COL).over(order) == F.col(LSN_COL), F.lit(False)))
+    replaced = seq.filter(F.col(_SEED) & ~F.col("_h_last")).select(
+        F.lit(False).alias(CLOSED), F.lit(True).alias(REPLACED), *shape.key, F.col(LSN_COL).alias(VALID_FROM_LSN_COL)
+    )
+    states = seq.filter("_h_last")
     was = F.coalesce(F.lag(_PRESENT).over(order), F.lit(False))
     # A change point: a seed (the state before the batch), or a state whose presence or values
     # differ from the one before it (absent after absent is none).
     same = (was == F.col(_PRESENT)) & (~F.col(_PRESENT) | _same_values(shape.data, order))
-    points = states.withColumn(_POINT, F.col(_SEED) | ~same).filter(_POINT)
+    # A version's op: r for a snapshot row, else c where the key was absent before, u where not.
+    op = F.when(F.col(_SEED) | (F.col(OP_COL) == "r"), F.col(OP_COL)).when(~was, F.lit("c")).otherwise(F.lit("u"))
+    points = states.withColumns({_POINT: F.col(_SEED) | ~same, OP_COL: op}).filter(_POINT)
     # Each change point (a seed first) is valid until the next one of its key.
     points = points.withColumns(
         {
@@ -139,8 +149,9 @@ def versions(events: DataFrame, seeds: DataFrame, shape: Shape, names: list[str]
         }
     )
     live = points.filter(F.col(_PRESENT)).filter(~F.col(_SEED) | F.col(VALID_TO_LSN_COL).isNotNull())
-    return live.select(
+    out = live.select(
         F.col(_SEED).alias(CLOSED),
+        F.lit(False).alias(REPLACED),
         *shape.key,
         *shape.data,
         OP_COL,
@@ -153,6 +164,31 @@ def versions(events: DataFrame, seeds: DataFrame, shape: Shape, names: list[str]
         F.col("_h_closed_by_move").alias(MOVED_TO_COL),
         UNRESOLVED,
     )
+    return out.unionByName(replaced, allowMissingColumns=True)
+
+
+def _monotonic_times(seq: DataFrame, order: WindowSpec) -> DataFrame:
+    """Commit times never go back along a key: a column backfill's or a chunk's row (seq < 0)
+    carries the time the row had, not the time of the position it is applied at."""
+    from pyspark.sql import Window
+    from pyspark.sql import functions as F
+
+    upto = order.rowsBetween(Window.unboundedPreceding, 0)
+    return seq.withColumn(COMMIT_TS_COL, F.max(COMMIT_TS_COL).over(upto))
+
+
+def _links(seq: DataFrame, shape: Shape) -> DataFrame:
+    """A key change's link survives the transaction's later changes of the new key: each event
+    carries the newest `_cdc_moved_from` of its key and transaction since the last delete."""
+    from pyspark.sql import Window
+    from pyspark.sql import functions as F
+
+    txn = Window.partitionBy(*shape.key, LSN_COL).orderBy(F.col(_SEED).desc(), SEQ_COL)
+    mark = F.when(~F.col(_PRESENT), F.struct(F.lit(None).cast("string").alias("v"))).when(
+        F.col(MOVED_FROM_COL).isNotNull(), F.struct(F.col(MOVED_FROM_COL).alias("v"))
+    )
+    carried = F.last(mark, ignorenulls=True).over(txn.rowsBetween(Window.unboundedPreceding, 0))
+    return seq.withColumn(MOVED_FROM_COL, F.when(F.col(_PRESENT), carried["v"]))
 
 
 def _sequence(events: DataFrame, seeds: DataFrame, shape: Shape) -> DataFrame:
@@ -190,8 +226,8 @@ def _sequence(events: DataFrame, seeds: DataFrame, shape: Shape) -> DataFrame:
 def _fill(seq: DataFrame, order: WindowSpec, names: list[str]) -> DataFrame:
     """Unchanged TOAST values: a column an event did not carry and that is still NULL (the batch
     did not give it) takes the latest earlier known value of its key, unless a delete came
-    between. A value filled with NULL by the ingest is known from the event it came from, so it
-    is found the same way. UNRESOLVED: a present event still missing one (no earlier state)."""
+    between. PostgreSQL never sends a NULL as an unchanged TOAST value, so such a column that
+    stays NULL (no earlier state, or an earlier state that was itself missing it) is UNRESOLVED."""
     from pyspark.sql import Window
     from pyspark.sql import functions as F
 
@@ -207,7 +243,7 @@ def _fill(seq: DataFrame, order: WindowSpec, names: list[str]) -> DataFrame:
         prev = F.last(known, ignorenulls=True).over(before)
         take = F.col(_PRESENT) & wanted & prev.isNotNull() & ~prev["gone"]
         cols[c] = F.when(take, prev["v"]).otherwise(F.col(c))
-        missing.append(F.col(_PRESENT) & wanted & ~take & F.col(MOVED_FROM_COL).isNull())
+        missing.append(F.col(_PRESENT) & F.array_contains(unav, c) & F.col(c).isNull() & (~take | prev["v"].isNull()))
     flag = F.lit(False)
     for m in missing:
         flag = flag | m
