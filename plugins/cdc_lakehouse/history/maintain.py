@@ -48,9 +48,10 @@ from cdc_lakehouse.identifiers import spark_ident
 from cdc_lakehouse.ingest.toast import BROADCAST_ROWS
 from cdc_lakehouse.lake.commits import fenced_commit, snapshot_summary, sql_with_commit_properties
 from cdc_lakehouse.lake.snapshots import current_ancestors, current_snapshot, summary_of
-from cdc_lakehouse.lake.tables import add_column, create_table_sql, source_columns_of, table_properties
+from cdc_lakehouse.lake.tables import add_column, create_table_sql, partition_sql, source_columns_of, table_properties
 from cdc_lakehouse.runtime.phases import PhaseClock, as_count, checkpoint_counted, local_checkpoint
 from cdc_lakehouse.settings import LakeSettings
+from cdc_lakehouse.watermark import lsn_map
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
@@ -148,8 +149,7 @@ def ensure_history_table(spark: SparkSession, lake: LakeSettings, cfg: TableConf
     cols = [(SHARD_COL, meta[SHARD_COL]), *source, *[(c, t) for c, t in meta.items() if c != SHARD_COL]]
     # Partitioned like the current table, then by _cdc_is_current: the open versions a run reads
     # and closes are one partition per shard, whatever the history's length.
-    parts = [p if "(" in p else spark_ident(p) for p in cfg.lake.partition_by] + [spark_ident(IS_CURRENT_COL)]
-    spark.sql(create_table_sql(hist, cols, f"PARTITIONED BY ({', '.join(parts)})", table_properties(cfg)))
+    spark.sql(create_table_sql(hist, cols, partition_sql(cfg, also=[IS_CURRENT_COL]), table_properties(cfg)))
     have = {f.name for f in spark.table(hist).schema.fields}
     for name, typ in source:
         if name not in have:
@@ -203,7 +203,7 @@ def _inputs(
 
     assert plan.head is not None
     floor = plan.at.positions if plan.at is not None and plan.mode == "incremental" else {}
-    late = F.col(LSN_COL) < F.coalesce(_lsn_of(floor), F.lit(-1))
+    late = F.col(LSN_COL) < F.coalesce(lsn_map(floor)[F.col(SHARD_COL)], F.lit(-1))
     shards = [shard for _, _, shard in cfg.shards()]
     per_shard = [
         expr.alias(f"{name}{i}")
@@ -305,15 +305,6 @@ def _seeds(current: DataFrame, rows: DataFrame, shape: Shape, result: HistoryRes
 
 
 _CHANGELOG_META = [OP_COL, LSN_COL, SEQ_COL, COMMIT_TS_COL, UNAVAILABLE_COL]
-
-
-def _lsn_of(positions: dict[str, int]) -> Any:
-    from pyspark.sql import functions as F
-
-    if not positions:
-        return F.lit(None).cast("bigint")
-    pairs = [x for s, lsn in sorted(positions.items()) for x in (F.lit(s), F.lit(lsn))]
-    return F.create_map(*pairs)[F.col(SHARD_COL)]
 
 
 def _versions(rows: DataFrame, seeds: DataFrame, shape: Shape, result: HistoryResult) -> DataFrame:

@@ -20,6 +20,8 @@ from cdc_lakehouse.runtime.phases import metadata_reads
 from cdc_lakehouse.settings import LakeSettings
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from pyspark.sql import Column, DataFrame, SparkSession
     from pyspark.sql.types import StructType
 
@@ -112,11 +114,12 @@ def table_exists(spark: SparkSession, table: str) -> bool:
 # --- DDL -----------------------------------------------------------------------------------------
 
 
-def partition_sql(cfg: TableConfig, time_partition: bool = False) -> str:
+def partition_sql(cfg: TableConfig, time_partition: bool = False, also: Sequence[str] = ()) -> str:
+    """The table's PARTITIONED BY clause (the changelog's: by day), `also` columns after its own."""
     if time_partition:
         return f"PARTITIONED BY (days({COMMIT_TS_COL}))"
     parts = []
-    for p in cfg.lake.partition_by:
+    for p in [*cfg.lake.partition_by, *also]:
         parts.append(p if "(" in p else spark_ident(p))
     return f"PARTITIONED BY ({', '.join(parts)})" if parts else ""
 
