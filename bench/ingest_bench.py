@@ -34,7 +34,14 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path[:0] = [str(ROOT / "plugins"), str(ROOT)]
-from bench.measure import PeakRSS, files_holding_keys, last_execution_id, machine, scan_files  # noqa: E402
+from bench.measure import (  # noqa: E402
+    PeakRSS,
+    files_holding_keys,
+    last_execution_id,
+    machine,
+    scan_files,
+    worker_result,
+)
 
 WORK = Path(os.environ.get("CDC_BENCH_WORK", HERE / ".work"))
 ENGINES = ["ours-mor", "ours-cow", "spark-merge", "pyiceberg", "delta", "rewrite"]
@@ -477,14 +484,8 @@ def run_engine(engine: str, rows: int, changes: int, repeat: int, toast_share: f
     ]
     t = time.time()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    result = None
     with PeakRSS(proc.pid, interval=0.2) as mem:
-        for line in proc.stdout:
-            if line.startswith("RESULT "):
-                result = json.loads(line[7:])
-            else:
-                print(line, end="", flush=True)
-        proc.wait()
+        result = worker_result(proc)
     if result is None:
         return {"engine": engine, "error": f"exit {proc.returncode}"}
     warm = [r["seconds"] for r in result[1:]] or [result[0]["seconds"]]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import threading
@@ -162,3 +163,16 @@ def files_holding_keys(spark, table: str, keys_parquet: str, key: str = "id", sh
         inside = (ids >= f["lo"]) & (ids <= f["hi"]) & (shards >= str(f["slo"])) & (shards <= str(f["shi"]))
         holding += bool(np.any(inside))
     return {"data_files": len(files), "files_holding_batch_keys": holding}
+
+
+def worker_result(proc):
+    """A bench worker's result, from its `RESULT <json>` line (None if it printed none); its
+    other output is printed as it comes. Waits for the worker to end."""
+    result = None
+    for line in proc.stdout:
+        if line.startswith("RESULT "):
+            result = json.loads(line[7:])
+        else:
+            print(line, end="", flush=True)
+    proc.wait()
+    return result

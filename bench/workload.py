@@ -87,19 +87,36 @@ class Batch:
     toast: int
 
 
-def change_batch(rows: int, changes: int, seed: int = 2, toast_share: float = 0.3, txn_size: int = 20) -> Batch:
-    """`changes` events: updates (recency-skewed, repeats included), inserts of new ids, deletes."""
+def change_batch(
+    rows: int,
+    changes: int,
+    seed: int = 2,
+    toast_share: float = 0.3,
+    txn_size: int = 20,
+    *,
+    lsn_base: int = BASE_LSN,
+    first_new_id: int | None = None,
+    update_lo: int = 1,
+    delete_pool: np.ndarray | None = None,
+    start_ts: str = "2026-06-01T00:00:00",
+) -> Batch:
+    """`changes` events: updates (recency-skewed, repeats included), inserts of new ids, deletes.
+    One of a series (bench/churn_bench.py): commit LSNs above lsn_base, inserts from first_new_id
+    (default rows + 1), updates of ids from update_lo up, deletes drawn from delete_pool (ids no
+    batch updates: a deleted row is never updated again); commit times from start_ts."""
     rng = np.random.default_rng(seed)
     n_ins = int(changes * 0.08)
     n_del = int(changes * 0.02)
     n_upd = changes - n_ins - n_del
     hot = rng.random(n_upd) < 0.8
-    recent_lo = max(1, rows - rows // 10)
-    upd_ids = np.where(hot, rng.integers(recent_lo, rows + 1, n_upd), rng.integers(1, rows + 1, n_upd))
-    ins_ids = np.arange(rows + 1, rows + 1 + n_ins, dtype=np.int64)
+    recent_lo = max(update_lo, rows - rows // 10)
+    upd_ids = np.where(hot, rng.integers(recent_lo, rows + 1, n_upd), rng.integers(update_lo, rows + 1, n_upd))
+    first = rows + 1 if first_new_id is None else first_new_id
+    ins_ids = np.arange(first, first + n_ins, dtype=np.int64)
     # A deleted row is never updated later at the source (an update after a delete of the same key
     # would need a re-insert): delete rows this batch does not update, each once.
-    del_ids = rng.choice(np.setdiff1d(np.arange(1, rows + 1, dtype=np.int64), upd_ids), n_del, replace=False)
+    pool = np.arange(1, rows + 1, dtype=np.int64) if delete_pool is None else delete_pool
+    del_ids = rng.choice(np.setdiff1d(pool, upd_ids), n_del, replace=False)
     ops = np.concatenate([np.full(n_upd, "u"), np.full(n_ins, "c"), np.full(n_del, "d")])
     ids = np.concatenate([upd_ids, ins_ids, del_ids]).astype(np.int64)
     order = rng.permutation(len(ids))
@@ -107,13 +124,13 @@ def change_batch(rows: int, changes: int, seed: int = 2, toast_share: float = 0.
     ops, ids = ops[order], ids[order]
     n = len(ids)
     seqn = np.arange(n, dtype=np.int64)
-    commit_lsn = BASE_LSN + 100 + (seqn // txn_size) * 1000
+    commit_lsn = lsn_base + 100 + (seqn // txn_size) * 1000
     seq = (seqn % txn_size) + 1
     version = (seqn + 2).astype(np.int64)  # which event won is visible in the final state
     toast = (ops == "u") & (rng.random(n) < toast_share)
     shard = np.array(SHARDS)[ids % 4]
     content = np.char.add(_content(ids, 0), np.char.add(" v", version.astype(str)))
-    ts = np.datetime64("2026-06-01T00:00:00", "us") + (seqn * 1000).astype("timedelta64[us]")
+    ts = np.datetime64(start_ts, "us") + (seqn * 1000).astype("timedelta64[us]")
     ts_text = np.datetime_as_string(ts, unit="us")
     afters, befores, unav = [], [], []
     for i in range(n):

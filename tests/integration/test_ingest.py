@@ -424,11 +424,16 @@ RECORDS_JOB_BUDGET = 2
 INGEST_METADATA_READ_BUDGET = 0
 
 
-def test_ingest_stays_within_its_spark_job_budget(source, spark, lake):
-    """Counted through Spark's status tracker, so a new count() or collect() in the ingest shows."""
+def test_ingest_stays_within_its_spark_job_budget(source, spark, lake, monkeypatch):
+    """Counted through Spark's status tracker, so a new count() or collect() in the ingest shows.
+    Also: the checkpoints the ingest kept are gone from the server when it returns, not when
+    Python collects their frames (runtime.phases.releasing_kept)."""
     from cdc_lakehouse.ingest.ingest_table import ingest_table
     from cdc_lakehouse.ingest.records import RunRecords
+    from cdc_lakehouse.runtime import phases
     from cdc_lakehouse.runtime.phases import SparkJobs
+    from pyspark.sql.connect.dataframe import DataFrame
+    from pyspark.sql.connect.plan import CachedRemoteRelation
 
     s = source
     s.capture()
@@ -436,7 +441,19 @@ def test_ingest_stays_within_its_spark_job_budget(source, spark, lake):
     s.wl.step(600)
     m = s.capture()
     records = RunRecords()
+    made: list[str] = []  # the server's ids of the ingest's checkpoints (a spy: _kept still runs)
+    kept = phases._kept
+    monkeypatch.setattr(phases, "_kept", lambda df: made.append(df._plan._relation_id) or kept(df))
     r = ingest_table(spark, lake, s.block, upto_run=m.manifest.run_id, ingest_run="budget", records=records)
+    monkeypatch.undo()
+    assert len(made) >= 2, made  # the batch and the classification
+    for relation_id in made:
+        gone = CachedRemoteRelation(relation_id, spark)
+        try:
+            with pytest.raises(Exception, match=f"No DataFrame with id {relation_id}"):
+                DataFrame(gone, spark).count()
+        finally:
+            gone._relation_id = None  # not to be dropped again when collected
     assert r.metrics.status == "ok" and r.metrics.quarantined == 0 and r.metrics.updates > 0, r
     print(f"ingest of {r.metrics.events_read} events: {r.spark_jobs} Spark jobs (budget {INGEST_JOB_BUDGET})")
     print("\n".join(r.spark_job_sites))

@@ -49,7 +49,7 @@ from cdc_lakehouse.ingest.toast import BROADCAST_ROWS
 from cdc_lakehouse.lake.commits import fenced_commit, snapshot_summary, sql_with_commit_properties
 from cdc_lakehouse.lake.snapshots import current_ancestors, current_snapshot, summary_of
 from cdc_lakehouse.lake.tables import add_column, create_table_sql, partition_sql, source_columns_of, table_properties
-from cdc_lakehouse.runtime.phases import PhaseClock, as_count, checkpoint_counted, local_checkpoint
+from cdc_lakehouse.runtime.phases import PhaseClock, as_count, checkpoint_counted, local_checkpoint, releasing_kept
 from cdc_lakehouse.settings import LakeSettings
 from cdc_lakehouse.watermark import lsn_map
 
@@ -128,12 +128,13 @@ def maintain_history(spark: SparkSession, lake: LakeSettings, cfg: TableConfig, 
         result.seconds = round(time.monotonic() - t0, 3)
         return result
     clock = PhaseClock()
-    with clock.phase("read"):  # the new changelog rows and the open versions they touch
-        rows, seeds, new_pos = _inputs(spark, hist, cl, cfg, shape, plan, result)
-    with clock.phase("versions"):  # computed and kept: one shuffle of the seeds and events
-        staged = _staged(_versions(rows, seeds, shape, result), shape, result, cfg.name)
-    with clock.phase("commit"):
-        published = _commit(spark, hist, shape, plan, new_pos, staged)
+    with releasing_kept():
+        with clock.phase("read"):  # the new changelog rows and the open versions they touch
+            rows, seeds, new_pos = _inputs(spark, hist, cl, cfg, shape, plan, result)
+        with clock.phase("versions"):  # computed and kept: one shuffle of the seeds and events
+            staged = _staged(_versions(rows, seeds, shape, result), shape, result, cfg.name)
+        with clock.phase("commit"):
+            published = _commit(spark, hist, shape, plan, new_pos, staged)
     # Not published: another run of the same rows was first (its commit's figure is not ours).
     result.written = int(snapshot_summary(spark, hist).get("added-records", 0)) if published else 0
     result.seconds, result.timings = round(time.monotonic() - t0, 3), clock.rounded()

@@ -84,6 +84,7 @@ from cdc_lakehouse.runtime.phases import (
     job_phase,
     local_checkpoint,
     observed_counts,
+    releasing_kept,
 )
 from cdc_lakehouse.runtime.session import session_conf
 from cdc_lakehouse.settings import LakeSettings
@@ -142,7 +143,7 @@ def ingest_table(
     the run's record and freshness rows with the other tables'; without, they are committed here.
     ask_dropped: a column dropped with no decision waits for one in Airflow (DropDecisionNeeded)
     when the table's approvals.dropped_columns is on, instead of stopping the table."""
-    with SparkJobs(spark, f"ingest {cfg.name} {ingest_run}") as jobs:
+    with SparkJobs(spark, f"ingest {cfg.name} {ingest_run}") as jobs, releasing_kept():
         ask = ask_dropped and cfg.approvals.dropped_columns
         m = apply_pending(spark, lake, cfg, upto_run, ingest_run, interval_end, config_file, records, ask)
     log.info(

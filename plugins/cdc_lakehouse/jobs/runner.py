@@ -161,9 +161,12 @@ def _run_one(
 ) -> tuple[str, dict[str, Any], Exception | None]:
     """fn on one table, with the session `session()` gives (a worker's may fail to start: that
     table's failure, like any other)."""
+    from cdc_lakehouse.runtime.phases import releasing_kept
+
     t = time.time()
     try:
-        result = fn(session(), lake, cfg, *args)
+        with releasing_kept():  # the table's checkpoints go with its run, not with the job
+            result = fn(session(), lake, cfg, *args)
         return cfg.name, {"table": cfg.name, "status": "ok", "seconds": time.time() - t, **result.to_dict()}, None
     except Exception as exc:  # noqa: BLE001 - reported per table, the run fails at the end
         if getattr(exc, "waits_for_person", False):  # e.g. ingest.errors.DropDecisionNeeded: not a failure

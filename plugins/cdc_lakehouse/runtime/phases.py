@@ -3,15 +3,19 @@ what the bench reports."""
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, TypedDict
 
 if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame, SparkSession
+
+log = logging.getLogger(__name__)
 
 
 class SparkJobData(TypedDict, total=False):
@@ -273,13 +277,68 @@ def local_checkpoint(df: DataFrame, eager: bool = True) -> DataFrame:
     session = df.sparkSession
     local = getattr(type(session), "_active_session", None)  # Connect's thread-local active session
     if local is None:
-        return df.localCheckpoint(eager=eager)
+        return _kept(df.localCheckpoint(eager=eager))
     before = getattr(local, "session", None)
     local.session = session
     try:
-        return df.localCheckpoint(eager=eager)
+        return _kept(df.localCheckpoint(eager=eager))
     finally:
         local.session = before
+
+
+# The checkpoints made inside the innermost releasing_kept() of this thread (None: outside one).
+_KEPT: ContextVar[list[DataFrame] | None] = ContextVar("cdc_kept_checkpoints", default=None)
+
+
+def _kept(df: DataFrame) -> DataFrame:
+    kept = _KEPT.get()
+    if kept is not None:
+        kept.append(df)
+    return df
+
+
+@contextmanager
+def releasing_kept() -> Iterator[None]:
+    """Every checkpoint local_checkpoint makes inside is released at the end (a stage's, whose
+    results are plain values). Otherwise a classic driver keeps its RDD blocks until Python
+    collects the frame, and a checkpointed frame sits in a reference cycle there: only Python's
+    cyclic collector frees it, at times of its own. In one process running ingest after ingest (a
+    group run, a bench) the driver's heap grew by each batch's checkpoints until such a
+    collection: 2 RDDs per ingest, and 423 MB to 1.95 GB of heap kept after 20 batches of 200k
+    events (bench/churn_bench.py, docs/benchmarks-history.md "Format v3 under churn"). On Spark
+    Connect the frames were freed on return already (their cached relations dropped); asking
+    the server at the end makes that independent of Python's references too."""
+    token = _KEPT.set([])
+    try:
+        yield
+    finally:
+        kept = _KEPT.get() or []
+        _KEPT.reset(token)
+        released = sum(release_checkpoint(df) for df in kept)
+        if kept:
+            log.info("released %d of %d checkpoint(s) this stage kept", released, len(kept))
+
+
+def release_checkpoint(df: DataFrame) -> bool:
+    """The rows a checkpointed frame keeps, released now (the frame must not be read after);
+    False, with a warning, when it could not be."""
+    try:
+        plan = getattr(df, "_plan", None)
+        if plan is not None and hasattr(plan, "_relation_id"):
+            # Spark Connect (pyspark 4.1): the frame is a CachedRemoteRelation, which asks the
+            # server to drop it when collected (its __del__); asked now, and not again then.
+            if plan._relation_id is not None:
+                plan.__del__()
+                plan._relation_id = None
+            return True
+        analyzed = df._jdf.queryExecution().analyzed()  # classic: a LogicalRDD over a persisted RDD
+        if analyzed.getClass().getSimpleName() != "LogicalRDD":
+            raise TypeError(f"its plan is a {analyzed.getClass().getSimpleName()}, not a LogicalRDD")
+        analyzed.rdd().unpersist(False)
+        return True
+    except Exception as e:  # noqa: BLE001 - its memory comes back later anyway; never fail a stage over it
+        log.warning("could not release a checkpoint: %s", e)
+        return False
 
 
 def checkpoint_counted(df: DataFrame, *exprs: Column) -> tuple[DataFrame, Observed]:
