@@ -77,7 +77,7 @@ from cdc_lakehouse.lake.snapshots import current_ancestors, read_watermark
 from cdc_lakehouse.lake.tables import changelog_columns, conform_to
 from cdc_lakehouse.lake.writers import CHUNKED_BOOTSTRAP, READ_UPTO_PROP, WRITER_PROP
 from cdc_lakehouse.runtime.failpoints import crash_point
-from cdc_lakehouse.runtime.phases import local_checkpoint
+from cdc_lakehouse.runtime.phases import local_checkpoint, releasing_kept
 from cdc_lakehouse.runtime.session import session_conf
 from cdc_lakehouse.settings import LakeSettings
 from cdc_lakehouse.source.markers import ChunkMark
@@ -384,7 +384,8 @@ def _finish_round(
     """Apply the round's chunks in one commit pair, record their progress, log them; True when
     should_stop (asked once per chunk, as callers count chunks with it) asks to pause."""
     started = time.monotonic()
-    _apply_chunks(spark, cfg, target, [c for _, c in reads], run)
+    with releasing_kept():  # a round's checkpoints go with it, not with the whole bootstrap
+        _apply_chunks(spark, cfg, target, [c for _, c in reads], run)
     log.info(
         "bootstrap %s (chunked): round of %d chunk(s), %d rows, applied in %.2fs",
         cfg.name,

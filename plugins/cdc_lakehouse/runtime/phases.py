@@ -6,11 +6,12 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from datetime import UTC, datetime, timedelta
-from typing import TYPE_CHECKING, TypedDict
+from typing import TYPE_CHECKING, Any, TypedDict, cast
 
 if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame, SparkSession
@@ -286,47 +287,53 @@ def local_checkpoint(df: DataFrame, eager: bool = True) -> DataFrame:
         local.session = before
 
 
-# The checkpoints made inside the innermost releasing_kept() of this thread (None: outside one).
-_KEPT: ContextVar[list[DataFrame] | None] = ContextVar("cdc_kept_checkpoints", default=None)
+# The checkpoints made inside the innermost releasing_kept() of this thread (None: outside one),
+# held weakly: a frame Python frees on its own (no reference cycle) is released then, as before.
+_KEPT: ContextVar[list[weakref.ref[DataFrame]] | None] = ContextVar("cdc_kept_checkpoints", default=None)
 
 
 def _kept(df: DataFrame) -> DataFrame:
     kept = _KEPT.get()
     if kept is not None:
-        kept.append(df)
+        kept.append(weakref.ref(df))
     return df
 
 
 @contextmanager
 def releasing_kept() -> Iterator[None]:
-    """Every checkpoint local_checkpoint makes inside is released at the end (a stage's, whose
-    results are plain values). Otherwise a classic driver keeps its RDD blocks until Python
-    collects the frame, and a checkpointed frame sits in a reference cycle there: only Python's
-    cyclic collector frees it, at times of its own. In one process running ingest after ingest (a
-    group run, a bench) the driver's heap grew by each batch's checkpoints until such a
-    collection: 2 RDDs per ingest, and 423 MB to 1.95 GB of heap kept after 20 batches of 200k
-    events (bench/churn_bench.py, docs/benchmarks-history.md "Format v3 under churn"). On Spark
-    Connect the frames were freed on return already (their cached relations dropped); asking
-    the server at the end makes that independent of Python's references too."""
+    """Every checkpoint local_checkpoint makes inside, still alive when the block ends without an
+    error, is released then (a stage's, whose results are plain values; a chunked bootstrap's
+    round). Otherwise a classic driver keeps its RDD blocks until Python collects the frame, and
+    a checkpointed frame sits in a reference cycle there: only Python's cyclic collector frees
+    it, at times of its own. In one process running ingest after ingest (a group run, a bench)
+    the driver's heap grew by each batch's checkpoints until such a collection: 2 RDDs per
+    ingest, and 423 MB to 1.95 GB of heap kept after 20 batches of 200k events
+    (bench/churn_bench.py, docs/benchmarks-history.md "Format v3 under churn"). On Spark Connect
+    the frames were freed on return already (their cached relations dropped).
+    After an error nothing is released here: on Connect each release is a request that pyspark
+    retries for minutes when the server is gone; the session's end drops them all anyway."""
     token = _KEPT.set([])
     try:
         yield
-    finally:
-        kept = _KEPT.get() or []
+    except BaseException:
         _KEPT.reset(token)
-        released = sum(release_checkpoint(df) for df in kept)
-        if kept:
-            log.info("released %d of %d checkpoint(s) this stage kept", released, len(kept))
+        raise
+    alive = [df for df in (ref() for ref in _KEPT.get() or []) if df is not None]
+    _KEPT.reset(token)
+    released = sum(release_checkpoint(df) for df in alive)
+    if alive:
+        log.info("%d of %d checkpoint(s) still held at the end of the stage released", released, len(alive))
 
 
 def release_checkpoint(df: DataFrame) -> bool:
     """The rows a checkpointed frame keeps, released now (the frame must not be read after);
-    False, with a warning, when it could not be."""
+    False, with a warning, when it could not be. On Connect, True means the server was asked:
+    pyspark logs, and does not raise, a removal that failed."""
     try:
-        plan = getattr(df, "_plan", None)
-        if plan is not None and hasattr(plan, "_relation_id"):
-            # Spark Connect (pyspark 4.1): the frame is a CachedRemoteRelation, which asks the
-            # server to drop it when collected (its __del__); asked now, and not again then.
+        if type(df).__module__.startswith("pyspark.sql.connect"):
+            # A CachedRemoteRelation asks the server to drop the frame when it is collected (its
+            # __del__, pyspark 4.1); asked now, and not again then.
+            plan: Any = cast(Any, df)._plan  # pyspark.sql.connect.plan.CachedRemoteRelation
             if plan._relation_id is not None:
                 plan.__del__()
                 plan._relation_id = None
