@@ -7,7 +7,7 @@ import logging
 import time
 import uuid
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from datetime import UTC, datetime, timedelta
@@ -287,29 +287,37 @@ def local_checkpoint(df: DataFrame, eager: bool = True) -> DataFrame:
         local.session = before
 
 
-# The checkpoints made inside the innermost releasing_kept() of this thread (None: outside one),
-# held weakly: a frame Python frees on its own (no reference cycle) is released then, as before.
-_KEPT: ContextVar[list[weakref.ref[DataFrame]] | None] = ContextVar("cdc_kept_checkpoints", default=None)
+# What the checkpoints made inside the innermost releasing_kept() of this thread hold (None:
+# outside one), each as a function giving it back, or None once it is gone. On Spark Connect that
+# is the frame's plan (a CachedRemoteRelation: every frame derived from the checkpoint shares it,
+# and the server's copy is dropped when it is collected), held weakly: one Python frees by itself
+# is released then, as before. On classic Spark, the checkpointed frame itself, held until the
+# block ends: the RDD stays until every frame over it is gone, which a weak handle cannot tell.
+_KEPT: ContextVar[list[Callable[[], Any]] | None] = ContextVar("cdc_kept_checkpoints", default=None)
 
 
 def _kept(df: DataFrame) -> DataFrame:
     kept = _KEPT.get()
     if kept is not None:
-        kept.append(weakref.ref(df))
+        kept.append(weakref.ref(cast(Any, df)._plan) if _on_connect(df) else (lambda: df))
     return df
+
+
+def _on_connect(df: DataFrame) -> bool:
+    return type(df).__module__.startswith("pyspark.sql.connect")
 
 
 @contextmanager
 def releasing_kept() -> Iterator[None]:
-    """Every checkpoint local_checkpoint makes inside, still alive when the block ends without an
-    error, is released then (a stage's, whose results are plain values; a chunked bootstrap's
-    round). Otherwise a classic driver keeps its RDD blocks until Python collects the frame, and
-    a checkpointed frame sits in a reference cycle there: only Python's cyclic collector frees
-    it, at times of its own. In one process running ingest after ingest (a group run, a bench)
-    the driver's heap grew by each batch's checkpoints until such a collection: 2 RDDs per
-    ingest, and 423 MB to 1.95 GB of heap kept after 20 batches of 200k events
-    (bench/churn_bench.py, docs/benchmarks-history.md "Format v3 under churn"). On Spark Connect
-    the frames were freed on return already (their cached relations dropped).
+    """The checkpoints local_checkpoint makes inside are released when the block ends without an
+    error (a stage's, whose results are plain values; a chunked bootstrap's round). Otherwise a
+    classic driver keeps a checkpoint's RDD blocks until Python collects its frames, and a
+    checkpointed frame sits in a reference cycle there: only Python's cyclic collector frees it,
+    at times of its own. In one process running ingest after ingest (a group run, a bench) the
+    driver's heap grew by each batch's checkpoints until such a collection: 2 RDDs per ingest,
+    and 423 MB to 1.95 GB of heap kept after 20 batches of 200k events (bench/churn_bench.py,
+    docs/benchmarks-history.md "Format v3 under churn"). On Spark Connect the frames were freed
+    on return already (their cached relations dropped).
     After an error nothing is released here: on Connect each release is a request that pyspark
     retries for minutes when the server is gone; the session's end drops them all anyway."""
     token = _KEPT.set([])
@@ -318,27 +326,24 @@ def releasing_kept() -> Iterator[None]:
     except BaseException:
         _KEPT.reset(token)
         raise
-    alive = [df for df in (ref() for ref in _KEPT.get() or []) if df is not None]
+    held = [h for h in (get() for get in _KEPT.get() or []) if h is not None]
     _KEPT.reset(token)
-    released = sum(release_checkpoint(df) for df in alive)
-    if alive:
-        log.info("%d of %d checkpoint(s) still held at the end of the stage released", released, len(alive))
+    released = sum(_release(h) for h in held)
+    if held:
+        log.info("%d of %d checkpoint(s) still held at the end of the stage released", released, len(held))
 
 
-def release_checkpoint(df: DataFrame) -> bool:
-    """The rows a checkpointed frame keeps, released now (the frame must not be read after);
-    False, with a warning, when it could not be. On Connect, True means the server was asked:
-    pyspark logs, and does not raise, a removal that failed."""
+def _release(held: Any) -> bool:
+    """A checkpoint's rows released now (no frame over them is read after); False, with a warning,
+    when they could not be. On Connect, True means the server was asked: pyspark logs, and does
+    not raise, a removal that failed."""
     try:
-        if type(df).__module__.startswith("pyspark.sql.connect"):
-            # A CachedRemoteRelation asks the server to drop the frame when it is collected (its
-            # __del__, pyspark 4.1); asked now, and not again then.
-            plan: Any = cast(Any, df)._plan  # pyspark.sql.connect.plan.CachedRemoteRelation
-            if plan._relation_id is not None:
-                plan.__del__()
-                plan._relation_id = None
+        if type(held).__name__ == "CachedRemoteRelation":  # Connect (pyspark.sql.connect.plan)
+            if held._relation_id is not None:
+                held.__del__()  # what it does when collected (pyspark 4.1); asked now, not again then
+                held._relation_id = None
             return True
-        analyzed = df._jdf.queryExecution().analyzed()  # classic: a LogicalRDD over a persisted RDD
+        analyzed = held._jdf.queryExecution().analyzed()  # classic: a LogicalRDD over a persisted RDD
         if analyzed.getClass().getSimpleName() != "LogicalRDD":
             raise TypeError(f"its plan is a {analyzed.getClass().getSimpleName()}, not a LogicalRDD")
         analyzed.rdd().unpersist(False)
