@@ -59,7 +59,14 @@ def prepare(rows: int, changes: int, batches: int) -> dict:
     import numpy as np
 
     from bench.ingest_bench import prepare as prepare_base
-    from bench.workload import BASE_LSN, change_batch, expected_checksum, reduced_changes, write_landing
+    from bench.workload import (
+        BASE_LSN,
+        change_batch,
+        expected_checksum,
+        final_state_sql,
+        reduced_changes,
+        write_landing,
+    )
 
     base = prepare_base(rows, changes)["base"]  # the same 2M base as the ingest bench
     d = WORK / f"churn-r{rows}-c{changes}"
@@ -94,11 +101,7 @@ def prepare(rows: int, changes: int, batches: int) -> dict:
         nxt = d / f"state-{k}.parquet"
         con = duckdb.connect()
         con.register("r", reduced)
-        con.execute(f"""
-            COPY (SELECT _cdc_shard, id, version, content FROM read_parquet('{state}') b
-                  WHERE NOT EXISTS (SELECT 1 FROM r WHERE r._cdc_shard = b._cdc_shard AND r.id = b.id)
-                  UNION ALL SELECT _cdc_shard, id, version, content FROM r WHERE op <> 'd')
-            TO '{nxt}' (FORMAT parquet)""")
+        con.execute(f"COPY ({final_state_sql(state)}) TO '{nxt}' (FORMAT parquet)")
         con.close()
         if state != base:
             Path(state).unlink()

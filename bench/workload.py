@@ -307,10 +307,15 @@ def expected_checksum(base_path: str, reduced: pa.Table) -> dict:
 
     con = duckdb.connect()
     con.register("r", reduced)
-    row = con.execute(f"""
-        WITH final AS (
-          SELECT _cdc_shard, id, version, content FROM read_parquet('{base_path}') b
-          WHERE NOT EXISTS (SELECT 1 FROM r WHERE r._cdc_shard = b._cdc_shard AND r.id = b.id)
-          UNION ALL SELECT _cdc_shard, id, version, content FROM r WHERE op <> 'd')
-        SELECT count(*), sum(id), sum(version), sum(length(content)) FROM final""").fetchone()
+    row = con.execute(
+        f"SELECT count(*), sum(id), sum(version), sum(length(content)) FROM ({final_state_sql(base_path)})"
+    ).fetchone()
     return {"rows": int(row[0]), "sum_id": int(row[1]), "sum_version": int(row[2]), "sum_content": int(row[3])}
+
+
+def final_state_sql(base_path: str) -> str:
+    """(shard, id, version, content) of base + the reduced changes registered as `r` (DuckDB)."""
+    return f"""
+        SELECT _cdc_shard, id, version, content FROM read_parquet('{base_path}') b
+        WHERE NOT EXISTS (SELECT 1 FROM r WHERE r._cdc_shard = b._cdc_shard AND r.id = b.id)
+        UNION ALL SELECT _cdc_shard, id, version, content FROM r WHERE op <> 'd'"""

@@ -443,7 +443,7 @@ def test_ingest_stays_within_its_spark_job_budget(source, spark, lake, monkeypat
     records = RunRecords()
     made: list[str] = []  # the server's ids of the ingest's checkpoints (a spy: _kept still runs)
     kept = phases._kept
-    monkeypatch.setattr(phases, "_kept", lambda df: made.append(df._plan._relation_id) or kept(df))
+    monkeypatch.setattr(phases, "_kept", lambda df, **kw: made.append(df._plan._relation_id) or kept(df, **kw))
     r = ingest_table(spark, lake, s.block, upto_run=m.manifest.run_id, ingest_run="budget", records=records)
     monkeypatch.undo()
     assert len(made) >= 2, made  # the batch and the classification

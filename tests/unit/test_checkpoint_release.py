@@ -27,8 +27,6 @@ class CachedRemoteRelation:
 class Frame:
     """A Connect frame over a plan (frames derived from a checkpoint share its plan)."""
 
-    __module__ = "pyspark.sql.connect.dataframe"
-
     def __init__(self, plan: CachedRemoteRelation) -> None:
         self._plan = plan
 
@@ -41,7 +39,7 @@ def asked():
 
 def test_a_checkpoint_still_read_through_a_derived_frame_is_released_once_at_the_end(asked):
     with phases.releasing_kept():
-        kept = phases._kept(Frame(CachedRemoteRelation("a")))
+        kept = phases._kept(connect=True, df=Frame(CachedRemoteRelation("a")))
         derived = Frame(kept._plan)  # df.filter(...): the same plan underneath
         del kept
         gc.collect()
@@ -54,7 +52,7 @@ def test_a_checkpoint_still_read_through_a_derived_frame_is_released_once_at_the
 
 def test_a_checkpoint_python_freed_inside_the_block_is_not_asked_again(asked):
     with phases.releasing_kept():
-        phases._kept(Frame(CachedRemoteRelation("b")))
+        phases._kept(connect=True, df=Frame(CachedRemoteRelation("b")))
         gc.collect()
         assert asked == ["b"]  # freed by Python: its own request
     assert asked == ["b"]
@@ -64,9 +62,9 @@ def test_nothing_is_released_after_an_error_and_nested_blocks_release_their_own(
     outer_plan = CachedRemoteRelation("outer")
     with pytest.raises(RuntimeError):
         with phases.releasing_kept():
-            kept = phases._kept(Frame(outer_plan))
+            kept = phases._kept(connect=True, df=Frame(outer_plan))
             with phases.releasing_kept():
-                inner = phases._kept(Frame(CachedRemoteRelation("inner")))
+                inner = phases._kept(connect=True, df=Frame(CachedRemoteRelation("inner")))
             assert asked == ["inner"] and inner._plan._relation_id is None
             raise RuntimeError("the stage failed")
     assert asked == ["inner"] and kept._plan._relation_id == "outer"  # left to the session's end
@@ -75,5 +73,5 @@ def test_nothing_is_released_after_an_error_and_nested_blocks_release_their_own(
 
 def test_outside_a_block_nothing_is_recorded():
     assert phases._KEPT.get() is None
-    phases._kept(Frame(CachedRemoteRelation("c")))
+    phases._kept(connect=True, df=Frame(CachedRemoteRelation("c")))
     assert phases._KEPT.get() is None

@@ -278,11 +278,11 @@ def local_checkpoint(df: DataFrame, eager: bool = True) -> DataFrame:
     session = df.sparkSession
     local = getattr(type(session), "_active_session", None)  # Connect's thread-local active session
     if local is None:
-        return _kept(df.localCheckpoint(eager=eager))
+        return _kept(df.localCheckpoint(eager=eager), connect=False)
     before = getattr(local, "session", None)
     local.session = session
     try:
-        return _kept(df.localCheckpoint(eager=eager))
+        return _kept(df.localCheckpoint(eager=eager), connect=True)
     finally:
         local.session = before
 
@@ -296,15 +296,11 @@ def local_checkpoint(df: DataFrame, eager: bool = True) -> DataFrame:
 _KEPT: ContextVar[list[Callable[[], Any]] | None] = ContextVar("cdc_kept_checkpoints", default=None)
 
 
-def _kept(df: DataFrame) -> DataFrame:
+def _kept(df: DataFrame, *, connect: bool) -> DataFrame:
     kept = _KEPT.get()
     if kept is not None:
-        kept.append(weakref.ref(cast(Any, df)._plan) if _on_connect(df) else (lambda: df))
+        kept.append(weakref.ref(cast(Any, df)._plan) if connect else (lambda: df))
     return df
-
-
-def _on_connect(df: DataFrame) -> bool:
-    return type(df).__module__.startswith("pyspark.sql.connect")
 
 
 @contextmanager
