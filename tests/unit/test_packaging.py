@@ -76,6 +76,17 @@ def test_sessions_opened_at_once_ship_the_zip_one_at_a_time(monkeypatch, tmp_pat
     assert at_once and max(at_once) == 1, at_once
 
 
+def _outcome(script: str, mode: str) -> str:
+    """What a hang script printed ("hung" or "closed"), run in a process of its own with or without
+    the shim (mode "shim" / "plain")."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", script, mode], check=False, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout.strip()
+
+
 # What a session's __del__ does when the garbage collector runs it in one of the pool's threads,
 # while another thread closes a session: run in a process of its own, so a hang cannot hang the
 # suite (the pool's threads are not daemons).
@@ -107,18 +118,8 @@ def test_a_session_closed_while_another_is_collected_in_the_release_pool_does_no
     """runtime.session.release_pool_without_waiting: pyspark 4.1's Connect client joins its release
     pool's threads under the pool's lock; a thread of the pool that closes a client meanwhile
     waits for that lock. Without the shim both wait (the unshimmed run shows the hang is real)."""
-    import subprocess
-    import sys
-
-    def run(mode: str) -> str:
-        out = subprocess.run(
-            [sys.executable, "-c", _CLOSE_FROM_THE_POOL, mode], check=False, capture_output=True, text=True, timeout=120
-        )
-        assert out.returncode == 0, out.stderr[-2000:]
-        return out.stdout.strip()
-
-    assert run("plain") == "hung"
-    assert run("shim") == "closed"
+    assert _outcome(_CLOSE_FROM_THE_POOL, "plain") == "hung"
+    assert _outcome(_CLOSE_FROM_THE_POOL, "shim") == "closed"
 
 
 # The collector can also run a session's __del__ in the thread that is submitting a release to the
@@ -146,19 +147,37 @@ def test_a_session_collected_while_its_thread_submits_a_release_does_not_hang():
     """The other way the release pool hung (runtime.session.release_pool_without_waiting): a
     shutdown in the middle of the same thread's submit waits for the pool's own lock, even
     without waiting for its threads. Without the shim it hangs."""
-    import subprocess
-    import sys
+    assert _outcome(_SHUT_DOWN_INSIDE_SUBMIT, "plain") == "hung"
+    assert _outcome(_SHUT_DOWN_INSIDE_SUBMIT, "shim") == "closed"
 
-    def run(mode: str) -> str:
-        out = subprocess.run(
-            [sys.executable, "-c", _SHUT_DOWN_INSIDE_SUBMIT, mode],
-            check=False,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert out.returncode == 0, out.stderr[-2000:]
-        return out.stdout.strip()
 
-    assert run("plain") == "hung"
-    assert run("shim") == "closed"
+# The third way (CI on 29dd126, 2026-12-01): _release_until holds the iterator's lock while submit
+# starts a pool thread, and the collector runs a session's __del__ in that new thread before it
+# tells Thread.start that it started. A thread that holds the lock and waits for one that shuts
+# the pool down stands for it; a watchdog ends the process if they wait for each other.
+_SHUT_DOWN_IN_A_THREAD_BEING_STARTED = """
+import os, sys, threading
+from pyspark.sql.connect.client.reattach import ExecutePlanResponseReattachableIterator as R
+if sys.argv[1] == "shim":
+    from cdc_lakehouse.runtime.session import release_pool_without_waiting
+    release_pool_without_waiting()
+R._get_or_create_release_thread_pool()
+def watchdog():
+    print("hung", flush=True)
+    os._exit(0)
+threading.Timer(10, watchdog).start()
+with R._lock:  # what _release_until holds while submit waits for its new thread to start
+    starting = threading.Thread(target=R.shutdown)  # a session's __del__ run there by the collector
+    starting.start()
+    starting.join()
+print("closed" if R._release_thread_pool_instance is None else "kept", flush=True)
+os._exit(0)
+"""
+
+
+def test_a_session_collected_in_a_release_thread_being_started_does_not_hang():
+    """The third way the release pool hung (runtime.session.release_pool_without_waiting): the
+    shim's shutdown must not wait for the iterator's lock, which the thread that starts a pool
+    thread holds. Without the shim it hangs, and so did the shim that took the lock."""
+    assert _outcome(_SHUT_DOWN_IN_A_THREAD_BEING_STARTED, "plain") == "hung"
+    assert _outcome(_SHUT_DOWN_IN_A_THREAD_BEING_STARTED, "shim") == "closed"

@@ -262,9 +262,15 @@ def release_pool_without_waiting() -> None:
     `shutdown(wait=False)` takes the pool's own lock, which a thread in the middle of submitting
     to it holds, and the collector can run a session's __del__ right there (a fresh clone's suite
     hung so on 2026-11-30: py-spy showed ThreadPoolExecutor.submit -> SparkSession.__del__ ->
-    shutdown, one thread waiting for itself). An idle pool's threads end when it is collected
-    (concurrent.futures wakes them from a weakref callback), after the calls already queued; the
-    server releases what an unsent ReleaseExecute would have (it drops abandoned executions)."""
+    shutdown, one thread waiting for itself). The pool is taken out without the iterator's lock
+    either: `_release_until` holds that lock while submit starts a thread, and the collector can
+    run a session's __del__ in the new thread before it signals that it started (CI on 29dd126,
+    2026-12-01: Thread._bootstrap -> SparkSession.__del__ -> shutdown waiting for the lock, the
+    submitting thread waiting in Thread.start). One attribute store needs no lock: a thread that
+    reads the old pool uses it, one that reads None makes a new one. An idle pool's threads end
+    when it is collected (concurrent.futures wakes them from a weakref callback), after the calls
+    already queued; the server releases what an unsent ReleaseExecute would have (it drops
+    abandoned executions)."""
     import pyspark
     from pyspark.sql.connect.client.reattach import ExecutePlanResponseReattachableIterator as Reattachable
 
@@ -272,8 +278,7 @@ def release_pool_without_waiting() -> None:
         return
 
     def shutdown(cls: type[Reattachable]) -> None:
-        with cls._lock:
-            cls._release_thread_pool_instance = None
+        cls._release_thread_pool_instance = None
 
     shutdown._cdc_no_wait = True  # type: ignore[attr-defined]
     Reattachable.shutdown = classmethod(shutdown)  # type: ignore[method-assign,assignment]
