@@ -14,12 +14,14 @@ from cdc_lakehouse.bootstrap.bootstrap_table import bootstrap_table
 from cdc_lakehouse.bootstrap.chunks import APPLICATION_NAME
 from cdc_lakehouse.bootstrap.result import ChunkedBootstrapResult
 from cdc_lakehouse.bootstrap.snapshot import BootstrapError
-from cdc_lakehouse.columns import OP_COL
+from cdc_lakehouse.columns import IS_CURRENT_COL, OP_COL, SHARD_COL
 from cdc_lakehouse.feed.arrow import load_catalog_for
+from cdc_lakehouse.history.maintain import maintain_history
 from cdc_lakehouse.lake.snapshots import read_watermark
-from cdc_lakehouse.lake.tables import table_exists
+from cdc_lakehouse.lake.tables import source_columns_of, table_exists
 from cdc_lakehouse.orchestration.approvals import lake_holds, unfinished_chunked_loads
 from cdc_lakehouse.source.markers import CommitsNotVisible, wait_until_visible
+from pyspark.sql import functions as F
 
 from tests.conftest import make_config
 from tests.helpers import assert_lake_equals_source
@@ -278,12 +280,14 @@ def test_a_key_deleted_after_its_chunks_low_marker_stays_deleted(pg, source_uri,
     """A key the chunk read, deleted at the source after the chunk's L, with the delete captured and
     ingested before the chunk is applied: the delete found no row in the lake, so the LSN guard has
     nothing to compare the chunk's row with. Only the changelog's delete after L keeps the chunk
-    from bringing the key back."""
+    from bringing the key back. The history (docs/history-tables.md, "Late rows") runs after that
+    ingest too: the chunk's row of a key the stream updated after L arrives late there, and is
+    dropped as the current table's MERGE ignores it, so both end with the stream's row."""
     s = Source(pg, spark, lake, unique, blocks=30)
     try:
         schema = s.schemas[0]
-        victim = s.wl.first_id[schema] + 3
-        cfg = _chunked(s, f"cd_{s.db[-8:]}", 1000)  # one chunk per shard
+        victim, updated = s.wl.first_id[schema] + 3, s.wl.first_id[schema] + 5
+        cfg = _chunked(s, f"cd_{s.db[-8:]}", 1000, history={"enabled": True})  # one chunk per shard
         s.capture()
         real, calls = chunked_mod._apply_chunks, []
 
@@ -292,11 +296,14 @@ def test_a_key_deleted_after_its_chunks_low_marker_stays_deleted(pg, source_uri,
                 s.execute(
                     f"DELETE FROM {schema}.permission WHERE block_id = {victim}",
                     f"DELETE FROM {schema}.block WHERE id = {victim}",
+                    # Every value in the event: the ingest can insert the row the lake lacks.
+                    f"UPDATE {schema}.block SET version = version + 1, content = 'after L' WHERE id = {updated}",
                 )
                 m = s.capture()
                 s.ingest(cfg, m.manifest.run_id)
                 cl = spark.table(lake.qualified(cfg.changelog_table))
                 assert cl.filter((cl.id == victim) & (cl[OP_COL] == "d")).count() == 1
+                assert maintain_history(spark, lake, cfg).mode == "full"
             calls.append(1)
             return real(*args, **kwargs)
 
@@ -305,8 +312,20 @@ def test_a_key_deleted_after_its_chunks_low_marker_stays_deleted(pg, source_uri,
         monkeypatch.undo()
         assert r.done and calls, r
         assert spark.table(lake.qualified(cfg.current_table)).filter(f"id = {victim}").count() == 0
+        h = maintain_history(spark, lake, cfg)
+        assert (h.mode, h.late) == ("incremental", 1), h  # the updated key's chunk row
         s.ingest(cfg, s.capture().manifest.run_id)
         assert_lake_equals_source(spark, lake, cfg, s.dsn)
+        maintain_history(spark, lake, cfg)
+        hist, lake_now = spark.table(lake.qualified(cfg.history_table)), spark.table(lake.qualified(cfg.current_table))
+        cols = [SHARD_COL, *[c for c, _ in source_columns_of(spark, lake.qualified(cfg.current_table), cfg)]]
+        open_versions = hist.filter(F.col(IS_CURRENT_COL)).select(*cols)
+        extra, missing = (
+            open_versions.exceptAll(lake_now.select(*cols)),
+            lake_now.select(*cols).exceptAll(open_versions),
+        )
+        assert extra.isEmpty() and missing.isEmpty(), (extra.select("id").collect(), missing.select("id").collect())
+        assert hist.filter(f"id = {updated}").select("content").collect() == [("after L",)]
     finally:
         s.close()
 
