@@ -14,7 +14,16 @@ ROOT = Path(__file__).resolve().parents[1]
 DAGS = ROOT / "dags"
 # One file per DAG kind, generated from include/*/ YAML. Left out: the feed consumers' files (each
 # names its own table) and cdc_config_check.py (it raises on a broken config).
-GENERATED = ("cdc_ingest", "cdc_bootstrap", "cdc_replay", "cdc_maintenance", "cdc_audit", "cdc_derived", "cdc_export")
+GENERATED = (
+    "cdc_ingest",
+    "cdc_bootstrap",
+    "cdc_replay",
+    "cdc_maintenance",
+    "cdc_audit",
+    "cdc_derived",
+    "cdc_export",
+    "cdc_history",
+)
 
 
 @contextmanager
@@ -48,3 +57,13 @@ def dags_of(tables: str | Path, derived: str | Path | None = None, exports: str 
             module = runpy.run_path(str(DAGS / f"{name}.py"), run_name=f"dag_file_{name}")
             dags.update((v.dag_id, v) for v in module.values() if isinstance(v, DAG))
     return dags
+
+
+def tables_keeping_a_history(into: Path, table: str = "block") -> Path:
+    """The repository's table configs copied into `into`, `table` with `history: {enabled: true}`
+    (the demo's keep none, so they make no cdc_history DAG)."""
+    for f in (ROOT / "include" / "tables").glob("*.yaml"):
+        (into / f.name).write_text(f.read_text())
+    with (into / f"{table}.yaml").open("a") as f:
+        f.write("\nhistory:\n  enabled: true\n")
+    return into

@@ -61,9 +61,12 @@ def _dag_ids() -> list[str]:
 
 @pytest.mark.parametrize("dag_id", _dag_ids())
 def test_dag_policy(dagbag, dag_id):
+    _assert_policy(dag_id, dagbag.dags[dag_id])
+
+
+def _assert_policy(dag_id, dag) -> None:
     from cdc_lakehouse.orchestration.alerts import CdcFailureNotifier
 
-    dag = dagbag.dags[dag_id]
     doc = dag.doc_md or ""
     assert "## What it does" in doc and "## How to" in doc, (
         f"{dag_id}: doc_md must say what it does and how to operate it"
@@ -82,6 +85,26 @@ def test_dag_policy(dagbag, dag_id):
     if dag_id.startswith(("cdc_ingest", "cdc_audit")):  # the freshness / audit-streak alerts
         check = dag.get_task("check_alerts")
         assert check.is_teardown and check.upstream_task_ids == {"ingest" if "ingest" in dag_id else "audit"}
+
+
+def test_a_table_keeping_a_history_gets_a_rebuild_dag(tmp_path):
+    """#55: `cdc_history__<table>` for a table with `history: {enabled: true}` only: one task
+    running the history job's rebuild in the table's writer pool, with the DAG policy's docs,
+    owner, retries and alerts."""
+    from cdc_lakehouse.config import load_table_configs
+    from cdc_lakehouse.orchestration.dag_parts import table_pool
+
+    from tests.dag_files import dags_of, tables_keeping_a_history
+
+    dags = dags_of(tables_keeping_a_history(tmp_path), DERIVED)
+    assert sorted(d for d in dags if d.startswith("cdc_history")) == ["cdc_history__block"]
+    dag = dags["cdc_history__block"]
+    _assert_policy("cdc_history__block", dag)
+    (task,) = dag.tasks
+    cfg = load_table_configs(tmp_path).tables["block"]
+    assert task.pool == table_pool(cfg) and dag.schedule is None
+    args = [str(a) for a in task.application_args]
+    assert task.job == "history" and args[:4] == ["--tables", "block", "--mode", "rebuild"], args
 
 
 def test_writers_of_one_table_share_a_single_slot_pool(dagbag):

@@ -14,6 +14,7 @@ rebuild from the changelog equals the table the runs kept.
 from __future__ import annotations
 
 import psycopg2
+import yaml
 from cdc_lakehouse.columns import (
     IS_CURRENT_COL,
     MOVED_FROM_COL,
@@ -24,6 +25,7 @@ from cdc_lakehouse.columns import (
 )
 from cdc_lakehouse.config import HistoryConfig
 from cdc_lakehouse.history.maintain import maintain_history
+from cdc_lakehouse.lake.snapshots import current_snapshot
 from cdc_lakehouse.lake.tables import source_columns_of
 from cdc_lakehouse.maintenance.maintain_table import maintain_table
 from pyspark.sql import functions as F
@@ -76,9 +78,32 @@ class States:
         return n
 
 
-def test_history_equals_the_sources_states_and_a_rebuild(source, spark, lake):
+def _history_job(tmp_path, s, cfg, mode: str) -> int:
+    """The history job (spark_jobs/history.py) on cfg, written as the YAML a deployment has."""
+    from cdc_lakehouse.config import parse_table_config
+    from cdc_lakehouse.jobs.history import HistoryParams, main
+
+    data = {
+        "name": cfg.name,
+        "source": {
+            "table": "block",
+            "shards": [{"conn_id": "cdc_test_source", "database": s.db, "schemas": s.schemas}],
+        },
+        "primary_key": ["id"],
+        "lake": {"namespace": "t"},
+        "history": {"enabled": cfg.history.enabled},
+    }
+    assert parse_table_config(data, "t.yaml")[0] == cfg, "the YAML is the test's config"
+    tables = tmp_path / f"tables-{mode}"
+    tables.mkdir()
+    (tables / f"{cfg.name}.yaml").write_text(yaml.safe_dump(data))
+    return main(HistoryParams(tables=(cfg.name,), mode=mode, config_dir=str(tables)))
+
+
+def test_history_equals_the_sources_states_and_a_rebuild(source, spark, lake, tmp_path):
     s = source
     cfg = s.block.model_copy(update={"history": HistoryConfig(enabled=True)})
+    assert _history_job(tmp_path, s, s.block, "incremental") == 1, "a table without a history is refused"
     hist = lake.qualified(cfg.history_table)
     # Keys with a scripted life (s0's highest ids): updated three times per transaction, updated
     # to the values it has, moved to another key and changed again in the same transaction.
@@ -207,7 +232,11 @@ def test_history_equals_the_sources_states_and_a_rebuild(source, spark, lake):
     assertDataFrameEqual(spark.table(hist), spark.createDataFrame(kept, spark.table(hist).schema))
     assert maintain_history(spark, lake, cfg).mode == "noop"
 
-    # A rebuild from the changelog equals what the runs kept.
-    assert maintain_history(spark, lake, cfg, full=True).mode == "full"
+    # A rebuild from the changelog equals what the runs kept: the history job's rebuild (what
+    # cdc_history__<table> runs), on the table's YAML.
+    before = current_snapshot(spark, hist).snapshot_id
+    assert _history_job(tmp_path, s, cfg, "rebuild") == 0
+    spark.sql(f"REFRESH TABLE {hist}")
+    assert current_snapshot(spark, hist).snapshot_id != before, "the rebuild committed"
     assertDataFrameEqual(spark.table(hist), spark.createDataFrame(kept, spark.table(hist).schema))
     assert maintain_history(spark, lake, cfg).mode == "noop"

@@ -18,13 +18,14 @@ from cdc_lakehouse.jobs.derive import DeriveParams
 from cdc_lakehouse.jobs.export import ExportParams
 from cdc_lakehouse.jobs.feed import FeedConsumerParams
 from cdc_lakehouse.jobs.feed_block_counts import BlockCountsParams
+from cdc_lakehouse.jobs.history import HistoryParams
 from cdc_lakehouse.jobs.ingest import IngestParams
 from cdc_lakehouse.jobs.maintenance import MaintenanceParams
 from cdc_lakehouse.jobs.params import JobParams
 from cdc_lakehouse.jobs.registry import JOBS, JOBS_DIR
 from cdc_lakehouse.jobs.replay import ReplayParams
 
-from tests.dag_files import dags_of
+from tests.dag_files import dags_of, tables_keeping_a_history
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -50,6 +51,8 @@ SAMPLES: list[JobParams] = [
     AuditParams(tables=("t",), audit_run="scheduled__x__repair", repair="approved"),
     ReplayParams(tables=("t",)),
     ReplayParams(tables=("t",), replay_run="manual__x"),
+    HistoryParams(tables=("t",)),
+    HistoryParams(tables=("a", "b"), mode="rebuild"),
     DeriveParams(derived=("tree",)),
     DeriveParams(derived=("a", "b"), derived_dir="/d", mode="full"),
     ExportParams(exports=("e",)),
@@ -224,13 +227,15 @@ def test_a_bootstrap_of_an_endpoint_takes_exactly_its_shards():
         selected_shards(cfg, BootstrapParams(tables=("t",), endpoints=("pg_a",), shards=("x",)))
 
 
-def test_the_repositorys_dags_pass_what_their_jobs_parse(monkeypatch):
-    """Every Spark task of the repository's DAGs (the derived, export and feed ones too)."""
+def test_the_repositorys_dags_pass_what_their_jobs_parse(monkeypatch, tmp_path):
+    """Every Spark task of the repository's DAGs (the derived, export and feed ones too, and the
+    history rebuild of a table that keeps a history)."""
     from cdc_lakehouse.orchestration.dag_parts import feed_consumer_dag
     from cdc_lakehouse.orchestration.operators import CdcSparkSubmitOperator
 
-    monkeypatch.setenv("CDC_TABLES_DIR", str(ROOT / "include" / "tables"))
-    dags = dags_of(ROOT / "include" / "tables", ROOT / "include" / "derived")
+    tables = tables_keeping_a_history(tmp_path)
+    monkeypatch.setenv("CDC_TABLES_DIR", str(tables))
+    dags = dags_of(tables, ROOT / "include" / "derived", ROOT / "include" / "exports")
     feed = feed_consumer_dag("block", "block_counts", "feed_block_counts", "feed.block_counts", "about")
     dags[feed.dag_id] = feed
     tasks = [(d, t) for d in dags.values() for t in d.tasks if isinstance(t, CdcSparkSubmitOperator)]
@@ -241,6 +246,7 @@ def test_the_repositorys_dags_pass_what_their_jobs_parse(monkeypatch):
         derived=("block_tree",), mode="full"
     )
     assert _parsed(dags["cdc_export__block_tree_serving"], "export") == ExportParams(exports=("block_tree_serving",))
+    assert _parsed(dags["cdc_history__block"], "rebuild") == HistoryParams(tables=("block",), mode="rebuild")
     assert _parsed(feed, "consume", mode="full") == BlockCountsParams(tables=("block",), mode="full", upto=42)
     maintenance = _parsed(feed, "maintenance")
     assert maintenance == MaintenanceParams(

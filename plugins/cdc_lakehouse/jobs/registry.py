@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
-from cdc_lakehouse.jobs import audit, bootstrap, derive, export, feed_block_counts, ingest, maintenance, replay
+from cdc_lakehouse.jobs import audit, bootstrap, derive, export, feed_block_counts, history, ingest, maintenance, replay
 from cdc_lakehouse.jobs.params import JobParams
 from cdc_lakehouse.settings import PROJECT_ROOT
 
@@ -42,6 +42,7 @@ JOBS: dict[str, Job[Any]] = {
         Job("maintenance", maintenance.MaintenanceParams, maintenance.main),
         Job("audit", audit.AuditParams, audit.main),
         Job("replay", replay.ReplayParams, replay.main),
+        Job("history", history.HistoryParams, history.main),
         Job("derive", derive.DeriveParams, derive.main),
         Job("export", export.ExportParams, export.main),
         Job("feed_block_counts", feed_block_counts.BlockCountsParams, feed_block_counts.main),

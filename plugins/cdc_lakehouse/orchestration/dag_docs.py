@@ -164,6 +164,25 @@ move and the changelog is not appended to.
 """
 
 
+def history_doc(cfg: TableConfig) -> str:
+    return f"""# History rebuild: `{cfg.name}`
+
+{_header(cfg)}
+{_flow("a person (manual)", f"`lake.{cfg.changelog_table}` at its current snapshot", f"`lake.{cfg.history_table}`, every row replaced in one commit (no asset event)")}## What it does
+Rebuilds `lake.{cfg.history_table}` (docs/history-tables.md) from the whole changelog: one row
+per version of each key, in one commit that carries the changelog snapshot it read. The ingest
+keeps the history after each batch; a rebuild is for a history dropped or damaged by hand, or
+after a change of how versions are made. It equals the table the ingest keeps, except where
+late rows were dropped (docs/history-tables.md, "Late rows").
+
+## How to operate it
+- Trigger it; it runs in the table's writer pool, so it waits for an ingest in progress.
+- `python spark_jobs/history.py --tables {cfg.name} --mode rebuild` does the same outside Airflow;
+  `--mode incremental` catches up with the changelog as the ingest would.
+- The next ingest's history run continues from the rebuild's position.
+"""
+
+
 def recover_doc(endpoint: str, cfgs: list[TableConfig]) -> str:
     rows = "\n".join(f"- `{c.name}`: shards {', '.join(c.shards_on(endpoint))}" for c in cfgs)
     return f"""# Recovery of endpoint `{endpoint}` after its slot was lost
