@@ -6,7 +6,9 @@ the source table and the WAL position, and the history read as of that position 
 valid there) must equal it. Steps between two captures cover a batch's inner versions; updates
 that leave the TOASTed content alone, key changes, deletes and re-inserts of the same key,
 multi-statement transactions, a TRUNCATE followed by new rows, and a re-bootstrap of one shard
-after changes the stream never delivers; two writers of one batch, one held at its publish.
+after changes the stream never delivers; two writers of one batch, one held at its publish. The
+permission table's history is checked the same way beside it: a key of two columns, soft deletes
+in its current table, a key change of one key column, a key deleted and inserted again.
 Then every key change links its two versions, the maintenance's compaction changes nothing, and a
 rebuild from the changelog equals the table the runs kept.
 """
@@ -69,10 +71,11 @@ class States:
             got, want = at.select(*names), expected.select(*names)
             extra, missing = got.exceptAll(want), want.exceptAll(got)
             short = [c for c in names if c != "content"]
+            key = [SHARD_COL, *self.cfg.primary_key]
             assert extra.isEmpty() and missing.isEmpty(), (
-                f"as of {lsn}: history has {extra.select(*short).collect()[:5]}, "
+                f"{self.cfg.name} as of {lsn}: history has {extra.select(*short).collect()[:5]}, "
                 f"the source {missing.select(*short).collect()[:5]}; versions "
-                f"{hist.join(missing.select(SHARD_COL, 'id'), [SHARD_COL, 'id']).drop('content').collect()[:8]}"
+                f"{hist.join(missing.select(*key), key).drop('content').collect()[:8]}"
             )
         n, self.pending = len(self.pending), []
         return n
@@ -113,13 +116,20 @@ def test_history_equals_the_sources_states_and_a_rebuild(source, spark, lake, tm
         "INSERT INTO s0.block (id, space_id, type, content, created_at, updated_at) "
         f"SELECT g, 1, 'text', repeat('y', 4000), now(), now() FROM unnest(ARRAY[{multi}, {same}, {moving}]) g"
     )
+    # The permission table beside it: a key of two columns, soft deletes in the current table
+    # (the history closes the version all the same), a key change of one of its columns, and a
+    # key deleted and inserted again (a soft-deleted row the current table revives).
+    perm = s.perm.model_copy(update={"history": HistoryConfig(enabled=True)})
     s.capture()
     s.bootstrap(cfg)
+    s.bootstrap(perm)
     first = maintain_history(spark, lake, cfg)
     assert (first.mode, first.reason) == ("full", "the first run")
-    states = States(s, cfg)
+    assert maintain_history(spark, lake, perm).mode == "full"
+    states, perm_states = States(s, cfg), States(s, perm)
     states.record()
-    assert states.check() == 1
+    perm_states.record()
+    assert states.check() == 1 and perm_states.check() == 1
     assert maintain_history(spark, lake, cfg).mode == "noop"
 
     for batch in range(3):
@@ -140,6 +150,14 @@ def test_history_equals_the_sources_states_and_a_rebuild(source, spark, lake, tm
                 f"UPDATE s0.block SET type = 'todo {batch} {step}' WHERE id = {multi}; COMMIT",
                 f"UPDATE s0.block SET type = type WHERE id = {same}",
             )
+            # On permission: one key's user_id changed (a key change of one column of two), one
+            # key deleted and inserted again with another role.
+            s.execute(
+                "UPDATE s1.permission SET user_id = user_id + 1000 WHERE (block_id, user_id) = "
+                "(SELECT block_id, user_id FROM s1.permission WHERE user_id < 1000 ORDER BY block_id LIMIT 1)",
+                f"DELETE FROM s0.permission WHERE block_id = {multi}",
+                f"INSERT INTO s0.permission (block_id, user_id, role) VALUES ({multi}, 7, 'role {batch} {step}')",
+            )
             if batch == 0 and step == 0:
                 s.execute(
                     f"BEGIN; UPDATE s0.block SET id = {moved} WHERE id = {moving}; "
@@ -152,8 +170,14 @@ def test_history_equals_the_sources_states_and_a_rebuild(source, spark, lake, tm
                     "SELECT g, 1, 'page', repeat('x', 5000), now(), now() FROM generate_series(1, 40) g",
                 )
             states.record()
-        r = s.ingest(cfg, s.capture().manifest.run_id, run=f"h{batch}")
+            perm_states.record()
+        upto = s.capture().manifest.run_id
+        r = s.ingest(cfg, upto, run=f"h{batch}")
         assert r.metrics.status == "ok"
+        assert s.ingest(perm, upto, run=f"h{batch}").metrics.status == "ok"
+        hp = maintain_history(spark, lake, perm)
+        assert (hp.mode, hp.late, hp.unresolved) == ("incremental", 0, 0), hp
+        assert perm_states.check() == 2
         if batch == 2:
             # Two writers of the same rows: A is held between its write and its publish while B
             # commits; A's publish then finds B's position, the one it would have written.
@@ -167,6 +191,12 @@ def test_history_equals_the_sources_states_and_a_rebuild(source, spark, lake, tm
         assert (h.mode, h.late, h.unresolved) == ("incremental", 0, 0), h
         assert h.changelog_rows > 0 and h.written > 0
         assert states.check() == 2
+
+    # The permission key changes link both columns of the key; the re-inserted key's versions
+    # (one per step, deleted and inserted again each time) follow one another.
+    plinks = spark.table(lake.qualified(perm.history_table)).filter(F.col(MOVED_FROM_COL).isNotNull()).collect()
+    assert len(plinks) == 6 and all(r[MOVED_FROM_COL].startswith('{"block_id":') for r in plinks), plinks[:2]
+    assert spark.table(lake.qualified(perm.history_table)).filter(f"block_id = {multi}").count() == 6
 
     # One version per transaction that changed the row, none for one that did not; the key
     # change links its two versions though the transaction changed the new key again.
