@@ -266,11 +266,16 @@ def release_pool_without_waiting() -> None:
     either: `_release_until` holds that lock while submit starts a thread, and the collector can
     run a session's __del__ in the new thread before it signals that it started (CI on 29dd126,
     2026-12-01: Thread._bootstrap -> SparkSession.__del__ -> shutdown waiting for the lock, the
-    submitting thread waiting in Thread.start). One attribute store needs no lock: a thread that
-    reads the old pool uses it, one that reads None makes a new one. An idle pool's threads end
+    submitting thread waiting in Thread.start). One attribute store needs no lock, but pyspark's
+    `_get_or_create_release_thread_pool` reads the attribute twice and could return the None a
+    store left between the reads (its callers would then fail the query on None._shutdown); the
+    shim's version reads it once and always returns a pool. A caller that reads None before
+    asking skips its release, which the server makes up for (below). An idle pool's threads end
     when it is collected (concurrent.futures wakes them from a weakref callback), after the calls
     already queued; the server releases what an unsent ReleaseExecute would have (it drops
     abandoned executions)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     import pyspark
     from pyspark.sql.connect.client.reattach import ExecutePlanResponseReattachableIterator as Reattachable
 
@@ -280,8 +285,19 @@ def release_pool_without_waiting() -> None:
     def shutdown(cls: type[Reattachable]) -> None:
         cls._release_thread_pool_instance = None
 
+    def get_or_create(cls: type[Reattachable]) -> ThreadPoolExecutor:
+        pool = cls._release_thread_pool_instance
+        if pool is not None:
+            return pool
+        with cls._lock:
+            pool = cls._release_thread_pool_instance
+            if pool is None:
+                pool = cls._release_thread_pool_instance = ThreadPoolExecutor(max_workers=os.cpu_count() or 8)
+            return pool
+
     shutdown._cdc_no_wait = True  # type: ignore[attr-defined]
     Reattachable.shutdown = classmethod(shutdown)  # type: ignore[method-assign,assignment]
+    Reattachable._get_or_create_release_thread_pool = classmethod(get_or_create)  # type: ignore[method-assign,assignment]
 
 
 # Connect session id -> (its server's url, the settings get_spark gave it): what worker_session
