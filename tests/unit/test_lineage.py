@@ -182,3 +182,18 @@ def test_any_feed_consumer_reads_the_current_table_and_writes_its_output(params)
     inputs, outputs, _ = describe(LAKE, FakeCatalog({"notion.block"}), cfgs, params)
     assert [d.name for d in inputs] == ["w/notion/block"]
     assert outputs == [lineage.Dataset("iceberg://lake", "feed.block_counts")]
+
+
+def test_the_history_job_reads_the_changelog_and_writes_the_history_the_ingest_keeps_too():
+    from cdc_lakehouse.config import HistoryConfig, load_table_configs
+    from cdc_lakehouse.jobs.history import HistoryParams
+
+    plain = load_table_configs(INCLUDE / "tables").tables["block"]
+    kept = plain.model_copy(update={"history": HistoryConfig(enabled=True)})
+    params = HistoryParams(tables=("block",), mode="rebuild")
+    assert lineage._describer("history", params) is lineage._history
+    inputs, outputs, _ = lineage._history(LAKE, FakeCatalog({"notion.block__changelog"}), [kept], params)
+    assert [d.name for d in inputs] == ["w/notion/block__changelog"]
+    assert [(d.namespace, d.name) for d in outputs] == [("iceberg://lake", "notion.block__history")]  # not created yet
+    assert lineage._ingest_outputs(kept)[-1] == "notion.block__history"
+    assert "notion.block__history" not in lineage._ingest_outputs(plain)

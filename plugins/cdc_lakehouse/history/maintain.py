@@ -66,7 +66,7 @@ Mode = Literal["incremental", "full", "noop"]
 class HistoryPosition:
     """What a history commit has read: the changelog up to `changelog_snapshot`, and per shard the
     highest commit LSN among those rows (a row below it arrived late: a chunked bootstrap's
-    chunk, a column backfill's rows, written at an older position)."""
+    chunk, the ingest's backfill of a column added with a default, written at an older position)."""
 
     changelog_snapshot: int
     positions: dict[str, int] = field(default_factory=dict)

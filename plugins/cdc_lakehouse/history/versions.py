@@ -168,7 +168,7 @@ def versions(events: DataFrame, seeds: DataFrame, shape: Shape, names: list[str]
 
 
 def _monotonic_times(seq: DataFrame, order: WindowSpec) -> DataFrame:
-    """Commit times never go back along a key: a column backfill's or a chunk's row (seq < 0)
+    """Commit times never go back along a key: an ingest backfill's or a chunk's row (seq < 0)
     carries the time the row had, not the time of the position it is applied at."""
     from pyspark.sql import Window
     from pyspark.sql import functions as F

@@ -177,8 +177,12 @@ late rows were dropped (docs/history-tables.md, "Late rows").
 
 ## How to operate it
 - Trigger it; it runs in the table's writer pool, so it waits for an ingest in progress.
-- `python spark_jobs/history.py --tables {cfg.name} --mode rebuild` does the same outside Airflow;
-  `--mode incremental` catches up with the changelog as the ingest would.
+- `python spark_jobs/history.py --tables {cfg.name} --mode rebuild` does the same outside Airflow,
+  without the pool: pause `{cfg.name}`'s ingest first (a history run that loses the race to the
+  rebuild's commit fails its task, and the next one catches up). `--mode incremental` catches up
+  with the changelog as the ingest would.
+- A rebuild orders versions by LSN across every source server the changelog has seen; after a
+  re-bootstrap from another server (`HistoryOrderError`) it is not a way around that error.
 - The next ingest's history run continues from the rebuild's position.
 """
 

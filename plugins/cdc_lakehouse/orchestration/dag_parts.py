@@ -7,6 +7,7 @@ alert_check_task). The graphs themselves are wired in the DAG files, one file pe
   dags/cdc_bootstrap.py    cdc_bootstrap__T                        review >> approve >> bootstrap (manual)
   dags/cdc_replay.py       cdc_replay__T                           review >> approve >> replay (manual)
   dags/cdc_maintenance.py  cdc_maintenance__T, cdc_maintenance__D  maintenance (daily)
+  dags/cdc_history.py      cdc_history__T                          rebuild (manual; tables keeping a history)
   dags/cdc_audit.py        cdc_audit__T                            audit >> check_alerts
   dags/cdc_derived.py      cdc_derived__D                          derive (on its inputs' assets)
   dags/cdc_export.py       cdc_export__E                           export (on its source's asset, or a schedule)

@@ -251,10 +251,23 @@ def _describer(job: str, params: Any) -> Any:
 
 def _ingest(lake, catalog, cfgs, params):
     inputs = [landing(lake, g.endpoint_id, cfg.source.table) for cfg in cfgs for g in cfg.source.shards]
-    outputs = [lake_table(lake, t, catalog) for cfg in cfgs for t in (cfg.changelog_table, cfg.current_table)]
+    outputs = [lake_table(lake, t, catalog) for cfg in cfgs for t in _ingest_outputs(cfg)]
     run = params.ingest_run
     tables = {cfg.name: _ingest_figures(lake, cfg, run) for cfg in cfgs} if run else {}
     return inputs, outputs, {"cdc_ingest": CdcIngestRunFacet(tables=tables)}
+
+
+def _ingest_outputs(cfg: TableConfig) -> list[str]:
+    """The changelog and current table, and the history the ingest job keeps after them."""
+    return [cfg.changelog_table, cfg.current_table, *([cfg.history_table] if cfg.history.enabled else [])]
+
+
+def _history(lake, catalog, cfgs, params):
+    return (
+        [lake_table(lake, cfg.changelog_table, catalog) for cfg in cfgs],
+        [lake_table(lake, cfg.history_table, catalog) for cfg in cfgs if cfg.history.enabled],
+        {},
+    )
 
 
 def _bootstrap(lake, catalog, cfgs, params):
@@ -318,6 +331,7 @@ _JOBS = {
     "bootstrap": _bootstrap,
     "audit": _audit,
     "maintenance": _maintenance,
+    "history": _history,
     "derive": _derive,
     "export": _export,
 }
